@@ -1,0 +1,297 @@
+"""Llama 2 / Llama 3 transformer.
+
+Plain PyTorch, no ``torch.distributed``: parallelism is applied from outside
+(``lightning_2d.parallel``) by module name, so the names follow Meta's reference implementation
+(``tok_embeddings``, ``layers.N.attention.wq`` …) and its checkpoints map onto this model.
+
+Tensor parallelism shards ``wq/wk/wv`` by output features, so inside a tensor-parallel rank the
+attention sees ``n_heads / tp`` heads. The forward pass infers the local head count from the
+tensor shapes instead of trusting ``n_heads``, which is why the model needs no edit to run
+sharded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_2d.init import InitSpec, fill_block_
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a Llama model. Field names follow Meta's ``ModelArgs``.
+
+    Args:
+        dim: Width of the residual stream.
+        n_layers: Number of transformer blocks.
+        n_heads: Number of query heads.
+        n_kv_heads: Number of key/value heads (grouped-query attention); ``None`` means ``n_heads``.
+        vocab_size: Number of token ids.
+        multiple_of: The SwiGLU hidden size is rounded up to a multiple of this.
+        ffn_dim_multiplier: Optional factor on the SwiGLU hidden size (Llama 2 70B, Llama 3).
+        norm_eps: Epsilon of RMSNorm.
+        rope_theta: Base period of the rotary position embedding.
+        max_seq_len: Longest sequence the rotary table covers.
+        depth_init: Scale the init of each block's output projections by its depth
+            (``0.02 / sqrt(2 · (layer_id + 1))``, as torchtitan) instead of by the model depth.
+    """
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 32000
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    depth_init: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.n_kv_heads is not None and self.n_kv_heads < 1:
+            problems.append(f"n_kv_heads must be a positive integer or None, got {self.n_kv_heads}")
+        if self.dim > 0 and self.n_heads > 0:
+            if self.dim % self.n_heads:
+                problems.append(f"n_heads ({self.n_heads}) must divide dim ({self.dim})")
+            elif self.head_dim % 2:
+                problems.append(f"the head size dim / n_heads ({self.head_dim}) must be even for rotary embeddings")
+            if self.kv_heads > 0 and self.n_heads % self.kv_heads:
+                problems.append(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
+        if problems:
+            raise ValueError("Invalid ModelArgs:\n  - " + "\n  - ".join(problems))
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads, with ``None`` resolved."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, computed as in Meta's reference (``4·dim · 2/3``, scaled, rounded up)."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> ModelArgs:
+        """A published configuration by name (see ``PRESETS``), with fields optionally overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown model name {name!r}. Known names: {', '.join(PRESETS)}")
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"Unknown ModelArgs fields {sorted(unknown)}; fields are {[f.name for f in fields(cls)]}")
+        return replace(PRESETS[name], **overrides)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Number of parameters of a ``Transformer`` with these args."""
+        d, kv_dim, h = self.dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+        per_layer = d * (d + 2 * kv_dim + d) + 3 * d * h + 2 * d
+        total = self.vocab_size * d * 2 + self.n_layers * per_layer + d
+        return total - self.vocab_size * d if exclude_embedding else total
+
+
+#: Published shapes. ``debug`` is ours: a model that trains on CPU in seconds and still has
+#: grouped-query attention and shapes divisible by tensor-parallel sizes 1, 2 and 4.
+PRESETS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(
+        dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=32, max_seq_len=512,
+        rope_theta=10000.0,
+    ),
+    "llama2-7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256, max_seq_len=4096),
+    "llama2-13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256, max_seq_len=4096),
+    "llama2-70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, multiple_of=4096,
+        ffn_dim_multiplier=1.3, max_seq_len=4096,
+    ),
+    "llama3-8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+        ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3-70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+        ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3-405b": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+        ffn_dim_multiplier=1.2, rope_theta=500000.0, max_seq_len=8192,
+    ),
+}
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """Cosines and sines of the rotary angles: ``(max_seq_len, head_dim // 2, 2)`` in fp32.
+
+    Equal to Meta's complex ``freqs_cis`` (stored as real pairs so that dtype conversions of the
+    module never drop its imaginary part).
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (B, T, H, Dh)`` by ``rope: (T, Dh/2, 2)``."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2)
+    real, imag = pairs.unbind(-1)
+    cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # (T, 1, Dh/2) broadcast over B and H
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 whatever the parameter dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism this rank holds n_heads / tp of them.
+        xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hq, Dh)
+        xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
+        xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
+        xq, xk = apply_rotary_emb(xq, rope), apply_rotary_emb(xk, rope)
+
+        n_rep = xq.shape[2] // xk.shape[2]
+        if n_rep > 1:  # every key/value head serves n_rep consecutive query heads
+            xk = xk.repeat_interleave(n_rep, dim=2)
+            xv = xv.repeat_interleave(n_rep, dim=2)
+
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, Dh)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The Llama decoder: ``tokens (B, T) -> logits (B, T, vocab_size)`` in fp32.
+
+    Build it on the meta device (``with torch.device("meta"): Transformer(args)``) and materialize it
+    with ``to_empty(device=...)`` followed by ``init_weights(seed)``, or let the parallel strategy do
+    the materialization shard by shard (same values, see ``lightning_2d.init``).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0", "1", … keeps Meta's names and lets a block be swapped for a
+        # wrapped one (activation checkpointing, compile) in place.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: derived from args, so checkpoints do not carry it.
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        if seqlen > self.args.max_seq_len:
+            raise ValueError(
+                f"Sequence length {seqlen} exceeds max_seq_len ({self.args.max_seq_len}); raise max_seq_len or"
+                " use shorter sequences"
+            )
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        rope = self.rope[:seqlen]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        h = self.norm(h)
+        return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss
+
+    def param_init_specs(self) -> dict[str, InitSpec]:
+        """How each parameter (by canonical name) is initialized; the init follows torchtitan."""
+        args = self.args
+        specs: dict[str, InitSpec] = {"tok_embeddings.weight": InitSpec("normal", std=1.0)}
+        for i in range(args.n_layers):
+            out_std = 0.02 / math.sqrt(2 * ((i + 1) if args.depth_init else args.n_layers))
+            prefix = f"layers.{i}."
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+                specs[prefix + name + ".weight"] = InitSpec("trunc_normal", std=0.02)
+            for name in ("attention.wo", "feed_forward.w2", "feed_forward.w3"):
+                specs[prefix + name + ".weight"] = InitSpec("trunc_normal", std=out_std)
+            for name in ("attention_norm", "ffn_norm"):
+                specs[prefix + name + ".weight"] = InitSpec("constant", value=1.0)
+        specs["norm.weight"] = InitSpec("constant", value=1.0)
+        specs["output.weight"] = InitSpec("trunc_normal", std=args.dim**-0.5)
+        return specs
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """(Re)compute the rotary table in fp32, e.g. after ``to_empty``."""
+        device = device if device is not None else self.rope.device
+        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter from ``seed`` (the values a sharded model gets too)."""
+        specs = self.param_init_specs()
+        for name, param in self.named_parameters():
+            fill_block_(param, specs[name], seed=seed, name=name, global_shape=param.shape)
+        self.init_buffers()

@@ -1,0 +1,160 @@
+"""``LlamaLightningModule``: a Llama transformer, its loss, metrics, optimizer and schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Union
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+
+from lightning_2d.model import ModelArgs, Transformer
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.loss import next_token_loss
+from lightning_2d.parallel.tensor_parallel import llama_tensor_parallel_plan
+
+
+def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """LR factor per optimizer step: linear warm-up to 1 over ``warmup_steps``, then cosine to ``min_lr_ratio``.
+
+    The first step runs at ``1 / warmup_steps`` of the peak (not 0, which would waste a step).
+    """
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class LlamaLightningModule(L.LightningModule):
+    """Trains a Llama ``Transformer`` on next-token prediction.
+
+    Works under a plain single-device ``Trainer`` (the reference for parity) and under
+    ``ModelParallel2DStrategy``, which parallelizes and materializes the model built here on the
+    meta device.
+
+    Args:
+        model: A preset name (``"debug"``, ``"llama3-8b"``, … see ``lightning_2d.model.PRESETS``) or ``ModelArgs``.
+        model_overrides: Fields of the preset to change (``{"n_layers": 2}``).
+        learning_rate: Peak learning rate.
+        weight_decay: AdamW weight decay, applied to matrices only (not to norm weights).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        fused: AdamW implementation: ``True`` fused kernel, ``False`` foreach, ``None`` fused on
+            CUDA and foreach elsewhere.
+        warmup_steps: Linear warm-up steps.
+        max_steps: Steps of the cosine decay; ``None`` uses the Trainer's estimate of the run length.
+        min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
+        init_seed: Seed of the weight initialization; ``None`` uses the run's seed
+            (``seed_everything``) broadcast from rank 0. The same seed gives the same weights at
+            every parallel layout.
+    """
+
+    def __init__(
+        self,
+        model: Union[str, ModelArgs] = "debug",
+        model_overrides: dict[str, Any] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        fused: bool | None = None,
+        warmup_steps: int = 100,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        init_seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if isinstance(model, ModelArgs):
+            self.model_args = ModelArgs(**{**vars(model), **(model_overrides or {})})
+        else:
+            self.model_args = ModelArgs.from_name(model, **(model_overrides or {}))
+        self.model: Transformer | None = None
+        # Updated with values already reduced over the data-parallel group: no second sync.
+        self.val_loss = MeanMetric(sync_on_compute=False)
+
+    # ---- model construction -------------------------------------------------------------------
+    @property
+    def init_seed(self) -> int | None:
+        return self.hparams.init_seed
+
+    def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
+        """The Llama plan: Meta's module names, and the sizes tensor parallelism must divide."""
+        args = self.model_args
+        return ParallelPlan(
+            tensor_parallel=llama_tensor_parallel_plan(config.sequence_parallel, config.loss_parallel),
+            blocks="layers",
+            module="model",
+            tp_divides={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        )
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "materializes_meta_modules", False):
+            # The 2D strategy parallelizes the empty model, then allocates only each rank's shards.
+            with torch.device("meta"):
+                self.model = Transformer(self.model_args)
+            return
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
+        seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
+        if strategy is not None and strategy.world_size > 1:
+            seed = strategy.broadcast(seed)
+        with torch.device(device):
+            model = Transformer(self.model_args)
+        model.init_weights(seed)
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        return self.model(input_ids)
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self(batch["input_ids"])
+        return next_token_loss(logits, batch["labels"], self.device_mesh)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, global_mean, global_tokens = self._loss(batch)
+        # Already reduced over the data-parallel group: no sync_dist needed.
+        self.log("train_loss", global_mean, prog_bar=True)
+        self.log("global_tokens", global_tokens)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, global_mean, global_tokens = self._loss(batch)
+        self.val_loss.update(global_mean, weight=global_tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", val_loss, prog_bar=True)
+        self.log("val_perplexity", val_loss.exp())
+
+    # ---- optimization -------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        hp = self.hparams
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        fused = hp.fused if hp.fused is not None else self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+            fused=fused,
+            foreach=None if fused else True,
+        )
+        total = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine_schedule(hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

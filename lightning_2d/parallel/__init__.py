@@ -1,0 +1,29 @@
+"""Everything parallel: mesh sizes, the TP/SP plan, activation checkpointing, compile, FSDP2, init."""
+
+from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_2d.parallel.compile import apply_compile
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.dims import DP_DIM, TP_DIM, ParallelDims, build_device_mesh, validate_parallel_dims
+from lightning_2d.parallel.fsdp import apply_fully_shard
+from lightning_2d.parallel.materialize import materialize_model
+from lightning_2d.parallel.parallelize import parallelize_model, resolve_plan
+from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel, llama_tensor_parallel_plan
+
+__all__ = [
+    "DP_DIM",
+    "TP_DIM",
+    "ParallelConfig",
+    "ParallelConfigError",
+    "ParallelDims",
+    "ParallelPlan",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_fully_shard",
+    "apply_tensor_parallel",
+    "build_device_mesh",
+    "llama_tensor_parallel_plan",
+    "materialize_model",
+    "parallelize_model",
+    "resolve_plan",
+    "validate_parallel_dims",
+]

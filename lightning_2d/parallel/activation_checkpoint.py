@@ -1,0 +1,83 @@
+"""Activation checkpointing of transformer blocks: full, per-op selective, or every N-th block."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.modules import get_submodule_container, replace_blocks
+
+
+def _ops(*names: str) -> set[Any]:
+    """The aten/c10d ops among ``names`` that exist in this PyTorch build."""
+    found = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return found
+
+
+#: Outputs kept by per-op selective AC (torchtitan's list): matmuls and attention are expensive
+#: to recompute, a reduce-scatter's output costs communication. Everything else is recomputed.
+SELECTIVE_AC_SAVE_LIST = _ops(
+    "aten.mm.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+)
+
+
+def _selective_op_context_fn() -> Callable[[], Any]:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    mm = torch.ops.aten.mm.default
+
+    def context_fn() -> Any:
+        counts: dict[str, int] = defaultdict(int)
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            key = "recompute" if ctx.is_recompute else "forward"
+            if func == mm:
+                counts[key] += 1
+            # Save every other matmul: halves what the block keeps for a partial recompute of
+            # the projections (as torchtitan does). Count in forward and recompute alike so both
+            # passes take the same decisions.
+            save = func in SELECTIVE_AC_SAVE_LIST and not (func == mm and counts[key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def _wrap(block: nn.Module, **kwargs: Any) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # preserve_rng_state keeps dropout masks equal between forward and recompute in models that
+    # have dropout; Llama has none and the cost is a copy of the generator state.
+    return checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan, config: ParallelConfig) -> None:
+    """Wrap the blocks named by ``plan.blocks`` according to ``config.activation_checkpointing``."""
+    mode = config.activation_checkpointing
+    if mode == "none":
+        return
+    blocks = get_submodule_container(model, plan.blocks)
+    if mode == "full":
+        replace_blocks(blocks, lambda i, block: _wrap(block))
+    elif config.selective_ac_option == "op":
+        context_fn = _selective_op_context_fn()
+        replace_blocks(blocks, lambda i, block: _wrap(block, context_fn=context_fn))
+    else:
+        every = int(config.selective_ac_option)
+        replace_blocks(blocks, lambda i, block: _wrap(block) if (i + 1) % every == 0 else block)

@@ -1,0 +1,172 @@
+"""What to parallelize and how: the options (``ParallelConfig``) and the model's names (``ParallelPlan``).
+
+Both are plain data, so a test (or a user) can inspect the plan that will be applied before any
+process group exists. ``ParallelConfig.validate`` collects every problem and raises once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+AC_MODES = ("none", "full", "selective")
+RESHARD_POLICIES = ("default", "always", "never")
+#: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
+PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "32-true": (torch.float32, torch.float32),
+    "32": (torch.float32, torch.float32),
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "bf16-true": (torch.bfloat16, torch.float32),
+}
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+Size = Union[int, Literal["auto"]]
+
+
+class ParallelConfigError(ValueError):
+    """A misconfiguration found before any process group or allocation; lists every problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            "Invalid 2D parallel configuration:\n  - " + "\n  - ".join(self.problems)
+        )
+
+
+def raise_if_problems(problems: list[str]) -> None:
+    if problems:
+        raise ParallelConfigError(problems)
+
+
+def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    return DTYPE_NAMES[value]
+
+
+@dataclass
+class ParallelConfig:
+    """Options of the 2D (FSDP2 × tensor/sequence parallel) strategy.
+
+    Args:
+        data_parallel_size: Size of the data-parallel (FSDP) mesh dimension, or ``"auto"``: the
+            world size divided by ``tensor_parallel_size`` (the number of nodes when both are auto).
+        tensor_parallel_size: Size of the tensor-parallel mesh dimension, or ``"auto"``: the world
+            size divided by ``data_parallel_size`` (the devices of one node when both are auto).
+            Tensor-parallel groups are consecutive ranks, so they stay inside a node.
+        sequence_parallel: Shard norms and residual activations along the sequence between the
+            tensor-parallel regions (Megatron SP). Needs the sequence length divisible by the
+            tensor-parallel size.
+        loss_parallel: Keep the logits sharded over the vocabulary and compute the cross-entropy
+            on the shards (saves ``(tp-1)/tp`` of the logits memory). The model's loss must be
+            computed inside ``lightning_2d.parallel.loss_parallel_context()``; ``LlamaLightningModule``
+            does it.
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block) or ``"selective"``.
+        selective_ac_option: For ``"selective"``: ``"op"`` (save matmul/attention outputs, recompute
+            the rest) or an integer ``N`` (fully checkpoint every N-th block).
+        compile: ``torch.compile`` each transformer block (after AC, before FSDP).
+        param_dtype: Dtype FSDP all-gathers parameters in for compute; ``None`` derives it from the
+            precision (bf16 for ``bf16-mixed``/``bf16-true``, fp32 for ``32-true``).
+        reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` means fp32.
+        reshard_after_forward: ``"default"`` (free each block's gathered parameters after its
+            forward, except the last block's, which backward needs at once), ``"always"`` or
+            ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers).
+    """
+
+    data_parallel_size: Size = "auto"
+    tensor_parallel_size: Size = "auto"
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    activation_checkpointing: str = "none"
+    selective_ac_option: Union[str, int] = "op"
+    compile: bool = False
+    param_dtype: Union[torch.dtype, str, None] = None
+    reduce_dtype: Union[torch.dtype, str, None] = None
+    reshard_after_forward: str = "default"
+
+    def __post_init__(self) -> None:
+        raise_if_problems(self.static_problems())
+        self.param_dtype = _dtype(self.param_dtype)
+        self.reduce_dtype = _dtype(self.reduce_dtype)
+
+    def static_problems(self) -> list[str]:
+        """Problems visible without knowing the world size or the model."""
+        problems = []
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                problems.append(f"{name} must be a positive integer or 'auto', got {value!r}")
+        if self.activation_checkpointing not in AC_MODES:
+            problems.append(
+                f"activation_checkpointing={self.activation_checkpointing!r} is not a mode; choose one of"
+                f" {', '.join(repr(m) for m in AC_MODES)}"
+            )
+        if self.activation_checkpointing == "selective":
+            option = self.selective_ac_option
+            is_int = isinstance(option, int) and not isinstance(option, bool)
+            if isinstance(option, str) and option.isdigit():
+                option, is_int = int(option), True
+                self.selective_ac_option = option
+            if not (option == "op" or (is_int and option >= 1)):
+                problems.append(
+                    f"selective_ac_option={self.selective_ac_option!r} is invalid; use 'op' (per-op selective"
+                    " checkpointing) or a positive integer N (checkpoint every N-th block)"
+                )
+        if self.reshard_after_forward not in RESHARD_POLICIES:
+            problems.append(
+                f"reshard_after_forward={self.reshard_after_forward!r} is not a policy; choose one of"
+                f" {', '.join(repr(p) for p in RESHARD_POLICIES)}"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype) and value not in DTYPE_NAMES:
+                problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(DTYPE_NAMES)}")
+        return problems
+
+    def resolve_dtypes(self, precision: str) -> ParallelConfig:
+        """A copy whose ``param_dtype``/``reduce_dtype`` are filled in from the Trainer/Fabric ``precision``."""
+        param_dtype, reduce_dtype = PRECISION_TO_DTYPES[str(precision)]
+        return replace(self, param_dtype=self.param_dtype or param_dtype, reduce_dtype=self.reduce_dtype or reduce_dtype)
+
+
+@dataclass
+class ParallelPlan:
+    """Where the parallelism goes in a model: module names, not code.
+
+    ``LlamaLightningModule`` provides the Llama plan; for another architecture pass a plan to the
+    strategy (or define ``parallel_plan(config)`` on your LightningModule).
+
+    Args:
+        tensor_parallel: Module name pattern (relative to the model; ``*`` matches one name level,
+            as in ``layers.*.attention.wq``) → ``torch.distributed.tensor.parallel`` style.
+            Applied with ``parallelize_module`` in insertion order. Empty: no tensor parallelism
+            (the model is then only FSDP-sharded, whatever ``tensor_parallel_size`` says — the
+            strategy refuses ``tensor_parallel_size > 1`` with an empty plan).
+        blocks: Name of the ``ModuleDict``/``ModuleList`` holding the repeated blocks: the unit of
+            activation checkpointing, compilation and FSDP sharding.
+        module: Attribute of the LightningModule that holds the model (``"model"``), or ``""``
+            when the plan applies to the module passed in itself (Fabric).
+        tp_divides: Named sizes the tensor-parallel size must divide (``{"n_heads": 32}``);
+            checked before any process group is created.
+        sequence_dim: Dimension of the model input that sequence parallelism shards (for the
+            sequence-length check).
+    """
+
+    tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
+    blocks: str = "layers"
+    module: str = "model"
+    tp_divides: dict[str, int] = field(default_factory=dict)
+    sequence_dim: int = 1

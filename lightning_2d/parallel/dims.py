@@ -1,0 +1,129 @@
+"""Mesh sizes: resolve ``"auto"``, check them against the world and the model, build the mesh.
+
+Everything but ``build_device_mesh`` runs before the process group exists, so a bad layout is
+reported in one message instead of a hang or a deep traceback from a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_2d.parallel.config import (
+    SUPPORTED_PRECISIONS,
+    ParallelConfig,
+    ParallelPlan,
+    raise_if_problems,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Names of the mesh dimensions; the same as Lightning's, so ``device_mesh["tensor_parallel"]``
+#: works in user code written for Lightning's ModelParallelStrategy.
+DP_DIM, TP_DIM = "data_parallel", "tensor_parallel"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt_choices(values: list[int]) -> str:
+    return values[0].__str__() if len(values) == 1 else ", ".join(map(str, values[:-1])) + f" or {values[-1]}"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved mesh sizes: ``dp × tp == world_size``."""
+
+    dp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+
+def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_node: int) -> tuple[int, int]:
+    """Fill in ``"auto"`` sizes (without validating the result).
+
+    Both auto: tensor parallel within a node, data parallel across nodes. One auto: the other
+    divides the world size (when it divides evenly; otherwise the given size is kept and the
+    validation reports the mismatch).
+    """
+    dp, tp = config.data_parallel_size, config.tensor_parallel_size
+    if dp == "auto" and tp == "auto":
+        tp = devices_per_node
+        dp = max(1, world_size // tp)
+    elif dp == "auto":
+        dp = world_size // tp if world_size % tp == 0 else max(1, world_size // tp)
+    elif tp == "auto":
+        tp = world_size // dp if world_size % dp == 0 else max(1, world_size // dp)
+    return int(dp), int(tp)
+
+
+def validate_parallel_dims(
+    config: ParallelConfig,
+    *,
+    world_size: int,
+    devices_per_node: int,
+    plan: ParallelPlan | None = None,
+    precision: str | None = None,
+    seq_len: int | None = None,
+    num_nodes: int = 1,
+) -> ParallelDims:
+    """Resolve the mesh sizes and check every constraint at once.
+
+    Args:
+        config: The strategy's options.
+        world_size: Total number of processes.
+        devices_per_node: Processes per node.
+        plan: The model's plan (its ``tp_divides`` sizes are checked); ``None`` skips model checks.
+        precision: The Trainer/Fabric precision string; ``None`` skips the check.
+        seq_len: The training sequence length, when known ahead (checked under sequence parallel).
+        num_nodes: Number of nodes (for the hint on where tensor-parallel groups land).
+
+    Raises:
+        ParallelConfigError: listing every problem, with the values and a fix.
+    """
+    problems = config.static_problems()
+    raise_if_problems(problems)
+    dp, tp = resolve_parallel_dims(config, world_size, devices_per_node)
+
+    if dp * tp != world_size:
+        given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
+        pairs = ", ".join(f"({d}, {world_size // d})" for d in _divisors(world_size))
+        problems.append(
+            f"data_parallel_size × tensor_parallel_size ({dp} × {tp} = {dp * tp}) must equal the world size"
+            f" ({world_size} = {num_nodes} node(s) × {devices_per_node} device(s)) [{given}]; valid (dp, tp)"
+            f" pairs: {pairs}"
+        )
+    if plan is not None and tp > 1:
+        if not plan.tensor_parallel:
+            problems.append(
+                f"tensor_parallel_size is {tp} but the model's parallel plan has no tensor-parallel entries;"
+                " pass plan=ParallelPlan(tensor_parallel={...}) or use tensor_parallel_size=1"
+            )
+        for name, size in plan.tp_divides.items():
+            if size % tp:
+                fits = [d for d in _divisors(size) if d <= max(world_size, 1) and world_size % d == 0] or [1]
+                problems.append(f"tensor_parallel_size ({tp}) must divide {name} ({size}); try {_fmt_choices(fits)}")
+    if config.sequence_parallel and tp > 1 and seq_len is not None and seq_len % tp:
+        problems.append(
+            f"sequence length ({seq_len}) must be divisible by tensor_parallel_size ({tp}) under sequence"
+            f" parallelism; use a sequence length that is a multiple of {tp} or sequence_parallel=False"
+        )
+    if precision is not None and str(precision) not in SUPPORTED_PRECISIONS:
+        problems.append(
+            f"precision={precision!r} is not supported by the 2D strategy; choose one of"
+            f" {', '.join(SUPPORTED_PRECISIONS)} (fp16 needs gradient scaling, which FSDP2 × TP does not offer here)"
+        )
+    raise_if_problems(problems)
+    return ParallelDims(dp=dp, tp=tp)
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
+    """The ``(data_parallel, tensor_parallel)`` mesh; tensor-parallel groups are consecutive ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=(DP_DIM, TP_DIM))

@@ -1,0 +1,82 @@
+"""Next-token loss normalized by the tokens of the *global* batch, and vocabulary-parallel loss.
+
+Averaging each data-parallel rank's mean loss (what DDP/FSDP gradient averaging does with a
+per-rank ``mean``) weighs a token on a rank with many ignored labels more than one on a full
+rank, so the result differs from single-device training on the same global batch. Here every rank
+divides its *sum* by the global number of target tokens (one all-reduce of two numbers over the
+data-parallel group per step) and multiplies by the data-parallel size to undo the gradient
+averaging: the gradients are then exactly those of the global-batch mean.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from lightning_2d.parallel.dims import DP_DIM
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+IGNORE_INDEX = -100
+
+
+def loss_parallel_context(logits: torch.Tensor) -> AbstractContextManager:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``logits`` are vocabulary-sharded DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
+def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if mesh is not None and DP_DIM in (mesh.mesh_dim_names or ()):
+        return mesh[DP_DIM].get_group()
+    return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
+
+
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, mesh: "DeviceMesh | None" = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy of ``logits (B, T, V)`` against ``labels (B, T)`` (``-100`` ignored).
+
+    Args:
+        logits: Model output; a vocabulary-sharded DTensor under loss parallelism.
+        labels: Target ids, already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``).
+        mesh: The 2D mesh, or ``None`` outside the 2D strategy (then all ranks are data-parallel).
+
+    Returns:
+        ``(loss_to_backward, global_mean_loss, global_tokens)``: the first carries the gradient of
+        the global-batch mean once the data-parallel gradient averaging has been applied; the
+        second (detached) is the global-batch mean loss, identical on every rank; the third is
+        the number of target tokens in the global batch.
+    """
+    import torch.distributed as dist
+
+    with loss_parallel_context(logits):
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    local_sum = loss_sum.detach()
+    if hasattr(local_sum, "full_tensor"):  # DTensor (replicated) under loss parallelism
+        local_sum = local_sum.full_tensor()
+    stats = torch.stack([local_sum.float(), (labels != IGNORE_INDEX).sum().float()])
+    group = _data_parallel_group(mesh)
+    dp_size = 1
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+        dp_size = dist.get_world_size(group)
+    global_sum, global_tokens = stats.unbind()
+    # clamp: a global batch without targets gives a zero loss, not NaN
+    denominator = global_tokens.clamp(min=1.0)
+    return loss_sum * (dp_size / denominator), global_sum / denominator, global_tokens

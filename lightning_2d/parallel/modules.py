@@ -1,0 +1,43 @@
+"""Small helpers on module trees shared by the parallelize steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+#: Name parts that wrappers insert into parameter names (activation checkpointing, compile, FSDP1).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """``layers.0._checkpoint_wrapped_module.attention.wq.weight`` → ``layers.0.attention.wq.weight``."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def get_submodule_container(model: nn.Module, name: str) -> nn.Module:
+    """The ``ModuleDict``/``ModuleList`` of repeated blocks called ``name`` (a dotted path)."""
+    try:
+        blocks = model.get_submodule(name)
+    except AttributeError:
+        children = ", ".join(n for n, _ in model.named_children()) or "none"
+        raise ValueError(
+            f"The parallel plan names the transformer blocks {name!r}, but {type(model).__name__} has no such"
+            f" submodule (its children: {children}). Set ParallelPlan(blocks=...) to the container of the blocks."
+        ) from None
+    if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        raise ValueError(
+            f"ParallelPlan.blocks={name!r} is a {type(blocks).__name__}; it must name an nn.ModuleDict or"
+            " nn.ModuleList holding the repeated blocks"
+        )
+    return blocks
+
+
+def replace_blocks(blocks: nn.Module, fn: Callable[[int, nn.Module], nn.Module]) -> None:
+    """Replace each block ``b`` at position ``i`` of ``blocks`` by ``fn(i, b)``, keeping its name."""
+    for index, (name, block) in enumerate(list(blocks.named_children())):
+        new = fn(index, block)
+        if new is not block:
+            blocks.register_module(name, new)

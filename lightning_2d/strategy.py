@@ -1,0 +1,224 @@
+"""``ModelParallel2DStrategy``: Lightning's ``ModelParallelStrategy`` that parallelizes the model itself.
+
+Lightning's strategy builds the ``(data_parallel, tensor_parallel)`` mesh and leaves the TP plan,
+activation checkpointing and FSDP2 to a hand-written ``configure_model``. This one validates the
+layout before any process group exists, then applies ``lightning_2d.parallel.parallelize_model``
+(the same function the Fabric strategy calls) and materializes the meta-device model shard by
+shard with layout-independent values. Launching, the sampler, and checkpoint I/O are Lightning's.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.parallel.materialize import materialize_model
+from lightning_2d.parallel.parallelize import is_parallelized, parallelize_model, resolve_plan
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class FSDP2MixedPrecision(Precision):
+    """``bf16-mixed`` through FSDP2's ``MixedPrecisionPolicy`` instead of autocast.
+
+    Parameters stay fp32 (sharded) for the optimizer; FSDP all-gathers them in bf16 and
+    reduce-scatters gradients in fp32. Autocast on top would only add casts.
+    """
+
+    precision = "bf16-mixed"
+
+
+class ModelParallel2DStrategy(ModelParallelStrategy):
+    """2D parallelism (FSDP2 × tensor/sequence parallel) applied by the strategy.
+
+    ``Trainer(strategy=ModelParallel2DStrategy(tensor_parallel_size=8))`` or
+    ``Trainer(strategy="model_parallel_2d")``. The LightningModule builds its model in
+    ``configure_model`` (on the meta device when ``strategy.materializes_meta_modules``), and the
+    strategy applies, in order: the TP/SP plan → activation checkpointing → ``torch.compile`` →
+    FSDP2, then allocates and initializes each rank's shards.
+
+    Which modules are parallelized comes from ``plan`` or from the LightningModule's
+    ``parallel_plan(config)``; any step can be replaced by a LightningModule method of the same
+    name (``apply_tensor_parallel``, ``apply_activation_checkpointing``, ``apply_compile``,
+    ``apply_fully_shard``; see ``lightning_2d.parallel.parallelize``). A ``configure_model`` that
+    parallelizes the model itself (as with Lightning's strategy) is respected: the strategy then
+    only materializes it.
+
+    Args:
+        data_parallel_size: FSDP degree, or ``"auto"`` (world size / ``tensor_parallel_size``;
+            the number of nodes when both are auto).
+        tensor_parallel_size: TP degree, or ``"auto"`` (world size / ``data_parallel_size``; the
+            devices per node when both are auto). TP groups are consecutive ranks, inside a node.
+        sequence_parallel: Shard activations and norms along the sequence between TP regions.
+        loss_parallel: Compute the cross-entropy on vocabulary-sharded logits.
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
+        selective_ac_option: ``"op"`` or every N-th block (an integer), for ``"selective"``.
+        compile: ``torch.compile`` each transformer block.
+        param_dtype: FSDP compute dtype; default from the Trainer's ``precision``.
+        reduce_dtype: FSDP gradient-reduction dtype; default fp32.
+        reshard_after_forward: ``"default"``, ``"always"`` or ``"never"``.
+        plan: Module names to parallelize, for a model that does not provide ``parallel_plan``.
+        save_distributed_checkpoint: Save one shard per rank (``True``) or a single full file.
+        process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
+        timeout: Process-group timeout.
+    """
+
+    strategy_name = "model_parallel_2d"
+    #: Tells a LightningModule to build its model on the meta device in ``configure_model``.
+    materializes_meta_modules = True
+
+    def __init__(
+        self,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
+        sequence_parallel: bool = True,
+        loss_parallel: bool = False,
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        selective_ac_option: Union[str, int] = "op",
+        compile: bool = False,
+        param_dtype: Optional[Union[str, torch.dtype]] = None,
+        reduce_dtype: Optional[Union[str, torch.dtype]] = None,
+        reshard_after_forward: Literal["default", "always", "never"] = "default",
+        plan: Optional[ParallelPlan] = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        # Validate the options first: a typo fails here, at construction, with every problem listed.
+        self.parallel_config = ParallelConfig(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            activation_checkpointing=activation_checkpointing,
+            selective_ac_option=selective_ac_option,
+            compile=compile,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._plan = plan
+        self.parallel_dims: Optional[ParallelDims] = None
+
+    # ---- validation and mesh ------------------------------------------------------------------
+    def validate(self) -> ParallelDims:
+        """Check the layout against the world, the model and the precision; raises listing every problem.
+
+        Runs twice, both times before any process exists or any process group is created: when the
+        Trainer is constructed (world size and precision), and again at the start of ``fit`` once
+        the LightningModule (its plan's divisibility constraints) and datamodule (its ``seq_len``)
+        are known.
+        """
+        module = self.lightning_module
+        plan = resolve_plan(module, self.parallel_config, self._plan) if module is not None else self._plan
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        precision = self._precision_plugin.precision if self._precision_plugin is not None else None
+        return validate_parallel_dims(
+            self.parallel_config,
+            world_size=self.num_nodes * self.num_processes,
+            devices_per_node=self.num_processes,
+            plan=plan,
+            precision=precision,
+            seq_len=getattr(datamodule, "seq_len", None),
+            num_nodes=self.num_nodes,
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called by the Trainer's constructor, before it launches any process: fail there.
+        self.validate()
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self.parallel_dims = self.validate()
+        self._data_parallel_size = self.parallel_dims.dp
+        self._tensor_parallel_size = self.parallel_dims.tp
+        if isinstance(self.precision_plugin, MixedPrecision):
+            self.precision_plugin = FSDP2MixedPrecision()
+        # Lightning's: process group, seed reset, the (data_parallel, tensor_parallel) mesh.
+        super().setup_environment()
+
+    # ---- parallelize and materialize ----------------------------------------------------------
+    def _target_module(self, plan: ParallelPlan) -> nn.Module:
+        module = self.lightning_module
+        assert module is not None
+        if not plan.module:
+            return module
+        target = getattr(module, plan.module, None)
+        if not isinstance(target, nn.Module):
+            raise AttributeError(
+                f"The parallel plan applies to `{type(module).__name__}.{plan.module}`, which is"
+                f" {type(target).__name__}, not an nn.Module. Build the model in `configure_model()` and"
+                f" assign it to `self.{plan.module}`, or set ParallelPlan(module=...) to its attribute name."
+            )
+        return target
+
+    def _init_seed(self) -> int:
+        seed = getattr(self.lightning_module, "init_seed", None)
+        if seed is None:
+            seed = self.broadcast(torch.initial_seed())
+        return int(seed)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        config = self.parallel_config.resolve_dtypes(self.precision_plugin.precision)
+        plan = resolve_plan(self.lightning_module, config, self._plan)
+        model = self._target_module(plan)
+        if not is_parallelized(model):
+            if self.precision_plugin.precision == "bf16-true":
+                model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
+            parallelize_model(model, self.device_mesh, plan, config, hooks=self.lightning_module)
+        seed = self._init_seed()
+        materialize_model(model, self.root_device, seed=seed)
+        materialize_model(self.model, self.root_device, seed=seed)  # meta tensors outside the plan's module, if any
+        self.model_to_device()  # metrics and anything else outside the parallelized model
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # A vocabulary-parallel loss must also be differentiated inside loss_parallel().
+        context = nullcontext()
+        if self.parallel_config.loss_parallel and hasattr(closure_loss, "placements"):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            context = loss_parallel()
+        with context:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+
+StrategyRegistry.register(
+    ModelParallel2DStrategy.strategy_name,
+    ModelParallel2DStrategy,
+    description="2D parallelism (FSDP2 × TP/SP) applied by lightning_2d",
+    override=True,
+)

@@ -1,0 +1,46 @@
+"""Shared launches: each multi-process job runs once per session and several tests read its output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import JobResult, launch
+
+PARITY = {"steps": 6, "global_batch": 4, "seq_len": 32, "init_seed": 7, "seed": 1234}
+
+
+class Jobs:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cache: dict[str, JobResult] = {}
+
+    def run(self, name: str, scenario: str, config: dict, nprocs: int = 4, num_nodes: int = 1) -> JobResult:
+        if name not in self._cache:
+            result = launch(scenario, config, self.root / name, nprocs=nprocs, num_nodes=num_nodes)
+            assert result.ok, f"job {name} failed:\n{result.describe()}"
+            self._cache[name] = result
+        return self._cache[name]
+
+    def reference(self) -> JobResult:
+        """Single-device training with a plain Trainer: what every layout must reproduce."""
+        return self.run("reference", "fit", {**PARITY, "strategy": "single"}, nprocs=1)
+
+    def layout(self, dp: int, tp: int, nprocs: int | None = None, num_nodes: int = 1, **extra) -> JobResult:
+        """Train under ``ModelParallel2DStrategy(dp, tp, **extra)``; ``dp``/``tp`` may be ``"auto"``."""
+        name = f"dp{dp}_tp{tp}_nodes{num_nodes}" + "".join(f"_{k}-{v}" for k, v in sorted(extra.items()))
+        nprocs = nprocs or dp * tp
+        replicas = dp if dp != "auto" else nprocs // (tp if tp != "auto" else nprocs // num_nodes)
+        config = {**PARITY, "strategy": "2d", "dp": dp, "tp": tp, "num_nodes": num_nodes, "data_replicas": replicas}
+        return self.run(name, "fit", {**config, **extra}, nprocs=nprocs, num_nodes=num_nodes)
+
+
+@pytest.fixture(scope="session")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    return Jobs(tmp_path_factory.mktemp("jobs"))
+
+
+def load_weights(result: JobResult, which: str) -> dict[str, torch.Tensor]:
+    return torch.load(result.out_dir / f"{which}.pt")

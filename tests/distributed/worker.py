@@ -1,0 +1,155 @@
+"""One rank of a distributed test job: ``python worker.py SCENARIO CONFIG_JSON`` (see launcher.py).
+
+Writes ``rank{N}.json`` (and, on rank 0, weight files) into the config's ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
+from lightning_2d.parallel.modules import canonical_name
+
+
+class SyntheticTokens(Dataset):
+    """``n`` fixed random sequences; sample ``i`` ignores its first ``i % 5`` targets (uneven token counts)."""
+
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        seq = self.tokens[i]
+        labels = seq[1:].clone()
+        labels[: i % 5] = -100
+        return {"input_ids": seq[:-1], "labels": labels}
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of every parameter, by canonical name; a collective on every rank."""
+    out = {}
+    for name, p in module.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[canonical_name(name)] = full.detach().float().cpu().clone()
+    return out
+
+
+class Recorder(L.Callback):
+    def __init__(self, out_dir: Path, save_weights: bool) -> None:
+        self.out_dir, self.save_weights = out_dir, save_weights
+        self.losses: list[float] = []
+        self.batches: list[str] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.save_weights:
+            state = full_state(pl_module.model)
+            if trainer.global_rank == 0:
+                torch.save(state, self.out_dir / "initial.pt")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
+        self.batches.append(digest)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_weights:
+            state = full_state(pl_module.model)
+            if trainer.global_rank == 0:
+                torch.save(state, self.out_dir / "final.pt")
+
+
+def placements(module: torch.nn.Module) -> dict[str, list]:
+    out = {}
+    for name, p in module.named_parameters():
+        if hasattr(p, "placements"):
+            out[canonical_name(name)] = {
+                "placements": [repr(pl) for pl in p.placements],
+                "mesh_dims": list(p.device_mesh.mesh_dim_names or ()),
+                "local_shape": list(p.to_local().shape),
+                "shape": list(p.shape),
+            }
+    return out
+
+
+def fit(cfg: dict) -> None:
+    out_dir = Path(cfg["out_dir"])
+    world = int(os.environ["WORLD_SIZE"])
+    L.seed_everything(cfg.get("seed", 1234), verbose=False)
+    module = LlamaLightningModule(
+        "debug",
+        model_overrides=cfg.get("model_overrides"),
+        learning_rate=cfg.get("lr", 1e-3),
+        warmup_steps=2,
+        max_steps=cfg["steps"],
+        init_seed=cfg.get("init_seed"),
+    )
+    if cfg["strategy"] == "single":
+        strategy, devices, dp = "auto", 1, 1
+    else:
+        strategy = ModelParallel2DStrategy(
+            data_parallel_size=cfg["dp"],
+            tensor_parallel_size=cfg["tp"],
+            activation_checkpointing=cfg.get("ac", "none"),
+            selective_ac_option=cfg.get("selective_ac_option", "op"),
+            sequence_parallel=cfg.get("sequence_parallel", True),
+            loss_parallel=cfg.get("loss_parallel", False),
+        )
+        devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
+    data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], module.model_args.vocab_size)
+    if cfg["strategy"] == "single":
+        # Lightning gives every parallel training loader a shuffling DistributedSampler (seeded
+        # with the run's seed). The reference draws the same permutation with one replica, so
+        # step i sees the union of the data-parallel ranks' step-i batches.
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=cfg.get("seed", 1234))
+        loader = DataLoader(data, batch_size=cfg["global_batch"], sampler=sampler)
+    else:
+        loader = DataLoader(data, batch_size=cfg["global_batch"] // dp)
+    recorder = Recorder(out_dir, cfg.get("save_weights", True))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=cfg.get("num_nodes", 1),
+        strategy=strategy,
+        precision=cfg.get("precision", "32-true"),
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, loader)
+    result = {"losses": recorder.losses, "batches": recorder.batches, "placements": placements(module.model)}
+    mesh = module.device_mesh
+    if cfg.get("check_bad_seq_len"):
+        # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
+        try:
+            module.model(torch.zeros(1, cfg["tp"] * 3 + 1, dtype=torch.long))
+            result["bad_seq_len_error"] = None
+        except ValueError as err:
+            result["bad_seq_len_error"] = str(err)
+    if mesh is not None:
+        result["dp_rank"] = mesh["data_parallel"].get_local_rank()
+        result["tp_rank"] = mesh["tensor_parallel"].get_local_rank()
+        result["mesh_shape"] = list(mesh.shape)
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {"fit": fit}
+
+if __name__ == "__main__":
+    scenario, config_path = sys.argv[1], sys.argv[2]
+    SCENARIOS[scenario](json.loads(Path(config_path).read_text()))

@@ -1,0 +1,53 @@
+"""The tensor-parallel plan is data: its structure can be checked without a process group."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from lightning_2d import LlamaLightningModule, ParallelConfig
+from lightning_2d.parallel import llama_tensor_parallel_plan
+
+
+def test_sequence_parallel_plan_matches_the_reference_layouts():
+    plan = llama_tensor_parallel_plan(sequence_parallel=True)
+    emb = plan["tok_embeddings"]
+    assert isinstance(emb, RowwiseParallel)
+    assert emb.input_layouts == (Replicate(),) and emb.output_layouts == (Shard(1),)
+    assert isinstance(plan["norm"], SequenceParallel)
+    out = plan["output"]
+    assert isinstance(out, ColwiseParallel) and out.input_layouts == (Shard(1),) and out.output_layouts == (Replicate(),)
+    for name in ("attention_norm", "ffn_norm"):
+        assert isinstance(plan[f"layers.*.{name}"], SequenceParallel)
+    attn = plan["layers.*.attention"]
+    assert isinstance(attn, PrepareModuleInput)
+    assert attn.input_layouts == (Shard(1), None) and attn.desired_input_layouts == (Replicate(), None)
+    ffn = plan["layers.*.feed_forward"]
+    assert ffn.input_layouts == (Shard(1),) and ffn.desired_input_layouts == (Replicate(),)
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        assert type(plan[f"layers.*.{name}"]) is ColwiseParallel
+    for name in ("attention.wo", "feed_forward.w2"):
+        style = plan[f"layers.*.{name}"]
+        assert isinstance(style, RowwiseParallel) and style.output_layouts == (Shard(1),)
+    assert len(plan) == 14
+
+
+def test_plain_tensor_parallel_plan_keeps_norms_local():
+    plan = llama_tensor_parallel_plan(sequence_parallel=False)
+    assert not any(isinstance(style, (SequenceParallel, PrepareModuleInput)) for style in plan.values())
+    assert plan["tok_embeddings"].output_layouts == (Replicate(),)
+    assert plan["layers.*.attention.wo"].output_layouts == (Replicate(),)
+    assert plan["output"].input_layouts == (Replicate(),)
+
+
+def test_loss_parallel_leaves_logits_sharded_over_the_vocabulary():
+    out = llama_tensor_parallel_plan(loss_parallel=True)["output"]
+    assert out.output_layouts == (Shard(-1),) and out.use_local_output is False
+
+
+def test_module_plan_carries_divisibility_constraints():
+    module = LlamaLightningModule("llama3-8b")
+    plan = module.parallel_plan(ParallelConfig())
+    assert plan.module == "model" and plan.blocks == "layers"
+    assert plan.tp_divides == {"n_heads": 32, "n_kv_heads": 8}
+    assert "layers.*.attention.wq" in plan.tensor_parallel
