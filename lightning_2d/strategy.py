@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.parallelize import is_parallelized, parallelize_model, resolve_plan
@@ -31,14 +33,21 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class FSDP2MixedPrecision(Precision):
-    """``bf16-mixed`` through FSDP2's ``MixedPrecisionPolicy`` instead of autocast.
+class FSDP2Precision(Precision):
+    """Precision under the 2D strategy: FSDP2's ``MixedPrecisionPolicy`` does the casting.
 
-    Parameters stay fp32 (sharded) for the optimizer; FSDP all-gathers them in bf16 and
-    reduce-scatters gradients in fp32. Autocast on top would only add casts.
+    ``bf16-mixed``: parameters stay fp32 (sharded) for the optimizer; FSDP all-gathers them in
+    bf16 and reduce-scatters gradients in fp32 (autocast on top would only add casts).
+    ``bf16-true``: the shards themselves are bf16. ``32-true``: no casting. Gradient clipping
+    computes the true global norm over DTensor gradients on any mix of meshes.
     """
 
-    precision = "bf16-mixed"
+    def __init__(self, precision: str) -> None:
+        self.precision = precision  # type: ignore[assignment]
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
 
 
 class ModelParallel2DStrategy(ModelParallelStrategy):
@@ -155,8 +164,10 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self.parallel_dims = self.validate()
         self._data_parallel_size = self.parallel_dims.dp
         self._tensor_parallel_size = self.parallel_dims.tp
-        if isinstance(self.precision_plugin, MixedPrecision):
-            self.precision_plugin = FSDP2MixedPrecision()
+        if type(self.precision_plugin) in (Precision, MixedPrecision, HalfPrecision):
+            # Lightning's stock plugins (autocast, module conversion) give way to FSDP2's policy;
+            # a custom plugin the user passed is kept.
+            self.precision_plugin = FSDP2Precision(self.precision_plugin.precision)
         # Lightning's: process group, seed reset, the (data_parallel, tensor_parallel) mesh.
         super().setup_environment()
 

@@ -24,9 +24,10 @@ class Jobs:
             self._cache[name] = result
         return self._cache[name]
 
-    def reference(self) -> JobResult:
+    def reference(self, **extra) -> JobResult:
         """Single-device training with a plain Trainer: what every layout must reproduce."""
-        return self.run("reference", "fit", {**PARITY, "strategy": "single"}, nprocs=1)
+        name = "reference" + "".join(f"_{k}-{v}" for k, v in sorted(extra.items()))
+        return self.run(name, "fit", {**PARITY, "strategy": "single", **extra}, nprocs=1)
 
     def layout(self, dp: int, tp: int, nprocs: int | None = None, num_nodes: int = 1, **extra) -> JobResult:
         """Train under ``ModelParallel2DStrategy(dp, tp, **extra)``; ``dp``/``tp`` may be ``"auto"``."""

@@ -69,7 +69,7 @@ def test_tensor_parallel_group_shares_batches_data_parallel_ranks_differ(jobs, d
 @pytest.mark.parametrize("ac", ["full", "selective-op", "selective-2"])
 def test_activation_checkpointing_gives_the_same_losses(jobs, ac):
     mode, _, option = ac.partition("-")
-    extra = {"ac": mode, **({"selective_ac_option": option} if option else {})}
+    extra = {"activation_checkpointing": mode, **({"selective_ac_option": option} if option else {})}
     losses = jobs.layout(2, 2, **extra).rank_output(0)["losses"]
     plain = jobs.layout(2, 2).rank_output(0)["losses"]
     assert worst_relative_error(losses, plain) <= LOSS_RTOL
@@ -112,6 +112,5 @@ def test_plan_structure_at_2x2(jobs):
 
 
 def test_indivisible_sequence_is_refused_before_any_collective(jobs):
-    run = jobs.layout(1, 4, check_bad_seq_len=True)
-    message = run.rank_output(0)["bad_seq_len_error"]
-    assert message is not None and "13 is not divisible by tensor_parallel_size (4)" in message
+    message = jobs.layout(1, 4).rank_output(0)["bad_seq_len_error"]
+    assert message is not None and "Input sequence length 13 is not divisible by tensor_parallel_size (4)" in message

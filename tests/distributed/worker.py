@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
+from lightning_2d.parallel.grad_norm import total_grad_norm
 from lightning_2d.parallel.modules import canonical_name
 
 
@@ -50,6 +51,11 @@ class Recorder(L.Callback):
         self.out_dir, self.save_weights = out_dir, save_weights
         self.losses: list[float] = []
         self.batches: list[str] = []
+        self.grad_norms: list[float] = []  # before clipping
+        self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters())))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.save_weights:
@@ -62,6 +68,8 @@ class Recorder(L.Callback):
         self.batches.append(digest)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The optimizer step leaves the gradients as it used them (after clipping).
+        self.stepped_grad_norms.append(float(total_grad_norm(pl_module.model.parameters())))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -80,8 +88,21 @@ def placements(module: torch.nn.Module) -> dict[str, list]:
                 "mesh_dims": list(p.device_mesh.mesh_dim_names or ()),
                 "local_shape": list(p.to_local().shape),
                 "shape": list(p.shape),
+                "dtype": str(p.dtype),
             }
     return out
+
+
+STRATEGY_OPTIONS = (
+    "activation_checkpointing",
+    "selective_ac_option",
+    "sequence_parallel",
+    "loss_parallel",
+    "compile",
+    "reshard_after_forward",
+    "param_dtype",
+    "reduce_dtype",
+)
 
 
 def fit(cfg: dict) -> None:
@@ -99,14 +120,8 @@ def fit(cfg: dict) -> None:
     if cfg["strategy"] == "single":
         strategy, devices, dp = "auto", 1, 1
     else:
-        strategy = ModelParallel2DStrategy(
-            data_parallel_size=cfg["dp"],
-            tensor_parallel_size=cfg["tp"],
-            activation_checkpointing=cfg.get("ac", "none"),
-            selective_ac_option=cfg.get("selective_ac_option", "op"),
-            sequence_parallel=cfg.get("sequence_parallel", True),
-            loss_parallel=cfg.get("loss_parallel", False),
-        )
+        options = {k: cfg[k] for k in STRATEGY_OPTIONS if k in cfg}
+        strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], module.model_args.vocab_size)
     if cfg["strategy"] == "single":
@@ -125,6 +140,7 @@ def fit(cfg: dict) -> None:
         strategy=strategy,
         precision=cfg.get("precision", "32-true"),
         max_steps=cfg["steps"],
+        gradient_clip_val=cfg.get("gradient_clip_val"),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -132,12 +148,18 @@ def fit(cfg: dict) -> None:
         callbacks=[recorder],
     )
     trainer.fit(module, loader)
-    result = {"losses": recorder.losses, "batches": recorder.batches, "placements": placements(module.model)}
+    result = {
+        "losses": recorder.losses,
+        "batches": recorder.batches,
+        "grad_norms": recorder.grad_norms,
+        "stepped_grad_norms": recorder.stepped_grad_norms,
+        "placements": placements(module.model),
+    }
     mesh = module.device_mesh
-    if cfg.get("check_bad_seq_len"):
+    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True):
         # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
         try:
-            module.model(torch.zeros(1, cfg["tp"] * 3 + 1, dtype=torch.long))
+            module.model(torch.zeros(1, 13, dtype=torch.long))
             result["bad_seq_len_error"] = None
         except ValueError as err:
             result["bad_seq_len_error"] = str(err)
