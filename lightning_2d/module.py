@@ -134,7 +134,10 @@ class LlamaLightningModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss.compute()
-        self.val_loss.reset()
+        # Fresh states created under validate()'s inference mode would be inference tensors that a
+        # later fit() (whose sanity check runs under no_grad) cannot update.
+        with torch.inference_mode(False):
+            self.val_loss.reset()
         self.log("val_loss", val_loss, prog_bar=True)
         self.log("val_perplexity", val_loss.exp())
 

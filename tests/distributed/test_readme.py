@@ -1,0 +1,36 @@
+"""Every python snippet of the README either runs, or is an excerpt that still matches its source."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.distributed.launcher import REPO
+from tests.distributed.test_recipe_scripts import run_script
+
+pytestmark = pytest.mark.distributed
+
+README = (REPO / "README.md").read_text()
+SNIPPETS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+EXCERPT = re.compile(r"# excerpt of (\S+)\n")
+
+
+def test_every_snippet_is_checked():
+    assert SNIPPETS and all(EXCERPT.match(s) or "if __name__" in s for s in SNIPPETS)
+    assert any(EXCERPT.match(s) for s in SNIPPETS) and any("if __name__" in s for s in SNIPPETS)
+
+
+@pytest.mark.parametrize("index", [i for i, s in enumerate(SNIPPETS) if EXCERPT.match(s)])
+def test_excerpts_match_their_files(index):
+    snippet = SNIPPETS[index]
+    source = (REPO / EXCERPT.match(snippet).group(1)).read_text()
+    for line in snippet.splitlines()[1:]:
+        assert line in source.splitlines() or not line.strip(), f"README line not in the source: {line!r}"
+
+
+@pytest.mark.parametrize("index", [i for i, s in enumerate(SNIPPETS) if "if __name__" in s])
+def test_complete_snippets_run(index, tmp_path):
+    script = tmp_path / f"readme_snippet_{index}.py"
+    script.write_text(SNIPPETS[index])
+    run_script(str(script))

@@ -1,0 +1,49 @@
+"""The documented scripts run as documented: Lightning's own launcher starts 4 CPU processes."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.launcher import REPO
+
+pytestmark = pytest.mark.distributed
+
+
+def run_script(*args: str, timeout: float = 300) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{args} timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_quickstart_trains_the_debug_model_in_2d():
+    out = run_script("recipes/quickstart.py", "--max-steps", "3", "--seq-len", "64")
+    loss = float(re.search(r"final train_loss: ([0-9.]+)", out).group(1))
+    assert math.isfinite(loss) and 0 < loss < math.log(256) + 1
+
+
+def test_custom_model_is_parallelized_from_a_plan_and_a_hook():
+    out = run_script("recipes/custom_model_plan.py", "--max-steps", "3")
+    assert "checkpointed: blocks.0.mlp, blocks.1.mlp" in out  # the LightningModule's hook ran
+    # The plan's column-/row-wise layers are 2D DTensors; the rest is FSDP-sharded only.
+    assert "blocks.0.attn.q.weight: ['data_parallel', 'tensor_parallel'] ['_StridedShard(dim=0, sf=2)', 'Shard(dim=0)']" in out
+    assert "blocks.1.attn.proj.weight: ['data_parallel', 'tensor_parallel'] ['Shard(dim=0)', 'Shard(dim=1)']" in out
+    assert "blocks.0.mlp._checkpoint_wrapped_module.fc.weight: ['data_parallel', 'tensor_parallel']" in out
+    assert "embed.weight: ['data_parallel'] ['Shard(dim=0)']" in out
+    assert math.isfinite(float(re.search(r"final loss: ([0-9.]+)", out).group(1)))
