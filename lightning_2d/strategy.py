@@ -9,6 +9,7 @@ shard with layout-independent values. Launching, the sampler, and checkpoint I/O
 
 from __future__ import annotations
 
+import atexit
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -170,6 +171,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             self.precision_plugin = FSDP2Precision(self.precision_plugin.precision)
         # Lightning's: process group, seed reset, the (data_parallel, tensor_parallel) mesh.
         super().setup_environment()
+        atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
+        atexit.register(_destroy_process_group)
 
     # ---- parallelize and materialize ----------------------------------------------------------
     def _target_module(self, plan: ParallelPlan) -> nn.Module:
@@ -225,6 +228,14 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             context = loss_parallel()
         with context:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+
+def _destroy_process_group() -> None:
+    # Lightning leaves the process group alive after fit (a later trainer.test reuses it). Left to
+    # the interpreter's shutdown, gloo's threads can abort the process ("terminate called without
+    # an active exception") after training succeeded; tearing it down first exits cleanly.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 StrategyRegistry.register(
