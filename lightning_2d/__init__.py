@@ -1,5 +1,7 @@
 """lightning_2d: 2D parallel training (FSDP2 × tensor/sequence parallel) as a Lightning strategy."""
 
+from lightning_2d.callbacks import ThroughputMonitor
+from lightning_2d.data import TextDataModule
 from lightning_2d.model import ModelArgs, Transformer
 from lightning_2d.module import LlamaLightningModule
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
@@ -14,5 +16,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelPlan",
+    "TextDataModule",
+    "ThroughputMonitor",
     "Transformer",
 ]

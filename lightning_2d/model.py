@@ -105,6 +105,14 @@ class ModelArgs:
         total = self.vocab_size * d * 2 + self.n_layers * per_layer + d
         return total - self.vocab_size * d if exclude_embedding else total
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), torchtitan's convention.
+
+        ``6 · N`` for the matmuls over the parameters except the embedding (a lookup), plus
+        ``12 · L · H · Dh · T`` for the attention scores and their weighted sums at sequence length ``T``.
+        """
+        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
 
 #: Published shapes. ``debug`` is ours: a model that trains on CPU in seconds and still has
 #: grouped-query attention and shapes divisible by tensor-parallel sizes 1, 2 and 4.

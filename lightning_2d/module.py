@@ -78,6 +78,7 @@ class LlamaLightningModule(L.LightningModule):
         self.model: Transformer | None = None
         # Updated with values already reduced over the data-parallel group: no second sync.
         self.val_loss = MeanMetric(sync_on_compute=False)
+        self.test_loss = MeanMetric(sync_on_compute=False)
 
     # ---- model construction -------------------------------------------------------------------
     @property
@@ -132,14 +133,40 @@ class LlamaLightningModule(L.LightningModule):
         _, global_mean, global_tokens = self._loss(batch)
         self.val_loss.update(global_mean, weight=global_tokens)
 
-    def on_validation_epoch_end(self) -> None:
-        val_loss = self.val_loss.compute()
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, global_mean, global_tokens = self._loss(batch)
+        self.test_loss.update(global_mean, weight=global_tokens)
+
+    def _log_loss_and_perplexity(self, metric: MeanMetric, prefix: str) -> None:
+        loss = metric.compute()
         # Fresh states created under validate()'s inference mode would be inference tensors that a
         # later fit() (whose sanity check runs under no_grad) cannot update.
         with torch.inference_mode(False):
-            self.val_loss.reset()
-        self.log("val_loss", val_loss, prog_bar=True)
-        self.log("val_perplexity", val_loss.exp())
+            metric.reset()
+        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val")
+        self.log(f"{prefix}_perplexity", loss.exp())
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_loss_and_perplexity(self.val_loss, "val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_loss_and_perplexity(self.test_loss, "test")
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Greedy next-token ids ``(B, T)`` and each sequence's mean negative log-likelihood ``(B,)``."""
+        logits = self(batch["input_ids"])
+        if hasattr(logits, "full_tensor"):  # vocabulary-sharded under loss parallelism
+            logits = logits.full_tensor()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+        mask = batch["labels"] != -100
+        return {
+            "next_token": logits.argmax(-1),
+            "nll": (nll * mask).sum(-1) / mask.sum(-1).clamp(min=1),
+        }
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at ``seq_len`` (for throughput/MFU, see ``ThroughputMonitor``)."""
+        return self.model_args.flops_per_token(seq_len)
 
     # ---- optimization -------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:

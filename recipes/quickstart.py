@@ -1,52 +1,28 @@
-"""Quick start: train the ``debug`` Llama in 2D (FSDP × TP) with the Trainer.
+"""Quick start: train a Llama model in 2D (FSDP × TP) with the Trainer, from Python.
 
     python recipes/quickstart.py                       # 4 CPU processes, (dp, tp) = (2, 2)
-    python recipes/quickstart.py --accelerator gpu --devices 8 --tensor-parallel-size 8 --model llama3-8b
+    python recipes/quickstart.py --accelerator gpu --devices 8 --tensor-parallel-size 8 \
+        --model llama3-8b --tokenizer /path/to/tokenizer.json --data "/data/*.jsonl" --seq-len 8192
 
-The text is the Python standard library's own source, read as bytes (vocabulary 256 = the
-``debug`` model's), so it runs anywhere with no download.
+Without --data the text is the Python standard library's own source (no download), read with the
+byte-level tokenizer (vocabulary 256 = the ``debug`` model's). The yaml recipes do the same
+through the CLI: ``lightning-2d fit --config recipes/debug_cpu.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sysconfig
-from pathlib import Path
 
 import lightning as L
-import torch
-from torch.utils.data import DataLoader, Dataset
 
-from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
-
-
-class StdlibBytes(Dataset):
-    """Non-overlapping windows of ``seq_len + 1`` bytes from the standard library's ``.py`` files."""
-
-    def __init__(self, seq_len: int, max_bytes: int = 4_000_000) -> None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        chunks, total = [], 0
-        for path in sorted(root.glob("*.py")):
-            data = path.read_bytes()
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                break
-        tokens = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
-        n = (len(tokens) - 1) // (seq_len + 1)
-        self.windows = tokens[: n * (seq_len + 1)].view(n, seq_len + 1)
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        window = self.windows[i]
-        return {"input_ids": window[:-1], "labels": window[1:]}
+from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, TextDataModule, ThroughputMonitor
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train a Llama model with ModelParallel2DStrategy.")
     parser.add_argument("--model", default="debug")
+    parser.add_argument("--data", nargs="*", default=None, help="text/JSONL/Parquet files or globs")
+    parser.add_argument("--tokenizer", default="byte")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
@@ -62,12 +38,13 @@ def main() -> None:
         strategy=ModelParallel2DStrategy(tensor_parallel_size=args.tensor_parallel_size),
         max_steps=args.max_steps,
         log_every_n_steps=10,
+        callbacks=[ThroughputMonitor()],
         logger=False,
         enable_checkpointing=False,
     )
     module = LlamaLightningModule(args.model, learning_rate=3e-3, warmup_steps=10)
-    loader = DataLoader(StdlibBytes(args.seq_len), batch_size=args.batch_size)
-    trainer.fit(module, loader)
+    data = TextDataModule(args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size)
+    trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         print(f"final train_loss: {float(trainer.callback_metrics['train_loss']):.4f}")
 

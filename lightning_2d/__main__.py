@@ -1,0 +1,3 @@
+from lightning_2d.cli import main
+
+main()

@@ -1,0 +1,76 @@
+"""The lightning-2d CLI in one process: subcommands, the strategy by name, early errors."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from lightning_2d import ModelParallel2DStrategy
+from lightning_2d.cli import cli_main
+from lightning_2d.data import DataError, stdlib_sources
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning-2d"])
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for path in stdlib_sources()[:8]:
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+def common(tmp_path, corpus) -> list[str]:
+    return [
+        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        f"--data.paths={corpus}", "--data.seq_len=32", "--data.batch_size=2", "--data.val_fraction=0.1",
+        f"--data.cache_dir={tmp_path / 'cache'}", f"--trainer.default_root_dir={tmp_path}",
+    ]
+
+
+def test_fit_validate_test_and_predict(tmp_path, corpus):
+    args = common(tmp_path, corpus)
+    fit = cli_main(["fit", *args, "--trainer.max_steps=3", "--trainer.limit_val_batches=1"])
+    assert fit.trainer.global_step == 3 and "train_loss" in fit.trainer.callback_metrics
+    validate = cli_main(["validate", *args, "--trainer.limit_val_batches=2"])
+    assert validate.trainer.callback_metrics["val_perplexity"] > 1
+    test = cli_main(["test", *args, "--trainer.limit_test_batches=2"])
+    assert test.trainer.callback_metrics["test_loss"] > 0
+    predict = cli_main(["predict", *args, "--trainer.limit_predict_batches=2"])
+    predictions = predict.trainer.predict_loop.predictions
+    assert len(predictions) == 2 and predictions[0]["next_token"].shape == (2, 32)
+    assert predictions[0]["nll"].shape == (2,)
+
+
+def test_strategy_by_name_and_by_class_path(tmp_path, corpus):
+    # run=False: no subcommand, the classes are only instantiated
+    by_name = cli_main(["--trainer.strategy=model_parallel_2d", "--trainer.accelerator=cpu",
+                        "--trainer.devices=2", "--trainer.logger=false"], run=False)
+    assert isinstance(by_name.trainer.strategy, ModelParallel2DStrategy)
+    by_path = cli_main([
+        "--trainer.accelerator=cpu", "--trainer.devices=4", "--trainer.logger=false",
+        "--trainer.strategy=lightning_2d.ModelParallel2DStrategy",
+        "--trainer.strategy.tensor_parallel_size=2", "--trainer.strategy.activation_checkpointing=full",
+    ], run=False)
+    strategy = by_path.trainer.strategy
+    assert strategy.parallel_config.tensor_parallel_size == 2
+    assert strategy.parallel_config.activation_checkpointing == "full"
+
+
+def test_vocabulary_mismatch_fails_before_training(tmp_path, corpus):
+    with pytest.raises(DataError, match=r"vocab_size \(128\) is smaller than the tokenizer's \(256\)"):
+        cli_main(["fit", *common(tmp_path, corpus), "--model.model_overrides={vocab_size: 128}"])
+
+
+def test_bad_strategy_option_fails_at_parse_time(tmp_path, corpus, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([*common(tmp_path, corpus), "--trainer.strategy=lightning_2d.ModelParallel2DStrategy",
+                  "--trainer.strategy.activation_checkpointing=sometimes"], run=False)
+    assert exit_.value.code == 2
+    # The parser checks the option's Literal type: it names the key, the valid values and the bad one.
+    err = capsys.readouterr().err
+    assert 'Parser key "activation_checkpointing"' in err
+    assert "Expected a typing.Literal['none', 'full', 'selective']. Got value: sometimes" in err

@@ -1,0 +1,55 @@
+"""Every shipped recipe parses with the CLI, and its layout is valid for the world it declares."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_2d import LlamaLightningModule, ParallelConfig
+from lightning_2d.cli import cli_main
+from lightning_2d.parallel import validate_parallel_dims
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+STRATEGY_KEYS = set(ParallelConfig.__dataclass_fields__)
+
+
+def test_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {"debug_cpu.yaml", "llama3_8b_1node.yaml", "llama3_70b_multinode.yaml", "fsdp_only.yaml", "tp_only.yaml"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_parses(recipe, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning-2d"])
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"]["class_path"] == "lightning_2d.ModelParallel2DStrategy"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_layout_is_valid_for_its_world(recipe):
+    config = yaml.safe_load(recipe.read_text())
+    text = recipe.read_text()
+    assert text.startswith("#") and ("lightning-2d fit --config" in text)  # says what it is and how to launch
+    trainer, model, data = config["trainer"], config["model"], config["data"]
+    options = {k: v for k, v in trainer["strategy"]["init_args"].items() if k in STRATEGY_KEYS}
+    parallel = ParallelConfig(**options)
+    module = LlamaLightningModule(model["model"])
+    dims = validate_parallel_dims(
+        parallel,
+        world_size=trainer["devices"] * trainer.get("num_nodes", 1),
+        devices_per_node=trainer["devices"],
+        plan=module.parallel_plan(parallel),
+        precision=trainer.get("precision", "32-true"),
+        seq_len=data["seq_len"],
+        num_nodes=trainer.get("num_nodes", 1),
+    )
+    assert dims.dp * dims.tp == trainer["devices"] * trainer.get("num_nodes", 1)
+    assert data["seq_len"] <= module.model_args.max_seq_len
+    if trainer.get("num_nodes", 1) > 1:
+        assert dims.tp <= trainer["devices"]  # tensor parallel stays inside a node
