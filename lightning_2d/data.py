@@ -259,27 +259,45 @@ class DataParallelSampler(DistributedSampler):
         return iter(order[start + self.rank : self.num_positions : self.num_replicas].tolist())
 
     def __len__(self) -> int:
-        return (self.num_positions - self._start()) // self.num_replicas
+        # The whole epoch, also when resuming inside it: Lightning sizes the epoch once from this
+        # and counts the batches already done (restored from the checkpoint) against it.
+        return self.num_positions // self.num_replicas
 
 
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose ``state_dict`` records the samples of the current epoch consumed so far.
 
     Lightning saves it in checkpoints and restores it before iterating (its stateful data-loader
-    support). ``consumed_batches`` says how many batches of this epoch were trained on; Lightning
-    fetches a batch ahead, so counting yielded batches would skip one on resume.
+    support).
+
+    Args:
+        consumed_batches: How many batches of this epoch were trained on. Lightning fetches a batch
+            ahead, so counting yielded batches would skip one on resume.
+        epoch: The epoch being iterated, read when an iteration starts. Lightning's own
+            ``set_epoch`` value runs one ahead after resuming from a checkpoint saved at an epoch's
+            end (it passes the number of *processed* epochs), which would skip a permutation; the
+            number of *completed* epochs (``trainer.current_epoch``) is right in every case.
     """
 
-    def __init__(self, *args: Any, consumed_batches: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        consumed_batches: Optional[Callable[[], int]] = None,
+        epoch: Optional[Callable[[], int]] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, DataParallelSampler):
             raise TypeError("ResumableDataLoader needs a DataParallelSampler")
         self._consumed_batches = consumed_batches
+        self._epoch = epoch
         self._yielded = 0
         self._offset = 0  # positions skipped by a resume in the epoch being iterated
 
     def __iter__(self) -> Iterator[Any]:
         sampler: DataParallelSampler = self.sampler  # type: ignore[assignment]
+        if self._epoch is not None:
+            sampler.set_epoch(self._epoch())
         self._offset, self._yielded = sampler._start(), 0
         for batch in super().__iter__():
             self._yielded += 1
@@ -413,7 +431,7 @@ class TextDataModule(L.LightningDataModule):
             return 1, 0
         return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
-    def _loader(self, dataset: TokenWindows, shuffle: bool, consumed: Optional[Callable[[], int]] = None) -> DataLoader:
+    def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
         replicas, rank = self._replicas()
         if len(dataset) < replicas * self.batch_size:
             split = "training" if dataset is self.train_dataset else "validation"
@@ -426,22 +444,27 @@ class TextDataModule(L.LightningDataModule):
         kwargs = dict(
             batch_size=self.batch_size,
             sampler=sampler,
+            # Its own generator: creating an iterator would otherwise draw from the global RNG and
+            # shift the model's random stream (dropout) between a run and its resumption.
+            generator=torch.Generator().manual_seed(self.seed),
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
-        if dataset is self.train_dataset:  # only training needs to resume mid-epoch
-            return ResumableDataLoader(dataset, consumed_batches=consumed, **kwargs)
-        return DataLoader(dataset, **kwargs)
+        if dataset is not self.train_dataset:  # only training needs to resume mid-epoch
+            return DataLoader(dataset, **kwargs)
+        consumed = epoch = None
+        if self.trainer is not None:
+            trainer = self.trainer
+            # Batches of this epoch whose training step ran, and completed epochs: both restored from
+            # the checkpoint on resume.
+            consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
+            epoch = lambda: trainer.current_epoch  # noqa: E731
+        return ResumableDataLoader(dataset, consumed_batches=consumed, epoch=epoch, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_dataset is not None, "setup() first"
-        progress = None
-        if self.trainer is not None:
-            trainer = self.trainer
-            # Batches of this epoch whose training step ran (restored from the checkpoint on resume).
-            progress = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
-        return self._loader(self.train_dataset, self.shuffle, progress)
+        return self._loader(self.train_dataset, self.shuffle)
 
     def _eval_dataloader(self) -> DataLoader:
         if self.val_dataset is None:

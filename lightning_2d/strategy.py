@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import atexit
 from contextlib import nullcontext
+from pathlib import Path
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -24,6 +26,16 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_2d.checkpoint import (
+    ShardedCheckpointWriter,
+    is_sharded_checkpoint,
+    load_rng,
+    remove_path,
+    resolve_checkpoint,
+    rng_state,
+    save_full_file,
+    set_rng_state,
+)
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
@@ -81,7 +93,10 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         reduce_dtype: FSDP gradient-reduction dtype; default fp32.
         reshard_after_forward: ``"default"``, ``"always"`` or ``"never"``.
         plan: Module names to parallelize, for a model that does not provide ``parallel_plan``.
-        save_distributed_checkpoint: Save one shard per rank (``True``) or a single full file.
+        save_distributed_checkpoint: Save one shard per rank (``True``, resumable at any layout) or a
+            single full file assembled on rank 0.
+        async_checkpoint: Write sharded checkpoints in a background thread after copying them to CPU
+            memory, so training continues during the write.
         process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
         timeout: Process-group timeout.
     """
@@ -104,6 +119,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         reshard_after_forward: Literal["default", "always", "never"] = "default",
         plan: Optional[ParallelPlan] = None,
         save_distributed_checkpoint: bool = True,
+        async_checkpoint: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -128,6 +144,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self._plan = plan
+        self._async_checkpoint = async_checkpoint
+        self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self.parallel_dims: Optional[ParallelDims] = None
 
     # ---- validation and mesh ------------------------------------------------------------------
@@ -173,6 +191,14 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         super().setup_environment()
         atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
         atexit.register(_destroy_process_group)
+        group = None
+        if self._async_checkpoint and self._save_distributed_checkpoint:
+            # Background writes get their own gloo group: their collectives must never interleave
+            # with the training collectives on the default group.
+            group = torch.distributed.new_group(backend="gloo")
+        self._checkpoint_writer = ShardedCheckpointWriter(
+            self.global_rank, self.barrier, async_save=group is not None, process_group=group
+        )
 
     # ---- parallelize and materialize ----------------------------------------------------------
     def _target_module(self, plan: ParallelPlan) -> nn.Module:
@@ -217,6 +243,75 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        dims = self.parallel_dims
+        return {"world_size": self.world_size, "data_parallel": dims.dp if dims else None,
+                "tensor_parallel": dims.tp if dims else None}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Sharded (DCP) or full checkpoint that is complete or recognisably incomplete, never half-valid."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        assert self._checkpoint_writer is not None
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint["lightning_2d"] = {"layout": self._layout()}
+        if self._save_distributed_checkpoint:
+            state = {"state_dict": checkpoint.pop("state_dict")}
+            for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                state[f"optimizer_{idx}"] = optim_state
+            self._checkpoint_writer.save(state, checkpoint, path)
+            return
+        self._checkpoint_writer.wait()
+        rng = [None] * self.world_size
+        torch.distributed.all_gather_object(rng, rng_state())
+        checkpoint["lightning_2d"]["rng"] = rng
+        if self.is_global_zero:
+            save_full_file(checkpoint, path)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+        # Rank 0 decides (one warning, one answer for all ranks).
+        path = resolve_checkpoint(Path(checkpoint_path), warn=rank_zero_warn) if self.is_global_zero else None
+        path = Path(self.broadcast(str(path)))
+        metadata = super().load_checkpoint(path, weights_only=weights_only)
+        saved = metadata.get("lightning_2d", {})
+        layout, now = saved.get("layout", {}), self._layout()
+        if layout.get("world_size") == now["world_size"]:
+            if is_sharded_checkpoint(path):
+                load_rng(path, self.global_rank)
+            elif saved.get("rng"):
+                set_rng_state(saved["rng"][self.global_rank])
+        elif layout:
+            rank_zero_info(
+                f"Resuming a checkpoint saved at (data_parallel, tensor_parallel) = ({layout.get('data_parallel')},"
+                f" {layout.get('tensor_parallel')}) on {layout.get('world_size')} processes at"
+                f" ({now['data_parallel']}, {now['tensor_parallel']}) on {now['world_size']}: weights and optimizer"
+                " states are resharded; per-process random states are not restored."
+            )
+        return metadata
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # ModelCheckpoint removes an older checkpoint right after saving a newer one: never before
+        # the newer one is complete on disk.
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+        if self.is_global_zero:
+            remove_path(Path(filepath))
+
+    @override
+    def teardown(self) -> None:
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+        super().teardown()
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

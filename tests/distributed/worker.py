@@ -47,10 +47,11 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class Recorder(L.Callback):
-    def __init__(self, out_dir: Path, save_weights: bool) -> None:
-        self.out_dir, self.save_weights = out_dir, save_weights
+    def __init__(self, out_dir: Path, save_weights: bool, weights_at_steps: tuple[int, ...] = ()) -> None:
+        self.out_dir, self.save_weights, self.weights_at_steps = out_dir, save_weights, weights_at_steps
         self.losses: list[float] = []
         self.batches: list[str] = []
+        self.draws: list[float] = []
         self.grad_norms: list[float] = []  # before clipping
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
 
@@ -71,6 +72,12 @@ class Recorder(L.Callback):
         # The optimizer step leaves the gradients as it used them (after clipping).
         self.stepped_grad_norms.append(float(total_grad_norm(pl_module.model.parameters())))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        # Stands for a model's own randomness (dropout): resumes continue the same random stream.
+        self.draws.append(float(torch.rand(1)))
+        if trainer.global_step in self.weights_at_steps:
+            state = full_state(pl_module.model)
+            if trainer.global_rank == 0:
+                torch.save(state, self.out_dir / f"weights_step{trainer.global_step}.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_weights:
@@ -223,7 +230,65 @@ def text(cfg: dict) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"fit": fit, "text": text}
+def train(cfg: dict) -> None:
+    """One fit on TextDataModule with configurable checkpointing, resuming and a crash during a save."""
+    import signal
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_2d import TextDataModule
+
+    out_dir = Path(cfg["out_dir"])
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    crash = cfg.get("crash")  # {"save": n, "rank": r}: rank r dies once its shard of the n-th save is written
+    if crash:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        original, calls = FileSystemWriter.write_data, {"n": 0}
+
+        def write_then_maybe_die(self, plan, planner):
+            future = original(self, plan, planner)
+            calls["n"] += 1
+            if calls["n"] == crash["save"] and rank == crash["rank"]:
+                future.wait()  # this rank's shard is on disk; .metadata and meta.pt are not
+                os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+        FileSystemWriter.write_data = write_then_maybe_die
+
+    L.seed_everything(7, verbose=False)
+    data = TextDataModule(cfg["corpus"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
+                          cache_dir=cfg["cache_dir"], val_fraction=0.0)
+    # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
+    module = LlamaLightningModule("debug", warmup_steps=2, max_steps=6)
+    recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
+    callbacks: list = [recorder]
+    for spec in cfg.get("checkpoints", []):
+        callbacks.append(ModelCheckpoint(**spec))
+    strategy = ModelParallel2DStrategy(
+        data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
+        save_distributed_checkpoint=cfg.get("save_distributed", True),
+        async_checkpoint=cfg.get("async_checkpoint", False),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=cfg["max_steps"], logger=False,
+        enable_checkpointing=bool(cfg.get("checkpoints")), enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.get("resume"))
+    mesh = module.device_mesh
+    result = {
+        "losses": recorder.losses,
+        "batches": recorder.batches,
+        "draws": recorder.draws,
+        "global_step": trainer.global_step,
+        "dp_rank": mesh["data_parallel"].get_local_rank(),
+    }
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {"fit": fit, "text": text, "train": train}
 
 if __name__ == "__main__":
     scenario, config_path = sys.argv[1], sys.argv[2]

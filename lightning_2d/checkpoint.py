@@ -1,0 +1,248 @@
+"""Checkpoints that never lose work: complete-or-ignored saves, fall-back on resume, async writes, RNG.
+
+A sharded checkpoint is a folder written by PyTorch Distributed Checkpoint (one ``.distcp`` file per
+rank, ``.metadata`` written by rank 0 once every rank's shard is on disk) plus Lightning's
+``meta.pt``. It is *complete* when both ``.metadata`` and ``meta.pt`` exist; ``meta.pt`` is
+written last, so a save interrupted anywhere (a rank killed, a node lost) leaves a folder that is
+not complete. A full checkpoint is one file, written under a temporary name and renamed, so it
+is complete whenever it exists.
+
+Resuming from an incomplete checkpoint (``ckpt_path="last"`` can point at one) falls back to the
+newest complete checkpoint in the same folder and says so.
+
+Both the Trainer and the Fabric strategies use this module.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+DCP_METADATA_FILE = ".metadata"
+RNG_FOLDER = "rng"
+STEP_PATTERN = re.compile(r"step=(\d+)")
+
+
+# ---- completeness ------------------------------------------------------------------------------
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir()
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint that finished writing."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / DCP_METADATA_FILE).is_file() and (path / METADATA_FILE).is_file()
+    return path.is_file()
+
+
+def _order_key(path: Path) -> tuple[int, float]:
+    match = STEP_PATTERN.search(path.name)
+    return (int(match.group(1)) if match else -1, path.stat().st_mtime)
+
+
+def newest_complete_checkpoint(folder: Path, exclude: Optional[Path] = None) -> Optional[Path]:
+    """The complete checkpoint of ``folder`` with the highest step (then the newest), if any."""
+    if not folder.is_dir():
+        return None
+    candidates = [
+        p
+        for p in folder.iterdir()
+        if p.suffix == ".ckpt" and not p.name.startswith(".") and p != exclude and is_complete(p)
+    ]
+    return max(candidates, key=_order_key, default=None)
+
+
+def incomplete_checkpoints(folder: Path) -> list[Path]:
+    """Checkpoints of ``folder`` whose save did not finish."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix == ".ckpt" and p.is_dir() and not is_complete(p))
+
+
+def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
+    """``path`` if complete; otherwise the newest complete sibling, with a warning; otherwise an error.
+
+    Also warns when the folder holds checkpoints newer than the one resumed from that never
+    finished writing (a save interrupted by a crash): the work since is lost, and the user should
+    know why the run restarts from an older step.
+    """
+    path = Path(path)
+    if is_complete(path):
+        resolved = path.resolve()
+        newer = [
+            p for p in incomplete_checkpoints(path.parent)
+            if p.resolve() != resolved and _order_key(p) > _order_key(resolved)
+        ]
+        if newer:
+            names = ", ".join(f"{p.name} is incomplete" for p in newer)
+            warn(f"Skipping interrupted save(s) in {path.parent} ({names}); resuming from {path} ({resolved.name})")
+        return path
+    folder = path.parent
+    fallback = newest_complete_checkpoint(folder, exclude=path)
+    reason = "does not exist" if not path.exists() and not path.is_symlink() else "is incomplete (an interrupted save)"
+    if fallback is None:
+        raise FileNotFoundError(
+            f"Checkpoint {path} {reason}, and {folder} holds no complete checkpoint to resume from instead."
+        )
+    warn(f"Checkpoint {path} {reason}; resuming from the newest complete checkpoint instead: {fallback}")
+    return fallback
+
+
+def remove_path(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's random generators (torch CPU and CUDA, NumPy, Python), as tensors and plain
+    values only, so checkpoints load with ``torch.load(weights_only=True)``."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached": cached},
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rng(folder: Path, rank: int) -> None:
+    (folder / RNG_FOLDER).mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), folder / RNG_FOLDER / f"rank{rank}.pt")
+
+
+def load_rng(folder: Path, rank: int) -> bool:
+    """Restore this rank's generators from a sharded checkpoint; ``False`` if it has none for this rank."""
+    file = folder / RNG_FOLDER / f"rank{rank}.pt"
+    if not file.is_file():
+        return False
+    set_rng_state(torch.load(file, weights_only=True))
+    return True
+
+
+# ---- writing -----------------------------------------------------------------------------------
+def save_full_file(checkpoint: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a temporary name, then rename: the file exists only once complete."""
+    tmp = path.with_name(f".{path.name}.incomplete")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        shutil.rmtree(path)
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+
+class ShardedCheckpointWriter:
+    """Writes sharded checkpoints with DCP, synchronously or in a background thread.
+
+    Async: ``dcp.async_save`` first copies the state to its own CPU buffers (so the next optimizer
+    step cannot change what is written), then writes in a thread; its collectives run on a
+    dedicated gloo group so they never interleave with training collectives. ``meta.pt`` (the
+    completeness mark) is written by rank 0 only when every rank's shard is on disk. At most one
+    save is in flight: the next save, a checkpoint removal, or the end of training waits for it.
+
+    Args:
+        global_rank: This process's rank.
+        barrier: The strategy's barrier.
+        async_save: Write in the background.
+        process_group: Group for the background collectives (a gloo group) when ``async_save``.
+    """
+
+    def __init__(
+        self,
+        global_rank: int,
+        barrier: Callable[[], None],
+        async_save: bool = False,
+        process_group: Any = None,
+    ) -> None:
+        self.global_rank = global_rank
+        self.barrier = barrier
+        self.async_save = async_save
+        self.process_group = process_group
+        self._pending: Optional[Future] = None
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete on disk; re-raise its error here."""
+        with self._lock:
+            future, self._pending = self._pending, None
+        if future is not None:
+            future.result()
+
+    def save(self, state: dict[str, Any], metadata: dict[str, Any], path: Path) -> None:
+        """Write ``state`` (tensors, sharded) and ``metadata`` (rank 0's ``meta.pt``) into folder ``path``."""
+        import io
+
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        if self.global_rank == 0:
+            # Never leave an old .metadata/meta.pt beside new shards: the folder would look complete.
+            remove_path(path)
+            path.mkdir(parents=True)
+        self.barrier()
+        save_rng(path, self.global_rank)
+        # Serialize now: the objects behind the metadata may change while a background save runs.
+        buffer = io.BytesIO()
+        if self.global_rank == 0:
+            torch.save(metadata, buffer)
+
+        def finish() -> None:
+            if self.global_rank == 0:
+                tmp = path / f".{METADATA_FILE}.incomplete"
+                tmp.write_bytes(buffer.getvalue())
+                os.replace(tmp, path / METADATA_FILE)  # the completeness mark, last
+
+        if not self.async_save:
+            dcp.save(state, checkpoint_id=path)
+            finish()
+            self.barrier()
+            return
+        upload = dcp.async_save(state, checkpoint_id=path, process_group=self.process_group)
+        if not isinstance(upload, Future):  # an AsyncSaveResponse (non-blocking staging)
+            upload = upload.upload_completion
+        done: Future = Future()
+
+        def on_upload(f: Future) -> None:
+            # Runs in the writer thread: rank 0's upload completes only after every rank's shard and
+            # DCP's .metadata are written, so the mark can follow at once.
+            try:
+                f.result()
+                finish()
+                done.set_result(path)
+            except BaseException as err:  # noqa: BLE001 - handed to wait() on the training thread
+                done.set_exception(err)
+
+        upload.add_done_callback(on_upload)
+        with self._lock:
+            self._pending = done

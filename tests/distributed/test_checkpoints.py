@@ -1,0 +1,129 @@
+"""Checkpoints never lose work: exact resume, resharding, full files, async saves, crashes.
+
+One 6-step (2, 2) run on a small real-text corpus (3 steps per epoch) saves sharded checkpoints
+every 2 steps and at every epoch end; the other jobs resume from them and must reproduce its
+losses, batches and random draws.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_2d.checkpoint import is_complete
+from lightning_2d.data import stdlib_sources
+from tests.distributed.conftest import load_weights
+
+pytestmark = pytest.mark.distributed
+
+SEQ_LEN, GLOBAL_BATCH = 64, 4
+
+
+@pytest.fixture(scope="module")
+def setup(jobs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    # 12 windows of 64 tokens: 3 global batches of 4 per epoch.
+    text = "".join(p.read_text() for p in stdlib_sources()[:3])[: 12 * SEQ_LEN]
+    (corpus / "text.txt").write_text(text)
+    base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": SEQ_LEN, "max_steps": 6}
+
+    def run(name, dp, tp, expect_ok=True, **extra):
+        config = {**base, "dp": dp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, **extra}
+        return jobs.run(name, "train", config, nprocs=dp * tp, expect_ok=expect_ok)
+
+    ckpt_dir = root / "sharded"
+    checkpoints = [
+        {"dirpath": str(ckpt_dir), "every_n_train_steps": 2, "save_top_k": -1, "save_last": "link"},
+        {"dirpath": str(ckpt_dir), "every_n_epochs": 1, "save_on_train_epoch_end": True, "save_top_k": -1,
+         "filename": "end-{epoch}-{step}"},
+    ]
+    reference = run("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[2, 3, 4])
+    return {"root": root, "run": run, "reference": reference, "dir": ckpt_dir, "checkpoints": checkpoints}
+
+
+def outputs(job, n):
+    return [job.rank_output(r) for r in range(n)]
+
+
+def test_reference_run_saved_complete_checkpoints(setup):
+    names = sorted(p.name for p in setup["dir"].iterdir())
+    assert names == ["end-epoch=0-step=3.ckpt", "end-epoch=1-step=6.ckpt", "epoch=0-step=2.ckpt",
+                     "epoch=1-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert all(is_complete(setup["dir"] / n) for n in names)
+    assert (setup["dir"] / "last.ckpt").resolve().name == "end-epoch=1-step=6.ckpt" or (
+        setup["dir"] / "last.ckpt").resolve().name == "epoch=1-step=6.ckpt"
+
+
+@pytest.mark.parametrize(("checkpoint", "done"), [("epoch=0-step=2.ckpt", 2), ("end-epoch=0-step=3.ckpt", 3)],
+                         ids=["mid-epoch", "epoch-end"])
+def test_resume_at_the_same_layout_is_bit_identical(setup, checkpoint, done):
+    resumed = setup["run"](f"resume_{done}", 2, 2, resume=str(setup["dir"] / checkpoint))
+    for ref, out in zip(outputs(setup["reference"], 4), outputs(resumed, 4)):
+        assert out["global_step"] == 6
+        assert out["losses"] == ref["losses"][done:]  # exact: no tolerance
+        assert out["batches"] == ref["batches"][done:]
+        assert out["draws"] == ref["draws"][done:]  # per-process random state restored
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(4, 1), (1, 4), (2, 1), (1, 1)], ids=lambda v: str(v))
+def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp):
+    resumed = setup["run"](f"reshard_dp{dp}_tp{tp}", dp, tp, resume=str(setup["dir"] / "epoch=1-step=4.ckpt"))
+    saved, restored = load_weights(setup["reference"], "weights_step4"), load_weights(resumed, "initial")
+    assert restored.keys() == saved.keys()
+    for name, weight in restored.items():
+        assert torch.equal(weight, saved[name]), name  # resharding is a copy: bit-equal full tensors
+    ref_losses = setup["reference"].rank_output(0)["losses"][4:]
+    for out in outputs(resumed, dp * tp):
+        assert out["global_step"] == 6
+        assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=0)
+
+
+def test_full_single_file_checkpoint_resumes_at_another_layout(setup):
+    full_dir = setup["root"] / "full"
+    spec = [{"dirpath": str(full_dir), "every_n_train_steps": 3, "save_top_k": -1}]
+    saving = setup["run"]("full_save", 2, 2, checkpoints=spec, save_distributed=False, max_steps=3)
+    file = full_dir / "epoch=0-step=3.ckpt"
+    assert file.is_file() and not any(p.name.startswith(".") for p in full_dir.iterdir())
+    assert saving.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][:3]
+    resumed = setup["run"]("full_resume", 4, 1, resume=str(file))
+    assert resumed.rank_output(0)["losses"] == pytest.approx(
+        setup["reference"].rank_output(0)["losses"][3:], rel=1e-5, abs=0
+    )
+
+
+def test_async_checkpoints_hold_the_state_of_their_step(setup):
+    async_dir = setup["root"] / "async"
+    spec = [{"dirpath": str(async_dir), "every_n_train_steps": 2, "save_top_k": -1}]
+    run = setup["run"]("async_save", 2, 2, checkpoints=spec, async_checkpoint=True)
+    assert run.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"]
+    for step in (2, 4, 6):
+        assert is_complete(async_dir / f"epoch={(step - 1) // 3}-step={step}.ckpt")
+    # Written while steps 3 and 4 ran, the step-2 checkpoint still resumes bit-exactly.
+    resumed = setup["run"]("async_resume", 2, 2, resume=str(async_dir / "epoch=0-step=2.ckpt"))
+    assert resumed.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
+
+
+def test_a_save_killed_midway_is_never_resumed_from(setup):
+    crash_dir = setup["root"] / "crash"
+    spec = [{"dirpath": str(crash_dir), "every_n_train_steps": 2, "save_top_k": -1, "save_last": "link"}]
+    crashed = setup["run"]("crash", 2, 2, expect_ok=False, checkpoints=spec, crash={"save": 2, "rank": 1})
+    assert crashed.returncodes[1] == -9  # rank 1 was killed while writing the step-4 checkpoint
+    assert is_complete(crash_dir / "epoch=0-step=2.ckpt")
+    broken = crash_dir / "epoch=1-step=4.ckpt"
+    assert (broken / "__1_0.distcp").is_file() and not is_complete(broken)  # shards written, never finished
+    shutil.copytree(crash_dir, setup["root"] / "crash_copy", symlinks=True)  # as the crash left it
+
+    # Resuming from "last" lands on step 2 and names the interrupted save.
+    resumed = setup["run"]("crash_resume_last", 2, 2, checkpoints=spec, resume="last")
+    assert resumed.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
+    assert "epoch=1-step=4.ckpt is incomplete" in resumed.logs[0]
+
+    # Asking for the broken checkpoint itself falls back to the newest complete one, and says so.
+    broken = setup["root"] / "crash_copy" / "epoch=1-step=4.ckpt"
+    fallback = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken))
+    assert fallback.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
+    assert f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete" in fallback.logs[0]
