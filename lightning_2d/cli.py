@@ -5,11 +5,14 @@
     lightning-2d fit --trainer.strategy=model_parallel_2d --trainer.devices=4 --trainer.accelerator=cpu
 
 Subcommands: ``fit``, ``validate``, ``test``, ``predict``. A ``ThroughputMonitor`` is always on
-(``--throughput.*`` configures it).
+(``--throughput.*`` configures it). And ``lightning-2d export CHECKPOINT OUT_DIR`` writes a
+Hugging Face Llama directory from a checkpoint.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -53,8 +56,33 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DC
     )
 
 
+def export_main(argv: list[str]) -> None:
+    """``lightning-2d export CHECKPOINT OUT_DIR``: a checkpoint → Hugging Face Llama directory."""
+    import argparse
+
+    from lightning_2d.hf import export_hf
+    from lightning_2d.parallel.config import DTYPE_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-2d export",
+        description="Write model.safetensors + config.json (Hugging Face Llama layout) from a sharded or"
+        " full LlamaLightningModule checkpoint. Needs no GPU and no process group.",
+    )
+    parser.add_argument("checkpoint", help="checkpoint folder (sharded) or file (full)")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: as stored")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
+    args = parser.parse_args(argv)
+    dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir), dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"Wrote {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+
+
 def main() -> None:
     """The ``lightning-2d`` console script."""
+    if len(sys.argv) > 1 and sys.argv[1] == "export":
+        export_main(sys.argv[2:])
+        return
     cli_main()
 
 

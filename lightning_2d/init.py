@@ -132,3 +132,17 @@ def fill_block_(
         lo, hi = max(row_start, block_start), min(row_stop, block_start + block_rows)
         out[lo - row_start : hi - row_start].copy_(values[(slice(lo - block_start, hi - block_start), *trailing)])
     return out
+
+
+class SeededInit:
+    """The seeded initialization of a model's parameters as a source of blocks (see ``fill_block_``)."""
+
+    def __init__(self, specs: dict[str, InitSpec], seed: int) -> None:
+        self.specs, self.seed = specs, seed
+
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: Sequence[int], offset: Sequence[int] | None
+    ) -> None:
+        if name not in self.specs:
+            raise KeyError(f"no InitSpec for parameter {name!r}")
+        fill_block_(out, self.specs[name], seed=self.seed, name=name, global_shape=global_shape, offset=offset)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_2d.init import InitSpec, fill_block_
+from lightning_2d.init import InitSpec, SeededInit
 
 
 @dataclass
@@ -40,6 +40,8 @@ class ModelArgs:
         max_seq_len: Longest sequence the rotary table covers.
         depth_init: Scale the init of each block's output projections by its depth
             (``0.02 / sqrt(2 · (layer_id + 1))``, as torchtitan) instead of by the model depth.
+        hidden_dim: The SwiGLU hidden size itself, instead of deriving it from ``multiple_of`` and
+            ``ffn_dim_multiplier`` (for imported models).
     """
 
     dim: int = 4096
@@ -53,6 +55,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
     depth_init: bool = True
+    hidden_dim: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +86,8 @@ class ModelArgs:
     @property
     def ffn_hidden_dim(self) -> int:
         """SwiGLU hidden size, computed as in Meta's reference (``4·dim · 2/3``, scaled, rounded up)."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -299,7 +304,11 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialize every parameter from ``seed`` (the values a sharded model gets too)."""
-        specs = self.param_init_specs()
+        self.load_blocks(SeededInit(self.param_init_specs(), seed))
+
+    @torch.no_grad()
+    def load_blocks(self, source: Any) -> None:
+        """Fill every (unsharded) parameter from ``source.fill_block_(out, name, shape, offset)``."""
         for name, param in self.named_parameters():
-            fill_block_(param, specs[name], seed=seed, name=name, global_shape=param.shape)
+            source.fill_block_(param, name, tuple(param.shape), None)
         self.init_buffers()

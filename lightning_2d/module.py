@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Union
 
 import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_2d.hf import HFWeights, model_args_from_hf
 from lightning_2d.model import ModelArgs, Transformer
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import next_token_loss
@@ -39,7 +42,9 @@ class LlamaLightningModule(L.LightningModule):
     meta device.
 
     Args:
-        model: A preset name (``"debug"``, ``"llama3-8b"``, … see ``lightning_2d.model.PRESETS``) or ``ModelArgs``.
+        model: A preset name (``"debug"``, ``"llama3-8b"``, … see ``lightning_2d.model.PRESETS``),
+            ``ModelArgs`` (or their dict); ``None``: from ``init_from``'s ``config.json`` if given,
+            else ``"debug"``.
         model_overrides: Fields of the preset to change (``{"n_layers": 2}``).
         learning_rate: Peak learning rate.
         weight_decay: AdamW weight decay, applied to matrices only (not to norm weights).
@@ -53,11 +58,14 @@ class LlamaLightningModule(L.LightningModule):
         init_seed: Seed of the weight initialization; ``None`` uses the run's seed
             (``seed_everything``) broadcast from rank 0. The same seed gives the same weights at
             every parallel layout.
+        init_from: A Hugging Face Llama directory (``config.json`` + ``model.safetensors`` or
+            shards) to start from instead of a random init; under the 2D strategy each rank reads
+            only the blocks it holds.
     """
 
     def __init__(
         self,
-        model: Union[str, ModelArgs] = "debug",
+        model: Union[str, ModelArgs, dict, None] = None,
         model_overrides: dict[str, Any] | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
@@ -68,13 +76,19 @@ class LlamaLightningModule(L.LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         init_seed: int | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if isinstance(model, ModelArgs):
-            self.model_args = ModelArgs(**{**vars(model), **(model_overrides or {})})
+        overrides = model_overrides or {}
+        if model is None and init_from is not None:
+            self.model_args = ModelArgs(**{**asdict(model_args_from_hf(Path(init_from))), **overrides})
+        elif isinstance(model, (ModelArgs, dict)):
+            fields = asdict(model) if isinstance(model, ModelArgs) else model
+            self.model_args = ModelArgs(**{**fields, **overrides})
+            self.hparams["model"] = asdict(self.model_args)  # plain data: checkpoints load weights_only
         else:
-            self.model_args = ModelArgs.from_name(model, **(model_overrides or {}))
+            self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
         # Updated with values already reduced over the data-parallel group: no second sync.
         self.val_loss = MeanMetric(sync_on_compute=False)
@@ -84,6 +98,15 @@ class LlamaLightningModule(L.LightningModule):
     @property
     def init_seed(self) -> int | None:
         return self.hparams.init_seed
+
+    def weights_source(self) -> HFWeights | None:
+        """Where the initial weights come from instead of the seeded init (``init_from``), if anywhere."""
+        init_from = self.hparams.get("init_from")
+        return HFWeights(Path(init_from), self.model_args) if init_from else None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The exact shapes, so `lightning-2d export` needs neither the preset table nor the overrides.
+        checkpoint["model_args"] = asdict(self.model_args)
 
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
         """The Llama plan: Meta's module names, and the sizes tensor parallelism must divide."""
@@ -110,7 +133,11 @@ class LlamaLightningModule(L.LightningModule):
             seed = strategy.broadcast(seed)
         with torch.device(device):
             model = Transformer(self.model_args)
-        model.init_weights(seed)
+        source = self.weights_source()
+        if source is not None:
+            model.load_blocks(source)
+        else:
+            model.init_weights(seed)
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

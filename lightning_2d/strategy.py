@@ -233,7 +233,9 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
                 model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
             parallelize_model(model, self.device_mesh, plan, config, hooks=self.lightning_module)
         seed = self._init_seed()
-        materialize_model(model, self.root_device, seed=seed)
+        source_fn = getattr(self.lightning_module, "weights_source", None)
+        weights = source_fn() if callable(source_fn) else None
+        materialize_model(model, self.root_device, seed=seed, weights=weights)
         materialize_model(self.model, self.root_device, seed=seed)  # meta tensors outside the plan's module, if any
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Optional, Protocol
+
 import torch
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_2d.init import fill_block_
+from lightning_2d.init import SeededInit
 from lightning_2d.parallel.modules import canonical_name
 
 
@@ -36,19 +38,31 @@ def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | No
     return local, tuple(offset)
 
 
-@torch.no_grad()
-def materialize_model(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate ``model``'s meta tensors on ``device`` and initialize them.
+class WeightSource(Protocol):
+    """Where a materialized parameter's values come from, block by block."""
 
-    A model that describes its initialization (``param_init_specs()`` → ``{name: InitSpec}``, as
-    ``lightning_2d.model.Transformer`` does) gets the same values at every ``(dp, tp)`` layout and
-    on a single device. Other models fall back to their ``reset_parameters()`` methods (Lightning's
-    behaviour), which does not give layout-independent values; a warning says so.
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
+    ) -> None: ...
+
+
+@torch.no_grad()
+def materialize_model(
+    model: nn.Module, device: torch.device, seed: int, weights: Optional[WeightSource] = None
+) -> None:
+    """Allocate ``model``'s meta tensors on ``device`` and fill each rank's blocks.
+
+    ``weights`` supplies the values (e.g. ``lightning_2d.hf.HFWeights`` reads them from a Hugging
+    Face directory). Without it, a model that describes its initialization (``param_init_specs()``
+    → ``{name: InitSpec}``, as ``lightning_2d.model.Transformer`` does) gets its seeded init, the
+    same at every ``(dp, tp)`` layout and on a single device. Other models fall back to their
+    ``reset_parameters()`` methods (Lightning's behaviour), whose values depend on the layout; a
+    warning says so.
     """
     if not has_meta_tensors(model):
         return
     specs_fn = getattr(model, "param_init_specs", None)
-    if specs_fn is None:
+    if weights is None and specs_fn is None:
         rank_zero_warn(
             f"{type(model).__name__} has no `param_init_specs()`; initializing it with each module's"
             " `reset_parameters()`, whose values depend on the parallel layout. Define `param_init_specs()`"
@@ -58,17 +72,10 @@ def materialize_model(model: nn.Module, device: torch.device, seed: int) -> None
         return
 
     model.to_empty(device=device)
-    specs = specs_fn()
-    missing = []
+    source = weights if weights is not None else SeededInit(specs_fn(), seed)
     for fqn, param in model.named_parameters():
-        name = canonical_name(fqn)
-        if name not in specs:
-            missing.append(name)
-            continue
         local, offset = local_block(param)
-        fill_block_(local, specs[name], seed=seed, name=name, global_shape=param.shape, offset=offset)
-    if missing:
-        raise ValueError(f"{type(model).__name__}.param_init_specs() has no entry for: {', '.join(missing)}")
+        source.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
     init_buffers = getattr(model, "init_buffers", None)
     if callable(init_buffers):
         init_buffers(device)

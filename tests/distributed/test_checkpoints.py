@@ -127,3 +127,40 @@ def test_a_save_killed_midway_is_never_resumed_from(setup):
     fallback = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken))
     assert fallback.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
     assert f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete" in fallback.logs[0]
+
+
+def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):
+    import subprocess
+    import sys
+
+    import transformers
+
+    from lightning_2d import Transformer
+    from lightning_2d.hf import hf_to_meta
+
+    checkpoint, out = setup["dir"] / "epoch=1-step=4.ckpt", setup["root"] / "hf_export"
+    done = subprocess.run([sys.executable, "-m", "lightning_2d", "export", str(checkpoint), str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    saved = load_weights(setup["reference"], "weights_step4")
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    q = hf.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(hf_to_meta(q, 8), saved["layers.1.attention.wq.weight"])  # the RoPE permutation
+    ours = Transformer(hf_to_args(out))
+    ours.load_state_dict(saved, strict=False)
+    ours.init_buffers()
+    tokens = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+    # Each rank of a (2, 2) run reads its blocks of the export: the full weights come back bit-equal.
+    started = setup["run"]("init_from_hf", 2, 2, init_from=str(out), max_steps=1)
+    for name, weight in load_weights(started, "initial").items():
+        assert torch.equal(weight, saved[name]), name
+
+
+def hf_to_args(folder):
+    from lightning_2d.hf import model_args_from_hf
+
+    return model_args_from_hf(folder)

@@ -33,4 +33,4 @@ def test_excerpts_match_their_files(index):
 def test_complete_snippets_run(index, tmp_path):
     script = tmp_path / f"readme_snippet_{index}.py"
     script.write_text(SNIPPETS[index])
-    run_script(str(script))
+    run_script(str(script), cwd=tmp_path)  # relative paths (checkpoints/) land in the test's folder

@@ -17,10 +17,10 @@ from tests.distributed.launcher import REPO
 pytestmark = pytest.mark.distributed
 
 
-def run_script(*args: str, timeout: float = 300) -> str:
+def run_script(*args: str, timeout: float = 300, cwd=REPO) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
     try:

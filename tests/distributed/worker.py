@@ -261,7 +261,8 @@ def train(cfg: dict) -> None:
     data = TextDataModule(cfg["corpus"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
                           cache_dir=cfg["cache_dir"], val_fraction=0.0)
     # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
-    module = LlamaLightningModule("debug", warmup_steps=2, max_steps=6)
+    module = LlamaLightningModule(None if cfg.get("init_from") else "debug", warmup_steps=2, max_steps=6,
+                                  init_from=cfg.get("init_from"))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
     for spec in cfg.get("checkpoints", []):
@@ -288,7 +289,45 @@ def train(cfg: dict) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"fit": fit, "text": text, "train": train}
+def bench_checkpoint(cfg: dict) -> None:
+    """Wall time of each training step with checkpoints saved every few steps (sync, async or none)."""
+    import time
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_2d import TextDataModule
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.last = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            if self.last is not None:  # from the previous step's start: includes its checkpoint save
+                self.times.append(now - self.last)
+            self.last = now
+
+    out_dir, world = Path(cfg["out_dir"]), int(os.environ["WORLD_SIZE"])
+    L.seed_everything(7, verbose=False)
+    data = TextDataModule(None, seq_len=cfg["seq_len"], batch_size=cfg["batch_size"], val_fraction=0.0)
+    module = LlamaLightningModule("debug", model_overrides=cfg["model_overrides"], warmup_steps=2)
+    timer = StepTimer()
+    callbacks: list = [timer]
+    if cfg["mode"] != "none":
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=cfg["every"], save_top_k=-1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=cfg["steps"] + 1, logger=False,
+        strategy=ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
+                                         async_checkpoint=cfg["mode"] == "async"),
+        enable_checkpointing=cfg["mode"] != "none", enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data)
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({"step_times": timer.times}))
+
+
+SCENARIOS = {"fit": fit, "text": text, "train": train, "bench_checkpoint": bench_checkpoint}
 
 if __name__ == "__main__":
     scenario, config_path = sys.argv[1], sys.argv[2]
