@@ -170,8 +170,10 @@ class LlamaLightningModule(L.LightningModule):
         # later fit() (whose sanity check runs under no_grad) cannot update.
         with torch.inference_mode(False):
             metric.reset()
-        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val")
-        self.log(f"{prefix}_perplexity", loss.exp())
+        # Already global (identical on every rank); sync_dist averages identical values and keeps
+        # Lightning from warning about epoch-level logging without it.
+        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val", sync_dist=True)
+        self.log(f"{prefix}_perplexity", loss.exp(), sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self._log_loss_and_perplexity(self.val_loss, "val")
