@@ -51,6 +51,48 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+class ThroughputMeter:
+    """Windowed throughput arithmetic, shared by ``ThroughputMonitor`` (Trainer) and Fabric loops.
+
+    Args:
+        world_size: Number of processes (devices).
+        device: This process's device (for MFU and memory).
+        flops_per_token: ``seq_len -> FLOPs`` per trained token (enables TFLOP/s and MFU), or ``None``.
+    """
+
+    def __init__(
+        self, world_size: int, device: torch.device, flops_per_token: Optional[Any] = None
+    ) -> None:
+        self.world_size, self.device, self.flops_per_token = world_size, device, flops_per_token
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = self.tokens = 0
+        self.seconds = 0.0
+
+    def update(self, global_tokens: int, seconds: float) -> None:
+        """One step that trained ``global_tokens`` tokens (counted once per data-parallel replica)."""
+        self.steps += 1
+        self.tokens += global_tokens
+        self.seconds += seconds
+
+    def compute(self, seq_len: int) -> dict[str, float]:
+        tokens_per_sec = self.tokens / self.seconds
+        metrics = {
+            "perf/tokens_per_sec": tokens_per_sec,
+            "perf/tokens_per_sec_per_device": tokens_per_sec / self.world_size,
+            "perf/step_time_s": self.seconds / self.steps,
+            "perf/peak_memory_gib": peak_memory_gib(self.device),
+        }
+        if self.flops_per_token is not None:
+            tflops = self.flops_per_token(seq_len) * tokens_per_sec / self.world_size / 1e12
+            metrics["perf/tflops_per_device"] = tflops
+            peak = peak_bf16_tflops(self.device)
+            if peak is not None:
+                metrics["perf/mfu_percent"] = 100.0 * tflops / peak
+        return metrics
+
+
 class ThroughputMonitor(L.Callback):
     """Logs tokens/s, step time, TFLOP/s per device, MFU and peak memory every ``log_every_n_steps``.
 
@@ -68,12 +110,8 @@ class ThroughputMonitor(L.Callback):
         self.log_every_n_steps = log_every_n_steps
         self.skip_first_steps = skip_first_steps
         self.last: dict[str, float] = {}  # the most recent measurements (for scripts and tests)
-        self._reset_window()
+        self._meter: Optional[ThroughputMeter] = None
         self._last_end: Optional[float] = None
-
-    def _reset_window(self) -> None:
-        self._steps = self._tokens = 0
-        self._seconds = 0.0
 
     @staticmethod
     def data_parallel_size(trainer: L.Trainer) -> int:
@@ -81,47 +119,31 @@ class ThroughputMonitor(L.Callback):
         return int(kwargs["num_replicas"]) if kwargs else 1
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._meter is None:
+            flops = getattr(pl_module, "flops_per_token", None)
+            self._meter = ThroughputMeter(trainer.world_size, pl_module.device, flops if callable(flops) else None)
         if self._last_end is None:
             self._last_end = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        assert self._meter is not None
         now = time.perf_counter()
         step_seconds, self._last_end = now - (self._last_end or now), now
         tokens = batch["input_ids"].numel() * self.data_parallel_size(trainer)  # global tokens of this step
         self.last["tokens_per_step"] = tokens
         if trainer.global_step <= self.skip_first_steps:
             return
-        self._steps += 1
-        self._tokens += tokens
-        self._seconds += step_seconds
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        if self._steps >= every:
-            self._log(trainer, pl_module, seq_len=batch["input_ids"].shape[-1])
-            self._reset_window()
-
-    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule, seq_len: int) -> None:
-        world = trainer.world_size
-        tokens_per_sec = self._tokens / self._seconds
-        metrics = {
-            "perf/tokens_per_sec": tokens_per_sec,
-            "perf/tokens_per_sec_per_device": tokens_per_sec / world,
-            "perf/step_time_s": self._seconds / self._steps,
-            "perf/peak_memory_gib": peak_memory_gib(pl_module.device),
-        }
-        flops_fn = getattr(pl_module, "flops_per_token", None)
-        if callable(flops_fn):
-            tflops = flops_fn(seq_len) * tokens_per_sec / world / 1e12
-            metrics["perf/tflops_per_device"] = tflops
-            peak = peak_bf16_tflops(pl_module.device)
-            if peak is not None:
-                metrics["perf/mfu_percent"] = 100.0 * tflops / peak
-        self.last.update(metrics)
-        # Straight to the loggers, once per window (self.log would repeat the value every step).
-        # Lightning files a step's metrics under the 0-based index of that step.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=max(trainer.global_step - 1, 0))
-        for name in ("perf/tokens_per_sec", "perf/mfu_percent"):
-            if name in metrics:
-                pl_module.log(name, metrics[name], prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        self._meter.update(tokens, step_seconds)
+        if self._meter.steps >= (self.log_every_n_steps or trainer.log_every_n_steps):
+            metrics = self._meter.compute(seq_len=batch["input_ids"].shape[-1])
+            self._meter.reset()
+            self.last.update(metrics)
+            # Straight to the loggers, once per window (self.log would repeat the value every step).
+            # Lightning files a step's metrics under the 0-based index of that step.
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=max(trainer.global_step - 1, 0))
+            for name in ("perf/tokens_per_sec", "perf/mfu_percent"):
+                if name in metrics:
+                    pl_module.log(name, metrics[name], prog_bar=True, logger=False, on_step=True, on_epoch=False)

@@ -246,3 +246,35 @@ class ShardedCheckpointWriter:
         upload.add_done_callback(on_upload)
         with self._lock:
             self._pending = done
+
+
+# ---- shared by the strategies ------------------------------------------------------------------
+def layout_of(world_size: int, data_parallel: Optional[int], tensor_parallel: Optional[int]) -> dict[str, Any]:
+    return {"world_size": world_size, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+
+
+def restore_random_state(
+    path: Path, saved: dict[str, Any], now: dict[str, Any], rank: int, info: Callable[[str], None]
+) -> None:
+    """After loading ``path``: restore this rank's RNG if the layout is the one saved, else say why not.
+
+    Args:
+        path: The loaded checkpoint.
+        saved: The checkpoint's ``lightning_2d`` entry (``layout``, and ``rng`` for full files).
+        now: The current layout (``layout_of``).
+        rank: This process's global rank.
+        info: Where to report a layout change (rank 0's logger).
+    """
+    layout = saved.get("layout") or {}
+    if layout.get("world_size") == now["world_size"]:
+        if path.is_dir():
+            load_rng(path, rank)
+        elif saved.get("rng"):
+            set_rng_state(saved["rng"][rank])
+    elif layout:
+        info(
+            f"Resuming a checkpoint saved at (data_parallel, tensor_parallel) = ({layout.get('data_parallel')},"
+            f" {layout.get('tensor_parallel')}) on {layout.get('world_size')} processes at"
+            f" ({now['data_parallel']}, {now['tensor_parallel']}) on {now['world_size']}: weights and optimizer"
+            " states are resharded; per-process random states are not restored."
+        )

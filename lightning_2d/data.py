@@ -314,6 +314,7 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler: DataParallelSampler = self.sampler  # type: ignore[assignment]
+        sampler.set_epoch(int(state["epoch"]))  # a Fabric loop continues from the sampler's epoch
         sampler.resume(int(state["epoch"]), int(state["consumed_samples"]))
 
 
@@ -372,6 +373,7 @@ class TextDataModule(L.LightningDataModule):
         self.tokenizer = load_tokenizer(tokenizer, eos_token)  # fails here, before any process starts
         self._sources: list[Path] | None = None
         self._folder: Path | None = None
+        self._data_parallel: tuple[int, int] | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: TokenWindows | None = None
 
@@ -424,7 +426,14 @@ class TextDataModule(L.LightningDataModule):
         self.train_dataset = TokenWindows(self._folder, self.seq_len, 0, windows - n_val)
         self.val_dataset = TokenWindows(self._folder, self.seq_len, windows - n_val, n_val) if n_val else None
 
+    def set_data_parallel(self, num_replicas: int, rank: int) -> None:
+        """Outside a Trainer (Fabric): this process's data-parallel replica, e.g.
+        ``data.set_data_parallel(**fabric.strategy.distributed_sampler_kwargs)``."""
+        self._data_parallel = (int(num_replicas), int(rank))
+
     def _replicas(self) -> tuple[int, int]:
+        if self._data_parallel is not None:
+            return self._data_parallel
         strategy = self.trainer.strategy if self.trainer is not None else None
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
         if not kwargs:

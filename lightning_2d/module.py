@@ -16,7 +16,7 @@ from lightning_2d.hf import HFWeights, model_args_from_hf
 from lightning_2d.model import ModelArgs, Transformer
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import next_token_loss
-from lightning_2d.parallel.tensor_parallel import llama_tensor_parallel_plan
+from lightning_2d.parallel.plans import llama_plan
 
 
 def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -110,13 +110,7 @@ class LlamaLightningModule(L.LightningModule):
 
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
         """The Llama plan: Meta's module names, and the sizes tensor parallelism must divide."""
-        args = self.model_args
-        return ParallelPlan(
-            tensor_parallel=llama_tensor_parallel_plan(config.sequence_parallel, config.loss_parallel),
-            blocks="layers",
-            module="model",
-            tp_divides={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
-        )
+        return llama_plan(self.model_args, config, module="model")
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -28,19 +28,17 @@ from typing_extensions import override
 
 from lightning_2d.checkpoint import (
     ShardedCheckpointWriter,
-    is_sharded_checkpoint,
-    load_rng,
+    layout_of,
     remove_path,
     resolve_checkpoint,
+    restore_random_state,
     rng_state,
     save_full_file,
-    set_rng_state,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
-from lightning_2d.parallel.materialize import materialize_model
-from lightning_2d.parallel.parallelize import is_parallelized, parallelize_model, resolve_plan
+from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -176,6 +174,10 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called by the Trainer's constructor, before it launches any process: fail there.
         self.validate()
+        if type(self.precision_plugin) in (Precision, MixedPrecision, HalfPrecision):
+            # Lightning's stock plugins (autocast, module conversion) give way to FSDP2's policy;
+            # a custom plugin the user passed is kept.
+            self.precision_plugin = FSDP2Precision(self.precision_plugin.precision)
         super()._configure_launcher()
 
     @override
@@ -183,10 +185,6 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self.parallel_dims = self.validate()
         self._data_parallel_size = self.parallel_dims.dp
         self._tensor_parallel_size = self.parallel_dims.tp
-        if type(self.precision_plugin) in (Precision, MixedPrecision, HalfPrecision):
-            # Lightning's stock plugins (autocast, module conversion) give way to FSDP2's policy;
-            # a custom plugin the user passed is kept.
-            self.precision_plugin = FSDP2Precision(self.precision_plugin.precision)
         # Lightning's: process group, seed reset, the (data_parallel, tensor_parallel) mesh.
         super().setup_environment()
         atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
@@ -201,20 +199,6 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         )
 
     # ---- parallelize and materialize ----------------------------------------------------------
-    def _target_module(self, plan: ParallelPlan) -> nn.Module:
-        module = self.lightning_module
-        assert module is not None
-        if not plan.module:
-            return module
-        target = getattr(module, plan.module, None)
-        if not isinstance(target, nn.Module):
-            raise AttributeError(
-                f"The parallel plan applies to `{type(module).__name__}.{plan.module}`, which is"
-                f" {type(target).__name__}, not an nn.Module. Build the model in `configure_model()` and"
-                f" assign it to `self.{plan.module}`, or set ParallelPlan(module=...) to its attribute name."
-            )
-        return target
-
     def _init_seed(self) -> int:
         seed = getattr(self.lightning_module, "init_seed", None)
         if seed is None:
@@ -225,18 +209,15 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        config = self.parallel_config.resolve_dtypes(self.precision_plugin.precision)
-        plan = resolve_plan(self.lightning_module, config, self._plan)
-        model = self._target_module(plan)
-        if not is_parallelized(model):
-            if self.precision_plugin.precision == "bf16-true":
-                model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
-            parallelize_model(model, self.device_mesh, plan, config, hooks=self.lightning_module)
-        seed = self._init_seed()
-        source_fn = getattr(self.lightning_module, "weights_source", None)
-        weights = source_fn() if callable(source_fn) else None
-        materialize_model(model, self.root_device, seed=seed, weights=weights)
-        materialize_model(self.model, self.root_device, seed=seed)  # meta tensors outside the plan's module, if any
+        parallelize_and_materialize(
+            self.lightning_module,
+            self.device_mesh,
+            self.parallel_config,
+            self._plan,
+            self.precision_plugin.precision,
+            self.root_device,
+            seed=self._init_seed,
+        )
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 
@@ -249,8 +230,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
     # ---- checkpoints --------------------------------------------------------------------------
     def _layout(self) -> dict[str, Any]:
         dims = self.parallel_dims
-        return {"world_size": self.world_size, "data_parallel": dims.dp if dims else None,
-                "tensor_parallel": dims.tp if dims else None}
+        return layout_of(self.world_size, dims.dp if dims else None, dims.tp if dims else None)
 
     @override
     def save_checkpoint(
@@ -284,20 +264,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         path = resolve_checkpoint(Path(checkpoint_path), warn=rank_zero_warn) if self.is_global_zero else None
         path = Path(self.broadcast(str(path)))
         metadata = super().load_checkpoint(path, weights_only=weights_only)
-        saved = metadata.get("lightning_2d", {})
-        layout, now = saved.get("layout", {}), self._layout()
-        if layout.get("world_size") == now["world_size"]:
-            if is_sharded_checkpoint(path):
-                load_rng(path, self.global_rank)
-            elif saved.get("rng"):
-                set_rng_state(saved["rng"][self.global_rank])
-        elif layout:
-            rank_zero_info(
-                f"Resuming a checkpoint saved at (data_parallel, tensor_parallel) = ({layout.get('data_parallel')},"
-                f" {layout.get('tensor_parallel')}) on {layout.get('world_size')} processes at"
-                f" ({now['data_parallel']}, {now['tensor_parallel']}) on {now['world_size']}: weights and optimizer"
-                " states are resharded; per-process random states are not restored."
-            )
+        restore_random_state(path, metadata.get("lightning_2d", {}), self._layout(), self.global_rank, rank_zero_info)
         return metadata
 
     @override

@@ -1,5 +1,18 @@
 """Everything parallel: mesh sizes, the TP/SP plan, activation checkpointing, compile, FSDP2, init."""
 
+import logging
+
+
+class _QuietSequentialCollectives(logging.Filter):
+    # DTensor logs a warning on each process the first time a 2D redistribution (a strided FSDP x TP
+    # shard gathered, a gradient norm reduced over both mesh dims) needs two collectives. Expected
+    # here, and not actionable by a user.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_QuietSequentialCollectives())
+
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan

@@ -45,11 +45,19 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
-    """Scale gradients in place so their total norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale gradients in place so their total norm is at most ``max_norm``; returns the norm before clipping.
+
+    With ``error_if_nonfinite`` a NaN/inf norm raises instead of scaling the gradients by NaN.
+    """
     parameters = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(parameters, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}); the step would"
+            " corrupt the weights. Lower the learning rate, check the data, or pass error_if_nonfinite=False."
+        )
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     # Scale the local shards: a DTensor's gradient is its local tensor (to_local() aliases it
     # under no_grad), and a plain tensor factor needs no host sync.

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -53,13 +54,74 @@ def is_parallelized(model: nn.Module) -> bool:
 
 
 def resolve_plan(owner: Any, config: ParallelConfig, plan: ParallelPlan | None) -> ParallelPlan:
-    """The plan to apply: the one given to the strategy, else ``owner.parallel_plan(config)``, else the default names."""
+    """The plan to apply: the one given to the strategy, else ``owner.parallel_plan(config)``, else the
+    plan of a model this library knows (a bare Llama ``Transformer``), else the default names."""
+    from lightning_2d.parallel.plans import known_plan
+
     if plan is not None:
         return plan
     plan_fn = getattr(owner, "parallel_plan", None)
     if callable(plan_fn):
         return plan_fn(config)
-    return ParallelPlan()
+    return known_plan(owner, config) or ParallelPlan()
+
+
+def target_module(owner: nn.Module, plan: ParallelPlan) -> nn.Module:
+    """The module the plan applies to: ``owner`` itself or its attribute ``plan.module``."""
+    if not plan.module:
+        return owner
+    target = getattr(owner, plan.module, None)
+    if not isinstance(target, nn.Module):
+        raise AttributeError(
+            f"The parallel plan applies to `{type(owner).__name__}.{plan.module}`, which is"
+            f" {type(target).__name__}, not an nn.Module. Build the model (in `configure_model()` for a"
+            f" LightningModule) and assign it to `self.{plan.module}`, or set ParallelPlan(module=...) to its"
+            " attribute name."
+        )
+    return target
+
+
+def parallelize_and_materialize(
+    owner: nn.Module,
+    mesh: "DeviceMesh",
+    config: ParallelConfig,
+    plan: ParallelPlan | None,
+    precision: str,
+    device: torch.device,
+    seed: Callable[[], int],
+) -> nn.Module:
+    """What both strategies do with a model: parallelize it (unless already done) and materialize it.
+
+    Args:
+        owner: The LightningModule or the module given to ``fabric.setup``; its methods named like
+            the steps override them, its ``parallel_plan(config)`` gives the plan unless ``plan``
+            is given, its ``weights_source()`` (if any) gives the initial values.
+        mesh: The 2D mesh.
+        config: The strategy's options.
+        plan: The plan passed to the strategy, if any.
+        precision: The Trainer/Fabric precision string.
+        device: Where the shards live.
+        seed: Called (on every rank) for the initialization seed when a seeded init is needed.
+
+    Returns:
+        The module the plan applied to.
+    """
+    from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
+
+    config = config.resolve_dtypes(precision)
+    plan = resolve_plan(owner, config, plan)
+    model = target_module(owner, plan)
+    if not is_parallelized(model):
+        if precision == "bf16-true":
+            model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
+        parallelize_model(model, mesh, plan, config, hooks=owner)
+    if has_meta_tensors(owner):
+        source_fn = getattr(owner, "weights_source", None)
+        weights = source_fn() if callable(source_fn) else None
+        init_seed = seed()
+        materialize_model(model, device, seed=init_seed, weights=weights)
+        materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
+    return model
 
 
 def parallelize_model(

@@ -64,3 +64,11 @@ def test_debug_recipe_trains_on_the_standard_library_with_live_throughput(tmp_pa
     assert any(r["val_loss"] for r in rows)
     speeds = [float(r["perf/tokens_per_sec"]) for r in rows if r.get("perf/tokens_per_sec")]
     assert len(speeds) == 2 and all(s > 0 for s in speeds)
+
+
+def test_fabric_recipe_runs_as_documented(tmp_path):
+    out = run_script(str(REPO / "recipes" / "fabric_pretrain.py"), "--max-steps", "4", "--log-every", "2",
+                     "--seq-len", "64", "--accumulate", "2", "--batch-size", "2", "--save-every", "4", cwd=tmp_path)
+    assert re.search(r"step +4 +loss [0-9.]+ +grad norm [0-9.]+ +[0-9,]+ tokens/s", out)
+    assert (tmp_path / "checkpoints" / "step-000004" / "meta.pt").is_file()
+    assert math.isfinite(float(re.search(r"final loss: ([0-9.]+)", out).group(1)))

@@ -16,6 +16,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
+
+REPO = Path(__file__).resolve().parents[2]
 from lightning_2d.parallel.grad_norm import total_grad_norm
 from lightning_2d.parallel.modules import canonical_name
 
@@ -327,7 +329,71 @@ def bench_checkpoint(cfg: dict) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({"step_times": timer.times}))
 
 
-SCENARIOS = {"fit": fit, "text": text, "train": train, "bench_checkpoint": bench_checkpoint}
+def fabric_loop(cfg: dict) -> None:
+    """recipes/fabric_pretrain.py's loop, under the 2D Fabric strategy or a plain single-device Fabric."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
+
+    spec = importlib.util.spec_from_file_location("fabric_pretrain", REPO / "recipes" / "fabric_pretrain.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    out_dir, world = Path(cfg["out_dir"]), int(os.environ["WORLD_SIZE"])
+    argv = ["--data", cfg["corpus"], "--cache-dir", cfg["cache_dir"], "--seq-len", str(cfg["seq_len"]),
+            "--batch-size", str(cfg["batch_size"]), "--accumulate", str(cfg.get("accumulate", 1)),
+            "--max-steps", "6", "--warmup-steps", "2", "--lr", "1e-3", "--grad-clip", str(cfg["grad_clip"]),
+            "--save-every", str(cfg.get("save_every", 0)), "--checkpoint-dir", cfg.get("checkpoint_dir", "ckpt")]
+    if cfg.get("resume"):
+        argv += ["--resume", cfg["resume"]]
+    args = recipe.parse_args(argv)
+    if cfg["strategy"] == "single":
+        strategy = "auto"
+    elif cfg.get("custom_parallelize_fn"):
+        # Fabric's own hook, written by hand as a user would: the library's steps, full AC.
+        from lightning_2d.parallel import ParallelConfig, parallelize_model
+        from lightning_2d.parallel.plans import llama_plan
+
+        def parallelize_fn(model, mesh):
+            config = ParallelConfig(activation_checkpointing="full").resolve_dtypes("32-true")
+            parallelize_model(model, mesh, llama_plan(model.args, config), config)
+            return model
+
+        strategy = FabricStrategy(cfg["dp"], cfg["tp"], parallelize_fn=parallelize_fn)
+    else:
+        strategy = FabricStrategy(cfg["dp"], cfg["tp"])
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
+    fabric.launch()
+
+    reduce_scatters = {"n": 0}
+    if dist.is_available():
+        original = dist.reduce_scatter_single  # what FSDP2 calls for its gradient reduce-scatter
+
+        def counting(*a, **k):
+            reduce_scatters["n"] += 1
+            return original(*a, **k)
+
+        dist.reduce_scatter_single = counting
+
+    def on_step(step: int, model) -> None:
+        if step == 6:
+            state = full_state(model)
+            if fabric.global_rank == 0:
+                torch.save(state, out_dir / "final.pt")
+
+    history = recipe.train(fabric, args, on_step=on_step)
+    result = {**history, "reduce_scatters": reduce_scatters["n"]}
+    (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {
+    "fit": fit,
+    "text": text,
+    "train": train,
+    "bench_checkpoint": bench_checkpoint,
+    "fabric": fabric_loop,
+}
 
 if __name__ == "__main__":
     scenario, config_path = sys.argv[1], sys.argv[2]

@@ -1,0 +1,33 @@
+"""Plans of the models this library knows: the Llama ``Transformer``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_2d.model import ModelArgs, Transformer
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.tensor_parallel import llama_tensor_parallel_plan
+
+
+def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> ParallelPlan:
+    """The Llama plan: Meta's module names and the head counts tensor parallelism must divide.
+
+    Args:
+        args: The model's shape.
+        config: Sequence/loss parallel options shape the plan.
+        module: Attribute holding the ``Transformer`` (``"model"`` in ``LlamaLightningModule``;
+            ``""`` when the plan applies to the ``Transformer`` itself, as in Fabric).
+    """
+    return ParallelPlan(
+        tensor_parallel=llama_tensor_parallel_plan(config.sequence_parallel, config.loss_parallel),
+        blocks="layers",
+        module=module,
+        tp_divides={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+    )
+
+
+def known_plan(owner: Any, config: ParallelConfig) -> ParallelPlan | None:
+    """The plan of a model this library knows (a bare ``Transformer``), else ``None``."""
+    if isinstance(owner, Transformer):
+        return llama_plan(owner.args, config)
+    return None

@@ -1,0 +1,150 @@
+"""Pretrain a Llama model with your own Fabric loop and 2D parallelism (FSDP2 × tensor parallel).
+
+    python recipes/fabric_pretrain.py                                   # 4 CPU processes, (2, 2), debug model
+    python recipes/fabric_pretrain.py --accelerator gpu --devices 8 --tensor-parallel-size 2 \\
+        --model llama3-8b --precision bf16-mixed --data "/data/*.jsonl" --tokenizer /models/llama3/tokenizer.json \\
+        --seq-len 8192 --batch-size 1 --accumulate 4
+    python recipes/fabric_pretrain.py --resume checkpoints/step-000020    # continue, at any layout
+
+The loop shows what the strategy does not hide: a meta-device model that ``fabric.setup`` shards
+and initializes, gradient accumulation that synchronizes gradients only on the last micro-batch
+(``fabric.no_backward_sync``), clipping to the global norm over the sharded gradients
+(``fabric.clip_gradients``), a loss normalized by the tokens of the global batch, and sharded
+checkpoints with the data position in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from lightning_2d import ModelArgs, TextDataModule, Transformer
+from lightning_2d.callbacks import ThroughputMeter
+from lightning_2d.fabric import ModelParallel2DStrategy
+from lightning_2d.module import warmup_cosine_schedule
+from lightning_2d.parallel.loss import next_token_loss
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="debug", help="a preset of lightning_2d.model.PRESETS")
+    parser.add_argument("--data", nargs="*", default=None, help="text/JSONL/Parquet files or globs (default: stdlib)")
+    parser.add_argument("--tokenizer", default="byte")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per data-parallel replica")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--checkpoint-dir", default="checkpoints")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
+    parser.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_2d)")
+    return parser.parse_args(argv)
+
+
+def batches(loader: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches, one seeded permutation per epoch (resumed mid-epoch after fabric.load)."""
+    epoch = loader.sampler.epoch
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> dict[str, list]:
+    """Train and return the history (global mean loss and pre-clip gradient norm of every step)."""
+    fabric.seed_everything(args.seed)
+    data = TextDataModule(args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
+                          val_fraction=0.0, seed=args.seed, cache_dir=args.cache_dir)
+    if fabric.local_rank == 0:
+        data.prepare_data()  # tokenize once per node
+    fabric.barrier()
+    replicas = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+    data.set_data_parallel(**replicas)
+    data.setup("fit")
+    loader = data.train_dataloader()
+
+    model_args = ModelArgs.from_name(args.model)
+    data.check_model(model_args.vocab_size)
+    sharded = isinstance(fabric.strategy, ModelParallel2DStrategy)
+    with fabric.init_module(empty_init=sharded):
+        model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet
+    if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
+        model.init_weights(args.seed)
+    model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
+                                                          betas=(0.9, 0.95), foreach=True))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine_schedule(args.warmup_steps, args.max_steps, min_lr_ratio=0.1)
+    )
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "data": loader, "step": 0}
+    if args.resume:
+        fabric.load(args.resume, state)
+        fabric.print(f"Resumed from {args.resume} at step {state['step']}")
+
+    mesh = getattr(fabric.strategy, "device_mesh", None)
+    meter = ThroughputMeter(fabric.world_size, fabric.device, model_args.flops_per_token)
+    history: dict[str, list] = {"loss": [], "grad_norm": []}
+    stream = batches(loader)  # not fabric.setup_dataloaders: its wrapper would reset the sampler's epoch
+    while state["step"] < args.max_steps:
+        start = time.perf_counter()
+        step_loss = torch.zeros((), device=fabric.device)
+        for micro in range(args.accumulate):
+            batch = fabric.to_device(next(stream))
+            # Gradients are reduce-scattered once, after the last micro-batch.
+            with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
+                loss, global_mean, _ = next_token_loss(model(batch["input_ids"]), batch["labels"], mesh)
+                fabric.backward(loss / args.accumulate)
+            step_loss += global_mean / args.accumulate
+        grad_norm = fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        state["step"] += 1
+        history["loss"].append(step_loss.item())
+        history["grad_norm"].append(float(grad_norm))
+        if state["step"] > 1:  # the first step includes start-up
+            meter.update(batch["input_ids"].numel() * replicas["num_replicas"] * args.accumulate, time.perf_counter() - start)
+        if on_step is not None:
+            on_step(state["step"], model)
+        if state["step"] % args.log_every == 0 and meter.steps:
+            perf = meter.compute(args.seq_len)
+            meter.reset()
+            mfu = f", MFU {perf['perf/mfu_percent']:.1f}%" if "perf/mfu_percent" in perf else ""
+            fabric.print(f"step {state['step']:>5}  loss {history['loss'][-1]:.4f}  grad norm {grad_norm:.3f}"
+                         f"  {perf['perf/tokens_per_sec']:,.0f} tokens/s{mfu}")
+        if args.save_every and state["step"] % args.save_every == 0:
+            fabric.save(f"{args.checkpoint_dir}/step-{state['step']:06d}", state)
+    return history
+
+
+def main() -> None:
+    args = parse_args()
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=ModelParallel2DStrategy(tensor_parallel_size=args.tensor_parallel_size),
+        precision=args.precision,
+    )
+    fabric.launch()
+    history = train(fabric, args)
+    fabric.print(f"final loss: {history['loss'][-1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
