@@ -278,3 +278,34 @@ def restore_random_state(
             f" ({now['data_parallel']}, {now['tensor_parallel']}) on {now['world_size']}: weights and optimizer"
             " states are resharded; per-process random states are not restored."
         )
+
+
+def make_writer(global_rank: int, barrier: Callable[[], None], sharded: bool, async_save: bool) -> ShardedCheckpointWriter:
+    """The strategies' checkpoint writer; call on every rank after the process group exists.
+
+    Background writes get their own gloo group: their collectives must never interleave with the
+    training collectives on the default group.
+    """
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo") if async_save and sharded else None
+    return ShardedCheckpointWriter(global_rank, barrier, async_save=group is not None, process_group=group)
+
+
+def save_full_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: int, world_size: int,
+                         barrier: Callable[[], None]) -> None:
+    """A full single-file checkpoint (tensors already gathered): every rank's RNG in it, written by rank 0."""
+    import torch.distributed as dist
+
+    rng: list[Any] = [None] * world_size
+    dist.all_gather_object(rng, rng_state())
+    checkpoint.setdefault("lightning_2d", {})["rng"] = rng
+    if global_rank == 0:
+        save_full_file(checkpoint, path)
+    barrier()
+
+
+def resolve_on_rank_zero(path: Any, global_rank: int, broadcast: Callable[[Any], Any], warn: Callable[[str], None]) -> Path:
+    """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared."""
+    resolved = resolve_checkpoint(Path(path), warn=warn) if global_rank == 0 else None
+    return Path(broadcast(str(resolved)))

@@ -33,14 +33,15 @@ from typing_extensions import override
 from lightning_2d.checkpoint import (
     ShardedCheckpointWriter,
     layout_of,
-    resolve_checkpoint,
+    make_writer,
+    resolve_on_rank_zero,
     restore_random_state,
-    rng_state,
-    save_full_file,
+    save_full_checkpoint,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.parallel.dims import ParallelDims, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
+from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
 
@@ -85,18 +86,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
-        self.parallel_config = ParallelConfig(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-            activation_checkpointing=activation_checkpointing,
-            selective_ac_option=selective_ac_option,
-            compile=compile,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
-        )
+        self.parallel_config = ParallelConfig.from_options(locals())
         super().__init__(
             parallelize_fn=parallelize_fn or (lambda module, mesh: module),
             data_parallel_size=data_parallel_size,
@@ -137,11 +127,9 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self.parallel_dims = self.validate()
         self._data_parallel_size, self._tensor_parallel_size = self.parallel_dims.dp, self.parallel_dims.tp
         super().setup_environment()
-        group = None
-        if self._async_checkpoint and self._save_distributed_checkpoint:
-            group = torch.distributed.new_group(backend="gloo")  # background writes, apart from training
-        self._checkpoint_writer = ShardedCheckpointWriter(
-            self.global_rank, self.barrier, async_save=group is not None, process_group=group
+        destroy_process_group_at_exit()
+        self._checkpoint_writer = make_writer(
+            self.global_rank, self.barrier, self._save_distributed_checkpoint, self._async_checkpoint
         )
 
     # ---- the model -----------------------------------------------------------------------------
@@ -225,12 +213,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             self._checkpoint_writer.save(tensors, metadata, path)
             return
         self._checkpoint_writer.wait()
-        rng = [None] * self.world_size
-        torch.distributed.all_gather_object(rng, rng_state())
-        metadata["lightning_2d"]["rng"] = rng
-        if self.global_rank == 0:
-            save_full_file({**tensors, **metadata}, path)
-        self.barrier()
+        save_full_checkpoint({**tensors, **metadata}, path, self.global_rank, self.world_size, self.barrier)
 
     @override
     def load_checkpoint(
@@ -243,8 +226,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout."""
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.wait()
-        resolved = resolve_checkpoint(Path(path), warn=rank_zero_warn) if self.global_rank == 0 else None
-        resolved = Path(self.broadcast(str(resolved)))
+        resolved = resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn)
         # Fabric's loader puts the saved state dict in place of a stateful object (an LR scheduler, a
         # data loader); give the object its state instead.
         stateful = {}
@@ -263,13 +245,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        # A vocabulary-parallel loss must also be differentiated inside loss_parallel().
-        if self.parallel_config.loss_parallel and hasattr(tensor, "placements"):
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            with loss_parallel():
-                return super().backward(tensor, module, *args, **kwargs)
-        return super().backward(tensor, module, *args, **kwargs)
+        with backward_context(tensor, self.parallel_config.loss_parallel):
+            return super().backward(tensor, module, *args, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -9,10 +9,8 @@ shard with layout-independent values. Launching, the sampler, and checkpoint I/O
 
 from __future__ import annotations
 
-import atexit
-from contextlib import nullcontext
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -22,22 +20,22 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d.checkpoint import (
     ShardedCheckpointWriter,
     layout_of,
+    make_writer,
     remove_path,
-    resolve_checkpoint,
+    resolve_on_rank_zero,
     restore_random_state,
-    rng_state,
-    save_full_file,
+    save_full_checkpoint,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.dims import ParallelDims, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
-from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
 
 if TYPE_CHECKING:
@@ -122,18 +120,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
-        self.parallel_config = ParallelConfig(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-            activation_checkpointing=activation_checkpointing,
-            selective_ac_option=selective_ac_option,
-            compile=compile,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
-        )
+        self.parallel_config = ParallelConfig.from_options(locals())
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -187,15 +174,9 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = self.parallel_dims.tp
         # Lightning's: process group, seed reset, the (data_parallel, tensor_parallel) mesh.
         super().setup_environment()
-        atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
-        atexit.register(_destroy_process_group)
-        group = None
-        if self._async_checkpoint and self._save_distributed_checkpoint:
-            # Background writes get their own gloo group: their collectives must never interleave
-            # with the training collectives on the default group.
-            group = torch.distributed.new_group(backend="gloo")
-        self._checkpoint_writer = ShardedCheckpointWriter(
-            self.global_rank, self.barrier, async_save=group is not None, process_group=group
+        destroy_process_group_at_exit()
+        self._checkpoint_writer = make_writer(
+            self.global_rank, self.barrier, self._save_distributed_checkpoint, self._async_checkpoint
         )
 
     # ---- parallelize and materialize ----------------------------------------------------------
@@ -249,20 +230,13 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             self._checkpoint_writer.save(state, checkpoint, path)
             return
         self._checkpoint_writer.wait()
-        rng = [None] * self.world_size
-        torch.distributed.all_gather_object(rng, rng_state())
-        checkpoint["lightning_2d"]["rng"] = rng
-        if self.is_global_zero:
-            save_full_file(checkpoint, path)
-        self.barrier()
+        save_full_checkpoint(checkpoint, path, self.global_rank, self.world_size, self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.wait()
-        # Rank 0 decides (one warning, one answer for all ranks).
-        path = resolve_checkpoint(Path(checkpoint_path), warn=rank_zero_warn) if self.is_global_zero else None
-        path = Path(self.broadcast(str(path)))
+        path = resolve_on_rank_zero(checkpoint_path, self.global_rank, self.broadcast, rank_zero_warn)
         metadata = super().load_checkpoint(path, weights_only=weights_only)
         restore_random_state(path, metadata.get("lightning_2d", {}), self._layout(), self.global_rank, rank_zero_info)
         return metadata
@@ -284,22 +258,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # A vocabulary-parallel loss must also be differentiated inside loss_parallel().
-        context = nullcontext()
-        if self.parallel_config.loss_parallel and hasattr(closure_loss, "placements"):
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            context = loss_parallel()
-        with context:
+        with backward_context(closure_loss, self.parallel_config.loss_parallel):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-
-def _destroy_process_group() -> None:
-    # Lightning leaves the process group alive after fit (a later trainer.test reuses it). Left to
-    # the interpreter's shutdown, gloo's threads can abort the process ("terminate called without
-    # an active exception") after training succeeded; tearing it down first exits cleanly.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 StrategyRegistry.register(

@@ -7,7 +7,7 @@ process group exists. ``ParallelConfig.validate`` collects every problem and rai
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
 
@@ -135,6 +135,11 @@ class ParallelConfig:
             if value is not None and not isinstance(value, torch.dtype) and value not in DTYPE_NAMES:
                 problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(DTYPE_NAMES)}")
         return problems
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> ParallelConfig:
+        """The config from a strategy's constructor arguments (``locals()``): the fields it names."""
+        return cls(**{name: options[name] for name in cls.__dataclass_fields__ if name in options})
 
     def resolve_dtypes(self, precision: str) -> ParallelConfig:
         """A copy whose ``param_dtype``/``reduce_dtype`` are filled in from the Trainer/Fabric ``precision``."""

@@ -127,3 +127,23 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=(DP_DIM, TP_DIM))
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Tear the process group down when the interpreter exits (registered once per process).
+
+    Lightning leaves the group alive after ``fit`` (a later ``test`` reuses it). Left to the
+    interpreter's shutdown, gloo's threads can abort a process that finished training ("terminate
+    called without an active exception").
+    """
+    import atexit
+
+    atexit.unregister(_destroy_process_group)
+    atexit.register(_destroy_process_group)

@@ -35,6 +35,16 @@ def loss_parallel_context(logits: torch.Tensor) -> AbstractContextManager:
     return nullcontext()
 
 
+def backward_context(loss: torch.Tensor, loss_parallel_enabled: bool) -> AbstractContextManager:
+    """Where a strategy runs ``backward``: a vocabulary-parallel loss must be differentiated inside
+    ``loss_parallel()`` too."""
+    if loss_parallel_enabled and hasattr(loss, "placements"):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
 def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 

@@ -136,7 +136,7 @@ def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):
     import transformers
 
     from lightning_2d import Transformer
-    from lightning_2d.hf import hf_to_meta
+    from lightning_2d.hf import hf_to_meta, model_args_from_hf
 
     checkpoint, out = setup["dir"] / "epoch=1-step=4.ckpt", setup["root"] / "hf_export"
     done = subprocess.run([sys.executable, "-m", "lightning_2d", "export", str(checkpoint), str(out)],
@@ -147,7 +147,7 @@ def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):
     hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     q = hf.state_dict()["model.layers.1.self_attn.q_proj.weight"]
     assert torch.equal(hf_to_meta(q, 8), saved["layers.1.attention.wq.weight"])  # the RoPE permutation
-    ours = Transformer(hf_to_args(out))
+    ours = Transformer(model_args_from_hf(out))
     ours.load_state_dict(saved, strict=False)
     ours.init_buffers()
     tokens = torch.randint(0, 256, (2, 64))
@@ -158,9 +158,3 @@ def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):
     started = setup["run"]("init_from_hf", 2, 2, init_from=str(out), max_steps=1)
     for name, weight in load_weights(started, "initial").items():
         assert torch.equal(weight, saved[name]), name
-
-
-def hf_to_args(folder):
-    from lightning_2d.hf import model_args_from_hf
-
-    return model_args_from_hf(folder)

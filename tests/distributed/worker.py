@@ -180,50 +180,30 @@ def fit(cfg: dict) -> None:
 
 
 def text(cfg: dict) -> None:
-    """TextDataModule under the 2D strategy: batches per rank, counted tokens, and a mid-epoch resume.
+    """TextDataModule under the 2D strategy: the batches of every rank and the tokens counted.
 
-    Three fits in one process group: 6 uninterrupted steps; 3 steps saving a checkpoint; a resume
-    from it to step 6. The resumed run must draw the uninterrupted run's batches 4–6.
+    (Resuming the data position is tested with the checkpoints, in test_checkpoints.py.)
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_2d import TextDataModule
     from lightning_2d.callbacks import ThroughputMonitor
 
     out_dir = Path(cfg["out_dir"])
-    world = int(os.environ["WORLD_SIZE"])
-
-    def run(max_steps: int, ckpt_dir: Path | None = None, ckpt_path: str | None = None):
-        L.seed_everything(7, verbose=False)
-        data = TextDataModule(cfg["corpus"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
-                              cache_dir=cfg["cache_dir"], val_fraction=0.0)
-        module = LlamaLightningModule("debug", warmup_steps=2, max_steps=6)
-        recorder, monitor = Recorder(out_dir, save_weights=False), ThroughputMonitor(log_every_n_steps=1)
-        callbacks = [recorder, monitor]
-        if ckpt_dir is not None:
-            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=max_steps, save_top_k=-1))
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world,
-            strategy=ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"]),
-            max_steps=max_steps, logger=False, enable_checkpointing=ckpt_dir is not None,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-        )
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-        return trainer, module, recorder, monitor
-
-    trainer, module, full, monitor = run(6)
-    ckpt_dir = out_dir / "checkpoints"
-    _, _, first, _ = run(3, ckpt_dir=ckpt_dir)
-    ckpts = sorted(str(p) for p in ckpt_dir.iterdir())
-    _, _, resumed, _ = run(6, ckpt_path=ckpts[-1])
+    L.seed_everything(7, verbose=False)
+    data = TextDataModule(cfg["corpus"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
+                          cache_dir=cfg["cache_dir"], val_fraction=0.0)
+    module = LlamaLightningModule("debug", warmup_steps=2, max_steps=6)
+    recorder, monitor = Recorder(out_dir, save_weights=False), ThroughputMonitor(log_every_n_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+        strategy=ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"]),
+        max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[recorder, monitor],
+    )
+    trainer.fit(module, datamodule=data)
     mesh = module.device_mesh
     result = {
-        "batches": full.batches,
-        "losses": full.losses,
-        "first_batches": first.batches,
-        "resumed_batches": resumed.batches,
-        "resumed_losses": resumed.losses,
-        "checkpoints": [Path(c).name for c in ckpts],
+        "batches": recorder.batches,
+        "losses": recorder.losses,
         "tokens_per_step": monitor.last["tokens_per_step"],
         "tokens_per_sec": monitor.last.get("perf/tokens_per_sec"),
         "dp_rank": mesh["data_parallel"].get_local_rank(),
