@@ -35,10 +35,6 @@ STEP_PATTERN = re.compile(r"step=(\d+)")
 
 
 # ---- completeness ------------------------------------------------------------------------------
-def is_sharded_checkpoint(path: Path) -> bool:
-    return path.is_dir()
-
-
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a checkpoint that finished writing."""
     path = Path(path)
@@ -187,10 +183,6 @@ class ShardedCheckpointWriter:
         self.process_group = process_group
         self._pending: Optional[Future] = None
         self._lock = threading.Lock()
-
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete on disk; re-raise its error here."""

@@ -39,10 +39,6 @@ class ParallelDims:
     dp: int
     tp: int
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp
-
 
 def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_node: int) -> tuple[int, int]:
     """Fill in ``"auto"`` sizes (without validating the result).
