@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_2d.init import InitSpec, SeededInit
+from lightning_2d.linear_cross_entropy import check_labels, linear_cross_entropy
 
 
 @dataclass
@@ -244,15 +245,49 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class VocabProjection(nn.Linear):
+    """The output head: logits, or with ``labels`` the summed cross-entropy without full logits.
+
+    ``linear_cross_entropy`` is the function that computes the loss from ``(hidden, weight, labels)``;
+    under tensor parallelism ``lightning_2d.parallel`` replaces it on the instance with its
+    vocabulary-parallel form (the weight then holds a slice of the vocabulary).
+
+    Args:
+        dim: Width of the hidden states.
+        vocab_size: Number of token ids.
+        loss_chunk_size: Tokens per chunk of the fused loss (``None``: all at once).
+    """
+
+    linear_cross_entropy = staticmethod(linear_cross_entropy)
+
+    def __init__(self, dim: int, vocab_size: int, loss_chunk_size: int | None = 1024) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.loss_chunk_size = loss_chunk_size
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)  # (B, T, vocab_size)
+        hidden = x.flatten(0, -2)  # (B·T, dim)
+        return self.linear_cross_entropy(hidden, self.weight, labels.flatten(), chunk_size=self.loss_chunk_size)
+
+
 class Transformer(nn.Module):
-    """The Llama decoder: ``tokens (B, T) -> logits (B, T, vocab_size)`` in fp32.
+    """The Llama decoder: ``tokens (B, T) -> logits (B, T, vocab_size)`` in fp32, or the loss.
+
+    ``model(tokens, labels=labels)`` returns the *summed* next-token cross-entropy over the targets
+    that are not ``-100``, computed by the output head a chunk of ``loss_chunk_size`` tokens at a
+    time so the ``(B, T, vocab_size)`` logits never exist (see ``lightning_2d.linear_cross_entropy``).
 
     Build it on the meta device (``with torch.device("meta"): Transformer(args)``) and materialize it
     with ``to_empty(device=...)`` followed by ``init_weights(seed)``, or let the parallel strategy do
     the materialization shard by shard (same values, see ``lightning_2d.init``).
+
+    Args:
+        args: The shape.
+        loss_chunk_size: Tokens per chunk of the fused output-projection + cross-entropy.
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, loss_chunk_size: int | None = 1024) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -260,11 +295,11 @@ class Transformer(nn.Module):
         # wrapped one (activation checkpointing, compile) in place.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = VocabProjection(args.dim, args.vocab_size, loss_chunk_size)
         # Not persistent: derived from args, so checkpoints do not carry it.
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ValueError(
@@ -276,7 +311,12 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h)
-        return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss
+        if labels is None:
+            return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss
+        if labels.shape != tokens.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the tokens {tuple(tokens.shape)}")
+        check_labels(labels, self.args.vocab_size)
+        return self.output(h, labels=labels)  # 0-dim fp32: the summed cross-entropy
 
     def param_init_specs(self) -> dict[str, InitSpec]:
         """How each parameter (by canonical name) is initialized; the init follows torchtitan."""

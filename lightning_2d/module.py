@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 from lightning_2d.hf import HFWeights, model_args_from_hf
 from lightning_2d.model import ModelArgs, Transformer
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.loss import next_token_loss
+from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.plans import llama_plan
 
 
@@ -61,6 +61,13 @@ class LlamaLightningModule(L.LightningModule):
         init_from: A Hugging Face Llama directory (``config.json`` + ``model.safetensors`` or
             shards) to start from instead of a random init; under the 2D strategy each rank reads
             only the blocks it holds.
+        fused_loss: Compute the training/validation loss with the output projection fused into the
+            cross-entropy, ``loss_chunk_size`` tokens at a time: the ``(batch, seq, vocab)`` logits
+            are never materialized, and under tensor parallelism never gathered (each rank works on
+            its vocabulary slice). ``False``: logits, then ``F.cross_entropy`` (the strategy's
+            ``loss_parallel`` option then decides whether the logits are gathered).
+        loss_chunk_size: Tokens per chunk of the fused loss; the largest logits buffer is
+            ``loss_chunk_size × vocab_size / tensor_parallel_size`` fp32 numbers.
     """
 
     def __init__(
@@ -77,8 +84,12 @@ class LlamaLightningModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         init_seed: int | None = None,
         init_from: str | None = None,
+        fused_loss: bool = True,
+        loss_chunk_size: int = 1024,
     ) -> None:
         super().__init__()
+        if loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size}")
         self.save_hyperparameters()
         overrides = model_overrides or {}
         if model is None and init_from is not None:
@@ -119,14 +130,14 @@ class LlamaLightningModule(L.LightningModule):
         if getattr(strategy, "materializes_meta_modules", False):
             # The 2D strategy parallelizes the empty model, then allocates only each rank's shards.
             with torch.device("meta"):
-                self.model = Transformer(self.model_args)
+                self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
             return
         device = strategy.root_device if strategy is not None else torch.device("cpu")
         seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
         if strategy is not None and strategy.world_size > 1:
             seed = strategy.broadcast(seed)
         with torch.device(device):
-            model = Transformer(self.model_args)
+            model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
         source = self.weights_source()
         if source is not None:
             model.load_blocks(source)
@@ -140,8 +151,11 @@ class LlamaLightningModule(L.LightningModule):
 
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self(batch["input_ids"])
-        return next_token_loss(logits, batch["labels"], self.device_mesh)
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        if self.hparams.fused_loss:
+            loss_sum = self.model(batch["input_ids"], labels=batch["labels"])
+            return normalize_by_global_tokens(loss_sum, batch["labels"], self.device_mesh)
+        return next_token_loss(self(batch["input_ids"]), batch["labels"], self.device_mesh)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, global_mean, global_tokens = self._loss(batch)

@@ -24,10 +24,10 @@ import lightning as L
 import torch
 
 from lightning_2d import ModelArgs, TextDataModule, Transformer
-from lightning_2d.callbacks import ThroughputMeter
+from lightning_2d.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.module import warmup_cosine_schedule
-from lightning_2d.parallel.loss import next_token_loss
+from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -97,17 +97,25 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         fabric.print(f"Resumed from {args.resume} at step {state['step']}")
 
     mesh = getattr(fabric.strategy, "device_mesh", None)
-    meter = ThroughputMeter(fabric.world_size, fabric.device, model_args.flops_per_token)
+    # MFU against the peak of the dtype the matmuls run in (bf16 under bf16-mixed, fp32/TF32 at 32-true).
+    meter = ThroughputMeter(
+        fabric.world_size, fabric.device, model_args.flops_per_token, dtype=compute_dtype_of(fabric)
+    )
+    reset_peak_memory(fabric.device)
     history: dict[str, list] = {"loss": [], "grad_norm": []}
     stream = batches(loader)  # not fabric.setup_dataloaders: its wrapper would reset the sampler's epoch
     while state["step"] < args.max_steps:
+        synchronize(fabric.device)  # GPU work is asynchronous: time what ran, not what was queued
         start = time.perf_counter()
         step_loss = torch.zeros((), device=fabric.device)
         for micro in range(args.accumulate):
             batch = fabric.to_device(next(stream))
             # Gradients are reduce-scattered once, after the last micro-batch.
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-                loss, global_mean, _ = next_token_loss(model(batch["input_ids"]), batch["labels"], mesh)
+                # The summed cross-entropy from the fused head (no (batch, seq, vocab) logits), then
+                # divided by the global batch's target tokens.
+                loss_sum = model(batch["input_ids"], labels=batch["labels"])
+                loss, global_mean, _ = normalize_by_global_tokens(loss_sum, batch["labels"], mesh)
                 fabric.backward(loss / args.accumulate)
             step_loss += global_mean / args.accumulate
         grad_norm = fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
@@ -118,6 +126,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         history["loss"].append(step_loss.item())
         history["grad_norm"].append(float(grad_norm))
         if state["step"] > 1:  # the first step includes start-up
+            synchronize(fabric.device)
             meter.update(batch["input_ids"].numel() * replicas["num_replicas"] * args.accumulate, time.perf_counter() - start)
         if on_step is not None:
             on_step(state["step"], model)

@@ -1,4 +1,4 @@
-"""Next-token loss normalized by the tokens of the *global* batch, and vocabulary-parallel loss.
+"""Next-token loss normalized by the tokens of the *global* batch; vocabulary-parallel losses.
 
 Averaging each data-parallel rank's mean loss (what DDP/FSDP gradient averaging does with a
 per-rank ``mean``) weighs a token on a rank with many ignored labels more than one on a full
@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from lightning_2d.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy
 from lightning_2d.parallel.dims import DP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-IGNORE_INDEX = -100
 
 
 def loss_parallel_context(logits: torch.Tensor) -> AbstractContextManager:
@@ -55,6 +54,75 @@ def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-
     return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
 
 
+def vocab_parallel_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = 1024
+) -> torch.Tensor:
+    """``lightning_2d.linear_cross_entropy`` when the output projection is tensor-parallel.
+
+    Installed on the model's ``VocabProjection`` by the tensor-parallel plan. Each rank holds a
+    slice of the vocabulary (``weight``: ``Shard(0)`` DTensor over the tensor-parallel mesh) and
+    the hidden states of every token (``Replicate``); two all-reduces of ``chunk_size`` numbers per
+    chunk give the softmax statistics over the whole vocabulary. The logits are never gathered.
+
+    Args:
+        hidden: ``(N, D)`` DTensor, replicated over the tensor-parallel mesh.
+        weight: ``(V, D)`` DTensor sharded over the vocabulary (rows).
+        labels: ``(N,)`` plain tensor of global target ids, the same on every tensor-parallel rank.
+        chunk_size: Tokens per chunk.
+
+    Returns:
+        The summed cross-entropy, a plain 0-dim tensor equal on the tensor-parallel ranks.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    group = mesh.get_group()
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    reduce = VocabReduce(
+        max_=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
+        sum_=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group),
+    )
+    # Each rank's gradient of the hidden states covers its vocabulary slice only: a partial sum,
+    # which DTensor reduces (a reduce-scatter back to the sequence shards under SP) in backward.
+    local_hidden = hidden.to_local(grad_placements=[Partial()])
+    return linear_cross_entropy(
+        local_hidden, weight.to_local(), labels, chunk_size=chunk_size, vocab_start=offset[0], reduce=reduce
+    )
+
+
+def normalize_by_global_tokens(
+    loss_sum: torch.Tensor, labels: torch.Tensor, mesh: "DeviceMesh | None" = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn this data-parallel rank's *summed* loss into the global-batch mean (see the module docstring).
+
+    Args:
+        loss_sum: Sum of the per-token losses of this rank's batch (a replicated DTensor under loss
+            parallelism is accepted).
+        labels: This rank's target ids (``-100`` ignored), to count its tokens.
+        mesh: The 2D mesh, or ``None`` outside the 2D strategy (then all ranks are data-parallel).
+
+    Returns:
+        ``(loss_to_backward, global_mean_loss, global_tokens)``, as ``next_token_loss``.
+    """
+    import torch.distributed as dist
+
+    local_sum = loss_sum.detach()
+    if hasattr(local_sum, "full_tensor"):  # DTensor (replicated) under loss parallelism
+        local_sum = local_sum.full_tensor()
+    stats = torch.stack([local_sum.float(), (labels != IGNORE_INDEX).sum().float()])
+    group = _data_parallel_group(mesh)
+    dp_size = 1
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+        dp_size = dist.get_world_size(group)
+    global_sum, global_tokens = stats.unbind()
+    # clamp: a global batch without targets gives a zero loss, not NaN
+    denominator = global_tokens.clamp(min=1.0)
+    return loss_sum * (dp_size / denominator), global_sum / denominator, global_tokens
+
+
 def next_token_loss(
     logits: torch.Tensor, labels: torch.Tensor, mesh: "DeviceMesh | None" = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,22 +139,8 @@ def next_token_loss(
         second (detached) is the global-batch mean loss, identical on every rank; the third is
         the number of target tokens in the global batch.
     """
-    import torch.distributed as dist
-
     with loss_parallel_context(logits):
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-    local_sum = loss_sum.detach()
-    if hasattr(local_sum, "full_tensor"):  # DTensor (replicated) under loss parallelism
-        local_sum = local_sum.full_tensor()
-    stats = torch.stack([local_sum.float(), (labels != IGNORE_INDEX).sum().float()])
-    group = _data_parallel_group(mesh)
-    dp_size = 1
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-        dp_size = dist.get_world_size(group)
-    global_sum, global_tokens = stats.unbind()
-    # clamp: a global batch without targets gives a zero loss, not NaN
-    denominator = global_tokens.clamp(min=1.0)
-    return loss_sum * (dp_size / denominator), global_sum / denominator, global_tokens
+    return normalize_by_global_tokens(loss_sum, labels, mesh)

@@ -11,15 +11,43 @@ activations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class VocabParallelHead(ColwiseParallel):
+    """``ColwiseParallel`` for an output head that can also return its fused loss.
+
+    The weight is sharded over the vocabulary as by ``ColwiseParallel``. Called for logits, the
+    head behaves exactly like it (``output_layouts``: gathered or vocabulary-sharded). A head
+    with a ``linear_cross_entropy`` attribute (``lightning_2d.model.VocabProjection``) gets the
+    vocabulary-parallel version of it, so ``head(hidden, labels=labels)`` returns the summed
+    cross-entropy computed on the shards; that plain 0-dim tensor passes through unchanged.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy
+
+        module = super()._apply(module, device_mesh)
+        if hasattr(module, "linear_cross_entropy"):
+            module.linear_cross_entropy = vocab_parallel_linear_cross_entropy
+        return module
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(outputs, DTensor):  # the fused loss, already reduced over the shards
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def llama_tensor_parallel_plan(
@@ -35,7 +63,6 @@ def llama_tensor_parallel_plan(
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
@@ -45,7 +72,7 @@ def llama_tensor_parallel_plan(
     logits = Shard(-1) if loss_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(input_layouts=between, output_layouts=logits, use_local_output=not loss_parallel),
+        "output": VocabParallelHead(input_layouts=between, output_layouts=logits, use_local_output=not loss_parallel),
     }
     block = f"{blocks}.*"
     if sequence_parallel:

@@ -1,0 +1,102 @@
+"""The fused output projection + cross-entropy equals logits + ``F.cross_entropy``, chunk by chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_2d.linear_cross_entropy import linear_cross_entropy
+from lightning_2d.model import ModelArgs, Transformer
+
+
+def _problem(dtype: torch.dtype, n: int = 150, dim: int = 32, vocab: int = 301):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, dim, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, dim, generator=g) * 0.2).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[::7] = -100
+    labels[40:60] = -100  # a chunk (size 20) with no target at all
+    return hidden, weight, labels
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖: elementwise tolerances would flag near-zero entries that are sums of cancelling terms."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _reference(hidden, weight, labels):
+    loss = F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100, reduction="sum")
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("chunk_size", [20, 64, 150, None])
+def test_loss_and_gradients_equal_the_unfused_computation(chunk_size):
+    hidden, weight, labels = _problem(torch.float32)
+    loss_ref, (grad_h_ref, grad_w_ref) = _reference(hidden, weight, labels)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+    # The incoming gradient (here 0.25) scales the stored gradients.
+    grad_h, grad_w = torch.autograd.grad(loss * 0.25, (hidden, weight))
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+    assert relative_error(grad_h, grad_h_ref * 0.25) <= 1e-6
+    assert relative_error(grad_w, grad_w_ref * 0.25) <= 1e-6
+
+
+def test_bf16_stays_within_bf16_rounding_of_the_unfused_computation():
+    hidden, weight, labels = _problem(torch.bfloat16)
+    loss_ref, (grad_h_ref, grad_w_ref) = _reference(hidden, weight, labels)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=32)
+    grad_h, grad_w = torch.autograd.grad(loss, (hidden, weight))
+    assert grad_h.dtype == grad_w.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)  # both reduce the same bf16 logits in fp32
+    # bf16 has 8 significant bits (2^-8 ≈ 4e-3 relative rounding); each chunk's product is rounded
+    # before the fp32 sum, the reference rounds once: a few roundings apart.
+    assert relative_error(grad_h, grad_h_ref) <= 1e-2
+    assert relative_error(grad_w, grad_w_ref) <= 1e-2
+
+
+def test_without_gradients_nothing_is_kept_and_the_value_is_the_same():
+    hidden, weight, labels = _problem(torch.float32)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=16)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, _reference(hidden, weight, labels)[0], rtol=1e-6, atol=0)
+
+
+def test_bad_chunk_size_is_refused():
+    hidden, weight, labels = _problem(torch.float32)
+    with pytest.raises(ValueError, match="chunk_size must be a positive number of tokens or None, got 0"):
+        linear_cross_entropy(hidden, weight, labels, chunk_size=0)
+
+
+def test_transformer_loss_equals_cross_entropy_of_its_logits():
+    args = ModelArgs.from_name("debug", n_layers=2)
+    model = Transformer(args, loss_chunk_size=24)
+    model.init_weights(3)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (3, 40), generator=g)
+    labels = torch.randint(0, args.vocab_size, (3, 40), generator=g)
+    labels[1, :9] = -100
+    loss = model(tokens, labels=labels)
+    loss.backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(tokens)
+    assert logits.shape == (3, 40, args.vocab_size)
+    reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        assert relative_error(fused_grads[name], param.grad) <= 1e-5, name
+
+
+def test_transformer_refuses_labels_outside_the_vocabulary():
+    args = ModelArgs.from_name("debug", n_layers=1)
+    model = Transformer(args)
+    model.init_weights(0)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"labels must be token ids in \[0, 256\) or -100 \(ignored\); got values \[256, 999\]"):
+        model(tokens, labels=torch.tensor([[1, 2, 256, 3, 999, 4, -100, 5]]))
+    with pytest.raises(ValueError, match=r"labels \(1, 4\) must have the shape of the tokens \(1, 8\)"):
+        model(tokens, labels=torch.zeros(1, 4, dtype=torch.long))
