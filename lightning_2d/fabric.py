@@ -16,6 +16,7 @@ ignored, resumable at another layout, optionally written in the background.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -24,6 +25,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
@@ -39,7 +41,9 @@ from lightning_2d.checkpoint import (
     save_full_checkpoint,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import ParallelDims, destroy_process_group_at_exit, validate_parallel_dims
+from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
+from lightning_2d.parallel.float8 import precompute_float8_scales
+from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.materialize import materialize_model
@@ -51,6 +55,17 @@ class FSDP2Precision(Precision):
 
     def __init__(self, precision: str) -> None:
         self.precision = precision  # type: ignore[assignment]
+
+
+class _GradientSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the FSDP2 switch the Trainer strategy uses too."""
+
+    def __init__(self, config: ParallelConfig) -> None:
+        self.config = config
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return gradient_sync(module, enabled=not enabled or self.config.reduce_every_micro_batch)
 
 
 class ModelParallel2DStrategy(ModelParallelStrategy):
@@ -78,6 +93,11 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         param_dtype: Optional[Union[str, torch.dtype]] = None,
         reduce_dtype: Optional[Union[str, torch.dtype]] = None,
         reshard_after_forward: Literal["default", "always", "never"] = "default",
+        reduce_every_micro_batch: bool = False,
+        float8: Union[bool, Literal["emulate"]] = False,
+        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise",
+        fsdp_float8_all_gather: bool = False,
+        async_tensor_parallel: bool = False,
         plan: Optional[ParallelPlan] = None,
         parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
         init_seed: Optional[int] = None,
@@ -95,6 +115,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self._backward_sync_control = _GradientSyncControl(self.parallel_config)
+        self._float8_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
         self._user_parallelize_fn = parallelize_fn
         self._plan = plan
         self._init_seed_value = init_seed
@@ -103,8 +125,9 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self.parallel_dims: Optional[ParallelDims] = None
 
     # ---- validation, precision, mesh ---------------------------------------------------------
-    def validate(self, plan: Optional[ParallelPlan] = None) -> ParallelDims:
-        """Check the layout (and ``plan``'s divisibility constraints); raises listing every problem."""
+    def validate(self, plan: Optional[ParallelPlan] = None, device_index: Optional[int] = None) -> ParallelDims:
+        """Check the layout (and ``plan``'s divisibility constraints, and with ``device_index`` this
+        process's GPU); raises listing every problem."""
         return validate_parallel_dims(
             self.parallel_config,
             world_size=self.num_nodes * self.num_processes,
@@ -112,6 +135,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             plan=plan if plan is not None else self._plan,
             precision=getattr(self.precision, "precision", None),
             num_nodes=self.num_nodes,
+            device_type=self.parallel_devices[0].type if self.parallel_devices else None,
+            device_index=device_index,
         )
 
     @override
@@ -124,7 +149,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self.parallel_dims = self.validate()
+        self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))
         self._data_parallel_size, self._tensor_parallel_size = self.parallel_dims.dp, self.parallel_dims.tp
         super().setup_environment()
         destroy_process_group_at_exit()
@@ -151,6 +176,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         parallelize_and_materialize(
             module, self.device_mesh, self.parallel_config, plan, precision, self.root_device, seed=self._init_seed
         )
+        if self.parallel_config.fsdp_float8_all_gather:
+            self._float8_modules.append(module)
         return module
 
     @override
@@ -242,6 +269,14 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         saved = remainder.pop("lightning_2d", None) if isinstance(remainder, dict) else None
         restore_random_state(resolved, saved or {}, self._layout(), self.global_rank, rank_zero_info)
         return remainder
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        # Float8 all-gather weights: their scales for the next step, in one all-reduce (a no-op otherwise).
+        for module in self._float8_modules:
+            precompute_float8_scales(module)
+        return output
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:

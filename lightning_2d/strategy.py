@@ -9,6 +9,8 @@ shard with layout-independent values. Launching, the sampler, and checkpoint I/O
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -33,7 +35,9 @@ from lightning_2d.checkpoint import (
     save_full_checkpoint,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import ParallelDims, destroy_process_group_at_exit, validate_parallel_dims
+from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
+from lightning_2d.parallel.float8 import precompute_float8_scales
+from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
@@ -88,6 +92,14 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         param_dtype: FSDP compute dtype; default from the Trainer's ``precision``.
         reduce_dtype: FSDP gradient-reduction dtype; default fp32.
         reshard_after_forward: ``"default"``, ``"always"`` or ``"never"``.
+        reduce_every_micro_batch: With ``accumulate_grad_batches > 1``, reduce-scatter gradients after
+            every micro-batch (least memory) instead of only after the last one (default).
+        float8: Float8 training of the block projections (torchao; GPUs with compute capability
+            >= 8.9); ``"emulate"`` computes the same rounding on any device (tests, debugging).
+        float8_recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+        fsdp_float8_all_gather: All-gather the float8 weights in float8 (tensorwise only).
+        async_tensor_parallel: Overlap the sequence-parallel collectives with the matmuls (CUDA,
+            NCCL, ``compile=True``).
         plan: Module names to parallelize, for a model that does not provide ``parallel_plan``.
         save_distributed_checkpoint: Save one shard per rank (``True``, resumable at any layout) or a
             single full file assembled on rank 0.
@@ -113,6 +125,11 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         param_dtype: Optional[Union[str, torch.dtype]] = None,
         reduce_dtype: Optional[Union[str, torch.dtype]] = None,
         reshard_after_forward: Literal["default", "always", "never"] = "default",
+        reduce_every_micro_batch: bool = False,
+        float8: Union[bool, Literal["emulate"]] = False,
+        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise",
+        fsdp_float8_all_gather: bool = False,
+        async_tensor_parallel: bool = False,
         plan: Optional[ParallelPlan] = None,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -134,13 +151,14 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         self.parallel_dims: Optional[ParallelDims] = None
 
     # ---- validation and mesh ------------------------------------------------------------------
-    def validate(self) -> ParallelDims:
-        """Check the layout against the world, the model and the precision; raises listing every problem.
+    def validate(self, device_index: Optional[int] = None) -> ParallelDims:
+        """Check the layout against the world, the model, the precision and the hardware; raises listing
+        every problem.
 
-        Runs twice, both times before any process exists or any process group is created: when the
-        Trainer is constructed (world size and precision), and again at the start of ``fit`` once
-        the LightningModule (its plan's divisibility constraints) and datamodule (its ``seq_len``)
-        are known.
+        Runs twice, both times before any process group is created: when the Trainer is constructed
+        (world size, precision, float8/async-TP requirements), and again in each process at the start
+        of ``fit`` once the LightningModule (its plan's divisibility constraints), the datamodule (its
+        ``seq_len``) and the process's GPU (``device_index``: float8 tensor cores) are known.
         """
         module = self.lightning_module
         plan = resolve_plan(module, self.parallel_config, self._plan) if module is not None else self._plan
@@ -155,6 +173,8 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             precision=precision,
             seq_len=getattr(datamodule, "seq_len", None),
             num_nodes=self.num_nodes,
+            device_type=self.parallel_devices[0].type if self.parallel_devices else None,
+            device_index=device_index,
         )
 
     @override
@@ -169,7 +189,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self.parallel_dims = self.validate()
+        self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))
         self._data_parallel_size = self.parallel_dims.dp
         self._tensor_parallel_size = self.parallel_dims.tp
         # Lightning's: process group, seed reset, the (data_parallel, tensor_parallel) mesh.
@@ -255,6 +275,22 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.wait()
         super().teardown()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.parallel_config.fsdp_float8_all_gather:
+            # The float8 all-gather weights' scales for the next step, in one all-reduce.
+            precompute_float8_scales(self.lightning_module)
+        return output
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for the non-final micro-batches of gradient accumulation. Its own
+        version only knows DDP; here FSDP2 skips the gradient reduce-scatter until the last one."""
+        with gradient_sync(self.lightning_module, enabled=self.parallel_config.reduce_every_micro_batch):
+            yield
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

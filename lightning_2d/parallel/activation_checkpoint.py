@@ -24,10 +24,12 @@ def _ops(*names: str) -> set[Any]:
     return found
 
 
-#: Outputs kept by per-op selective AC (torchtitan's list): matmuls and attention are expensive
-#: to recompute, a reduce-scatter's output costs communication. Everything else is recomputed.
+#: Outputs kept by per-op selective AC (torchtitan's list): matmuls (float8 ones are
+#: ``_scaled_mm``) and attention are expensive to recompute, a reduce-scatter's output costs
+#: communication. Everything else is recomputed.
 SELECTIVE_AC_SAVE_LIST = _ops(
     "aten.mm.default",
+    "aten._scaled_mm.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
@@ -59,12 +61,21 @@ def _selective_op_context_fn() -> Callable[[], Any]:
     return context_fn
 
 
-def _wrap(block: nn.Module, **kwargs: Any) -> nn.Module:
+def uses_randomness(block: nn.Module, plan: ParallelPlan) -> bool:
+    """Whether recomputing ``block`` must replay its random draws (``plan.blocks_use_randomness``,
+    else: it holds a dropout module with ``p > 0``)."""
+    if plan.blocks_use_randomness is not None:
+        return plan.blocks_use_randomness
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in block.modules())
+
+
+def _wrap(block: nn.Module, plan: ParallelPlan, **kwargs: Any) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    # preserve_rng_state keeps dropout masks equal between forward and recompute in models that
-    # have dropout; Llama has none and the cost is a copy of the generator state.
-    return checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+    # preserve_rng_state saves and restores the CPU and device generator states around every
+    # recomputed block so dropout draws the same masks twice; a block without randomness (Llama)
+    # skips that cost, as torchtitan does.
+    return checkpoint_wrapper(block, preserve_rng_state=uses_randomness(block, plan), **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan, config: ParallelConfig) -> None:
@@ -74,10 +85,10 @@ def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan, config:
         return
     blocks = get_submodule_container(model, plan.blocks)
     if mode == "full":
-        replace_blocks(blocks, lambda i, block: _wrap(block))
+        replace_blocks(blocks, lambda i, block: _wrap(block, plan))
     elif config.selective_ac_option == "op":
         context_fn = _selective_op_context_fn()
-        replace_blocks(blocks, lambda i, block: _wrap(block, context_fn=context_fn))
+        replace_blocks(blocks, lambda i, block: _wrap(block, plan, context_fn=context_fn))
     else:
         every = int(config.selective_ac_option)
-        replace_blocks(blocks, lambda i, block: _wrap(block) if (i + 1) % every == 0 else block)
+        replace_blocks(blocks, lambda i, block: _wrap(block, plan) if (i + 1) % every == 0 else block)

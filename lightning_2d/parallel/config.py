@@ -7,7 +7,7 @@ process group exists. ``ParallelConfig.validate`` collects every problem and rai
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 AC_MODES = ("none", "full", "selective")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RESHARD_POLICIES = ("default", "always", "never")
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
 PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
@@ -81,9 +82,24 @@ class ParallelConfig:
         param_dtype: Dtype FSDP all-gathers parameters in for compute; ``None`` derives it from the
             precision (bf16 for ``bf16-mixed``/``bf16-true``, fp32 for ``32-true``).
         reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` means fp32.
-        reshard_after_forward: ``"default"`` (free each block's gathered parameters after its
-            forward, except the last block's, which backward needs at once), ``"always"`` or
-            ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers).
+        reshard_after_forward: ``"default"`` (free each unit's gathered parameters after its
+            forward, except the output unit's — final norm and head — which backward needs
+            first), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers).
+        float8: Train the block projections in float8 (torchao's ``Float8Linear``; GPUs with CUDA
+            compute capability >= 8.9, ``pip install "lightning-2d[float8]"``), with torchao's float8
+            tensor-parallel styles. ``"emulate"``: the same float8 rounding computed in high
+            precision on any device (tests, debugging; slower than not converting).
+        float8_recipe: torchao's scaling recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"`` (more accurate).
+        fsdp_float8_all_gather: FSDP2 all-gathers the float8 weights in float8 (half the bytes of
+            bf16; ``"tensorwise"`` only); their scales are computed after each optimizer step.
+        async_tensor_parallel: Overlap the sequence-parallel all-gathers and reduce-scatters with
+            the matmuls (inductor's micro-pipelined TP over symmetric memory). Needs CUDA, NCCL,
+            ``compile=True``, ``sequence_parallel=True`` and ``tensor_parallel_size > 1``.
+        reduce_every_micro_batch: With gradient accumulation, reduce-scatter the gradients after
+            every micro-batch (least memory) instead of once, after the last micro-batch (the
+            default: ``n - 1`` of ``n`` reduce-scatters saved, but between micro-batches each rank
+            holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
     """
 
     data_parallel_size: Size = "auto"
@@ -96,6 +112,11 @@ class ParallelConfig:
     param_dtype: Union[torch.dtype, str, None] = None
     reduce_dtype: Union[torch.dtype, str, None] = None
     reshard_after_forward: str = "default"
+    float8: Union[bool, str] = False
+    float8_recipe: str = "tensorwise"
+    fsdp_float8_all_gather: bool = False
+    async_tensor_parallel: bool = False
+    reduce_every_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         raise_if_problems(self.static_problems())
@@ -134,6 +155,20 @@ class ParallelConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype) and value not in DTYPE_NAMES:
                 problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(DTYPE_NAMES)}")
+        if self.float8 not in (True, False, "emulate"):
+            problems.append(f"float8={self.float8!r} is invalid; use True, False or 'emulate' (no float8 hardware needed)")
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            problems.append(
+                f"float8_recipe={self.float8_recipe!r} is not a recipe; choose one of"
+                f" {', '.join(repr(r) for r in FLOAT8_RECIPES)}"
+            )
+        if self.fsdp_float8_all_gather and not self.float8:
+            problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")
+        if self.fsdp_float8_all_gather and self.float8_recipe != "tensorwise":
+            problems.append(
+                f"fsdp_float8_all_gather=True needs float8_recipe='tensorwise' (one scale per weight), got"
+                f" {self.float8_recipe!r}; use the tensorwise recipe or fsdp_float8_all_gather=False"
+            )
         return problems
 
     @classmethod
@@ -168,6 +203,15 @@ class ParallelPlan:
             checked before any process group is created.
         sequence_dim: Dimension of the model input that sequence parallelism shards (for the
             sequence-length check).
+        input_units: Modules run before the blocks (the token embedding), each sharded as its own
+            FSDP unit so its parameters are gathered only while it runs, not for the whole forward.
+        output_unit: Modules run after the blocks (final norm, output head), sharded together as one
+            FSDP unit. Backward needs them first, so the ``"default"`` reshard policy keeps them
+            gathered from the end of forward to their backward (one all-gather saved per step).
+            Modules named in neither stay in the root unit (gathered for the whole forward).
+        blocks_use_randomness: Whether the blocks draw random numbers (dropout), so that activation
+            checkpointing must replay the random state in recomputation; ``None``: detected from
+            dropout modules with ``p > 0``.
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -175,3 +219,6 @@ class ParallelPlan:
     module: str = "model"
     tp_divides: dict[str, int] = field(default_factory=dict)
     sequence_dim: int = 1
+    input_units: tuple[str, ...] = ()
+    output_unit: tuple[str, ...] = ()
+    blocks_use_randomness: Optional[bool] = None

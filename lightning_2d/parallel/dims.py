@@ -17,6 +17,7 @@ from lightning_2d.parallel.config import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
 #: Names of the mesh dimensions; the same as Lightning's, so ``device_mesh["tensor_parallel"]``
@@ -67,6 +68,8 @@ def validate_parallel_dims(
     precision: str | None = None,
     seq_len: int | None = None,
     num_nodes: int = 1,
+    device_type: str | None = None,
+    device_index: int | None = None,
 ) -> ParallelDims:
     """Resolve the mesh sizes and check every constraint at once.
 
@@ -78,6 +81,10 @@ def validate_parallel_dims(
         precision: The Trainer/Fabric precision string; ``None`` skips the check.
         seq_len: The training sequence length, when known ahead (checked under sequence parallel).
         num_nodes: Number of nodes (for the hint on where tensor-parallel groups land).
+        device_type: The accelerator's device type (``"cuda"``, ``"cpu"``); ``None`` skips the
+            hardware checks of float8 and async tensor parallelism.
+        device_index: This process's CUDA device, once chosen: checks that it has float8 tensor
+            cores (this initializes CUDA in the process, so not before processes are forked).
 
     Raises:
         ParallelConfigError: listing every problem, with the values and a fix.
@@ -109,6 +116,19 @@ def validate_parallel_dims(
             f"sequence length ({seq_len}) must be divisible by tensor_parallel_size ({tp}) under sequence"
             f" parallelism; use a sequence length that is a multiple of {tp} or sequence_parallel=False"
         )
+    if device_type is not None:
+        from lightning_2d.parallel.float8 import float8_problems
+
+        problems += float8_problems(
+            float8=bool(config.float8),
+            emulate=config.float8 == "emulate",
+            async_tensor_parallel=config.async_tensor_parallel,
+            compile=config.compile,
+            tensor_parallel_size=tp,
+            sequence_parallel=config.sequence_parallel,
+            device_type=device_type,
+            device_index=device_index,
+        )
     if precision is not None and str(precision) not in SUPPORTED_PRECISIONS:
         problems.append(
             f"precision={precision!r} is not supported by the 2D strategy; choose one of"
@@ -116,6 +136,11 @@ def validate_parallel_dims(
         )
     raise_if_problems(problems)
     return ParallelDims(dp=dp, tp=tp)
+
+
+def cuda_index(device: "torch.device") -> int | None:
+    """The CUDA device index of ``device`` (for the float8 hardware check), else ``None``."""
+    return device.index if device.type == "cuda" else None
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":

@@ -35,6 +35,21 @@ def get_submodule_container(model: nn.Module, name: str) -> nn.Module:
     return blocks
 
 
+def get_named_submodules(model: nn.Module, names: tuple[str, ...], field: str) -> list[nn.Module]:
+    """The submodules ``names`` (dotted paths) of ``model``; a missing one is an error naming ``field``."""
+    found = []
+    for name in names:
+        try:
+            found.append(model.get_submodule(name))
+        except AttributeError:
+            children = ", ".join(n for n, _ in model.named_children()) or "none"
+            raise ValueError(
+                f"ParallelPlan.{field} names {name!r}, but {type(model).__name__} has no such submodule (its"
+                f" children: {children}). Fix the plan's {field} or leave it empty."
+            ) from None
+    return found
+
+
 def replace_blocks(blocks: nn.Module, fn: Callable[[int, nn.Module], nn.Module]) -> None:
     """Replace each block ``b`` at position ``i`` of ``blocks`` by ``fn(i, b)``, keeping its name."""
     for index, (name, block) in enumerate(list(blocks.named_children())):

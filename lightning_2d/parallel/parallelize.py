@@ -1,4 +1,4 @@
-"""The one place where a model is parallelized: TP/SP → activation checkpointing → compile → FSDP2.
+"""The one place where a model is parallelized: (float8) → TP/SP → activation checkpointing → compile → FSDP2.
 
 The Trainer strategy (``lightning_2d.strategy``) and the Fabric strategy (``lightning_2d.fabric``)
 both call ``parallelize_model``; neither has a copy of these steps.
@@ -18,6 +18,7 @@ name is called instead of the library's function, with the same arguments:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -131,7 +132,7 @@ def parallelize_model(
     config: ParallelConfig,
     hooks: Any = None,
 ) -> None:
-    """Apply TP/SP, activation checkpointing, compile and FSDP2 to ``model`` in place, in that order.
+    """Apply (float8) → TP/SP → activation checkpointing → compile → FSDP2 to ``model`` in place.
 
     Args:
         model: The model, preferably on the meta device (then materialize it afterwards with
@@ -143,8 +144,26 @@ def parallelize_model(
         hooks: An object whose methods named like the steps override them (see the module docstring).
     """
     tp_mesh, dp_mesh = mesh[TP_DIM], mesh[DP_DIM]
+    if config.float8:
+        # A module swap on the meta model, before anything wraps the Linears (torchtitan's order);
+        # the block projections then take torchao's float8 tensor-parallel styles.
+        from lightning_2d.parallel.float8 import convert_to_float8, float8_tensor_parallel_plan
+
+        convert_to_float8(
+            model,
+            emulate=config.float8 == "emulate",
+            recipe=config.float8_recipe,
+            # Over a 1-rank data-parallel mesh there is no all-gather to shrink (as torchtitan).
+            fsdp_float8_all_gather=config.fsdp_float8_all_gather and dp_mesh.size() > 1,
+            tensor_parallel_size=tp_mesh.size(),
+        )
+        plan = replace(plan, tensor_parallel=float8_tensor_parallel_plan(plan.tensor_parallel, model))
     if tp_mesh.size() > 1 and plan.tensor_parallel:
         _step(hooks, "apply_tensor_parallel")(model, tp_mesh, plan, config)
+        if config.async_tensor_parallel:
+            from lightning_2d.parallel.float8 import enable_async_tensor_parallel
+
+            enable_async_tensor_parallel(tp_mesh)  # before the first compiled forward
     if config.activation_checkpointing != "none":
         _step(hooks, "apply_activation_checkpointing")(model, plan, config)
     if config.compile:

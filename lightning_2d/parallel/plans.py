@@ -23,6 +23,9 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         blocks="layers",
         module=module,
         tp_divides={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        input_units=("tok_embeddings",),
+        output_unit=("norm", "output"),
+        blocks_use_randomness=False,  # no dropout in Llama
     )
 
 

@@ -12,10 +12,12 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 pytestmark = pytest.mark.distributed
 
 CLIP = 0.5
+# loss_parallel applies to a model that returns logits: LlamaLightningModule(fused_loss=False).
 OPTIONS = {
-    "loss-parallel": {"loss_parallel": True, "reshard_after_forward": "never"},
-    "no-sequence-parallel": {"sequence_parallel": False, "loss_parallel": True},
+    "loss-parallel": {"loss_parallel": True, "fused_loss": False, "reshard_after_forward": "never"},
+    "no-sequence-parallel": {"sequence_parallel": False, "loss_parallel": True, "fused_loss": False},
     "no-sequence-parallel-reshard-always": {"sequence_parallel": False, "reshard_after_forward": "always"},
+    "unfused-loss-gathered-logits": {"fused_loss": False},
 }
 
 
@@ -42,6 +44,12 @@ def test_option_with_gradient_clipping_matches_single_device(jobs, name):
         torch.testing.assert_close(weight, ref_final[name_], rtol=1e-5, atol=1e-5, msg=name_)
 
 
+@pytest.mark.parametrize(("name", "gathered"), [("loss-parallel", "all"), ("no-sequence-parallel-reshard-always", "none")])
+def test_reshard_policy_decides_what_stays_gathered_after_forward(jobs, name, gathered):
+    out = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name]).rank_output(0)  # the jobs above
+    assert out["gathered_after_forward"] == (sorted(out["placements"]) if gathered == "all" else [])
+
+
 @pytest.mark.parametrize(("precision", "shard_dtype"), [("bf16-mixed", "torch.float32"), ("bf16-true", "torch.bfloat16")])
 def test_bf16_precisions(jobs, precision, shard_dtype):
     out = jobs.layout(2, 2, precision=precision).rank_output(0)
@@ -54,3 +62,41 @@ def test_compiled_blocks_match_single_device(jobs):
     losses = jobs.layout(2, 2, compile=True).rank_output(0)["losses"]
     # Inductor fuses and reorders fp32 reductions: equal up to a few ulps of accumulated rounding.
     assert worst_relative_error(losses, jobs.reference().rank_output(0)["losses"]) <= 1e-4
+
+
+def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_per_step(jobs):
+    """accumulate_grad_batches=2: FSDP2 skips the first micro-batch's reduce-scatter (Lightning's own
+    block_backward_sync only knows DDP). Every target counts (even labels), so the mean of the two
+    micro-batch means is the double batch's mean."""
+    double = jobs.layout(2, 2, even_labels=True)
+    accumulated = jobs.layout(2, 2, even_labels=True, accumulate=2)
+    every = jobs.layout(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True)
+    for rank in range(4):
+        ref, out = double.rank_output(rank), accumulated.rank_output(rank)
+        micro = out["losses"]
+        assert len(micro) == 12  # two micro-batches per optimizer step
+        pairs = [(a + b) / 2 for a, b in zip(micro[::2], micro[1::2])]
+        assert worst_relative_error(pairs, ref["losses"]) <= LOSS_RTOL
+        assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        assert out["reduce_scatters"] == ref["reduce_scatters"] > 0
+        # The memory-saving option reduce-scatters after each micro-batch: twice as often.
+        assert every.rank_output(rank)["reduce_scatters"] == 2 * ref["reduce_scatters"]
+        assert worst_relative_error(every.rank_output(rank)["losses"][1::2], micro[1::2]) <= LOSS_RTOL
+    ref_final, final = load_weights(double, "final"), load_weights(accumulated, "final")
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):
+    """torchao's float8 (emulated on CPU: the same e4m3/e5m2 rounding) through the float8 TP styles and
+    FSDP2's float8 all-gather, against the same conversion on one process: tensorwise scales are
+    amaxes of the *full* tensors, so the layout changes only the fp32 summation order."""
+    single = jobs.layout(1, 1, float8="emulate").rank_output(0)
+    sharded = jobs.layout(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False).rank_output(0)
+    fp32 = jobs.reference().rank_output(0)["losses"]
+    error = worst_relative_error(sharded["losses"], single["losses"])
+    print(f"float8 (emulated) (2, 2) vs (1, 1): worst relative loss error {error:.2e};"
+          f" vs fp32 {worst_relative_error(single['losses'], fp32):.2e}")
+    assert error <= 1e-4
+    # float8 really ran: its rounding moves the losses away from fp32's (yet not far).
+    assert 1e-6 < worst_relative_error(single["losses"], fp32) <= 1e-2

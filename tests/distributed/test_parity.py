@@ -111,6 +111,17 @@ def test_plan_structure_at_2x2(jobs):
         assert got["local_shape"] == want_local, name
 
 
+@pytest.mark.parametrize(("dp", "tp"), LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
+def test_fsdp_units_and_what_stays_gathered_after_forward(jobs, dp, tp):
+    """torchtitan's units: the embedding, each block, [norm, output] together, and an empty root. Under
+    the default policy only the output unit (what backward needs first) stays gathered."""
+    out = jobs.layout(dp, tp).rank_output(0)
+    assert out["fsdp_units"] == ["", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output", "tok_embeddings"]
+    assert out["gathered_after_forward"] == ["norm.weight", "output.weight"]
+    # The fused loss runs vocabulary-parallel on the output's shards when tensor parallel.
+    assert out["head_loss_fn"] == ("vocab_parallel_linear_cross_entropy" if tp > 1 else "linear_cross_entropy")
+
+
 def test_indivisible_sequence_is_refused_before_any_collective(jobs):
     message = jobs.layout(1, 4).rank_output(0)["bad_seq_len_error"]
     assert message is not None and "Input sequence length 13 is not divisible by tensor_parallel_size (4)" in message

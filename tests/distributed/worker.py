@@ -23,11 +23,13 @@ from lightning_2d.parallel.modules import canonical_name
 
 
 class SyntheticTokens(Dataset):
-    """``n`` fixed random sequences; sample ``i`` ignores its first ``i % 5`` targets (uneven token counts)."""
+    """``n`` fixed random sequences; sample ``i`` ignores its first ``i % 5`` targets (uneven token
+    counts) unless ``even``."""
 
-    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0, even: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
+        self.even = even
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -35,7 +37,8 @@ class SyntheticTokens(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         seq = self.tokens[i]
         labels = seq[1:].clone()
-        labels[: i % 5] = -100
+        if not self.even:
+            labels[: i % 5] = -100
         return {"input_ids": seq[:-1], "labels": labels}
 
 
@@ -102,6 +105,42 @@ def placements(module: torch.nn.Module) -> dict[str, list]:
     return out
 
 
+def count_reduce_scatters() -> dict[str, int]:
+    """Counts FSDP2's gradient reduce-scatters (it calls ``dist.reduce_scatter_single``) from now on."""
+    import torch.distributed as dist
+
+    counter = {"n": 0}
+    original = dist.reduce_scatter_single
+
+    def counting(*a, **k):
+        counter["n"] += 1
+        return original(*a, **k)
+
+    dist.reduce_scatter_single = counting
+    return counter
+
+
+def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
+    """The FSDP units, which parameters stay gathered after a forward, and the head's loss function."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = sorted(canonical_name(n) for n, m in model.named_modules() if isinstance(m, FSDPModule))
+    with torch.no_grad():
+        model(torch.zeros(1, seq_len, dtype=torch.long))
+    # A resharded parameter is the FSDP shard (a DTensor on a mesh with the data-parallel dim);
+    # a gathered one is the full tensor (plain, or a DTensor on the tensor-parallel mesh only).
+    gathered = sorted(
+        canonical_name(n)
+        for n, p in model.named_parameters()
+        if "data_parallel" not in (getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ())
+    )
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return {"fsdp_units": units, "gathered_after_forward": gathered,
+            "head_loss_fn": model.output.linear_cross_entropy.__name__}
+
+
 STRATEGY_OPTIONS = (
     "activation_checkpointing",
     "selective_ac_option",
@@ -111,6 +150,9 @@ STRATEGY_OPTIONS = (
     "reshard_after_forward",
     "param_dtype",
     "reduce_dtype",
+    "reduce_every_micro_batch",
+    "float8",
+    "fsdp_float8_all_gather",
 )
 
 
@@ -125,6 +167,8 @@ def fit(cfg: dict) -> None:
         warmup_steps=2,
         max_steps=cfg["steps"],
         init_seed=cfg.get("init_seed"),
+        fused_loss=cfg.get("fused_loss", True),
+        loss_chunk_size=cfg.get("loss_chunk_size", 1024),
     )
     if cfg["strategy"] == "single":
         strategy, devices, dp = "auto", 1, 1
@@ -132,7 +176,9 @@ def fit(cfg: dict) -> None:
         options = {k: cfg[k] for k in STRATEGY_OPTIONS if k in cfg}
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
-    data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], module.model_args.vocab_size)
+    data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], module.model_args.vocab_size,
+                           even=cfg.get("even_labels", False))
+    accumulate = cfg.get("accumulate", 1)
     if cfg["strategy"] == "single":
         # Lightning gives every parallel training loader a shuffling DistributedSampler (seeded
         # with the run's seed). The reference draws the same permutation with one replica, so
@@ -140,8 +186,9 @@ def fit(cfg: dict) -> None:
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=cfg.get("seed", 1234))
         loader = DataLoader(data, batch_size=cfg["global_batch"], sampler=sampler)
     else:
-        loader = DataLoader(data, batch_size=cfg["global_batch"] // dp)
+        loader = DataLoader(data, batch_size=cfg["global_batch"] // dp // accumulate)
     recorder = Recorder(out_dir, cfg.get("save_weights", True))
+    reduce_scatters = count_reduce_scatters()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -150,6 +197,7 @@ def fit(cfg: dict) -> None:
         precision=cfg.get("precision", "32-true"),
         max_steps=cfg["steps"],
         gradient_clip_val=cfg.get("gradient_clip_val"),
+        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -158,6 +206,7 @@ def fit(cfg: dict) -> None:
     )
     trainer.fit(module, loader)
     result = {
+        "reduce_scatters": reduce_scatters["n"],
         "losses": recorder.losses,
         "batches": recorder.batches,
         "grad_norms": recorder.grad_norms,
@@ -165,6 +214,8 @@ def fit(cfg: dict) -> None:
         "placements": placements(module.model),
     }
     mesh = module.device_mesh
+    if cfg["strategy"] == "2d":
+        result.update(fsdp_layout(module.model, cfg["seq_len"]))
     if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True):
         # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
         try:
@@ -313,8 +364,6 @@ def fabric_loop(cfg: dict) -> None:
     """recipes/fabric_pretrain.py's loop, under the 2D Fabric strategy or a plain single-device Fabric."""
     import importlib.util
 
-    import torch.distributed as dist
-
     from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
 
     spec = importlib.util.spec_from_file_location("fabric_pretrain", REPO / "recipes" / "fabric_pretrain.py")
@@ -346,15 +395,7 @@ def fabric_loop(cfg: dict) -> None:
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
     fabric.launch()
 
-    reduce_scatters = {"n": 0}
-    if dist.is_available():
-        original = dist.reduce_scatter_single  # what FSDP2 calls for its gradient reduce-scatter
-
-        def counting(*a, **k):
-            reduce_scatters["n"] += 1
-            return original(*a, **k)
-
-        dist.reduce_scatter_single = counting
+    reduce_scatters = count_reduce_scatters()
 
     def on_step(step: int, model) -> None:
         if step == 6:

@@ -120,3 +120,35 @@ def test_fit_refuses_model_constraints_before_the_process_group(monkeypatch):
     assert "tensor_parallel_size (4) must divide n_kv_heads (2); try 1 or 2" in message
     assert "sequence length (30) must be divisible by tensor_parallel_size (4)" in message
     assert not dist.is_initialized()
+
+
+def test_float8_options_are_checked_together_at_construction():
+    with pytest.raises(ParallelConfigError) as err:
+        ModelParallel2DStrategy(float8="yes", float8_recipe="blockwise", fsdp_float8_all_gather=True)
+    message = str(err.value)
+    assert "float8='yes' is invalid; use True, False or 'emulate'" in message
+    assert "float8_recipe='blockwise' is not a recipe; choose one of 'tensorwise', 'rowwise'" in message
+    assert "fsdp_float8_all_gather=True needs float8_recipe='tensorwise'" in message
+    with pytest.raises(ParallelConfigError, match="fsdp_float8_all_gather=True needs float8=True"):
+        ModelParallel2DStrategy(fsdp_float8_all_gather=True)
+
+
+def test_gpu_only_features_fail_on_cpu_before_any_process_starts():
+    strategy = ModelParallel2DStrategy(tensor_parallel_size=2, float8=True, async_tensor_parallel=True)
+    with pytest.raises(ParallelConfigError) as err:
+        L.Trainer(accelerator="cpu", devices=4, strategy=strategy)
+    message = str(err.value)
+    assert "float8=True runs on GPUs with float8 tensor cores (CUDA compute capability >= 8.9" in message
+    assert "but the accelerator is 'cpu'" in message
+    assert "async_tensor_parallel=True needs compile=True" in message
+    assert "async_tensor_parallel=True needs CUDA GPUs with NCCL" in message
+    assert not dist.is_initialized()
+    # Emulated float8 has no hardware requirement.
+    L.Trainer(accelerator="cpu", devices=4,
+              strategy=ModelParallel2DStrategy(tensor_parallel_size=2, float8="emulate", sequence_parallel=False))
+
+
+def test_emulated_float8_with_sequence_parallel_over_gloo_is_refused():
+    strategy = ModelParallel2DStrategy(tensor_parallel_size=2, float8="emulate")
+    with pytest.raises(ParallelConfigError, match="gloo cannot carry float8 tensors. Set sequence_parallel=False"):
+        L.Trainer(accelerator="cpu", devices=4, strategy=strategy)

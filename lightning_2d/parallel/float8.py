@@ -1,0 +1,570 @@
+"""Float8 training (torchao) and async tensor parallelism.
+
+Float8 training swaps the transformer blocks' ``nn.Linear`` layers for torchao's ``Float8Linear``:
+each matmul casts its operands to float8 with dynamic scales (weight and input to e4m3, the
+output gradient to e5m2 in the default recipe) and runs on float8 tensor cores, while parameters,
+optimizer states and every other op keep their precision. The conversion is a module swap on the
+meta-device model, before any parallelism, as torchtitan does it. Under tensor parallelism torchao's
+``Float8ColwiseParallel``/``Float8RowwiseParallel``/``PrepareFloat8ModuleInput`` cast the
+activations to float8 *before* the sequence-parallel all-gather, so those collectives move half the
+bytes of bf16; with FSDP, ``fsdp_float8_all_gather`` does the same for the parameters' all-gather.
+
+Async tensor parallelism (``_micro_pipeline_tp``) lets inductor split each sequence-parallel
+all-gather → matmul and matmul → reduce-scatter pair into chunks that overlap communication with
+compute through symmetric memory. It only changes compiled graphs, so it needs ``compile=True``,
+CUDA and NCCL.
+
+Order inside ``parallelize_model``::
+
+    convert_to_float8 → float8_tensor_parallel_plan → TP/SP (+ enable_async_tensor_parallel)
+        → activation checkpointing → compile → FSDP2 → materialize
+    … and after every optimizer step: precompute_float8_scales(model)
+
+torchao is an optional dependency (``pip install "lightning-2d[float8]"``); it is imported only
+when float8 is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from fnmatch import fnmatch
+from importlib import metadata
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lightning_2d.parallel.config import FLOAT8_RECIPES, Size
+from lightning_2d.parallel.modules import canonical_name
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+#: Oldest torchao whose float8 training API (``torchao.float8``) this module is written against.
+MIN_TORCHAO_VERSION = (0, 18)
+INSTALL_COMMAND = 'pip install "lightning-2d[float8]"'
+#: NVIDIA GPUs with float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
+MIN_FLOAT8_CAPABILITY = (8, 9)
+FLOAT8_GPUS = "H100, H200, B200, L40S, L4"
+#: AMD GPUs with float8 matrix cores (torchao picks the fnuz float8 types on MI300 itself).
+FLOAT8_ROCM_ARCHS = ("gfx942", "gfx950")
+#: ``torch._scaled_mm`` (the float8 GEMM) needs both weight dimensions to be multiples of 16.
+FLOAT8_DIM_MULTIPLE = 16
+
+
+# ---- checks before any process group ------------------------------------------------------------
+def _torchao_version() -> str | None:
+    """The installed torchao version, ``"unknown"`` for a checkout without metadata, ``None`` if absent.
+
+    Reads the package metadata instead of importing torchao: the import takes seconds and (on
+    ROCm) queries the GPU, which must not happen in the Trainer's constructor.
+    """
+    try:
+        if importlib.util.find_spec("torchao") is None:
+            return None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        return None
+    try:
+        return metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _torchao_problem() -> str | None:
+    version = _torchao_version()
+    wanted = ".".join(map(str, MIN_TORCHAO_VERSION))
+    if version is None:
+        return (
+            f"float8=True needs torchao>={wanted}, which is not installed; install it with `{INSTALL_COMMAND}`"
+            f' (or `pip install "torchao>={wanted}"`)'
+        )
+    if version == "unknown":
+        return None
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        # `release` ignores dev/local suffixes, so a 0.18 nightly counts as 0.18.
+        too_old = Version(version).release[:2] < MIN_TORCHAO_VERSION
+    except InvalidVersion:
+        return None
+    if too_old:
+        return (
+            f"float8=True needs torchao>={wanted}, found torchao {version}; upgrade with"
+            f' `pip install -U "lightning-2d[float8]"`'
+        )
+    return None
+
+
+def _float8_device_problem(device_index: int) -> str | None:
+    """Why ``cuda:device_index`` has no float8 tensor cores, or ``None``. Initializes CUDA."""
+    props = torch.cuda.get_device_properties(device_index)
+    if torch.version.hip:
+        arch = getattr(props, "gcnArchName", "")
+        if not any(name in arch for name in FLOAT8_ROCM_ARCHS):
+            return (
+                f"float8=True needs float8 matrix cores (AMD MI300/MI350: {', '.join(FLOAT8_ROCM_ARCHS)});"
+                f" cuda:{device_index} is {props.name} ({arch}). Set float8=False."
+            )
+        return None
+    capability = (props.major, props.minor)
+    if capability < MIN_FLOAT8_CAPABILITY:
+        wanted = ".".join(map(str, MIN_FLOAT8_CAPABILITY))
+        return (
+            f"float8=True needs float8 tensor cores (CUDA compute capability >= {wanted}: {FLOAT8_GPUS});"
+            f" cuda:{device_index} is {props.name} with compute capability {props.major}.{props.minor}."
+            " Set float8=False (bf16-mixed is the fast option on this GPU)."
+        )
+    return None
+
+
+def _has_symmetric_memory() -> bool:
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")
+        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def float8_problems(
+    *,
+    float8: bool,
+    async_tensor_parallel: bool,
+    compile: bool,
+    tensor_parallel_size: Size,
+    device_type: str,
+    sequence_parallel: bool = True,
+    device_index: int | None = None,
+    emulate: bool = False,
+) -> list[str]:
+    """Every reason the float8 / async-TP options cannot run here, each with the values and the fix.
+
+    Safe to call before any process group exists and before processes are forked or spawned: it
+    neither imports torchao nor touches CUDA, unless ``device_index`` is given. Call it twice:
+
+    * in the Trainer/Fabric constructor without ``device_index`` (package, device type, option
+      combinations), and
+    * in each process once its device is chosen (``setup_environment``) with ``device_index``,
+      which reads that GPU's compute capability. This initializes CUDA in the calling process,
+      harmless there but fatal to a later ``fork``, which is why the constructor call skips it.
+
+    Args:
+        float8: Float8 training is requested.
+        async_tensor_parallel: Async tensor parallelism is requested.
+        compile: ``torch.compile`` is on (async TP only changes compiled graphs).
+        tensor_parallel_size: The tensor-parallel size; ``"auto"`` skips the size check (call
+            again once it is resolved).
+        device_type: The accelerator's device type (``"cuda"``, ``"cpu"``, …).
+        sequence_parallel: Sequence parallelism is on: async TP overlaps its all-gathers and
+            reduce-scatters with the matmuls; plain TP's all-reduces are left as they are.
+        device_index: The CUDA device of this process; ``None`` skips the compute-capability check.
+        emulate: Float8 will be emulated (``convert_to_float8(..., emulate=True)``), which runs on
+            any device: skip the device checks (for tests and debugging; slower than not converting).
+
+    Returns:
+        The problems; empty when everything can run.
+    """
+    problems: list[str] = []
+    if float8:
+        torchao = _torchao_problem()
+        if torchao is not None:
+            problems.append(torchao)
+        if emulate:
+            if device_type != "cuda" and sequence_parallel and tensor_parallel_size not in ("auto", 1):
+                problems.append(
+                    "float8='emulate' with sequence_parallel=True and tensor_parallel_size"
+                    f" {tensor_parallel_size} on {device_type!r}: the float8 tensor-parallel styles all-gather"
+                    " activations already cast to float8, and gloo cannot carry float8 tensors. Set"
+                    " sequence_parallel=False for emulated float8 off CUDA."
+                )
+        elif device_type != "cuda":
+            wanted = ".".join(map(str, MIN_FLOAT8_CAPABILITY))
+            problems.append(
+                f"float8=True runs on GPUs with float8 tensor cores (CUDA compute capability >= {wanted}:"
+                f" {FLOAT8_GPUS}), but the accelerator is {device_type!r}. Float8 training is GPU-only: on"
+                " CPU torchao can only emulate it (`convert_to_float8(model, emulate=True)`, used by this"
+                " library's tests), which is slower than fp32. Set float8=False or train on such GPUs."
+            )
+        elif device_index is not None:
+            device = _float8_device_problem(device_index)
+            if device is not None:
+                problems.append(device)
+
+    if async_tensor_parallel:
+        if not compile:
+            problems.append(
+                "async_tensor_parallel=True needs compile=True: the overlap is an inductor pass"
+                " (torch._inductor.config._micro_pipeline_tp) that only rewrites compiled graphs. Set"
+                " compile=True or async_tensor_parallel=False."
+            )
+        if tensor_parallel_size != "auto" and tensor_parallel_size == 1:
+            problems.append(
+                "async_tensor_parallel=True with tensor_parallel_size=1: there is no tensor-parallel"
+                " communication to overlap. Use tensor_parallel_size > 1 or async_tensor_parallel=False."
+            )
+        if not sequence_parallel:
+            problems.append(
+                "async_tensor_parallel=True with sequence_parallel=False: async TP overlaps the"
+                " all-gather/reduce-scatter pairs of sequence parallelism with the matmuls and leaves"
+                " plain TP's all-reduces as they are, so it would do nothing. Set sequence_parallel=True"
+                " or async_tensor_parallel=False."
+            )
+        if device_type != "cuda":
+            problems.append(
+                f"async_tensor_parallel=True needs CUDA GPUs with NCCL (symmetric memory), but the"
+                f" accelerator is {device_type!r}. Set async_tensor_parallel=False."
+            )
+        else:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_nccl_available()):
+                problems.append(
+                    f"async_tensor_parallel=True needs NCCL, which this torch build ({torch.__version__}) lacks."
+                    " Install a CUDA build of torch or set async_tensor_parallel=False."
+                )
+        if not _has_symmetric_memory():
+            problems.append(
+                f"async_tensor_parallel=True needs symmetric memory (torch.distributed._symmetric_memory),"
+                f" which torch {torch.__version__} does not provide. Upgrade torch or set"
+                " async_tensor_parallel=False."
+            )
+    return problems
+
+
+# ---- torchao ------------------------------------------------------------------------------------
+@contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    # On a torch build without CUDA, torchao logs a warning for every CUDA extension it cannot load,
+    # and torch logs a deprecation aimed at torchao's own code; neither is actionable by our users.
+    names = ["torch.utils._pytree"]
+    if torch.version.cuda is None and torch.version.hip is None:
+        names.append("torchao")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _torchao_float8() -> ModuleType:
+    """``torchao.float8``, or an ImportError that says how to install it."""
+    problem = _torchao_problem()
+    if problem is not None:
+        raise ImportError(problem)
+    with _quiet_torchao_import():
+        import torchao.float8
+        import torchao.float8.float8_tensor_parallel  # the TP styles
+    return torchao.float8
+
+
+def _float8_linear_class() -> type[nn.Module] | None:
+    # A model can only hold Float8Linear modules if torchao's float8 module was imported, so this
+    # lets hooks called on every step stay free when float8 is off.
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return None if module is None else module.Float8Linear
+
+
+def _skip_reason(name: str, module: nn.Linear, skip: tuple[str, ...], multiple: int) -> str | None:
+    float8_linear = _float8_linear_class()
+    if float8_linear is not None and isinstance(module, float8_linear):
+        return "is a Float8Linear already"
+    if type(module) is not nn.Linear:
+        # Float8Linear.from_float builds a plain Float8Linear: a subclass's own forward (like the
+        # Llama head's fused loss) would be silently dropped.
+        return f"is a {type(module).__name__}, a subclass of nn.Linear whose forward the conversion would drop"
+    if any(name == pattern or fnmatch(name, pattern) for pattern in skip):
+        return "is named in `skip`"
+    if module.in_features % multiple or module.out_features % multiple:
+        return (
+            f"has in_features={module.in_features}, out_features={module.out_features}; float8 matmuls need"
+            f" both to be multiples of {multiple}"
+        )
+    return None
+
+
+def convert_to_float8(
+    model: nn.Module,
+    *,
+    skip: Iterable[str] = ("output",),
+    emulate: bool = False,
+    fsdp_float8_all_gather: bool = False,
+    recipe: str = "tensorwise",
+    tensor_parallel_size: int = 1,
+) -> list[str]:
+    """Swap the eligible ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear``, in place.
+
+    Works on the meta device and keeps each ``weight`` Parameter (the same object, or with
+    ``fsdp_float8_all_gather`` a wrapper of it under the same name), so parameter names, seeded
+    initialization and checkpoints are unchanged: ``layers.0.attention.wq.weight`` stays.
+    Call it before tensor parallelism, activation checkpointing, compile and FSDP.
+
+    A Linear is left in high precision when
+    * its name matches an entry of ``skip`` (exact name or ``fnmatch`` pattern such as
+      ``layers.0.*``). The default skips the Llama output head: the vocabulary projection is
+      the layer most sensitive to float8 rounding, and the Llama head is a ``VocabProjection``
+      (below) anyway;
+    * it is a subclass of ``nn.Linear`` (the swap would replace its ``forward``);
+    * ``in_features`` or ``out_features`` is not a multiple of ``16 × tensor_parallel_size``:
+      ``torch._scaled_mm`` needs the dimensions of each rank's weight shard to be multiples of 16
+      (and a shape that small would gain nothing from float8 anyway).
+
+    On hardware the token count of each matmul (batch × sequence) must be a multiple of 16 too;
+    emulation has no such limit.
+
+    Args:
+        model: The model, preferably on the meta device.
+        skip: Names or patterns of Linears to keep in high precision.
+        emulate: Emulate the float8 matmuls in high precision (rounding included): for CPU tests
+            and GPUs without float8 tensor cores. Slower than not converting at all.
+        fsdp_float8_all_gather: Make FSDP2 all-gather the weights in float8 (half the bytes of
+            bf16). Needs the ``"tensorwise"`` recipe; call ``precompute_float8_scales(model)``
+            after each optimizer step.
+        recipe: torchao's scaling recipe: ``"tensorwise"`` (one scale per tensor, fastest, the
+            only one with float8 all-gathers), ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (a scale
+            per row; more accurate).
+        tensor_parallel_size: The tensor-parallel size the model will be sharded over.
+
+    Returns:
+        The names of the converted Linears.
+
+    Raises:
+        ValueError: For an invalid option, or when no Linear can be converted (listing why).
+        ImportError: When torchao is missing or too old.
+    """
+    if isinstance(skip, str):
+        raise TypeError(f"skip must be a collection of names, got the string {skip!r}; write skip=({skip!r},)")
+    skip = tuple(skip)
+    problems = []
+    if recipe not in FLOAT8_RECIPES:
+        choices = ", ".join(map(repr, FLOAT8_RECIPES))
+        problems.append(f"recipe={recipe!r} is not a float8 recipe; choose one of {choices}")
+    elif fsdp_float8_all_gather and recipe != "tensorwise":
+        problems.append(
+            f"fsdp_float8_all_gather=True needs recipe='tensorwise' (one scale per weight), got recipe={recipe!r};"
+            " use recipe='tensorwise' or fsdp_float8_all_gather=False"
+        )
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        problems.append(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    if isinstance(model, nn.Linear):
+        problems.append(
+            f"convert_to_float8 swaps the Linears inside a model in place; got a bare {type(model).__name__}."
+            " Wrap it in a module (nn.Sequential(linear))."
+        )
+    if problems:
+        raise ValueError("Cannot convert to float8:\n  - " + "\n  - ".join(problems))
+
+    float8 = _torchao_float8()
+    multiple = FLOAT8_DIM_MULTIPLE * tensor_parallel_size
+    converted: list[str] = []
+    skipped: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = _skip_reason(canonical_name(name), module, skip, multiple)
+        if reason is None:
+            converted.append(name)
+        else:
+            skipped.append(f"{name} {reason}")
+    if not converted:
+        raise ValueError(
+            f"float8: no nn.Linear of {type(model).__name__} can be converted"
+            f" ({'; '.join(skipped) or 'it has none'}). Set float8=False, or change `skip`/the model's shapes."
+        )
+
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    eligible = set(converted)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in eligible)
+    return [canonical_name(name) for name in converted]
+
+
+# ---- tensor parallelism -------------------------------------------------------------------------
+def float8_tensor_parallel_styles() -> tuple[type[ParallelStyle], type[ParallelStyle], type[ParallelStyle]]:
+    """torchao's ``(Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)``.
+
+    Drop-in replacements of ``ColwiseParallel``/``RowwiseParallel``/``PrepareModuleInput`` for
+    ``Float8Linear`` layers converted with the ``"tensorwise"`` recipe: they cast activations to
+    float8 before redistributing them. They refuse any module that is not a ``Float8Linear``;
+    ``float8_tensor_parallel_plan`` swaps them in only where that holds.
+    """
+    _torchao_float8()
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def _matching_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
+    # The same matching as parallelize_module: one fnmatch per dotted level.
+    found = [model]
+    if pattern:
+        for token in pattern.split("."):
+            found = [child for parent in found for name, child in parent.named_children() if fnmatch(name, token)]
+    return found
+
+
+def _float8_tp_ready(module: nn.Module) -> bool:
+    """A ``Float8Linear`` whose every cast is dynamic and tensorwise (what torchao's TP styles assume)."""
+    float8_linear = _float8_linear_class()
+    if float8_linear is None or not isinstance(module, float8_linear):
+        return False
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    c = module.config
+    casts = (
+        c.cast_config_input,
+        c.cast_config_input_for_grad_weight,
+        c.cast_config_weight,
+        c.cast_config_weight_for_grad_input,
+        c.cast_config_grad_output,
+        c.cast_config_grad_output_for_grad_weight,
+    )
+    return all(
+        cast.scaling_type is ScalingType.DYNAMIC and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+        for cast in casts
+    )
+
+
+def _inputs_feed_float8_linears(module: nn.Module) -> bool:
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not linears or not all(_float8_tp_ready(m) for m in linears):
+        return False
+    # PrepareFloat8ModuleInput casts once for all of them, with one config.
+    return len({m.linear_mm_config for m in linears}) == 1
+
+
+def float8_tensor_parallel_plan(plan: Mapping[str, ParallelStyle], model: nn.Module) -> dict[str, ParallelStyle]:
+    """``plan`` with torchao's float8 styles wherever the modules it names allow them.
+
+    Call it on the converted model (``convert_to_float8``), before ``parallelize_module``. An
+    entry whose style is exactly
+    * ``ColwiseParallel``/``RowwiseParallel`` and whose every matched module is a tensorwise
+      ``Float8Linear`` becomes ``Float8ColwiseParallel``/``Float8RowwiseParallel``;
+    * ``PrepareModuleInput`` and whose matched modules contain only tensorwise ``Float8Linear``
+      Linears becomes ``PrepareFloat8ModuleInput``: the prepared inputs are cast to float8 once,
+      before the all-gather. This assumes, as in Llama's ``attention`` and ``feed_forward``, that
+      those inputs feed only the module's Linears.
+
+    Layouts and ``use_local_output`` are kept. Every other entry (embeddings, norms, subclasses
+    such as the vocabulary-parallel head, Linears left in high precision, rowwise recipes) is
+    returned unchanged, so the plan stays valid for any mix of converted and skipped layers.
+
+    Args:
+        plan: Module name pattern → style (``ParallelPlan.tensor_parallel``).
+        model: The model the plan applies to, after ``convert_to_float8``.
+
+    Returns:
+        A new plan; ``plan`` itself is not modified.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    result: dict[str, ParallelStyle] = dict(plan)
+    if _float8_linear_class() is None:  # nothing was converted in this process
+        return result
+    colwise, rowwise, prepare_input = float8_tensor_parallel_styles()
+    for pattern, style in plan.items():
+        modules = _matching_modules(model, pattern)
+        if not modules:
+            continue
+        new: ParallelStyle | None = None
+        if type(style) in (ColwiseParallel, RowwiseParallel) and all(_float8_tp_ready(m) for m in modules):
+            float8_style = colwise if type(style) is ColwiseParallel else rowwise
+            new = float8_style(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        elif type(style) is PrepareModuleInput and all(_inputs_feed_float8_linears(m) for m in modules):
+            new = prepare_input(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts if style.with_kwargs else None,
+                use_local_output=style.use_local_output,
+            )
+        if new is not None:
+            new.src_data_rank = getattr(style, "src_data_rank", 0)
+            result[pattern] = new
+    return result
+
+
+def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
+    """Let inductor overlap the tensor-parallel collectives with the matmuls (micro-pipelined TP).
+
+    Sets ``torch._inductor.config._micro_pipeline_tp`` (process-wide) and enables symmetric
+    memory for the tensor-parallel group. Call it on every rank after the process group exists and
+    before the first compiled forward (compilation is lazy, so right after tensor parallelism is
+    applied). Only graphs compiled afterwards are rewritten, which is why it needs ``compile=True``;
+    ``float8_problems`` checks the combination beforehand.
+
+    Args:
+        tp_mesh: The tensor-parallel (1D) sub-mesh.
+
+    Raises:
+        ValueError: If the mesh is not a CUDA mesh of at least two ranks.
+    """
+    if tp_mesh.device_type != "cuda":
+        raise ValueError(
+            f"Async tensor parallelism needs CUDA and NCCL; the tensor-parallel mesh is on {tp_mesh.device_type!r}."
+            " Set async_tensor_parallel=False."
+        )
+    if tp_mesh.size() < 2:
+        raise ValueError(
+            f"Async tensor parallelism overlaps tensor-parallel communication, but the tensor-parallel mesh has"
+            f" {tp_mesh.size()} rank. Use tensor_parallel_size > 1 or async_tensor_parallel=False."
+        )
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    inductor_config._micro_pipeline_tp = True
+    group_name = tp_mesh.get_group().group_name
+    # torch 2.13 marks enable_symm_mem_for_group deprecated ("no need to call"), yet its
+    # micro-pipeline pass still skips any group for which is_symm_mem_enabled_for_group() is False,
+    # which only that call makes True: without it async TP silently does nothing.
+    is_enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and (is_enabled is None or not is_enabled(group_name)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
+
+
+# ---- after each optimizer step ------------------------------------------------------------------
+def precompute_float8_scales(model: nn.Module) -> None:
+    """Compute the float8 scales of FSDP's float8 all-gathers for the next step in one all-reduce.
+
+    With ``fsdp_float8_all_gather`` each weight shard is cast to float8 before FSDP all-gathers
+    it, which needs the whole weight's absolute maximum. Called after ``optimizer.step()``, this
+    computes all of them at once (one all-reduce) instead of one all-reduce per weight inside the
+    next forward. Without the call training stays correct, only slower. A no-op when the model has
+    no float8 all-gather weights, so strategies can call it after every step.
+
+    Call it on every rank (it is a collective), after each optimizer step and after loading
+    weights into an already trained model (a precomputed scale belongs to the weights it was
+    computed from).
+
+    Args:
+        model: The parallelized model (FSDP applied).
+    """
+    float8_linear = _float8_linear_class()
+    if float8_linear is None or not any(isinstance(m, float8_linear) for m in model.modules()):
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
