@@ -6,7 +6,8 @@
 
 Subcommands: ``fit``, ``validate``, ``test``, ``predict``. A ``ThroughputMonitor`` is always on
 (``--throughput.*`` configures it). And ``lightning-2d export CHECKPOINT OUT_DIR`` writes a
-Hugging Face Llama directory from a checkpoint.
+Hugging Face Llama directory from a checkpoint; ``lightning-2d benchmark [--compare]`` times a
+model/layout (see ``lightning_2d.benchmark``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class Lightning2DCLI(LightningCLI):
         self._check_vocabulary()
 
 
+#: Shown by ``lightning-2d --help``: the subcommands that are not LightningCLI's.
+DESCRIPTION = (
+    "Train Llama models with 2D parallelism (FSDP2 x tensor/sequence parallel). Besides the Trainer"
+    " subcommands below: `lightning-2d export CHECKPOINT OUT_DIR` writes a Hugging Face Llama directory"
+    " from a checkpoint, and `lightning-2d benchmark [--compare]` times a model/layout (step time,"
+    " tokens/s, TFLOP/s, MFU, memory), with --compare side by side with Lightning's ModelParallelStrategy"
+    " and a plain torch loop. Add --help after either for its options."
+)
+
+
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DCLI:
     """Build (and with ``run=True`` run) the CLI; ``args=None`` reads ``sys.argv``."""
     return Lightning2DCLI(
@@ -53,6 +64,7 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DC
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
     )
 
 
@@ -82,6 +94,11 @@ def main() -> None:
     """The ``lightning-2d`` console script."""
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         export_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "benchmark":
+        from lightning_2d.benchmark import main as benchmark_main
+
+        benchmark_main(sys.argv[2:])
         return
     cli_main()
 

@@ -1,0 +1,78 @@
+"""``lightning-2d benchmark --compare`` on a tiny model: all three variants run on every rank and train the
+same thing; the printed ratios are those of the reported medians. Speed itself is never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from lightning_2d.launch import launch_processes
+from tests.distributed.launcher import REPO
+
+pytestmark = pytest.mark.distributed
+
+VARIANTS = ["lightning_2d", "lightning", "plain"]
+TINY = ["--compare", "--accelerator", "cpu", "--dim", "64", "--vocab-size", "256", "--seq-len", "32",
+        "--steps", "2", "--warmup", "1", "--rounds", "1"]
+
+
+def check_report(report: dict, stdout: str) -> None:
+    assert list(report["variants"]) == VARIANTS
+    assert [run["variant"] for run in report["runs"]] == VARIANTS  # one round, in order
+    for run in report["runs"]:
+        assert sorted(rank["rank"] for rank in run["ranks"]) == [0, 1, 2, 3], run["variant"]
+        for rank in run["ranks"]:
+            assert len(rank["step_times"]) == len(rank["losses"]) == 3
+            assert all(t > 0 for t in rank["step_times"])
+    for variant, summary in report["variants"].items():
+        assert summary["median_step_s"] > 0 and summary["ranks"] == [0, 1, 2, 3]
+        # The table shows the medians of the JSON.
+        row = re.search(rf"^{variant} +([0-9,.]+) ", stdout, re.MULTILINE)
+        assert row is not None and row.group(1) == f"{summary['median_step_s'] * 1e3:,.2f}", variant
+
+    printed = dict(re.findall(r"^ours / (\w+) = ([0-9.]+)x step time", stdout, re.MULTILINE))
+    assert set(printed) == {"lightning", "plain"}
+    medians = {v: s["median_step_s"] for v, s in report["variants"].items()}
+    for other, text in printed.items():
+        assert float(text) == pytest.approx(medians["lightning_2d"] / medians[other], abs=5e-4)
+        assert report["ratios"][other] == pytest.approx(medians["lightning_2d"] / medians[other], rel=1e-12)
+
+    # The same seeded weights and tokens: equal first losses prove the variants train the same thing.
+    first = {v: s["first_loss"] for v, s in report["variants"].items()}
+    assert max(first.values()) - min(first.values()) <= 1e-5, first
+    # Tokens split by data-parallel rank: a tensor-parallel group (ranks 0, 1) sees one batch, the
+    # other replica (2, 3) another.
+    plain = next(run for run in report["runs"] if run["variant"] == "plain")
+    losses = {rank["rank"]: rank["losses"][0] for rank in plain["ranks"]}
+    assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
+
+
+def test_compare_spawns_each_variant_and_reports_ratios(tmp_path):
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_2d.benchmark", *TINY, "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("[benchmark] round 1/1:") == 3
+    check_report(json.loads(out.read_text()), proc.stdout)
+
+
+def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
+    # As under torchrun: the four ranks already exist, each runs the three variants one after the other.
+    out = tmp_path / "report.json"
+    job = launch_processes(
+        [sys.executable, "-m", "lightning_2d.benchmark", *TINY, "--json", str(out)],
+        tmp_path / "job", nprocs=4, timeout=600, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert job.ok, job.describe()
+    assert "(in place)" in job.logs[0]
+    assert all("ours / " not in log for log in job.logs[1:])  # only rank 0 reports
+    check_report(json.loads(out.read_text()), job.logs[0])

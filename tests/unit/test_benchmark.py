@@ -1,0 +1,357 @@
+"""``lightning-2d benchmark`` without processes: parsing, generated strategy flags, settings checks,
+statistics, ratios, the report, the synthetic data; and the process launcher on tiny commands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import time
+import typing
+from typing import Literal, Union
+
+import pytest
+import torch
+
+from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfig
+from lightning_2d import benchmark as bench
+from lightning_2d.launch import launch_processes
+from lightning_2d.model import ModelArgs
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return bench.build_parser().parse_args(list(argv))
+
+
+def settings(*argv: str, world_size: int | None = None) -> bench.BenchmarkSettings:
+    return bench.settings_from_args(parse("--accelerator", "cpu", *argv), world_size=world_size)
+
+
+# ---- defaults and parsing ------------------------------------------------------------------------
+def test_defaults_are_the_reference_2d_example_on_four_processes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    s = bench.settings_from_args(parse())
+    args = s.model_args
+    assert (args.dim, args.n_layers, args.n_heads, args.vocab_size) == (256, 2, 16, 32000)
+    assert (s.seq_len, s.global_batch_size, s.devices, s.num_nodes) == (256, 8, 4, 1)
+    assert (s.dp, s.tp, s.accelerator, s.precision) == (2, 2, "cpu", "32-true")
+    assert s.variants == ["lightning_2d"]
+    assert bench.settings_from_args(parse("--compare")).variants == ["lightning_2d", "lightning", "plain"]
+
+
+def test_model_flags_override_the_reference_or_a_preset():
+    s = settings("--dim", "64", "--vocab-size", "256", "--n-kv-heads", "4", "--seq-len", "32")
+    assert (s.model_args.dim, s.model_args.n_layers, s.model_args.kv_heads, s.model_args.vocab_size) == (64, 2, 4, 256)
+    debug = settings("--model", "debug", "--n-layers", "1", "--seq-len", "32")
+    assert debug.model_args == ModelArgs.from_name("debug", n_layers=1)
+
+
+def test_loss_flags_reach_the_lightning_2d_module():
+    assert settings().module_options == {"fused_loss": True, "loss_chunk_size": 1024}
+    assert settings("--no-fused-loss", "--loss-chunk-size", "64").module_options == {
+        "fused_loss": False, "loss_chunk_size": 64}
+    with pytest.raises(bench.BenchmarkConfigError, match="--loss-chunk-size must be a positive number of tokens, got 0"):
+        settings("--loss-chunk-size", "0")
+
+
+def test_every_parallel_config_field_is_a_flag_with_its_docstring():
+    parser = bench.build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    docs = bench.field_docs(ParallelConfig)
+    assert docs["sequence_parallel"].startswith("Shard norms and residual activations along the sequence")
+    for f in dataclasses.fields(ParallelConfig):
+        action = actions[f.name]
+        assert action.option_strings[0] == "--" + f.name.replace("_", "-")
+        if f.name in docs:
+            assert docs[f.name] in action.help.replace("%%", "%")
+        if typing.get_type_hints(ParallelConfig)[f.name] is bool:
+            assert "--no-" + f.name.replace("_", "-") in action.option_strings
+
+
+def test_strategy_flags_parse_to_config_values_and_build_the_strategy():
+    args = parse(
+        "--no-sequence-parallel", "--loss-parallel", "--activation-checkpointing", "selective",
+        "--selective-ac-option", "2", "--param-dtype", "bf16", "--reduce-dtype", "none",
+        "--data-parallel-size", "auto", "--tensor-parallel-size", "4",
+    )
+    options = bench.strategy_options(args)
+    assert options == {
+        "data_parallel_size": "auto", "tensor_parallel_size": 4, "sequence_parallel": False, "loss_parallel": True,
+        "activation_checkpointing": "selective", "selective_ac_option": 2, "param_dtype": "bf16",
+    }  # reduce_dtype "none" is ParallelConfig's default None: not passed
+    config = ModelParallel2DStrategy(**options).parallel_config
+    assert (config.sequence_parallel, config.selective_ac_option, config.param_dtype) == (False, 2, torch.bfloat16)
+    # Unset flags keep the strategy's defaults, except the benchmark's tensor_parallel_size=2.
+    assert bench.strategy_options(parse()) == {"data_parallel_size": "auto", "tensor_parallel_size": 2}
+    s = settings("--tensor-parallel-size", "4", "--no-sequence-parallel")
+    assert s.strategy_kwargs() == {"data_parallel_size": 1, "tensor_parallel_size": 4, "sequence_parallel": False}
+
+
+def test_option_converter_follows_the_annotation():
+    size = bench.option_converter(Union[int, Literal["auto"]])
+    assert size("auto") == "auto" and size("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'x' is not one of: int, 'auto'"):
+        size("x")
+    optional_dtype = bench.option_converter(Union[torch.dtype, str, None])
+    assert optional_dtype("None") is None and optional_dtype("bfloat16") == "bfloat16"
+    assert bench.option_converter(Union[str, int])("op") == "op"
+    flag_or_mode = bench.option_converter(Union[bool, str])  # e.g. float8: True, False or "emulate"
+    assert flag_or_mode("true") is True and flag_or_mode("False") is False and flag_or_mode("emulate") == "emulate"
+    assert bench.option_converter(int | None)("none") is None
+    assert bench.option_converter(float)("0.5") == 0.5
+
+
+def test_bad_flag_value_is_a_parse_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse("--tensor-parallel-size", "two")
+    assert exit_.value.code == 2
+    assert "argument --tensor-parallel-size: 'two' is not one of: int, 'auto'" in capsys.readouterr().err
+
+
+# ---- impossible settings, before any process ------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tensor-parallel-size", "3"],
+         (r"data_parallel_size × tensor_parallel_size \(1 × 3 = 3\) must equal the world size \(4 = .*"
+          r"valid \(dp, tp\) pairs: \(1, 4\), \(2, 2\), \(4, 1\)")),
+        (["--global-batch-size", "7"],
+         r"--global-batch-size \(7\) must be divisible by the data-parallel size \(2\).*try 6 or 8"),
+        (["--n-heads", "6", "--dim", "96", "--tensor-parallel-size", "4"],
+         r"tensor_parallel_size \(4\) must divide n_heads \(6\); try 1 or 2"),
+        (["--seq-len", "33"], r"sequence length \(33\) must be divisible by tensor_parallel_size \(2\)"),
+        (["--seq-len", "33", "--no-sequence-parallel", "--compare"],
+         r"under --compare the lightning and plain variants use sequence parallelism: sequence length \(33\)"),
+        (["--seq-len", "8192"], r"--seq-len \(8192\) exceeds the model's max_seq_len \(4096\)"),
+        (["--dim", "100"], r"model: n_heads \(16\) must divide dim \(100\)"),
+        (["--steps", "0"], r"--steps must be at least 1, got 0"),
+        (["--warmup", "-1"], r"--warmup must be at least 0, got -1"),
+        (["--rounds", "0"], r"--rounds must be at least 1, got 0"),
+        (["--activation-checkpointing", "sometimes"],
+         r"activation_checkpointing='sometimes' is not a mode; choose one of 'none', 'full', 'selective'"),
+    ],
+)
+def test_impossible_settings_name_the_values_and_the_fix(argv, message):
+    with pytest.raises(bench.BenchmarkConfigError, match=message):
+        settings(*argv)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(bench.BenchmarkConfigError) as err:
+        settings("--steps", "0", "--rounds", "0", "--global-batch-size", "5")
+    assert len(err.value.problems) == 3
+
+
+def test_in_place_world_size_must_match_devices_and_nodes():
+    message = r"started with WORLD_SIZE=8, but --devices 4 × --num-nodes 1 = 4"
+    with pytest.raises(bench.BenchmarkConfigError, match=message):
+        settings(world_size=8)
+    assert settings("--devices", "4", "--num-nodes", "2", world_size=8).dp == 4
+
+
+def test_gpu_without_cuda_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(bench.BenchmarkConfigError, match="--accelerator gpu, but CUDA is not available here"):
+        bench.settings_from_args(parse("--accelerator", "gpu"))
+
+
+def test_an_option_the_strategy_does_not_accept_is_refused(monkeypatch):
+    monkeypatch.setattr(bench, "_strategy_accepts", lambda: {"data_parallel_size", "tensor_parallel_size"})
+    message = r"does not accept the ParallelConfig option\(s\) loss_parallel"
+    with pytest.raises(bench.BenchmarkConfigError, match=message):
+        settings("--loss-parallel")
+
+
+def test_main_reports_bad_settings_before_starting_processes(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("processes started despite impossible settings")
+
+    monkeypatch.setattr(bench, "run_spawned", must_not_run)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--accelerator", "cpu", "--global-batch-size", "3"])
+    assert exit_.value.code == 2
+    assert "--global-batch-size (3) must be divisible by the data-parallel size (2)" in capsys.readouterr().err
+
+
+def test_lightning_2d_command_dispatches_benchmark_and_help_mentions_it(monkeypatch, capsys):
+    from lightning_2d import cli
+
+    monkeypatch.setattr(sys, "argv", ["lightning-2d", "benchmark", "--accelerator", "cpu", "--steps", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 2
+    assert "lightning-2d benchmark: error" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["lightning-2d", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lightning-2d export CHECKPOINT OUT_DIR" in out and "lightning-2d benchmark [--compare]" in out
+
+
+def test_settings_round_trip_through_json():
+    s = settings("--compare", "--param-dtype", "bf16", "--seed", "3")
+    assert bench.BenchmarkSettings.from_json(s.to_json()) == s
+
+
+# ---- shared pieces of the variants --------------------------------------------------------------
+def test_synthetic_tokens_split_the_global_batch_by_data_parallel_rank():
+    s = settings("--dim", "64", "--vocab-size", "256", "--seq-len", "16", "--steps", "2", "--warmup", "1")
+    loaders = [list(bench.synthetic_loader(s, rank)) for rank in range(4)]  # (dp, tp) = (2, 2)
+    assert len(loaders[0]) == s.total_steps == 3
+    for step in range(3):
+        first, second = (loaders[r][step]["input_ids"] for r in (0, 2))
+        assert first.shape == (4, 16)
+        assert torch.equal(first, loaders[1][step]["input_ids"])  # same tensor-parallel group
+        assert not torch.equal(first, second)  # another replica
+        batch = loaders[0][step]
+        assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])  # labels are the next tokens
+    # The global batch does not depend on the layout: dp = 1 sees both replicas' samples in order.
+    whole = bench.synthetic_loader(dataclasses.replace(s, dp=1, tp=4), 0)
+    for step, batch in enumerate(whole):
+        expected = torch.cat([loaders[0][step]["input_ids"], loaders[2][step]["input_ids"]])
+        assert torch.equal(batch["input_ids"], expected)
+    assert int(max(b["input_ids"].max() for b in loaders[0])) < 256
+
+
+def test_step_clock_times_steps_and_records_losses():
+    clock = bench.StepClock(torch.device("cpu"))
+    clock.start()
+    for loss in (3.0, 2.5):
+        time.sleep(0.01)
+        clock.tick(torch.tensor(loss))
+    assert clock.losses == [3.0, 2.5]
+    assert len(clock.step_times) == 2 and all(t >= 0.01 for t in clock.step_times)
+
+
+def test_hand_written_variants_use_the_modules_optimizer_hyperparameters():
+    hp = LlamaLightningModule().hparams
+    defaults = bench.adamw_defaults()
+    for name in ("learning_rate", "weight_decay", "betas", "eps", "fused", "min_lr_ratio"):
+        assert defaults[name] == hp[name], name
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer, scheduler = bench.build_adamw(model, torch.device("cpu"), settings("--warmup", "2"))
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == hp["weight_decay"] and no_decay["weight_decay"] == 0.0
+    assert [p.ndim for p in decay["params"]] == [2] and len(no_decay["params"]) == 3
+    assert decay["foreach"] is True and not decay["fused"]  # CPU: foreach
+    assert scheduler.get_last_lr()[0] == pytest.approx(hp["learning_rate"] / 2)  # step 1 of a 2-step warm-up
+
+
+# ---- statistics, ratios, report -------------------------------------------------------------------
+def rank_record(
+    rank: int, step_times: list[float], first_loss: float, memory: float = 1.0, peak: float | None = None
+) -> dict:
+    return {"rank": rank, "step_times": step_times, "losses": [first_loss, first_loss - 1], "peak_memory_gib": memory,
+            "peak_tflops": peak, "compute_dtype": "float32"}
+
+
+def test_step_times_take_the_slowest_rank_and_drop_each_runs_warmup():
+    per_rank = [[5.0, 1.0, 2.0], [4.0, 1.5, 1.0]]
+    assert bench.slowest_rank_step_times(per_rank) == [5.0, 1.5, 2.0]
+    runs = [{"ranks": [rank_record(0, [9.0, 1.0, 2.0], 0), rank_record(1, [9.0, 3.0, 1.0], 0)]},
+            {"ranks": [rank_record(0, [8.0, 4.0, 1.0], 0), rank_record(1, [7.0, 0.5, 1.0], 0)]}]
+    assert bench.steady_step_times(runs, warmup=1) == [3.0, 2.0, 4.0, 1.0]
+    with pytest.raises(ValueError, match=r"ranks recorded different numbers of steps: \[3, 2\]"):
+        bench.slowest_rank_step_times([[1.0, 2.0, 3.0], [1.0, 2.0]])
+
+
+def test_variant_summary_arithmetic():
+    s = settings("--dim", "64", "--vocab-size", "256", "--seq-len", "32", "--warmup", "1")
+    runs = [{"ranks": [rank_record(r, [10.0, 0.2, 0.4, 0.3], 5.0 + r, memory=1.0 + r, peak=100.0) for r in range(4)]}]
+    summary = bench.variant_summary(s, runs)
+    assert summary["median_step_s"] == 0.3
+    tokens = 8 * 32
+    assert summary["tokens_per_sec"] == pytest.approx(tokens / 0.3)
+    assert summary["tokens_per_sec_per_device"] == pytest.approx(tokens / 0.3 / 4)
+    tflops = s.model_args.flops_per_token(32) * tokens / 0.3 / 4 / 1e12
+    assert summary["tflops_per_device"] == pytest.approx(tflops)
+    assert summary["mfu_percent"] == pytest.approx(100 * tflops / 100.0)
+    assert summary["peak_memory_gib_per_device"] == 4.0
+    assert summary["first_loss"] == statistics.fmean([5.0, 6.0, 7.0, 8.0])
+    assert summary["ranks"] == [0, 1, 2, 3]
+    no_peak = [{"ranks": [rank_record(r, [1.0, 0.2], 5.0) for r in range(4)]}]
+    assert bench.variant_summary(s, no_peak)["mfu_percent"] is None  # CPU: no MFU
+
+
+def test_ratios_are_ours_over_each_other_variant():
+    ratios = bench.step_time_ratios({"lightning_2d": 2.0, "lightning": 4.0, "plain": 1.0})
+    assert ratios == {"lightning": 0.5, "plain": 2.0}
+
+
+def test_report_prints_medians_and_ratios():
+    s = settings("--compare", "--dim", "64", "--vocab-size", "256", "--seq-len", "32", "--warmup", "0", "--rounds", "1")
+    medians = {"lightning_2d": 0.062, "lightning": 0.1, "plain": 0.064}
+    runs = [{"variant": v, "round": 0, "ranks": [rank_record(r, [m, m, m], 5.5) for r in range(4)]}
+            for v, m in medians.items()]
+    report = bench.summarize(s, runs)
+    text = bench.format_report(report)
+    assert "(dp, tp) = (2, 2) on 4 cpu process(es)" in text
+    assert "ours / lightning = 0.620x step time (1.613x the throughput)" in text
+    assert "ours / plain = 0.969x step time" in text
+    row = next(line for line in text.splitlines() if line.startswith("lightning_2d "))
+    assert re.split(r"\s+", row)[1:3] == ["62.00", "4,129"]
+    assert "in place on CPU" not in text
+    assert "in place on CPU: a variant's peak memory" in bench.format_report(bench.summarize(s, runs, in_place=True))
+    json.dumps(report)  # everything in the report can go to --json
+
+
+# ---- the process launcher -------------------------------------------------------------------------
+RANK_SCRIPT = """
+import json, os, sys, time
+rank = int(os.environ["RANK"])
+keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA")
+json.dump({k: os.environ.get(k) for k in keys}, open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w"))
+mode = sys.argv[2]
+if mode == "fail" and rank == 1:
+    sys.exit(3)
+if mode in ("fail", "hang"):
+    time.sleep(60)
+"""
+
+
+def test_launcher_sets_the_cluster_environment(tmp_path):
+    job = launch_processes([sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "ok"], tmp_path, nprocs=4, num_nodes=2,
+                           timeout=60, env={"EXTRA": "x"})
+    assert job.ok, job.describe()
+    envs = [job.rank_output(r) for r in range(4)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["NODE_RANK"], e["WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "0", "4"), ("1", "1", "0", "4"), ("2", "0", "1", "4"), ("3", "1", "1", "4")]
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and all(e["EXTRA"] == "x" for e in envs)
+
+
+def test_launcher_kills_the_job_when_a_rank_fails(tmp_path):
+    start = time.monotonic()
+    job = launch_processes([sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "fail"], tmp_path, nprocs=3, timeout=60)
+    assert time.monotonic() - start < 30
+    assert not job.ok and job.failed_rank() == 1 and job.returncodes[1] == 3
+    assert job.returncodes[0] == job.returncodes[2] == -9  # killed, not left waiting
+
+
+def test_launcher_kills_the_job_at_its_timeout(tmp_path):
+    job = launch_processes([sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "hang"], tmp_path, nprocs=2, timeout=2)
+    assert job.timed_out and not job.ok and job.failed_rank() is None
+    assert "timed out after 2s" in job.logs[0]
+
+
+def test_launcher_refuses_uneven_nodes(tmp_path):
+    with pytest.raises(ValueError, match=r"nprocs \(3\) must be a positive multiple of num_nodes \(2\)"):
+        launch_processes([sys.executable, "-c", "pass"], tmp_path, nprocs=3, num_nodes=2)
+
+
+def test_a_failed_rank_stops_the_benchmark_with_its_log(monkeypatch, tmp_path):
+    import lightning_2d.launch
+
+    def failed_job(argv, out_dir, nprocs, num_nodes, timeout, env):
+        assert argv[1:5] == ["-m", "lightning_2d.benchmark", "--worker", "plain"] and nprocs == 4
+        logs = ["", "Traceback ...\nRuntimeError: boom", "", ""]
+        return lightning_2d.launch.JobResult([-9, 1, -9, -9], logs, out_dir)
+
+    monkeypatch.setattr(lightning_2d.launch, "launch_processes", failed_job)
+    with pytest.raises(bench.BenchmarkJobError, match=r"(?s)variant 'plain': rank 1 failed.*RuntimeError: boom"):
+        bench.run_job("plain", settings("--compare"), tmp_path / "settings.json", tmp_path)
