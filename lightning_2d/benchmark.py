@@ -52,7 +52,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.callbacks import peak_memory_gib, peak_tflops, synchronize
+from lightning_2d.callbacks import peak_memory_gib, peak_tflops, reset_peak_memory, synchronize
 from lightning_2d.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.parallel.config import (
     PRECISION_TO_DTYPES,
@@ -439,6 +439,8 @@ class StepClock:
         return self._last is not None
 
     def start(self) -> None:
+        # Peak memory counts from the first step: what setup allocated and freed is not training's.
+        reset_peak_memory(self.device)
         synchronize(self.device)
         self._last = time.perf_counter()
 
@@ -760,8 +762,6 @@ def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
     from lightning_2d.parallel.dims import destroy_process_group_at_exit
 
     _quiet_lightning()
-    if settings.accelerator == "gpu" and torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     clock, device, dtype = RUNNERS[variant](settings)
     destroy_process_group_at_exit()
     return {
@@ -826,8 +826,9 @@ def run_spawned(settings: BenchmarkSettings, log: Callable[[str], None] = print)
 def run_in_place(settings: BenchmarkSettings) -> Optional[list[dict[str, Any]]]:
     """Run every round of every variant in this process (one rank of an external launch).
 
-    Returns the runs (all ranks' results) on rank 0, ``None`` elsewhere. On CPU the peak memory
-    of a run is the process's peak so far (resident set sizes cannot be reset).
+    Returns the runs (all ranks' results) on rank 0, ``None`` elsewhere. Peak memory counts from each
+    run's first step (on CPU where Linux lets the resident peak be reset; elsewhere the process's
+    peak so far).
     """
     import torch.distributed as dist
 
@@ -958,7 +959,7 @@ def format_report(report: dict[str, Any]) -> str:
     for row in rows:
         cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells))
-    if report.get("in_place") and s.accelerator == "cpu":
+    if report.get("in_place") and s.accelerator == "cpu" and not Path("/proc/self/clear_refs").exists():
         lines.append(
             "(in place on CPU: a variant's peak memory is its processes' peak so far, earlier variants included)"
         )

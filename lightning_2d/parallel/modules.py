@@ -17,16 +17,21 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def get_submodule_container(model: nn.Module, name: str) -> nn.Module:
-    """The ``ModuleDict``/``ModuleList`` of repeated blocks called ``name`` (a dotted path)."""
+def _plan_submodule(model: nn.Module, name: str, field: str, fix: str) -> nn.Module:
+    """``model.get_submodule(name)``; a missing one is an error naming the plan's ``field`` and ``fix``."""
     try:
-        blocks = model.get_submodule(name)
+        return model.get_submodule(name)
     except AttributeError:
         children = ", ".join(n for n, _ in model.named_children()) or "none"
         raise ValueError(
-            f"The parallel plan names the transformer blocks {name!r}, but {type(model).__name__} has no such"
-            f" submodule (its children: {children}). Set ParallelPlan(blocks=...) to the container of the blocks."
+            f"ParallelPlan.{field} names {name!r}, but {type(model).__name__} has no such submodule (its"
+            f" children: {children}). {fix}"
         ) from None
+
+
+def get_submodule_container(model: nn.Module, name: str) -> nn.Module:
+    """The ``ModuleDict``/``ModuleList`` of repeated blocks called ``name`` (a dotted path)."""
+    blocks = _plan_submodule(model, name, "blocks", "Set ParallelPlan(blocks=...) to the container of the blocks.")
     if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
         raise ValueError(
             f"ParallelPlan.blocks={name!r} is a {type(blocks).__name__}; it must name an nn.ModuleDict or"
@@ -37,17 +42,7 @@ def get_submodule_container(model: nn.Module, name: str) -> nn.Module:
 
 def get_named_submodules(model: nn.Module, names: tuple[str, ...], field: str) -> list[nn.Module]:
     """The submodules ``names`` (dotted paths) of ``model``; a missing one is an error naming ``field``."""
-    found = []
-    for name in names:
-        try:
-            found.append(model.get_submodule(name))
-        except AttributeError:
-            children = ", ".join(n for n, _ in model.named_children()) or "none"
-            raise ValueError(
-                f"ParallelPlan.{field} names {name!r}, but {type(model).__name__} has no such submodule (its"
-                f" children: {children}). Fix the plan's {field} or leave it empty."
-            ) from None
-    return found
+    return [_plan_submodule(model, name, field, f"Fix the plan's {field} or leave it empty.") for name in names]
 
 
 def replace_blocks(blocks: nn.Module, fn: Callable[[int, nn.Module], nn.Module]) -> None:

@@ -5,8 +5,9 @@
 Each variant is a 4-process (dp, tp) = (2, 2) CPU job at the reference 2D example's shape (dim 256,
 2 layers, 16 heads, vocab 32000, seq 256, global batch 8, fp32). A rank's peak is its peak resident
 memory *during training*: the kernel's high-water mark (``VmHWM``) is reset when training starts
-(``/proc/self/clear_refs``), so model setup and imports do not count; the figure printed is the
-largest over the ranks, with the median step time. ``--before PATH`` also runs the default
+(``/proc/self/clear_refs``), so what setup allocated and freed does not count; the figures printed
+are the largest over the ranks of that peak and of what training adds to the memory resident when
+it starts (libraries, model shards), with the median step time. ``--before PATH`` also runs the default
 configuration against the ``lightning_2d`` of another checkout (e.g. ``git worktree add /tmp/before
 HEAD~3``), so a change can be measured before and after in one run. Not a test: the numbers depend
 on the machine; compare the rows of one run.
@@ -37,8 +38,8 @@ VARIANTS = {
 }
 
 
-def _peak_rss_gib() -> float:
-    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 2**20
+def _status_gib(field: str) -> float:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 2**20
 
 
 def worker(config_path: str) -> None:
@@ -55,9 +56,11 @@ def worker(config_path: str) -> None:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.start = 0.0
+            self.resident_at_start = 0.0
 
         def on_train_start(self, trainer, pl_module) -> None:
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak: count training only
+            self.resident_at_start = _status_gib("VmRSS")  # libraries, model shards, optimizer (lazy)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.start = time.perf_counter()
@@ -84,7 +87,8 @@ def worker(config_path: str) -> None:
     trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // DP))
     import lightning_2d
 
-    result = {"peak_gib": _peak_rss_gib(), "step_times": probe.times[1:], "lightning_2d": lightning_2d.__file__}
+    result = {"peak_gib": _status_gib("VmHWM"), "start_gib": probe.resident_at_start, "step_times": probe.times[1:],
+              "lightning_2d": lightning_2d.__file__}
     Path(cfg["out_dir"], f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -104,6 +108,7 @@ def run_variant(name: str, module: dict, strategy: dict, steps: int, code: Path,
     assert all(Path(r["lightning_2d"]).resolve().is_relative_to(code.resolve()) for r in ranks), "wrong code measured"
     return {
         "peak_gib": max(r["peak_gib"] for r in ranks),
+        "added_gib": max(r["peak_gib"] - r["start_gib"] for r in ranks),
         "step_s": statistics.median(t for r in ranks for t in r["step_times"]),
     }
 
@@ -126,11 +131,13 @@ def main() -> None:
         for name, module, strategy, code in runs:
             result = run_variant(name, module, strategy, args.steps, code, Path(tmp))
             rows.append((name, result))
-            print(f"{name:<28} peak {result['peak_gib']:.3f} GiB/device   step {result['step_s']:.2f} s", flush=True)
-    base = rows[0][1]["peak_gib"]
+            print(f"{name:<28} peak {result['peak_gib']:.3f} GiB/device (training adds {result['added_gib']:.3f})"
+                  f"   step {result['step_s']:.2f} s", flush=True)
+    base, base_added = rows[0][1]["peak_gib"], rows[0][1]["added_gib"]
     print(f"\nshape {SHAPE}, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, (dp, tp) = ({DP}, {TP}), fp32")
     for name, result in rows:
-        print(f"{name:<28} {result['peak_gib']:.3f} GiB ({result['peak_gib'] / base:.2f}x of {rows[0][0]!r})")
+        print(f"{name:<28} peak {result['peak_gib'] / base:.2f}x, added by training"
+              f" {result['added_gib'] / base_added:.2f}x of {rows[0][0]!r}")
 
 
 if __name__ == "__main__":

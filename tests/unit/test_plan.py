@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from lightning_2d import LlamaLightningModule, ParallelConfig
+from lightning_2d import LlamaLightningModule, ModelArgs, ParallelConfig, ParallelPlan, Transformer
 from lightning_2d.parallel import llama_tensor_parallel_plan
+from lightning_2d.parallel.activation_checkpoint import uses_randomness
+from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
+from lightning_2d.parallel.tensor_parallel import VocabParallelHead
 
 
 def test_sequence_parallel_plan_matches_the_reference_layouts():
@@ -51,3 +56,29 @@ def test_module_plan_carries_divisibility_constraints():
     assert plan.module == "model" and plan.blocks == "layers"
     assert plan.tp_divides == {"n_heads": 32, "n_kv_heads": 8}
     assert "layers.*.attention.wq" in plan.tensor_parallel
+    # torchtitan's FSDP units; no dropout, so activation checkpointing need not replay the RNG.
+    assert plan.input_units == ("tok_embeddings",) and plan.output_unit == ("norm", "output")
+    assert plan.blocks_use_randomness is False
+
+
+def test_the_head_style_also_carries_the_fused_loss():
+    out = llama_tensor_parallel_plan()["output"]
+    assert isinstance(out, VocabParallelHead)  # a ColwiseParallel that lets the 0-dim fused loss through
+
+
+def test_plan_names_that_do_not_exist_are_clear_errors():
+    model = Transformer(ModelArgs.from_name("debug", n_layers=1))
+    with pytest.raises(ValueError, match=r"ParallelPlan.output_unit names 'head', but Transformer has no such"
+                       r" submodule \(its children: tok_embeddings, layers, norm, output\)"):
+        get_named_submodules(model, ("norm", "head"), "output_unit")
+    with pytest.raises(ValueError, match=r"ParallelPlan.blocks names 'blocks'.*Set ParallelPlan\(blocks=...\)"):
+        get_submodule_container(model, "blocks")
+    with pytest.raises(ValueError, match="ParallelPlan.blocks='norm' is a RMSNorm; it must name an nn.ModuleDict"):
+        get_submodule_container(model, "norm")
+
+
+def test_randomness_decides_whether_checkpointing_replays_the_rng():
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    assert uses_randomness(block, ParallelPlan())
+    assert not uses_randomness(torch.nn.Sequential(torch.nn.Dropout(0.0)), ParallelPlan())
+    assert not uses_randomness(block, ParallelPlan(blocks_use_randomness=False))  # the plan decides
