@@ -47,6 +47,18 @@ class ParallelConfigError(ValueError):
         )
 
 
+def float8_recipe_problems(recipe: str, fsdp_float8_all_gather: bool, name: str) -> list[str]:
+    """The recipe is torchao's, and float8 all-gathers need one scale per weight (``name``: the option's name)."""
+    if recipe not in FLOAT8_RECIPES:
+        return [f"{name}={recipe!r} is not a float8 recipe; choose one of {', '.join(map(repr, FLOAT8_RECIPES))}"]
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        return [
+            f"fsdp_float8_all_gather=True needs {name}='tensorwise' (one scale per weight), got {recipe!r}; use"
+            " the tensorwise recipe or fsdp_float8_all_gather=False"
+        ]
+    return []
+
+
 def raise_if_problems(problems: list[str]) -> None:
     if problems:
         raise ParallelConfigError(problems)
@@ -157,18 +169,9 @@ class ParallelConfig:
                 problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(DTYPE_NAMES)}")
         if self.float8 not in (True, False, "emulate"):
             problems.append(f"float8={self.float8!r} is invalid; use True, False or 'emulate' (no float8 hardware needed)")
-        if self.float8_recipe not in FLOAT8_RECIPES:
-            problems.append(
-                f"float8_recipe={self.float8_recipe!r} is not a recipe; choose one of"
-                f" {', '.join(repr(r) for r in FLOAT8_RECIPES)}"
-            )
+        problems += float8_recipe_problems(self.float8_recipe, self.fsdp_float8_all_gather, "float8_recipe")
         if self.fsdp_float8_all_gather and not self.float8:
             problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")
-        if self.fsdp_float8_all_gather and self.float8_recipe != "tensorwise":
-            problems.append(
-                f"fsdp_float8_all_gather=True needs float8_recipe='tensorwise' (one scale per weight), got"
-                f" {self.float8_recipe!r}; use the tensorwise recipe or fsdp_float8_all_gather=False"
-            )
         return problems
 
     @classmethod

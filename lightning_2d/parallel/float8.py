@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_2d.parallel.config import FLOAT8_RECIPES, Size
+from lightning_2d.parallel.config import Size, float8_recipe_problems
 from lightning_2d.parallel.modules import canonical_name
 
 if TYPE_CHECKING:
@@ -347,15 +347,7 @@ def convert_to_float8(
     if isinstance(skip, str):
         raise TypeError(f"skip must be a collection of names, got the string {skip!r}; write skip=({skip!r},)")
     skip = tuple(skip)
-    problems = []
-    if recipe not in FLOAT8_RECIPES:
-        choices = ", ".join(map(repr, FLOAT8_RECIPES))
-        problems.append(f"recipe={recipe!r} is not a float8 recipe; choose one of {choices}")
-    elif fsdp_float8_all_gather and recipe != "tensorwise":
-        problems.append(
-            f"fsdp_float8_all_gather=True needs recipe='tensorwise' (one scale per weight), got recipe={recipe!r};"
-            " use recipe='tensorwise' or fsdp_float8_all_gather=False"
-        )
+    problems = float8_recipe_problems(recipe, fsdp_float8_all_gather, "recipe")
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         problems.append(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
     if isinstance(model, nn.Linear):

@@ -134,7 +134,7 @@ def test_bad_conversion_options_are_reported_before_importing_torchao():
         f8.convert_to_float8(_meta_llama(), skip="output")
     with pytest.raises(ValueError, match=r"recipe='bogus' is not a float8 recipe; choose one of 'tensorwise'"):
         f8.convert_to_float8(_meta_llama(), recipe="bogus")
-    all_gather_message = r"fsdp_float8_all_gather=True needs recipe='tensorwise'.*got recipe='rowwise'"
+    all_gather_message = r"fsdp_float8_all_gather=True needs recipe='tensorwise'.*got 'rowwise'"
     with pytest.raises(ValueError, match=all_gather_message):
         f8.convert_to_float8(_meta_llama(), recipe="rowwise", fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be a positive integer, got 0"):

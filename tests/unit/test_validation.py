@@ -127,8 +127,9 @@ def test_float8_options_are_checked_together_at_construction():
         ModelParallel2DStrategy(float8="yes", float8_recipe="blockwise", fsdp_float8_all_gather=True)
     message = str(err.value)
     assert "float8='yes' is invalid; use True, False or 'emulate'" in message
-    assert "float8_recipe='blockwise' is not a recipe; choose one of 'tensorwise', 'rowwise'" in message
-    assert "fsdp_float8_all_gather=True needs float8_recipe='tensorwise'" in message
+    assert "float8_recipe='blockwise' is not a float8 recipe; choose one of 'tensorwise', 'rowwise'" in message
+    with pytest.raises(ParallelConfigError, match="fsdp_float8_all_gather=True needs float8_recipe='tensorwise'"):
+        ModelParallel2DStrategy(float8=True, float8_recipe="rowwise", fsdp_float8_all_gather=True)
     with pytest.raises(ParallelConfigError, match="fsdp_float8_all_gather=True needs float8=True"):
         ModelParallel2DStrategy(fsdp_float8_all_gather=True)
 
