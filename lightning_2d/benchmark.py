@@ -346,6 +346,12 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         config = ParallelConfig(**options)
         dims = _validate_layout(config, args, model_args)
         dp, tp = dims.dp, dims.tp
+        if args.compare and config.data_parallel_replicate_size > 1:
+            problems.append(
+                f"--data-parallel-replicate-size {config.data_parallel_replicate_size} (HSDP) has no counterpart in"
+                " the hand-written Lightning and plain torch variants of --compare (they shard over every"
+                " data-parallel rank); drop --compare or the option"
+            )
         if args.compare and not config.sequence_parallel:
             # The hand-written variants always use the reference plan, sequence parallel included.
             _validate_layout(ParallelConfig(**{**options, "sequence_parallel": True}), args, model_args)

@@ -17,44 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_2d.checkpoint import (
-    ShardedCheckpointWriter,
-    layout_of,
-    make_writer,
-    resolve_on_rank_zero,
-    restore_random_state,
-    save_full_checkpoint,
-)
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
-from lightning_2d.parallel.float8 import precompute_float8_scales
+from lightning_2d.checkpoint import save_full_checkpoint
+from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
-from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
+from lightning_2d.parallel.strategy_base import FabricFSDP2Precision, ModelParallel2DBase, signature_with
 
-
-class FSDP2Precision(Precision):
-    """Fabric precision under the 2D strategy: FSDP2's ``MixedPrecisionPolicy`` casts (no autocast)."""
-
-    def __init__(self, precision: str) -> None:
-        self.precision = precision  # type: ignore[assignment]
+__all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy"]
 
 
 class _GradientSyncControl(_BackwardSyncControl):
@@ -68,99 +49,41 @@ class _GradientSyncControl(_BackwardSyncControl):
         return gradient_sync(module, enabled=not enabled or self.config.reduce_every_micro_batch)
 
 
-class ModelParallel2DStrategy(ModelParallelStrategy):
-    """2D parallelism (FSDP2 × tensor/sequence parallel) for Fabric, applied by the strategy.
+class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
+    """2D parallelism (FSDP2 or HSDP × tensor/sequence parallel) for Fabric, applied by the strategy.
 
-    Takes the options of the Trainer strategy (``lightning_2d.ModelParallel2DStrategy``; see there),
-    plus:
+    Takes the options of the Trainer strategy (documented on
+    ``lightning_2d.parallel.strategy_base.ModelParallel2DBase``), plus:
 
     Args:
         parallelize_fn: Fabric's hook ``(module, device_mesh) -> module``; when given, it replaces the
             plan and the steps (the model is still materialized afterwards).
-        init_seed: Seed of the layout-independent initialization of a meta-device model; ``None``:
-            the run's seed (``fabric.seed_everything``) broadcast from rank 0.
     """
 
-    def __init__(
-        self,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
-        sequence_parallel: bool = True,
-        loss_parallel: bool = False,
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
-        selective_ac_option: Union[str, int] = "op",
-        compile: bool = False,
-        param_dtype: Optional[Union[str, torch.dtype]] = None,
-        reduce_dtype: Optional[Union[str, torch.dtype]] = None,
-        reshard_after_forward: Literal["default", "always", "never"] = "default",
-        reduce_every_micro_batch: bool = False,
-        float8: Union[bool, Literal["emulate"]] = False,
-        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise",
-        fsdp_float8_all_gather: bool = False,
-        async_tensor_parallel: bool = False,
-        plan: Optional[ParallelPlan] = None,
-        parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
-        init_seed: Optional[int] = None,
-        save_distributed_checkpoint: bool = True,
-        async_checkpoint: bool = False,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-    ) -> None:
-        self.parallel_config = ParallelConfig.from_options(locals())
-        super().__init__(
-            parallelize_fn=parallelize_fn or (lambda module, mesh: module),
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._backward_sync_control = _GradientSyncControl(self.parallel_config)
-        self._float8_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
+    def __init__(self, *args: Any, parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None, **options: Any) -> None:
         self._user_parallelize_fn = parallelize_fn
-        self._plan = plan
-        self._init_seed_value = init_seed
-        self._async_checkpoint = async_checkpoint
-        self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
-        self.parallel_dims: Optional[ParallelDims] = None
+        self._setup_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
+        super().__init__(*args, **options)
+        self._backward_sync_control = _GradientSyncControl(self.parallel_config)
 
-    # ---- validation, precision, mesh ---------------------------------------------------------
-    def validate(self, plan: Optional[ParallelPlan] = None, device_index: Optional[int] = None) -> ParallelDims:
-        """Check the layout (and ``plan``'s divisibility constraints, and with ``device_index`` this
-        process's GPU); raises listing every problem."""
-        return validate_parallel_dims(
-            self.parallel_config,
-            world_size=self.num_nodes * self.num_processes,
-            devices_per_node=self.num_processes,
-            plan=plan if plan is not None else self._plan,
-            precision=getattr(self.precision, "precision", None),
-            num_nodes=self.num_nodes,
-            device_type=self.parallel_devices[0].type if self.parallel_devices else None,
-            device_index=device_index,
-        )
+    __init__.__signature__ = signature_with(  # type: ignore[attr-defined]
+        ModelParallel2DBase.__init__, parallelize_fn=(Optional[Callable[[nn.Module, Any], nn.Module]], None)
+    )
 
-    @override
-    def _configure_launcher(self) -> None:
-        # Called by Fabric's constructor, before any process is launched: fail there.
-        self.validate()
-        if type(self.precision) in (Precision, MixedPrecision, HalfPrecision):
-            self.precision = FSDP2Precision(self.precision.precision)
-        super()._configure_launcher()
+    # ---- what differs from the Trainer --------------------------------------------------------
+    def _lightning_strategy_kwargs(self) -> dict[str, Any]:
+        return {"parallelize_fn": self._user_parallelize_fn or (lambda module, mesh: module)}
 
-    @override
-    def setup_environment(self) -> None:
-        self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))
-        self._data_parallel_size, self._tensor_parallel_size = self.parallel_dims.dp, self.parallel_dims.tp
-        super().setup_environment()
-        destroy_process_group_at_exit()
-        self._checkpoint_writer = make_writer(
-            self.global_rank, self.barrier, self._save_distributed_checkpoint, self._async_checkpoint
-        )
+    fsdp2_precision_class = FabricFSDP2Precision
 
-    # ---- the model -----------------------------------------------------------------------------
-    def _init_seed(self) -> int:
-        seed = self._init_seed_value
-        return int(seed if seed is not None else self.broadcast(torch.initial_seed()))
+    def _precision_plugin_2d(self) -> Any:
+        return self.precision
+
+    def _set_precision_plugin_2d(self, plugin: Any) -> None:
+        self.precision = plugin
+
+    def _float8_modules(self) -> list[nn.Module]:
+        return self._setup_modules if self.parallel_config.fsdp_float8_all_gather else []
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -169,15 +92,15 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             module = self._user_parallelize_fn(module, self.device_mesh)
             if not isinstance(module, nn.Module):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
-            materialize_model(module, self.root_device, seed=self._init_seed())
+            materialize_model(module, self.root_device, seed=self._init_seed(module))
             return module
         plan = resolve_plan(module, self.parallel_config, self._plan)
-        self.validate(plan)  # the model's constraints, before any collective touches it
+        self.validate(plan=plan)  # the model's constraints, before any collective touches it
         parallelize_and_materialize(
-            module, self.device_mesh, self.parallel_config, plan, precision, self.root_device, seed=self._init_seed
+            module, self.device_mesh, self.parallel_config, plan, precision, self.root_device,
+            seed=lambda: self._init_seed(module),
         )
-        if self.parallel_config.fsdp_float8_all_gather:
-            self._float8_modules.append(module)
+        self._setup_modules.append(module)
         return module
 
     @override
@@ -196,10 +119,6 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         )
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def _layout(self) -> dict[str, Any]:
-        dims = self.parallel_dims
-        return layout_of(self.world_size, dims.dp if dims else None, dims.tp if dims else None)
-
     @override
     def save_checkpoint(
         self,
@@ -215,12 +134,10 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
             get_optimizer_state_dict,
         )
 
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support filtered checkpoints")
+        path = self._checkpoint_path_to_save(path, storage_options)
         assert self._checkpoint_writer is not None
-        path = Path(self.broadcast(str(path)))
         modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]
         if len(modules) != 1:
             raise ValueError(
@@ -251,9 +168,7 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout."""
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait()
-        resolved = resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn)
+        resolved = self._checkpoint_to_load(path)
         # Fabric's loader puts the saved state dict in place of a stateful object (an LR scheduler, a
         # data loader); give the object its state instead.
         stateful = {}
@@ -267,24 +182,5 @@ class ModelParallel2DStrategy(ModelParallelStrategy):
                 obj.load_state_dict(state[key])
                 state[key] = obj
         saved = remainder.pop("lightning_2d", None) if isinstance(remainder, dict) else None
-        restore_random_state(resolved, saved or {}, self._layout(), self.global_rank, rank_zero_info)
+        self._restore_random_state(resolved, saved)
         return remainder
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
-        # Float8 all-gather weights: their scales for the next step, in one all-reduce (a no-op otherwise).
-        for module in self._float8_modules:
-            precompute_float8_scales(module)
-        return output
-
-    @override
-    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        with backward_context(tensor, self.parallel_config.loss_parallel):
-            return super().backward(tensor, module, *args, **kwargs)
-
-    @override
-    def teardown(self) -> None:
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait()
-        super().teardown()

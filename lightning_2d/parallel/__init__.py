@@ -16,14 +16,27 @@ logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_QuietSequ
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
-from lightning_2d.parallel.dims import DP_DIM, TP_DIM, ParallelDims, build_device_mesh, validate_parallel_dims
+from lightning_2d.parallel.dims import (
+    DP_DIM,
+    DP_REPLICATE_DIM,
+    DP_SHARD_DIM,
+    TP_DIM,
+    ParallelDims,
+    build_device_mesh,
+    validate_parallel_dims,
+)
 from lightning_2d.parallel.fsdp import apply_fully_shard
+from lightning_2d.parallel.hooks import ModelInitHooks, ParallelHooks
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.parallelize import parallelize_model, resolve_plan
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel, llama_tensor_parallel_plan
 
 __all__ = [
     "DP_DIM",
+    "DP_REPLICATE_DIM",
+    "DP_SHARD_DIM",
+    "ModelInitHooks",
+    "ParallelHooks",
     "TP_DIM",
     "ParallelConfig",
     "ParallelConfigError",

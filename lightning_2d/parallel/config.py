@@ -75,8 +75,15 @@ class ParallelConfig:
     """Options of the 2D (FSDP2 × tensor/sequence parallel) strategy.
 
     Args:
-        data_parallel_size: Size of the data-parallel (FSDP) mesh dimension, or ``"auto"``: the
-            world size divided by ``tensor_parallel_size`` (the number of nodes when both are auto).
+        data_parallel_size: Number of data-parallel ranks (model replicas seeing different batches),
+            or ``"auto"``: the world size divided by ``tensor_parallel_size`` (the number of nodes
+            when both are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size``
+            of them.
+        data_parallel_replicate_size: HSDP: the data-parallel ranks form this many replica groups;
+            FSDP shards parameters, gradients and optimizer state inside each group of
+            ``data_parallel_size / data_parallel_replicate_size`` ranks (typically one node's, so
+            its all-gathers stay on NVLink) and gradients are all-reduced across the groups. ``1``
+            (default): plain FSDP over all data-parallel ranks.
         tensor_parallel_size: Size of the tensor-parallel mesh dimension, or ``"auto"``: the world
             size divided by ``data_parallel_size`` (the devices of one node when both are auto).
             Tensor-parallel groups are consecutive ranks, so they stay inside a node.
@@ -116,6 +123,7 @@ class ParallelConfig:
 
     data_parallel_size: Size = "auto"
     tensor_parallel_size: Size = "auto"
+    data_parallel_replicate_size: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = False
     activation_checkpointing: str = "none"
@@ -142,6 +150,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 problems.append(f"{name} must be a positive integer or 'auto', got {value!r}")
+        replicas = self.data_parallel_replicate_size
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            problems.append(f"data_parallel_replicate_size must be a positive integer, got {replicas!r}")
         if self.activation_checkpointing not in AC_MODES:
             problems.append(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not a mode; choose one of"

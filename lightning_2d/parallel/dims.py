@@ -20,9 +20,13 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-#: Names of the mesh dimensions; the same as Lightning's, so ``device_mesh["tensor_parallel"]``
-#: works in user code written for Lightning's ModelParallelStrategy.
-DP_DIM, TP_DIM = "data_parallel", "tensor_parallel"
+#: Names of the mesh dimensions. ``data_parallel`` is the flattened ``replicate × shard`` dimension
+#: (the data-parallel group: sampler, loss normalization); with the ``tensor_parallel`` name it
+#: matches Lightning's, so ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` work in user
+#: code written for Lightning's ModelParallelStrategy.
+DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
+DP_DIM = "data_parallel"
+MESH_DIMS = (DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM)
 
 
 def _divisors(n: int) -> list[int]:
@@ -35,10 +39,53 @@ def _fmt_choices(values: list[int]) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved mesh sizes: ``dp × tp == world_size``."""
+    """Resolved mesh sizes: ``dp_replicate × dp_shard × tp == world_size``.
 
-    dp: int
+    The one owner of the device mesh: both strategies (and the planner) call ``build_mesh``.
+    Rank ``r`` sits at ``(r // (dp_shard·tp), (r // tp) % dp_shard, r % tp)``: tensor-parallel
+    groups are consecutive ranks (inside a node), then FSDP shard groups, then replicas.
+    """
+
+    dp_replicate: int
+    dp_shard: int
     tp: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: replicas × shards (the sampler's ``num_replicas``)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    def build_mesh(self, device_type: str) -> "DeviceMesh":
+        """The ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` mesh, with the
+        flattened ``data_parallel`` dimension. Needs the default process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]._flatten(DP_DIM)
+        return mesh
+
+    def fsdp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
+        """What FSDP2 shards over: ``(replicate, shard)`` (HSDP) or the flattened data-parallel dimension."""
+        return mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)] if self.hsdp else mesh[DP_DIM]
+
+    def as_dict(self) -> dict[str, int]:
+        return {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard, "tensor_parallel": self.tp}
+
+
+def fsdp_mesh_of(mesh: "DeviceMesh") -> "DeviceMesh":
+    """The FSDP mesh of a mesh built by ``ParallelDims.build_mesh`` (or a 2D Lightning-style one)."""
+    names = mesh.mesh_dim_names or ()
+    if DP_REPLICATE_DIM in names and mesh[DP_REPLICATE_DIM].size() > 1:
+        return mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]
+    return mesh[DP_DIM]
 
 
 def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_node: int) -> tuple[int, int]:
@@ -92,7 +139,14 @@ def validate_parallel_dims(
     problems = config.static_problems()
     raise_if_problems(problems)
     dp, tp = resolve_parallel_dims(config, world_size, devices_per_node)
+    replicas = config.data_parallel_replicate_size
 
+    if dp % replicas:
+        fits = [d for d in _divisors(dp)]
+        problems.append(
+            f"data_parallel_replicate_size ({replicas}) must divide the data-parallel size ({dp}): FSDP shards"
+            f" inside each of the replica groups; use one of {_fmt_choices(fits)}"
+        )
     if dp * tp != world_size:
         given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
         pairs = ", ".join(f"({d}, {world_size // d})" for d in _divisors(world_size))
@@ -135,7 +189,7 @@ def validate_parallel_dims(
             f" {', '.join(SUPPORTED_PRECISIONS)} (fp16 needs gradient scaling, which FSDP2 × TP does not offer here)"
         )
     raise_if_problems(problems)
-    return ParallelDims(dp=dp, tp=tp)
+    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp)
 
 
 def cuda_index(device: "torch.device") -> int | None:
@@ -144,10 +198,8 @@ def cuda_index(device: "torch.device") -> int | None:
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
-    """The ``(data_parallel, tensor_parallel)`` mesh; tensor-parallel groups are consecutive ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=(DP_DIM, TP_DIM))
+    """``dims.build_mesh(device_type)``."""
+    return dims.build_mesh(device_type)
 
 
 def _destroy_process_group() -> None:

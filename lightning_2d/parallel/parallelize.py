@@ -5,7 +5,8 @@ both call ``parallelize_model``; neither has a copy of these steps.
 
 Each step can be replaced without subclassing a strategy: an object passed as ``hooks`` (the
 LightningModule, or the module given to ``fabric.setup``) that defines a method of the step's
-name is called instead of the library's function, with the same arguments:
+name is called instead of the library's function, with the same arguments (every hook a
+LightningModule or model may define is listed in ``lightning_2d.parallel.hooks``):
 
 ====================================  ==============================================
 ``apply_tensor_parallel``             ``(model, tp_mesh, plan, config)``
@@ -27,19 +28,17 @@ from torch import nn
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import DP_DIM, TP_DIM
+from lightning_2d.parallel.dims import TP_DIM, fsdp_mesh_of
 from lightning_2d.parallel.fsdp import apply_fully_shard
+from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-STEPS: dict[str, Callable[..., None]] = {
-    "apply_tensor_parallel": apply_tensor_parallel,
-    "apply_activation_checkpointing": apply_activation_checkpointing,
-    "apply_compile": apply_compile,
-    "apply_fully_shard": apply_fully_shard,
-}
+STEPS: dict[str, Callable[..., None]] = dict(
+    zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile, apply_fully_shard))
+)
 
 
 def _step(hooks: Any, name: str) -> Callable[..., None]:
@@ -97,7 +96,7 @@ def parallelize_and_materialize(
         owner: The LightningModule or the module given to ``fabric.setup``; its methods named like
             the steps override them, its ``parallel_plan(config)`` gives the plan unless ``plan``
             is given, its ``weights_source()`` (if any) gives the initial values.
-        mesh: The 2D mesh.
+        mesh: The device mesh (``ParallelDims.build_mesh``).
         config: The strategy's options.
         plan: The plan passed to the strategy, if any.
         precision: The Trainer/Fabric precision string.
@@ -137,13 +136,14 @@ def parallelize_model(
     Args:
         model: The model, preferably on the meta device (then materialize it afterwards with
             ``lightning_2d.parallel.materialize_model``).
-        mesh: The 2D ``(data_parallel, tensor_parallel)`` device mesh.
+        mesh: The device mesh of ``ParallelDims.build_mesh`` (or a Lightning-style 2D
+            ``(data_parallel, tensor_parallel)`` one).
         plan: Module names to parallelize.
         config: The options, with ``param_dtype``/``reduce_dtype`` resolved
             (``ParallelConfig.resolve_dtypes``).
         hooks: An object whose methods named like the steps override them (see the module docstring).
     """
-    tp_mesh, dp_mesh = mesh[TP_DIM], mesh[DP_DIM]
+    tp_mesh, dp_mesh = mesh[TP_DIM], fsdp_mesh_of(mesh)  # dp_mesh: (replicate, shard) under HSDP
     if config.float8:
         # A module swap on the meta model, before anything wraps the Linears (torchtitan's order);
         # the block projections then take torchao's float8 tensor-parallel styles.

@@ -69,9 +69,12 @@ def test_resume_at_the_same_layout_is_bit_identical(setup, checkpoint, done):
         assert out["draws"] == ref["draws"][done:]  # per-process random state restored
 
 
-@pytest.mark.parametrize(("dp", "tp"), [(4, 1), (1, 4), (2, 1), (1, 1)], ids=lambda v: str(v))
-def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp):
-    resumed = setup["run"](f"reshard_dp{dp}_tp{tp}", dp, tp, resume=str(setup["dir"] / "epoch=1-step=4.ckpt"))
+@pytest.mark.parametrize(("dp", "tp", "replicate"), [(4, 1, 1), (1, 4, 1), (4, 1, 2), (1, 1, 1)],
+                         ids=["dp4", "tp4", "hsdp-2x2x1", "single"])
+def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp, replicate):
+    """From the (2, 2) FSDP × TP checkpoint to other layouts, HSDP included."""
+    resumed = setup["run"](f"reshard_dp{dp}_tp{tp}_r{replicate}", dp, tp, replicate=replicate,
+                           resume=str(setup["dir"] / "epoch=1-step=4.ckpt"))
     saved, restored = load_weights(setup["reference"], "weights_step4"), load_weights(resumed, "initial")
     assert restored.keys() == saved.keys()
     for name, weight in restored.items():
@@ -80,6 +83,21 @@ def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp):
     for out in outputs(resumed, dp * tp):
         assert out["global_step"] == 6
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=0)
+
+
+def test_an_hsdp_checkpoint_resumes_without_hsdp(setup):
+    """Saved under HSDP (replicate, shard, tp) = (2, 1, 2), resumed on one process: the same weights, and
+    the run continues as the uninterrupted (2, 2) one."""
+    hsdp_dir = setup["root"] / "hsdp"
+    spec = [{"dirpath": str(hsdp_dir), "every_n_train_steps": 4, "save_top_k": -1}]
+    saving = setup["run"]("hsdp_save", 2, 2, replicate=2, checkpoints=spec, max_steps=4, weights_at_steps=[4])
+    reference = setup["reference"].rank_output(0)["losses"]
+    assert saving.rank_output(0)["losses"] == pytest.approx(reference[:4], rel=1e-5, abs=0)
+    resumed = setup["run"]("hsdp_resume_single", 1, 1, resume=str(hsdp_dir / "epoch=1-step=4.ckpt"))
+    saved, restored = load_weights(saving, "weights_step4"), load_weights(resumed, "initial")
+    assert restored.keys() == saved.keys()
+    assert all(torch.equal(weight, saved[name]) for name, weight in restored.items())
+    assert resumed.rank_output(0)["losses"] == pytest.approx(reference[4:], rel=1e-5, abs=0)
 
 
 def test_full_single_file_checkpoint_resumes_at_another_layout(setup):

@@ -68,10 +68,12 @@ def test_gradient_accumulation_equals_one_double_batch_and_syncs_once(fabric_job
         assert accumulated.rank_output(rank)["reduce_scatters"] == double.rank_output(rank)["reduce_scatters"] > 0
 
 
-def test_save_then_load_at_another_layout(fabric_jobs):
+def test_save_then_load_at_another_layout_with_hsdp(fabric_jobs):
+    """Saved at (dp, tp) = (2, 2), resumed under HSDP (replicate, shard, tp) = (2, 2, 1): steps 4-6 equal
+    the single-device loop's."""
     root, run = fabric_jobs
     run("fabric_2x2", dp=2, tp=2, save_every=3, checkpoint_dir=str(root / "ckpt"))
-    resumed = run("fabric_resume_4x1", dp=4, tp=1, resume=str(root / "ckpt" / "step-000003"))
+    resumed = run("fabric_resume_hsdp_2x2x1", dp=4, tp=1, replicate=2, resume=str(root / "ckpt" / "step-000003"))
     ref = run("fabric_single", strategy="single").rank_output(0)
     out = resumed.rank_output(0)
     assert len(out["loss"]) == 3  # steps 4-6 only

@@ -127,12 +127,12 @@ def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
     units = sorted(canonical_name(n) for n, m in model.named_modules() if isinstance(m, FSDPModule))
     with torch.no_grad():
         model(torch.zeros(1, seq_len, dtype=torch.long))
-    # A resharded parameter is the FSDP shard (a DTensor on a mesh with the data-parallel dim);
+    # A resharded parameter is the FSDP shard (a DTensor on a mesh with a data-parallel dim);
     # a gathered one is the full tensor (plain, or a DTensor on the tensor-parallel mesh only).
     gathered = sorted(
         canonical_name(n)
         for n, p in model.named_parameters()
-        if "data_parallel" not in (getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ())
+        if not any(d.startswith("data_parallel") for d in (getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ()))
     )
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -153,6 +153,7 @@ STRATEGY_OPTIONS = (
     "reduce_every_micro_batch",
     "float8",
     "fsdp_float8_all_gather",
+    "data_parallel_replicate_size",
 )
 
 
@@ -227,6 +228,9 @@ def fit(cfg: dict) -> None:
         result["dp_rank"] = mesh["data_parallel"].get_local_rank()
         result["tp_rank"] = mesh["tensor_parallel"].get_local_rank()
         result["mesh_shape"] = list(mesh.shape)
+        result["mesh_dims"] = list(mesh.mesh_dim_names)
+        result["replica_rank"] = mesh["data_parallel_replicate"].get_local_rank()
+        result["shard_rank"] = mesh["data_parallel_shard"].get_local_rank()
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -302,6 +306,7 @@ def train(cfg: dict) -> None:
         callbacks.append(ModelCheckpoint(**spec))
     strategy = ModelParallel2DStrategy(
         data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
+        data_parallel_replicate_size=cfg.get("replicate", 1),
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
     )
@@ -391,7 +396,7 @@ def fabric_loop(cfg: dict) -> None:
 
         strategy = FabricStrategy(cfg["dp"], cfg["tp"], parallelize_fn=parallelize_fn)
     else:
-        strategy = FabricStrategy(cfg["dp"], cfg["tp"])
+        strategy = FabricStrategy(cfg["dp"], cfg["tp"], data_parallel_replicate_size=cfg.get("replicate", 1))
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
     fabric.launch()
 

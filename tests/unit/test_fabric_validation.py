@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 
 from lightning_2d import ParallelConfigError
-from lightning_2d.fabric import FSDP2Precision, ModelParallel2DStrategy
+from lightning_2d.fabric import FabricFSDP2Precision, ModelParallel2DStrategy
 
 
 def test_bad_layout_fails_when_fabric_is_constructed():
@@ -21,5 +21,5 @@ def test_bad_options_fail_at_strategy_construction():
 
 def test_bf16_mixed_uses_fsdp2_casting_not_autocast():
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ModelParallel2DStrategy(), precision="bf16-mixed")
-    assert isinstance(fabric.strategy.precision, FSDP2Precision)
+    assert isinstance(fabric.strategy.precision, FabricFSDP2Precision)
     assert fabric.strategy.precision.precision == "bf16-mixed"

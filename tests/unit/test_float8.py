@@ -279,7 +279,7 @@ def test_float8_tp_fsdp_pipeline_on_one_rank(gloo_world, all_gather):
 
     _, _, prepare_input = f8.float8_tensor_parallel_styles()
     args = ModelArgs.from_name("debug")
-    mesh = build_device_mesh(ParallelDims(dp=1, tp=1), "cpu")
+    mesh = build_device_mesh(ParallelDims(dp_replicate=1, dp_shard=1, tp=1), "cpu")
     config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1).resolve_dtypes("32-true")
     model = _meta_llama()
     f8.convert_to_float8(model, emulate=True, fsdp_float8_all_gather=all_gather)

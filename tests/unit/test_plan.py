@@ -82,3 +82,41 @@ def test_randomness_decides_whether_checkpointing_replays_the_rng():
     assert uses_randomness(block, ParallelPlan())
     assert not uses_randomness(torch.nn.Sequential(torch.nn.Dropout(0.0)), ParallelPlan())
     assert not uses_randomness(block, ParallelPlan(blocks_use_randomness=False))  # the plan decides
+
+
+def test_the_hooks_protocol_lists_what_the_strategies_look_up():
+    from lightning_2d.parallel.hooks import OWNER_HOOKS, STEP_HOOKS, ModelInitHooks, ParallelHooks, defined_hooks
+    from lightning_2d.parallel.parallelize import STEPS
+
+    assert tuple(STEPS) == STEP_HOOKS  # every replaceable step is a documented hook, in order
+    assert set(OWNER_HOOKS) <= {n for n in dir(ParallelHooks) if not n.startswith("_")}
+    assert defined_hooks(LlamaLightningModule("debug")) == ["parallel_plan", "weights_source"]
+
+    class OwnFSDP(torch.nn.Module):
+        def apply_fully_shard(self, model, dp_mesh, plan, config) -> None: ...
+
+    assert defined_hooks(OwnFSDP()) == ["apply_fully_shard"]
+    assert isinstance(Transformer(ModelArgs.from_name("debug")), ModelInitHooks)
+
+
+def test_parallel_dims_build_the_named_mesh_with_a_flattened_data_parallel_dim(monkeypatch):
+    import torch.distributed as dist
+
+    from lightning_2d.parallel.dims import MESH_DIMS, ParallelDims, fsdp_mesh_of
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    from lightning_2d.launch import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1)
+        mesh = dims.build_mesh("cpu")
+        assert mesh.mesh_dim_names == MESH_DIMS == ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+        assert mesh["data_parallel"].mesh_dim_names == ("data_parallel",)  # Lightning's name still works
+        assert fsdp_mesh_of(mesh).mesh_dim_names == ("data_parallel",)  # plain FSDP: the flattened dim
+        assert (dims.dp, dims.world_size, dims.hsdp) == (1, 1, False)
+        assert ParallelDims(dp_replicate=2, dp_shard=4, tp=8).as_dict() == {
+            "data_parallel_replicate": 2, "data_parallel_shard": 4, "tensor_parallel": 8}
+    finally:
+        dist.destroy_process_group()

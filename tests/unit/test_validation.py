@@ -153,3 +153,12 @@ def test_emulated_float8_with_sequence_parallel_over_gloo_is_refused():
     strategy = ModelParallel2DStrategy(tensor_parallel_size=2, float8="emulate")
     with pytest.raises(ParallelConfigError, match="gloo cannot carry float8 tensors. Set sequence_parallel=False"):
         L.Trainer(accelerator="cpu", devices=4, strategy=strategy)
+
+
+def test_replicate_size_must_divide_the_data_parallel_size():
+    with pytest.raises(ParallelConfigError, match=r"data_parallel_replicate_size \(3\) must divide the data-parallel size \(4\).*use one of 1, 2 or 4"):
+        validate_parallel_dims(ParallelConfig(data_parallel_replicate_size=3, tensor_parallel_size=2), world_size=8, devices_per_node=8)
+    dims = validate_parallel_dims(ParallelConfig(data_parallel_replicate_size=2, tensor_parallel_size=2), world_size=8, devices_per_node=8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (2, 2, 2, 4)
+    with pytest.raises(ParallelConfigError, match=r"data_parallel_replicate_size must be a positive integer, got 0"):
+        ModelParallel2DStrategy(data_parallel_replicate_size=0)

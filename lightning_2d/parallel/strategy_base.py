@@ -1,0 +1,300 @@
+"""What the Trainer and the Fabric strategies share: options, validation, the mesh, seed, checkpoints.
+
+``lightning_2d.ModelParallel2DStrategy`` (Trainer) and ``lightning_2d.fabric.ModelParallel2DStrategy``
+are each Lightning's ``ModelParallelStrategy`` of their world with ``ModelParallel2DBase`` in front
+of it in the MRO. The base owns everything that is not specific to one world:
+
+- the options (one constructor, one ``ParallelConfig``);
+- validation before any process group (``validate``, in ``_configure_launcher`` and again in
+  ``setup_environment``);
+- the process group and the N-D device mesh, built by ``ParallelDims.build_mesh`` (Lightning's
+  strategies build a 2D one from private size fields; ours replaces that step);
+- the initialization seed, the precision plugin (``FSDP2Precision``), backward under loss
+  parallelism, float8 scale updates after the optimizer step;
+- the checkpoint writer, the layout a checkpoint records, the wait before a load or teardown and
+  the fall-back from an incomplete checkpoint.
+
+Each strategy keeps only what its world defines differently: the Trainer's ``setup`` and
+checkpoint dict, Fabric's ``setup_module`` and ``fabric.save`` state.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_2d.checkpoint import (
+    ShardedCheckpointWriter,
+    layout_of,
+    make_writer,
+    resolve_on_rank_zero,
+    restore_random_state,
+)
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
+from lightning_2d.parallel.float8 import precompute_float8_scales
+from lightning_2d.parallel.grad_norm import clip_grad_norm_
+from lightning_2d.parallel.loss import backward_context
+
+
+class FSDP2Precision(Precision):
+    """Precision under the 2D strategies (Trainer and Fabric): FSDP2's ``MixedPrecisionPolicy`` casts.
+
+    ``bf16-mixed``: parameters stay fp32 (sharded) for the optimizer; FSDP all-gathers them in
+    bf16 and reduce-scatters gradients in fp32 (autocast on top would only add casts).
+    ``bf16-true``: the shards themselves are bf16. ``32-true``: no casting. Gradient clipping
+    computes the true global norm over DTensor gradients on any mix of meshes.
+
+    This is the Trainer's plugin; ``FabricFSDP2Precision`` is the same for Fabric (a Trainer plugin's
+    ``backward`` calls ``LightningModule.backward``, so one class cannot serve both).
+    """
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision  # type: ignore[assignment]
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+
+class FabricFSDP2Precision(FabricPrecision):
+    """``FSDP2Precision`` for Fabric: FSDP2's policy casts; clipping is the strategy's (``clip_gradients_norm``)."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision  # type: ignore[assignment]
+
+
+#: Lightning's stock plugins (autocast, module conversion) that give way to FSDP2's policy; a custom
+#: plugin the user passed is kept.
+def _is_stock_precision(plugin: Any) -> bool:
+    from lightning.fabric.plugins.precision import HalfPrecision as FabricHalf
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    return type(plugin) in (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixed, FabricHalf)
+
+
+class ModelParallel2DBase:
+    """Mixin in front of Lightning's ``ModelParallelStrategy`` (Trainer or Fabric); see the module docstring.
+
+    Args:
+        data_parallel_size: Data-parallel ranks (replicas × FSDP shards), or ``"auto"`` (world size /
+            ``tensor_parallel_size``; the number of nodes when both are auto).
+        tensor_parallel_size: TP degree, or ``"auto"`` (world size / ``data_parallel_size``; the
+            devices per node when both are auto). TP groups are consecutive ranks, inside a node.
+        data_parallel_replicate_size: HSDP: split the data-parallel ranks into this many replica
+            groups; FSDP shards inside a group (e.g. one node) and gradients are all-reduced across
+            groups. ``1``: FSDP over every data-parallel rank.
+        sequence_parallel: Shard activations and norms along the sequence between TP regions.
+        loss_parallel: Compute the cross-entropy on vocabulary-sharded logits.
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
+        selective_ac_option: ``"op"`` or every N-th block (an integer), for ``"selective"``.
+        compile: ``torch.compile`` each transformer block.
+        param_dtype: FSDP compute dtype; default from the Trainer's ``precision``.
+        reduce_dtype: FSDP gradient-reduction dtype; default fp32.
+        reshard_after_forward: ``"default"``, ``"always"`` or ``"never"``.
+        reduce_every_micro_batch: With gradient accumulation, reduce-scatter gradients after every
+            micro-batch (least memory) instead of only after the last one (default).
+        float8: Float8 training of the block projections (torchao; GPUs with compute capability
+            >= 8.9); ``"emulate"`` computes the same rounding on any device (tests, debugging).
+        float8_recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+        fsdp_float8_all_gather: All-gather the float8 weights in float8 (tensorwise only).
+        async_tensor_parallel: Overlap the sequence-parallel collectives with the matmuls (CUDA,
+            NCCL, ``compile=True``).
+        plan: Module names to parallelize, for a model that does not provide ``parallel_plan``.
+        init_seed: Seed of the layout-independent initialization of a meta-device model; ``None``:
+            the model's/LightningModule's ``init_seed`` attribute if it has one, else the run's seed
+            (``seed_everything``) broadcast from rank 0.
+        save_distributed_checkpoint: Save one shard per rank (``True``, resumable at any layout) or a
+            single full file assembled on rank 0.
+        async_checkpoint: Write sharded checkpoints in a background thread after copying them to CPU
+            memory, so training continues during the write.
+        process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
+        timeout: Process-group timeout.
+    """
+
+    #: Tells a LightningModule to build its model on the meta device in ``configure_model``.
+    materializes_meta_modules = True
+    #: The precision plugin that replaces Lightning's stock ones (the Trainer's or Fabric's kind).
+    fsdp2_precision_class: type = FSDP2Precision
+
+    def __init__(
+        self,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
+        data_parallel_replicate_size: int = 1,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = False,
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        selective_ac_option: Union[str, int] = "op",
+        compile: bool = False,
+        param_dtype: Optional[Union[str, torch.dtype]] = None,
+        reduce_dtype: Optional[Union[str, torch.dtype]] = None,
+        reshard_after_forward: Literal["default", "always", "never"] = "default",
+        reduce_every_micro_batch: bool = False,
+        float8: Union[bool, Literal["emulate"]] = False,
+        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise",
+        fsdp_float8_all_gather: bool = False,
+        async_tensor_parallel: bool = False,
+        plan: Optional[ParallelPlan] = None,
+        init_seed: Optional[int] = None,
+        save_distributed_checkpoint: bool = True,
+        async_checkpoint: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        # Validate the options first: a typo fails here, at construction, with every problem listed.
+        self.parallel_config = ParallelConfig.from_options(locals())
+        # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
+        super().__init__(  # type: ignore[call-arg]
+            **self._lightning_strategy_kwargs(),
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._plan = plan
+        self._init_seed_value = init_seed
+        self._async_checkpoint = async_checkpoint
+        self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
+        self.parallel_dims: Optional[ParallelDims] = None
+
+    def _lightning_strategy_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of the Lightning strategy's constructor (Fabric: ``parallelize_fn``)."""
+        return {}
+
+    # ---- what differs between the worlds -----------------------------------------------------
+    def _precision_plugin_2d(self) -> Any:
+        raise NotImplementedError
+
+    def _set_precision_plugin_2d(self, plugin: Any) -> None:
+        raise NotImplementedError
+
+    def _validation_context(self) -> dict[str, Any]:
+        """``plan`` and ``seq_len`` known at this point (the Trainer knows its LightningModule)."""
+        return {"plan": self._plan, "seq_len": None}
+
+    def _float8_modules(self) -> list[nn.Module]:
+        """Modules whose float8 all-gather scales are recomputed after each optimizer step."""
+        return []
+
+    # ---- validation, process group, mesh ------------------------------------------------------
+    def validate(self, device_index: Optional[int] = None, plan: Optional[ParallelPlan] = None) -> ParallelDims:
+        """Check the layout against the world, the model, the precision and the hardware; raises
+        ``ParallelConfigError`` listing every problem.
+
+        Runs before any process group is created: when the Trainer/Fabric is constructed (world
+        size, precision, float8/async-TP requirements), and again in each process once the model's
+        plan (its divisibility constraints), the sequence length and the process's GPU
+        (``device_index``: float8 tensor cores) are known.
+        """
+        context = self._validation_context()
+        if plan is not None:
+            context["plan"] = plan
+        plugin = self._precision_plugin_2d()
+        devices = self.parallel_devices  # type: ignore[attr-defined]
+        return validate_parallel_dims(
+            self.parallel_config,
+            world_size=self.num_nodes * self.num_processes,  # type: ignore[attr-defined]
+            devices_per_node=self.num_processes,  # type: ignore[attr-defined]
+            precision=getattr(plugin, "precision", None),
+            num_nodes=self.num_nodes,  # type: ignore[attr-defined]
+            device_type=devices[0].type if devices else None,
+            device_index=device_index,
+            **context,
+        )
+
+    def _configure_launcher(self) -> None:
+        # Called by the Trainer's/Fabric's constructor, before any process is launched: fail there.
+        self.validate()
+        if _is_stock_precision(self._precision_plugin_2d()):
+            self._set_precision_plugin_2d(self.fsdp2_precision_class(self._precision_plugin_2d().precision))
+        super()._configure_launcher()  # type: ignore[misc]
+
+    def setup_environment(self) -> None:
+        """Validate in this process, start the process group, build the mesh (not Lightning's 2D one)."""
+        self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))  # type: ignore[attr-defined]
+        # What Lightning's ModelParallelStrategy.setup_environment does before building its 2D mesh:
+        # the accelerator's device, then the seed reset, the world ranks and the process group.
+        self.accelerator.setup_device(self.root_device)  # type: ignore[attr-defined]
+        self._setup_distributed()  # type: ignore[attr-defined]
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)  # type: ignore[attr-defined]
+        destroy_process_group_at_exit()
+        self._checkpoint_writer = make_writer(
+            self.global_rank,  # type: ignore[attr-defined]
+            self.barrier,  # type: ignore[attr-defined]
+            self._save_distributed_checkpoint,  # type: ignore[attr-defined]
+            self._async_checkpoint,
+        )
+
+    # ---- model -------------------------------------------------------------------------------
+    def _init_seed(self, owner: Any = None) -> int:
+        """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""
+        seed = self._init_seed_value
+        if seed is None:
+            seed = getattr(owner, "init_seed", None)
+        if seed is None:
+            seed = self.broadcast(torch.initial_seed())  # type: ignore[attr-defined]
+        return int(seed)
+
+    # ---- training step -----------------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        with backward_context(tensor, self.parallel_config.loss_parallel):
+            return super().backward(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        # Float8 all-gather weights: their scales for the next step, in one all-reduce.
+        for module in self._float8_modules():
+            precompute_float8_scales(module)
+        return output
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        return layout_of(self.world_size, self.parallel_dims)  # type: ignore[attr-defined]
+
+    def _checkpoint_path_to_save(self, path: Any, storage_options: Optional[Any]) -> Path:
+        """Rank 0's path (every rank writes into one folder); refuses Lightning's cloud options."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        assert self._checkpoint_writer is not None, "setup_environment() has not run"
+        return Path(self.broadcast(str(path)))  # type: ignore[attr-defined]
+
+    def _wait_for_checkpoint_writes(self) -> None:
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+
+    def _checkpoint_to_load(self, path: Any) -> Path:
+        """``path``, or the newest complete checkpoint next to it if its save never finished."""
+        self._wait_for_checkpoint_writes()
+        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn)  # type: ignore[attr-defined]
+
+    def _restore_random_state(self, path: Path, saved: Optional[dict[str, Any]]) -> None:
+        restore_random_state(path, saved or {}, self._layout(), self.global_rank, rank_zero_info)  # type: ignore[attr-defined]
+
+    def teardown(self) -> None:
+        self._wait_for_checkpoint_writes()
+        super().teardown()  # type: ignore[misc]
+
+
+def signature_with(base: Callable[..., Any], **extra: Any) -> Any:
+    """``base``'s signature plus keyword-only parameters ``extra`` (name → (annotation, default)), so that
+    a subclass taking ``**options`` still shows (and type-checks) every option."""
+    import inspect
+
+    sig = inspect.signature(base)
+    params = list(sig.parameters.values())
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+        for name, (annotation, default) in extra.items()
+    ]
+    return sig.replace(parameters=params + added)
