@@ -8,7 +8,10 @@ not complete. A full checkpoint is one file, written under a temporary name and 
 is complete whenever it exists.
 
 Resuming from an incomplete checkpoint (``ckpt_path="last"`` can point at one) falls back to the
-newest complete checkpoint in the same folder and says so.
+newest complete checkpoint in the same folder and says so. What counts as a checkpoint there is
+decided by content, not by a naming scheme (``is_checkpoint``), so the Trainer's
+``epoch=0-step=4.ckpt`` and the Fabric recipe's ``step-000004/`` get the same fall-back; they are
+ordered by the step in their names, then by modification time.
 
 Both the Trainer and the Fabric strategies use this module.
 """
@@ -20,6 +23,7 @@ import random
 import re
 import shutil
 import threading
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -30,8 +34,16 @@ import torch
 
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 DCP_METADATA_FILE = ".metadata"
+DCP_SHARD_SUFFIX = ".distcp"
 RNG_FOLDER = "rng"
-STEP_PATTERN = re.compile(r"step=(\d+)")
+# Lightning's checkpoint suffix, then torch's usual ones (``fabric.save("step-3.pt")``).
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+# A step number in the common naming schemes: Lightning's ``epoch=E-step=N`` and ``step=N``, the
+# Fabric recipe's ``step-000003``, ``step_N``, ``stepN``. Not preceded by a letter, so ``timestep5``
+# or ``mystep5`` carry no step.
+STEP_PATTERN = re.compile(r"(?<![a-z])step[=_-]?(\d+)", re.IGNORECASE)
+# The key our strategies put in every checkpoint: what tells our full ``.pt`` files from tensor dumps.
+FULL_FILE_MARK = b"lightning_2d"
 
 
 # ---- completeness ------------------------------------------------------------------------------
@@ -43,28 +55,123 @@ def is_complete(path: Path) -> bool:
     return path.is_file()
 
 
+def _save_started(folder: Path) -> bool:
+    """Whether ``folder`` holds traces of a sharded save: a DCP shard, DCP's ``.metadata``, or the
+    per-rank RNG files our writer puts there before the shards."""
+    if (folder / DCP_METADATA_FILE).is_file():
+        return True
+    if any(p.suffix == DCP_SHARD_SUFFIX for p in folder.iterdir()):
+        return True
+    rng = folder / RNG_FOLDER
+    return rng.is_dir() and any(p.name.startswith("rank") and p.suffix == ".pt" for p in rng.iterdir())
+
+
+def _is_our_full_file(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.save`` archive of one of our checkpoints (it has the
+    ``lightning_2d`` entry); reads only the archive's pickle, never the tensors."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            return bool(pickles) and FULL_FILE_MARK in archive.read(pickles[0])
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint, complete or from a save that started, whatever its name.
+
+    * a folder: complete (``.metadata`` and ``meta.pt``), or with traces of a sharded save (shards,
+      ``.metadata``, ``rng/rank*.pt``), or named like a checkpoint file (``last.ckpt/``: Lightning's
+      names, even before anything is written in it);
+    * a file: ``*.ckpt`` (Lightning's checkpoint suffix), or ``*.pt``/``*.pth``/no suffix holding one
+      of our checkpoints (other ``.pt`` files are tensor dumps, exported weights...).
+
+    Hidden entries never are (``.name.incomplete``: a full file still being written; DCP's own
+    ``.metadata``).
+
+    Args:
+        path: An entry of a checkpoint folder.
+    """
+    path = Path(path)
+    if path.name.startswith("."):
+        return False
+    if path.is_dir():
+        return path.suffix in CHECKPOINT_SUFFIXES or is_complete(path) or _save_started(path)
+    if path.is_file():
+        # No suffix: the Fabric recipe's ``step-000003`` saved as one full file.
+        return path.suffix == ".ckpt" or (path.suffix in (*CHECKPOINT_SUFFIXES, "") and _is_our_full_file(path))
+    return False  # a dangling link, a socket...
+
+
+def checkpoint_step(path: Path) -> Optional[int]:
+    """The step number in ``path``'s name (that of its target, for a link), or ``None``.
+
+    Args:
+        path: A checkpoint file or folder, named ``epoch=0-step=12.ckpt``, ``step-000012``, ``step_12.pt``...
+    """
+    matches = STEP_PATTERN.findall(Path(path).resolve().name)
+    return int(matches[-1]) if matches else None
+
+
 def _order_key(path: Path) -> tuple[int, float]:
-    match = STEP_PATTERN.search(path.name)
-    return (int(match.group(1)) if match else -1, path.stat().st_mtime)
+    # A step in the name wins over the clock (copies and rsync reset mtimes); names without one
+    # (``last.ckpt``'s target outside the folder, ``final.pt``) rank below any numbered checkpoint,
+    # as Lightning's ``step=N`` names always did.
+    step = checkpoint_step(path)
+    return (step if step is not None else -1, path.stat().st_mtime)
+
+
+def checkpoints_in(folder: Path) -> list[Path]:
+    """Every checkpoint of ``folder`` (complete or not, see ``is_checkpoint``), oldest first.
+
+    Ordered by the step in the name, then by modification time. A link and its target in the same
+    folder (``last.ckpt``) count once, under the target's name.
+
+    Args:
+        folder: Where a run saves its checkpoints.
+    """
+    folder = Path(folder)
+    if not folder.is_dir() or is_complete(folder) or _save_started(folder):
+        # The parts of a sharded checkpoint (``meta.pt``, ``rng/``) are never checkpoints themselves.
+        return []
+    found: dict[Path, Path] = {}
+    for entry in folder.iterdir():
+        if not is_checkpoint(entry):
+            continue
+        target = entry.resolve()
+        if target not in found or found[target].is_symlink():
+            found[target] = entry
+    return sorted(found.values(), key=_order_key)
+
+
+def latest_checkpoint(folder: Path) -> Optional[Path]:
+    """The newest checkpoint of ``folder``, complete or not (what a run saved last), or ``None``.
+
+    Meant for "resume from the latest": loading it through the strategies falls back to the newest
+    complete one and names the interrupted save (``resolve_checkpoint``).
+
+    Args:
+        folder: Where a run saves its checkpoints.
+    """
+    found = checkpoints_in(folder)
+    return found[-1] if found else None
 
 
 def newest_complete_checkpoint(folder: Path, exclude: Optional[Path] = None) -> Optional[Path]:
-    """The complete checkpoint of ``folder`` with the highest step (then the newest), if any."""
-    if not folder.is_dir():
-        return None
-    candidates = [
-        p
-        for p in folder.iterdir()
-        if p.suffix == ".ckpt" and not p.name.startswith(".") and p != exclude and is_complete(p)
-    ]
-    return max(candidates, key=_order_key, default=None)
+    """The complete checkpoint of ``folder`` with the highest step (then the newest), if any.
+
+    Args:
+        folder: Where a run saves its checkpoints.
+        exclude: A checkpoint not to return (the one being replaced).
+    """
+    excluded = Path(exclude).resolve() if exclude is not None else None
+    complete = [p for p in checkpoints_in(folder) if is_complete(p) and p.resolve() != excluded]
+    return complete[-1] if complete else None
 
 
 def incomplete_checkpoints(folder: Path) -> list[Path]:
-    """Checkpoints of ``folder`` whose save did not finish."""
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.suffix == ".ckpt" and p.is_dir() and not is_complete(p))
+    """Checkpoints of ``folder`` whose save started but did not finish, oldest first."""
+    return [p for p in checkpoints_in(folder) if not is_complete(p)]
 
 
 def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
@@ -73,6 +180,10 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
     Also warns when the folder holds checkpoints newer than the one resumed from that never
     finished writing (a save interrupted by a crash): the work since is lost, and the user should
     know why the run restarts from an older step.
+
+    Args:
+        path: The checkpoint asked for (a file, a sharded folder, or a link to one).
+        warn: Where to report a fall-back or lost saves (rank 0's warning).
     """
     path = Path(path)
     if is_complete(path):
@@ -241,8 +352,19 @@ class ShardedCheckpointWriter:
 
 
 # ---- shared by the strategies ------------------------------------------------------------------
-def layout_of(world_size: int, data_parallel: Optional[int], tensor_parallel: Optional[int]) -> dict[str, Any]:
-    return {"world_size": world_size, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+def layout_of(world_size: int, dims: Any = None) -> dict[str, Any]:
+    """What a checkpoint records of the layout it was saved at (``dims``: a ``ParallelDims``)."""
+    layout: dict[str, Any] = {"world_size": world_size, "data_parallel": None, "tensor_parallel": None}
+    if dims is not None:
+        layout.update(data_parallel=dims.dp, tensor_parallel=dims.tp, data_parallel_replicate=dims.dp_replicate)
+    return layout
+
+
+def _describe_layout(layout: dict[str, Any]) -> str:
+    replicas = layout.get("data_parallel_replicate") or 1
+    dp, tp = layout.get("data_parallel"), layout.get("tensor_parallel")
+    mesh = f"(data_parallel_replicate, data_parallel_shard, tensor_parallel) = ({replicas}, {dp // replicas}, {tp})" if isinstance(dp, int) else f"(data_parallel, tensor_parallel) = ({dp}, {tp})"
+    return f"{mesh} on {layout.get('world_size')} processes"
 
 
 def restore_random_state(
@@ -265,10 +387,8 @@ def restore_random_state(
             set_rng_state(saved["rng"][rank])
     elif layout:
         info(
-            f"Resuming a checkpoint saved at (data_parallel, tensor_parallel) = ({layout.get('data_parallel')},"
-            f" {layout.get('tensor_parallel')}) on {layout.get('world_size')} processes at"
-            f" ({now['data_parallel']}, {now['tensor_parallel']}) on {now['world_size']}: weights and optimizer"
-            " states are resharded; per-process random states are not restored."
+            f"Resuming a checkpoint saved at {_describe_layout(layout)} at {_describe_layout(now)}: weights and"
+            " optimizer states are resharded; per-process random states are not restored."
         )
 
 

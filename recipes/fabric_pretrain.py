@@ -5,6 +5,7 @@
         --model llama3-8b --precision bf16-mixed --data "/data/*.jsonl" --tokenizer /models/llama3/tokenizer.json \\
         --seq-len 8192 --batch-size 1 --accumulate 4
     python recipes/fabric_pretrain.py --resume checkpoints/step-000020    # continue, at any layout
+    python recipes/fabric_pretrain.py --resume latest --save-every 20     # the newest in --checkpoint-dir
 
 The loop shows what the strategy does not hide: a meta-device model that ``fabric.setup`` shards
 and initializes, gradient accumulation that synchronizes gradients only on the last micro-batch
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -25,6 +27,7 @@ import torch
 
 from lightning_2d import ModelArgs, TextDataModule, Transformer
 from lightning_2d.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
+from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.module import warmup_cosine_schedule
 from lightning_2d.parallel.loss import normalize_by_global_tokens
@@ -51,7 +54,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
-    parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
+    parser.add_argument("--resume", default=None,
+                        help="a checkpoint folder to continue from, or 'latest': the newest in --checkpoint-dir"
+                             " (none there: start from scratch). An interrupted save falls back to the newest"
+                             " complete checkpoint, with a warning")
     parser.add_argument("--cache-dir", default=None, help="token cache (default ~/.cache/lightning_2d)")
     return parser.parse_args(argv)
 
@@ -63,6 +69,25 @@ def batches(loader: Any) -> Iterator[dict[str, torch.Tensor]]:
         loader.sampler.set_epoch(epoch)
         yield from loader
         epoch += 1
+
+
+def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional[str]:
+    """What ``--resume`` asks for: a path, or for ``latest`` the newest checkpoint in ``--checkpoint-dir``.
+
+    "Newest" is the last save the run started, complete or not (``lightning_2d.checkpoint``, the
+    Trainer's rules); rank 0 decides and every rank gets its answer.
+
+    Args:
+        fabric: The launched Fabric.
+        args: The parsed arguments (``resume``, ``checkpoint_dir``).
+    """
+    if args.resume != "latest":
+        return args.resume or None
+    found = latest_checkpoint(Path(args.checkpoint_dir)) if fabric.global_rank == 0 else None
+    found = fabric.broadcast(None if found is None else str(found))
+    if found is None:
+        fabric.print(f"No checkpoint in {args.checkpoint_dir}: starting from scratch")
+    return found
 
 
 def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> dict[str, list]:
@@ -92,9 +117,12 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         optimizer, warmup_cosine_schedule(args.warmup_steps, args.max_steps, min_lr_ratio=0.1)
     )
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "data": loader, "step": 0}
-    if args.resume:
-        fabric.load(args.resume, state)
-        fabric.print(f"Resumed from {args.resume} at step {state['step']}")
+    resume = checkpoint_to_resume(fabric, args)
+    if resume is not None:
+        # If `resume` is a save interrupted by a crash, fabric.load falls back to the newest complete
+        # checkpoint beside it and warns, naming the one skipped.
+        fabric.load(resume, state)
+        fabric.print(f"Resumed at step {state['step']} (asked for {resume})")
 
     mesh = getattr(fabric.strategy, "device_mesh", None)
     # MFU against the peak of the dtype the matmuls run in (bf16 under bf16-mixed, fp32/TF32 at 32-true).

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint import (
+    checkpoint_step,
+    checkpoints_in,
+    incomplete_checkpoints,
+    is_checkpoint,
     is_complete,
+    latest_checkpoint,
     newest_complete_checkpoint,
     resolve_checkpoint,
     rng_state,
@@ -25,6 +30,21 @@ def sharded(folder, name, complete=True):
         (path / ".metadata").write_bytes(b"m")
         (path / "meta.pt").write_bytes(b"m")
     return path
+
+
+def full_file(folder, name):
+    """A full checkpoint as the strategies write it (it carries the ``lightning_2d`` entry)."""
+    path = folder / name
+    save_full_file({"state_dict": {"w": torch.ones(2)}, "lightning_2d": {"layout": {"world_size": 2}}}, path)
+    return path
+
+
+def age(path, seconds_ago):
+    """Set ``path``'s modification time ``seconds_ago`` seconds in the past."""
+    import time
+
+    stamp = time.time() - seconds_ago
+    os.utime(path, (stamp, stamp))
 
 
 def test_completeness_needs_both_marks(tmp_path):
@@ -83,3 +103,140 @@ def test_rng_state_round_trips_and_loads_weights_only(tmp_path):
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+
+
+# ---- naming schemes: Trainer and Fabric checkpoints alike ---------------------------------------
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [
+        ("epoch=1-step=12.ckpt", 12),
+        ("end-epoch=0-step=3.ckpt", 3),
+        ("step=7.ckpt", 7),
+        ("step-000003", 3),
+        ("step_42.pt", 42),
+        ("step10.pth", 10),
+        ("global_step5", 5),
+        ("STEP-8", 8),
+        ("last.ckpt", None),
+        ("timestep5", None),  # "step" inside a word is not a step
+        ("final", None),
+    ],
+)
+def test_step_numbers_from_common_naming_schemes(tmp_path, name, step):
+    assert checkpoint_step(tmp_path / name) == step
+
+
+def test_fabric_folders_fall_back_to_the_newest_complete_one_and_name_the_lost_save(tmp_path):
+    sharded(tmp_path, "step-000001")
+    sharded(tmp_path, "step-000002")
+    broken = sharded(tmp_path, "step-000003", complete=False)
+    assert newest_complete_checkpoint(tmp_path) == tmp_path / "step-000002"
+    assert incomplete_checkpoints(tmp_path) == [broken]
+    assert latest_checkpoint(tmp_path) == broken  # what the run saved last; loading it falls back
+    warnings: list[str] = []
+    assert resolve_checkpoint(broken, warnings.append) == tmp_path / "step-000002"
+    assert warnings == [
+        f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete checkpoint"
+        f" instead: {tmp_path / 'step-000002'}"
+    ]
+    # Asking for an older complete one works, and says which newer save was lost.
+    warnings.clear()
+    assert resolve_checkpoint(tmp_path / "step-000001", warnings.append) == tmp_path / "step-000001"
+    assert len(warnings) == 1 and "step-000003 is incomplete" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "trace",
+    [
+        lambda p: (p / "__1_0.distcp").write_bytes(b"half a shard"),  # killed while writing its shard
+        lambda p: (p / ".metadata").write_bytes(b"m"),  # every shard and DCP's .metadata, no meta.pt
+        lambda p: ((p / "rng").mkdir(), (p / "rng" / "rank0.pt").write_bytes(b"r")),  # before any shard
+    ],
+    ids=["shard", "dcp-metadata", "rng-only"],
+)
+def test_a_folder_counts_as_a_started_save_by_its_traces_whatever_its_name(tmp_path, trace):
+    sharded(tmp_path, "run-a")
+    started = tmp_path / "run-b"
+    started.mkdir()
+    trace(started)
+    assert is_checkpoint(started) and not is_complete(started)
+    assert incomplete_checkpoints(tmp_path) == [started]
+    assert resolve_checkpoint(started, lambda _: None) == tmp_path / "run-a"
+
+
+def test_mixed_schemes_order_by_step_then_time(tmp_path):
+    # Created newest-step first: the step in the name decides, not the clock or the name's order.
+    step10 = full_file(tmp_path, "step10.pth")
+    step7 = full_file(tmp_path, "step_7.pt")
+    step5 = sharded(tmp_path, "step-000005")
+    step2 = sharded(tmp_path, "epoch=0-step=2.ckpt")
+    unnumbered = full_file(tmp_path, "final.ckpt")  # newest on disk, but no step: ranks below numbered ones
+    assert checkpoints_in(tmp_path) == [unnumbered, step2, step5, step7, step10]
+    assert newest_complete_checkpoint(tmp_path) == step10
+    assert newest_complete_checkpoint(tmp_path, exclude=step10) == step7
+
+
+def test_without_step_numbers_the_newest_on_disk_wins(tmp_path):
+    older, newer = sharded(tmp_path, "b-run"), sharded(tmp_path, "a-run")
+    age(older, 60)
+    age(newer, 10)
+    broken = sharded(tmp_path, "c-run", complete=False)
+    warnings: list[str] = []
+    assert resolve_checkpoint(broken, warnings.append) == newer
+    assert f"instead: {newer}" in warnings[0]
+
+
+def test_unrelated_entries_are_never_checkpoints(tmp_path):
+    good = sharded(tmp_path, "step-000002")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "version_0.csv").write_text("step,loss\n")
+    (tmp_path / "step-000009").mkdir()  # an empty folder: nothing of a save in it
+    (tmp_path / "config.yaml").write_text("max_steps: 10\n")
+    (tmp_path / "step-000011.txt").write_text("notes")
+    torch.save({"w": torch.ones(2)}, tmp_path / "step-000012.pt")  # a tensor dump, not a checkpoint
+    (tmp_path / "step-000013.pth").write_bytes(b"not even an archive")
+    (tmp_path / ".step-000014.pt.incomplete").write_bytes(b"half")  # save_full_file's temporary name
+    hidden = tmp_path / ".step-000015"
+    hidden.mkdir()
+    (hidden / "__0_0.distcp").write_bytes(b"shard")
+    os.symlink("nowhere", tmp_path / "step-000016.ckpt")  # a dangling link
+    assert checkpoints_in(tmp_path) == [good]
+    assert latest_checkpoint(tmp_path) == good
+    assert incomplete_checkpoints(tmp_path) == []
+    # Inside a checkpoint, meta.pt and rng/ are parts, not checkpoints.
+    full_file(good, "meta.pt")
+    assert checkpoints_in(good) == [] and checkpoints_in(good / "rng") == []
+
+
+def test_a_link_and_its_target_count_once(tmp_path):
+    target = sharded(tmp_path, "step-000004")
+    os.symlink(target.name, tmp_path / "latest")
+    assert checkpoints_in(tmp_path) == [target]
+    assert checkpoint_step(tmp_path / "latest") == 4  # a link is ordered by its target's name
+    broken = sharded(tmp_path, "step-000006", complete=False)
+    os.symlink(broken.name, tmp_path / "last.ckpt")
+    assert incomplete_checkpoints(tmp_path) == [broken]
+    warnings: list[str] = []
+    assert resolve_checkpoint(tmp_path / "last.ckpt", warnings.append) == target
+    assert warnings[0].startswith(f"Checkpoint {tmp_path / 'last.ckpt'} is incomplete")
+
+
+def test_full_files_of_ours_count_under_any_torch_suffix(tmp_path):
+    full = full_file(tmp_path, "step-000003.pt")
+    assert is_checkpoint(full) and is_complete(full)
+    sharded(tmp_path, "step-000004", complete=False)
+    warnings: list[str] = []
+    assert resolve_checkpoint(tmp_path / "step-000004", warnings.append) == full
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000004"
+
+
+def test_a_full_file_without_suffix_counts_when_it_is_ours(tmp_path):
+    # The Fabric recipe's names with save_distributed_checkpoint=False: one full file "step-000003".
+    ours = full_file(tmp_path, "step-000003")
+    torch.save({"w": torch.ones(2)}, tmp_path / "step-000004")
+    assert checkpoints_in(tmp_path) == [ours]
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    assert latest_checkpoint(tmp_path) is None and checkpoints_in(tmp_path / "missing") == []
