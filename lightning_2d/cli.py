@@ -5,15 +5,15 @@
     lightning-2d fit --trainer.strategy=model_parallel_2d --trainer.devices=4 --trainer.accelerator=cpu
 
 Subcommands: ``fit``, ``validate``, ``test``, ``predict``. A ``ThroughputMonitor`` is always on
-(``--throughput.*`` configures it). And ``lightning-2d export CHECKPOINT OUT_DIR`` writes a
-Hugging Face Llama directory from a checkpoint; ``lightning-2d benchmark [--compare]`` times a
-model/layout (see ``lightning_2d.benchmark``).
+(``--throughput.*`` configures it). The other subcommands (``TOOLS``): ``export CHECKPOINT
+OUT_DIR`` (Hugging Face Llama directory, ``lightning_2d.hf``), ``benchmark [--compare]``
+(``lightning_2d.benchmark``), ``plan`` (dry run on a simulated world, ``lightning_2d.planner``) and
+``prepare-data --config RECIPE`` (tokenize the corpus before training, ``lightning_2d.prepare``).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -50,9 +50,12 @@ class Lightning2DCLI(LightningCLI):
 DESCRIPTION = (
     "Train Llama models with 2D parallelism (FSDP2 x tensor/sequence parallel). Besides the Trainer"
     " subcommands below: `lightning-2d export CHECKPOINT OUT_DIR` writes a Hugging Face Llama directory"
-    " from a checkpoint, and `lightning-2d benchmark [--compare]` times a model/layout (step time,"
+    " from a checkpoint; `lightning-2d benchmark [--compare]` times a model/layout (step time,"
     " tokens/s, TFLOP/s, MFU, memory), with --compare side by side with Lightning's ModelParallelStrategy"
-    " and a plain torch loop. Add --help after either for its options."
+    " and a plain torch loop; `lightning-2d plan --model llama3-70b --num-nodes 4 --devices 8` checks a"
+    " layout and estimates its per-device memory on a simulated world, without GPUs; `lightning-2d"
+    " prepare-data --config RECIPE.yaml` tokenizes a recipe's corpus with every local core before"
+    " training. Add --help after any of them for its options."
 )
 
 
@@ -68,37 +71,22 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DC
     )
 
 
-def export_main(argv: list[str]) -> None:
-    """``lightning-2d export CHECKPOINT OUT_DIR``: a checkpoint → Hugging Face Llama directory."""
-    import argparse
-
-    from lightning_2d.hf import export_hf
-    from lightning_2d.parallel.config import DTYPE_NAMES
-
-    parser = argparse.ArgumentParser(
-        prog="lightning-2d export",
-        description="Write model.safetensors + config.json (Hugging Face Llama layout) from a sharded or"
-        " full LlamaLightningModule checkpoint. Needs no GPU and no process group.",
-    )
-    parser.add_argument("checkpoint", help="checkpoint folder (sharded) or file (full)")
-    parser.add_argument("out_dir")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: as stored")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
-    args = parser.parse_args(argv)
-    dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
-    out = export_hf(Path(args.checkpoint), Path(args.out_dir), dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"Wrote {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+#: ``lightning-2d NAME ...`` subcommands that are not LightningCLI's: NAME → the module whose
+#: ``main(argv)`` runs it (imported only when used).
+TOOLS = {
+    "export": "lightning_2d.hf",
+    "benchmark": "lightning_2d.benchmark",
+    "plan": "lightning_2d.planner",
+    "prepare-data": "lightning_2d.prepare",
+}
 
 
 def main() -> None:
     """The ``lightning-2d`` console script."""
-    if len(sys.argv) > 1 and sys.argv[1] == "export":
-        export_main(sys.argv[2:])
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "benchmark":
-        from lightning_2d.benchmark import main as benchmark_main
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
+        import importlib
 
-        benchmark_main(sys.argv[2:])
+        importlib.import_module(TOOLS[sys.argv[1]]).main(sys.argv[2:])
         return
     cli_main()
 

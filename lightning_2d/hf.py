@@ -5,20 +5,41 @@ Names map one to one (``layers.N.attention.wq`` ↔ ``model.layers.N.self_attn.q
 change of values is in ``wq``/``wk``: Meta's rotary embedding rotates interleaved pairs
 ``(x[2i], x[2i+1])`` while Hugging Face's rotates the halves ``(x[i], x[i + d/2])`` of each head,
 so the rows of each head are permuted between the two layouts.
+
+Both directions stream, so a 70B model never has to fit in one process's memory: the export reads,
+converts and writes one output file at a time (``export_hf``), the import reads each rank's blocks
+as safetensors slices (``HFWeights``). Checkpoints are read with ``torch.load(weights_only=True)``
+(and DCP's ``.metadata`` with a restricted unpickler): a pickled object that could run code is
+refused, not built.
+
+Torch DCP's ``HuggingFaceStorageWriter``/``HuggingFaceStorageReader`` are not used. The writer
+writes what one ``dcp.save`` call is given: the whole state dict at once (no streaming), or one
+call per file, each call overwriting the index with its own file only; it also names a single file
+``model-00001-of-00001.safetensors`` and adds DCP keys to the headers. The reader reads a
+``(rows, cols)`` box of each stored tensor, while a block of ``wq``/``wk`` whose rows cut a head
+needs the whole heads it touches (the RoPE permutation moves rows within a head), which
+``HFWeights.fill_block_`` reads itself with the same ``safe_open``/``get_slice``. Neither maps names.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import json
+import math
+import pathlib
+import pickle
 import re
-from collections.abc import Iterator
+import warnings
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from lightning_2d.model import ModelArgs
+from lightning_2d.model import PRESETS, ModelArgs, Transformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,86 +156,457 @@ def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
 
 
 # ---- export -----------------------------------------------------------------------------------
-def _checkpoint_model_args(metadata: dict[str, Any]) -> ModelArgs:
-    if "model_args" in metadata:
-        return ModelArgs(**metadata["model_args"])
-    hp = metadata.get("hyper_parameters") or {}
-    model = hp.get("model", "debug")
-    if isinstance(model, ModelArgs):
-        return ModelArgs(**{**asdict(model), **(hp.get("model_overrides") or {})})
-    return ModelArgs.from_name(model, **(hp.get("model_overrides") or {}))
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported as asked; the message names the problem and the fix."""
 
 
-def _iter_checkpoint_weights(checkpoint: Path, prefix: str = "model.") -> Iterator[tuple[str, ModelArgs, torch.Tensor]]:
-    """``(our name, model args, full tensor)`` for each weight of a sharded or full Lightning checkpoint,
-    one tensor in memory at a time (sharded) — no process group needed."""
-    from lightning_2d.checkpoint import METADATA_FILE, is_complete
+#: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
+#: checkpoint's ``state_dict`` (``state_dict.model.<our name>`` among DCP's flattened keys).
+STATE_DICT_PREFIX = "model."
+
+#: Types besides tensors and plain containers that a weights-only load of a checkpoint may build:
+#: ``ModelArgs`` (the hyper-parameters of older checkpoints) and paths (LightningCLI/jsonargparse
+#: hyper-parameters, callback states). Building them runs none of the file's code.
+SAFE_GLOBALS: tuple[type, ...] = (ModelArgs, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+
+
+class WeightInfo(NamedTuple):
+    """A weight of a checkpoint as its metadata describes it (no data read).
+
+    Args:
+        name: Our parameter name (``layers.0.attention.wq.weight``).
+        shape: Its full (unsharded) shape.
+        dtype: Its stored dtype.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _import_global(qualified_name: str) -> Any:
+    module, _, name = qualified_name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ExportError(
+            f"--allow-global {qualified_name!r}: cannot import it ({err}); give MODULE.NAME as the refusal names it"
+        ) from err
+
+
+def load_checkpoint_file(path: Path, mmap: bool = False, allow_globals: Sequence[str] = ()) -> Any:
+    """``torch.load(weights_only=True)`` of a checkpoint file, tensors on the CPU.
+
+    Only tensors, plain containers, ``SAFE_GLOBALS`` and the types named in ``allow_globals`` are
+    built. Anything else pickled in the file (whose ``__reduce__`` could run any code) is refused,
+    before it is built, with an ``ExportError`` naming it.
+
+    Args:
+        path: A ``torch.save`` file: a full checkpoint, or a sharded checkpoint's ``meta.pt``.
+        mmap: Map the tensors' bytes instead of reading them (``torch.save``'s zip format): only the
+            pages of the tensors used are ever read.
+        allow_globals: ``module.Name`` of further types the user trusts this file to hold.
+    """
+    if mmap and not zipfile.is_zipfile(path):
+        raise ExportError(
+            f"{path} is not a torch.save zip archive (the format of torch >= 1.6, which Lightning writes), so"
+            " it cannot be memory-mapped. If it is an old-format checkpoint, re-save it:"
+            " torch.save(torch.load(path, weights_only=True), new_path)."
+        )
+    trusted = [*SAFE_GLOBALS, *(_import_global(name) for name in allow_globals)]
+    try:
+        with torch.serialization.safe_globals(trusted):
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except RuntimeError as err:  # torch's reader: a truncated or corrupt archive
+        raise ExportError(f"{path} could not be read: {err}") from err
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if found is None:  # not a refused type: a corrupt or foreign file
+            reason = str(err).partition("WeightsUnpickler error:")[2].strip().splitlines() or [str(err)]
+            raise ExportError(f"{path} is not a readable torch.save checkpoint: {reason[0]}") from err
+        name = found.group(1)
+        allowed = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in SAFE_GLOBALS)
+        raise ExportError(
+            f"{path} holds a pickled {name}, which a weights-only load refuses to build (unpickling it could run"
+            f" arbitrary code): the file was not loaded. Checkpoints of LlamaLightningModule hold only tensors,"
+            f" plain containers and {allowed}; {name} comes from other code (a callback's state, a subclass's"
+            f" hyper-parameters) or from a tampered file. If you trust the file and {name} is a data class (not"
+            f" a function such as exec or os.system), pass --allow-global {name}"
+            f" (export_hf(..., allow_globals=[{name!r}])) to build it."
+        ) from err
+
+
+# DCP writes its `.metadata` with pickle and its own reader loads it with a plain `pickle.load`:
+# a tampered file would run code. Only DCP's metadata types (and what they hold) are built here.
+_DCP_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+)
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict unpickling: every global goes through ``find_class``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_METADATA_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of DCP's metadata")
+
+
+class _ShardedCheckpoint:
+    """The weights of a DCP checkpoint folder, read tensor by tensor without a process group.
+
+    Each ``dcp.load`` gets one preallocated full tensor: DCP reads only the byte ranges of that
+    tensor's chunks (one per saving rank) from the ``.distcp`` files and copies them in place.
+    """
+
+    def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+        from lightning_2d.checkpoint import DCP_METADATA_FILE, METADATA_FILE
+
+        try:
+            with open(path / DCP_METADATA_FILE, "rb") as f:
+                dcp_metadata = _DCPMetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise ExportError(
+                f"{path / DCP_METADATA_FILE} was not loaded: {err} (unpickling it could run code)"
+            ) from err
+        if not isinstance(dcp_metadata, Metadata):
+            raise ExportError(f"{path / DCP_METADATA_FILE} holds a {type(dcp_metadata).__name__}, not DCP's Metadata")
+        if dcp_metadata.storage_meta is None:
+            dcp_metadata.storage_meta = StorageMeta()
+        self.reader = FileSystemReader(str(path))
+
+        def read_metadata(*args: Any, **kwargs: Any) -> Metadata:
+            # Read once (above, safely), not once per tensor: a large job's `.metadata` lists every chunk.
+            dcp_metadata.storage_meta.load_id = self.reader.load_id
+            return dcp_metadata
+
+        self.reader.read_metadata = read_metadata  # type: ignore[method-assign]
+        self.key_prefix = f"state_dict.{STATE_DICT_PREFIX}"
+        self.weights = [
+            WeightInfo(key[len(self.key_prefix):], tuple(meta.size), meta.properties.dtype)
+            for key, meta in dcp_metadata.state_dict_metadata.items()
+            if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
+        ]
+        self.metadata: Optional[dict[str, Any]] = None
+        try:
+            self.metadata = load_checkpoint_file(path / METADATA_FILE, allow_globals=allow_globals)
+        except ExportError as err:
+            if need_metadata:
+                raise ExportError(
+                    f"{err} Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
+                ) from err
+            warnings.warn(f"{err} Exporting with the given model args, without {METADATA_FILE}.", stacklevel=2)
+
+    def read(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` for each of ``names``, one tensor read at a time."""
+        import torch.distributed.checkpoint as dcp
+
+        shapes = {w.name: w for w in self.weights}
+        for name in names:
+            info = shapes[name]
+            tensor = torch.empty(info.shape, dtype=info.dtype)
+            with warnings.catch_warnings():
+                # On purpose: one process, no process group.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({self.key_prefix + name: tensor}, storage_reader=self.reader, no_dist=True)
+            yield name, tensor
+            del tensor  # before the next one is allocated
+
+
+class _FullCheckpoint:
+    """The weights of a full checkpoint file, memory-mapped: only the tensors asked for are read.
+
+    ``read`` maps the file anew for each call, so that once the caller drops the tensors of one
+    call the mapping goes and its pages leave this process's memory (a mapping kept for the whole
+    export would end up holding every page read).
+    """
+
+    def __init__(self, path: Path, allow_globals: Sequence[str]) -> None:
+        self.path, self.allow_globals = path, allow_globals
+        loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), Mapping):
+            raise ExportError(f"{path} is not a Lightning checkpoint: it has no 'state_dict' dictionary")
+        self.weights = [
+            WeightInfo(key[len(STATE_DICT_PREFIX):], tuple(value.shape), value.dtype)
+            for key, value in loaded["state_dict"].items()
+            if key.startswith(STATE_DICT_PREFIX) and isinstance(value, torch.Tensor)
+        ]
+        self.metadata: Optional[dict[str, Any]] = {
+            k: v for k, v in loaded.items() if k not in ("state_dict", "optimizer_states")
+        }
+
+    def read(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for each of ``names``: views of the mapped file, read when used."""
+        state = load_checkpoint_file(self.path, mmap=True, allow_globals=self.allow_globals)["state_dict"]
+        for name in names:
+            yield name, state[STATE_DICT_PREFIX + name]
+
+
+def open_checkpoint(
+    checkpoint: Path, allow_globals: Sequence[str] = (), need_metadata: bool = True
+) -> Union[_ShardedCheckpoint, _FullCheckpoint]:
+    """A complete sharded (folder) or full (file) checkpoint, its metadata read, its weights not yet.
+
+    Args:
+        checkpoint: The folder or file.
+        allow_globals: See ``load_checkpoint_file``.
+        need_metadata: Whether a sharded checkpoint's ``meta.pt`` that cannot be loaded safely is an
+            error (``False``: the model args come from elsewhere; only the weights are needed).
+    """
+    from lightning_2d.checkpoint import is_complete
 
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
-        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint")
+        raise FileNotFoundError(
+            f"{checkpoint} is not a complete checkpoint (a folder with .metadata and meta.pt, or a file)"
+        )
     if checkpoint.is_dir():
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        return _ShardedCheckpoint(checkpoint, allow_globals, need_metadata)
+    return _FullCheckpoint(checkpoint, allow_globals)
 
-        metadata = torch.load(checkpoint / METADATA_FILE, weights_only=False)
-        args = _checkpoint_model_args(metadata)
-        stored = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-        key_prefix = f"state_dict.{prefix}"
-        for key, meta in stored.items():
-            if not key.startswith(key_prefix) or not isinstance(meta, TensorStorageMetadata):
-                continue
-            tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-            dcp.load({key: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
-            yield key[len(key_prefix):], args, tensor
+
+def _describe_model(model: Union[str, ModelArgs, Mapping[str, Any], None], overrides: Mapping[str, Any]) -> str:
+    """Where the export's model args come from, for messages."""
+    if model is None:
+        described = "the model args stored in the checkpoint"
     else:
-        full = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
-        args = _checkpoint_model_args(full)
-        for key, tensor in full["state_dict"].items():
-            if key.startswith(prefix):
-                yield key[len(prefix):], args, tensor
+        described = f"--model {model}" if isinstance(model, str) else "the given model args"
+    return f"{described} with --model-overrides '{json.dumps(dict(overrides))}'" if overrides else described
 
 
-def export_hf(checkpoint: Path, out_dir: Path, dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+def _model_args(model: Union[str, ModelArgs, Mapping[str, Any]], overrides: Mapping[str, Any]) -> ModelArgs:
+    if isinstance(model, str):
+        return ModelArgs.from_name(model, **overrides)
+    fields = asdict(model) if isinstance(model, ModelArgs) else dict(model)
+    return ModelArgs(**{**fields, **overrides})
+
+
+def checkpoint_model_args(metadata: Optional[Mapping[str, Any]]) -> Optional[ModelArgs]:
+    """The model args a checkpoint records, or ``None`` if it does not.
+
+    ``LlamaLightningModule`` saves them as ``model_args`` (exact fields); older checkpoints have only
+    the hyper-parameters ``model`` (a preset name, a field dict or a ``ModelArgs``) and
+    ``model_overrides``.
+
+    Args:
+        metadata: The checkpoint without its tensors (``meta.pt``, or a full file's top level).
+    """
+    if not metadata:
+        return None
+    stored = metadata.get("model_args")
+    if stored is not None:
+        return _model_args(stored, {})
+    hparams = metadata.get("hyper_parameters")
+    if not isinstance(hparams, Mapping) or "model" not in hparams:
+        return None
+    model, overrides = hparams["model"], hparams.get("model_overrides") or {}
+    if model is None:
+        if hparams.get("init_from"):
+            return None  # the shapes came from that directory's config.json, not recorded here
+        model = "debug"  # what LlamaLightningModule builds for model=None without init_from
+    return _model_args(model, overrides)
+
+
+def resolve_model_args(
+    checkpoint: Path,
+    metadata: Optional[Mapping[str, Any]],
+    model: Union[str, ModelArgs, Mapping[str, Any], None] = None,
+    model_overrides: Optional[Mapping[str, Any]] = None,
+) -> ModelArgs:
+    """The model args to export with: ``model`` if given (it must agree with those the checkpoint
+    records, if any), else the checkpoint's; ``model_overrides`` applies to either.
+
+    Args:
+        checkpoint: The checkpoint (for messages).
+        metadata: Its non-tensor part (``None``: not read).
+        model: A preset name, ``ModelArgs`` or their dict.
+        model_overrides: Fields to change.
+
+    Raises:
+        ExportError: The checkpoint records no model args and ``model`` is not given, or both exist
+            and disagree.
+    """
+    overrides = dict(model_overrides or {})
+    try:
+        stored = checkpoint_model_args(metadata)
+    except (TypeError, ValueError) as err:
+        raise ExportError(
+            f"{checkpoint} records model args that are not valid ModelArgs ({err}); pass --model PRESET"
+        ) from err
+    if model is None:
+        if stored is None:
+            raise ExportError(
+                f"{checkpoint} does not record its model args (no 'model_args' entry, no 'model' hyper-parameter"
+                " of LlamaLightningModule): the export cannot know the shapes and refuses to guess. Pass the"
+                f" model it was trained with: --model PRESET (one of {', '.join(PRESETS)}), plus"
+                " --model-overrides '{\"n_layers\": 2}' for the fields that differ from the preset"
+                " (export_hf(..., model=..., model_overrides=...) in Python)."
+            )
+    source = _describe_model(model, overrides)
+    try:
+        args = _model_args(stored if model is None else model, overrides)
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"{source}: {err}") from err
+    if model is not None and stored is not None and (mismatch := same_shapes(args, stored)):
+        raise ExportError(
+            f"{source} disagrees with the model args stored in {checkpoint}: " + "; ".join(mismatch)
+            + " (given vs stored). Drop --model to export with the stored ones."
+        )
+    return args
+
+
+def check_weight_shapes(args: ModelArgs, weights: Sequence[WeightInfo], checkpoint: Path, source: str) -> None:
+    """Refuse, naming them, weights missing from the checkpoint, unexpected, or of another shape
+    than a ``Transformer(args)`` has.
+
+    Args:
+        args: The model args the export would use.
+        weights: The checkpoint's weights.
+        checkpoint: The checkpoint (for messages).
+        source: Where ``args`` come from (for messages).
+    """
+    with torch.device("meta"):  # shapes only: nothing allocated, whatever the model size
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    found = {w.name: tuple(w.shape) for w in weights}
+    problems = [f"{name}: stored {list(found[name])}, expected {list(shape)}"
+                for name, shape in expected.items() if name in found and found[name] != shape]
+    problems += [f"{name}: missing" for name in expected if name not in found]
+    problems += [f"{name}: not a weight of this model" for name in found if name not in expected]
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise ExportError(
+            f"The weights of {checkpoint} do not fit {source} ({len(problems)} of {len(expected)} tensors): {shown}."
+            " Pass the model the checkpoint was trained with (--model PRESET --model-overrides '{...}')."
+        )
+
+
+def plan_shards(weights: Sequence[WeightInfo], dtype: Optional[torch.dtype], max_shard_bytes: int) -> list[list[str]]:
+    """The names of the weights of each output file, in checkpoint order, from the metadata alone.
+
+    A new file starts when the next weight would take the current one beyond ``max_shard_bytes``
+    (a weight larger than that has a file of its own).
+
+    Args:
+        weights: The checkpoint's weights.
+        dtype: The exported dtype (``None``: as stored).
+        max_shard_bytes: Largest file size, in bytes of tensor data.
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for weight in weights:
+        nbytes = math.prod(weight.shape) * (dtype or weight.dtype).itemsize
+        if size and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(weight.name)
+        size += nbytes
+    return shards
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the last output file back to the OS (glibc only; elsewhere a no-op).
+
+    glibc serves allocations below its mmap threshold (which grows up to 32 MiB as blocks are freed)
+    from heaps it keeps: without a trim, a freed file's smaller tensors may still count in the
+    process's memory while the next file is read (measured: 0.26-0.49 GiB peaks over runs for
+    0.25 GiB files, 0.27-0.29 GiB with the trim; see tests/benchmarks/bench_export.py).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """One of our weights in the Hugging Face layout: ``dtype``, and the RoPE row permutation of ``wq``/``wk``."""
+    tensor = tensor.to(dtype or tensor.dtype)
+    heads = rotary_heads(name, args)
+    if heads is not None:
+        tensor = meta_to_hf(tensor, heads)
+    return tensor.contiguous()
+
+
+def export_hf(
+    checkpoint: Path,
+    out_dir: Path,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    model: Union[str, ModelArgs, Mapping[str, Any], None] = None,
+    model_overrides: Optional[Mapping[str, Any]] = None,
+    allow_globals: Sequence[str] = (),
+) -> Path:
     """Write ``out_dir/model.safetensors`` (or shards + index) and ``config.json`` from a Lightning checkpoint.
+
+    Streams: the output files are planned from the checkpoint's metadata (DCP's ``.metadata``, or
+    the memory-mapped full file), then each is read, converted, written and freed before the next
+    is read. Peak memory is about one output file plus one tensor, whatever the model size.
+
+    Torch DCP's ``HuggingFaceStorageWriter`` is not used: it writes what one ``dcp.save`` call is
+    given (the whole state dict in memory, or one call per file, each overwriting the index with
+    its own file), names even a single file ``model-00001-of-00001.safetensors`` and adds DCP keys
+    to the safetensors header; the name mapping and the RoPE permutation are ours either way.
 
     Args:
         checkpoint: A sharded checkpoint folder or a full checkpoint file of ``LlamaLightningModule``.
         out_dir: Where the Hugging Face directory is written.
         dtype: Dtype of the exported weights (default: as stored).
         max_shard_bytes: Start a new ``.safetensors`` file beyond this size.
+        model: The model args, for a checkpoint that does not record them (a preset name,
+            ``ModelArgs`` or their dict); if it does, they must agree.
+        model_overrides: Fields to change in ``model`` (or in the stored model args).
+        allow_globals: ``module.Name`` of types the checkpoint may hold besides the ones known safe
+            (see ``load_checkpoint_file``); only for a file you trust.
+
+    Raises:
+        ExportError: Model args missing, disagreeing or not fitting the weights; a checkpoint that a
+            weights-only load refuses. Nothing is written then.
+        FileNotFoundError: Not a complete checkpoint.
     """
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)
+    if not source.weights:
+        raise ExportError(f"{checkpoint} holds no model weights (expected keys under '{STATE_DICT_PREFIX}')")
+    args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
+    check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
+    shards = plan_shards(source.weights, dtype, max_shard_bytes)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size, args, out_dtype = 0, None, dtype
-    for name, args, tensor in _iter_checkpoint_weights(checkpoint):
-        heads = rotary_heads(name, args)
-        tensor = tensor.to(dtype or tensor.dtype)
-        out_dtype = tensor.dtype
-        if heads is not None:
-            tensor = meta_to_hf(tensor, heads)
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][hf_name(name)] = tensor.contiguous()
-        size += nbytes
-    if args is None:
-        raise ValueError(f"{checkpoint} holds no model weights (expected keys under 'model.')")
-    if len(shards) == 1:
-        save_file(shards[0], out_dir / SINGLE_FILE, metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, 1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out_dir / file, metadata={"format": "pt"})
-            weight_map.update({k: file for k in shard})
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    # Files of an earlier export to the same folder would be read instead of ours or beside them
+    # (transformers prefers model.safetensors to an index): only this export's names remain.
+    for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
+        if stale.is_file() and stale.name not in files:
+            stale.unlink()
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, names in zip(files, shards):
+        tensors = {hf_name(name): to_hf_tensor(name, tensor, args, dtype) for name, tensor in source.read(names)}
+        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors  # before the next file is read: one file's tensors in memory at a time
+        _release_freed_memory()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    # As before: the dtype of the last weight (all weights share one in our checkpoints).
+    out_dtype = dtype or source.weights[-1].dtype
     (out_dir / "config.json").write_text(json.dumps(hf_config(args, out_dtype), indent=1))
     return out_dir
 
@@ -222,7 +614,13 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: Optional[torch.dtype] = No
 # ---- import -----------------------------------------------------------------------------------
 class HFWeights:
     """Reads a Hugging Face Llama directory block by block: each rank reads only the rows and columns
-    of the shards it holds (safetensors slices are memory-mapped reads)."""
+    of the shards it holds (safetensors slices are memory-mapped reads), so loading a 70B directory
+    into a sharded model never holds more than a block (plus, for ``wq``/``wk``, the heads it cuts).
+
+    Args:
+        directory: The Hugging Face directory (``config.json``, ``model.safetensors`` or shards + index).
+        args: The model's args; they must match ``config.json``.
+    """
 
     def __init__(self, directory: Path, args: ModelArgs) -> None:
         self.directory, self.args = Path(directory), args
@@ -241,13 +639,24 @@ class HFWeights:
             raise ValueError(f"The model does not match {directory}/config.json: " + "; ".join(mismatch))
 
     @torch.no_grad()
-    def fill_block_(self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]) -> None:
-        """Copy the block of weight ``name`` starting at ``offset`` (``None``: the whole) into ``out``."""
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
+    ) -> None:
+        """Copy the block of weight ``name`` starting at ``offset`` (``None``: the whole) into ``out``.
+
+        Args:
+            out: The block to fill (its shape is the block's).
+            name: Our parameter name.
+            global_shape: The full weight's shape.
+            offset: Where the block starts in the full weight.
+        """
         from safetensors import safe_open
 
         key = hf_name(name)
         if key not in self.files:
             raise KeyError(f"{self.directory} has no weight {key!r} (for {name})")
+        if out.numel() == 0:  # an empty local shard (more ranks than rows): nothing to read
+            return
         offset = offset or (0,) * len(global_shape)
         rows = slice(offset[0], offset[0] + out.shape[0])
         cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
@@ -263,3 +672,59 @@ class HFWeights:
                 whole = stored[(slice(first * head_rows, last * head_rows), *cols)]
                 block = hf_to_meta(whole, last - first)[rows.start - first * head_rows : rows.stop - first * head_rows]
         out.copy_(block)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``lightning-2d export CHECKPOINT OUT_DIR``: a checkpoint → Hugging Face Llama directory.
+
+    A checkpoint that cannot be exported as asked exits with status 1 and a one-line reason (no
+    traceback): the user's fix is in the message, not in the stack.
+
+    Args:
+        argv: The arguments after ``export`` (``None``: ``sys.argv[1:]``).
+    """
+    import argparse
+    import sys
+
+    from lightning_2d.parallel.config import DTYPE_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-2d export",
+        description="Write model.safetensors + config.json (Hugging Face Llama layout) from a sharded or"
+        " full LlamaLightningModule checkpoint, one output file in memory at a time. Needs no GPU and no"
+        " process group.",
+    )
+    parser.add_argument("checkpoint", help="checkpoint folder (sharded) or file (full)")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: as stored")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="split the weights into files of this size (also about the peak memory)")
+    parser.add_argument("--model", default=None, metavar="PRESET",
+                        help=f"the model's preset ({', '.join(PRESETS)}), for a checkpoint that does not record"
+                        " its model args; one that does must agree")
+    parser.add_argument("--model-overrides", default=None, metavar="JSON",
+                        help="fields of ModelArgs to change, e.g. '{\"n_layers\": 2}'")
+    parser.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
+                        help="a type the checkpoint may hold besides tensors and plain data (only for a file you"
+                        " trust: building it runs its code); repeatable")
+    args = parser.parse_args(argv)
+    if args.max_shard_gb <= 0:
+        parser.error(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    overrides = None
+    if args.model_overrides is not None:
+        try:
+            overrides = json.loads(args.model_overrides)
+        except json.JSONDecodeError as err:
+            parser.error(f"--model-overrides is not JSON ({err}): {args.model_overrides!r}")
+        if not isinstance(overrides, dict):
+            parser.error(f"--model-overrides must be a JSON object of ModelArgs fields, got {args.model_overrides!r}")
+    dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
+    try:
+        out = export_hf(
+            Path(args.checkpoint), Path(args.out_dir), dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+            model=args.model, model_overrides=overrides, allow_globals=args.allow_global,
+        )
+    except (ExportError, FileNotFoundError) as err:
+        print(f"lightning-2d export: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(f"Wrote {out} (load with transformers.LlamaForCausalLM.from_pretrained)")

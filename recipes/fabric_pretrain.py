@@ -42,6 +42,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--data-parallel-replicate-size", type=int, default=1,
+                        help="HSDP: replica groups of the data-parallel ranks (FSDP shards inside each)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per data-parallel replica")
@@ -175,7 +177,9 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
-        strategy=ModelParallel2DStrategy(tensor_parallel_size=args.tensor_parallel_size),
+        strategy=ModelParallel2DStrategy(
+            tensor_parallel_size=args.tensor_parallel_size, data_parallel_replicate_size=args.data_parallel_replicate_size
+        ),
         precision=args.precision,
     )
     fabric.launch()

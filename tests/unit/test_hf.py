@@ -1,16 +1,19 @@
-"""Hugging Face interop on one process: export → transformers' logits equal ours; import back."""
+"""Hugging Face interop on one process: export → transformers' logits equal ours; import back; the export
+streams one output file at a time, reads checkpoints weights-only and never guesses the model."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict
+from typing import Any
 
 import pytest
 import torch
 import transformers  # test-only dependency (the test extra)
 
 from lightning_2d import LlamaLightningModule, ModelArgs, Transformer
-from lightning_2d.hf import export_hf, hf_to_meta, meta_to_hf, model_args_from_hf
+from lightning_2d.hf import ExportError, export_hf, hf_to_meta, meta_to_hf, model_args_from_hf
 
 ARGS = ModelArgs.from_name("debug", n_layers=2, rope_theta=500000.0)
 
@@ -79,3 +82,326 @@ def test_init_from_refuses_a_different_shape(exported):
         LlamaLightningModule("debug", init_from=str(root / "hf")).configure_model()
     with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
         LlamaLightningModule(init_from=str(root))
+
+
+# ---- streaming export: equal to the previous exporter, one output file in memory at a time -----------
+def previous_export(checkpoint, out_dir, dtype=None, max_shard_bytes=5 * 2**30):
+    """The exporter before streaming (every tensor collected, then written), as the reference output."""
+    from safetensors.torch import save_file
+
+    from lightning_2d.hf import hf_config, hf_name, meta_to_hf, rotary_heads
+
+    if checkpoint.is_dir():
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = torch.load(checkpoint / "meta.pt", weights_only=False)
+        weights = []
+        for key, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+            if key.startswith("state_dict.model.") and isinstance(meta, TensorStorageMetadata):
+                tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "torch.distributed is disabled": on purpose
+                    dcp.load({key: tensor}, checkpoint_id=str(checkpoint), no_dist=True)
+                weights.append((key[len("state_dict.model."):], tensor))
+    else:
+        metadata = torch.load(checkpoint, weights_only=False)
+        weights = [(k[len("model."):], v) for k, v in metadata["state_dict"].items() if k.startswith("model.")]
+    args = ModelArgs(**metadata["model_args"])
+    shards, size = [{}], 0
+    for name, tensor in weights:
+        tensor = tensor.to(dtype or tensor.dtype)
+        if (heads := rotary_heads(name, args)) is not None:
+            tensor = meta_to_hf(tensor, heads)
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][hf_name(name)] = tensor.contiguous()
+        size += nbytes
+    out_dir.mkdir(parents=True)
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out_dir / file, metadata={"format": "pt"})
+            weight_map.update({k: file for k in shard})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(hf_config(args, tensor.dtype), indent=1))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A real checkpoint of a 1-process Trainer fit (full file), and the same as the 2D strategy lays out
+    a sharded one: the state dict and optimizer state in a DCP folder, the rest in ``meta.pt``."""
+    import warnings
+
+    import lightning as L
+    import torch.distributed.checkpoint as dcp
+    from torch.utils.data import DataLoader
+
+    root = tmp_path_factory.mktemp("trained")
+    L.seed_everything(0)
+    module = LlamaLightningModule("debug", model_overrides={"n_layers": 2}, warmup_steps=1, max_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    ids = torch.randint(0, 256, (8, 17))
+    trainer.fit(module, DataLoader([{"input_ids": s[:-1], "labels": s[1:]} for s in ids], batch_size=4))
+    full = root / "full.ckpt"
+    trainer.save_checkpoint(full)
+
+    checkpoint = torch.load(full, weights_only=True)  # what a real checkpoint holds loads weights-only
+    sharded = root / "sharded.ckpt"
+    state = {"state_dict": checkpoint.pop("state_dict"), "optimizer_0": checkpoint.pop("optimizer_states")[0]}
+    checkpoint["lightning_2d"] = {"layout": {"world_size": 1, "data_parallel": 1, "tensor_parallel": 1}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": on purpose
+        dcp.save(state, checkpoint_id=sharded, no_dist=True)
+    torch.save(checkpoint, sharded / "meta.pt")
+    return {"full": full, "sharded": sharded, "weights": dict(module.model.state_dict()), "root": root}
+
+
+def same_export(ours, reference):
+    """Same files, byte for byte (safetensors headers, tensor data, index, config)."""
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in reference.iterdir())
+    for file in reference.iterdir():
+        assert (ours / file.name).read_bytes() == file.read_bytes(), file.name
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize(("dtype", "max_shard_bytes"), [(None, 5 * 2**30), (torch.bfloat16, 60_000)])
+def test_streaming_export_equals_the_previous_exporter(trained, tmp_path, kind, dtype, max_shard_bytes):
+    export_hf(trained[kind], tmp_path / "ours", dtype=dtype, max_shard_bytes=max_shard_bytes)
+    previous_export(trained[kind], tmp_path / "previous", dtype=dtype, max_shard_bytes=max_shard_bytes)
+    same_export(tmp_path / "ours", tmp_path / "previous")
+    files = {p.name for p in (tmp_path / "ours").glob("*.safetensors")}
+    assert len(files) == (1 if dtype is None else 13)
+    # And the values are the trained ones, in the Hugging Face layout.
+    module = LlamaLightningModule(init_from=str(tmp_path / "ours"))
+    module.configure_model()
+    for name, weight in trained["weights"].items():
+        assert torch.equal(module.model.state_dict()[name], weight.to(dtype or weight.dtype).float()), name
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_export_holds_one_output_file_at_a_time(trained, tmp_path, monkeypatch, kind):
+    """Structural check of the peak memory: whenever a file is written, the converted tensors alive
+    are exactly that file's (the previous files' are freed, the next file's not read yet)."""
+    import weakref
+
+    import safetensors.torch
+
+    import lightning_2d.hf as hf
+
+    alive: set[str] = set()
+    events: list[tuple[str, Any]] = []
+    convert, save = hf.to_hf_tensor, safetensors.torch.save_file
+
+    def tracked_convert(name, tensor, args, dtype):
+        out = convert(name, tensor, args, dtype)
+        alive.add(name)
+        weakref.finalize(out, alive.discard, name)
+        events.append(("convert", name))
+        return out
+
+    def tracked_save(tensors, path, metadata=None):
+        events.append(("save", set(alive), {hf.hf_name(n) for n in alive} == set(tensors)))
+        save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(hf, "to_hf_tensor", tracked_convert)
+    monkeypatch.setattr(safetensors.torch, "save_file", tracked_save)
+    export_hf(trained[kind], tmp_path / "out", dtype=torch.bfloat16, max_shard_bytes=60_000)
+
+    saves = [e for e in events if e[0] == "save"]
+    assert len(saves) == 13 and all(matches for _, _, matches in saves)
+    # Each file's tensors are converted after the previous file is written and before its own.
+    converted_since_save: set[str] = set()
+    for event in events:
+        if event[0] == "convert":
+            converted_since_save.add(event[1])
+        else:
+            assert event[1] == converted_since_save
+            converted_since_save = set()
+    assert not alive  # nothing kept after the export
+
+
+def test_exporting_again_into_a_folder_leaves_no_files_of_the_earlier_export(trained, tmp_path):
+    export_hf(trained["full"], tmp_path / "out", max_shard_bytes=60_000)
+    (tmp_path / "out" / "README.md").write_text("kept")
+    export_hf(trained["full"], tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+
+# ---- model args: never guessed --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def without_args(trained):
+    """The trained weights in a file that records no model args (a plain state dict checkpoint)."""
+    path = trained["root"] / "no_args.ckpt"
+    torch.save({"state_dict": torch.load(trained["full"], weights_only=True)["state_dict"]}, path)
+    return path
+
+
+def test_a_checkpoint_without_model_args_needs_model(trained, without_args, tmp_path):
+    with pytest.raises(ExportError, match=r"no_args\.ckpt does not record its model args .* refuses to guess\. "
+                                          r"Pass .*--model PRESET \(one of debug, llama2-7b.*--model-overrides"):
+        export_hf(without_args, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
+    export_hf(without_args, tmp_path / "out", model="debug", model_overrides={"n_layers": 2})
+    previous_export(trained["full"], tmp_path / "previous")
+    same_export(tmp_path / "out", tmp_path / "previous")
+
+
+def test_a_model_that_does_not_fit_the_weights_is_refused_naming_them(trained, without_args, tmp_path):
+    with pytest.raises(ExportError, match=r"do not fit --model debug \(18 of 39 tensors\): layers\.2\.attention\.wq"
+                                          r"\.weight: missing; .*; and 12 more"):
+        export_hf(without_args, tmp_path / "out", model="debug")
+    with pytest.raises(ExportError, match=r"tok_embeddings\.weight: stored \[256, 128\], expected \[512, 128\]; "
+                                          r"output\.weight: stored \[256, 128\], expected \[512, 128\]\. Pass"):
+        export_hf(without_args, tmp_path / "out", model="debug", model_overrides={"n_layers": 2, "vocab_size": 512})
+    # A checkpoint that records its args: --model must agree with them.
+    with pytest.raises(ExportError, match=r"--model debug .*disagrees with the model args stored in .*full\.ckpt: "
+                                          r"n_layers: 4 vs 2 \(given vs stored\)\. Drop --model"):
+        export_hf(trained["full"], tmp_path / "out", model="debug")
+    with pytest.raises(ExportError, match=r"Unknown model name 'llama9'"):
+        export_hf(without_args, tmp_path / "out", model="llama9")
+    assert not (tmp_path / "out").exists()
+
+
+def test_older_checkpoints_record_the_model_in_their_hyper_parameters():
+    from lightning_2d.hf import checkpoint_model_args
+
+    debug2 = ModelArgs.from_name("debug", n_layers=2)
+    assert checkpoint_model_args({"hyper_parameters": {"model": "debug", "model_overrides": {"n_layers": 2}}}) == debug2
+    assert checkpoint_model_args({"hyper_parameters": {"model": asdict(debug2)}}) == debug2
+    assert checkpoint_model_args({"hyper_parameters": {"model": debug2}}) == debug2
+    assert checkpoint_model_args({"hyper_parameters": {"model": None}}) == ModelArgs.from_name("debug")
+    assert checkpoint_model_args({"hyper_parameters": {"model": None, "init_from": "/hf"}}) is None
+    assert checkpoint_model_args({"hyper_parameters": {"lr": 1.0}}) is None
+    assert checkpoint_model_args({}) is None
+
+
+# ---- weights-only reads: a pickled object that could run code is refused, not built -----------------
+class RunsCode:
+    """Unpickling this runs ``exec``: what a malicious checkpoint would hold."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def test_a_pickled_object_that_would_run_code_is_refused(trained, tmp_path):
+    import pickle
+    import shutil
+
+    pickle.loads(pickle.dumps(RunsCode(tmp_path / "proof")))  # the payload does run when unpickled...
+    assert (tmp_path / "proof").exists()
+    marker = tmp_path / "ran"
+    full = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"x": RunsCode(marker)}}, full)
+    with pytest.raises(ExportError, match=r"evil\.ckpt holds a pickled exec, which a weights-only load "
+                                          r"refuses to build .* the file was not loaded"):
+        export_hf(full, tmp_path / "out")
+
+    sharded = tmp_path / "evil_sharded.ckpt"
+    shutil.copytree(trained["sharded"], sharded)
+    torch.save({"model_args": {}, "callbacks": {"x": RunsCode(marker)}}, sharded / "meta.pt")
+    with pytest.raises(ExportError, match=r"meta\.pt holds a pickled exec.* Or pass --model PRESET"):
+        export_hf(sharded, tmp_path / "out")
+    # With --model, meta.pt is not needed: the weights are exported, the object still never built.
+    with pytest.warns(UserWarning, match=r"meta\.pt holds a pickled exec"):
+        export_hf(sharded, tmp_path / "out", model="debug", model_overrides={"n_layers": 2})
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+    # DCP's .metadata is a plain pickle: it is read with a restricted unpickler.
+    with open(sharded / ".metadata", "wb") as f:
+        pickle.dump(RunsCode(marker), f)
+    with pytest.raises(ExportError, match=r"\.metadata was not loaded: GLOBAL builtins\.exec is not part of DCP's"):
+        export_hf(sharded, tmp_path / "out2", model="debug")
+    assert not marker.exists()
+
+
+def test_a_trusted_type_can_be_allowed_by_name(trained, tmp_path):
+    from fractions import Fraction
+
+    checkpoint = torch.load(trained["full"], weights_only=True)
+    checkpoint["callbacks"] = {"Custom": {"ratio": Fraction(1, 3)}}
+    path = tmp_path / "custom.ckpt"
+    torch.save(checkpoint, path)
+    with pytest.raises(ExportError, match=r"pass --allow-global fractions\.Fraction"):
+        export_hf(path, tmp_path / "out")
+    export_hf(path, tmp_path / "out", allow_globals=["fractions.Fraction"])
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+def test_cli_reports_a_missing_model_without_a_traceback(without_args, tmp_path, capsys):
+    from lightning_2d.hf import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(without_args), str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-2d export: error: ") and "--model PRESET" in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+    main([str(without_args), str(tmp_path / "out"), "--model", "debug", "--model-overrides", '{"n_layers": 2}',
+          "--max-shard-gb", "0.0001"])
+    assert "Wrote" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(without_args), str(tmp_path / "out"), "--model", "debug", "--model-overrides", "n_layers=2"])
+    assert exit_info.value.code == 2 and "--model-overrides is not JSON" in capsys.readouterr().err
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "notes.ckpt"), str(tmp_path / "out")])
+    assert exit_info.value.code == 1 and "notes.ckpt is not a torch.save zip archive" in capsys.readouterr().err
+
+
+# ---- import: each block is read as a slice, never the whole tensor ------------------------------------
+def test_a_block_cutting_heads_reads_only_the_heads_it_touches(exported, monkeypatch):
+    import safetensors
+
+    from lightning_2d.hf import HFWeights
+
+    model, root = exported
+    weights = HFWeights(root / "hf", ARGS)
+    requested = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_slice(self, key):
+            stored = self.handle.get_slice(key)
+
+            class Sliced:
+                def __getitem__(self, index):
+                    requested.append(index)
+                    return stored[index]
+
+            return Sliced()
+
+        def get_tensor(self, key):
+            raise AssertionError("fill_block_ read a whole tensor")
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    wq = model.state_dict()["layers.1.attention.wq.weight"]  # 8 heads of 16 rows
+    block = torch.empty(28, 64)
+    weights.fill_block_(block, "layers.1.attention.wq.weight", tuple(wq.shape), (12, 16))
+    assert torch.equal(block, wq[12:40, 16:80])
+    assert requested == [(slice(0, 48), slice(16, 80))]  # heads 0-2, the block's columns only
