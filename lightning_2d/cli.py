@@ -32,6 +32,8 @@ class Lightning2DCLI(LightningCLI):
         # Before any process is launched: a model that cannot embed every token id fails here.
         if isinstance(self.datamodule, TextDataModule) and isinstance(self.model, LlamaLightningModule):
             self.datamodule.check_model(self.model.model_args.vocab_size)
+        if isinstance(self.datamodule, TextDataModule):
+            self.datamodule.check_prepared()  # a big corpus without a cache fails before any process starts
 
     def before_fit(self) -> None:
         self._check_vocabulary()

@@ -1,20 +1,29 @@
 """Tokenizers: byte-level (no files), Hugging Face ``tokenizer.json``, SentencePiece ``.model``.
 
 All three expose the same small interface (``vocab_size``, ``eos_id``, ``encode_batch``,
-``fingerprint``); the fingerprint keys the on-disk token cache.
+``fingerprint``); the fingerprint keys the on-disk token cache. They pickle (the file's content
+travels, not its path), so tokenizing processes can be spawned as well as forked.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 #: End-of-text tokens tried, in order, when a Hugging Face tokenizer does not say which is its EOS.
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
 
 
 class Tokenizer(Protocol):
+    """What the token cache needs of a tokenizer.
+
+    A tokenizer may also have ``encode_arrays(texts) -> list[np.ndarray]`` (the same ids as
+    ``encode_batch``, as arrays): the cache builder then uses it instead of Python lists of ints.
+    """
+
     vocab_size: int
     eos_id: int | None
     fingerprint: str
@@ -31,6 +40,10 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(text.encode("utf-8")) for text in texts]
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode_batch`` as ``uint8`` arrays over the UTF-8 bytes: no Python int per byte."""
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
@@ -62,8 +75,18 @@ class HuggingFaceTokenizer:
             raise ValueError(f"eos_token {eos_token!r} is not in the vocabulary of {path}")
         self.fingerprint = f"hf-{_file_digest(path)}-eos{self.eos_id}"
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tok": self._tok.to_str()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.__dict__.update({**state, "_tok": HFTokenizer.from_str(state["_tok"])})
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [enc.ids for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20): the same ids without character offsets, ~25% less time.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [enc.ids for enc in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -87,6 +110,14 @@ class SentencePieceTokenizer:
         eos = self._sp.eos_id()
         self.eos_id = eos if eos >= 0 else None
         self.fingerprint = f"spm-{_file_digest(path)}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_sp": self._sp.serialized_model_proto()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import sentencepiece as spm
+
+        self.__dict__.update({**state, "_sp": spm.SentencePieceProcessor(model_proto=state["_sp"])})
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts)

@@ -97,9 +97,9 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     fabric.seed_everything(args.seed)
     data = TextDataModule(args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
                           val_fraction=0.0, seed=args.seed, cache_dir=args.cache_dir)
-    if fabric.local_rank == 0:
-        data.prepare_data()  # tokenize once per node
-    fabric.barrier()
+    # Every rank, no collective: the first process of each machine tokenizes with every core, the
+    # others wait for its cache on a file lock (a barrier would time out on a large corpus).
+    data.prepare()
     replicas = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
     data.set_data_parallel(**replicas)
     data.setup("fit")

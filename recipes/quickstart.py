@@ -44,6 +44,7 @@ def main() -> None:
     )
     module = LlamaLightningModule(args.model, learning_rate=3e-3, warmup_steps=10)
     data = TextDataModule(args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size)
+    data.prepare()  # tokenize with every core before the processes start (a no-op once cached)
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         print(f"final train_loss: {float(trainer.callback_metrics['train_loss']):.4f}")

@@ -51,7 +51,11 @@ def test_custom_model_is_parallelized_from_a_plan_and_a_hook():
 
 
 def test_debug_recipe_trains_on_the_standard_library_with_live_throughput(tmp_path):
-    """The README's main job, shortened: `python -m lightning_2d fit --config recipes/debug_cpu.yaml`."""
+    """The README's main job, shortened: `lightning-2d prepare-data --config recipes/debug_cpu.yaml`, then
+    `python -m lightning_2d fit --config recipes/debug_cpu.yaml`."""
+    prepared = run_script("-m", "lightning_2d", "prepare-data", "--config", "recipes/debug_cpu.yaml")
+    # Built now (with tokens/s) or by an earlier run on this machine ("nothing to tokenize").
+    assert re.search(r"tokens\s+31,\d{3},\d{3}", prepared), prepared
     out = run_script(
         "-m", "lightning_2d", "fit", "--config", "recipes/debug_cpu.yaml",
         "--trainer.max_steps=12", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=12",

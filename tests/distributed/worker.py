@@ -349,6 +349,7 @@ def bench_checkpoint(cfg: dict) -> None:
     out_dir, world = Path(cfg["out_dir"]), int(os.environ["WORLD_SIZE"])
     L.seed_everything(7, verbose=False)
     data = TextDataModule(None, seq_len=cfg["seq_len"], batch_size=cfg["batch_size"], val_fraction=0.0)
+    data.prepare()  # built-in corpus is over max_unprepared_mb; the first rank tokenizes, the others wait on the lock
     module = LlamaLightningModule("debug", model_overrides=cfg["model_overrides"], warmup_steps=2)
     timer = StepTimer()
     callbacks: list = [timer]

@@ -74,3 +74,11 @@ def test_bad_strategy_option_fails_at_parse_time(tmp_path, corpus, capsys):
     err = capsys.readouterr().err
     assert 'Parser key "activation_checkpointing"' in err
     assert "Expected a typing.Literal['none', 'full', 'selective']. Got value: sometimes" in err
+
+
+def test_a_big_corpus_without_cache_fails_before_training(tmp_path, corpus):
+    import re
+
+    with pytest.raises(DataError, match=re.compile(r"larger than max_unprepared_mb \(0\.001 MB\).*lightning-2d prepare-data --data\.paths=", re.S)):
+        cli_main(["fit", *common(tmp_path, corpus), "--data.max_unprepared_mb=0.001"])
+    assert not (tmp_path / "cache").exists()

@@ -78,6 +78,7 @@ def test_hugging_face_tokenizer_round_trip(corpus, tmp_path):
     tok.save(str(path))
     hf = load_tokenizer(str(path))
     assert hf.vocab_size == tok.get_vocab_size() and hf.eos_id == tok.token_to_id("<|endoftext|>")
+    assert hf.encode_batch(TEXTS) == [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=False)]
     folder = build_token_cache(resolve_sources(str(corpus)), hf, tmp_path / "cache")
     tokens = np.memmap(folder / "tokens.bin", dtype=np.uint16, mode="r").tolist()
     docs, current = [], []
@@ -185,10 +186,8 @@ def test_empty_and_non_utf8_files_are_named(tmp_path):
 def test_unreadable_file_is_named(tmp_path):
     # An OS-level read failure (here: a directory where a file is expected; a mode-000 file would
     # do too but root, as in CI, can read it) names the path and the reason.
-    from lightning_2d.data import iter_documents
-
     with pytest.raises(DataError, match=rf"Cannot read {tmp_path}: Is a directory"):
-        list(iter_documents(tmp_path, "text"))
+        build_token_cache([tmp_path], ByteTokenizer(), tmp_path / "c")
 
 
 def test_missing_jsonl_field_and_parquet_column(tmp_path):
@@ -230,6 +229,7 @@ def test_vocabulary_mismatch_and_bad_arguments():
     with pytest.raises(DataError, match=r"vocab_size \(100\) is smaller than the tokenizer's \(256\)"):
         data.check_model(100)
     with pytest.raises(DataError) as err:
-        TextDataModule(seq_len=0, batch_size=-1, val_fraction=1.5)
+        TextDataModule(seq_len=0, batch_size=-1, val_fraction=1.5, max_unprepared_mb=-1)
     assert "seq_len must be a positive integer, got 0" in str(err.value)
     assert "val_fraction must be in [0, 1), got 1.5" in str(err.value)
+    assert "max_unprepared_mb must be >= 0 or None (no limit), got -1" in str(err.value)
