@@ -6,6 +6,7 @@ reported in one message instead of a hang or a deep traceback from a collective.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
 DP_DIM = "data_parallel"
 MESH_DIMS = (DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM)
+
+# torch warns on every `mesh["data_parallel"]` of a flattened dim ("will be deprecated in PT 2.11";
+# still supported in 2.13). Lightning's sampler kwargs and user code written for Lightning's 2D
+# mesh read it by that name, so the name must keep working; the warning is not actionable by users.
+warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh will be deprecated")
 
 
 def _divisors(n: int) -> list[int]:
