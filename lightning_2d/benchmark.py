@@ -149,20 +149,23 @@ def option_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_strategy_options(parser: argparse.ArgumentParser) -> None:
+def add_strategy_options(
+    parser: argparse.ArgumentParser,
+    defaults: Optional[dict[str, Any]] = None,
+    description: str = "ModelParallel2DStrategy / ParallelConfig options; they apply to the lightning_2d variant",
+) -> None:
     """One flag per ``ParallelConfig`` field (``--sequence-parallel/--no-sequence-parallel``, ...).
 
-    Help comes from the field's docstring; an unset flag keeps the strategy's default (or the
-    benchmark's, ``STRATEGY_DEFAULTS``).
+    Help comes from the field's docstring; an unset flag keeps the strategy's default (or the one in
+    ``defaults``: the benchmark's ``STRATEGY_DEFAULTS`` unless given). ``lightning-2d plan`` uses it too.
     """
-    group = parser.add_argument_group(
-        "strategy options", "ModelParallel2DStrategy / ParallelConfig options; they apply to the lightning_2d variant"
-    )
+    defaults = STRATEGY_DEFAULTS if defaults is None else defaults
+    group = parser.add_argument_group("strategy options", description)
     hints = typing.get_type_hints(ParallelConfig)
     docs = field_docs(ParallelConfig)
     for f in fields(ParallelConfig):
         hint = hints[f.name]
-        default = STRATEGY_DEFAULTS.get(f.name, f.default)
+        default = defaults.get(f.name, f.default)
         help_text = f"{docs.get(f.name, f'ParallelConfig.{f.name}')} (default: {default})".replace("%", "%%")
         if hint is bool:
             group.add_argument(option_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,

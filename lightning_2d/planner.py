@@ -44,7 +44,6 @@ import json
 import math
 import sys
 import time
-import typing
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -1015,21 +1014,11 @@ def format_report(report: PlanReport) -> str:
 
 # ---- command line -------------------------------------------------------------------------------
 def add_parallel_config_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``ParallelConfig`` field, generated as ``lightning-2d benchmark`` does (help from
-    the field docs, unset flags keep ``ParallelConfig``'s defaults)."""
-    from lightning_2d.benchmark import field_docs, option_converter, option_flag
+    """One flag per ``ParallelConfig`` field, as ``lightning-2d benchmark`` generates them (help from the
+    field docs; unset flags keep ``ParallelConfig``'s defaults)."""
+    from lightning_2d.benchmark import add_strategy_options
 
-    group = parser.add_argument_group("strategy options", "ModelParallel2DStrategy / ParallelConfig options")
-    hints = typing.get_type_hints(ParallelConfig)
-    docs = field_docs(ParallelConfig)
-    for f in fields(ParallelConfig):
-        help_text = f"{docs.get(f.name, f'ParallelConfig.{f.name}')} (default: {f.default})".replace("%", "%%")
-        if hints[f.name] is bool:
-            group.add_argument(option_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            group.add_argument(option_flag(f.name), dest=f.name, type=option_converter(hints[f.name]),
-                               default=None, metavar=f.name.upper(), help=help_text)
+    add_strategy_options(parser, defaults={}, description="ModelParallel2DStrategy / ParallelConfig options")
 
 
 def _json_object(text: str) -> dict[str, Any]:
