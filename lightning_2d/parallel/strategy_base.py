@@ -74,9 +74,9 @@ class FabricFSDP2Precision(FabricPrecision):
         self.precision = precision  # type: ignore[assignment]
 
 
-#: Lightning's stock plugins (autocast, module conversion) that give way to FSDP2's policy; a custom
-#: plugin the user passed is kept.
 def _is_stock_precision(plugin: Any) -> bool:
+    """Whether ``plugin`` is one of Lightning's stock plugins (autocast, module conversion), which give way
+    to FSDP2's policy; a custom plugin the user passed is kept."""
     from lightning.fabric.plugins.precision import HalfPrecision as FabricHalf
     from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
