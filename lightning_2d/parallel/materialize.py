@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -46,36 +45,129 @@ class WeightSource(Protocol):
     ) -> None: ...
 
 
+class MaterializationError(RuntimeError):
+    """A meta-device model left tensors without values after materialization; names each and the fix."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _named_tensors(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """Qualified name → ("parameter" | "buffer", tensor), each tensor once."""
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        out[name] = ("parameter", param)
+    for name, buf in model.named_buffers():
+        out[name] = ("buffer", buf)
+    return out
+
+
+def _poison_(tensor: torch.Tensor) -> bool:
+    """Fill freshly allocated memory with a value no initializer produces; ``False`` if the dtype has none."""
+    local = _local(tensor)
+    if local.is_floating_point() or local.is_complex():
+        local.fill_(float("nan"))
+    elif local.dtype != torch.bool:
+        local.fill_(torch.iinfo(local.dtype).min)
+    else:
+        return False
+    return True
+
+
+def _still_poisoned(tensor: torch.Tensor) -> bool:
+    local = _local(tensor)
+    if local.numel() == 0:
+        return False
+    if local.is_floating_point() or local.is_complex():
+        return bool(torch.isnan(local).any())  # no initializer yields NaN: any is a hole
+    return bool((local == torch.iinfo(local.dtype).min).all())
+
+
 @torch.no_grad()
 def materialize_model(
     model: nn.Module, device: torch.device, seed: int, weights: Optional[WeightSource] = None
 ) -> None:
-    """Allocate ``model``'s meta tensors on ``device`` and fill each rank's blocks.
+    """Allocate ``model``'s meta tensors on ``device`` and fill each rank's blocks; never leave one unfilled.
 
     ``weights`` supplies the values (e.g. ``lightning_2d.hf.HFWeights`` reads them from a Hugging
     Face directory). Without it, a model that describes its initialization (``param_init_specs()``
     → ``{name: InitSpec}``, as ``lightning_2d.model.Transformer`` does) gets its seeded init, the
     same at every ``(dp, tp)`` layout and on a single device. Other models fall back to their
-    ``reset_parameters()`` methods (Lightning's behaviour), whose values depend on the layout; a
-    warning says so.
+    modules' ``reset_parameters()`` methods (Lightning's behaviour), whose values depend on the
+    layout; a warning says so. Then the model's ``init_buffers(device)``, if defined, fills (or
+    recomputes) its buffers. Tensors that were not on the meta device keep their values.
+
+    Every newly allocated tensor is first filled with a sentinel (NaN; the minimum for integers);
+    a tensor that still holds it after these routes was initialized by none of them, and
+    ``MaterializationError`` names each such tensor and how to fix it — before any training step,
+    instead of a NaN loss or plausible-looking garbage.
     """
     if not has_meta_tensors(model):
         return
+    before = _named_tensors(model)
+    was_meta = {name for name, (_, t) in before.items() if t.is_meta}
+    # `to_empty` must run on the root (FSDP2 re-registers its sharded parameters there) and gives every
+    # tensor new storage: keep the values of those that were real.
+    kept = {name: _local(t).detach().clone() for name, (_, t) in before.items() if name not in was_meta}
+    model.to_empty(device=device)
+    tensors = _named_tensors(model)
+    for name, value in kept.items():
+        _local(tensors[name][1]).copy_(value)
+    checkable = {name for name in was_meta if _poison_(tensors[name][1])}
+
     specs_fn = getattr(model, "param_init_specs", None)
-    if weights is None and specs_fn is None:
+    if weights is not None or callable(specs_fn):
+        source = weights if weights is not None else SeededInit(specs_fn(), seed)
+        for fqn, param in model.named_parameters():
+            if fqn not in was_meta:
+                continue
+            local, offset = local_block(param)
+            source.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
+        route = "param_init_specs()" if weights is None else "the weights source"
+    else:
         rank_zero_warn(
             f"{type(model).__name__} has no `param_init_specs()`; initializing it with each module's"
             " `reset_parameters()`, whose values depend on the parallel layout. Define `param_init_specs()`"
             " for seed-reproducible weights across layouts."
         )
-        _materialize_distributed_module(model, device)
-        return
-
-    model.to_empty(device=device)
-    source = weights if weights is not None else SeededInit(specs_fn(), seed)
-    for fqn, param in model.named_parameters():
-        local, offset = local_block(param)
-        source.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
+        for module in model.modules():
+            own = [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+            reset = getattr(module, "reset_parameters", None)
+            if own and callable(reset):
+                reset()
+        route = "reset_parameters()"
     init_buffers = getattr(model, "init_buffers", None)
     if callable(init_buffers):
         init_buffers(device)
+
+    tensors = _named_tensors(model)
+    left = [name for name in sorted(checkable) if name in tensors and _still_poisoned(tensors[name][1])]
+    if left:
+        raise MaterializationError(_uninitialized_message(model, left, tensors, route))
+
+
+def _uninitialized_message(model: nn.Module, names: list[str], tensors: dict[str, tuple[str, torch.Tensor]], route: str) -> str:
+    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
+    lines = []
+    for name in names:
+        kind, _ = tensors[name]
+        owner_name = name.rpartition(".")[0]
+        owner = model.get_submodule(owner_name) if owner_name else model
+        detail = kind if kind == "parameter" else ("buffer" if name in persistent else "non-persistent buffer")
+        if kind == "parameter" and route == "reset_parameters()":
+            how = f"{type(owner).__name__} has no reset_parameters()"
+        elif kind == "parameter":
+            how = f"not filled by {route}"
+        else:
+            how = "no init route fills it (buffers are filled by the model's init_buffers(device))"
+        lines.append(f"{canonical_name(name)} ({detail} of {type(owner).__name__}): {how}")
+    return (
+        f"{len(names)} tensor(s) of {type(model).__name__} built on the meta device were left without values"
+        " after materialization (training on them would start from uninitialized memory):\n  - "
+        + "\n  - ".join(lines)
+        + f"\nFix: describe the parameters' initialization in `{type(model).__name__}.param_init_specs()`"
+        " (layout-independent values) or give their modules a `reset_parameters()`; compute buffers in"
+        f" `{type(model).__name__}.init_buffers(self, device)`, which the strategy calls after allocating;"
+        " or build the model on a real device instead of the meta device."
+    )

@@ -248,6 +248,9 @@ class ModelParallel2DBase:
 
     # ---- training step -----------------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_first_loss_checked", False):
+            self._first_loss_checked = True
+            check_first_loss(tensor)
         with backward_context(tensor, self.parallel_config.loss_parallel):
             return super().backward(tensor, *args, **kwargs)  # type: ignore[misc]
 
@@ -284,6 +287,33 @@ class ModelParallel2DBase:
     def teardown(self) -> None:
         self._wait_for_checkpoint_writes()
         super().teardown()  # type: ignore[misc]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The first loss of a run is NaN/inf: the initial weights or the inputs are broken."""
+
+
+def check_first_loss(loss: torch.Tensor) -> None:
+    """Stop before the first backward when the first loss is not finite on any rank (every rank raises).
+
+    A model materialized from uninitialized memory, or a broken input pipeline, shows here; training
+    on would spread NaN through every weight while the run looks alive. One all-reduce of a flag, once.
+    """
+    import torch.distributed as dist
+
+    value = loss.detach()
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    finite = torch.isfinite(value).all().to(torch.int32).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not bool(finite.item()):
+        raise NonFiniteLossError(
+            f"The loss of the first training step is not finite (this rank: {value.float().flatten()[:1].item()};"
+            " every rank checked): the initial weights or the inputs are broken — e.g. tensors of a meta-device"
+            " model left uninitialized, weights loaded from a corrupt checkpoint, or token ids outside the"
+            " vocabulary. Stopped before the first optimizer step, so nothing was trained or saved on top of it."
+        )
 
 
 def signature_with(base: Callable[..., Any], **extra: Any) -> Any:

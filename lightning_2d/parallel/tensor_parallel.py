@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -105,8 +106,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: Paralle
     if config.sequence_parallel:
         tp, dim = tp_mesh.size(), plan.sequence_dim
 
-        def check_sequence_length(_module: nn.Module, args: tuple) -> None:
-            tokens = args[0] if args else None
+        def check_sequence_length(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            # The first tensor input, positional or keyword (HF models take `input_ids=`).
+            tokens = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
             if tokens is not None and tokens.dim() > dim and tokens.shape[dim] % tp:
                 raise ValueError(
                     f"Input sequence length {tokens.shape[dim]} is not divisible by tensor_parallel_size ({tp});"
@@ -114,4 +116,4 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: Paralle
                     f" of {tp} or sequence_parallel=False."
                 )
 
-        model.register_forward_pre_hook(check_sequence_length)
+        model.register_forward_pre_hook(check_sequence_length, with_kwargs=True)

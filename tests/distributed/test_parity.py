@@ -124,5 +124,7 @@ def test_fsdp_units_and_what_stays_gathered_after_forward(jobs, dp, tp):
 
 
 def test_indivisible_sequence_is_refused_before_any_collective(jobs):
-    message = jobs.layout(1, 4).rank_output(0)["bad_seq_len_error"]
-    assert message is not None and "Input sequence length 13 is not divisible by tensor_parallel_size (4)" in message
+    out = jobs.layout(1, 4).rank_output(0)
+    for key in ("bad_seq_len_error", "bad_seq_len_error_kw"):  # positional and keyword input
+        message = out[key]
+        assert message is not None and "Input sequence length 13 is not divisible by tensor_parallel_size (4)" in message

@@ -224,6 +224,11 @@ def fit(cfg: dict) -> None:
             result["bad_seq_len_error"] = None
         except ValueError as err:
             result["bad_seq_len_error"] = str(err)
+        try:  # the same check for a keyword input (as Hugging Face models take `input_ids=`)
+            module.model(tokens=torch.zeros(1, 13, dtype=torch.long))
+            result["bad_seq_len_error_kw"] = None
+        except ValueError as err:
+            result["bad_seq_len_error_kw"] = str(err)
     if mesh is not None:
         result["dp_rank"] = mesh["data_parallel"].get_local_rank()
         result["tp_rank"] = mesh["tensor_parallel"].get_local_rank()
