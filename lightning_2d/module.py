@@ -34,7 +34,98 @@ def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: fl
     return factor
 
 
-class LlamaLightningModule(L.LightningModule):
+class CausalLMModule(L.LightningModule):
+    """What every next-token LightningModule here shares: the loss normalized by the global batch's
+    tokens, logging, loss/perplexity metrics, greedy prediction, AdamW with warm-up and cosine decay.
+
+    A subclass builds ``self.model`` in ``configure_model()``, defines ``forward(input_ids) → logits``
+    and saves its hyperparameters (``learning_rate``, ``weight_decay``, ``betas``, ``eps``,
+    ``fused``, ``warmup_steps``, ``max_steps``, ``min_lr_ratio``, ``init_seed``); it may override
+    ``_loss`` (``LlamaLightningModule`` fuses the output projection into the loss).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: torch.nn.Module | None = None
+        # Updated with values already reduced over the data-parallel group: no second sync.
+        self.val_loss = MeanMetric(sync_on_compute=False)
+        self.test_loss = MeanMetric(sync_on_compute=False)
+
+    @property
+    def init_seed(self) -> int | None:
+        return self.hparams.init_seed
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return next_token_loss(self(batch["input_ids"]), batch["labels"], self.device_mesh)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, global_mean, global_tokens = self._loss(batch)
+        # Already reduced over the data-parallel group: no sync_dist needed.
+        self.log("train_loss", global_mean, prog_bar=True)
+        self.log("global_tokens", global_tokens)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, global_mean, global_tokens = self._loss(batch)
+        self.val_loss.update(global_mean, weight=global_tokens)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, global_mean, global_tokens = self._loss(batch)
+        self.test_loss.update(global_mean, weight=global_tokens)
+
+    def _log_loss_and_perplexity(self, metric: MeanMetric, prefix: str) -> None:
+        loss = metric.compute()
+        # Fresh states created under validate()'s inference mode would be inference tensors that a
+        # later fit() (whose sanity check runs under no_grad) cannot update.
+        with torch.inference_mode(False):
+            metric.reset()
+        # Already global (identical on every rank); sync_dist averages identical values and keeps
+        # Lightning from warning about epoch-level logging without it.
+        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val", sync_dist=True)
+        self.log(f"{prefix}_perplexity", loss.exp(), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_loss_and_perplexity(self.val_loss, "val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_loss_and_perplexity(self.test_loss, "test")
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Greedy next-token ids ``(B, T)`` and each sequence's mean negative log-likelihood ``(B,)``."""
+        logits = self(batch["input_ids"])
+        if hasattr(logits, "full_tensor"):  # vocabulary-sharded under loss parallelism
+            logits = logits.full_tensor()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+        mask = batch["labels"] != -100
+        return {
+            "next_token": logits.argmax(-1),
+            "nll": (nll * mask).sum(-1) / mask.sum(-1).clamp(min=1),
+        }
+
+    # ---- optimization -------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        hp = self.hparams
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        fused = hp.fused if hp.fused is not None else self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+            fused=fused,
+            foreach=None if fused else True,
+        )
+        total = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine_schedule(hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LlamaLightningModule(CausalLMModule):
     """Trains a Llama ``Transformer`` on next-token prediction.
 
     Works under a plain single-device ``Trainer`` (the reference for parity) and under
@@ -101,15 +192,8 @@ class LlamaLightningModule(L.LightningModule):
         else:
             self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
-        # Updated with values already reduced over the data-parallel group: no second sync.
-        self.val_loss = MeanMetric(sync_on_compute=False)
-        self.test_loss = MeanMetric(sync_on_compute=False)
 
     # ---- model construction -------------------------------------------------------------------
-    @property
-    def init_seed(self) -> int | None:
-        return self.hparams.init_seed
-
     def weights_source(self) -> HFWeights | None:
         """Where the initial weights come from instead of the seeded init (``init_from``), if anywhere."""
         init_from = self.hparams.get("init_from")
@@ -155,73 +239,8 @@ class LlamaLightningModule(L.LightningModule):
         if self.hparams.fused_loss:
             loss_sum = self.model(batch["input_ids"], labels=batch["labels"])
             return normalize_by_global_tokens(loss_sum, batch["labels"], self.device_mesh)
-        return next_token_loss(self(batch["input_ids"]), batch["labels"], self.device_mesh)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, global_mean, global_tokens = self._loss(batch)
-        # Already reduced over the data-parallel group: no sync_dist needed.
-        self.log("train_loss", global_mean, prog_bar=True)
-        self.log("global_tokens", global_tokens)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        _, global_mean, global_tokens = self._loss(batch)
-        self.val_loss.update(global_mean, weight=global_tokens)
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        _, global_mean, global_tokens = self._loss(batch)
-        self.test_loss.update(global_mean, weight=global_tokens)
-
-    def _log_loss_and_perplexity(self, metric: MeanMetric, prefix: str) -> None:
-        loss = metric.compute()
-        # Fresh states created under validate()'s inference mode would be inference tensors that a
-        # later fit() (whose sanity check runs under no_grad) cannot update.
-        with torch.inference_mode(False):
-            metric.reset()
-        # Already global (identical on every rank); sync_dist averages identical values and keeps
-        # Lightning from warning about epoch-level logging without it.
-        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val", sync_dist=True)
-        self.log(f"{prefix}_perplexity", loss.exp(), sync_dist=True)
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_loss_and_perplexity(self.val_loss, "val")
-
-    def on_test_epoch_end(self) -> None:
-        self._log_loss_and_perplexity(self.test_loss, "test")
-
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
-        """Greedy next-token ids ``(B, T)`` and each sequence's mean negative log-likelihood ``(B,)``."""
-        logits = self(batch["input_ids"])
-        if hasattr(logits, "full_tensor"):  # vocabulary-sharded under loss parallelism
-            logits = logits.full_tensor()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
-        mask = batch["labels"] != -100
-        return {
-            "next_token": logits.argmax(-1),
-            "nll": (nll * mask).sum(-1) / mask.sum(-1).clamp(min=1),
-        }
+        return super()._loss(batch)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` (for throughput/MFU, see ``ThroughputMonitor``)."""
         return self.model_args.flops_per_token(seq_len)
-
-    # ---- optimization -------------------------------------------------------------------------
-    def configure_optimizers(self) -> dict[str, Any]:
-        assert self.model is not None
-        hp = self.hparams
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        fused = hp.fused if hp.fused is not None else self.device.type == "cuda"
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            fused=fused,
-            foreach=None if fused else True,
-        )
-        total = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_cosine_schedule(hp.warmup_steps, total, hp.min_lr_ratio)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

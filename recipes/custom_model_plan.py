@@ -7,8 +7,10 @@ The model below uses its own module names (``blocks.N.attn.q``, ``blocks.N.mlp.f
 to tell the strategy what to do with it, both shown here:
 
 1. a ``ParallelPlan`` passed to the strategy: module name patterns → tensor-parallel styles, the
-   name of the block container (the unit of activation checkpointing and FSDP sharding), and the
-   sizes the tensor-parallel degree must divide (checked before any process starts);
+   styles that sequence parallelism replaces or adds (applied only under the strategy's
+   ``sequence_parallel=True``, so ``--no-sequence-parallel`` needs no second plan), the name of the
+   block container (the unit of activation checkpointing and FSDP sharding), and the sizes the
+   tensor-parallel degree must divide (checked before any process starts);
 2. a LightningModule method named like a parallelize step (``apply_tensor_parallel``,
    ``apply_activation_checkpointing``, ``apply_compile``, ``apply_fully_shard``) replaces that step.
    Here ``apply_activation_checkpointing`` checkpoints only the MLP of each block.
@@ -22,7 +24,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from torch.utils.data import DataLoader
 
 from lightning_2d import ModelParallel2DStrategy, ParallelPlan
@@ -87,6 +90,20 @@ PLAN = ParallelPlan(
         "blocks.*.mlp.fc": ColwiseParallel(),
         "blocks.*.mlp.proj": RowwiseParallel(),
     },
+    # Under sequence_parallel=True: the residual stream between the blocks stays split along the
+    # sequence (Shard(1)) from the embedding to the head, the LayerNorms run on the slices, and the
+    # attention and MLP gather the whole sequence at their entry.
+    sequence_parallel={
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "blocks.*.ln_1": SequenceParallel(),
+        "blocks.*.ln_2": SequenceParallel(),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    },
     blocks="blocks",
     module="net",  # the LightningModule attribute holding the model
     tp_divides={"n_heads": 4},
@@ -137,6 +154,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -145,7 +163,8 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=ModelParallel2DStrategy(
-            tensor_parallel_size=args.tensor_parallel_size, sequence_parallel=False, activation_checkpointing="full",
+            tensor_parallel_size=args.tensor_parallel_size, sequence_parallel=args.sequence_parallel,
+            activation_checkpointing="full",
             plan=PLAN,
         ),
         max_steps=args.max_steps,

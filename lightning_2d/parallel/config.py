@@ -209,6 +209,14 @@ class ParallelPlan:
             Applied with ``parallelize_module`` in insertion order. Empty: no tensor parallelism
             (the model is then only FSDP-sharded, whatever ``tensor_parallel_size`` says — the
             strategy refuses ``tensor_parallel_size > 1`` with an empty plan).
+        sequence_parallel: Styles that replace or add to ``tensor_parallel`` when the strategy's
+            ``sequence_parallel`` option is on (norms as ``SequenceParallel()``, row-wise outputs
+            as ``Shard(1)``, ``PrepareModuleInput`` gathering the sequence before attention/MLP),
+            so that one static plan serves both settings. Empty, and no ``SequenceParallel``
+            style in ``tensor_parallel``: the plan has no sequence-parallel form, and
+            ``sequence_parallel=True`` has no effect (a warning says so). A plan whose
+            ``tensor_parallel`` already holds sequence-parallel styles is refused under
+            ``sequence_parallel=False`` (move those styles here).
         blocks: Name of the ``ModuleDict``/``ModuleList`` holding the repeated blocks: the unit of
             activation checkpointing, compilation and FSDP sharding.
         module: Attribute of the LightningModule that holds the model (``"model"``), or ``""``
@@ -229,6 +237,7 @@ class ParallelPlan:
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
+    sequence_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
     blocks: str = "layers"
     module: str = "model"
     tp_divides: dict[str, int] = field(default_factory=dict)
@@ -236,3 +245,21 @@ class ParallelPlan:
     input_units: tuple[str, ...] = ()
     output_unit: tuple[str, ...] = ()
     blocks_use_randomness: Optional[bool] = None
+
+    def sequence_parallel_entries(self) -> list[str]:
+        """Names in ``tensor_parallel`` whose style only makes sense under sequence parallelism."""
+        from lightning_2d.parallel.tensor_parallel import is_sequence_parallel_style
+
+        return [name for name, style in self.tensor_parallel.items() if is_sequence_parallel_style(style)]
+
+    @property
+    def has_sequence_parallel(self) -> bool:
+        """Whether the plan has a sequence-parallel form (an overlay, or such styles in ``tensor_parallel``)."""
+        return bool(self.sequence_parallel) or bool(self.sequence_parallel_entries())
+
+    def tensor_parallel_styles(self, sequence_parallel: bool) -> dict[str, "ParallelStyle"]:
+        """The styles to apply: ``tensor_parallel`` with the ``sequence_parallel`` overlay when on
+        (a replaced name keeps its position, new names come last)."""
+        if not sequence_parallel:
+            return dict(self.tensor_parallel)
+        return {**self.tensor_parallel, **self.sequence_parallel}

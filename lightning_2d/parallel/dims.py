@@ -167,11 +167,19 @@ def validate_parallel_dims(
                 f"tensor_parallel_size is {tp} but the model's parallel plan has no tensor-parallel entries;"
                 " pass plan=ParallelPlan(tensor_parallel={...}) or use tensor_parallel_size=1"
             )
+        if not config.sequence_parallel and (sp_entries := plan.sequence_parallel_entries()):
+            problems.append(
+                f"sequence_parallel=False, but the plan's tensor_parallel holds sequence-parallel styles"
+                f" ({', '.join(sp_entries[:4])}{', …' if len(sp_entries) > 4 else ''}), which shard activations"
+                " along the sequence anyway; move them to ParallelPlan(sequence_parallel={...}) so the option"
+                " switches them, or use sequence_parallel=True"
+            )
         for name, size in plan.tp_divides.items():
             if size % tp:
                 fits = [d for d in _divisors(size) if d <= max(world_size, 1) and world_size % d == 0] or [1]
                 problems.append(f"tensor_parallel_size ({tp}) must divide {name} ({size}); try {_fmt_choices(fits)}")
-    if config.sequence_parallel and tp > 1 and seq_len is not None and seq_len % tp:
+    applies_sp = plan is None or plan.has_sequence_parallel
+    if config.sequence_parallel and applies_sp and tp > 1 and seq_len is not None and seq_len % tp:
         problems.append(
             f"sequence length ({seq_len}) must be divisible by tensor_parallel_size ({tp}) under sequence"
             f" parallelism; use a sequence length that is a multiple of {tp} or sequence_parallel=False"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -86,7 +87,11 @@ def _still_poisoned(tensor: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def materialize_model(
-    model: nn.Module, device: torch.device, seed: int, weights: Optional[WeightSource] = None
+    model: nn.Module,
+    device: torch.device,
+    seed: int,
+    weights: Optional[WeightSource] = None,
+    init_hooks: Sequence[object] = (),
 ) -> None:
     """Allocate ``model``'s meta tensors on ``device`` and fill each rank's blocks; never leave one unfilled.
 
@@ -102,6 +107,10 @@ def materialize_model(
     a tensor that still holds it after these routes was initialized by none of them, and
     ``MaterializationError`` names each such tensor and how to fix it — before any training step,
     instead of a NaN loss or plausible-looking garbage.
+
+    ``param_init_specs``/``init_buffers`` are looked up on ``model``, then on each of ``init_hooks``
+    (the LightningModule that owns a model class it cannot change, e.g. a Hugging Face model; the
+    built-in hooks of a known architecture), with names relative to ``model``.
     """
     if not has_meta_tensors(model):
         return
@@ -116,7 +125,7 @@ def materialize_model(
         _local(tensors[name][1]).copy_(value)
     checkable = {name for name in was_meta if _poison_(tensors[name][1])}
 
-    specs_fn = getattr(model, "param_init_specs", None)
+    specs_fn = _init_hook(model, init_hooks, "param_init_specs")
     if weights is not None or callable(specs_fn):
         source = weights if weights is not None else SeededInit(specs_fn(), seed)
         for fqn, param in model.named_parameters():
@@ -137,7 +146,7 @@ def materialize_model(
             if own and callable(reset):
                 reset()
         route = "reset_parameters()"
-    init_buffers = getattr(model, "init_buffers", None)
+    init_buffers = _init_hook(model, init_hooks, "init_buffers")
     if callable(init_buffers):
         init_buffers(device)
 
@@ -145,6 +154,15 @@ def materialize_model(
     left = [name for name in sorted(checkable) if name in tensors and _still_poisoned(tensors[name][1])]
     if left:
         raise MaterializationError(_uninitialized_message(model, left, tensors, route))
+
+
+def _init_hook(model: nn.Module, init_hooks: Sequence[object], name: str) -> Optional[Callable[..., Any]]:
+    """``model.<name>``, else the first of ``init_hooks`` that defines it."""
+    for owner in (model, *init_hooks):
+        fn = getattr(owner, name, None)
+        if callable(fn):
+            return fn
+    return None
 
 
 def _uninitialized_message(model: nn.Module, names: list[str], tensors: dict[str, tuple[str, torch.Tensor]], route: str) -> str:

@@ -107,6 +107,7 @@ def parallelize_and_materialize(
         The module the plan applied to.
     """
     from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
+    from lightning_2d.parallel.plans import known_init_hooks
 
     config = config.resolve_dtypes(precision)
     plan = resolve_plan(owner, config, plan)
@@ -119,7 +120,10 @@ def parallelize_and_materialize(
         source_fn = getattr(owner, "weights_source", None)
         weights = source_fn() if callable(source_fn) else None
         init_seed = seed()
-        materialize_model(model, device, seed=init_seed, weights=weights)
+        # Init hooks: the model's own, else the owner's (for a model class the user cannot change),
+        # else those of an architecture this library knows (a Hugging Face decoder given to Fabric).
+        hooks = [h for h in (owner, known_init_hooks(model)) if h is not None and h is not model]
+        materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
         materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
     return model
 
@@ -144,6 +148,8 @@ def parallelize_model(
         hooks: An object whose methods named like the steps override them (see the module docstring).
     """
     tp_mesh, dp_mesh = mesh[TP_DIM], fsdp_mesh_of(mesh)  # dp_mesh: (replicate, shard) under HSDP
+    # One dict of styles from here on: the plan's sequence-parallel overlay merged in when the option is on.
+    plan = replace(plan, tensor_parallel=plan.tensor_parallel_styles(config.sequence_parallel))
     if config.float8:
         # A module swap on the meta model, before anything wraps the Linears (torchtitan's order);
         # the block projections then take torchao's float8 tensor-parallel styles.

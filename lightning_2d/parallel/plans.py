@@ -29,8 +29,30 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
     )
 
 
+def is_hf_model(model: Any) -> bool:
+    """Whether ``model`` is a Hugging Face ``transformers`` model (without importing ``transformers``)."""
+    # The MRO, not the class: FSDP2 swaps in a subclass (``FSDPLlamaForCausalLM``) defined in torch.
+    return hasattr(model, "config") and any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def known_plan(owner: Any, config: ParallelConfig) -> ParallelPlan | None:
-    """The plan of a model this library knows (a bare ``Transformer``), else ``None``."""
+    """The plan of a model this library knows (a bare ``Transformer``; a Hugging Face Llama-family
+    decoder such as ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), else ``None``."""
     if isinstance(owner, Transformer):
         return llama_plan(owner.args, config)
+    if is_hf_model(owner):
+        from lightning_2d.hf_models import check_hf_decoder, hf_decoder_plan
+
+        check_hf_decoder(owner)
+        return hf_decoder_plan(owner.config, config, module="")
+    return None
+
+
+def known_init_hooks(model: Any) -> Any:
+    """Init hooks (``param_init_specs``/``init_buffers``) for a known model class that has none
+    (a Hugging Face decoder), else ``None``."""
+    if is_hf_model(model):
+        from lightning_2d.hf_models import HFDecoderInit
+
+        return HFDecoderInit(model)
     return None

@@ -46,7 +46,10 @@ def test_custom_model_is_parallelized_from_a_plan_and_a_hook():
     assert "blocks.0.attn.q.weight: ['data_parallel', 'tensor_parallel'] ['_StridedShard(dim=0, sf=2)', 'Shard(dim=0)']" in out
     assert "blocks.1.attn.proj.weight: ['data_parallel', 'tensor_parallel'] ['Shard(dim=0)', 'Shard(dim=1)']" in out
     assert "blocks.0.mlp._checkpoint_wrapped_module.fc.weight: ['data_parallel', 'tensor_parallel']" in out
-    assert "embed.weight: ['data_parallel'] ['Shard(dim=0)']" in out
+    # sequence_parallel=True (the default) applies the plan's sequence-parallel overlay: the embedding
+    # becomes vocabulary-parallel and the LayerNorms run on sequence slices (replicated weights over TP).
+    assert "embed.weight: ['data_parallel', 'tensor_parallel'] ['_StridedShard(dim=0, sf=2)', 'Shard(dim=0)']" in out
+    assert "blocks.0.ln_1.weight: ['data_parallel', 'tensor_parallel'] ['Shard(dim=0)', 'Replicate()']" in out
     assert math.isfinite(float(re.search(r"final loss: ([0-9.]+)", out).group(1)))
 
 

@@ -161,23 +161,33 @@ def fit(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(cfg.get("seed", 1234), verbose=False)
-    module = LlamaLightningModule(
-        "debug",
-        model_overrides=cfg.get("model_overrides"),
-        learning_rate=cfg.get("lr", 1e-3),
-        warmup_steps=2,
-        max_steps=cfg["steps"],
-        init_seed=cfg.get("init_seed"),
-        fused_loss=cfg.get("fused_loss", True),
-        loss_chunk_size=cfg.get("loss_chunk_size", 1024),
-    )
+    if "hf_config" in cfg:  # a Hugging Face decoder built from its config (bring your own model)
+        from lightning_2d.hf import HFCausalLMModule
+
+        module = HFCausalLMModule(
+            cfg["hf_config"], learning_rate=cfg.get("lr", 1e-3), warmup_steps=2, max_steps=cfg["steps"],
+            init_seed=cfg.get("init_seed"), attn_implementation=cfg.get("attn_implementation", "sdpa"),
+        )
+        vocab_size = module.vocab_size
+    else:
+        module = LlamaLightningModule(
+            "debug",
+            model_overrides=cfg.get("model_overrides"),
+            learning_rate=cfg.get("lr", 1e-3),
+            warmup_steps=2,
+            max_steps=cfg["steps"],
+            init_seed=cfg.get("init_seed"),
+            fused_loss=cfg.get("fused_loss", True),
+            loss_chunk_size=cfg.get("loss_chunk_size", 1024),
+        )
+        vocab_size = module.model_args.vocab_size
     if cfg["strategy"] == "single":
         strategy, devices, dp = "auto", 1, 1
     else:
         options = {k: cfg[k] for k in STRATEGY_OPTIONS if k in cfg}
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
-    data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], module.model_args.vocab_size,
+    data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
                            even=cfg.get("even_labels", False))
     accumulate = cfg.get("accumulate", 1)
     if cfg["strategy"] == "single":
@@ -215,8 +225,16 @@ def fit(cfg: dict) -> None:
         "placements": placements(module.model),
     }
     mesh = module.device_mesh
-    if cfg["strategy"] == "2d":
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg:
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
+    if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
+        seen = []
+        layer = module.model.model.layers[1]
+        handle = layer.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(list(args[0].shape)), with_kwargs=True)
+        with torch.no_grad():
+            module.model(torch.zeros(1, cfg["seq_len"], dtype=torch.long))
+        handle.remove()
+        result["layer_input_shape"] = seen[0]
     if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True):
         # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
         try:

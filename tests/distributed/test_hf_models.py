@@ -1,0 +1,84 @@
+"""Hugging Face decoders built on the meta device and trained at 2×2 equal single-device training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.conftest import PARITY, load_weights
+
+pytest.importorskip("transformers")
+
+#: Tiny Llama with grouped-query attention (4 query heads share 2 key/value heads).
+LLAMA = {
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False,
+}
+#: Qwen2: the same layout plus q/k/v biases (column-wise sharded with their weights).
+QWEN2 = {**LLAMA, "model_type": "qwen2"}
+
+VARIANTS = {
+    # name: (hf config, strategy options)
+    "llama_sp_loss_parallel": (LLAMA, {"sequence_parallel": True, "loss_parallel": True}),
+    "llama_no_sp": (LLAMA, {"sequence_parallel": False}),
+    "qwen2_sp_ac": (QWEN2, {"sequence_parallel": True, "activation_checkpointing": "full"}),
+}
+
+
+def reference(jobs, hf_config):
+    name = f"hf_reference_{hf_config['model_type']}"
+    return jobs.run(name, "fit", {**PARITY, "strategy": "single", "hf_config": hf_config}, nprocs=1)
+
+
+def parallel(jobs, variant):
+    hf_config, options = VARIANTS[variant]
+    config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": hf_config, **options}
+    return jobs.run(f"hf_{variant}", "fit", config)
+
+
+def relative_error(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == PARITY["steps"]
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hf_decoder_built_on_meta_trains_as_on_one_device(jobs, variant):
+    ref = reference(jobs, VARIANTS[variant][0])
+    result = parallel(jobs, variant)
+    ref_losses = ref.rank_output(0)["losses"]
+    for rank in range(4):
+        assert relative_error(result.rank_output(rank)["losses"], ref_losses) <= 1e-5, (variant, rank)
+    # The seeded init is layout-independent: the meta-built shards start from the reference's weights.
+    start, ref_start = load_weights(result, "initial"), load_weights(ref, "initial")
+    assert start.keys() == ref_start.keys()
+    for name in ref_start:
+        torch.testing.assert_close(start[name], ref_start[name], rtol=0, atol=0, msg=name)
+    final, ref_final = load_weights(result, "final"), load_weights(ref, "final")
+    moved = 0.0
+    for name in ref_final:
+        torch.testing.assert_close(final[name], ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+        moved = max(moved, float((ref_final[name] - ref_start[name]).abs().max()))
+    assert moved > 1e-3  # the weights did train
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hf_decoder_layout_follows_the_sequence_parallel_option(jobs, variant):
+    _, options = VARIANTS[variant]
+    sp = options["sequence_parallel"]
+    result = parallel(jobs, variant).rank_output(0)
+    placements = result["placements"]
+    attn = "model.layers.0.self_attn.q_proj.weight"
+    assert placements[attn]["mesh_dims"] == ["data_parallel", "tensor_parallel"]
+    assert placements[attn]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+    norm = placements["model.layers.0.input_layernorm.weight"]
+    norm = [norm["mesh_dims"], norm["placements"]]
+    if sp:  # the norms run on sequence slices: their weights are replicated DTensors over TP
+        assert norm == [["data_parallel", "tensor_parallel"], ["Shard(dim=0)", "Replicate()"]]
+        assert result["layer_input_shape"] == [1, PARITY["seq_len"] // 2, LLAMA["hidden_size"]]
+        assert "not divisible by tensor_parallel_size (2)" in result["bad_seq_len_error"]
+    else:
+        assert norm == [["data_parallel"], ["Shard(dim=0)"]]
+        assert result["layer_input_shape"] == [1, PARITY["seq_len"], LLAMA["hidden_size"]]
+        assert result.get("bad_seq_len_error") is None
+    if VARIANTS[variant][0]["model_type"] == "qwen2":
+        assert placements["model.layers.0.self_attn.q_proj.bias"]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]

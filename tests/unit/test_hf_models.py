@@ -1,0 +1,204 @@
+"""Hugging Face decoders: the built-in plan, its refusals, layout-independent init, ``init_from``, and the
+sequence-parallel overlay of ``ParallelPlan``.
+
+One process. Where a plan must be applied to a real module tree, a fake 4-rank world (the planner's
+``fake_world``) stands in for the processes; the training parity of these models at 2×2 is in
+``tests/distributed/test_hf_models.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_2d.hf import HFCausalLMModule, HFDecoderInit, SafetensorsWeights, check_hf_decoder, hf_decoder_plan  # noqa: E402
+from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan, validate_parallel_dims  # noqa: E402
+from lightning_2d.parallel.materialize import MaterializationError, materialize_model  # noqa: E402
+from lightning_2d.parallel.plans import known_init_hooks, known_plan  # noqa: E402
+from lightning_2d.parallel.tensor_parallel import SequenceShardInput, is_sequence_parallel_style  # noqa: E402
+
+CPU = torch.device("cpu")
+LLAMA = {
+    "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+}
+
+
+def meta_model(**overrides):
+    from lightning_2d.hf import load_hf_config
+
+    config = load_hf_config({**LLAMA, **overrides})
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+def test_the_plan_has_sequence_parallel_styles_only_when_the_option_is_on():
+    config = meta_model().config
+    sp = hf_decoder_plan(config, ParallelConfig(sequence_parallel=True))
+    plain = hf_decoder_plan(config, ParallelConfig(sequence_parallel=False))
+    only_sp = set(sp.tensor_parallel) - set(plain.tensor_parallel)
+    assert only_sp == {
+        "model.layers.0", "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm",
+        "model.layers.*.self_attn", "model.layers.*.mlp", "model.norm",
+    }
+    assert isinstance(sp.tensor_parallel["model.layers.0"], SequenceShardInput)
+    assert sp.has_sequence_parallel and not plain.has_sequence_parallel
+    assert sp.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2}
+    assert (sp.blocks, sp.module, sp.input_units, sp.output_unit) == (
+        "model.layers", "model", ("model.embed_tokens",), ("model.norm", "lm_head"))
+    assert known_plan(meta_model(), ParallelConfig()).module == ""  # a bare model given to Fabric
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_the_plan_applies_to_every_named_module_of_the_family(model_type):
+    """In a fake 2×2 world: every plan entry resolves to a module (torch only warns on a typo), the
+    projections become DTensors over both mesh dims, and nothing is left on the meta device unplanned."""
+    from lightning_2d.parallel import ParallelDims, parallelize_model
+    from lightning_2d.planner import fake_world
+
+    model = meta_model(model_type=model_type)
+    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2).resolve_dtypes("32-true")
+    with fake_world(4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mesh = ParallelDims(1, 2, 2).build_mesh("cpu")
+        parallelize_model(model, mesh, hf_decoder_plan(model.config, config, module=""), config)
+        q = model.model.layers[1].self_attn.q_proj.weight
+        assert q.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
+        assert q.to_local().shape == (32 // 4, 32)  # rows: 2 of 4 heads (TP), then half of those (FSDP)
+        if model_type == "qwen2":
+            assert model.model.layers[0].self_attn.k_proj.bias.to_local().shape == (16 // 4,)
+    # torch only warns about a plan key that matches no module; we also warn if SP would do nothing.
+    problems = [str(w.message) for w in caught if "could not be resolved" in str(w.message) or "no effect" in str(w.message)]
+    assert problems == []
+
+
+def test_models_the_plan_would_shard_wrongly_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
+        hf_decoder_plan(meta_model(tie_word_embeddings=True).config, ParallelConfig())
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of .*llama, mistral, qwen2"):
+        hf_decoder_plan(transformers.GPT2Config(), ParallelConfig())
+    with pytest.raises(ValueError, match="tie_word_embeddings"):  # at construction, before any process starts
+        HFCausalLMModule({**LLAMA, "tie_word_embeddings": True})
+    model = meta_model()
+    with torch.device("meta"):
+        model.model.layers[0].self_attn.q_norm = nn.LayerNorm(8)  # as Qwen3: a per-head norm TP would split
+    with pytest.raises(ValueError, match=r"outside the Llama layout.*model\.layers\.0\.self_attn\.q_norm\.weight"):
+        check_hf_decoder(model)
+
+
+# ---- the sequence-parallel overlay of any plan ---------------------------------------------------
+def test_a_plan_with_sequence_parallel_styles_is_refused_when_the_option_is_off():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    assert is_sequence_parallel_style(SequenceParallel())
+    assert is_sequence_parallel_style(RowwiseParallel(output_layouts=Shard(1)))
+    assert is_sequence_parallel_style(PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
+    assert not is_sequence_parallel_style(RowwiseParallel())
+    assert not is_sequence_parallel_style(ColwiseParallel(output_layouts=Shard(-1)))
+
+    mixed = ParallelPlan(tensor_parallel={"fc": ColwiseParallel(), "norm": SequenceParallel()})
+    with pytest.raises(ParallelConfigError, match=r"sequence_parallel=False, but .* \(norm\).*ParallelPlan\(sequence_parallel="):
+        validate_parallel_dims(ParallelConfig(tensor_parallel_size=2, sequence_parallel=False), world_size=2,
+                               devices_per_node=2, plan=mixed)
+    overlay = ParallelPlan(
+        tensor_parallel={"fc": ColwiseParallel(), "out": RowwiseParallel()},
+        sequence_parallel={"out": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel()},
+    )
+    assert list(overlay.tensor_parallel_styles(True)) == ["fc", "out", "norm"]
+    assert overlay.tensor_parallel_styles(True)["out"].output_layouts == (Shard(1),)
+    assert overlay.tensor_parallel_styles(False)["out"].output_layouts == (Replicate(),)
+    # A plan without a sequence-parallel form: an odd sequence length is no problem for it.
+    plain = ParallelPlan(tensor_parallel={"fc": ColwiseParallel()})
+    validate_parallel_dims(ParallelConfig(tensor_parallel_size=2), world_size=2, devices_per_node=2, plan=plain, seq_len=7)
+    with pytest.raises(ParallelConfigError, match=r"sequence length \(7\)"):
+        validate_parallel_dims(ParallelConfig(tensor_parallel_size=2), world_size=2, devices_per_node=2, plan=overlay, seq_len=7)
+
+
+def test_sequence_parallel_on_a_plan_without_its_styles_warns_that_it_does_nothing():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_2d.parallel import ParallelDims, parallelize_model
+    from lightning_2d.planner import fake_world
+
+    class MLPs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2))
+
+    model = MLPs()
+    plan = ParallelPlan(tensor_parallel={"layers.*.0": ColwiseParallel(), "layers.*.2": RowwiseParallel()}, module="")
+    config = ParallelConfig(tensor_parallel_size=2).resolve_dtypes("32-true")
+    with fake_world(2), pytest.warns(UserWarning, match="sequence_parallel=True has no effect on MLPs"):
+        parallelize_model(model, ParallelDims(1, 1, 2).build_mesh("cpu"), plan, config)
+
+
+# ---- materialization ------------------------------------------------------------------------------
+def test_a_meta_built_hf_model_without_init_hooks_names_every_tensor_left_empty():
+    """The corruption of issue #10: RMSNorm has no reset_parameters(), the rotary inv_freq is a
+    non-persistent buffer. Now an error naming each, instead of a NaN loss or silent garbage."""
+    with pytest.raises(MaterializationError) as err:
+        materialize_model(meta_model(), CPU, seed=0)
+    message = str(err.value)
+    assert "model.layers.0.input_layernorm.weight (parameter of LlamaRMSNorm): LlamaRMSNorm has no reset_parameters()" in message
+    assert "model.rotary_emb.inv_freq (non-persistent buffer of LlamaRotaryEmbedding)" in message
+
+    class SpecsOnly:  # a user's param_init_specs, but nothing for the buffers
+        def __init__(self, model):
+            self.specs = HFDecoderInit(model).param_init_specs()
+
+        def param_init_specs(self):
+            return self.specs
+
+    model = meta_model()
+    with pytest.raises(MaterializationError, match=r"1 tensor|2 tensor") as err:
+        materialize_model(model, CPU, seed=0, init_hooks=[SpecsOnly(model)])
+    assert "inv_freq" in str(err.value) and "input_layernorm" not in str(err.value)
+
+
+def test_the_built_in_init_fills_everything_and_recomputes_the_rotary_tables():
+    model = meta_model()
+    materialize_model(model, CPU, seed=3, init_hooks=[known_init_hooks(model)])
+    reference = transformers.AutoModelForCausalLM.from_config(model.config)  # built on CPU by transformers
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.equal(model.model.norm.weight, torch.ones(32))
+    std = float(model.model.layers[0].mlp.up_proj.weight.detach().std())
+    assert 0.015 < std < 0.025  # N(0, initializer_range=0.02), as transformers' own init
+    again = meta_model()
+    materialize_model(again, CPU, seed=3, init_hooks=[HFDecoderInit(again)])
+    for (name, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), name  # seeded: the same values every time (and at every layout)
+
+
+def test_init_from_reads_a_saved_model_and_refuses_one_that_does_not_match(tmp_path):
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(meta_model().config, attn_implementation="sdpa")
+    original.save_pretrained(tmp_path)
+    module = HFCausalLMModule(init_from=str(tmp_path))
+    module.configure_model()
+    tokens = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(module(tokens), original(tokens).logits, rtol=1e-6, atol=1e-6)
+    # A rank's block: rows 8..16 and columns 16..32 of a (32, 32) projection.
+    name = "model.layers.1.self_attn.o_proj.weight"
+    block = torch.empty(8, 16)
+    SafetensorsWeights(tmp_path).fill_block_(block, name, (32, 32), (8, 16))
+    assert torch.equal(block, original.state_dict()[name][8:16, 16:32])
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight: missing"):
+        wrong = HFCausalLMModule(init_from=str(tmp_path), config_overrides={"num_hidden_layers": 3})
+        wrong.configure_model()
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight: stored \(128, 32\), the model's is \(256, 32\)"):
+        HFCausalLMModule(init_from=str(tmp_path), config_overrides={"vocab_size": 256}).configure_model()
+
+
+def test_flops_per_token_counts_the_projections_and_attention():
+    module = HFCausalLMModule(LLAMA)
+    per_layer = 32 * 8 * (2 * 4 + 2 * 2) + 3 * 32 * 64  # q, k, v, o (GQA) + SwiGLU
+    assert module.flops_per_token(16) == 6 * (2 * per_layer + 128 * 32) + 12 * 2 * 4 * 8 * 16
