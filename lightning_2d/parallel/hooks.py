@@ -19,6 +19,13 @@ Order in which the strategies use them (both the Trainer's and Fabric's):
    else the model's ``param_init_specs()`` with the seed (the strategy's ``init_seed``, else the
    owner's ``init_seed``, else the run's seed), else each module's ``reset_parameters()`` (values
    then depend on the layout; a warning says so); then the model's ``init_buffers(device)``.
+   ``ModelInitHooks`` may also be defined on the owner (for a model class you cannot change; names
+   relative to the model); a Hugging Face Llama-family decoder gets them from the library
+   (``lightning_2d.hf.HFDecoderInit``). Any tensor none of these fills stops the run
+   (``MaterializationError``).
+
+A plan may carry its sequence-parallel form (``ParallelPlan.sequence_parallel``), applied only
+under the strategy's ``sequence_parallel=True``.
 """
 
 from __future__ import annotations
@@ -75,7 +82,8 @@ class ParallelHooks(Protocol):
 
 @runtime_checkable
 class ModelInitHooks(Protocol):
-    """Optional methods of the model the plan applies to, for layout-independent materialization."""
+    """Optional methods of the model the plan applies to (or of the owner), for layout-independent
+    materialization."""
 
     def param_init_specs(self) -> dict[str, "InitSpec"]:
         """Canonical parameter name → how to draw it (``lightning_2d.init.InitSpec``)."""

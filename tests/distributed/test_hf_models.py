@@ -82,3 +82,13 @@ def test_hf_decoder_layout_follows_the_sequence_parallel_option(jobs, variant):
         assert result.get("bad_seq_len_error") is None
     if VARIANTS[variant][0]["model_type"] == "qwen2":
         assert placements["model.layers.0.self_attn.q_proj.bias"]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+
+
+def test_a_bare_hf_model_given_to_fabric_setup_trains_as_on_one_device(jobs):
+    """No plan, no hooks: the Fabric strategy recognizes the transformers model, applies the built-in
+    plan with sequence parallelism and its seeded init; a hand-written loop matches the Trainer reference."""
+    ref = reference(jobs, LLAMA).rank_output(0)["losses"]
+    config = {**PARITY, "dp": 2, "tp": 2, "hf_config": LLAMA, "sequence_parallel": True}
+    result = jobs.run("hf_fabric_llama_sp", "fabric_hf", config)
+    for rank in range(4):
+        assert relative_error(result.rank_output(rank)["losses"], ref) <= 1e-5, rank

@@ -53,6 +53,15 @@ def test_custom_model_is_parallelized_from_a_plan_and_a_hook():
     assert math.isfinite(float(re.search(r"final loss: ([0-9.]+)", out).group(1)))
 
 
+def test_hf_recipe_trains_a_transformers_llama_without_a_plan():
+    pytest.importorskip("transformers")
+    out = run_script("recipes/hf_llama.py", "--max-steps", "12")
+    # The built-in plan applied to the transformers model: q_proj split over both mesh dims.
+    assert "FSDPLlamaForCausalLM: q_proj ['data_parallel', 'tensor_parallel'] (_StridedShard(dim=0, sf=2), Shard(dim=0))" in out
+    loss = float(re.search(r"final loss: ([0-9.]+)", out).group(1))
+    assert loss < math.log(256) - 0.5  # learned something in 12 steps (uniform over bytes: 5.55)
+
+
 def test_debug_recipe_trains_on_the_standard_library_with_live_throughput(tmp_path):
     """The README's main job, shortened: `lightning-2d prepare-data --config recipes/debug_cpu.yaml`, then
     `python -m lightning_2d fit --config recipes/debug_cpu.yaml`."""

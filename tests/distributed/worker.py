@@ -437,12 +437,55 @@ def fabric_loop(cfg: dict) -> None:
     (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
 
 
+def fabric_hf(cfg: dict) -> None:
+    """A Hugging Face decoder given as-is to ``fabric.setup`` (plan and init found by the strategy),
+    trained by a hand-written loop with the batches, loss and optimizer of the Trainer's ``fit``."""
+    from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
+    from lightning_2d.hf import HFCausalLMModule
+    from lightning_2d.parallel.loss import next_token_loss
+
+    out_dir, world = Path(cfg["out_dir"]), int(os.environ["WORLD_SIZE"])
+    strategy = FabricStrategy(cfg["dp"], cfg["tp"], init_seed=cfg["init_seed"], sequence_parallel=cfg["sequence_parallel"])
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
+    fabric.launch()
+    L.seed_everything(cfg["seed"], verbose=False)
+    # Only for its config, optimizer and schedule: the model itself is the bare transformers module.
+    helper = HFCausalLMModule(cfg["hf_config"], learning_rate=cfg.get("lr", 1e-3), warmup_steps=2, max_steps=cfg["steps"])
+    hf_config = helper.hf_config  # a transformers LlamaConfig
+    with fabric.init_module(empty_init=True):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    model = fabric.setup(model)
+    helper.model = model
+    configured = helper.configure_optimizers()
+    optimizer = fabric.setup_optimizers(configured["optimizer"])
+    scheduler = configured["lr_scheduler"]["scheduler"]
+    mesh = fabric.strategy.device_mesh
+    dp, dp_rank = mesh["data_parallel"].size(), mesh["data_parallel"].get_local_rank()
+    data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], helper.vocab_size)
+    # What Lightning's Trainer does under a parallel strategy: a shuffling sampler over the dp ranks.
+    sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=True, seed=cfg["seed"])
+    losses = []
+    for batch in DataLoader(data, batch_size=cfg["global_batch"] // dp, sampler=sampler):
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+        loss, global_mean, _ = next_token_loss(logits, batch["labels"], mesh)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(float(global_mean))
+    result = {"losses": losses}
+    (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
     "fit": fit,
     "text": text,
     "train": train,
     "bench_checkpoint": bench_checkpoint,
     "fabric": fabric_loop,
+    "fabric_hf": fabric_hf,
 }
 
 if __name__ == "__main__":
