@@ -92,3 +92,17 @@ def test_a_bare_hf_model_given_to_fabric_setup_trains_as_on_one_device(jobs):
     result = jobs.run("hf_fabric_llama_sp", "fabric_hf", config)
     for rank in range(4):
         assert relative_error(result.rank_output(rank)["losses"], ref) <= 1e-5, rank
+
+
+def test_a_meta_built_model_left_uninitialized_stops_before_step_1_naming_each_tensor(jobs):
+    """The corruption of issue #10 in real processes: without an init route for the RMSNorm weights and
+    the rotary buffers, every rank's shards are checked after allocation and the run stops."""
+    config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": LLAMA,
+              "without_builtin_init": True}
+    result = jobs.run("hf_uninitialized", "fit", config, expect_ok=False)
+    assert not result.ok and not result.timed_out
+    log = result.logs[result.failed_rank()]
+    assert "MaterializationError" in log
+    assert "model.layers.0.input_layernorm.weight (parameter of LlamaRMSNorm): LlamaRMSNorm has no reset_parameters()" in log
+    assert "model.rotary_emb.inv_freq (non-persistent buffer of LlamaRotaryEmbedding)" in log
+    assert not list(result.out_dir.glob("rank*.json"))  # no rank trained

@@ -164,6 +164,11 @@ def fit(cfg: dict) -> None:
     if "hf_config" in cfg:  # a Hugging Face decoder built from its config (bring your own model)
         from lightning_2d.hf import HFCausalLMModule
 
+        if cfg.get("without_builtin_init"):  # as before #10: no init route for RMSNorm and rotary buffers
+            import lightning_2d.parallel.plans as plans
+
+            plans.known_init_hooks = lambda model: None
+
         module = HFCausalLMModule(
             cfg["hf_config"], learning_rate=cfg.get("lr", 1e-3), warmup_steps=2, max_steps=cfg["steps"],
             init_seed=cfg.get("init_seed"), attn_implementation=cfg.get("attn_implementation", "sdpa"),
