@@ -1,8 +1,12 @@
-"""``lightning-2d``: LightningCLI over ``LlamaLightningModule`` and ``TextDataModule``.
+"""``lightning-2d``: LightningCLI over the LM modules (``LlamaLightningModule`` by default) and ``TextDataModule``.
 
     lightning-2d fit --config recipes/debug_cpu.yaml
     lightning-2d fit --config recipes/debug_cpu.yaml --print_config
     lightning-2d fit --trainer.strategy=model_parallel_2d --trainer.devices=4 --trainer.accelerator=cpu
+
+The model is any ``CausalLMModule``: a recipe's ``model:`` section without ``class_path`` configures
+``LlamaLightningModule``; ``class_path: lightning_2d.hf.HFCausalLMModule`` trains a Hugging Face
+decoder (``recipes/hf_llama_cpu.yaml``).
 
 Subcommands: ``fit``, ``validate``, ``test``, ``predict``. A ``ThroughputMonitor`` is always on
 (``--throughput.*`` configures it). The other subcommands (``TOOLS``): ``export CHECKPOINT
@@ -21,17 +25,19 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_2d  # noqa: F401  (registers the "model_parallel_2d" strategy name)
 from lightning_2d.callbacks import ThroughputMonitor
 from lightning_2d.data import TextDataModule
-from lightning_2d.module import LlamaLightningModule
+from lightning_2d.module import CausalLMModule
 
 
 class Lightning2DCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ThroughputMonitor, "throughput")
+        # Recipes written for the Llama module keep working without a class_path.
+        parser.set_defaults({"model": {"class_path": "lightning_2d.LlamaLightningModule"}})
 
     def _check_vocabulary(self) -> None:
         # Before any process is launched: a model that cannot embed every token id fails here.
-        if isinstance(self.datamodule, TextDataModule) and isinstance(self.model, LlamaLightningModule):
-            self.datamodule.check_model(self.model.model_args.vocab_size)
+        if isinstance(self.datamodule, TextDataModule) and isinstance(self.model, CausalLMModule):
+            self.datamodule.check_model(self.model.vocab_size)
         if isinstance(self.datamodule, TextDataModule):
             self.datamodule.check_prepared()  # a big corpus without a cache fails before any process starts
 
@@ -46,6 +52,11 @@ class Lightning2DCLI(LightningCLI):
 
     def before_predict(self) -> None:
         self._check_vocabulary()
+
+
+#: What every ``lightning-2d`` parser builds (``fit`` … and ``prepare-data``): any ``CausalLMModule``
+#: (``LlamaLightningModule`` when a recipe gives no ``class_path``) and a ``TextDataModule``.
+MODEL_AND_DATA = {"model_class": CausalLMModule, "datamodule_class": TextDataModule, "subclass_mode_model": True}
 
 
 #: Shown by ``lightning-2d --help``: the subcommands that are not LightningCLI's.
@@ -64,8 +75,7 @@ DESCRIPTION = (
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DCLI:
     """Build (and with ``run=True`` run) the CLI; ``args=None`` reads ``sys.argv``."""
     return Lightning2DCLI(
-        LlamaLightningModule,
-        TextDataModule,
+        **MODEL_AND_DATA,
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},

@@ -1013,9 +1013,9 @@ class TextDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         module = self.trainer.lightning_module if self.trainer is not None else None
-        model_args = getattr(module, "model_args", None)
-        if model_args is not None:
-            self.check_model(model_args.vocab_size)
+        vocab_size = getattr(module, "vocab_size", None)  # the LM modules of lightning_2d (CausalLMModule)
+        if isinstance(vocab_size, int):
+            self.check_model(vocab_size)
         if self.train_dataset is not None:
             return
         self._folder = self._ensure_cache()

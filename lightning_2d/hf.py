@@ -560,7 +560,9 @@ def export_hf(
     to the safetensors header; the name mapping and the RoPE permutation are ours either way.
 
     Args:
-        checkpoint: A sharded checkpoint folder or a full checkpoint file of ``LlamaLightningModule``.
+        checkpoint: A sharded checkpoint folder or a full checkpoint file of ``LlamaLightningModule``
+            (names mapped, RoPE rows permuted) or of ``HFCausalLMModule`` (the weights as they are,
+            ``config.json`` from the config the checkpoint records).
         out_dir: Where the Hugging Face directory is written.
         dtype: Dtype of the exported weights (default: as stored).
         max_shard_bytes: Start a new ``.safetensors`` file beyond this size.
@@ -581,8 +583,32 @@ def export_hf(
     source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)
     if not source.weights:
         raise ExportError(f"{checkpoint} holds no model weights (expected keys under '{STATE_DICT_PREFIX}')")
-    args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
-    check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
+    # The last weight's dtype (all weights share one in our checkpoints).
+    out_dtype = dtype or source.weights[-1].dtype
+    native_config = (source.metadata or {}).get("hf_config")
+    if native_config is not None:
+        # An HFCausalLMModule checkpoint: the weights already have the model's names and layout.
+        if model is not None or model_overrides:
+            raise ExportError(
+                f"{checkpoint} is a checkpoint of a Hugging Face model (HFCausalLMModule) and records its own"
+                " config; --model/--model-overrides apply to LlamaLightningModule checkpoints only: drop them"
+            )
+        hf_key: Any = str
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(dtype or tensor.dtype).contiguous()
+
+        config = {**native_config, "torch_dtype": str(out_dtype).removeprefix("torch."),
+                  "dtype": str(out_dtype).removeprefix("torch.")}
+    else:
+        args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
+        check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
+        hf_key = hf_name
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return to_hf_tensor(name, tensor, args, dtype)
+
+        config = hf_config(args, out_dtype)
     shards = plan_shards(source.weights, dtype, max_shard_bytes)
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -596,7 +622,7 @@ def export_hf(
     weight_map: dict[str, str] = {}
     total = 0
     for file, names in zip(files, shards):
-        tensors = {hf_name(name): to_hf_tensor(name, tensor, args, dtype) for name, tensor in source.read(names)}
+        tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -605,9 +631,7 @@ def export_hf(
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    # As before: the dtype of the last weight (all weights share one in our checkpoints).
-    out_dtype = dtype or source.weights[-1].dtype
-    (out_dir / "config.json").write_text(json.dumps(hf_config(args, out_dtype), indent=1))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     return out_dir
 
 

@@ -55,6 +55,11 @@ class CausalLMModule(L.LightningModule):
     def init_seed(self) -> int | None:
         return self.hparams.init_seed
 
+    @property
+    def vocab_size(self) -> int:
+        """Size of the model's vocabulary (every token id of the data must be below it)."""
+        raise NotImplementedError
+
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return next_token_loss(self(batch["input_ids"]), batch["labels"], self.device_mesh)
@@ -192,6 +197,10 @@ class LlamaLightningModule(CausalLMModule):
         else:
             self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_args.vocab_size
 
     # ---- model construction -------------------------------------------------------------------
     def weights_source(self) -> HFWeights | None:

@@ -82,8 +82,7 @@ def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
     """
     from lightning.pytorch.cli import LightningArgumentParser
 
-    from lightning_2d.cli import Lightning2DCLI
-    from lightning_2d.module import LlamaLightningModule
+    from lightning_2d.cli import MODEL_AND_DATA, Lightning2DCLI
 
     class DataOnlyCLI(Lightning2DCLI):
         """``lightning-2d fit``'s parser (no subcommand); instantiates the data module only."""
@@ -106,7 +105,7 @@ def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
         cli = DataOnlyCLI(
             # Last: a recipe's seed_everything would seed (and log) for nothing here.
-            LlamaLightningModule, TextDataModule, args=[*_normalized_args(argv), "--seed_everything=false"], run=False,
+            **MODEL_AND_DATA, args=[*_normalized_args(argv), "--seed_everything=false"], run=False,
             parser_kwargs={"prog": "lightning-2d prepare-data", "description": DESCRIPTION},
         )
     workers = cli.config["num_workers"]

@@ -162,6 +162,9 @@ def parallelize_model(
             # Over a 1-rank data-parallel mesh there is no all-gather to shrink (as torchtitan).
             fsdp_float8_all_gather=config.fsdp_float8_all_gather and dp_mesh.size() > 1,
             tensor_parallel_size=tp_mesh.size(),
+            # The head stays in high precision (as torchtitan): the plan's output unit names it
+            # (Llama's `output`, a Hugging Face decoder's `lm_head`).
+            skip=plan.output_unit or ("output",),
         )
         plan = replace(plan, tensor_parallel=float8_tensor_parallel_plan(plan.tensor_parallel, model))
     if tp_mesh.size() > 1 and plan.tensor_parallel:

@@ -20,7 +20,7 @@ QWEN2 = {**LLAMA, "model_type": "qwen2"}
 VARIANTS = {
     # name: (hf config, strategy options)
     "llama_sp_loss_parallel": (LLAMA, {"sequence_parallel": True, "loss_parallel": True}),
-    "llama_no_sp": (LLAMA, {"sequence_parallel": False}),
+    "llama_no_sp": (LLAMA, {"sequence_parallel": False, "save_checkpoint": True}),
     "qwen2_sp_ac": (QWEN2, {"sequence_parallel": True, "activation_checkpointing": "full"}),
 }
 
@@ -106,3 +106,22 @@ def test_a_meta_built_model_left_uninitialized_stops_before_step_1_naming_each_t
     assert "model.layers.0.input_layernorm.weight (parameter of LlamaRMSNorm): LlamaRMSNorm has no reset_parameters()" in log
     assert "model.rotary_emb.inv_freq (non-persistent buffer of LlamaRotaryEmbedding)" in log
     assert not list(result.out_dir.glob("rank*.json"))  # no rank trained
+
+
+def test_the_sharded_checkpoint_of_an_hf_module_exports_as_the_model_trained(jobs, tmp_path):
+    """`lightning-2d export` on the DCP folder written at 2×2: the weights as they are (no renaming or
+    RoPE permutation for a transformers model) and the config the module recorded."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from lightning_2d.hf import export_hf
+
+    result = parallel(jobs, "llama_no_sp")
+    export_hf(result.out_dir / "final_ckpt", tmp_path / "hf_out")
+    exported = load_file(tmp_path / "hf_out" / "model.safetensors")
+    trained = load_weights(result, "final")
+    assert exported.keys() == trained.keys()
+    for name, value in trained.items():
+        assert torch.equal(exported[name], value), name
+    config = AutoConfig.from_pretrained(tmp_path / "hf_out")
+    assert (config.model_type, config.num_key_value_heads, config.tie_word_embeddings) == ("llama", 2, False)

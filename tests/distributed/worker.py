@@ -221,6 +221,8 @@ def fit(cfg: dict) -> None:
         callbacks=[recorder],
     )
     trainer.fit(module, loader)
+    if cfg.get("save_checkpoint"):
+        trainer.save_checkpoint(out_dir / "final_ckpt")  # a sharded (DCP) folder under the 2D strategy
     result = {
         "reduce_scatters": reduce_scatters["n"],
         "losses": recorder.losses,

@@ -202,3 +202,44 @@ def test_flops_per_token_counts_the_projections_and_attention():
     module = HFCausalLMModule(LLAMA)
     per_layer = 32 * 8 * (2 * 4 + 2 * 2) + 3 * 32 * 64  # q, k, v, o (GQA) + SwiGLU
     assert module.flops_per_token(16) == 6 * (2 * per_layer + 128 * 32) + 12 * 2 * 4 * 8 * 16
+
+
+def test_a_trained_hf_module_exports_to_a_directory_transformers_loads(tmp_path):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_2d.hf import export_hf
+
+    module = HFCausalLMModule(LLAMA, warmup_steps=1, max_steps=2, init_seed=5)
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    trainer.save_checkpoint(tmp_path / "hf.ckpt")
+    with pytest.raises(ValueError, match=r"records its own config; --model/--model-overrides apply to LlamaLightningModule"):
+        export_hf(tmp_path / "hf.ckpt", tmp_path / "refused", model="debug")
+    assert not (tmp_path / "refused").exists()
+    export_hf(tmp_path / "hf.ckpt", tmp_path / "hf_out", dtype=torch.float32)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config.num_key_value_heads == 2
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens[:, :-1]).logits, module(tokens[:, :-1]), rtol=0, atol=0)
+
+
+def test_float8_converts_the_projections_and_keeps_the_head_in_high_precision():
+    pytest.importorskip("torchao")
+    from lightning_2d.parallel import ParallelDims, parallelize_model
+    from lightning_2d.planner import fake_world
+
+    model = meta_model()
+    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=False,
+                            float8="emulate").resolve_dtypes("32-true")
+    with fake_world(4):
+        parallelize_model(model, ParallelDims(1, 2, 2).build_mesh("cpu"), hf_decoder_plan(model.config, config, module=""), config)
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Float8Linear)
+    assert isinstance(model.model.layers[1].mlp.down_proj, Float8Linear)
+    assert not isinstance(model.lm_head, Float8Linear)  # the plan's output unit stays in high precision

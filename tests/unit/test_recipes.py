@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -14,6 +15,19 @@ from lightning_2d.parallel import validate_parallel_dims
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 STRATEGY_KEYS = set(ParallelConfig.__dataclass_fields__)
+
+
+def build_module(model: dict):
+    """The recipe's LightningModule: ``class_path`` + ``init_args``, or LlamaLightningModule's arguments."""
+    if "class_path" not in model:
+        return LlamaLightningModule(**model)
+    module_name, _, name = model["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module_name), name)(**model.get("init_args", {}))
+
+
+def max_seq_len(module) -> int:
+    args = getattr(module, "model_args", None)
+    return args.max_seq_len if args is not None else module.hf_config.max_position_embeddings
 
 
 def test_recipes_exist():
@@ -39,7 +53,7 @@ def test_recipe_layout_is_valid_for_its_world(recipe):
     trainer, model, data = config["trainer"], config["model"], config["data"]
     options = {k: v for k, v in trainer["strategy"]["init_args"].items() if k in STRATEGY_KEYS}
     parallel = ParallelConfig(**options)
-    module = LlamaLightningModule(model["model"])
+    module = build_module(model)
     dims = validate_parallel_dims(
         parallel,
         world_size=trainer["devices"] * trainer.get("num_nodes", 1),
@@ -50,6 +64,6 @@ def test_recipe_layout_is_valid_for_its_world(recipe):
         num_nodes=trainer.get("num_nodes", 1),
     )
     assert dims.dp * dims.tp == trainer["devices"] * trainer.get("num_nodes", 1)
-    assert data["seq_len"] <= module.model_args.max_seq_len
+    assert data["seq_len"] <= max_seq_len(module)
     if trainer.get("num_nodes", 1) > 1:
         assert dims.tp <= trainer["devices"]  # tensor parallel stays inside a node
