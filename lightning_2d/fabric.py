@@ -32,6 +32,7 @@ from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.materialize import materialize_model
+from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
 from lightning_2d.parallel.strategy_base import FabricFSDP2Precision, ModelParallel2DBase, signature_with
 
@@ -114,9 +115,9 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     ) -> torch.Tensor:
         """Clip to the global norm over DTensor gradients on any mix of meshes (the single-device norm)."""
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(
-            self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
-        )
+        # Under non_finite="skip" a NaN/inf norm is the step guard's to handle (it drops the step).
+        strict = error_if_nonfinite and self.parallel_config.non_finite == "raise"
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=strict)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
@@ -143,6 +144,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             raise ValueError(
                 f"fabric.save needs exactly one model in the state (got {len(modules)}): state={{'model': model, ...}}"
             )
+        check_finite_weights(modules[0], path)  # never a checkpoint of NaN weights
         options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
         tensors: dict[str, Any] = {}
         metadata: dict[str, Any] = {"lightning_2d": {"layout": self._layout()}}

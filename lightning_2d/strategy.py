@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_2d.checkpoint import remove_path, save_full_checkpoint
 from lightning_2d.parallel.fsdp import gradient_sync
+from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
 from lightning_2d.parallel.strategy_base import FSDP2Precision, ModelParallel2DBase
 
@@ -121,6 +122,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         """Sharded (DCP) or full checkpoint that is complete or recognisably incomplete, never half-valid."""
         path = self._checkpoint_path_to_save(filepath, storage_options)
         assert self._checkpoint_writer is not None
+        if self.lightning_module is not None:
+            check_finite_weights(self.lightning_module, path)  # never a checkpoint of NaN weights
         checkpoint["lightning_2d"] = {"layout": self._layout()}
         if self._save_distributed_checkpoint:
             state = {"state_dict": checkpoint.pop("state_dict")}

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 AC_MODES = ("none", "full", "selective")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RESHARD_POLICIES = ("default", "always", "never")
+NON_FINITE_POLICIES = ("raise", "skip")
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
 PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "32-true": (torch.float32, torch.float32),
@@ -119,6 +120,10 @@ class ParallelConfig:
             every micro-batch (least memory) instead of once, after the last micro-batch (the
             default: ``n - 1`` of ``n`` reduce-scatters saved, but between micro-batches each rank
             holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
+        non_finite: What a step whose loss or gradients are NaN/inf on any rank does, decided by
+            all ranks together before the update (``lightning_2d.parallel.guard``): ``"raise"``
+            stops every rank naming the step and the ranks; ``"skip"`` drops that step's gradients
+            everywhere (weights and optimizer state unchanged) and goes on.
     """
 
     data_parallel_size: Size = "auto"
@@ -137,6 +142,7 @@ class ParallelConfig:
     fsdp_float8_all_gather: bool = False
     async_tensor_parallel: bool = False
     reduce_every_micro_batch: bool = False
+    non_finite: str = "raise"
 
     def __post_init__(self) -> None:
         raise_if_problems(self.static_problems())
@@ -181,6 +187,11 @@ class ParallelConfig:
         if self.float8 not in (True, False, "emulate"):
             problems.append(f"float8={self.float8!r} is invalid; use True, False or 'emulate' (no float8 hardware needed)")
         problems += float8_recipe_problems(self.float8_recipe, self.fsdp_float8_all_gather, "float8_recipe")
+        if self.non_finite not in NON_FINITE_POLICIES:
+            problems.append(
+                f"non_finite={self.non_finite!r} is not a policy; choose 'raise' (stop, naming the step and"
+                " ranks) or 'skip' (drop the step's gradients on every rank and go on)"
+            )
         if self.fsdp_float8_all_gather and not self.float8:
             problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")
         return problems

@@ -44,6 +44,7 @@ from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
+from lightning_2d.parallel.guard import finite_flag, guard_step
 from lightning_2d.parallel.loss import backward_context
 
 
@@ -119,6 +120,9 @@ class ModelParallel2DBase:
             single full file assembled on rank 0.
         async_checkpoint: Write sharded checkpoints in a background thread after copying them to CPU
             memory, so training continues during the write.
+        non_finite: A step with a NaN/inf loss or gradient on any rank: ``"raise"`` (stop every rank,
+            naming the step and ranks) or ``"skip"`` (drop its gradients everywhere, go on). A
+            checkpoint is never saved from non-finite weights.
         process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
         timeout: Process-group timeout.
     """
@@ -150,6 +154,7 @@ class ModelParallel2DBase:
         init_seed: Optional[int] = None,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
+        non_finite: Literal["raise", "skip"] = "raise",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -252,10 +257,55 @@ class ModelParallel2DBase:
             self._first_loss_checked = True
             check_first_loss(tensor)
         with backward_context(tensor, self.parallel_config.loss_parallel):
-            return super().backward(tensor, *args, **kwargs)  # type: ignore[misc]
+            output = super().backward(tensor, *args, **kwargs)  # type: ignore[misc]
+        # Every micro-batch's loss as a device flag (no host sync here), read by the step guard; after
+        # backward, so that what `on_before_backward` hooks did to the loss counts too.
+        local = tensor.detach().to_local() if hasattr(tensor, "to_local") else tensor.detach()
+        finite = finite_flag([local], local.device)
+        flag = getattr(self, "_loss_flag", None)
+        self._loss_flag = finite if flag is None else flag * finite.to(flag.device)
+        return output
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+    def _step_number(self) -> int:
+        """The optimizer step about to be taken, counted from 1 (the Trainer's ``global_step + 1``)."""
+        module = getattr(self, "lightning_module", None)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:
+            return int(trainer.global_step) + 1
+        return getattr(self, "_optimizer_steps", 0) + 1
+
+    def _guard_step(self, optimizer: Optimizer) -> bool:
+        """All ranks agree whether the losses and gradients since the last step are finite (``guard_step``)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        flag = getattr(self, "_loss_flag", None)
+        self._loss_flag = None
+        if flag is None:  # no backward through the strategy (e.g. a manual loop without it)
+            flag = torch.ones((), device=self.root_device)  # type: ignore[attr-defined]
+        return guard_step(params, flag, self._step_number(), self.parallel_config.non_finite)
+
+    def optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Guard the step (``non_finite``), update, then refresh float8 scales.
+
+        The Trainer passes a closure that runs forward and backward inside the step: the guard runs
+        right after it, before gradient clipping and ``on_before_optimizer_step``. Fabric calls this
+        after the user's ``fabric.backward``: the guard runs first.
+        """
+        closure = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
+        if closure is not None:
+
+            def guarded_closure() -> Any:
+                result = closure()
+                self._guard_step(getattr(optimizer, "optimizer", optimizer))
+                return result
+
+            if "closure" in kwargs:
+                kwargs["closure"] = guarded_closure
+            else:
+                args = (guarded_closure, *args[1:])
+        else:
+            self._guard_step(getattr(optimizer, "optimizer", optimizer))
+        self._optimizer_steps = getattr(self, "_optimizer_steps", 0) + 1
+        output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
         # Float8 all-gather weights: their scales for the next step, in one all-reduce.
         for module in self._float8_modules():
             precompute_float8_scales(module)

@@ -141,6 +141,26 @@ def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
             "head_loss_fn": model.output.linear_cross_entropy.__name__}
 
 
+class InjectNaN(L.Callback):
+    """At optimizer step ``step`` (from 1), on rank ``rank`` only: a NaN in this rank's local gradient shard
+    (after the reduce-scatter, so no other rank sees it) or in its loss (before backward)."""
+
+    def __init__(self, step: int, rank: int, where: str) -> None:
+        self.step, self.rank, self.where = step, rank, where
+
+    def _now(self, trainer) -> bool:
+        return trainer.global_step + 1 == self.step and trainer.global_rank == self.rank
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.where == "loss" and self._now(trainer):
+            loss.mul_(float("nan"))
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.where == "grad" and self._now(trainer):
+            grad = next(p.grad for p in pl_module.model.parameters() if p.grad is not None)
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+
+
 STRATEGY_OPTIONS = (
     "activation_checkpointing",
     "selective_ac_option",
@@ -154,6 +174,7 @@ STRATEGY_OPTIONS = (
     "float8",
     "fsdp_float8_all_gather",
     "data_parallel_replicate_size",
+    "non_finite",
 )
 
 
@@ -203,7 +224,10 @@ def fit(cfg: dict) -> None:
         loader = DataLoader(data, batch_size=cfg["global_batch"], sampler=sampler)
     else:
         loader = DataLoader(data, batch_size=cfg["global_batch"] // dp // accumulate)
-    recorder = Recorder(out_dir, cfg.get("save_weights", True))
+    recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())))
+    callbacks = [recorder]
+    if "inject_nan" in cfg:
+        callbacks.append(InjectNaN(**cfg["inject_nan"]))
     reduce_scatters = count_reduce_scatters()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -218,7 +242,7 @@ def fit(cfg: dict) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=callbacks,
     )
     trainer.fit(module, loader)
     if cfg.get("save_checkpoint"):

@@ -1,0 +1,41 @@
+"""A NaN on one rank is caught on every rank before it reaches a weight: stopped, or skipped everywhere."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.distributed.conftest import PARITY, load_weights
+
+LAYOUT = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2}
+
+
+def test_a_nan_gradient_on_one_rank_is_skipped_on_every_rank(jobs):
+    """Rank 1's local gradient shard, after the reduce-scatter (no other rank sees it), gets a NaN at
+    step 3. Under non_finite='skip' every rank drops the step: the weights after step 3 are bit-equal
+    to those after step 2, the run goes on and ends finite."""
+    config = {**LAYOUT, "non_finite": "skip", "weights_at_steps": [2, 3],
+              "inject_nan": {"step": 3, "rank": 1, "where": "grad"}}
+    result = jobs.run("nan_grad_skip", "fit", config)
+    before, after = load_weights(result, "weights_step2"), load_weights(result, "weights_step3")
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    final = load_weights(result, "final")
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert any(not torch.equal(final[n], before[n]) for n in before)  # steps 4-6 trained
+    reference = jobs.reference().rank_output(0)["losses"]
+    for rank in range(4):
+        losses = result.rank_output(rank)["losses"]
+        assert all(math.isfinite(x) for x in losses)
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses[:3], reference[:3])) <= 1e-5  # up to step 3
+    assert "Step 3 skipped on every rank (non-finite gradients on rank(s) [1])" in result.logs[0]
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_update(jobs):
+    config = {**LAYOUT, "inject_nan": {"step": 3, "rank": 1, "where": "loss"}}  # non_finite='raise', the default
+    result = jobs.run("nan_loss_raise", "fit", config, expect_ok=False)
+    assert not result.ok and not result.timed_out
+    log = result.logs[result.failed_rank()]
+    assert "NonFiniteStepError: Step 3 stopped before the update (non-finite loss on rank(s) [1]" in log
+    assert "no weight was changed" in log
