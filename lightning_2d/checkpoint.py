@@ -19,6 +19,7 @@ Both the Trainer and the Fabric strategies use this module.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -44,6 +45,118 @@ CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 STEP_PATTERN = re.compile(r"(?<![a-z])step[=_-]?(\d+)", re.IGNORECASE)
 # The key our strategies put in every checkpoint: what tells our full ``.pt`` files from tensor dumps.
 FULL_FILE_MARK = b"lightning_2d"
+
+
+# ---- integrity: DCP's metadata read safely, files checked against it ---------------------------
+# DCP writes its `.metadata` with pickle and its own reader loads it with a plain `pickle.load`:
+# a tampered file would run code. Only DCP's metadata types (and what they hold) are built here.
+_DCP_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+)
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict unpickling: every global goes through ``find_class``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_METADATA_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of DCP's metadata")
+
+
+def read_dcp_metadata(folder: Path) -> Any:
+    """DCP's ``Metadata`` of a sharded checkpoint folder, unpickled with only DCP's own types."""
+    with open(Path(folder) / DCP_METADATA_FILE, "rb") as f:
+        return DCPMetadataUnpickler(f).load()
+
+
+def shard_size_problems(folder: Path, metadata: Any) -> list[str]:
+    """``.distcp`` files that are missing or shorter than DCP's metadata says (a copy cut short, a
+    shard lost or truncated after saving); one line per file."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
+    problems = []
+    for relative, size in sorted(needed.items()):
+        file = Path(folder) / relative
+        if not file.is_file():
+            problems.append(f"{relative}: missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{relative}: {file.stat().st_size:,} bytes, but the metadata places data up to byte {size:,}")
+    return problems
+
+
+def damage(path: Path) -> list[str]:
+    """What is wrong with a checkpoint that looks complete (empty: nothing found). Reads metadata and
+    file sizes only, never the tensors: DCP's ``.metadata`` must unpickle, every shard must hold the
+    bytes it lists, ``meta.pt`` must be an intact archive (CRC-checked; it is small); a full file's
+    archive directory (at its end) must be readable."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            metadata = read_dcp_metadata(path)
+        except Exception as err:  # a truncated or garbage pickle raises anything from EOFError on
+            return [f"{DCP_METADATA_FILE}: unreadable ({type(err).__name__}: {err})"]
+        problems = shard_size_problems(path, metadata)
+        try:
+            with zipfile.ZipFile(path / METADATA_FILE) as archive:
+                bad = archive.testzip()
+            if bad is not None:
+                problems.append(f"{METADATA_FILE}: entry {bad} fails its CRC check")
+        except (zipfile.BadZipFile, OSError) as err:
+            problems.append(f"{METADATA_FILE}: not a readable torch archive ({err})")
+        return problems
+    try:
+        with zipfile.ZipFile(path):
+            return []
+    except (zipfile.BadZipFile, OSError) as err:
+        return [f"not a readable torch archive ({err}); a file cut short or overwritten"]
+
+
+def stored_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """Name → full shape of the tensors a checkpoint stores under ``key`` (``"state_dict"``, or the
+    model's key in a ``fabric.save`` state), read from metadata only (sharded: DCP's ``.metadata``;
+    full file: the memory-mapped archive)."""
+    path = Path(path)
+    if path.is_dir():
+        metadata = read_dcp_metadata(path)
+        prefix = key + "."
+        return {
+            name[len(prefix):]: tuple(meta.size)
+            for name, meta in metadata.state_dict_metadata.items()
+            if name.startswith(prefix) and hasattr(meta, "size")
+        }
+    from lightning_2d.hf import load_checkpoint_file  # the weights-only loader with our safe types
+
+    stored = load_checkpoint_file(path, mmap=True).get(key) or {}
+    return {name: tuple(t.shape) for name, t in stored.items() if isinstance(t, torch.Tensor)}
+
+
+def shape_mismatches(
+    stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], strict: bool = True
+) -> list[str]:
+    """Where a checkpoint's tensors and a model's differ: missing in the checkpoint, shapes (checkpoint
+    vs model), and — when ``strict`` — tensors the model does not have (they would be dropped)."""
+    problems = [f"{name}: checkpoint {stored[name]}, model {shape}" for name, shape in expected.items()
+                if name in stored and tuple(stored[name]) != tuple(shape)]
+    missing = [name for name in expected if name not in stored]
+    unexpected = [name for name in stored if name not in expected] if strict else []
+    for label, names in (("missing from the checkpoint", missing), ("in the checkpoint but not in the model", unexpected)):
+        if names:
+            problems.append(f"{len(names)} tensor(s) {label}: {', '.join(names[:6])}{', …' if len(names) > 6 else ''}")
+    return problems
 
 
 # ---- completeness ------------------------------------------------------------------------------
@@ -144,17 +257,26 @@ def checkpoints_in(folder: Path) -> list[Path]:
     return sorted(found.values(), key=_order_key)
 
 
-def latest_checkpoint(folder: Path) -> Optional[Path]:
-    """The newest checkpoint of ``folder``, complete or not (what a run saved last), or ``None``.
+def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None) -> Optional[Path]:
+    """The newest complete, intact checkpoint of ``folder`` (``--resume latest``), or ``None``.
 
-    Meant for "resume from the latest": loading it through the strategies falls back to the newest
-    complete one and names the interrupted save (``resolve_checkpoint``).
+    Newer saves that never finished (or were damaged since) are skipped and, with ``warn``, named:
+    the work after the returned checkpoint is lost, and the user should know why.
 
     Args:
         folder: Where a run saves its checkpoints.
+        warn: Where to report skipped saves.
     """
-    found = checkpoints_in(folder)
-    return found[-1] if found else None
+    skipped = []
+    for candidate in reversed(checkpoints_in(folder)):
+        problems = damage(candidate) if is_complete(candidate) else ["incomplete"]
+        if not problems:
+            if skipped and warn is not None:
+                names = ", ".join(f"{p.name} is {'incomplete' if r == ['incomplete'] else 'damaged: ' + '; '.join(r)}" for p, r in skipped)
+                warn(f"Skipping interrupted save(s) in {folder} ({names}); resuming from {candidate}")
+            return candidate
+        skipped.append((candidate, problems))
+    return None
 
 
 def newest_complete_checkpoint(folder: Path, exclude: Optional[Path] = None) -> Optional[Path]:
@@ -174,8 +296,13 @@ def incomplete_checkpoints(folder: Path) -> list[Path]:
     return [p for p in checkpoints_in(folder) if not is_complete(p)]
 
 
-def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
-    """``path`` if complete; otherwise the newest complete sibling, with a warning; otherwise an error.
+class CheckpointError(FileNotFoundError):
+    """The checkpoint asked for cannot be loaded (missing, interrupted, damaged); names it and the way on."""
+
+
+def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool = False) -> Path:
+    """``path`` if it is complete and intact; otherwise an error naming it, or, with ``fall_back``
+    (``ckpt_path="last"``), the newest complete sibling with a warning.
 
     Also warns when the folder holds checkpoints newer than the one resumed from that never
     finished writing (a save interrupted by a crash): the work since is lost, and the user should
@@ -184,9 +311,15 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
     Args:
         path: The checkpoint asked for (a file, a sharded folder, or a link to one).
         warn: Where to report a fall-back or lost saves (rank 0's warning).
+        fall_back: Whether another checkpoint may stand in for ``path``: only when the user asked
+            for "the last one", never for a checkpoint named explicitly.
+
+    Raises:
+        CheckpointError: ``path`` cannot be loaded and no fall-back is allowed (or none exists).
     """
     path = Path(path)
-    if is_complete(path):
+    problems = damage(path) if is_complete(path) else []
+    if is_complete(path) and not problems:
         resolved = path.resolve()
         newer = [
             p for p in incomplete_checkpoints(path.parent)
@@ -197,10 +330,23 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
             warn(f"Skipping interrupted save(s) in {path.parent} ({names}); resuming from {path} ({resolved.name})")
         return path
     folder = path.parent
-    fallback = newest_complete_checkpoint(folder, exclude=path)
-    reason = "does not exist" if not path.exists() and not path.is_symlink() else "is incomplete (an interrupted save)"
+    if problems:
+        reason = "is damaged (" + "; ".join(problems) + ")"
+    elif not path.exists() and not path.is_symlink():
+        reason = "does not exist"
+    else:
+        reason = "is incomplete (an interrupted save)"
+    asked = path.resolve()
+    candidates = [p for p in reversed(checkpoints_in(folder)) if is_complete(p) and p.resolve() != asked] if folder.is_dir() else []
+    fallback = next((p for p in candidates if not damage(p)), None)  # a damaged one is no fall-back either
+    if not fall_back:
+        alternatives = f"; the newest complete one there is {fallback}" if fallback is not None else ""
+        raise CheckpointError(
+            f"Checkpoint {path} {reason}. Not resuming from another checkpoint, since this one was asked for"
+            f"{alternatives}. Pass that path, or ckpt_path=\"last\" to take the newest complete checkpoint."
+        )
     if fallback is None:
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"Checkpoint {path} {reason}, and {folder} holds no complete checkpoint to resume from instead."
         )
     warn(f"Checkpoint {path} {reason}; resuming from the newest complete checkpoint instead: {fallback}")
@@ -417,7 +563,18 @@ def save_full_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: in
     barrier()
 
 
-def resolve_on_rank_zero(path: Any, global_rank: int, broadcast: Callable[[Any], Any], warn: Callable[[str], None]) -> Path:
-    """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared."""
-    resolved = resolve_checkpoint(Path(path), warn=warn) if global_rank == 0 else None
-    return Path(broadcast(str(resolved)))
+def resolve_on_rank_zero(
+    path: Any, global_rank: int, broadcast: Callable[[Any], Any], warn: Callable[[str], None], fall_back: bool = False
+) -> Path:
+    """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared: an error
+    there is raised on every rank with the same message."""
+    answer: Any = None
+    if global_rank == 0:
+        try:
+            answer = str(resolve_checkpoint(Path(path), warn=warn, fall_back=fall_back))
+        except CheckpointError as err:
+            answer = err
+    answer = broadcast(answer if not isinstance(answer, CheckpointError) else ("error", str(answer)))
+    if isinstance(answer, (tuple, list)) and len(answer) == 2 and answer[0] == "error":
+        raise CheckpointError(answer[1])
+    return Path(answer)

@@ -178,6 +178,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             stateful = {
                 k: v for k, v in state.items() if isinstance(v, _Stateful) and not isinstance(v, (nn.Module, Optimizer))
             }
+        if isinstance(state, dict):
+            for key, obj in state.items():
+                if isinstance(obj, nn.Module):
+                    self._check_checkpoint_fits(resolved, key, obj, strict=strict)
         remainder = super().load_checkpoint(resolved, state, strict=strict, weights_only=weights_only)
         for key, obj in stateful.items():
             if isinstance(state, dict) and state.get(key) is not obj:

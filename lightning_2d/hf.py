@@ -27,9 +27,12 @@ import ctypes
 import importlib
 import json
 import math
+import os
 import pathlib
 import pickle
 import re
+import shutil
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -236,32 +239,6 @@ def load_checkpoint_file(path: Path, mmap: bool = False, allow_globals: Sequence
         ) from err
 
 
-# DCP writes its `.metadata` with pickle and its own reader loads it with a plain `pickle.load`:
-# a tampered file would run code. Only DCP's metadata types (and what they hold) are built here.
-_DCP_METADATA_GLOBALS = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-    }
-)
-
-
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    """Python's documented way to restrict unpickling: every global goes through ``find_class``."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _DCP_METADATA_GLOBALS or is_dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of DCP's metadata")
-
-
 class _ShardedCheckpoint:
     """The weights of a DCP checkpoint folder, read tensor by tensor without a process group.
 
@@ -273,11 +250,11 @@ class _ShardedCheckpoint:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-        from lightning_2d.checkpoint import DCP_METADATA_FILE, METADATA_FILE
+        from lightning_2d.checkpoint import DCP_METADATA_FILE, METADATA_FILE, DCPMetadataUnpickler, shard_size_problems
 
         try:
             with open(path / DCP_METADATA_FILE, "rb") as f:
-                dcp_metadata = _DCPMetadataUnpickler(f).load()
+                dcp_metadata = DCPMetadataUnpickler(f).load()
         except pickle.UnpicklingError as err:
             raise ExportError(
                 f"{path / DCP_METADATA_FILE} was not loaded: {err} (unpickling it could run code)"
@@ -294,6 +271,12 @@ class _ShardedCheckpoint:
             return dcp_metadata
 
         self.reader.read_metadata = read_metadata  # type: ignore[method-assign]
+        self.path = path
+        if problems := shard_size_problems(path, dcp_metadata):
+            raise ExportError(
+                f"{path} is damaged (cut short or incomplete after saving):\n  - " + "\n  - ".join(problems)
+                + "\nExport an earlier checkpoint, or copy this one again."
+            )
         self.key_prefix = f"state_dict.{STATE_DICT_PREFIX}"
         self.weights = [
             WeightInfo(key[len(self.key_prefix):], tuple(meta.size), meta.properties.dtype)
@@ -321,7 +304,13 @@ class _ShardedCheckpoint:
             with warnings.catch_warnings():
                 # On purpose: one process, no process group.
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load({self.key_prefix + name: tensor}, storage_reader=self.reader, no_dist=True)
+                try:
+                    dcp.load({self.key_prefix + name: tensor}, storage_reader=self.reader, no_dist=True)
+                except Exception as err:  # DCP wraps a reader's EOF/zip error in a CheckpointException
+                    raise ExportError(
+                        f"{self.path}: reading {name} failed ({type(err).__name__}: {str(err).splitlines()[0]}); the"
+                        " checkpoint is damaged (a shard corrupted after saving): export an earlier checkpoint"
+                    ) from err
             yield name, tensor
             del tensor  # before the next one is allocated
 
@@ -613,25 +602,34 @@ def export_hf(
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Files of an earlier export to the same folder would be read instead of ours or beside them
-    # (transformers prefers model.safetensors to an index): only this export's names remain.
-    for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
-        if stale.is_file() and stale.name not in files:
-            stale.unlink()
-    weight_map: dict[str, str] = {}
-    total = 0
-    for file, names in zip(files, shards):
-        tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
-        save_file(tensors, out_dir / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors  # before the next file is read: one file's tensors in memory at a time
-        _release_freed_memory()
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    # Written into a staging folder next to out_dir and moved in only once complete: a failure (a
+    # corrupt shard, a full disk) leaves out_dir as it was (absent, or an earlier export, intact).
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for file, names in zip(files, shards):
+            tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
+            save_file(tensors, staging / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors  # before the next file is read: one file's tensors in memory at a time
+            _release_freed_memory()
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        out_dir.mkdir(exist_ok=True)
+        # Files of an earlier export to the same folder would be read instead of ours or beside them
+        # (transformers prefers model.safetensors to an index): only this export's names remain.
+        for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
+            if stale.is_file() and stale.name not in files:
+                stale.unlink()
+        for staged in staging.iterdir():
+            os.replace(staged, out_dir / staged.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

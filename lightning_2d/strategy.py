@@ -137,6 +137,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self._checkpoint_to_load(checkpoint_path)
+        assert self.lightning_module is not None
+        self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading)
         metadata = super().load_checkpoint(path, weights_only=weights_only)
         self._restore_random_state(path, metadata.get("lightning_2d"))
         return metadata

@@ -74,10 +74,11 @@ def batches(loader: Any) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional[str]:
-    """What ``--resume`` asks for: a path, or for ``latest`` the newest checkpoint in ``--checkpoint-dir``.
+    """What ``--resume`` asks for: a path (loaded exactly, or an error naming it), or for ``latest`` the
+    newest complete checkpoint in ``--checkpoint-dir``.
 
-    "Newest" is the last save the run started, complete or not (``lightning_2d.checkpoint``, the
-    Trainer's rules); rank 0 decides and every rank gets its answer.
+    Newer saves that never finished are skipped with a warning naming them
+    (``lightning_2d.checkpoint.latest_checkpoint``); rank 0 decides and every rank gets its answer.
 
     Args:
         fabric: The launched Fabric.
@@ -85,7 +86,7 @@ def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional
     """
     if args.resume != "latest":
         return args.resume or None
-    found = latest_checkpoint(Path(args.checkpoint_dir)) if fabric.global_rank == 0 else None
+    found = latest_checkpoint(Path(args.checkpoint_dir), warn=fabric.print) if fabric.global_rank == 0 else None
     found = fabric.broadcast(None if found is None else str(found))
     if found is None:
         fabric.print(f"No checkpoint in {args.checkpoint_dir}: starting from scratch")

@@ -34,11 +34,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d.checkpoint import (
+    CheckpointError,
     ShardedCheckpointWriter,
     layout_of,
     make_writer,
     resolve_on_rank_zero,
     restore_random_state,
+    shape_mismatches,
+    stored_shapes,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
@@ -327,9 +330,34 @@ class ModelParallel2DBase:
             self._checkpoint_writer.wait()
 
     def _checkpoint_to_load(self, path: Any) -> Path:
-        """``path``, or the newest complete checkpoint next to it if its save never finished."""
+        """``path`` if complete and intact, else an error naming it; only a "last" checkpoint
+        (``ckpt_path="last"`` resolves to ``last*.ckpt``) falls back to the newest complete one."""
         self._wait_for_checkpoint_writes()
-        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn)  # type: ignore[attr-defined]
+        fall_back = Path(str(path)).name.startswith("last")
+        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn, fall_back=fall_back)  # type: ignore[attr-defined]
+
+    def _check_checkpoint_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True) -> None:
+        """Refuse, on every rank and before anything is loaded, a checkpoint whose tensors under ``key``
+        do not fit ``module`` (another model size, fewer layers): quoting both shapes. Rank 0 reads the
+        metadata; every rank raises the same error."""
+        problems: Any = None
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            # The names DCP saved under (wrapper prefixes of AC/compile removed); DTensors give full shapes.
+            state = get_model_state_dict(module)
+            expected = {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+            try:
+                problems = shape_mismatches(stored_shapes(path, key), expected, strict=strict)
+            except Exception as err:  # metadata unreadable: resolve_checkpoint reported damage already
+                problems = [f"its metadata cannot be read ({type(err).__name__}: {err})"]
+        problems = self.broadcast(problems)  # type: ignore[attr-defined]
+        if problems:
+            raise CheckpointError(
+                f"Checkpoint {path} does not fit the model {type(module).__name__} ({len(problems)} problem(s)):\n  - "
+                + "\n  - ".join(problems[:12]) + ("\n  - …" if len(problems) > 12 else "")
+                + "\nLoad it into the model it was saved from (its model args/config are in the checkpoint)."
+            )
 
     def _restore_random_state(self, path: Path, saved: Optional[dict[str, Any]]) -> None:
         restore_random_state(path, saved or {}, self._layout(), self.global_rank, rank_zero_info)  # type: ignore[attr-defined]

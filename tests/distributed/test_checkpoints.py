@@ -140,11 +140,15 @@ def test_a_save_killed_midway_is_never_resumed_from(setup):
     assert resumed.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
     assert "epoch=1-step=4.ckpt is incomplete" in resumed.logs[0]
 
-    # Asking for the broken checkpoint itself falls back to the newest complete one, and says so.
+    # Asking for the broken checkpoint itself is an error naming it (never a silent resume from another
+    # step), raised on every rank before anything is loaded, with the newest complete one as the way on.
     broken = setup["root"] / "crash_copy" / "epoch=1-step=4.ckpt"
-    fallback = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken))
-    assert fallback.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
-    assert f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete" in fallback.logs[0]
+    refused = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken), expect_ok=False)
+    assert not refused.ok and not refused.timed_out
+    log = refused.logs[refused.failed_rank()]
+    assert f"CheckpointError: Checkpoint {broken} is incomplete (an interrupted save). Not resuming" in log
+    assert f"the newest complete one there is {broken.parent / 'epoch=0-step=2.ckpt'}" in log
+    assert not list(refused.out_dir.glob("rank*.json"))  # nothing trained
 
 
 def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):

@@ -3,9 +3,8 @@
 A 2-process Fabric job (``recipes/fabric_pretrain.py``'s loop, (dp, tp) = (2, 1), CPU/gloo) saves
 ``step-000001/`` and ``step-000002/``; while it writes ``step-000003/`` rank 1 is SIGKILLed after
 the first bytes of its shard, and the launcher kills the rest. A second job started with
-``--resume latest`` calls ``fabric.load(".../step-000003")`` (the newest save the run started),
-which falls back to ``step-000002/``, names the interrupted save, restores the weights saved at
-step 2 and trains on exactly as the first job did. Two launches, ~50 s on a loaded 2-core machine.
+``--resume latest`` skips ``step-000003/`` (incomplete) naming it, loads ``step-000002/``, restores
+the weights saved at step 2 and trains on exactly as the first job did. Two launches, ~50 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -95,15 +94,15 @@ def test_a_rank_killed_mid_save_leaves_a_recognisably_incomplete_folder(crash_jo
     assert 0 < half < (ckpt / "step-000002" / "__1_0.distcp").stat().st_size
 
 
-def test_resuming_falls_back_to_the_previous_step_names_the_lost_save_and_trains_on(crash_jobs):
+def test_resuming_latest_takes_the_previous_step_names_the_lost_save_and_trains_on(crash_jobs):
     resumed, resume_dir = crash_jobs["resumed"], crash_jobs["resume_dir"]
     assert resumed.ok, resumed.describe()
     broken, fallback = resume_dir / "step-000003", resume_dir / "step-000002"
-    assert (f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete"
-            f" checkpoint instead: {fallback}") in resumed.logs[0]
+    assert (f"Skipping interrupted save(s) in {resume_dir} (step-000003 is incomplete); resuming from"
+            f" {fallback}") in resumed.logs[0]
     for rank in range(2):
         out = resumed.rank_output(rank)
-        assert out["loaded_from"] == str(broken)  # "latest" is the newest save started; fabric.load falls back
+        assert out["loaded_from"] == str(fallback)  # "latest": the newest complete save; fabric.load loads it
         assert out["resumed_step"] == 2 and len(out["loss"]) == MAX_STEPS - 2
     # The weights saved at step 2; then step 3 exactly as the crashed job trained it (optimizer, LR
     # schedule, data position and random states came back too).

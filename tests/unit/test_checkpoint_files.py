@@ -23,12 +23,21 @@ from lightning_2d.checkpoint import (
 
 
 def sharded(folder, name, complete=True):
+    """A sharded checkpoint as the strategies write it (a real DCP save, then ``meta.pt``); an
+    incomplete one has its shard but neither ``.metadata`` nor ``meta.pt``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
     path = folder / name
     (path / "rng").mkdir(parents=True)
-    (path / "__0_0.distcp").write_bytes(b"shard")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": on purpose
+        dcp.save({"state_dict": {"w": torch.arange(64.0)}}, checkpoint_id=path, no_dist=True)
     if complete:
-        (path / ".metadata").write_bytes(b"m")
-        (path / "meta.pt").write_bytes(b"m")
+        torch.save({"lightning_2d": {"layout": {"world_size": 1}}}, path / "meta.pt")
+    else:
+        (path / ".metadata").unlink()
     return path
 
 
@@ -60,7 +69,7 @@ def test_fall_back_to_the_newest_complete_checkpoint_and_say_so(tmp_path):
     sharded(tmp_path, "epoch=0-step=10.ckpt")  # newest by step, not by name order
     broken = sharded(tmp_path, "epoch=0-step=12.ckpt", complete=False)
     warnings: list[str] = []
-    assert resolve_checkpoint(broken, warnings.append) == tmp_path / "epoch=0-step=10.ckpt"
+    assert resolve_checkpoint(broken, warnings.append, fall_back=True) == tmp_path / "epoch=0-step=10.ckpt"
     assert warnings == [
         f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete checkpoint"
         f" instead: {tmp_path / 'epoch=0-step=10.ckpt'}"
@@ -79,9 +88,9 @@ def test_resuming_an_older_checkpoint_names_newer_interrupted_saves(tmp_path):
 def test_no_complete_checkpoint_is_an_error(tmp_path):
     broken = sharded(tmp_path, "x.ckpt", complete=False)
     with pytest.raises(FileNotFoundError, match=r"x\.ckpt is incomplete .* holds no complete checkpoint"):
-        resolve_checkpoint(broken, print)
+        resolve_checkpoint(broken, print, fall_back=True)
     with pytest.raises(FileNotFoundError, match=r"missing\.ckpt does not exist"):
-        resolve_checkpoint(tmp_path / "missing.ckpt", print)
+        resolve_checkpoint(tmp_path / "missing.ckpt", print, fall_back=True)
     assert newest_complete_checkpoint(tmp_path) is None
 
 
@@ -132,9 +141,12 @@ def test_fabric_folders_fall_back_to_the_newest_complete_one_and_name_the_lost_s
     broken = sharded(tmp_path, "step-000003", complete=False)
     assert newest_complete_checkpoint(tmp_path) == tmp_path / "step-000002"
     assert incomplete_checkpoints(tmp_path) == [broken]
-    assert latest_checkpoint(tmp_path) == broken  # what the run saved last; loading it falls back
+    warned: list[str] = []
+    # "latest": the newest complete one, naming the interrupted save after it.
+    assert latest_checkpoint(tmp_path, warned.append) == tmp_path / "step-000002"
+    assert len(warned) == 1 and "step-000003 is incomplete" in warned[0]
     warnings: list[str] = []
-    assert resolve_checkpoint(broken, warnings.append) == tmp_path / "step-000002"
+    assert resolve_checkpoint(broken, warnings.append, fall_back=True) == tmp_path / "step-000002"
     assert warnings == [
         f"Checkpoint {broken} is incomplete (an interrupted save); resuming from the newest complete checkpoint"
         f" instead: {tmp_path / 'step-000002'}"
@@ -161,7 +173,7 @@ def test_a_folder_counts_as_a_started_save_by_its_traces_whatever_its_name(tmp_p
     trace(started)
     assert is_checkpoint(started) and not is_complete(started)
     assert incomplete_checkpoints(tmp_path) == [started]
-    assert resolve_checkpoint(started, lambda _: None) == tmp_path / "run-a"
+    assert resolve_checkpoint(started, lambda _: None, fall_back=True) == tmp_path / "run-a"
 
 
 def test_mixed_schemes_order_by_step_then_time(tmp_path):
@@ -182,7 +194,7 @@ def test_without_step_numbers_the_newest_on_disk_wins(tmp_path):
     age(newer, 10)
     broken = sharded(tmp_path, "c-run", complete=False)
     warnings: list[str] = []
-    assert resolve_checkpoint(broken, warnings.append) == newer
+    assert resolve_checkpoint(broken, warnings.append, fall_back=True) == newer
     assert f"instead: {newer}" in warnings[0]
 
 
@@ -218,7 +230,7 @@ def test_a_link_and_its_target_count_once(tmp_path):
     os.symlink(broken.name, tmp_path / "last.ckpt")
     assert incomplete_checkpoints(tmp_path) == [broken]
     warnings: list[str] = []
-    assert resolve_checkpoint(tmp_path / "last.ckpt", warnings.append) == target
+    assert resolve_checkpoint(tmp_path / "last.ckpt", warnings.append, fall_back=True) == target
     assert warnings[0].startswith(f"Checkpoint {tmp_path / 'last.ckpt'} is incomplete")
 
 
@@ -227,8 +239,8 @@ def test_full_files_of_ours_count_under_any_torch_suffix(tmp_path):
     assert is_checkpoint(full) and is_complete(full)
     sharded(tmp_path, "step-000004", complete=False)
     warnings: list[str] = []
-    assert resolve_checkpoint(tmp_path / "step-000004", warnings.append) == full
-    assert latest_checkpoint(tmp_path) == tmp_path / "step-000004"
+    assert resolve_checkpoint(tmp_path / "step-000004", warnings.append, fall_back=True) == full
+    assert latest_checkpoint(tmp_path) == full
 
 
 def test_a_full_file_without_suffix_counts_when_it_is_ours(tmp_path):
@@ -240,3 +252,42 @@ def test_a_full_file_without_suffix_counts_when_it_is_ours(tmp_path):
 
 def test_no_checkpoint_at_all(tmp_path):
     assert latest_checkpoint(tmp_path) is None and checkpoints_in(tmp_path / "missing") == []
+
+
+def test_an_explicit_checkpoint_loads_exactly_or_fails_naming_it(tmp_path):
+    """Only "last" may stand in for another checkpoint: a mistyped or interrupted explicit path is an
+    error naming it and the newest complete alternative, never a silent resume from another step."""
+    from lightning_2d.checkpoint import CheckpointError
+
+    good = sharded(tmp_path, "step-000002")
+    broken = sharded(tmp_path, "step-000003", complete=False)
+    with pytest.raises(CheckpointError, match=r"step-000003 is incomplete \(an interrupted save\)\. Not resuming from"
+                       r" another checkpoint, since this one was asked for; the newest complete one there is .*step-000002"):
+        resolve_checkpoint(broken, print)
+    with pytest.raises(CheckpointError, match=r"step-00002 does not exist\. Not resuming"):
+        resolve_checkpoint(tmp_path / "step-00002", print)  # a typo
+    assert resolve_checkpoint(good, print) == good
+
+
+def test_a_damaged_checkpoint_is_named_with_its_file_and_skipped_only_for_last(tmp_path):
+    from lightning_2d.checkpoint import CheckpointError, damage
+
+    older = sharded(tmp_path, "step-000002")
+    newer = sharded(tmp_path, "step-000004")
+    assert damage(newer) == []
+    shard = newer / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short after the save completed
+    assert is_complete(newer) and damage(newer) == [
+        f"__0_0.distcp: 100 bytes, but the metadata places data up to byte {older.joinpath('__0_0.distcp').stat().st_size:,}"
+    ]
+    with pytest.raises(CheckpointError, match=r"step-000004 is damaged \(__0_0\.distcp: 100 bytes, but the metadata"):
+        resolve_checkpoint(newer, print)
+    warnings: list[str] = []
+    assert resolve_checkpoint(newer, warnings.append, fall_back=True) == older
+    (older / "meta.pt").write_bytes(b"garbage")
+    assert damage(older)[0].startswith("meta.pt: not a readable torch archive")
+    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint to resume from instead"):
+        resolve_checkpoint(newer, print, fall_back=True)  # a damaged one is no fall-back either
+    full = full_file(tmp_path, "step-000009.pt")
+    full.write_bytes(full.read_bytes()[:50])
+    assert damage(full)[0].startswith("not a readable torch archive")

@@ -64,3 +64,41 @@ def test_the_policy_is_checked_at_construction():
     with pytest.raises(ParallelConfigError, match=r"non_finite='ignore' is not a policy; choose 'raise'"):
         ModelParallel2DStrategy(non_finite="ignore")
     assert ModelParallel2DStrategy(non_finite="skip").parallel_config.non_finite == "skip"
+
+
+def _fit(module, tmp_path, ckpt_path=None, save_to=None):
+    """A 1-process Trainer under the 2D strategy (a real, 1-rank process group)."""
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=ModelParallel2DStrategy(), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    try:
+        trainer.fit(module, DataLoader(data, batch_size=2), ckpt_path=ckpt_path)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return trainer
+
+
+def test_resuming_into_another_model_size_is_refused_quoting_both_shapes(tmp_path):
+    from lightning_2d import LlamaLightningModule
+    from lightning_2d.checkpoint import CheckpointError
+
+    saved = tmp_path / "two_layers.ckpt"
+    _fit(LlamaLightningModule("debug", model_overrides={"n_layers": 2}, warmup_steps=1, max_steps=2), tmp_path,
+         save_to=saved)
+    fewer = LlamaLightningModule("debug", model_overrides={"n_layers": 1}, warmup_steps=1, max_steps=4)
+    with pytest.raises(CheckpointError, match=r"does not fit the model .*\n  - 9 tensor\(s\) in the checkpoint but not in"
+                       r" the model: model\.layers\.1\.attention\.wq\.weight"):
+        _fit(fewer, tmp_path, ckpt_path=saved)  # before: the second layer was silently dropped
+    wider = LlamaLightningModule("debug", model_overrides={"n_layers": 2, "dim": 256}, warmup_steps=1, max_steps=4)
+    with pytest.raises(CheckpointError, match=r"model\.tok_embeddings\.weight: checkpoint \(256, 128\), model \(256, 256\)"):
+        _fit(wider, tmp_path, ckpt_path=saved)

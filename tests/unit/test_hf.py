@@ -405,3 +405,36 @@ def test_a_block_cutting_heads_reads_only_the_heads_it_touches(exported, monkeyp
     weights.fill_block_(block, "layers.1.attention.wq.weight", tuple(wq.shape), (12, 16))
     assert torch.equal(block, wq[12:40, 16:80])
     assert requested == [(slice(0, 48), slice(16, 80))]  # heads 0-2, the block's columns only
+
+
+def test_a_failed_export_leaves_the_output_folder_as_it_was(trained, tmp_path, monkeypatch):
+    """A shard cut short (a copy interrupted): the export fails while reading it and neither creates the
+    output folder nor touches an earlier export there."""
+    import shutil
+
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(trained["sharded"], broken)
+    shard = next(broken.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10])  # the weights come first, then AdamW
+    with pytest.raises(ExportError, match=r"broken\.ckpt is damaged .*\n  - __0_0\.distcp: [\d,]+ bytes, but the metadata places data up to byte"):
+        export_hf(broken, tmp_path / "new_out")
+    assert not (tmp_path / "new_out").exists()
+    export_hf(trained["full"], tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    # A failure while writing (here: a full disk on the third file) leaves the earlier export intact too.
+    import safetensors.torch
+
+    calls = []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return save(tensors, path, metadata=metadata)
+
+    save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(trained["full"], tmp_path / "out", max_shard_bytes=60_000)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "out"]  # no staging folder left
