@@ -10,6 +10,7 @@ from typing import Any, Union
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_2d.hf import HFWeights, model_args_from_hf
@@ -220,6 +221,13 @@ class LlamaLightningModule(CausalLMModule):
         if self.model is not None:
             return
         strategy = self._trainer.strategy if self._trainer is not None else None
+        config = getattr(strategy, "parallel_config", None)
+        if getattr(config, "loss_parallel", False) and self.hparams.fused_loss:
+            rank_zero_warn(
+                "loss_parallel=True has no effect on LlamaLightningModule(fused_loss=True): the fused loss never"
+                " gathers the logits (each rank works on its vocabulary slice) whatever the option. Drop"
+                " loss_parallel, or use fused_loss=False to compute the loss from vocabulary-sharded logits."
+            )
         if getattr(strategy, "materializes_meta_modules", False):
             # The 2D strategy parallelizes the empty model, then allocates only each rank's shards.
             with torch.device("meta"):

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,9 +28,6 @@ from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
 from lightning_2d.parallel.strategy_base import FSDP2Precision, ModelParallel2DBase
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 __all__ = ["FSDP2Precision", "ModelParallel2DStrategy"]
 
@@ -79,6 +77,37 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             "plan": resolve_plan(module, self.parallel_config, self._plan),
             "seq_len": getattr(datamodule, "seq_len", None),
         }
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._launcher is None:  # processes created externally (torchrun, SLURM): each validates at setup
+            return
+        # The model and the datamodule reach the strategy only inside the launched function, i.e. in
+        # every process once they are spawned; the launcher's arguments carry them earlier. Check the
+        # plan's sizes and the sequence length here, in the launching process, before any rank starts.
+        launch = self._launcher.launch
+
+        def validate_then_launch(function: Any, *args: Any, **kwargs: Any) -> Any:
+            self._validate_before_launch([*args, *kwargs.values()])
+            return launch(function, *args, **kwargs)
+
+        self._launcher.launch = validate_then_launch  # type: ignore[method-assign]
+
+    def _validate_before_launch(self, arguments: list[Any]) -> None:
+        """``validate`` with the plan of the LightningModule and the ``seq_len`` of the datamodule found in
+        ``trainer.fit/validate/test/predict``'s arguments (skipped parts: found again in each process)."""
+        module = next((a for a in arguments if isinstance(a, pl.LightningModule)), None)
+        datamodule = next((a for a in arguments if isinstance(a, pl.LightningDataModule)), None)
+        plan = None
+        if module is not None:
+            try:
+                plan = resolve_plan(module, self.parallel_config, self._plan)
+            except Exception:  # a plan that needs the built model: checked in each process at setup
+                plan = None
+        seq_len = getattr(datamodule, "seq_len", None)
+        if plan is not None or seq_len is not None:
+            self.validate(plan=plan, seq_len=seq_len if isinstance(seq_len, int) else None)
 
     def _float8_modules(self) -> list[nn.Module]:
         module = self.lightning_module

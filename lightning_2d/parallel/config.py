@@ -35,6 +35,10 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
+#: What ``param_dtype``/``reduce_dtype`` may be (float16 would need a gradient scaler).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")
+
 Size = Union[int, Literal["auto"]]
 
 
@@ -180,10 +184,20 @@ class ParallelConfig:
                 f"reshard_after_forward={self.reshard_after_forward!r} is not a policy; choose one of"
                 f" {', '.join(repr(p) for p in RESHARD_POLICIES)}"
             )
+        for name in ("sequence_parallel", "loss_parallel", "compile", "fsdp_float8_all_gather", "async_tensor_parallel",
+                     "reduce_every_micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                problems.append(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype) and value not in DTYPE_NAMES:
-                problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(DTYPE_NAMES)}")
+                problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPE_NAMES)}")
+            elif value is not None and _dtype(value) not in SUPPORTED_DTYPES:
+                problems.append(
+                    f"{name}={value!r} is not supported: float16 needs a gradient scaler, which FSDP2 × TP does not"
+                    " offer here (as precision='16-mixed'); use 'bfloat16' (same memory, no scaling) or 'float32'"
+                )
         if self.float8 not in (True, False, "emulate"):
             problems.append(f"float8={self.float8!r} is invalid; use True, False or 'emulate' (no float8 hardware needed)")
         problems += float8_recipe_problems(self.float8_recipe, self.fsdp_float8_all_gather, "float8_recipe")

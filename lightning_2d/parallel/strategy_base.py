@@ -43,7 +43,7 @@ from lightning_2d.checkpoint import (
     shape_mismatches,
     stored_shapes,
 )
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
@@ -162,6 +162,7 @@ class ModelParallel2DBase:
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
+        raise_if_problems(process_group_problems(process_group_backend, timeout))
         self.parallel_config = ParallelConfig.from_options(locals())
         # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
         super().__init__(  # type: ignore[call-arg]
@@ -196,7 +197,9 @@ class ModelParallel2DBase:
         return []
 
     # ---- validation, process group, mesh ------------------------------------------------------
-    def validate(self, device_index: Optional[int] = None, plan: Optional[ParallelPlan] = None) -> ParallelDims:
+    def validate(
+        self, device_index: Optional[int] = None, plan: Optional[ParallelPlan] = None, seq_len: Optional[int] = None
+    ) -> ParallelDims:
         """Check the layout against the world, the model, the precision and the hardware; raises
         ``ParallelConfigError`` listing every problem.
 
@@ -208,6 +211,8 @@ class ModelParallel2DBase:
         context = self._validation_context()
         if plan is not None:
             context["plan"] = plan
+        if seq_len is not None:
+            context["seq_len"] = seq_len
         plugin = self._precision_plugin_2d()
         devices = self.parallel_devices  # type: ignore[attr-defined]
         return validate_parallel_dims(
@@ -231,6 +236,11 @@ class ModelParallel2DBase:
     def setup_environment(self) -> None:
         """Validate in this process, start the process group, build the mesh (not Lightning's 2D one)."""
         self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))  # type: ignore[attr-defined]
+        if self.parallel_config.loss_parallel and self.parallel_dims.tp == 1:
+            rank_zero_warn(
+                "loss_parallel=True has no effect with tensor_parallel_size=1: the logits are not sharded over a"
+                " vocabulary dimension. Set loss_parallel=False (or tensor_parallel_size > 1)."
+            )
         # What Lightning's ModelParallelStrategy.setup_environment does before building its 2D mesh:
         # the accelerator's device, then the seed reset, the world ranks and the process group.
         self.accelerator.setup_device(self.root_device)  # type: ignore[attr-defined]
@@ -365,6 +375,31 @@ class ModelParallel2DBase:
     def teardown(self) -> None:
         self._wait_for_checkpoint_writes()
         super().teardown()  # type: ignore[misc]
+
+
+#: Backends ``torch.distributed`` ships; a ``"cpu:gloo,cuda:nccl"`` style mapping is accepted too.
+PROCESS_GROUP_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
+
+
+def process_group_problems(backend: Any, timeout: Any) -> list[str]:
+    """Problems with ``process_group_backend``/``timeout``, found at construction instead of at spawn."""
+    problems = []
+    if backend is not None:
+        parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
+        if not isinstance(backend, str) or any(p not in PROCESS_GROUP_BACKENDS for p in parts):
+            problems.append(
+                f"process_group_backend={backend!r} is not a torch.distributed backend; use one of"
+                f" {', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)} (or 'cpu:gloo,cuda:nccl'), or None for the"
+                " device's default"
+            )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        problems.append(
+            f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=10)), not"
+            f" {type(timeout).__name__}: a plain number has no unit"
+        )
+    elif timeout is not None and timeout.total_seconds() <= 0:
+        problems.append(f"timeout={timeout!r} must be positive")
+    return problems
 
 
 class NonFiniteLossError(RuntimeError):

@@ -1,0 +1,144 @@
+"""Misconfigurations and bad inputs, one row each: every one is refused early (at construction, or in the
+launching process before any rank starts) with a message that names the value and the way out.
+
+The table is the README's "Troubleshooting" list; add a row for every new refusal. Cases that need
+real processes (a NaN on one rank, a damaged checkpoint at 2×2) live in tests/distributed/.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfigError, ParallelPlan, TextDataModule
+from lightning_2d.checkpoint import CheckpointError, resolve_checkpoint
+from lightning_2d.data import DataError
+
+
+def trainer(**strategy) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=4, strategy=ModelParallel2DStrategy(**strategy), logger=False,
+                     max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+
+
+def fit_before_spawn(module: L.LightningModule, datamodule: L.LightningDataModule | None = None, **strategy) -> None:
+    """``trainer.fit`` of a 4-process CPU job: must fail in this process, before any rank is started."""
+    trainer(**strategy).fit(module, datamodule=datamodule)
+
+
+def hf(**config):
+    from lightning_2d.hf import HFCausalLMModule
+
+    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return HFCausalLMModule({**base, **config})
+
+
+def plan_with_sp_styles() -> ParallelPlan:
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    return ParallelPlan(tensor_parallel={"fc": ColwiseParallel(), "norm": SequenceParallel()})
+
+
+def export_of(tmp_path: Path) -> None:
+    from lightning_2d.hf import main
+
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    main([str(tmp_path / "notes.txt"), str(tmp_path / "out")])
+
+
+def _hf_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+#: (case, what runs, the exception, a regular expression its message must match)
+CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
+    ("tensor_parallel_size 0", lambda _: ModelParallel2DStrategy(tensor_parallel_size=0),
+     ParallelConfigError, r"tensor_parallel_size must be a positive integer or 'auto', got 0"),
+    ("replicate size 0", lambda _: ModelParallel2DStrategy(data_parallel_replicate_size=0),
+     ParallelConfigError, r"data_parallel_replicate_size must be a positive integer, got 0"),
+    ("unknown AC mode", lambda _: ModelParallel2DStrategy(activation_checkpointing="sometimes"),
+     ParallelConfigError, r"activation_checkpointing='sometimes' is not a mode; choose one of 'none', 'full', 'selective'"),
+    ("bad selective option", lambda _: ModelParallel2DStrategy(activation_checkpointing="selective", selective_ac_option="x"),
+     ParallelConfigError, r"selective_ac_option='x' is invalid; use 'op'"),
+    ("unknown reshard policy", lambda _: ModelParallel2DStrategy(reshard_after_forward="maybe"),
+     ParallelConfigError, r"reshard_after_forward='maybe' is not a policy"),
+    ("a string for a flag", lambda _: ModelParallel2DStrategy(sequence_parallel="no"),
+     ParallelConfigError, r"sequence_parallel must be True or False, got 'no' \(str\)"),
+    ("float16 parameters", lambda _: ModelParallel2DStrategy(param_dtype="float16"),
+     ParallelConfigError, r"param_dtype='float16' is not supported: float16 needs a gradient scaler.*use 'bfloat16'"),
+    ("a dtype typo", lambda _: ModelParallel2DStrategy(reduce_dtype="bfloat"),
+     ParallelConfigError, r"reduce_dtype='bfloat' is not a dtype; use one of float32, fp32, bfloat16, bf16"),
+    ("float8 typo", lambda _: ModelParallel2DStrategy(float8="yes"),
+     ParallelConfigError, r"float8='yes' is invalid; use True, False or 'emulate'"),
+    ("float8 all-gather without float8", lambda _: ModelParallel2DStrategy(fsdp_float8_all_gather=True),
+     ParallelConfigError, r"fsdp_float8_all_gather=True needs float8=True"),
+    ("unknown non_finite policy", lambda _: ModelParallel2DStrategy(non_finite="ignore"),
+     ParallelConfigError, r"non_finite='ignore' is not a policy; choose 'raise'"),
+    ("a number as timeout", lambda _: ModelParallel2DStrategy(timeout=30),
+     ParallelConfigError, r"timeout=30 must be a datetime\.timedelta .*not int: a plain number has no unit"),
+    ("a negative timeout", lambda _: ModelParallel2DStrategy(timeout=timedelta(seconds=-1)),
+     ParallelConfigError, r"must be positive"),
+    ("a misspelled backend", lambda _: ModelParallel2DStrategy(process_group_backend="ncll"),
+     ParallelConfigError, r"process_group_backend='ncll' is not a torch\.distributed backend; use one of 'nccl', 'gloo'"),
+    ("world size mismatch", lambda _: trainer(data_parallel_size=3, tensor_parallel_size=2),
+     ParallelConfigError, r"data_parallel_size × tensor_parallel_size \(3 × 2 = 6\) must equal the world size \(4"),
+    ("float16 precision", lambda _: L.Trainer(accelerator="cpu", devices=4, strategy=ModelParallel2DStrategy(), precision="16-true"),
+     ParallelConfigError, r"precision='16-true' is not supported"),
+    ("heads not divisible, before spawn",
+     lambda _: fit_before_spawn(LlamaLightningModule("debug", model_overrides={"n_kv_heads": 2}), tensor_parallel_size=4),
+     ParallelConfigError, r"tensor_parallel_size \(4\) must divide n_kv_heads \(2\); try 1 or 2"),
+    ("sequence length not divisible, before spawn",
+     lambda _: fit_before_spawn(LlamaLightningModule("debug"), TextDataModule(seq_len=30, batch_size=2), tensor_parallel_size=4),
+     ParallelConfigError, r"sequence length \(30\) must be divisible by tensor_parallel_size \(4\)"),
+    ("SP styles with sequence_parallel=False",
+     lambda _: fit_before_spawn(LlamaLightningModule("debug"), tensor_parallel_size=2, sequence_parallel=False,
+                                plan=plan_with_sp_styles()),
+     ParallelConfigError, r"sequence_parallel=False, but the plan's tensor_parallel holds sequence-parallel styles \(norm\)"),
+    ("loss chunk 0", lambda _: LlamaLightningModule("debug", loss_chunk_size=0),
+     ValueError, r"loss_chunk_size must be a positive number of tokens, got 0"),
+    ("unknown preset", lambda _: LlamaLightningModule("llama9-1t"),
+     ValueError, r"llama9-1t"),
+    ("data seq_len 0", lambda _: TextDataModule(seq_len=0),
+     DataError, r"seq_len must be a positive integer, got 0"),
+    ("validation fraction 1.5", lambda _: TextDataModule(val_fraction=1.5),
+     DataError, r"val_fraction must be in \[0, 1\), got 1\.5"),
+    ("explicit checkpoint that does not exist", lambda tmp: resolve_checkpoint(tmp / "epoch=0-step=9.ckpt", print),
+     CheckpointError, r"epoch=0-step=9\.ckpt does not exist\. Not resuming from another checkpoint"),
+    ("export of a file that is not a checkpoint", export_of,
+     SystemExit, r"1"),
+]
+if _hf_available():
+    CASES += [
+        ("HF tied embeddings", lambda _: hf(tie_word_embeddings=True),
+         ValueError, r"tie_word_embeddings=True: the input embedding and lm_head share one weight"),
+        ("HF model outside the family", lambda _: hf(model_type="gpt2"),
+         ValueError, r"model_type 'gpt2' is not one of the Llama-family decoders"),
+    ]
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 20
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_each_misconfiguration_is_refused_clearly(case, tmp_path, capsys):
+    _, run, error, pattern = case
+    with pytest.raises(error) as caught:
+        run(tmp_path)
+    assert re.search(pattern, str(caught.value)), str(caught.value)
+    if error is SystemExit:  # a CLI: one line on stderr, no traceback, nothing left behind
+        err = capsys.readouterr().err
+        assert "is not a torch.save zip archive" in err and "Traceback" not in err
+        assert not (tmp_path / "out").exists()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # refused before any process group
