@@ -77,8 +77,37 @@ def stdlib_sources() -> list[Path]:
     return [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
 
 
+#: The files a *directory* contributes (a file or glob named explicitly is always taken): text, code,
+#: JSONL and Parquet. Hidden files and folders (``.gitattributes``, ``.git/``), ``__pycache__`` and
+#: anything else (a dataset card ``README.md``, ``LICENSE``, ``*.json`` metadata, ``*.pyc``) are skipped;
+#: name such files or a glob (``"docs/**/*.md"``) to train on them.
+FOLDER_SUFFIXES = (".txt", ".text", ".jsonl", ".ndjson", ".parquet", ".py")
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """The corpus files below ``folder`` (see ``FOLDER_SUFFIXES``), sorted; refuses a folder with none."""
+    taken, skipped = [], []
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file():
+            continue
+        parts = path.relative_to(folder).parts
+        if any(part.startswith(".") or part == "__pycache__" for part in parts) or path.suffix.lower() not in FOLDER_SUFFIXES:
+            skipped.append(path)
+        else:
+            taken.append(path)
+    if not taken:
+        names = ", ".join(str(p.relative_to(folder)) for p in skipped[:5]) + (", …" if len(skipped) > 5 else "")
+        raise DataError(
+            f"{folder} holds no corpus files (suffixes {', '.join(FOLDER_SUFFIXES)}; hidden files and __pycache__"
+            f" skipped){': it holds ' + names if skipped else ''}. Name the files or a glob (e.g. '{folder}/**/*.csv')"
+            " to train on other files."
+        )
+    return taken
+
+
 def resolve_sources(paths: Union[str, list[str], None]) -> list[Path]:
-    """Expand files, directories (every file below) and globs (``**`` allowed) into a sorted file list."""
+    """Expand files, directories (their corpus files, ``FOLDER_SUFFIXES``) and globs (``**`` allowed) into
+    a sorted file list."""
     if paths is None:
         return stdlib_sources()
     patterns = [paths] if isinstance(paths, str) else list(paths)
@@ -91,7 +120,7 @@ def resolve_sources(paths: Union[str, list[str], None]) -> list[Path]:
         found = []
         for match in map(Path, matches):
             if match.is_dir():
-                found.extend(sorted(p for p in match.rglob("*") if p.is_file()))
+                found.extend(_folder_files(match))
             elif match.is_file():
                 found.append(match)
         if not found:
@@ -366,7 +395,14 @@ class PieceTokenizer:
                     f"{piece.path}:{self._line_number(piece, begin, i)} has no field {self.text_field!r}"
                     f" (found {keys}); set text_field"
                 )
-            docs.append(str(record[self.text_field]))
+            value = record[self.text_field]
+            if not isinstance(value, str):  # null, a number, a list or an object would be tokenized as its repr
+                raise _PieceError(
+                    f"{piece.path}:{self._line_number(piece, begin, i)}: field {self.text_field!r} holds"
+                    f" {'null' if value is None else type(value).__name__} ({json.dumps(value)[:40]}), not a string;"
+                    " fix or drop the record"
+                )
+            docs.append(value)
         return docs, True, len(data), False
 
     @staticmethod
@@ -610,6 +646,10 @@ class _Writer:
                 return
             self.documents += self.file_documents
 
+    def skip_file(self) -> None:
+        """Ignore the rest of the current file (after an error was reported for it)."""
+        self.skipping = True
+
     def _drop_file(self) -> None:
         self.out.truncate(self.file_start)
         self.out.seek(self.file_start)
@@ -687,12 +727,22 @@ def _build(
     try:
         with partial.open("wb") as out, closing(_tokenized_in_order(tasks, tokenize, num_workers)) as tokenized:
             writer = _Writer(out, strict, dtype.itemsize)
+            problems: list[str] = []
             for task, results in zip(tasks, tokenized):
                 for piece, result in zip(task, results):
-                    writer.add(piece, result)
+                    try:
+                        writer.add(piece, result)
+                    except DataError as err:  # go on: every bad file is reported at once, not one per run
+                        problems.append(str(err))
+                        writer.skip_file()
                 done += sum(p.nbytes for p in task)
                 if progress is not None:
                     progress(min(done, total), total, writer.tokens)
+            if problems:
+                raise DataError(
+                    f"{len(problems)} problem(s) in the corpus (nothing was cached):\n  - " + "\n  - ".join(problems[:20])
+                    + (f"\n  - … and {len(problems) - 20} more" if len(problems) > 20 else "")
+                )
             n_tokens = writer.tokens
             out.flush()
             os.fsync(out.fileno())  # the data is on disk before meta.json can say it is complete
@@ -861,7 +911,9 @@ class TextDataModule(L.LightningDataModule):
 
     Args:
         paths: Text files, directories and globs; ``.jsonl``/``.ndjson`` and ``.parquet`` files are
-            read record by record from ``text_field``. ``None``: the Python standard library's
+            read record by record from ``text_field``. A directory contributes its ``.txt``, ``.text``,
+            ``.jsonl``, ``.ndjson``, ``.parquet`` and ``.py`` files, not hidden ones, ``__pycache__`` or
+            metadata such as a dataset card ``README.md`` (``FOLDER_SUFFIXES``); name other files or a glob. ``None``: the Python standard library's
             source files (no download).
         tokenizer: ``"byte"`` (UTF-8 bytes, vocabulary 256), a Hugging Face ``tokenizer.json``, or a
             SentencePiece ``.model``.

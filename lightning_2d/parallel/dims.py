@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
@@ -69,13 +70,23 @@ class ParallelDims:
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
-    def build_mesh(self, device_type: str) -> "DeviceMesh":
+    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
         """The ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` mesh, with the
-        flattened ``data_parallel`` dimension. Needs the default process group."""
+        flattened ``data_parallel`` dimension. Needs the default process group.
+
+        Args:
+            device_type: ``"cuda"``, ``"cpu"`` …
+            timeout: Given to every process group of the mesh. ``init_device_mesh`` creates its groups
+                with the backend's default (30 minutes for gloo, 10 for NCCL), not the default group's
+                timeout: without this a rank stuck in a ``tensor_parallel`` or ``data_parallel``
+                collective would wait that long whatever the strategy's ``timeout`` says.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
-        mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]._flatten(DP_DIM)
+        flat = mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]._flatten(DP_DIM)
+        if timeout is not None:
+            set_group_timeouts([*mesh.get_all_groups(), flat.get_group()], timeout)
         return mesh
 
     def fsdp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
@@ -84,6 +95,32 @@ class ParallelDims:
 
     def as_dict(self) -> dict[str, int]:
         return {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard, "tensor_parallel": self.tp}
+
+
+def set_group_timeouts(groups: list[Any], timeout: timedelta) -> None:
+    """``timeout`` on each process group (torch's ``_set_pg_timeout``; the fake backend has none to set)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in {id(g): g for g in groups}.values():
+        try:
+            _set_pg_timeout(timeout, group)
+        except (RuntimeError, AttributeError, ValueError):  # a backend without timeouts (fake, custom)
+            pass
+
+
+def group_timeouts(mesh: "DeviceMesh") -> dict[str, Optional[timedelta]]:
+    """Mesh dim name → its process group's timeout (where the backend tells it), for checks and tests."""
+    import torch
+
+    out: dict[str, Optional[timedelta]] = {}
+    for name in (*MESH_DIMS, DP_DIM):
+        group = mesh[name].get_group()
+        try:
+            backend = group._get_backend(torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda"))
+            out[name] = backend.options._timeout
+        except (RuntimeError, AttributeError):
+            out[name] = None
+    return out
 
 
 def fsdp_mesh_of(mesh: "DeviceMesh") -> "DeviceMesh":

@@ -245,7 +245,7 @@ class ModelParallel2DBase:
         # the accelerator's device, then the seed reset, the world ranks and the process group.
         self.accelerator.setup_device(self.root_device)  # type: ignore[attr-defined]
         self._setup_distributed()  # type: ignore[attr-defined]
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)  # type: ignore[attr-defined]
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)  # type: ignore[attr-defined]
         destroy_process_group_at_exit()
         self._checkpoint_writer = make_writer(
             self.global_rank,  # type: ignore[attr-defined]

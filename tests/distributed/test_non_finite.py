@@ -15,7 +15,7 @@ def test_a_nan_gradient_on_one_rank_is_skipped_on_every_rank(jobs):
     """Rank 1's local gradient shard, after the reduce-scatter (no other rank sees it), gets a NaN at
     step 3. Under non_finite='skip' every rank drops the step: the weights after step 3 are bit-equal
     to those after step 2, the run goes on and ends finite."""
-    config = {**LAYOUT, "non_finite": "skip", "weights_at_steps": [2, 3],
+    config = {**LAYOUT, "non_finite": "skip", "weights_at_steps": [2, 3], "timeout_s": 45,
               "inject_nan": {"step": 3, "rank": 1, "where": "grad"}}
     result = jobs.run("nan_grad_skip", "fit", config)
     before, after = load_weights(result, "weights_step2"), load_weights(result, "weights_step3")
@@ -39,3 +39,16 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_update(jobs):
     log = result.logs[result.failed_rank()]
     assert "NonFiniteStepError: Step 3 stopped before the update (non-finite loss on rank(s) [1]" in log
     assert "no weight was changed" in log
+
+
+def test_the_timeout_reaches_every_process_group_of_the_mesh(jobs):
+    """init_device_mesh gives its groups the backend's default (30 minutes for gloo): a rank stuck in a
+    tensor- or data-parallel collective waited that long whatever `timeout` said. Now every group has it."""
+    config = {**LAYOUT, "non_finite": "skip", "weights_at_steps": [2, 3], "timeout_s": 45,
+              "inject_nan": {"step": 3, "rank": 1, "where": "grad"}}
+    result = jobs.run("nan_grad_skip", "fit", config)  # the same launch as above
+    for rank in range(4):
+        timeouts = result.rank_output(rank)["group_timeouts"]
+        assert timeouts == dict.fromkeys(
+            ["data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "data_parallel"], "0:00:45"
+        ), (rank, timeouts)

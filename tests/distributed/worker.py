@@ -211,6 +211,10 @@ def fit(cfg: dict) -> None:
         strategy, devices, dp = "auto", 1, 1
     else:
         options = {k: cfg[k] for k in STRATEGY_OPTIONS if k in cfg}
+        if "timeout_s" in cfg:
+            from datetime import timedelta
+
+            options["timeout"] = timedelta(seconds=cfg["timeout_s"])
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
@@ -284,6 +288,9 @@ def fit(cfg: dict) -> None:
         result["mesh_shape"] = list(mesh.shape)
         result["mesh_dims"] = list(mesh.mesh_dim_names)
         result["replica_rank"] = mesh["data_parallel_replicate"].get_local_rank()
+        from lightning_2d.parallel.dims import group_timeouts
+
+        result["group_timeouts"] = {name: str(t) for name, t in group_timeouts(mesh).items()}
         result["shard_rank"] = mesh["data_parallel_shard"].get_local_rank()
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -520,5 +527,8 @@ SCENARIOS = {
 }
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native abort (gloo at exit …) prints every thread's Python stack
     scenario, config_path = sys.argv[1], sys.argv[2]
     SCENARIOS[scenario](json.loads(Path(config_path).read_text()))

@@ -233,3 +233,48 @@ def test_vocabulary_mismatch_and_bad_arguments():
     assert "seq_len must be a positive integer, got 0" in str(err.value)
     assert "val_fraction must be in [0, 1), got 1.5" in str(err.value)
     assert "max_unprepared_mb must be >= 0 or None (no limit), got -1" in str(err.value)
+
+
+def test_a_folder_contributes_its_corpus_files_not_metadata_or_hidden_files(tmp_path):
+    from lightning_2d.data import DataError
+
+    root = tmp_path / "dataset"
+    (root / "__pycache__").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "train").mkdir()
+    for name in ("train/a.txt", "train/b.jsonl", "code.py", "README.md", ".gitattributes", "__pycache__/code.cpython-311.pyc",
+                 ".git/HEAD", "dataset_info.json", "LICENSE"):
+        (root / name).write_text("x")
+    assert resolve_sources(str(root)) == [(root / "code.py").resolve(), (root / "train/a.txt").resolve(),
+                                          (root / "train/b.jsonl").resolve()]
+    # Named explicitly, or by a glob, anything is taken.
+    assert resolve_sources(str(root / "README.md")) == [(root / "README.md").resolve()]
+    assert resolve_sources(str(root / "*.md")) == [(root / "README.md").resolve()]
+    only_meta = tmp_path / "cards"
+    only_meta.mkdir()
+    (only_meta / "README.md").write_text("# card")
+    with pytest.raises(DataError, match=r"cards holds no corpus files .*: it holds README\.md\. Name the files or a glob"):
+        resolve_sources(str(only_meta))
+
+
+def test_every_bad_file_is_reported_at_once_and_nothing_is_cached(tmp_path):
+    """JSONL values that are not strings (null, numbers, objects) would be tokenized as their repr; a run
+    with several bad files names each with its line, in one error, and leaves no cache or partial file."""
+    from lightning_2d.data import DataError
+
+    (tmp_path / "a_null.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
+    (tmp_path / "b_number.jsonl").write_text('{"text": 42}\n')
+    (tmp_path / "c_object.jsonl").write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": {"nested": "x"}}\n')
+    (tmp_path / "d_latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "e_good.txt").write_text("good text")
+    sources = sorted(tmp_path.glob("*.*"))
+    with pytest.raises(DataError) as err:
+        build_token_cache(sources, ByteTokenizer(), tmp_path / "cache")
+    message = str(err.value)
+    assert message.startswith("4 problem(s) in the corpus (nothing was cached):")
+    assert "a_null.jsonl:2: field 'text' holds null (null), not a string" in message
+    assert "b_number.jsonl:1: field 'text' holds int (42), not a string" in message
+    assert "c_object.jsonl:3: field 'text' holds dict ({\"nested\": \"x\"}), not a string" in message
+    assert "d_latin1.txt is not UTF-8 text (byte 3" in message
+    leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not any(p.name.startswith("tokens.bin") or p.name == "meta.json" for p in leftovers), leftovers
