@@ -254,10 +254,17 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
 
 
 def _destroy_process_group() -> None:
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Models, FSDP states and meshes that hold the process groups often sit in reference cycles
+        # (module hooks): left to the collector, they may be freed during interpreter finalization,
+        # where destroying a gloo group aborts the process. Free them now, while it is safe.
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def destroy_process_group_at_exit() -> None:
