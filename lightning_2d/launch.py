@@ -3,8 +3,10 @@
 Each rank is a plain ``python`` process with ``MASTER_ADDR``/``MASTER_PORT`` (a free port),
 ``RANK``, ``LOCAL_RANK``, ``NODE_RANK`` and ``WORLD_SIZE``, so Lightning (and plain
 ``torch.distributed``) sees processes created externally, as under torchrun or SLURM. Several
-simulated nodes are ranks split evenly by ``NODE_RANK``. When one rank fails or the time runs out
-the whole job is killed, so no rank is left waiting in a collective. Used by
+simulated nodes are ranks split evenly by ``NODE_RANK``. When one rank fails (as torchrun does) or
+the time runs out the whole job is killed, so no rank is left waiting in a collective; with
+``kill_on_failure=False`` the launcher only waits, as a launcher that does not watch its workers
+would (how the tests check that the ranks end a broken job by themselves). Used by
 ``lightning-2d benchmark`` and by the distributed tests.
 """
 
@@ -37,12 +39,14 @@ class JobResult:
         logs: Combined stdout/stderr per rank.
         out_dir: The job's folder (``rank{N}.log``, and whatever the ranks wrote).
         timed_out: Whether the launcher killed the job because its time ran out.
+        exit_times: Per rank, the wall-clock time (``time.time()``) the launcher saw it end (within 0.2 s).
     """
 
     returncodes: list[int]
     logs: list[str]
     out_dir: Path
     timed_out: bool = False
+    exit_times: Optional[list[float]] = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +92,7 @@ def launch_processes(
     num_nodes: int = 1,
     timeout: float = 300.0,
     env: Optional[dict[str, str]] = None,
+    kill_on_failure: bool = True,
 ) -> JobResult:
     """Run ``argv`` as ``nprocs`` ranks and wait for all of them (or the first failure, or ``timeout``).
 
@@ -100,6 +105,8 @@ def launch_processes(
         timeout: Seconds before the whole job is killed.
         env: Variables added to this process's environment (after the cluster variables, so they
             can override them).
+        kill_on_failure: Kill the job as soon as one rank fails (torchrun's behaviour); ``False``: wait
+            for every rank (or ``timeout``).
     """
     if nprocs < 1 or num_nodes < 1 or nprocs % num_nodes:
         raise ValueError(
@@ -109,6 +116,7 @@ def launch_processes(
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
+    exit_times: list[Optional[float]] = []
     timed_out = False
     try:
         for rank in range(nprocs):
@@ -121,9 +129,13 @@ def launch_processes(
             procs.append(
                 subprocess.Popen(argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
+        exit_times = [None] * nprocs
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
+            for rank, p in enumerate(procs):
+                if exit_times[rank] is None and p.poll() is not None:
+                    exit_times[rank] = time.time()
+            if kill_on_failure and any(p.poll() not in (None, 0) for p in procs):
                 break
             if time.monotonic() > deadline:
                 timed_out = True
@@ -133,8 +145,10 @@ def launch_processes(
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        for p in procs:
+        for rank, p in enumerate(procs):
             p.wait()
+            if rank < len(exit_times) and exit_times[rank] is None:
+                exit_times[rank] = time.time()
     texts = []
     for log in logs:
         log.seek(0)
@@ -142,4 +156,5 @@ def launch_processes(
         log.close()
     if timed_out:
         texts[0] += f"\n[launcher] timed out after {timeout:.0f}s"
-    return JobResult([p.returncode for p in procs], texts, out_dir, timed_out=timed_out)
+    return JobResult([p.returncode for p in procs], texts, out_dir, timed_out=timed_out,
+                     exit_times=[t for t in exit_times if t is not None])

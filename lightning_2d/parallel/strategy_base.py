@@ -49,6 +49,7 @@ from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import finite_flag, guard_step
 from lightning_2d.parallel.loss import backward_context
+from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT, Watchdog, start_watchdog, stop_watchdog
 
 
 class FSDP2Precision(Precision):
@@ -127,7 +128,11 @@ class ModelParallel2DBase:
             naming the step and ranks) or ``"skip"`` (drop its gradients everywhere, go on). A
             checkpoint is never saved from non-finite weights.
         process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
-        timeout: Process-group timeout.
+        timeout: Process-group timeout: a collective waiting this long fails (on every group of the mesh).
+        watchdog_timeout: The progress watchdog's bound (``parallel/watchdog.py``): a rank whose process died
+            ends the job within seconds, one silent (stopped, dead on another host) for this long within
+            about 1.25 × this, every surviving rank exiting with code 75 and naming it; an exception on one
+            rank ends the others within seconds. ``None`` turns the watchdog off.
     """
 
     #: Tells a LightningModule to build its model on the meta device in ``configure_model``.
@@ -160,9 +165,10 @@ class ModelParallel2DBase:
         non_finite: Literal["raise", "skip"] = "raise",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        watchdog_timeout: Optional[timedelta] = DEFAULT_WATCHDOG_TIMEOUT,
     ) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
-        raise_if_problems(process_group_problems(process_group_backend, timeout))
+        raise_if_problems(process_group_problems(process_group_backend, timeout, watchdog_timeout))
         self.parallel_config = ParallelConfig.from_options(locals())
         # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
         super().__init__(  # type: ignore[call-arg]
@@ -176,6 +182,11 @@ class ModelParallel2DBase:
         self._async_checkpoint = async_checkpoint
         self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self.parallel_dims: Optional[ParallelDims] = None
+        self._watchdog_timeout = watchdog_timeout
+        self._watchdog: Optional[Watchdog] = None
+        self._loss_flag: Optional[torch.Tensor] = None
+        self._first_loss_checked = False
+        self._optimizer_steps = 0
 
     def _lightning_strategy_kwargs(self) -> dict[str, Any]:
         """Extra arguments of the Lightning strategy's constructor (Fabric: ``parallelize_fn``)."""
@@ -247,6 +258,7 @@ class ModelParallel2DBase:
         self._setup_distributed()  # type: ignore[attr-defined]
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)  # type: ignore[attr-defined]
         destroy_process_group_at_exit()
+        self._watchdog = start_watchdog(self._watchdog_timeout, self.global_rank, self.world_size)  # type: ignore[attr-defined]
         self._checkpoint_writer = make_writer(
             self.global_rank,  # type: ignore[attr-defined]
             self.barrier,  # type: ignore[attr-defined]
@@ -266,7 +278,7 @@ class ModelParallel2DBase:
 
     # ---- training step -----------------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(self, "_first_loss_checked", False):
+        if not self._first_loss_checked:
             self._first_loss_checked = True
             check_first_loss(tensor)
         with backward_context(tensor, self.parallel_config.loss_parallel):
@@ -275,7 +287,7 @@ class ModelParallel2DBase:
         # backward, so that what `on_before_backward` hooks did to the loss counts too.
         local = tensor.detach().to_local() if hasattr(tensor, "to_local") else tensor.detach()
         finite = finite_flag([local], local.device)
-        flag = getattr(self, "_loss_flag", None)
+        flag = self._loss_flag
         self._loss_flag = finite if flag is None else flag * finite.to(flag.device)
         return output
 
@@ -285,13 +297,12 @@ class ModelParallel2DBase:
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is not None:
             return int(trainer.global_step) + 1
-        return getattr(self, "_optimizer_steps", 0) + 1
+        return self._optimizer_steps + 1
 
     def _guard_step(self, optimizer: Optimizer) -> bool:
         """All ranks agree whether the losses and gradients since the last step are finite (``guard_step``)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        flag = getattr(self, "_loss_flag", None)
-        self._loss_flag = None
+        flag, self._loss_flag = self._loss_flag, None
         if flag is None:  # no backward through the strategy (e.g. a manual loop without it)
             flag = torch.ones((), device=self.root_device)  # type: ignore[attr-defined]
         return guard_step(params, flag, self._step_number(), self.parallel_config.non_finite)
@@ -303,6 +314,9 @@ class ModelParallel2DBase:
         right after it, before gradient clipping and ``on_before_optimizer_step``. Fabric calls this
         after the user's ``fabric.backward``: the guard runs first.
         """
+        completed = self._step_number() - 1
+        if self._watchdog is not None:
+            self._watchdog.step = completed
         closure = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
         if closure is not None:
 
@@ -317,8 +331,10 @@ class ModelParallel2DBase:
                 args = (guarded_closure, *args[1:])
         else:
             self._guard_step(getattr(optimizer, "optimizer", optimizer))
-        self._optimizer_steps = getattr(self, "_optimizer_steps", 0) + 1
+        self._optimizer_steps += 1
         output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
+        if self._watchdog is not None:
+            self._watchdog.step = completed + 1
         # Float8 all-gather weights: their scales for the next step, in one all-reduce.
         for module in self._float8_modules():
             precompute_float8_scales(module)
@@ -372,8 +388,19 @@ class ModelParallel2DBase:
     def _restore_random_state(self, path: Path, saved: Optional[dict[str, Any]]) -> None:
         restore_random_state(path, saved or {}, self._layout(), self.global_rank, rank_zero_info)  # type: ignore[attr-defined]
 
+    def on_exception(self, exception: BaseException) -> None:
+        """The Trainer's hook (before its teardown): tell the watchdog. A communication error waits there
+        for the rank that caused it to be found; any other error is published to the other ranks."""
+        if self._watchdog is not None:
+            self._watchdog.on_failure(exception)
+        parent = getattr(super(), "on_exception", None)
+        if parent is not None:
+            parent(exception)
+
     def teardown(self) -> None:
         self._wait_for_checkpoint_writes()
+        stop_watchdog(self._watchdog)  # finished: the other ranks stop watching this one
+        self._watchdog = None
         super().teardown()  # type: ignore[misc]
 
 
@@ -381,8 +408,9 @@ class ModelParallel2DBase:
 PROCESS_GROUP_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
 
 
-def process_group_problems(backend: Any, timeout: Any) -> list[str]:
-    """Problems with ``process_group_backend``/``timeout``, found at construction instead of at spawn."""
+def process_group_problems(backend: Any, timeout: Any, watchdog_timeout: Any = None) -> list[str]:
+    """Problems with ``process_group_backend``/``timeout``/``watchdog_timeout``, found at construction
+    instead of at spawn."""
     problems = []
     if backend is not None:
         parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
@@ -399,7 +427,22 @@ def process_group_problems(backend: Any, timeout: Any) -> list[str]:
         )
     elif timeout is not None and timeout.total_seconds() <= 0:
         problems.append(f"timeout={timeout!r} must be positive")
+    if watchdog_timeout is not None and not isinstance(watchdog_timeout, timedelta):
+        problems.append(
+            f"watchdog_timeout={watchdog_timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=2)) or"
+            f" None (no watchdog), not {type(watchdog_timeout).__name__}"
+        )
+    elif watchdog_timeout is not None and watchdog_timeout.total_seconds() < MIN_WATCHDOG_TIMEOUT_S:
+        problems.append(
+            f"watchdog_timeout={watchdog_timeout!r} is under {MIN_WATCHDOG_TIMEOUT_S} s: heartbeats go every"
+            " timeout/8, and a shorter bound would declare a rank stalled during an ordinary pause (GC, a busy"
+            " host); use at least timedelta(seconds=10), or None to turn the watchdog off"
+        )
     return problems
+
+
+#: The shortest ``watchdog_timeout`` accepted.
+MIN_WATCHDOG_TIMEOUT_S = 5
 
 
 class NonFiniteLossError(RuntimeError):

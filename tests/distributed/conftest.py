@@ -18,10 +18,12 @@ class Jobs:
         self._cache: dict[str, JobResult] = {}
 
     def run(
-        self, name: str, scenario: str, config: dict, nprocs: int = 4, num_nodes: int = 1, expect_ok: bool = True
+        self, name: str, scenario: str, config: dict, nprocs: int = 4, num_nodes: int = 1, expect_ok: bool = True,
+        kill_on_failure: bool = True,
     ) -> JobResult:
         if name not in self._cache:
-            result = launch(scenario, config, self.root / name, nprocs=nprocs, num_nodes=num_nodes)
+            result = launch(scenario, config, self.root / name, nprocs=nprocs, num_nodes=num_nodes,
+                            kill_on_failure=kill_on_failure)
             if expect_ok:
                 assert result.ok, f"job {name} failed:\n{result.describe()}"
             self._cache[name] = result

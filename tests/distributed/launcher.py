@@ -30,6 +30,7 @@ def launch(
     nprocs: int = 4,
     num_nodes: int = 1,
     timeout: float = 300.0,
+    kill_on_failure: bool = True,
 ) -> JobResult:
     """Run ``worker.py scenario`` on ``nprocs`` processes (split evenly over ``num_nodes`` simulated nodes)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,4 +47,5 @@ def launch(
         num_nodes=num_nodes,
         timeout=timeout,
         env=env,
+        kill_on_failure=kill_on_failure,
     )

@@ -7,6 +7,7 @@ losses, batches and random draws.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -31,9 +32,9 @@ def setup(jobs, tmp_path_factory):
     (corpus / "text.txt").write_text(text)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": SEQ_LEN, "max_steps": 6}
 
-    def run(name, dp, tp, expect_ok=True, **extra):
+    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, **extra):
         config = {**base, "dp": dp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, **extra}
-        return jobs.run(name, "train", config, nprocs=dp * tp, expect_ok=expect_ok)
+        return jobs.run(name, "train", config, nprocs=dp * tp, expect_ok=expect_ok, kill_on_failure=kill_on_failure)
 
     ckpt_dir = root / "sharded"
     checkpoints = [
@@ -128,8 +129,17 @@ def test_async_checkpoints_hold_the_state_of_their_step(setup):
 def test_a_save_killed_midway_is_never_resumed_from(setup):
     crash_dir = setup["root"] / "crash"
     spec = [{"dirpath": str(crash_dir), "every_n_train_steps": 2, "save_top_k": -1, "save_last": "link"}]
-    crashed = setup["run"]("crash", 2, 2, expect_ok=False, checkpoints=spec, crash={"save": 2, "rank": 1})
-    assert crashed.returncodes[1] == -9  # rank 1 was killed while writing the step-4 checkpoint
+    # The launcher does not end the job when rank 1 dies: the other ranks' watchdogs do, naming it.
+    crashed = setup["run"]("crash", 2, 2, expect_ok=False, checkpoints=spec, crash={"save": 2, "rank": 1},
+                           kill_on_failure=False, timeout_s=20, watchdog_timeout_s=20)
+    assert not crashed.timed_out, crashed.describe()
+    assert crashed.returncodes == [75, -9, 75, 75], crashed.describe()  # rank 1 killed while writing step 4's
+    for rank in (0, 2, 3):
+        assert re.search(rf"Stopping rank {rank} \(exit code 75\): rank 1 \(pid \d+ on .+\) died: its process is gone",
+                         crashed.logs[rank]), crashed.describe()
+    spread = max(crashed.exit_times) - min(crashed.exit_times)
+    print(f"[crash] return codes {crashed.returncodes}; the last rank ended {spread:.1f} s after rank 1 died")
+    assert spread < 20  # a dead local rank is found within a round (measured ~5 s)
     assert is_complete(crash_dir / "epoch=0-step=2.ckpt")
     broken = crash_dir / "epoch=1-step=4.ckpt"
     assert (broken / "__1_0.distcp").is_file() and not is_complete(broken)  # shards written, never finished

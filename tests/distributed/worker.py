@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -161,6 +163,35 @@ class InjectNaN(L.Callback):
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
 
 
+class Fail(L.Callback):
+    """At optimizer step ``step`` (from 1), on rank ``rank``, after the forward: ``how`` = ``"sigkill"``,
+    ``"sigstop"`` or ``"raise"``; the wall-clock time of the failure goes to ``failed_at.json`` first."""
+
+    def __init__(self, step: int, rank: int, how: str, out_dir: Path) -> None:
+        self.step, self.rank, self.how, self.out_dir = step, rank, how, out_dir
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step + 1 != self.step or trainer.global_rank != self.rank:
+            return
+        (self.out_dir / "failed_at.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
+        if self.how == "raise":
+            raise ValueError(f"injected failure in step {self.step}")
+        os.kill(os.getpid(), {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}[self.how])
+
+
+def strategy_timeouts(cfg: dict) -> dict:
+    """``timeout``/``watchdog_timeout`` options from ``timeout_s``/``watchdog_timeout_s`` (None: off)."""
+    from datetime import timedelta
+
+    options = {}
+    if "timeout_s" in cfg:
+        options["timeout"] = timedelta(seconds=cfg["timeout_s"])
+    if "watchdog_timeout_s" in cfg:
+        seconds = cfg["watchdog_timeout_s"]
+        options["watchdog_timeout"] = None if seconds is None else timedelta(seconds=seconds)
+    return options
+
+
 STRATEGY_OPTIONS = (
     "activation_checkpointing",
     "selective_ac_option",
@@ -180,7 +211,8 @@ STRATEGY_OPTIONS = (
 
 def fit(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
-    world = int(os.environ["WORLD_SIZE"])
+    # Started by Lightning's own launcher (no cluster environment): rank 0 is this process, the others its children.
+    world = int(os.environ.get("WORLD_SIZE", cfg.get("lightning_launched_devices", 1)))
     L.seed_everything(cfg.get("seed", 1234), verbose=False)
     if "hf_config" in cfg:  # a Hugging Face decoder built from its config (bring your own model)
         from lightning_2d.hf import HFCausalLMModule
@@ -210,11 +242,7 @@ def fit(cfg: dict) -> None:
     if cfg["strategy"] == "single":
         strategy, devices, dp = "auto", 1, 1
     else:
-        options = {k: cfg[k] for k in STRATEGY_OPTIONS if k in cfg}
-        if "timeout_s" in cfg:
-            from datetime import timedelta
-
-            options["timeout"] = timedelta(seconds=cfg["timeout_s"])
+        options = {**{k: cfg[k] for k in STRATEGY_OPTIONS if k in cfg}, **strategy_timeouts(cfg)}
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
@@ -232,6 +260,8 @@ def fit(cfg: dict) -> None:
     callbacks = [recorder]
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
+    if "fail" in cfg:
+        callbacks.append(Fail(**cfg["fail"], out_dir=out_dir))
     reduce_scatters = count_reduce_scatters()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -330,8 +360,6 @@ def text(cfg: dict) -> None:
 
 def train(cfg: dict) -> None:
     """One fit on TextDataModule with configurable checkpointing, resuming and a crash during a save."""
-    import signal
-
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_2d import TextDataModule
@@ -370,6 +398,7 @@ def train(cfg: dict) -> None:
         data_parallel_replicate_size=cfg.get("replicate", 1),
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
+        **strategy_timeouts(cfg),
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=cfg["max_steps"], logger=False,
