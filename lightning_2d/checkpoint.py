@@ -18,6 +18,7 @@ Both the Trainer and the Fabric strategies use this module.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import random
@@ -75,8 +76,19 @@ class DCPMetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(folder: Path) -> Any:
-    """DCP's ``Metadata`` of a sharded checkpoint folder, unpickled with only DCP's own types."""
-    with open(Path(folder) / DCP_METADATA_FILE, "rb") as f:
+    """DCP's ``Metadata`` of a sharded checkpoint folder, unpickled with only DCP's own types.
+
+    Cached by the file's path, size and modification time: a resume checks the shards' sizes and the
+    tensors' shapes from it (at 405B the metadata alone is tens of MB).
+    """
+    file = Path(folder) / DCP_METADATA_FILE
+    stat = file.stat()
+    return _read_dcp_metadata(str(file.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_dcp_metadata(file: str, size: int, mtime_ns: int) -> Any:
+    with open(file, "rb") as f:
         return DCPMetadataUnpickler(f).load()
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_2d.checkpoint import remove_path, save_full_checkpoint
+from lightning_2d.parallel.config import ParallelConfigError
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
@@ -103,7 +104,9 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         if module is not None:
             try:
                 plan = resolve_plan(module, self.parallel_config, self._plan)
-            except Exception:  # a plan that needs the built model: checked in each process at setup
+            except ParallelConfigError:
+                raise
+            except Exception:  # a plan that needs the built model (e.g. reads it): checked in each process at setup
                 plan = None
         seq_len = getattr(datamodule, "seq_len", None)
         if plan is not None or seq_len is not None:

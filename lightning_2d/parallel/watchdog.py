@@ -362,17 +362,22 @@ class Watchdog:
                     continue
                 if beat is not None:
                     self._peers[r].step = beat[1]
+            silence = self._clock() - self._store_ok_at
+            if not store_up and r == self.store_host_rank and silence > 2 * self.interval:
+                # Silent first, gone now: stopped or hung, then killed (by a rank of this job, or the launcher).
+                reason = (
+                    f"rank {r} ({self.identities[r]}), which hosts the job's store, stopped answering {silence:.0f} s"
+                    " ago and its process is now gone"
+                )
+            else:
+                reason = (
+                    f"rank {r} ({self.identities[r]}) died: its process is gone"
+                    + (" (a zombie: killed, e.g. by the OOM killer or a signal)" if state in ("Z", "X") else "")
+                )
             return {
                 "ranks": [r],
                 "by": self.rank,
-                "reason": f"rank {r} ({self.identities[r]}) died: its process is gone"
-                + (" (a zombie: killed, e.g. by the OOM killer or a signal)" if state in ("Z", "X") else "")
-                + f"; its last heartbeat reported {self._peers[r].step} completed step(s)"
-                + (
-                    f"; the job's store it hosted had not answered for {self._clock() - self._store_ok_at:.0f} s"
-                    if not store_up and r == self.store_host_rank
-                    else ""
-                ),
+                "reason": reason + f"; its last heartbeat reported {self._peers[r].step} completed step(s)",
             }
         return None
 
@@ -468,6 +473,7 @@ class Watchdog:
                 + f"{type(self._failure).__name__}: {text[0][:500] if text else ''}"
             )
         self._print("\n".join(lines))
+        record_for_torchrun(lines[0])
         # Stopped processes of this job on this host would hold their memory and devices forever.
         for r in self._local:
             if r in culprits and self._state_of(self.identities[r].pid) in ("T", "t"):
@@ -530,12 +536,29 @@ class Watchdog:
                 f"rank {self.rank} raised {type(exc).__name__} during step {self.step + 1}"
                 + (f": {text[0][:300]}" if text else "")
             )
+        record_for_torchrun(reason)
         try:
             verdict = self._publish({"ranks": [self.rank], "by": self.rank, "reason": reason})
             self._call("add", self._ack_key, 1)  # counts as ended: this process exits by itself
             self._hold_store(len(set(verdict.get("ranks", [])) - {self.rank}))
         except Exception:  # noqa: BLE001 — the store is gone: the other ranks find the silence
             pass
+
+
+def record_for_torchrun(message: str) -> None:
+    """Write ``message`` into torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``, the format
+    of ``torch.distributed.elastic``'s ``ErrorHandler``), so that torchrun's failure summary ("Root Cause")
+    says which rank failed and why instead of only an exit code. No-op outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"RankFailure: {message}",
+                        "extraInfo": {"py_callstack": f"RankFailure: {message}", "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
 
 
 # ---- process-wide wiring ----------------------------------------------------------------------
@@ -573,7 +596,11 @@ def start_watchdog(timeout: Optional[timedelta], rank: int, world_size: int, **k
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (identity, uuid.uuid4().hex if rank == 0 else None))
     run_id = gathered[0][1]
-    store = dist.distributed_c10d._get_default_store().clone()
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store = store.clone()  # its own connection: the main thread's store calls never wait behind ours
+    except Exception:  # noqa: BLE001 — a store kind without clone() (FileStore): share it
+        pass
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     dog = Watchdog(
         store, rank, [g[0] for g in gathered], run_id, timeout.total_seconds(),

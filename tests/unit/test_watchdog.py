@@ -10,7 +10,6 @@ import os
 import signal
 from datetime import timedelta
 
-import pytest
 import torch.distributed as dist
 
 from lightning_2d.parallel.watchdog import (
@@ -205,3 +204,16 @@ def test_process_states_and_intervals():
     assert process_state(2**22 + 12345) is None
     assert interval_for(20.0) == 2.5 and interval_for(timedelta(minutes=2).total_seconds()) == 10.0
     assert interval_for(1.0) == 0.2
+
+
+def test_torchrun_reads_the_verdict_from_its_error_file(tmp_path, monkeypatch):
+    """torchrun's failure summary ("Root Cause … traceback :") shows a worker's error file: ours holds the verdict."""
+    import json
+
+    from lightning_2d.parallel.watchdog import record_for_torchrun
+
+    record_for_torchrun("ignored outside torchrun")  # no TORCHELASTIC_ERROR_FILE: nothing written, no error
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    record_for_torchrun("rank 2 raised ValueError during step 3: boom")
+    data = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert data["extraInfo"]["py_callstack"] == "RankFailure: rank 2 raised ValueError during step 3: boom"
