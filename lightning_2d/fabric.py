@@ -116,7 +116,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         """Clip to the global norm over DTensor gradients on any mix of meshes (the single-device norm)."""
         self.precision.unscale_gradients(optimizer)
         # Under non_finite="skip" a NaN/inf norm is the step guard's to handle (it drops the step).
-        strict = error_if_nonfinite and self.parallel_config.non_finite == "raise"
+        strict = error_if_nonfinite and self.parallel_config.non_finite != "skip"
         return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=strict)
 
     # ---- checkpoints ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 AC_MODES = ("none", "full", "selective")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RESHARD_POLICIES = ("default", "always", "never")
-NON_FINITE_POLICIES = ("raise", "skip")
+NON_FINITE_POLICIES = ("raise", "skip", "off")
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
 PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "32-true": (torch.float32, torch.float32),
@@ -127,7 +127,9 @@ class ParallelConfig:
         non_finite: What a step whose loss or gradients are NaN/inf on any rank does, decided by
             all ranks together before the update (``lightning_2d.parallel.guard``): ``"raise"``
             stops every rank naming the step and the ranks; ``"skip"`` drops that step's gradients
-            everywhere (weights and optimizer state unchanged) and goes on.
+            everywhere (weights and optimizer state unchanged) and goes on; ``"off"`` checks nothing per
+            step (no extra gradient read or all-gather: benchmarks), as plain Lightning does. The first
+            loss and the weights at every save are checked under every policy.
     """
 
     data_parallel_size: Size = "auto"
@@ -204,7 +206,7 @@ class ParallelConfig:
         if self.non_finite not in NON_FINITE_POLICIES:
             problems.append(
                 f"non_finite={self.non_finite!r} is not a policy; choose 'raise' (stop, naming the step and"
-                " ranks) or 'skip' (drop the step's gradients on every rank and go on)"
+                " ranks), 'skip' (drop the step's gradients on every rank and go on) or 'off' (no per-step check)"
             )
         if self.fsdp_float8_all_gather and not self.float8:
             problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")

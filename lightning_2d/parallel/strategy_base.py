@@ -125,8 +125,8 @@ class ModelParallel2DBase:
         async_checkpoint: Write sharded checkpoints in a background thread after copying them to CPU
             memory, so training continues during the write.
         non_finite: A step with a NaN/inf loss or gradient on any rank: ``"raise"`` (stop every rank,
-            naming the step and ranks) or ``"skip"`` (drop its gradients everywhere, go on). A
-            checkpoint is never saved from non-finite weights.
+            naming the step and ranks), ``"skip"`` (drop its gradients everywhere, go on) or ``"off"``
+            (no per-step check). A checkpoint is never saved from non-finite weights.
         process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
         timeout: Process-group timeout: a collective waiting this long fails (on every group of the mesh).
         watchdog_timeout: The progress watchdog's bound (``parallel/watchdog.py``): a rank whose process died
@@ -162,7 +162,7 @@ class ModelParallel2DBase:
         init_seed: Optional[int] = None,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
-        non_finite: Literal["raise", "skip"] = "raise",
+        non_finite: Literal["raise", "skip", "off"] = "raise",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         watchdog_timeout: Optional[timedelta] = DEFAULT_WATCHDOG_TIMEOUT,
@@ -283,6 +283,8 @@ class ModelParallel2DBase:
             check_first_loss(tensor)
         with backward_context(tensor, self.parallel_config.loss_parallel):
             output = super().backward(tensor, *args, **kwargs)  # type: ignore[misc]
+        if self.parallel_config.non_finite == "off":
+            return output
         # Every micro-batch's loss as a device flag (no host sync here), read by the step guard; after
         # backward, so that what `on_before_backward` hooks did to the loss counts too.
         local = tensor.detach().to_local() if hasattr(tensor, "to_local") else tensor.detach()
@@ -301,8 +303,10 @@ class ModelParallel2DBase:
 
     def _guard_step(self, optimizer: Optimizer) -> bool:
         """All ranks agree whether the losses and gradients since the last step are finite (``guard_step``)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         flag, self._loss_flag = self._loss_flag, None
+        if self.parallel_config.non_finite == "off":
+            return True
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if flag is None:  # no backward through the strategy (e.g. a manual loop without it)
             flag = torch.ones((), device=self.root_device)  # type: ignore[attr-defined]
         return guard_step(params, flag, self._step_number(), self.parallel_config.non_finite)

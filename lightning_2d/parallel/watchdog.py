@@ -486,7 +486,7 @@ class Watchdog:
         try:  # "ended", not dead: the others must not take this exit for a new failure
             self._beat()
             self._call("add", self._ack_key, 1)
-            self._hold_store(len(set(culprits) - {self.rank}))
+            self._hold_store(len(set(culprits)))
         except Exception:  # noqa: BLE001 — the store is gone: nothing left to tell
             pass
         self._stopped.set()
@@ -494,7 +494,8 @@ class Watchdog:
 
     def _hold_store(self, culprits: int) -> None:
         """On the rank hosting the store, before its process ends: wait (a few intervals at most) until the
-        other surviving ranks have read the verdict, so that none takes the store's end for a new failure."""
+        ranks not named in the verdict (``world - culprits``; each acknowledges once) have read it, so that
+        none takes the store's end for a new failure."""
         if self.store_host_rank != self.rank:
             return
         deadline = self._clock() + 3 * self.interval + self.grace + 1.0
@@ -539,8 +540,10 @@ class Watchdog:
         record_for_torchrun(reason)
         try:
             verdict = self._publish({"ranks": [self.rank], "by": self.rank, "reason": reason})
-            self._call("add", self._ack_key, 1)  # counts as ended: this process exits by itself
-            self._hold_store(len(set(verdict.get("ranks", [])) - {self.rank}))
+            culprits = set(verdict.get("ranks", []))
+            if self.rank not in culprits:  # failing too (e.g. an error raised on every rank): has read the verdict
+                self._call("add", self._ack_key, 1)
+            self._hold_store(len(culprits))
         except Exception:  # noqa: BLE001 — the store is gone: the other ranks find the silence
             pass
 

@@ -101,3 +101,46 @@ def test_under_lightnings_launcher_a_stopped_rank_0_is_named_and_killed(tmp_path
     left = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
     print("left:", left)
     assert all(line.split()[1].startswith("Z") for line in left.splitlines()), left  # at most unreaped zombies
+
+
+FABRIC_SCRIPT = '''
+import json, os, sys, time
+from datetime import timedelta
+import lightning as L
+import torch
+from lightning_2d import LlamaLightningModule
+from lightning_2d.fabric import ModelParallel2DStrategy
+from lightning_2d.model import Transformer
+
+out = sys.argv[1]
+fabric = L.Fabric(accelerator="cpu", devices=2,
+                  strategy=ModelParallel2DStrategy(2, 1, watchdog_timeout=timedelta(seconds=10)))
+fabric.launch()
+with torch.device("meta"):
+    model = Transformer(LlamaLightningModule("debug").model_args)
+model = fabric.setup(model)
+optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+for step in range(1, 5):
+    if step == 3 and fabric.global_rank == 1:
+        with open(os.path.join(out, "failed_at.json"), "w") as f:
+            json.dump({"time": time.time()}, f)
+        raise ValueError("a bug on rank 1")
+    fabric.backward(model(torch.randint(0, 256, (2, 32))).float().mean())
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+
+
+def test_under_fabric_an_uncaught_exception_ends_the_other_ranks(tmp_path):
+    """A Fabric script has no Trainer hook: the exception reaches ``sys.excepthook``, which the watchdog wraps."""
+    from lightning_2d.launch import launch_processes
+
+    script = tmp_path / "fabric_fail.py"
+    script.write_text(FABRIC_SCRIPT)
+    result = launch_processes([sys.executable, str(script), str(tmp_path)], tmp_path, nprocs=2, timeout=180,
+                              env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, kill_on_failure=False)
+    assert not result.timed_out and result.returncodes == [75, 1], result.describe()
+    assert "ValueError: a bug on rank 1" in result.logs[1]
+    assert ("Stopping rank 0 (exit code 75): rank 1 raised ValueError during step 3: a bug on rank 1."
+            in result.logs[0]), result.describe()
+    assert max(seconds_after_failure(result)) < 15

@@ -66,6 +66,23 @@ def test_the_policy_is_checked_at_construction():
     assert ModelParallel2DStrategy(non_finite="skip").parallel_config.non_finite == "skip"
 
 
+def test_off_checks_nothing_per_step(monkeypatch):
+    """``non_finite="off"`` (benchmarks): no gradient read and no all-gather per step, a NaN gradient goes through
+    to the optimizer as in plain Lightning."""
+    import lightning_2d.parallel.strategy_base as base
+
+    monkeypatch.setattr(base, "guard_step", lambda *a, **k: pytest.fail("guard_step called under non_finite='off'"))
+    strategy = ModelParallel2DStrategy(non_finite="off")
+    params = with_grads(torch.tensor([float("nan"), 1.0]))
+    strategy._loss_flag = ZERO  # even a NaN loss
+    assert strategy._guard_step(torch.optim.AdamW(params)) is True
+    assert params[0].grad is not None and strategy._loss_flag is None
+    on = ModelParallel2DStrategy()  # the default still checks
+    on._loss_flag = ONE
+    with pytest.raises(pytest.fail.Exception, match="guard_step called"):
+        on._guard_step(torch.optim.AdamW(params))
+
+
 def _fit(module, tmp_path, ckpt_path=None, save_to=None):
     """A 1-process Trainer under the 2D strategy (a real, 1-rank process group)."""
     import lightning as L
