@@ -41,14 +41,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
 #: The exit code of a rank ended by the watchdog (``EX_TEMPFAIL``: resume from the last checkpoint).
@@ -191,6 +194,9 @@ class Watchdog:
         store_host_rank: The rank whose process hosts the store, if a rank does (its local state is checked).
         grace: Seconds a rank gives its own main thread to fail by itself once another rank's verdict is
             seen (an error raised on every rank at once is then reported by each rank itself).
+        marks: The folder of this host's marks (``done-R``/``ended-R`` files): how a rank on this host tells
+            a peer that finished or was ended by a verdict from one that died, even when the store is gone
+            (default: a folder per run in the temporary directory, removed by the last rank to finish).
         clock, sleep, exit, out, state_of, kill: Injected for tests (``time.monotonic``, ``time.sleep``,
             ``os._exit``, ``sys.stderr``, ``process_state``, ``os.kill``).
     """
@@ -212,6 +218,7 @@ class Watchdog:
         out: Optional[TextIO] = None,
         state_of: Callable[[int], Optional[str]] = process_state,
         kill: Callable[[int, int], None] = os.kill,
+        marks: Optional[Path] = None,
     ) -> None:
         self.rank = rank
         self.world_size = len(identities)
@@ -226,6 +233,8 @@ class Watchdog:
         self._prefix = f"{_PREFIX}/{run_id}"
         self._clock, self._sleep, self._exit, self._out = clock, sleep, exit, out
         self._state_of, self._kill = state_of, kill
+        self._marks = Path(marks) if marks is not None else Path(tempfile.gettempdir()) / f"lightning_2d-watchdog-{run_id}"
+        self._store_host_done = False
         me = identities[rank]
         self._local = [
             r for r, ident in enumerate(identities)
@@ -254,6 +263,34 @@ class Watchdog:
     def _ack_key(self) -> str:
         return f"{self._prefix}/ended"
 
+    @property
+    def _done_key(self) -> str:
+        return f"{self._prefix}/done"
+
+    # ---- marks on this host (no store needed) ------------------------------------------------
+    def _mark(self, kind: str, verdict: Optional[dict[str, Any]] = None) -> None:
+        try:
+            self._marks.mkdir(parents=True, exist_ok=True)
+            tmp = self._marks / f".{kind}-{self.rank}.tmp"
+            tmp.write_text(json.dumps(verdict or {}))
+            tmp.replace(self._marks / f"{kind}-{self.rank}")
+        except OSError:
+            pass
+
+    def _read_mark(self, rank: int) -> Optional[tuple[str, dict[str, Any]]]:
+        for kind in ("done", "ended"):
+            try:
+                return kind, json.loads((self._marks / f"{kind}-{rank}").read_text() or "{}")
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def _remove_marks_if_last(self) -> None:
+        """The last rank of this host to finish (the others marked, or their processes gone) removes the marks."""
+        if all(self._read_mark(r) is not None or self._state_of(self.identities[r].pid) in (None, "Z", "X")
+               for r in self._local):
+            shutil.rmtree(self._marks, ignore_errors=True)
+
     # ---- life cycle --------------------------------------------------------------------------
     def start(self) -> "Watchdog":
         now = self._clock()
@@ -265,7 +302,11 @@ class Watchdog:
         return self
 
     def stop(self, done: bool = True) -> None:
-        """End the thread; ``done``: tell the other ranks this one finished (its silence is not a stall)."""
+        """End the thread; ``done``: tell the other ranks this one finished (its silence is not a stall).
+
+        The rank hosting the store then waits (at most ``timeout``) for every other rank to finish too:
+        its process takes the store with it, and a rank still working would take that for a failure.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -273,10 +314,18 @@ class Watchdog:
             self._thread.join(timeout=self.interval + 2.0)  # its round ends first: one store user at a time
         if done and self._failing_since is None:
             self._state = "done"
+            self._mark("done")
             try:
                 self._beat()
+                self._call("add", self._done_key, 1)
+                if self.store_host_rank == self.rank:
+                    deadline = self._clock() + self.timeout
+                    while (self._clock() < deadline and int(self._call("add", self._done_key, 0)) < self.world_size
+                           and not self._call("check", [self._verdict_key])):
+                        self._sleep(min(0.2, self.interval / 4))
             except Exception:  # noqa: BLE001 — best effort: the run is over
                 pass
+            self._remove_marks_if_last()
         if self._thread is None or not self._thread.is_alive():
             self._store.store = None  # close its connection now, not during interpreter finalization
 
@@ -327,11 +376,16 @@ class Watchdog:
         try:
             self._beat()
             verdict = self._read_verdict()
+            host = self.store_host_rank
+            if host is not None and host != self.rank and not self._store_host_done:
+                beat = self._read_beat(host)
+                self._store_host_done = beat is not None and beat[2] == "done"
         except Exception:  # noqa: BLE001 — timeouts and connection errors: judged by the silence below
             store_up = False
         if verdict is None:
             finding = self._check_local_processes(store_up) or (self._check_successor(now) if store_up else None)
-            if finding is None and now - self._store_ok_at > self.timeout:
+            if finding is None and now - self._store_ok_at > self.timeout and not self._store_host_done:
+                # (Once the store's host has finished, its store going away is the end of the run.)
                 finding = self._store_silence(now)
             if finding is not None:
                 verdict = finding
@@ -351,6 +405,15 @@ class Watchdog:
                 continue
             state = self._state_of(self.identities[r].pid)
             if state not in (None, "Z", "X"):
+                continue
+            mark = self._read_mark(r)
+            if mark is not None and mark[0] == "done" or (r == self.store_host_rank and self._store_host_done):
+                self._peers[r].done = True
+                continue
+            if mark is not None:  # ended by a verdict it read: the same verdict, even with the store gone
+                self._peers[r].done = True
+                if mark[1].get("reason"):
+                    return mark[1]
                 continue
             if store_up:
                 try:
@@ -483,12 +546,14 @@ class Watchdog:
                 except OSError:
                     pass
         self._state = "ended"
+        self._mark("ended", verdict)
         try:  # "ended", not dead: the others must not take this exit for a new failure
             self._beat()
             self._call("add", self._ack_key, 1)
             self._hold_store(len(set(culprits)))
         except Exception:  # noqa: BLE001 — the store is gone: nothing left to tell
             pass
+        self._remove_marks_if_last()
         self._stopped.set()
         self._exit(EXIT_CODE)
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import re
+import tempfile
 import os
 import signal
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -42,6 +44,7 @@ class World:
         hosts = hosts or ["node0"] * n
         self.identities = [ProcessIdentity(hosts[r], "pid:[1]", 1000 + r) for r in range(n)]
         self.out = {r: io.StringIO() for r in range(n)}
+        self.marks = Path(tempfile.mkdtemp())
         self.dogs = [self._dog(r, timeout) for r in range(n)]
 
     def _dog(self, rank: int, timeout: float) -> Watchdog:
@@ -49,7 +52,8 @@ class World:
             raise Exited(code)
 
         dog = Watchdog(self.store, rank, self.identities, "run", timeout, clock=lambda: self.now, sleep=self.sleep, exit=exit,
-                       out=self.out[rank], state_of=lambda pid: self.states.get(pid), kill=self._kill)
+                       out=self.out[rank], state_of=lambda pid: self.states.get(pid), kill=self._kill,
+                       marks=self.marks)
         dog._store_ok_at = 0.0  # what start() does, without the thread
         return dog
 
@@ -170,7 +174,7 @@ def test_a_silent_store_names_the_rank_hosting_it():
     ended = []
     identities = [ProcessIdentity("a", "ns", 10), ProcessIdentity("a", "ns", 11)]
     dog = Watchdog(DeadStore(), 1, identities, "run", 20.0, clock=lambda: now, exit=ended.append, out=out,
-                   state_of=lambda pid: "T", kill=lambda pid, sig: None)
+                   state_of=lambda pid: "T", kill=lambda pid, sig: None, marks=Path(tempfile.mkdtemp()))
     now = 0.0
     dog._store_ok_at = 0.0
     now = 19.0
@@ -217,3 +221,46 @@ def test_torchrun_reads_the_verdict_from_its_error_file(tmp_path, monkeypatch):
     record_for_torchrun("rank 2 raised ValueError during step 3: boom")
     data = json.loads((tmp_path / "error.json").read_text())["message"]
     assert data["extraInfo"]["py_callstack"] == "RankFailure: rank 2 raised ValueError during step 3: boom"
+
+
+class Gone:
+    """A store whose host process has ended: every call fails at once."""
+
+    def __getattr__(self, name):
+        def fail(*args):
+            raise RuntimeError("Connection reset by peer")
+
+        return fail
+
+
+def test_with_the_store_gone_a_peer_ended_by_the_verdict_is_not_a_new_failure():
+    world = World()
+    world.round()
+    verdict = {"ranks": [1], "by": 0, "reason": "rank 1 (pid 1001 on node0) has sent no heartbeat for 25 s"}
+    for rank in (0, 2):  # ranks 0 and 2 read the verdict and ended (their marks on this host say so) …
+        try:
+            world.dogs[rank]._end(verdict)
+        except Exited:
+            pass
+    for dog in world.dogs:
+        dog._store.store = Gone()  # … and the store went away with rank 0
+    del world.states[1000], world.states[1002]
+    seen = world.round([3], dt=0.5)[3]  # rank 3 never read the verdict from the store
+    assert seen["reason"] == verdict["reason"]  # it takes theirs, not "rank 0 died" or "rank 2 died"
+    assert world.round([3], dt=5.0)[3] == EXIT_CODE
+    out = world.out[3].getvalue()
+    assert "Stopping rank 3 (exit code 75): rank 1 (pid 1001 on node0) has sent no heartbeat for 25 s" in out
+    assert "died" not in out
+
+
+def test_a_finished_store_host_going_away_is_the_end_of_the_run_not_a_failure():
+    world = World(n=2, timeout=20.0)
+    world.round()
+    world.dogs[0]._thread = None
+    world.dogs[0].stop(done=True)  # rank 0 (the store's host) finished; it waits for rank 1 at most 20 s
+    world.round([1])  # rank 1, still working, reads that its host is done
+    world.dogs[1]._store.store = Gone()
+    del world.states[1000]  # rank 0's process, and the store with it, are gone
+    for _ in range(12):  # 30 s without a store
+        assert world.round([1]) == {1: None}
+    assert world.out[1].getvalue() == ""
