@@ -530,8 +530,9 @@ class Watchdog:
         if self._failure is not None:
             # Where this rank's main thread was (the message's first line only: c10 appends C++ frames).
             text = str(self._failure).strip().splitlines()
+            what = "a consequence" if is_communication_error(self._failure) else "raised here"
             lines.append(
-                "This rank's own error, a consequence: "
+                f"This rank's own error ({what}): "
                 + "".join(traceback.format_tb(self._failure.__traceback__, limit=-6))
                 + f"{type(self._failure).__name__}: {text[0][:500] if text else ''}"
             )
