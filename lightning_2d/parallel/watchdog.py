@@ -319,10 +319,7 @@ class Watchdog:
                 self._beat()
                 self._call("add", self._done_key, 1)
                 if self.store_host_rank == self.rank:
-                    deadline = self._clock() + self.timeout
-                    while (self._clock() < deadline and int(self._call("add", self._done_key, 0)) < self.world_size
-                           and not self._call("check", [self._verdict_key])):
-                        self._sleep(min(0.2, self.interval / 4))
+                    self._wait_for_count(self._done_key, self.world_size, self.timeout, unless_verdict=True)
             except Exception:  # noqa: BLE001 — best effort: the run is over
                 pass
             self._remove_marks_if_last()
@@ -503,13 +500,8 @@ class Watchdog:
 
     # ---- acting ------------------------------------------------------------------------------
     def _act(self, verdict: dict[str, Any], now: float, own: bool) -> Optional[dict[str, Any]]:
-        if self.rank in verdict.get("ranks", []) and verdict.get("by") == self.rank and self._failing_since is not None:
-            # This rank's own error: its main thread is ending the process; make sure it does.
-            if now - self._failing_since > self.timeout:
-                self._end(verdict, f"this rank did not exit within {self.timeout:.0f} s of its error")
-            return verdict
         if self._failing_since is not None and not self._waiting_for_cause:
-            # Failing by itself (an error raised on every rank, or its own): let it, within the bound.
+            # Failing by itself (its own error, or one raised on every rank): let it exit, within the bound.
             if now - self._failing_since > self.timeout:
                 self._end(verdict, f"this rank did not exit within {self.timeout:.0f} s of its error")
             return verdict
@@ -562,11 +554,16 @@ class Watchdog:
         """On the rank hosting the store, before its process ends: wait (a few intervals at most) until the
         ranks not named in the verdict (``world - culprits``; each acknowledges once) have read it, so that
         none takes the store's end for a new failure."""
-        if self.store_host_rank != self.rank:
-            return
-        deadline = self._clock() + 3 * self.interval + self.grace + 1.0
-        target = self.world_size - culprits
-        while self._clock() < deadline and int(self._call("add", self._ack_key, 0)) < target:
+        if self.store_host_rank == self.rank:
+            self._wait_for_count(self._ack_key, self.world_size - culprits, 3 * self.interval + self.grace + 1.0)
+
+    def _wait_for_count(self, key: str, target: int, seconds: float, unless_verdict: bool = False) -> None:
+        """Wait (at most ``seconds``) until the counter ``key`` reaches ``target`` (or, with ``unless_verdict``,
+        a verdict appears: a failure ends the wait)."""
+        deadline = self._clock() + seconds
+        while self._clock() < deadline and int(self._call("add", key, 0)) < target:
+            if unless_verdict and self._call("check", [self._verdict_key]):
+                return
             self._sleep(min(0.2, self.interval / 4))
 
     def _print(self, message: str) -> None:
