@@ -101,6 +101,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             module, self.device_mesh, self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module),
         )
+        self._attach_pipeline(module)
         self._setup_modules.append(module)
         return module
 
@@ -117,7 +118,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         # Under non_finite="skip" a NaN/inf norm is the step guard's to handle (it drops the step).
         strict = error_if_nonfinite and self.parallel_config.non_finite != "skip"
-        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=strict)
+        return clip_grad_norm_(
+            self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=strict,
+            pipeline_group=self._pipeline.pp_group if self._pipeline is not None else None,
+        )
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

@@ -58,6 +58,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """
 
     strategy_name = "model_parallel_2d"
+    _held_grads: list = []
 
     # ---- what differs from Fabric -------------------------------------------------------------
     def _precision_plugin_2d(self) -> Any:
@@ -77,6 +78,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         return {
             "plan": resolve_plan(module, self.parallel_config, self._plan),
             "seq_len": getattr(datamodule, "seq_len", None),
+            "batch_size": _int_or_none(getattr(datamodule, "batch_size", None)),
         }
 
     @override
@@ -109,8 +111,9 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             except Exception:  # a plan that needs the built model (e.g. reads it): checked in each process at setup
                 plan = None
         seq_len = getattr(datamodule, "seq_len", None)
-        if plan is not None or seq_len is not None:
-            self.validate(plan=plan, seq_len=seq_len if isinstance(seq_len, int) else None)
+        batch_size = _int_or_none(getattr(datamodule, "batch_size", None))
+        if plan is not None or seq_len is not None or batch_size is not None:
+            self.validate(plan=plan, seq_len=_int_or_none(seq_len), batch_size=batch_size)
 
     def _float8_modules(self) -> list[nn.Module]:
         module = self.lightning_module
@@ -137,6 +140,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             self.root_device,
             seed=lambda: self._init_seed(self.lightning_module),
         )
+        self._attach_pipeline(self.lightning_module)
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 
@@ -145,6 +149,35 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ---- pipeline parallelism -----------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pipeline parallelism the model's call in ``training_step`` runs the backward too, but
+        Lightning zeroes the gradients *after* the training step (right before its backward). So here
+        the gradients are zeroed before the step (where Lightning would, at the first batch of each
+        accumulation window) and held aside from the step's end until ``backward``."""
+        module = self.lightning_module
+        if self._pipeline is None or module is None or not module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        accumulate = module.trainer.accumulate_grad_batches
+        self._pipeline.grad_scale = 1.0 / accumulate  # Lightning divides the loss by it before backward
+        if batch_idx % accumulate == 0:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad()
+        output = super().training_step(*args, **kwargs)
+        self._held_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        for param, _ in self._held_grads:
+            param.grad = None
+        return output
+
+    @override
+    def backward(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        held, self._held_grads = self._held_grads, []
+        for param, grad in held:  # see training_step: Lightning's zero_grad ran in between
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        return super().backward(tensor, *args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------------
     @override
@@ -190,6 +223,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         version only knows DDP; here FSDP2 skips the gradient reduce-scatter until the last one."""
         with gradient_sync(self.lightning_module, enabled=self.parallel_config.reduce_every_micro_batch):
             yield
+
+
+def _int_or_none(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 StrategyRegistry.register(

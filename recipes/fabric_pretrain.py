@@ -30,6 +30,7 @@ from lightning_2d.callbacks import ThroughputMeter, compute_dtype_of, reset_peak
 from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.module import warmup_cosine_schedule
+from lightning_2d.parallel import pipeline_of
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
@@ -42,6 +43,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages' ranks (the Llama's blocks split into stages); 1: no pipeline")
+    parser.add_argument("--pipeline-schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
     parser.add_argument("--data-parallel-replicate-size", type=int, default=1,
                         help="HSDP: replica groups of the data-parallel ranks (FSDP shards inside each)")
     parser.add_argument("--precision", default="32-true")
@@ -114,6 +118,10 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
         model.init_weights(args.seed)
     model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards
+    pipeline = pipeline_of(model)
+    if pipeline is not None:
+        # Under pipeline parallelism the model's call runs the backward too: tell it the loss is divided below.
+        pipeline.grad_scale = 1.0 / args.accumulate
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                                                           betas=(0.9, 0.95), foreach=True))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -179,7 +187,10 @@ def main() -> None:
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=ModelParallel2DStrategy(
-            tensor_parallel_size=args.tensor_parallel_size, data_parallel_replicate_size=args.data_parallel_replicate_size
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_replicate_size=args.data_parallel_replicate_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            pipeline_schedule=args.pipeline_schedule,
         ),
         precision=args.precision,
     )

@@ -20,6 +20,7 @@ from lightning_2d.parallel.dims import (
     DP_DIM,
     DP_REPLICATE_DIM,
     DP_SHARD_DIM,
+    PP_DIM,
     TP_DIM,
     ParallelDims,
     build_device_mesh,
@@ -29,6 +30,7 @@ from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import ModelInitHooks, ParallelHooks
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.parallelize import parallelize_model, resolve_plan
+from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel, llama_tensor_parallel_plan
 
 __all__ = [
@@ -37,6 +39,8 @@ __all__ = [
     "DP_SHARD_DIM",
     "ModelInitHooks",
     "ParallelHooks",
+    "PP_DIM",
+    "Pipeline",
     "TP_DIM",
     "ParallelConfig",
     "ParallelConfigError",
@@ -48,6 +52,7 @@ __all__ = [
     "apply_tensor_parallel",
     "build_device_mesh",
     "llama_tensor_parallel_plan",
+    "pipeline_of",
     "materialize_model",
     "parallelize_model",
     "resolve_plan",

@@ -18,6 +18,8 @@ AC_MODES = ("none", "full", "selective")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RESHARD_POLICIES = ("default", "always", "never")
 NON_FINITE_POLICIES = ("raise", "skip", "off")
+#: Pipeline schedules (``torch.distributed.pipelining``) → stages per rank they need: one, or several ("virtual").
+PIPELINE_SCHEDULES: dict[str, str] = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "multi"}
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
 PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "32-true": (torch.float32, torch.float32),
@@ -81,8 +83,8 @@ class ParallelConfig:
 
     Args:
         data_parallel_size: Number of data-parallel ranks (model replicas seeing different batches),
-            or ``"auto"``: the world size divided by ``tensor_parallel_size`` (the number of nodes
-            when both are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size``
+            or ``"auto"``: the world size divided by ``tensor_parallel_size × pipeline_parallel_size``
+            (the number of nodes when both are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size``
             of them.
         data_parallel_replicate_size: HSDP: the data-parallel ranks form this many replica groups;
             FSDP shards parameters, gradients and optimizer state inside each group of
@@ -124,6 +126,21 @@ class ParallelConfig:
             every micro-batch (least memory) instead of once, after the last micro-batch (the
             default: ``n - 1`` of ``n`` reduce-scatters saved, but between micro-batches each rank
             holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
+        pipeline_parallel_size: Number of pipeline stages' ranks (``torch.distributed.pipelining``):
+            the transformer blocks are split into stages, consecutive stages on consecutive
+            pipeline ranks, each stage tensor-parallel and FSDP-sharded on its own
+            ``(data_parallel, tensor_parallel)`` sub-mesh. The outermost mesh dimension (across nodes).
+            ``1`` (default): no pipeline.
+        pipeline_schedule: ``"1F1B"`` (default), ``"GPipe"`` (all forwards, then all backwards: more
+            activation memory) or ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble).
+        pipeline_microbatches: Micro-batches each batch is split into (must divide the per-rank
+            batch size; at least ``pipeline_parallel_size`` for the 1F1B schedules). ``None``: one
+            sequence per micro-batch (the batch size). The idle fraction (bubble) of 1F1B/GPipe is
+            about ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches.
+        pipeline_stages_per_rank: Stages each pipeline rank holds: ``1`` for ``"1F1B"``/``"GPipe"``,
+            at least 2 for ``"Interleaved1F1B"`` (``None``: 1, or 2 for the interleaved schedule).
+        pipeline_layers_per_stage: Transformer blocks of each stage, in order (``[9, 8, 8, 7]``);
+            ``None``: a balanced split by compute, the output head counted in the last stage.
         non_finite: What a step whose loss or gradients are NaN/inf on any rank does, decided by
             all ranks together before the update (``lightning_2d.parallel.guard``): ``"raise"``
             stops every rank naming the step and the ranks; ``"skip"`` drops that step's gradients
@@ -149,6 +166,11 @@ class ParallelConfig:
     async_tensor_parallel: bool = False
     reduce_every_micro_batch: bool = False
     non_finite: str = "raise"
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: str = "1F1B"
+    pipeline_microbatches: Optional[int] = None
+    pipeline_stages_per_rank: Optional[int] = None
+    pipeline_layers_per_stage: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         raise_if_problems(self.static_problems())
@@ -210,6 +232,93 @@ class ParallelConfig:
             )
         if self.fsdp_float8_all_gather and not self.float8:
             problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")
+        return problems + self.pipeline_problems()
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        """Stages of the pipeline: ``pipeline_parallel_size × stages per rank``."""
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pipeline_stages_per_rank is not None:
+            return self.pipeline_stages_per_rank
+        return 2 if PIPELINE_SCHEDULES.get(self.pipeline_schedule) == "multi" else 1
+
+    def pipeline_problems(self) -> list[str]:
+        """The pipeline options' own problems (no world size or model needed)."""
+        problems: list[str] = []
+
+        def positive(name: str, value: Any) -> bool:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            if not ok:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+            return ok
+
+        pp = self.pipeline_parallel_size
+        if not positive("pipeline_parallel_size", pp):
+            return problems
+        kind = PIPELINE_SCHEDULES.get(self.pipeline_schedule)
+        if kind is None:
+            problems.append(
+                f"pipeline_schedule={self.pipeline_schedule!r} is not a schedule; choose one of"
+                f" {', '.join(map(repr, PIPELINE_SCHEDULES))}"
+            )
+            return problems
+        if self.pipeline_microbatches is not None:
+            positive("pipeline_microbatches", self.pipeline_microbatches)
+        if self.pipeline_stages_per_rank is not None and positive("pipeline_stages_per_rank", self.pipeline_stages_per_rank):
+            per_rank = self.pipeline_stages_per_rank
+            if kind == "single" and per_rank != 1:
+                problems.append(
+                    f"pipeline_schedule={self.pipeline_schedule!r} runs one stage per rank, but"
+                    f" pipeline_stages_per_rank={per_rank}; use pipeline_schedule='Interleaved1F1B' for several"
+                    " stages per rank, or pipeline_stages_per_rank=1"
+                )
+            if kind == "multi" and per_rank < 2:
+                problems.append(
+                    f"pipeline_schedule={self.pipeline_schedule!r} interleaves several stages per rank, but"
+                    f" pipeline_stages_per_rank={per_rank}; use 2 or more (the default), or pipeline_schedule='1F1B'"
+                )
+        layers = self.pipeline_layers_per_stage
+        if layers is not None:
+            if not isinstance(layers, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers
+            ):
+                problems.append(
+                    f"pipeline_layers_per_stage must be a list of positive block counts, one per stage, got {layers!r}"
+                )
+            elif len(layers) != self.num_pipeline_stages:
+                problems.append(
+                    f"pipeline_layers_per_stage has {len(layers)} entries but the pipeline has"
+                    f" {self.num_pipeline_stages} stages (pipeline_parallel_size {pp} × {self.stages_per_rank} per"
+                    " rank); give one block count per stage"
+                )
+        if pp > 1 and self.pipeline_microbatches is not None and isinstance(self.pipeline_microbatches, int):
+            problems += self.microbatch_problems(self.pipeline_microbatches, batch_size=None)
+        return problems
+
+    def microbatch_problems(self, microbatches: int, batch_size: Optional[int], schedule_checks: bool = True) -> list[str]:
+        """What the schedule needs of the micro-batch count (and the batch size, when known)."""
+        pp, problems = self.pipeline_parallel_size, []
+        if batch_size is not None and batch_size % microbatches:
+            fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+            problems.append(
+                f"pipeline_microbatches ({microbatches}) must divide the per-rank batch size ({batch_size}); use one"
+                f" of {', '.join(map(str, fits))} or change the batch size"
+            )
+        if not schedule_checks:
+            return problems
+        if self.pipeline_schedule in ("1F1B", "Interleaved1F1B") and microbatches < pp:
+            problems.append(
+                f"pipeline_schedule={self.pipeline_schedule!r} needs at least pipeline_parallel_size ({pp})"
+                f" micro-batches, got {microbatches}; raise pipeline_microbatches (or the batch size), or use 'GPipe'"
+            )
+        if self.pipeline_schedule == "Interleaved1F1B" and microbatches >= pp and microbatches % pp:
+            problems.append(
+                f"pipeline_schedule='Interleaved1F1B' needs the micro-batch count ({microbatches}) to be a multiple"
+                f" of pipeline_parallel_size ({pp})"
+            )
         return problems
 
     @classmethod
@@ -261,6 +370,8 @@ class ParallelPlan:
         blocks_use_randomness: Whether the blocks draw random numbers (dropout), so that activation
             checkpointing must replay the random state in recomputation; ``None``: detected from
             dropout modules with ``p > 0``.
+        num_blocks: How many blocks the model has, when known before it is built (the pipeline split
+            is then checked before any process starts).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -272,6 +383,7 @@ class ParallelPlan:
     input_units: tuple[str, ...] = ()
     output_unit: tuple[str, ...] = ()
     blocks_use_randomness: Optional[bool] = None
+    num_blocks: Optional[int] = None
 
     def sequence_parallel_entries(self) -> list[str]:
         """Names in ``tensor_parallel`` whose style only makes sense under sequence parallelism."""

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 #: code written for Lightning's ModelParallelStrategy.
 DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
 DP_DIM = "data_parallel"
+PP_DIM = "pipeline_parallel"
 MESH_DIMS = (DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM)
 
 # torch warns on every `mesh["data_parallel"]` of a flattened dim ("will be deprecated in PT 2.11";
@@ -46,16 +47,18 @@ def _fmt_choices(values: list[int]) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved mesh sizes: ``dp_replicate × dp_shard × tp == world_size``.
+    """Resolved mesh sizes: ``pp × dp_replicate × dp_shard × tp == world_size``.
 
     The one owner of the device mesh: both strategies (and the planner) call ``build_mesh``.
-    Rank ``r`` sits at ``(r // (dp_shard·tp), (r // tp) % dp_shard, r % tp)``: tensor-parallel
-    groups are consecutive ranks (inside a node), then FSDP shard groups, then replicas.
+    Rank ``r`` sits at ``(r // (dp·tp), (r // (dp_shard·tp)) % dp_replicate, (r // tp) % dp_shard, r % tp)``:
+    tensor-parallel groups are consecutive ranks (inside a node), then FSDP shard groups, then
+    replicas, then pipeline stages (outermost: their point-to-point traffic is the lightest).
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -64,7 +67,16 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The mesh's dimension names (``pipeline_parallel`` first, only when there is a pipeline)."""
+        return ((PP_DIM,) if self.pp > 1 else ()) + MESH_DIMS
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return ((self.pp,) if self.pp > 1 else ()) + (self.dp_replicate, self.dp_shard, self.tp)
 
     @property
     def hsdp(self) -> bool:
@@ -83,7 +95,7 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims)
         flat = mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]._flatten(DP_DIM)
         if timeout is not None:
             set_group_timeouts([*mesh.get_all_groups(), flat.get_group()], timeout)
@@ -94,7 +106,8 @@ class ParallelDims:
         return mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)] if self.hsdp else mesh[DP_DIM]
 
     def as_dict(self) -> dict[str, int]:
-        return {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard, "tensor_parallel": self.tp}
+        sizes = {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard, "tensor_parallel": self.tp}
+        return {PP_DIM: self.pp, **sizes} if self.pp > 1 else sizes
 
 
 def set_group_timeouts(groups: list[Any], timeout: timedelta) -> None:
@@ -113,7 +126,7 @@ def group_timeouts(mesh: "DeviceMesh") -> dict[str, Optional[timedelta]]:
     import torch
 
     out: dict[str, Optional[timedelta]] = {}
-    for name in (*MESH_DIMS, DP_DIM):
+    for name in (*(mesh.mesh_dim_names or MESH_DIMS), DP_DIM):
         group = mesh[name].get_group()
         try:
             backend = group._get_backend(torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda"))
@@ -139,8 +152,11 @@ def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_n
     validation reports the mismatch).
     """
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
+    pp = config.pipeline_parallel_size if isinstance(config.pipeline_parallel_size, int) else 1
+    if pp > 1 and world_size % pp == 0:
+        world_size //= pp  # the ranks of one pipeline stage share data and tensor parallelism
     if dp == "auto" and tp == "auto":
-        tp = devices_per_node
+        tp = min(devices_per_node, world_size)
         dp = max(1, world_size // tp)
     elif dp == "auto":
         dp = world_size // tp if world_size % tp == 0 else max(1, world_size // tp)
@@ -157,6 +173,7 @@ def validate_parallel_dims(
     plan: ParallelPlan | None = None,
     precision: str | None = None,
     seq_len: int | None = None,
+    batch_size: int | None = None,
     num_nodes: int = 1,
     device_type: str | None = None,
     device_index: int | None = None,
@@ -170,6 +187,7 @@ def validate_parallel_dims(
         plan: The model's plan (its ``tp_divides`` sizes are checked); ``None`` skips model checks.
         precision: The Trainer/Fabric precision string; ``None`` skips the check.
         seq_len: The training sequence length, when known ahead (checked under sequence parallel).
+        batch_size: The per-rank batch size, when known ahead (checked against the pipeline's micro-batches).
         num_nodes: Number of nodes (for the hint on where tensor-parallel groups land).
         device_type: The accelerator's device type (``"cuda"``, ``"cpu"``); ``None`` skips the
             hardware checks of float8 and async tensor parallelism.
@@ -190,14 +208,30 @@ def validate_parallel_dims(
             f"data_parallel_replicate_size ({replicas}) must divide the data-parallel size ({dp}): FSDP shards"
             f" inside each of the replica groups; use one of {_fmt_choices(fits)}"
         )
-    if dp * tp != world_size:
-        given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
-        pairs = ", ".join(f"({d}, {world_size // d})" for d in _divisors(world_size))
+    pp = config.pipeline_parallel_size
+    if pp > 1 and world_size % pp:
         problems.append(
-            f"data_parallel_size × tensor_parallel_size ({dp} × {tp} = {dp * tp}) must equal the world size"
-            f" ({world_size} = {num_nodes} node(s) × {devices_per_node} device(s)) [{given}]; valid (dp, tp)"
-            f" pairs: {pairs}"
+            f"pipeline_parallel_size ({pp}) must divide the world size ({world_size} = {num_nodes} node(s) ×"
+            f" {devices_per_node} device(s)); use one of {_fmt_choices(_divisors(world_size))}"
         )
+    elif dp * tp * pp != world_size:
+        given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
+        per_stage = world_size // pp
+        pairs = ", ".join(f"({d}, {per_stage // d})" for d in _divisors(per_stage))
+        if pp > 1:
+            problems.append(
+                f"pipeline_parallel_size × data_parallel_size × tensor_parallel_size ({pp} × {dp} × {tp} ="
+                f" {pp * dp * tp}) must equal the world size ({world_size} = {num_nodes} node(s) × {devices_per_node}"
+                f" device(s)) [{given}]; valid (dp, tp) pairs with pipeline_parallel_size={pp}: {pairs}"
+            )
+        else:
+            problems.append(
+                f"data_parallel_size × tensor_parallel_size ({dp} × {tp} = {dp * tp}) must equal the world size"
+                f" ({world_size} = {num_nodes} node(s) × {devices_per_node} device(s)) [{given}]; valid (dp, tp)"
+                f" pairs: {pairs}"
+            )
+    if pp > 1:
+        problems += pipeline_split_problems(config, plan, batch_size)
     if plan is not None and tp > 1:
         if not plan.tensor_parallel:
             problems.append(
@@ -240,7 +274,32 @@ def validate_parallel_dims(
             f" {', '.join(SUPPORTED_PRECISIONS)} (fp16 needs gradient scaling, which FSDP2 × TP does not offer here)"
         )
     raise_if_problems(problems)
-    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp)
+    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=pp)
+
+
+def pipeline_split_problems(config: ParallelConfig, plan: ParallelPlan | None, batch_size: int | None) -> list[str]:
+    """The pipeline against the model's block count (when the plan knows it) and the batch size (when known)."""
+    problems: list[str] = []
+    stages = config.num_pipeline_stages
+    blocks = plan.num_blocks if plan is not None else None
+    layers = config.pipeline_layers_per_stage
+    if blocks is not None:
+        if blocks < stages:
+            problems.append(
+                f"the model has {blocks} transformer blocks, fewer than the {stages} pipeline stages"
+                f" (pipeline_parallel_size {config.pipeline_parallel_size} × {config.stages_per_rank} per rank): every"
+                " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
+            )
+        elif layers is not None and isinstance(layers, (list, tuple)) and sum(layers) != blocks:
+            problems.append(
+                f"pipeline_layers_per_stage {list(layers)} adds up to {sum(layers)} blocks but the model has {blocks};"
+                " the counts must add up to the model's blocks"
+            )
+    if batch_size is not None:
+        # A given count's schedule needs were checked with the options; the batch size's own count here.
+        given = config.pipeline_microbatches
+        problems += config.microbatch_problems(given or batch_size, batch_size, schedule_checks=given is None)
+    return problems
 
 
 def cuda_index(device: "torch.device") -> int | None:

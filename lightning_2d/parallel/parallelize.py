@@ -1,4 +1,5 @@
-"""The one place where a model is parallelized: (float8) → TP/SP → activation checkpointing → compile → FSDP2.
+"""The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → activation
+checkpointing → compile → FSDP2.
 
 The Trainer strategy (``lightning_2d.strategy``) and the Fabric strategy (``lightning_2d.fabric``)
 both call ``parallelize_model``; neither has a copy of these steps.
@@ -28,7 +29,7 @@ from torch import nn
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import TP_DIM, fsdp_mesh_of
+from lightning_2d.parallel.dims import PP_DIM, TP_DIM, fsdp_mesh_of
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
@@ -137,6 +138,9 @@ def parallelize_model(
 ) -> None:
     """Apply (float8) → TP/SP → activation checkpointing → compile → FSDP2 to ``model`` in place.
 
+    With a ``pipeline_parallel`` mesh dimension the model is first split into this rank's stages
+    (``lightning_2d.parallel.pipeline``) and the steps are applied to each stage.
+
     Args:
         model: The model, preferably on the meta device (then materialize it afterwards with
             ``lightning_2d.parallel.materialize_model``).
@@ -147,6 +151,18 @@ def parallelize_model(
             (``ParallelConfig.resolve_dtypes``).
         hooks: An object whose methods named like the steps override them (see the module docstring).
     """
+    if PP_DIM in (mesh.mesh_dim_names or ()) and mesh[PP_DIM].size() > 1:
+        # Split into this rank's pipeline stages, then the steps below on each stage (its own FSDP root).
+        from lightning_2d.parallel.pipeline import parallelize_pipeline
+
+        parallelize_pipeline(
+            model, mesh, plan, config, lambda stage, stage_plan: _parallelize_one(stage, mesh, stage_plan, config, hooks)
+        )
+        return
+    _parallelize_one(model, mesh, plan, config, hooks)
+
+
+def _parallelize_one(model: nn.Module, mesh: "DeviceMesh", plan: ParallelPlan, config: ParallelConfig, hooks: Any) -> None:
     tp_mesh, dp_mesh = mesh[TP_DIM], fsdp_mesh_of(mesh)  # dp_mesh: (replicate, shard) under HSDP
     # One dict of styles from here on: the plan's sequence-parallel overlay merged in when the option is on.
     plan = replace(plan, tensor_parallel=plan.tensor_parallel_styles(config.sequence_parallel))

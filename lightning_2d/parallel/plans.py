@@ -26,6 +26,7 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         input_units=("tok_embeddings",),
         output_unit=("norm", "output"),
         blocks_use_randomness=False,  # no dropout in Llama
+        num_blocks=args.n_layers,
     )
 
 

@@ -49,6 +49,7 @@ from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import finite_flag, guard_step
 from lightning_2d.parallel.loss import backward_context
+from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
 from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT, Watchdog, start_watchdog, stop_watchdog
 
 
@@ -66,10 +67,18 @@ class FSDP2Precision(Precision):
 
     def __init__(self, precision: str) -> None:
         self.precision = precision  # type: ignore[assignment]
+        #: Set by the strategy under pipeline parallelism (``parallel/pipeline.py``).
+        self.pipeline: Any = None
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if not skip_pipelined_backward(tensor, self.pipeline):
+            super().backward(tensor, model, *args, **kwargs)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
+        group = self.pipeline.pp_group if self.pipeline is not None else None
+        clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group)
 
 
 class FabricFSDP2Precision(FabricPrecision):
@@ -77,6 +86,22 @@ class FabricFSDP2Precision(FabricPrecision):
 
     def __init__(self, precision: str) -> None:
         self.precision = precision  # type: ignore[assignment]
+        self.pipeline: Any = None
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if not skip_pipelined_backward(tensor, self.pipeline):
+            super().backward(tensor, model, *args, **kwargs)
+
+
+def skip_pipelined_backward(loss: torch.Tensor, pipeline: Any) -> bool:
+    """Under pipeline parallelism the model's call ran backward (the schedule did, micro-batch by
+    micro-batch): its loss comes back without a graph and the strategy's backward does nothing but check
+    that it was given that loss (``Pipeline.check_backward_loss``)."""
+    if pipeline is None:
+        return False
+    pipeline.check_backward_loss(loss)
+    return True
 
 
 def _is_stock_precision(plugin: Any) -> bool:
@@ -100,6 +125,14 @@ class ModelParallel2DBase:
         data_parallel_replicate_size: HSDP: split the data-parallel ranks into this many replica
             groups; FSDP shards inside a group (e.g. one node) and gradients are all-reduced across
             groups. ``1``: FSDP over every data-parallel rank.
+        pipeline_parallel_size: Pipeline stages' ranks (the outermost mesh dimension): the Llama's
+            blocks are split into stages run by ``torch.distributed.pipelining``, each stage tensor-parallel
+            and FSDP-sharded on its own sub-mesh. ``1``: no pipeline.
+        pipeline_schedule: ``"1F1B"``, ``"GPipe"`` or ``"Interleaved1F1B"`` (several stages per rank).
+        pipeline_microbatches: Micro-batches per batch (divides the per-rank batch size); ``None``:
+            one sequence each.
+        pipeline_stages_per_rank: Stages per pipeline rank (``None``: 1, or 2 for the interleaved schedule).
+        pipeline_layers_per_stage: Blocks of each stage, in order; ``None``: a balanced split.
         sequence_parallel: Shard activations and norms along the sequence between TP regions.
         loss_parallel: Compute the cross-entropy on vocabulary-sharded logits.
         activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
@@ -145,6 +178,11 @@ class ModelParallel2DBase:
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         tensor_parallel_size: Union[Literal["auto"], int] = "auto",
         data_parallel_replicate_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B",
+        pipeline_microbatches: Optional[int] = None,
+        pipeline_stages_per_rank: Optional[int] = None,
+        pipeline_layers_per_stage: Optional[list[int]] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = False,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
@@ -187,6 +225,7 @@ class ModelParallel2DBase:
         self._loss_flag: Optional[torch.Tensor] = None
         self._first_loss_checked = False
         self._optimizer_steps = 0
+        self._pipeline: Optional[Pipeline] = None
 
     def _lightning_strategy_kwargs(self) -> dict[str, Any]:
         """Extra arguments of the Lightning strategy's constructor (Fabric: ``parallelize_fn``)."""
@@ -209,7 +248,11 @@ class ModelParallel2DBase:
 
     # ---- validation, process group, mesh ------------------------------------------------------
     def validate(
-        self, device_index: Optional[int] = None, plan: Optional[ParallelPlan] = None, seq_len: Optional[int] = None
+        self,
+        device_index: Optional[int] = None,
+        plan: Optional[ParallelPlan] = None,
+        seq_len: Optional[int] = None,
+        batch_size: Optional[int] = None,
     ) -> ParallelDims:
         """Check the layout against the world, the model, the precision and the hardware; raises
         ``ParallelConfigError`` listing every problem.
@@ -224,6 +267,8 @@ class ModelParallel2DBase:
             context["plan"] = plan
         if seq_len is not None:
             context["seq_len"] = seq_len
+        if batch_size is not None:
+            context["batch_size"] = batch_size
         plugin = self._precision_plugin_2d()
         devices = self.parallel_devices  # type: ignore[attr-defined]
         return validate_parallel_dims(
@@ -267,6 +312,13 @@ class ModelParallel2DBase:
         )
 
     # ---- model -------------------------------------------------------------------------------
+    def _attach_pipeline(self, module: nn.Module) -> None:
+        """After parallelizing: under pipeline parallelism the precision plugin skips the backward (the
+        model's call ran it) and clips over every stage's gradients."""
+        self._pipeline = pipeline_of(module)
+        if self._pipeline is not None:
+            self._precision_plugin_2d().pipeline = self._pipeline
+
     def _init_seed(self, owner: Any = None) -> int:
         """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""
         seed = self._init_seed_value
@@ -371,12 +423,21 @@ class ModelParallel2DBase:
         do not fit ``module`` (another model size, fewer layers): quoting both shapes. Rank 0 reads the
         metadata; every rank raises the same error."""
         problems: Any = None
-        if self.global_rank == 0:  # type: ignore[attr-defined]
+        pipelined = pipeline_of(module) is not None
+        expected: dict[str, tuple[int, ...]] = {}
+        if self.global_rank == 0 or pipelined:  # type: ignore[attr-defined]
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             # The names DCP saved under (wrapper prefixes of AC/compile removed); DTensors give full shapes.
             state = get_model_state_dict(module)
             expected = {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+        if pipelined:  # each rank holds some stages: the model is the union of every rank's tensors
+            import torch.distributed as dist
+
+            parts: list[Any] = [None] * self.world_size  # type: ignore[attr-defined]
+            dist.all_gather_object(parts, expected)
+            expected = {name: shape for part in parts for name, shape in part.items()}
+        if self.global_rank == 0:  # type: ignore[attr-defined]
             try:
                 problems = shape_mismatches(stored_shapes(path, key), expected, strict=strict)
             except Exception as err:  # metadata unreadable: resolve_checkpoint reported damage already

@@ -182,7 +182,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: Paralle
         def check_sequence_length(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             # The first tensor input, positional or keyword (HF models take `input_ids=`).
             tokens = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-            if tokens is not None and tokens.dim() > dim and tokens.shape[dim] % tp:
+            # Hidden states (a later pipeline stage's input) are already sharded along the sequence.
+            if tokens is not None and not tokens.is_floating_point() and tokens.dim() > dim and tokens.shape[dim] % tp:
                 raise ValueError(
                     f"Input sequence length {tokens.shape[dim]} is not divisible by tensor_parallel_size ({tp});"
                     f" sequence parallelism shards the sequence evenly. Use a sequence length that is a multiple"

@@ -49,4 +49,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
 
 
 def load_weights(result: JobResult, which: str) -> dict[str, torch.Tensor]:
-    return torch.load(result.out_dir / f"{which}.pt")
+    """The full weights a job saved; under pipeline parallelism merged from one file per pipeline rank."""
+    path = result.out_dir / f"{which}.pt"
+    if path.exists():
+        return torch.load(path)
+    parts = sorted(result.out_dir.glob(f"{which}_pp*.pt"))
+    assert parts, f"no {which}.pt or {which}_pp*.pt in {result.out_dir}"
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state = torch.load(part)
+        assert not merged.keys() & state.keys(), f"two pipeline ranks hold {sorted(merged.keys() & state.keys())[:3]}"
+        merged.update(state)
+    return merged

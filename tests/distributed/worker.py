@@ -45,12 +45,32 @@ class SyntheticTokens(Dataset):
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) copies of every parameter, by canonical name; a collective on every rank."""
+    """Full (unsharded) copies of every parameter, by canonical name; a collective on every rank. Under
+    pipeline parallelism: this rank's stages only (``save_state`` writes one file per stage)."""
     out = {}
     for name, p in module.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[canonical_name(name)] = full.detach().float().cpu().clone()
     return out
+
+
+def pipeline_group_of(module: torch.nn.Module):
+    from lightning_2d.parallel.pipeline import pipeline_of
+
+    pipeline = pipeline_of(module)
+    return pipeline.pp_group if pipeline is not None else None
+
+
+def save_state(trainer, pl_module, out_dir: Path, which: str) -> None:
+    """``which.pt`` from rank 0, or under pipeline parallelism ``which_pp{R}.pt`` from the first rank of
+    each pipeline rank's sub-mesh (``load_weights`` merges them)."""
+    state = full_state(pl_module.model)
+    mesh = pl_module.device_mesh
+    if mesh is not None and "pipeline_parallel" in (mesh.mesh_dim_names or ()):
+        if mesh["data_parallel"].get_local_rank() == 0 and mesh["tensor_parallel"].get_local_rank() == 0:
+            torch.save(state, out_dir / f"{which}_pp{mesh['pipeline_parallel'].get_local_rank()}.pt")
+    elif trainer.global_rank == 0:
+        torch.save(state, out_dir / f"{which}.pt")
 
 
 class Recorder(L.Callback):
@@ -63,13 +83,11 @@ class Recorder(L.Callback):
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters())))
+        self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(pl_module))))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.save_weights:
-            state = full_state(pl_module.model)
-            if trainer.global_rank == 0:
-                torch.save(state, self.out_dir / "initial.pt")
+            save_state(trainer, pl_module, self.out_dir, "initial")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
@@ -77,20 +95,18 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # The optimizer step leaves the gradients as it used them (after clipping).
-        self.stepped_grad_norms.append(float(total_grad_norm(pl_module.model.parameters())))
+        self.stepped_grad_norms.append(
+            float(total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(pl_module)))
+        )
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.
         self.draws.append(float(torch.rand(1)))
         if trainer.global_step in self.weights_at_steps:
-            state = full_state(pl_module.model)
-            if trainer.global_rank == 0:
-                torch.save(state, self.out_dir / f"weights_step{trainer.global_step}.pt")
+            save_state(trainer, pl_module, self.out_dir, f"weights_step{trainer.global_step}")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_weights:
-            state = full_state(pl_module.model)
-            if trainer.global_rank == 0:
-                torch.save(state, self.out_dir / "final.pt")
+            save_state(trainer, pl_module, self.out_dir, "final")
 
 
 def placements(module: torch.nn.Module) -> dict[str, list]:
@@ -206,6 +222,11 @@ STRATEGY_OPTIONS = (
     "fsdp_float8_all_gather",
     "data_parallel_replicate_size",
     "non_finite",
+    "pipeline_parallel_size",
+    "pipeline_schedule",
+    "pipeline_microbatches",
+    "pipeline_stages_per_rank",
+    "pipeline_layers_per_stage",
 )
 
 
@@ -256,6 +277,10 @@ def fit(cfg: dict) -> None:
         loader = DataLoader(data, batch_size=cfg["global_batch"], sampler=sampler)
     else:
         loader = DataLoader(data, batch_size=cfg["global_batch"] // dp // accumulate)
+    val_loader = None
+    if "val_samples" in cfg:  # validation through the model (under pipeline parallelism: the schedule's eval)
+        val_data = SyntheticTokens(cfg["val_samples"], cfg["seq_len"], vocab_size, seed=1)
+        val_loader = DataLoader(val_data, batch_size=cfg["global_batch"] // (1 if cfg["strategy"] == "single" else dp))
     recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())))
     callbacks = [recorder]
     if "inject_nan" in cfg:
@@ -278,7 +303,7 @@ def fit(cfg: dict) -> None:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, val_loader)
     if cfg.get("save_checkpoint"):
         trainer.save_checkpoint(out_dir / "final_ckpt")  # a sharded (DCP) folder under the 2D strategy
     result = {
@@ -289,8 +314,14 @@ def fit(cfg: dict) -> None:
         "stepped_grad_norms": recorder.stepped_grad_norms,
         "placements": placements(module.model),
     }
+    if val_loader is not None:
+        result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if module.model.__class__.__name__.startswith("Pipelined"):
+        result["pipeline_split"] = module.model._pipeline_split
+        result["blocks"] = sorted(module.model.layers.keys(), key=int)
     mesh = module.device_mesh
-    if cfg["strategy"] == "2d" and "hf_config" not in cfg:
+    pipelined = cfg.get("pipeline_parallel_size", 1) > 1
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined:
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
     if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
         seen = []
@@ -300,7 +331,7 @@ def fit(cfg: dict) -> None:
             module.model(torch.zeros(1, cfg["seq_len"], dtype=torch.long))
         handle.remove()
         result["layer_input_shape"] = seen[0]
-    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True):
+    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True) and not pipelined:
         # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
         try:
             module.model(torch.zeros(1, 13, dtype=torch.long))
@@ -396,6 +427,7 @@ def train(cfg: dict) -> None:
     strategy = ModelParallel2DStrategy(
         data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
         data_parallel_replicate_size=cfg.get("replicate", 1),
+        **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule") if k in cfg},
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
         **strategy_timeouts(cfg),
@@ -487,7 +519,9 @@ def fabric_loop(cfg: dict) -> None:
 
         strategy = FabricStrategy(cfg["dp"], cfg["tp"], parallelize_fn=parallelize_fn)
     else:
-        strategy = FabricStrategy(cfg["dp"], cfg["tp"], data_parallel_replicate_size=cfg.get("replicate", 1))
+        strategy = FabricStrategy(cfg["dp"], cfg["tp"], data_parallel_replicate_size=cfg.get("replicate", 1),
+                                  pipeline_parallel_size=cfg.get("pp", 1),
+                                  pipeline_schedule=cfg.get("pipeline_schedule", "1F1B"))
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
     fabric.launch()
 
@@ -496,7 +530,11 @@ def fabric_loop(cfg: dict) -> None:
     def on_step(step: int, model) -> None:
         if step == 6:
             state = full_state(model)
-            if fabric.global_rank == 0:
+            mesh = getattr(fabric.strategy, "device_mesh", None)
+            if mesh is not None and "pipeline_parallel" in (mesh.mesh_dim_names or ()):
+                if mesh["data_parallel"].get_local_rank() == 0 and mesh["tensor_parallel"].get_local_rank() == 0:
+                    torch.save(state, out_dir / f"final_pp{mesh['pipeline_parallel'].get_local_rank()}.pt")
+            elif fabric.global_rank == 0:
                 torch.save(state, out_dir / "final.pt")
 
     history = recipe.train(fabric, args, on_step=on_step)

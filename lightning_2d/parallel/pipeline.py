@@ -1,0 +1,446 @@
+"""Pipeline parallelism: the Llama split into stages by blocks, run by ``torch.distributed.pipelining``.
+
+``parallelize_pipeline`` (called by ``parallelize_model`` when the mesh has a ``pipeline_parallel``
+dimension) does, on the meta-device model:
+
+1. **Split**: the blocks are cut into ``pipeline_parallel_size × stages_per_rank`` contiguous stages
+   (``balanced_split``: by parameter count as a stand-in for compute, the output head counted in the
+   last stage; or ``pipeline_layers_per_stage``). Stage ``s`` lives on pipeline rank
+   ``s % pipeline_parallel_size`` (loop placement, what the interleaved schedule expects).
+2. **Prune**: the model keeps only this rank's blocks (and the embedding / final norm and head if it
+   holds the first / last stage). Names are unchanged (``layers.17.attention.wq.weight``), so the
+   layout-independent init, ``state_dict`` and DCP checkpoints see the same names as on one
+   device: a checkpoint saved at one pipeline size loads at another.
+3. **Stages**: each stage is a ``PipelineStageModule``, a view holding references to its blocks.
+   TP/SP, activation checkpointing, compile and FSDP2 are applied to each view (the view is its
+   FSDP root, so ``PipelineStage`` defers FSDP's gradient reduce-scatter to the last micro-batch)
+   over the ``(data_parallel, tensor_parallel)`` sub-mesh of this pipeline rank.
+4. **Run**: the model's class is swapped for a subclass whose ``forward(tokens, labels=)`` runs one
+   schedule step (forward *and* backward of every micro-batch while gradients are enabled,
+   forward only under ``no_grad``) and returns the summed loss of this data-parallel rank's
+   batch, the same on every pipeline rank. The strategies then skip their own ``backward`` for it.
+
+Loss scaling: the last stage returns each micro-batch's *summed* cross-entropy; the schedule's loss
+function multiplies it by ``data_parallel_size / global target tokens`` (counted before the step),
+the same factor ``normalize_by_global_tokens`` applies without a pipeline, and the schedule is built
+with ``scale_grads=False`` (its default divides the gradients by the micro-batch count once more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_2d.linear_cross_entropy import IGNORE_INDEX, check_labels
+from lightning_2d.parallel.config import PIPELINE_SCHEDULES, ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.dims import DP_DIM, PP_DIM, TP_DIM
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+# ---- the split (pure) ------------------------------------------------------------------------
+def balanced_split(block_costs: list[float], num_stages: int, last_extra: float = 0.0, first_extra: float = 0.0) -> list[int]:
+    """Blocks per stage (contiguous, at least one each) minimizing the most expensive stage.
+
+    Args:
+        block_costs: The cost of each block, in order.
+        num_stages: How many stages.
+        last_extra: Cost the last stage carries besides its blocks (final norm + output head).
+        first_extra: Cost the first stage carries besides its blocks (the embedding).
+
+    Returns:
+        The number of blocks of each stage; ties go to the split that puts blocks earlier.
+    """
+    n = len(block_costs)
+    if num_stages < 1 or n < num_stages:
+        raise ValueError(f"cannot split {n} blocks into {num_stages} stages of at least one block")
+    prefix = [0.0]
+    for cost in block_costs:
+        prefix.append(prefix[-1] + cost)
+
+    def stage_cost(start: int, end: int, index: int) -> float:
+        extra = (first_extra if index == 0 else 0.0) + (last_extra if index == num_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[s][e]: the smallest maximum stage cost splitting blocks [0, e) into s stages.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for e in range(s, n - (num_stages - s) + 1):
+            for b in range(s - 1, e):
+                value = max(best[s - 1][b], stage_cost(b, e, s - 1))
+                if value < best[s][e] - 1e-9 * max(1.0, abs(value)):
+                    best[s][e], cut[s][e] = value, b
+    sizes, end = [], n
+    for s in range(num_stages, 0, -1):
+        start = cut[s][end]
+        sizes.append(end - start)
+        end = start
+    return sizes[::-1]
+
+
+def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` runs (loop placement: stage ``s`` on rank ``s % pp``)."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def block_costs_of(model: nn.Module, block_names: list[str]) -> tuple[list[float], float, float]:
+    """Parameter counts of each block, of the head (+ final norm) and of the embedding: a proxy for their
+    compute per token (each parameter of a matmul costs 6 FLOPs per token in training; an embedding
+    lookup costs next to nothing, so it counts for memory only, at a tenth)."""
+    blocks = [float(sum(p.numel() for p in model.layers[name].parameters())) for name in block_names]
+    head = float(sum(p.numel() for m in (model.norm, model.output) for p in m.parameters()))
+    embed = float(sum(p.numel() for p in model.tok_embeddings.parameters())) * 0.1
+    return blocks, head, embed
+
+
+def pipeline_split(model: nn.Module, config: ParallelConfig) -> list[list[str]]:
+    """The block names of every stage, in stage order (the given ``pipeline_layers_per_stage`` or balanced)."""
+    names = list(model.layers.keys())
+    stages = config.num_pipeline_stages
+    if len(names) < stages:
+        raise ParallelConfigError([
+            f"the model has {len(names)} transformer blocks, fewer than the {stages} pipeline stages"
+            f" (pipeline_parallel_size {config.pipeline_parallel_size} × {config.stages_per_rank} per rank): every"
+            " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
+        ])
+    sizes = config.pipeline_layers_per_stage
+    if sizes is None:
+        blocks, head, embed = block_costs_of(model, names)
+        sizes = balanced_split(blocks, stages, last_extra=head, first_extra=embed)
+    elif sum(sizes) != len(names):
+        raise ParallelConfigError([
+            f"pipeline_layers_per_stage {list(sizes)} adds up to {sum(sizes)} blocks but the model has {len(names)};"
+            " the counts must add up to the model's blocks"
+        ])
+    out, start = [], 0
+    for size in sizes:
+        out.append(names[start : start + size])
+        start += size
+    return out
+
+
+# ---- stages ----------------------------------------------------------------------------------
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of a Llama ``Transformer``: references to its blocks (and the embedding /
+    final norm + head for the first / last stage), with the ``Transformer``'s attribute names so the
+    parallel plan applies to it unchanged.
+
+    ``forward(x, labels=None)``: token ids (first stage) or hidden states ``(B, T_local, dim)`` in;
+    hidden states out, or for the last stage the summed cross-entropy of ``labels`` (0-dim fp32).
+    """
+
+    def __init__(self, model: nn.Module, block_names: list[str], first: bool, last: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({name: model.layers[name] for name in block_names})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.is_first, self.is_last = first, last
+        self._owner = [model]  # a list: not registered as a submodule (the model holds this stage)
+        self.seq_len = 0  # the full sequence length of the running batch (set by the pipeline)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T_local, dim)
+        rope = self._owner[0].rope[: self.seq_len]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.output is None:
+            return h
+        assert labels is not None, "the last stage computes the loss: it needs the labels"
+        return self.output(self.norm(h), labels=labels)  # 0-dim fp32: the summed cross-entropy
+
+
+def stage_plan(stage: PipelineStageModule, plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` without the entries naming modules this stage does not hold (embedding, norm, head)."""
+
+    def held(name: str) -> bool:
+        return getattr(stage, name.split(".", 1)[0], None) is not None
+
+    return replace(
+        plan,
+        module="",
+        tensor_parallel={k: v for k, v in plan.tensor_parallel.items() if held(k)},
+        sequence_parallel={k: v for k, v in plan.sequence_parallel.items() if held(k)},
+        input_units=tuple(n for n in plan.input_units if held(n)),
+        output_unit=tuple(n for n in plan.output_unit if held(n)),
+    )
+
+
+def check_pipeline_model(model: nn.Module) -> None:
+    """Pipeline parallelism splits a Llama ``Transformer`` (by its ``layers``); refuse anything else early."""
+    from lightning_2d.model import Transformer
+
+    if not isinstance(model, Transformer):
+        raise ParallelConfigError([
+            f"pipeline_parallel_size > 1 splits lightning_2d.model.Transformer into stages by its blocks; the"
+            f" model to parallelize is {type(model).__name__}. Use LlamaLightningModule (or a Transformer), or"
+            " pipeline_parallel_size=1"
+        ])
+
+
+# ---- the runtime -----------------------------------------------------------------------------
+@dataclass
+class _Schedule:
+    schedule: Any
+    stages: list[Any]
+
+
+class Pipeline:
+    """This rank's stages and the schedules that run them (one per batch shape and mode).
+
+    Args:
+        stages: This rank's ``PipelineStageModule`` s, in stage order.
+        stage_indices: Their indices in the pipeline.
+        mesh: The device mesh (``pipeline_parallel``, …, ``data_parallel``, ``tensor_parallel``).
+        config: The options (schedule, micro-batches, sequence parallelism, ``param_dtype``: the
+            activations' dtype between stages).
+        dim: Width of the hidden states sent between stages.
+    """
+
+    def __init__(
+        self,
+        stages: list[PipelineStageModule],
+        stage_indices: list[int],
+        mesh: "DeviceMesh",
+        config: ParallelConfig,
+        dim: int,
+    ) -> None:
+        self.stages = stages
+        self.stage_indices = stage_indices
+        self.mesh = mesh
+        self.config = config
+        self.dim = dim
+        self.num_stages = config.num_pipeline_stages
+        self.pp_group = mesh[PP_DIM].get_group()
+        self.dp_group = mesh[DP_DIM].get_group()
+        self.has_first = 0 in stage_indices
+        self.has_last = self.num_stages - 1 in stage_indices
+        tp = mesh[TP_DIM].size()
+        self.sequence_shards = tp if config.sequence_parallel and tp > 1 else 1
+        self._schedules: dict[tuple, _Schedule] = {}
+        self._scale = torch.ones(())
+        self._raw_losses: list[torch.Tensor] = []
+        #: Multiplies the loss the gradients are computed of: the Trainer sets ``1 / accumulate_grad_batches``
+        #: (Lightning divides the loss it would differentiate by it); a Fabric loop that accumulates sets it.
+        self.grad_scale = 1.0
+        #: The loss whose gradients the last training step computed (``loss_sum × dp / tokens × grad_scale``);
+        #: what a strategy's ``backward`` is expected to be given.
+        self.last_objective: Optional[torch.Tensor] = None
+        #: Wall time of this rank's forward/backward calls in the last step (``measure=True``): the bubble.
+        self.busy_s = 0.0
+        self.measure = False
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank holding the last stage in this rank's pipeline."""
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.pp_group, (self.num_stages - 1) % dist.get_world_size(self.pp_group))
+
+    def microbatches(self, batch_size: int) -> int:
+        count = self.config.pipeline_microbatches or batch_size
+        problems = self.config.microbatch_problems(count, batch_size, schedule_checks=self.config.pipeline_microbatches is None)
+        if problems:
+            raise ParallelConfigError(problems)
+        return count
+
+    def _loss_fn(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        self._raw_losses.append(output.detach())
+        return output * self._scale
+
+    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device) -> _Schedule:
+        from torch.distributed import pipelining
+
+        mb = batch_size // microbatches
+        act_dtype = self.config.param_dtype or torch.float32
+        # requires_grad: static metadata carries it, and a stage differentiates only inputs that require it.
+        hidden = torch.empty((mb, seq_len // self.sequence_shards, self.dim), dtype=act_dtype, device="meta",
+                             requires_grad=True)
+        tokens = torch.empty((mb, seq_len), dtype=torch.long, device="meta")
+        loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+        stages = []
+        for module, index in zip(self.stages, self.stage_indices):
+            stages.append(
+                pipelining.PipelineStage(
+                    module,
+                    index,
+                    self.num_stages,
+                    device,
+                    input_args=(tokens,) if index == 0 else (hidden,),
+                    output_args=(loss,) if index == self.num_stages - 1 else (hidden,),
+                    group=self.pp_group,
+                )
+            )
+        name = self.config.pipeline_schedule
+        kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        if PIPELINE_SCHEDULES[name] == "single":
+            cls = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe}[name]
+            schedule = cls(stages[0], **kwargs)
+        else:
+            schedule = pipelining.ScheduleInterleaved1F1B(stages, **kwargs)
+        if self.measure:
+            self._instrument(stages)
+        return _Schedule(schedule, stages)
+
+    def _instrument(self, stages: list[Any]) -> None:
+        import time
+
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk"):
+                original = getattr(stage, name)
+
+                def timed(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                    start = time.perf_counter()
+                    try:
+                        return _original(*args, **kwargs)
+                    finally:
+                        self.busy_s += time.perf_counter() - start
+
+                setattr(stage, name, timed)
+
+    def run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool) -> torch.Tensor:
+        """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank."""
+        import torch.distributed as dist
+
+        batch_size, seq_len = tokens.shape
+        microbatches = self.microbatches(batch_size)
+        if seq_len % self.sequence_shards:
+            raise ValueError(
+                f"Input sequence length {seq_len} is not divisible by tensor_parallel_size ({self.sequence_shards});"
+                " sequence parallelism shards the sequence evenly. Use a sequence length that is a multiple of"
+                f" {self.sequence_shards} or sequence_parallel=False."
+            )
+        # The gradient of the global-batch mean: each micro-batch's sum × dp / (target tokens of the global batch).
+        count = (labels != IGNORE_INDEX).sum().to(torch.float32).reshape(1)
+        dist.all_reduce(count, group=self.dp_group)
+        dp_size = dist.get_world_size(self.dp_group)
+        self._scale = (dp_size * self.grad_scale / count.clamp(min=1.0)).reshape(())
+        # The stages' buffers are sized by the micro-batch shape (static metadata, no shape inference
+        # pass): one schedule per shape, e.g. training and a validation loader with another batch size.
+        key = (batch_size, seq_len, microbatches)
+        if key not in self._schedules:
+            self._schedules[key] = self._build(batch_size, seq_len, microbatches, tokens.device)
+        schedule = self._schedules[key].schedule
+        for stage in self.stages:
+            stage.seq_len = seq_len
+        self._raw_losses = []
+        self.busy_s = 0.0
+        args = (tokens,) if self.has_first else ()
+        kwargs: dict[str, Any] = {"labels": labels} if self.has_last else {}
+        target = labels if self.has_last else None
+        losses: list[torch.Tensor] = []
+        run = schedule.step if train else schedule.eval
+        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        total = torch.stack(self._raw_losses).sum() if self.has_last else torch.zeros((), device=tokens.device)
+        total = total.to(tokens.device, torch.float32).contiguous()
+        dist.broadcast(total, src=self.last_stage_rank, group=self.pp_group)
+        self.last_objective = total * self._scale if train else None
+        return total
+
+    def check_backward_loss(self, loss: torch.Tensor) -> None:
+        """The loss given to ``backward`` must be the one the schedule differentiated (up to rounding):
+        any other scaling (``loss / accumulate`` without ``grad_scale``, an extra term) would silently
+        change the gradients, which were computed inside the model's call."""
+        expected, self.last_objective = self.last_objective, None
+        if loss.requires_grad:
+            raise RuntimeError(
+                "Under pipeline parallelism the model's call runs the backward itself (the schedule interleaves the"
+                " micro-batches' forwards and backwards) and returns the loss without a graph; this loss still needs"
+                " a gradient, so part of it was computed outside the model and its gradient would be lost. Return"
+                " the model's loss unchanged, or move the extra term into the model."
+            )
+        if expected is None:
+            return
+        value, target = float(loss.detach().float()), float(expected)
+        if abs(value - target) > 1e-4 * max(abs(target), 1e-12):
+            raise RuntimeError(
+                f"Under pipeline parallelism the gradients are computed inside the model's call, of the loss"
+                f" {target:.6g} (the global-batch mean × grad_scale {self.grad_scale:g}), but backward was given"
+                f" {value:.6g} (× {value / target if target else float('nan'):.4g}). Pass the normalized loss"
+                " unchanged; to accumulate gradients over n batches in a Fabric loop set"
+                " `lightning_2d.parallel.pipeline_of(model).grad_scale = 1 / n` (the Trainer does it itself)."
+            )
+
+
+class PipelinedModel:
+    """Mixed in front of the model's class by ``parallelize_pipeline``: calling the model runs the pipeline."""
+
+    _pipeline: Pipeline
+    #: Set by the strategy: the backward of the loss this returns already ran inside the call.
+    runs_backward_inside = True
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None:
+            raise RuntimeError(
+                "Under pipeline parallelism the model is called with labels and returns the summed loss: the"
+                " logits exist on the last stage only, one micro-batch at a time. Call model(tokens, labels=labels);"
+                " for logits (prediction, generation) load the checkpoint with pipeline_parallel_size=1."
+            )
+        if tokens.shape[1] > self.args.max_seq_len:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"Sequence length {tokens.shape[1]} exceeds max_seq_len ({self.args.max_seq_len}); raise"  # type: ignore[attr-defined]
+                " max_seq_len or use shorter sequences"
+            )
+        if labels.shape != tokens.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the tokens {tuple(tokens.shape)}")
+        check_labels(labels, self.args.vocab_size)  # type: ignore[attr-defined]
+        return self._pipeline.run(tokens, labels, train=torch.is_grad_enabled())
+
+
+def pipeline_of(module: nn.Module) -> Optional[Pipeline]:
+    """The ``Pipeline`` of a model (or of the first submodule) that runs one, else ``None``."""
+    for sub in module.modules():
+        if isinstance(sub, PipelinedModel):
+            return sub._pipeline
+    return None
+
+
+def parallelize_pipeline(
+    model: nn.Module,
+    mesh: "DeviceMesh",
+    plan: ParallelPlan,
+    config: ParallelConfig,
+    parallelize_stage: Callable[[nn.Module, ParallelPlan], None],
+) -> Pipeline:
+    """Split ``model`` (meta device) into this rank's stages, parallelize each, and make calling it run them.
+
+    Args:
+        model: A Llama ``Transformer``, not yet parallelized.
+        mesh: The mesh with a ``pipeline_parallel`` dimension.
+        plan: The model's plan (names relative to the ``Transformer``).
+        config: The options.
+        parallelize_stage: ``(stage, stage_plan) ->`` TP/SP, AC, compile and FSDP2 on one stage.
+    """
+    check_pipeline_model(model)
+    pp_mesh = mesh[PP_DIM]
+    pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
+    split = pipeline_split(model, config)
+    indices = stages_of_rank(pp_rank, pp_size, config.stages_per_rank)
+    num_stages = len(split)
+    mine = {name for i in indices for name in split[i]}
+    for name in list(model.layers.keys()):
+        if name not in mine:
+            del model.layers[name]
+    stages = [PipelineStageModule(model, split[i], first=i == 0, last=i == num_stages - 1) for i in indices]
+    if 0 not in indices:
+        model.tok_embeddings = None
+    if num_stages - 1 not in indices:
+        model.norm = None
+        model.output = None
+    for stage in stages:
+        parallelize_stage(stage, stage_plan(stage, plan))
+    pipeline = Pipeline(stages, indices, mesh, config, dim=model.args.dim)
+    # The stages are not submodules of the model (their modules are): the model's parameters,
+    # state_dict and checkpoints keep the single-device names.
+    base = type(model)
+    model.__class__ = type(f"Pipelined{base.__name__}", (PipelinedModel, base), {})
+    model._pipeline = pipeline
+    model._pipeline_split = [len(s) for s in split]
+    return pipeline

@@ -1,0 +1,96 @@
+"""Pipeline parallelism (a third mesh dimension) equals single-device training.
+
+Real jobs: 4 CPU processes on gloo, 2 pipeline stages × 2 data-parallel ranks (1F1B, with
+validation through the pipeline) and 2 stages × 2 tensor-parallel ranks (GPipe, gradients clipped
+to the norm over every stage), 6 fp32 AdamW steps of the ``debug`` model against the single-device
+``Trainer`` (the same reference the 2D layouts are held to). The interleaved schedule runs in the
+Fabric tests; checkpoints across pipeline layouts in ``test_checkpoints.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_2d.model import PRESETS, Transformer
+from tests.distributed.conftest import PARITY, load_weights
+from tests.distributed.test_options import CLIP
+from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
+
+pytestmark = pytest.mark.distributed
+
+VAL_SAMPLES = 8
+LAYOUTS = {
+    "pp2xdp2-1F1B": ({"dp": 2, "tp": 1, "pipeline_parallel_size": 2, "pipeline_schedule": "1F1B",
+                      "val_samples": VAL_SAMPLES}, {}),
+    "pp2xtp2-GPipe-clip": ({"dp": 1, "tp": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "GPipe",
+                            "gradient_clip_val": CLIP}, {"gradient_clip_val": CLIP}),
+}
+
+
+def run_layout(jobs, name):
+    options, reference_options = LAYOUTS[name]
+    options = dict(options)
+    dp, tp = options.pop("dp"), options.pop("tp")
+    return jobs.layout(dp, tp, nprocs=4, **options), jobs.reference(**reference_options)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_pipelined_training_equals_single_device(jobs, name):
+    run, reference = run_layout(jobs, name)
+    ref = reference.rank_output(0)
+    for rank in range(4):
+        out = run.rank_output(rank)
+        error = worst_relative_error(out["losses"], ref["losses"])
+        norm_error = worst_relative_error(out["grad_norms"], ref["grad_norms"])
+        print(f"{name} rank {rank}: worst relative loss error {error:.2e}, gradient-norm error {norm_error:.2e}")
+        assert error <= LOSS_RTOL, (out["losses"], ref["losses"])
+        # The norm over every stage's gradients (each rank holds one stage's): clipping clips to it.
+        assert norm_error <= LOSS_RTOL, (out["grad_norms"], ref["grad_norms"])
+    final, ref_final = load_weights(run, "final"), load_weights(reference, "final")
+    assert final.keys() == ref_final.keys()  # the stages together hold the whole model, under its names
+    for weight_name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[weight_name], rtol=1e-5, atol=1e-5, msg=weight_name)
+    initial = load_weights(run, "initial")
+    assert any(not torch.equal(initial[n], final[n]) for n in final)
+
+
+def test_gradient_clipping_was_active(jobs):
+    _, reference = run_layout(jobs, "pp2xtp2-GPipe-clip")
+    assert min(reference.rank_output(0)["grad_norms"]) > CLIP  # every step clipped: the check above meant it
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_each_stage_holds_half_of_the_blocks(jobs, name):
+    run, _ = run_layout(jobs, name)
+    outputs = [run.rank_output(r) for r in range(4)]
+    assert outputs[0]["pipeline_split"] == [2, 2]  # the debug model's 4 blocks, balanced
+    assert outputs[0]["mesh_dims"][0] == "pipeline_parallel"
+    # Ranks 0-1 run stage 0, ranks 2-3 stage 1 (pipeline outermost); each holds only its blocks.
+    assert [o["blocks"] for o in outputs] == [["0", "1"], ["0", "1"], ["2", "3"], ["2", "3"]]
+    embedding = {o["placements"].get("tok_embeddings.weight") is not None for o in outputs[:2]}
+    head = {o["placements"].get("output.weight") is not None for o in outputs[2:]}
+    assert embedding == {True} and head == {True}
+    assert all("output.weight" not in o["placements"] for o in outputs[:2])
+
+
+def test_validation_runs_through_the_pipeline(jobs):
+    """The validation loss of the final weights, through the schedule's forward-only pass, equals the
+    single-device loss of the reference run's final weights on the same samples."""
+    from tests.distributed.worker import SyntheticTokens
+
+    run, reference = run_layout(jobs, "pp2xdp2-1F1B")
+    args = PRESETS["debug"]
+    model = Transformer(args)
+    model.load_state_dict(load_weights(reference, "final"), strict=False)
+    model.init_buffers()
+    data = SyntheticTokens(VAL_SAMPLES, PARITY["seq_len"], args.vocab_size, seed=1)
+    batch = [data[i] for i in range(VAL_SAMPLES)]
+    tokens = torch.stack([b["input_ids"] for b in batch])
+    labels = torch.stack([b["labels"] for b in batch])
+    with torch.no_grad():
+        expected = float(model(tokens, labels=labels) / (labels != -100).sum())
+    for rank in range(4):
+        value = run.rank_output(rank)["val_loss"]
+        print(f"rank {rank}: validation loss {value:.6f}, single device {expected:.6f}")
+        assert value == pytest.approx(expected, rel=LOSS_RTOL)
