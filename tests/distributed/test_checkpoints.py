@@ -32,9 +32,11 @@ def setup(jobs, tmp_path_factory):
     (corpus / "text.txt").write_text(text)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": SEQ_LEN, "max_steps": 6}
 
-    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, **extra):
+    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, pp=1, **extra):
         config = {**base, "dp": dp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, **extra}
-        return jobs.run(name, "train", config, nprocs=dp * tp, expect_ok=expect_ok, kill_on_failure=kill_on_failure)
+        if pp > 1:
+            config["pipeline_parallel_size"] = pp
+        return jobs.run(name, "train", config, nprocs=dp * tp * pp, expect_ok=expect_ok, kill_on_failure=kill_on_failure)
 
     ckpt_dir = root / "sharded"
     checkpoints = [
@@ -84,6 +86,36 @@ def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp, replicate
     for out in outputs(resumed, dp * tp):
         assert out["global_step"] == 6
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=0)
+
+
+def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
+    """The (2, 2) checkpoint of step 4 resumed as 2 pipeline stages × 2 data-parallel ranks (1F1B), which
+    saves at steps 5 and 6 (each stage writes its part); its step-5 checkpoint resumed as 4 stages
+    interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (another split of the blocks). Both
+    continue the uninterrupted run: the same weights, batches and losses."""
+    pp_dir = setup["root"] / "pipeline"
+    into = setup["run"]("pp2_dp2_from_2x2", 2, 1, pp=2, resume=str(setup["dir"] / "epoch=1-step=4.ckpt"),
+                        checkpoints=[{"dirpath": str(pp_dir), "every_n_train_steps": 1, "save_top_k": -1}])
+    saved, restored = load_weights(setup["reference"], "weights_step4"), load_weights(into, "initial")
+    assert restored.keys() == saved.keys()
+    for name, weight in restored.items():
+        assert torch.equal(weight, saved[name]), name
+    reference = setup["reference"].rank_output(0)
+    batches_by_dp_rank = {out["dp_rank"]: out["batches"] for out in outputs(setup["reference"], 4)}
+    for out in outputs(into, 4):
+        assert out["global_step"] == 6
+        assert out["batches"] == batches_by_dp_rank[out["dp_rank"]][4:]
+        assert out["losses"] == pytest.approx(reference["losses"][4:], rel=1e-5, abs=0)
+    assert is_complete(pp_dir / "epoch=1-step=5.ckpt") and is_complete(pp_dir / "epoch=1-step=6.ckpt")
+
+    across = setup["run"]("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B",
+                          resume=str(pp_dir / "epoch=1-step=5.ckpt"))
+    for out in outputs(across, 4):  # one data-parallel rank now: its batch is the global batch
+        assert out["global_step"] == 6
+        assert out["losses"] == pytest.approx(reference["losses"][5:], rel=1e-5, abs=0)
+    final, expected = load_weights(across, "final"), load_weights(setup["reference"], "final")
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_an_hsdp_checkpoint_resumes_without_hsdp(setup):
