@@ -372,6 +372,9 @@ class ParallelPlan:
             dropout modules with ``p > 0``.
         num_blocks: How many blocks the model has, when known before it is built (the pipeline split
             is then checked before any process starts).
+        supports_pipeline: Whether the model can be split into pipeline stages by its blocks
+            (``lightning_2d.parallel.pipeline`` splits the Llama ``Transformer``); checked before
+            any process starts when ``pipeline_parallel_size > 1``.
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -384,6 +387,7 @@ class ParallelPlan:
     output_unit: tuple[str, ...] = ()
     blocks_use_randomness: Optional[bool] = None
     num_blocks: Optional[int] = None
+    supports_pipeline: bool = False
 
     def sequence_parallel_entries(self) -> list[str]:
         """Names in ``tensor_parallel`` whose style only makes sense under sequence parallelism."""

@@ -280,6 +280,13 @@ def validate_parallel_dims(
 def pipeline_split_problems(config: ParallelConfig, plan: ParallelPlan | None, batch_size: int | None) -> list[str]:
     """The pipeline against the model's block count (when the plan knows it) and the batch size (when known)."""
     problems: list[str] = []
+    if plan is not None and not plan.supports_pipeline:
+        return [
+            f"pipeline_parallel_size={config.pipeline_parallel_size} splits a model into stages by its blocks, which"
+            " lightning_2d does for its Llama Transformer (LlamaLightningModule); this model's plan does not say it"
+            " can be split (ParallelPlan.supports_pipeline=False: e.g. a Hugging Face decoder). Use"
+            " pipeline_parallel_size=1, or LlamaLightningModule"
+        ]
     stages = config.num_pipeline_stages
     blocks = plan.num_blocks if plan is not None else None
     layers = config.pipeline_layers_per_stage

@@ -27,6 +27,7 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         output_unit=("norm", "output"),
         blocks_use_randomness=False,  # no dropout in Llama
         num_blocks=args.n_layers,
+        supports_pipeline=True,
     )
 
 

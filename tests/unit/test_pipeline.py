@@ -1,0 +1,142 @@
+"""Pipeline parallelism without processes: the split, the stage modules, the plan per stage, the mesh
+sizes and the loss check. Real schedules run in tests/distributed/test_pipeline.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_2d.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.dims import PP_DIM, ParallelDims, validate_parallel_dims
+from lightning_2d.parallel.pipeline import (
+    Pipeline,
+    PipelineStageModule,
+    balanced_split,
+    block_costs_of,
+    pipeline_split,
+    stage_plan,
+    stages_of_rank,
+)
+from lightning_2d.parallel.plans import llama_plan
+
+
+def brute_force_best(costs: list[float], stages: int, last_extra: float, first_extra: float) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = (0, *cuts, len(costs))
+        stage_costs = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        stage_costs[0] += first_extra
+        stage_costs[-1] += last_extra
+        best = min(best, max(stage_costs))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_split_minimizes_the_most_expensive_stage(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 9, (1,), generator=g))
+    stages = int(torch.randint(1, n + 1, (1,), generator=g))
+    costs = (torch.rand(n, generator=g) * 10 + 1).tolist()
+    last, first = float(torch.rand(1, generator=g) * 15), float(torch.rand(1, generator=g) * 3)
+    sizes = balanced_split(costs, stages, last_extra=last, first_extra=first)
+    assert len(sizes) == stages and sum(sizes) == n and min(sizes) >= 1
+    bounds = [0, *itertools.accumulate(sizes)]
+    stage_costs = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    stage_costs[0] += first
+    stage_costs[-1] += last
+    assert max(stage_costs) == pytest.approx(brute_force_best(costs, stages, last, first))
+
+
+def test_equal_blocks_split_evenly_and_a_heavy_head_lightens_the_last_stage():
+    assert balanced_split([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert balanced_split([1.0] * 8, 2, last_extra=2.0) == [5, 3]
+    with pytest.raises(ValueError, match="cannot split 3 blocks into 4 stages"):
+        balanced_split([1.0] * 3, 4)
+
+
+def test_llama3_405b_splits_into_8_stages_with_a_lighter_last_one():
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_name("llama3-405b"))
+    config = ParallelConfig(pipeline_parallel_size=8)
+    sizes = [len(stage) for stage in pipeline_split(model, config)]
+    assert sum(sizes) == 126 and len(sizes) == 8
+    # The output head (16384 × 128256 ≈ 0.65 of a block) goes with the last stage: it gets fewer blocks.
+    assert sizes[-1] < max(sizes) and max(sizes) - min(sizes) <= 1
+    blocks, head, _ = block_costs_of(model, list(model.layers.keys()))
+    assert 0.5 < head / blocks[0] < 0.8
+
+
+def test_given_block_counts_are_used_and_must_add_up():
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    split = pipeline_split(model, ParallelConfig(pipeline_parallel_size=2, pipeline_layers_per_stage=[3, 1]))
+    assert split == [["0", "1", "2"], ["3"]]
+    with pytest.raises(ParallelConfigError, match=r"adds up to 5 blocks but the model has 4"):
+        pipeline_split(model, ParallelConfig(pipeline_parallel_size=2, pipeline_layers_per_stage=[4, 1]))
+
+
+def test_stages_are_placed_in_a_loop_over_the_pipeline_ranks():
+    assert stages_of_rank(0, 2, 1) == [0] and stages_of_rank(1, 2, 1) == [1]
+    assert stages_of_rank(1, 4, 2) == [1, 5]  # Interleaved1F1B: rank r holds stages r, r + pp, …
+    assert ParallelConfig(pipeline_parallel_size=4, pipeline_schedule="Interleaved1F1B").num_pipeline_stages == 8
+
+
+def test_stage_modules_chained_compute_the_model_s_loss():
+    """The first stage embeds, the last normalizes and computes the fused loss: together, the model."""
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["debug"])
+    model.init_weights(3)
+    tokens = torch.randint(0, 256, (2, 16))
+    labels = torch.randint(0, 256, (2, 16))
+    labels[0, :3] = -100
+    expected = model(tokens, labels=labels)
+    first = PipelineStageModule(model, ["0", "1"], first=True, last=False)
+    last = PipelineStageModule(model, ["2", "3"], first=False, last=True)
+    for stage in (first, last):
+        stage.seq_len = 16
+    torch.testing.assert_close(last(first(tokens), labels=labels), expected, rtol=0, atol=0)
+    # The stages reference the model's modules (no copies): the model's parameters are the stages'.
+    assert first.layers["0"] is model.layers["0"] and last.output is model.output
+    assert first.output is None and last.tok_embeddings is None
+
+
+def test_each_stage_s_plan_names_only_what_it_holds():
+    config = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)
+    plan = llama_plan(PRESETS["debug"], config, module="model")
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    first = stage_plan(PipelineStageModule(model, ["0", "1"], True, False), plan)
+    last = stage_plan(PipelineStageModule(model, ["2", "3"], False, True), plan)
+    assert "tok_embeddings" in first.tensor_parallel and "output" not in first.tensor_parallel
+    assert "norm" not in first.tensor_parallel and "layers.*.attention.wq" in first.tensor_parallel
+    assert "tok_embeddings" not in last.tensor_parallel and {"norm", "output"} <= set(last.tensor_parallel)
+    assert (first.input_units, first.output_unit) == (("tok_embeddings",), ())
+    assert (last.input_units, last.output_unit) == ((), ("norm", "output"))
+    assert first.module == "" and plan.supports_pipeline and plan.num_blocks == 4
+
+
+def test_the_pipeline_dimension_is_outermost_and_only_there_with_a_pipeline():
+    dims = ParallelDims(dp_replicate=1, dp_shard=8, tp=8, pp=8)
+    assert dims.world_size == 512 and dims.mesh_dims[0] == PP_DIM and dims.mesh_shape == (8, 1, 8, 8)
+    assert PP_DIM not in ParallelDims(1, 2, 2).mesh_dims and ParallelDims(1, 2, 2).as_dict().keys() == {
+        "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"}
+    # 64 nodes × 8 GPUs with pipeline 8: tensor parallel within the node, data parallel over the rest.
+    config = ParallelConfig(pipeline_parallel_size=8)
+    resolved = validate_parallel_dims(config, world_size=512, devices_per_node=8, num_nodes=64)
+    assert (resolved.pp, resolved.dp, resolved.tp) == (8, 8, 8)
+
+
+def test_a_loss_rescaled_outside_the_pipeline_is_refused():
+    pipeline = Pipeline.__new__(Pipeline)
+    pipeline.grad_scale = 0.5
+    pipeline.last_objective = torch.tensor(2.0)
+    pipeline.check_backward_loss(torch.tensor(2.0))  # what was differentiated: fine
+    pipeline.last_objective = torch.tensor(2.0)
+    with pytest.raises(RuntimeError, match=r"of the loss 2 .*backward was given 4 \(× 2\).*grad_scale = 1 / n"):
+        pipeline.check_backward_loss(torch.tensor(4.0))
+    pipeline.last_objective = torch.tensor(2.0)
+    with pytest.raises(RuntimeError, match="this loss still needs a gradient"):
+        pipeline.check_backward_loss(torch.tensor(2.0, requires_grad=True) * 1)
