@@ -244,8 +244,13 @@ class Pipeline:
 
         return dist.get_global_rank(self.pp_group, (self.num_stages - 1) % dist.get_world_size(self.pp_group))
 
-    def microbatches(self, batch_size: int) -> int:
+    def microbatches(self, batch_size: int, train: bool) -> int:
+        """The micro-batch count for a batch: the configured one (or one sequence each), checked; in
+        evaluation the largest count up to it that divides the batch (a last, smaller batch of a
+        validation set), since the forward-only schedules take any count."""
         count = self.config.pipeline_microbatches or batch_size
+        if not train:
+            return max(m for m in range(1, min(count, batch_size) + 1) if batch_size % m == 0)
         problems = self.config.microbatch_problems(count, batch_size, schedule_checks=self.config.pipeline_microbatches is None)
         if problems:
             raise ParallelConfigError(problems)
@@ -255,7 +260,7 @@ class Pipeline:
         self._raw_losses.append(output.detach())
         return output * self._scale
 
-    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device) -> _Schedule:
+    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device, train: bool) -> _Schedule:
         from torch.distributed import pipelining
 
         mb = batch_size // microbatches
@@ -280,11 +285,15 @@ class Pipeline:
             )
         name = self.config.pipeline_schedule
         kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
-        if PIPELINE_SCHEDULES[name] == "single":
+        single = PIPELINE_SCHEDULES[name] == "single"
+        if not train:
+            # Forward only, every order computes the same: the fill-drain schedules take any micro-batch count.
+            cls = pipelining.ScheduleGPipe if single else pipelining.ScheduleLoopedBFS
+        elif single:
             cls = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe}[name]
-            schedule = cls(stages[0], **kwargs)
         else:
-            schedule = pipelining.ScheduleInterleaved1F1B(stages, **kwargs)
+            cls = pipelining.ScheduleInterleaved1F1B
+        schedule = cls(stages[0] if single else stages, **kwargs)
         if self.measure:
             self._instrument(stages)
         return _Schedule(schedule, stages)
@@ -310,7 +319,7 @@ class Pipeline:
         import torch.distributed as dist
 
         batch_size, seq_len = tokens.shape
-        microbatches = self.microbatches(batch_size)
+        microbatches = self.microbatches(batch_size, train)
         if seq_len % self.sequence_shards:
             raise ValueError(
                 f"Input sequence length {seq_len} is not divisible by tensor_parallel_size ({self.sequence_shards});"
@@ -323,10 +332,10 @@ class Pipeline:
         dp_size = dist.get_world_size(self.dp_group)
         self._scale = (dp_size * self.grad_scale / count.clamp(min=1.0)).reshape(())
         # The stages' buffers are sized by the micro-batch shape (static metadata, no shape inference
-        # pass): one schedule per shape, e.g. training and a validation loader with another batch size.
-        key = (batch_size, seq_len, microbatches)
+        # pass): one schedule per shape and mode, e.g. training, validation, a last smaller batch.
+        key = (batch_size, seq_len, microbatches, train)
         if key not in self._schedules:
-            self._schedules[key] = self._build(batch_size, seq_len, microbatches, tokens.device)
+            self._schedules[key] = self._build(batch_size, seq_len, microbatches, tokens.device, train)
         schedule = self._schedules[key].schedule
         for stage in self.stages:
             stage.seq_len = seq_len

@@ -89,12 +89,13 @@ def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp, replicate
 
 
 def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
-    """The (2, 2) checkpoint of step 4 resumed as 2 pipeline stages × 2 data-parallel ranks (1F1B), which
+    """The (2, 2) checkpoint of step 4 resumed as 2 pipeline stages × 2 data-parallel ranks (GPipe), which
     saves at steps 5 and 6 (each stage writes its part); its step-5 checkpoint resumed as 4 stages
     interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (another split of the blocks). Both
     continue the uninterrupted run: the same weights, batches and losses."""
     pp_dir = setup["root"] / "pipeline"
-    into = setup["run"]("pp2_dp2_from_2x2", 2, 1, pp=2, resume=str(setup["dir"] / "epoch=1-step=4.ckpt"),
+    into = setup["run"]("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe",
+                        resume=str(setup["dir"] / "epoch=1-step=4.ckpt"),
                         checkpoints=[{"dirpath": str(pp_dir), "every_n_train_steps": 1, "save_top_k": -1}])
     saved, restored = load_weights(setup["reference"], "weights_step4"), load_weights(into, "initial")
     assert restored.keys() == saved.keys()

@@ -87,14 +87,13 @@ def test_a_custom_parallelize_fn_is_still_accepted(fabric_jobs):
     assert relative_errors(custom.rank_output(0)["loss"], ref["loss"]) <= LOSS_RTOL
 
 
-def test_fabric_pipeline_interleaved_with_accumulation_equals_the_single_device_loop(fabric_jobs):
-    """2 pipeline ranks × 2 tensor-parallel ranks, 4 stages interleaved (Interleaved1F1B), 2 accumulated
-    micro-steps per step and clipping to 0.5: the recipe's loop, unchanged but for ``grad_scale`` (the
-    model's call runs the backward), equals the single-device loop."""
+def test_fabric_pipeline_with_accumulation_equals_the_single_device_loop(fabric_jobs):
+    """2 pipeline stages (GPipe) × 2 tensor-parallel ranks, 2 accumulated micro-steps per step and clipping
+    to 0.5: the recipe's loop, unchanged but for ``grad_scale`` (the model's call runs the backward),
+    equals the single-device loop."""
     _, run = fabric_jobs
     ref = run("fabric_single", strategy="single").rank_output(0)
-    pipelined = run("fabric_pp2_tp2_interleaved_acc2", dp=1, tp=2, pp=2, pipeline_schedule="Interleaved1F1B",
-                    accumulate=2)
+    pipelined = run("fabric_pp2_tp2_gpipe_acc2", dp=1, tp=2, pp=2, pipeline_schedule="GPipe", accumulate=2)
     for rank in range(4):
         out = pipelined.rank_output(rank)
         loss_error, norm_error = relative_errors(out["loss"], ref["loss"]), relative_errors(out["grad_norm"], ref["grad_norm"])

@@ -1,10 +1,10 @@
 """Pipeline parallelism (a third mesh dimension) equals single-device training.
 
-Real jobs: 4 CPU processes on gloo, 2 pipeline stages × 2 data-parallel ranks (1F1B, with
-validation through the pipeline) and 2 stages × 2 tensor-parallel ranks (GPipe, gradients clipped
-to the norm over every stage), 6 fp32 AdamW steps of the ``debug`` model against the single-device
-``Trainer`` (the same reference the 2D layouts are held to). The interleaved schedule runs in the
-Fabric tests; checkpoints across pipeline layouts in ``test_checkpoints.py``.
+Real jobs: 4 CPU processes on gloo, 2 pipeline stages × 2 data-parallel ranks (1F1B) and 4 stages
+interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (Interleaved1F1B, gradients clipped to the
+norm over every stage), 6 fp32 AdamW steps of the ``debug`` model against the single-device
+``Trainer`` (the same reference the 2D layouts are held to), then validation through the pipeline.
+GPipe runs in the Fabric test and in ``test_checkpoints.py`` (checkpoints across pipeline layouts).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
 
-VAL_SAMPLES = 8
+VAL_SAMPLES = 10  # 5 per data-parallel rank: batches of 2, 2 and a last one of 1 (one micro-batch)
 LAYOUTS = {
     "pp2xdp2-1F1B": ({"dp": 2, "tp": 1, "pipeline_parallel_size": 2, "pipeline_schedule": "1F1B",
                       "val_samples": VAL_SAMPLES}, {}),
-    "pp2xtp2-GPipe-clip": ({"dp": 1, "tp": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "GPipe",
-                            "gradient_clip_val": CLIP}, {"gradient_clip_val": CLIP}),
+    "pp2xtp2-Interleaved1F1B-clip": ({"dp": 1, "tp": 2, "pipeline_parallel_size": 2,
+                                      "pipeline_schedule": "Interleaved1F1B", "gradient_clip_val": CLIP,
+                                      "val_samples": VAL_SAMPLES}, {"gradient_clip_val": CLIP}),
 }
 
 
@@ -56,30 +57,35 @@ def test_pipelined_training_equals_single_device(jobs, name):
 
 
 def test_gradient_clipping_was_active(jobs):
-    _, reference = run_layout(jobs, "pp2xtp2-GPipe-clip")
+    _, reference = run_layout(jobs, "pp2xtp2-Interleaved1F1B-clip")
     assert min(reference.rank_output(0)["grad_norms"]) > CLIP  # every step clipped: the check above meant it
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_each_stage_holds_half_of_the_blocks(jobs, name):
+@pytest.mark.parametrize(("name", "split", "blocks"), [
+    ("pp2xdp2-1F1B", [2, 2], (["0", "1"], ["2", "3"])),
+    # 4 stages of one block, stage s on pipeline rank s % 2: pipeline rank 0 holds blocks 0 and 2.
+    ("pp2xtp2-Interleaved1F1B-clip", [1, 1, 1, 1], (["0", "2"], ["1", "3"])),
+])
+def test_each_pipeline_rank_holds_its_stages_blocks(jobs, name, split, blocks):
     run, _ = run_layout(jobs, name)
     outputs = [run.rank_output(r) for r in range(4)]
-    assert outputs[0]["pipeline_split"] == [2, 2]  # the debug model's 4 blocks, balanced
+    assert outputs[0]["pipeline_split"] == split  # the debug model's 4 blocks, balanced
     assert outputs[0]["mesh_dims"][0] == "pipeline_parallel"
-    # Ranks 0-1 run stage 0, ranks 2-3 stage 1 (pipeline outermost); each holds only its blocks.
-    assert [o["blocks"] for o in outputs] == [["0", "1"], ["0", "1"], ["2", "3"], ["2", "3"]]
+    # Ranks 0-1 are pipeline rank 0, ranks 2-3 pipeline rank 1 (pipeline outermost); each holds only its blocks.
+    assert [o["blocks"] for o in outputs] == [blocks[0], blocks[0], blocks[1], blocks[1]]
     embedding = {o["placements"].get("tok_embeddings.weight") is not None for o in outputs[:2]}
     head = {o["placements"].get("output.weight") is not None for o in outputs[2:]}
     assert embedding == {True} and head == {True}
     assert all("output.weight" not in o["placements"] for o in outputs[:2])
 
 
-def test_validation_runs_through_the_pipeline(jobs):
-    """The validation loss of the final weights, through the schedule's forward-only pass, equals the
-    single-device loss of the reference run's final weights on the same samples."""
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_validation_runs_through_the_pipeline(jobs, name):
+    """The validation loss of the final weights, through the schedule's forward-only pass (a last, smaller
+    batch included), equals the single-device loss of the reference run's final weights on the same samples."""
     from tests.distributed.worker import SyntheticTokens
 
-    run, reference = run_layout(jobs, "pp2xdp2-1F1B")
+    run, reference = run_layout(jobs, name)
     args = PRESETS["debug"]
     model = Transformer(args)
     model.load_state_dict(load_weights(reference, "final"), strict=False)

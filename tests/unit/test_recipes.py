@@ -32,7 +32,8 @@ def max_seq_len(module) -> int:
 
 def test_recipes_exist():
     names = {p.name for p in RECIPES}
-    assert {"debug_cpu.yaml", "llama3_8b_1node.yaml", "llama3_70b_multinode.yaml", "fsdp_only.yaml", "tp_only.yaml"} <= names
+    assert {"debug_cpu.yaml", "llama3_8b_1node.yaml", "llama3_70b_multinode.yaml", "fsdp_only.yaml", "tp_only.yaml",
+            "llama3_405b_pipeline.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -61,9 +62,21 @@ def test_recipe_layout_is_valid_for_its_world(recipe):
         plan=module.parallel_plan(parallel),
         precision=trainer.get("precision", "32-true"),
         seq_len=data["seq_len"],
+        batch_size=data.get("batch_size"),
         num_nodes=trainer.get("num_nodes", 1),
     )
-    assert dims.dp * dims.tp == trainer["devices"] * trainer.get("num_nodes", 1)
+    assert dims.pp * dims.dp * dims.tp == trainer["devices"] * trainer.get("num_nodes", 1)
     assert data["seq_len"] <= max_seq_len(module)
     if trainer.get("num_nodes", 1) > 1:
         assert dims.tp <= trainer["devices"]  # tensor parallel stays inside a node
+
+
+def test_the_405b_recipe_is_pipeline_8_by_data_8_by_tensor_8():
+    config = yaml.safe_load((RECIPES[0].parent / "llama3_405b_pipeline.yaml").read_text())
+    trainer = config["trainer"]
+    options = {k: v for k, v in trainer["strategy"]["init_args"].items() if k in STRATEGY_KEYS}
+    module = LlamaLightningModule(**config["model"])
+    parallel = ParallelConfig(**options)
+    dims = validate_parallel_dims(parallel, world_size=512, devices_per_node=8, plan=module.parallel_plan(parallel),
+                                  seq_len=8192, batch_size=config["data"]["batch_size"], num_nodes=64)
+    assert (dims.pp, dims.dp, dims.tp) == (8, 8, 8) and parallel.num_pipeline_stages == 16

@@ -1,0 +1,122 @@
+"""The pipeline bubble, measured: the idle fraction of each schedule on CPU/gloo.
+
+    .venv/bin/python tests/benchmarks/bench_pipeline.py [--stages 2] [--microbatches 2 4 8] [--steps 6]
+
+For each schedule (GPipe, 1F1B, Interleaved1F1B with 2 stages per rank) and micro-batch count, starts
+``--stages`` processes (one core each: ``OMP_NUM_THREADS=1``; keep ``--stages`` at most the number of
+cores, or waiting ranks compete with computing ones), builds a Llama with the library's own
+``parallelize_model`` (the stages, FSDP2 over a 1-rank data-parallel mesh) and runs training steps
+through ``Pipeline.run``, the path both strategies take. Each rank times its stages' forward and
+backward calls (``Pipeline.measure``) and the whole step; the idle fraction is
+``1 - busy / step time``, averaged over ranks and over the steps after the first. Printed next to
+the textbook bubble ``(p - 1) / (v·m + p - 1)`` (``p`` pipeline ranks, ``m`` micro-batches, ``v``
+stages per rank). What is not compute in the measured figure: the bubble, point-to-point transfers
+(a copy through loopback here) and the schedule's own Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+#: Big enough that a micro-batch's compute (not the schedule's Python) dominates on one core.
+MODEL = {"dim": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 2048, "multiple_of": 64,
+         "max_seq_len": 512}
+SEQ_LEN, MICRO_BATCH = 128, 1
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from lightning_2d.model import ModelArgs, Transformer
+    from lightning_2d.parallel import ParallelConfig, ParallelDims, materialize_model, parallelize_model, pipeline_of
+    from lightning_2d.parallel.plans import llama_plan
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    config = ParallelConfig(
+        data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=world, pipeline_schedule=schedule,
+        pipeline_microbatches=microbatches,
+    ).resolve_dtypes("32-true")
+    mesh = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=world).build_mesh("cpu")
+    args = ModelArgs(**MODEL)
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize_model(model, mesh, llama_plan(args, config), config)
+    materialize_model(model, torch.device("cpu"), seed=0)
+    pipeline = pipeline_of(model)
+    pipeline.measure = True
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (microbatches * MICRO_BATCH, SEQ_LEN), generator=g)
+    labels = torch.randint(0, args.vocab_size, tokens.shape, generator=g)
+    busy, wall = [], []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        model(tokens, labels=labels)
+        wall.append(time.perf_counter() - start)
+        busy.append(pipeline.busy_s)
+        optimizer.step()
+        optimizer.zero_grad()
+    (out / f"rank{rank}.json").write_text(json.dumps({"busy": busy, "wall": wall}))
+    dist.destroy_process_group()
+
+
+def measure(stages: int, schedule: str, microbatches: int, steps: int) -> dict[str, float]:
+    from lightning_2d.launch import launch_processes
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        result = launch_processes(
+            [sys.executable, __file__, "--rank-main", schedule, str(microbatches), str(steps), folder],
+            out, nprocs=stages, timeout=600, env={"OMP_NUM_THREADS": "1"},
+        )
+        if not result.ok:
+            raise SystemExit(result.describe())
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(stages)]
+    idle = [1 - b / w for r in ranks for b, w in zip(r["busy"][1:], r["wall"][1:])]
+    step = statistics.median(max(r["wall"][i] for r in ranks) for i in range(1, steps))
+    return {"idle": statistics.mean(idle), "step_s": step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2, help="pipeline ranks (processes)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rank-main", nargs=4, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.rank_main:
+        schedule, microbatches, steps, out = options.rank_main
+        rank_main(schedule, int(microbatches), int(steps), Path(out))
+        return
+    p = options.stages
+    print(f"{p} pipeline ranks, {MODEL['n_layers']} blocks of dim {MODEL['dim']}, {SEQ_LEN} tokens per micro-batch,"
+          f" CPU/gloo, one thread per rank")
+    print(f"{'schedule':<16} {'m':>3} {'measured idle':>14} {'textbook':>9} {'step':>9}")
+    for microbatches in options.microbatches:
+        for schedule in SCHEDULES:
+            v = 2 if schedule == "Interleaved1F1B" else 1
+            if schedule != "GPipe" and microbatches < p or (v > 1 and microbatches % p):
+                continue
+            figures = measure(p, schedule, microbatches, options.steps)
+            textbook = (p - 1) / (v * microbatches + p - 1)
+            print(f"{schedule:<16} {microbatches:>3} {figures['idle']:>13.1%} {textbook:>9.1%}"
+                  f" {figures['step_s'] * 1e3:>7.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
