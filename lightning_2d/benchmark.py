@@ -115,15 +115,26 @@ def option_converter(hint: Any) -> Callable[[str], Any]:
     """An argparse ``type=`` for a field annotated ``hint``: the first member of the annotation the text fits.
 
     ``None`` for ``none``, a ``bool`` for ``true``/``false``, an ``int`` for digits, a ``Literal``
-    value, a ``float``, else the string itself where ``str`` or ``torch.dtype`` (whose names
-    ``ParallelConfig`` converts) is allowed.
+    value, a ``float``, a ``list[int]`` from ``1,2,3`` or a JSON list, else the string itself where
+    ``str`` or ``torch.dtype`` (whose names ``ParallelConfig`` converts) is allowed.
     """
     members = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
     literals = [v for m in members if typing.get_origin(m) is Literal for v in typing.get_args(m)]
+    int_lists = any(typing.get_origin(m) is list and typing.get_args(m) == (int,) for m in members)
+
+    def int_list(text: str) -> Optional[list[int]]:
+        try:
+            value = json.loads(text) if text.lstrip().startswith("[") else [int(v) for v in text.split(",")]
+        except ValueError:  # json.JSONDecodeError is a ValueError
+            return None
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return value if ok else None
 
     def convert(text: str) -> Any:
         if type(None) in members and text.lower() == "none":
             return None
+        if int_lists and (value := int_list(text)) is not None:
+            return value
         if bool in members and text.lower() in ("true", "false"):
             return text.lower() == "true"
         if int in members and re.fullmatch(r"[+-]?\d+", text):
@@ -137,7 +148,8 @@ def option_converter(hint: Any) -> Callable[[str], Any]:
                 pass
         if str in members or torch.dtype in members:
             return text
-        names = [getattr(m, "__name__", str(m)) for m in members if typing.get_origin(m) is not Literal]
+        names = [str(m) if typing.get_origin(m) is list else getattr(m, "__name__", str(m))
+                 for m in members if typing.get_origin(m) is not Literal]
         allowed = ", ".join([*names, *(repr(v) for v in literals)])
         raise argparse.ArgumentTypeError(f"{text!r} is not one of: {allowed}")
 

@@ -1,6 +1,7 @@
 """Quick start: train a Llama model in 2D (FSDP × TP) with the Trainer, from Python.
 
     python recipes/quickstart.py                       # 4 CPU processes, (dp, tp) = (2, 2)
+    python recipes/quickstart.py --pipeline-parallel-size 2 --tensor-parallel-size 1   # 2 stages × dp 2
     python recipes/quickstart.py --accelerator gpu --devices 8 --tensor-parallel-size 8 \
         --model llama3-8b --tokenizer /path/to/tokenizer.json --data "/data/*.jsonl" --seq-len 8192
 
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline ranks (1: no pipeline)")
+    parser.add_argument("--pipeline-schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel replica")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -35,7 +38,11 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=ModelParallel2DStrategy(tensor_parallel_size=args.tensor_parallel_size),
+        strategy=ModelParallel2DStrategy(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,  # the blocks split into stages
+            pipeline_schedule=args.pipeline_schedule,
+        ),
         max_steps=args.max_steps,
         log_every_n_steps=10,
         callbacks=[ThroughputMonitor()],

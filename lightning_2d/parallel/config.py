@@ -125,7 +125,12 @@ class ParallelConfig:
         reduce_every_micro_batch: With gradient accumulation, reduce-scatter the gradients after
             every micro-batch (least memory) instead of once, after the last micro-batch (the
             default: ``n - 1`` of ``n`` reduce-scatters saved, but between micro-batches each rank
-            holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
+            holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes). Under
+            pipeline parallelism it applies to the pipeline's micro-batches: by default every FSDP
+            unit of a rank's stages stays gathered and keeps its unsharded gradient from its first
+            backward to the end of the step (torch's ``PipelineStage``); with this option each
+            micro-batch's backward reshards and reduce-scatters (an all-gather and a reduce-scatter
+            per unit and micro-batch).
         pipeline_parallel_size: Number of pipeline stages' ranks (``torch.distributed.pipelining``):
             the transformer blocks are split into stages, consecutive stages on consecutive
             pipeline ranks, each stage tensor-parallel and FSDP-sharded on its own

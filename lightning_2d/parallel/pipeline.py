@@ -185,6 +185,25 @@ def check_pipeline_model(model: nn.Module) -> None:
         ])
 
 
+class _ReduceEveryMicroBatch(nn.Module):
+    """A stage behind a plain module, for ``reduce_every_micro_batch=True``.
+
+    ``PipelineStage`` recognizes an FSDP root and runs every micro-batch's backward with resharding
+    and gradient reduction off, reduce-scattering once after the last one: until then every FSDP unit
+    of the rank's stages stays gathered and holds its unsharded gradient (the most memory, the fewest
+    collectives). Behind this wrapper each micro-batch's backward ends as without a pipeline: FSDP2's
+    root callback reduce-scatters into the sharded gradients and reshards (an all-gather and a
+    reduce-scatter per unit and micro-batch, the memory of no pipeline).
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stage(*args, **kwargs)
+
+
 # ---- the runtime -----------------------------------------------------------------------------
 @dataclass
 class _Schedule:
@@ -274,7 +293,7 @@ class Pipeline:
         for module, index in zip(self.stages, self.stage_indices):
             stages.append(
                 pipelining.PipelineStage(
-                    module,
+                    _ReduceEveryMicroBatch(module) if self.config.reduce_every_micro_batch else module,
                     index,
                     self.num_stages,
                     device,

@@ -89,12 +89,13 @@ def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp, replicate
 
 
 def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
-    """The (2, 2) checkpoint of step 4 resumed as 2 pipeline stages × 2 data-parallel ranks (GPipe), which
+    """The (2, 2) checkpoint of step 4 resumed as 2 pipeline stages × 2 data-parallel ranks (GPipe, reducing
+    after every micro-batch), which
     saves at steps 5 and 6 (each stage writes its part); its step-5 checkpoint resumed as 4 stages
-    interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (another split of the blocks). Both
-    continue the uninterrupted run: the same weights, batches and losses."""
+    interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (another split of the blocks), and on one
+    process without a pipeline. All continue the uninterrupted run: the same weights, batches and losses."""
     pp_dir = setup["root"] / "pipeline"
-    into = setup["run"]("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe",
+    into = setup["run"]("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe", reduce_every_micro_batch=True,
                         resume=str(setup["dir"] / "epoch=1-step=4.ckpt"),
                         checkpoints=[{"dirpath": str(pp_dir), "every_n_train_steps": 1, "save_top_k": -1}])
     saved, restored = load_weights(setup["reference"], "weights_step4"), load_weights(into, "initial")
@@ -107,6 +108,9 @@ def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
         assert out["global_step"] == 6
         assert out["batches"] == batches_by_dp_rank[out["dp_rank"]][4:]
         assert out["losses"] == pytest.approx(reference["losses"][4:], rel=1e-5, abs=0)
+        # reduce_every_micro_batch: each of the 2 micro-batches reduce-scatters each of the stage's 3 units
+        # (embedding or [norm, output], and 2 blocks), in each of the 2 steps.
+        assert out["reduce_scatters"] == 2 * 3 * 2
     assert is_complete(pp_dir / "epoch=1-step=5.ckpt") and is_complete(pp_dir / "epoch=1-step=6.ckpt")
 
     across = setup["run"]("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B",
@@ -117,6 +121,12 @@ def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
     final, expected = load_weights(across, "final"), load_weights(setup["reference"], "final")
     for name, weight in final.items():
         torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+    # And out of the pipeline: the same checkpoint on one process (what export and inference use).
+    single = setup["run"]("single_from_pp2_dp2", 1, 1, resume=str(pp_dir / "epoch=1-step=5.ckpt"))
+    out = single.rank_output(0)
+    assert out["global_step"] == 6
+    assert out["losses"] == pytest.approx(reference["losses"][5:], rel=1e-5, abs=0)
 
 
 def test_an_hsdp_checkpoint_resumes_without_hsdp(setup):

@@ -56,6 +56,13 @@ def test_pipelined_training_equals_single_device(jobs, name):
     assert any(not torch.equal(initial[n], final[n]) for n in final)
 
 
+def test_fsdp_reduces_once_per_step_after_the_last_micro_batch(jobs):
+    """By default the stage's FSDP units reduce-scatter once, after the last micro-batch: 3 units per rank
+    (the embedding or [norm, output], and 2 blocks) × 6 steps, not × the 2 micro-batches."""
+    run, _ = run_layout(jobs, "pp2xdp2-1F1B")
+    assert [run.rank_output(r)["reduce_scatters"] for r in range(4)] == [3 * 6] * 4
+
+
 def test_gradient_clipping_was_active(jobs):
     _, reference = run_layout(jobs, "pp2xtp2-Interleaved1F1B-clip")
     assert min(reference.rank_output(0)["grad_norms"]) > CLIP  # every step clipped: the check above meant it

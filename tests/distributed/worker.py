@@ -427,7 +427,7 @@ def train(cfg: dict) -> None:
     strategy = ModelParallel2DStrategy(
         data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
         data_parallel_replicate_size=cfg.get("replicate", 1),
-        **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule") if k in cfg},
+        **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule", "reduce_every_micro_batch") if k in cfg},
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
         **strategy_timeouts(cfg),
@@ -437,9 +437,11 @@ def train(cfg: dict) -> None:
         enable_checkpointing=bool(cfg.get("checkpoints")), enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks,
     )
+    reduce_scatters = count_reduce_scatters()
     trainer.fit(module, datamodule=data, ckpt_path=cfg.get("resume"))
     mesh = module.device_mesh
     result = {
+        "reduce_scatters": reduce_scatters["n"],
         "losses": recorder.losses,
         "batches": recorder.batches,
         "draws": recorder.draws,

@@ -7,6 +7,7 @@ runs in a subprocess, whose resident memory is reset right before the measured s
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -398,3 +400,202 @@ def test_the_readme_table_is_what_the_planner_prints():
                report.all_gather_bytes + report.reduce_scatter_bytes, report.activation_bytes, report.total_bytes]
         assert [f"{b / gib:.2f}" for b in got] == figures, model
         assert report.fits
+
+
+# ---- pipeline parallelism -------------------------------------------------------------------------
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def pipeline_405b() -> planner.PlanReport:
+    """llama3-405b on 64 nodes x 8: pipeline 8 x data 8 x tensor 8, 1F1B (planned once: 8 pipeline ranks)."""
+    return plan_run(
+        "llama3-405b", num_nodes=64, devices=8, seq_len=8192, micro_batch_size=1, precision="bf16-mixed",
+        config=ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=8, activation_checkpointing="full"),
+    )
+
+
+def test_every_pipeline_rank_is_planned_with_its_stages(pipeline_405b):
+    report = pipeline_405b
+    assert report.dims == {
+        "pipeline_parallel": 8, "data_parallel_replicate": 1, "data_parallel_shard": 8, "tensor_parallel": 8,
+        "data_parallel": 8,
+    }
+    ranks = report.pipeline
+    assert [r["pipeline_rank"] for r in ranks] == list(range(8))
+    assert [r["global_rank"] for r in ranks] == [k * 64 for k in range(8)]  # k · dp · tp
+    assert [r["stages"] for r in ranks] == [[k] for k in range(8)]
+    assert sum(b for r in ranks for b in r["blocks"]) == 126
+    assert [r["embedding"] for r in ranks] == [True] + [False] * 7
+    assert [r["head"] for r in ranks] == [False] * 7 + [True]
+    # Together the pipeline ranks hold the model once, sharded over dp_shard × tp (+ FSDP padding and
+    # the norm weights TP replicates).
+    expected = report.total_params / (8 * 8)
+    assert expected <= sum(r["params_per_device"] for r in ranks) <= expected * 1.001
+    # 1F1B with m = p x 1 micro-batches: pipeline rank k has min(p - k, m) in flight at its peak.
+    assert [r["in_flight"] for r in ranks] == [8 - k for k in range(8)]
+    assert all(r["microbatches"] == 8 for r in ranks)
+    assert any("assumed 8" in n for n in report.notes)
+    # The per-device fields are the fullest pipeline rank's.
+    worst = max(ranks, key=lambda r: r["total_bytes"])
+    assert report.total_bytes == worst["total_bytes"] and report.params_per_device == worst["params_per_device"]
+    assert report.activation_bytes == worst["activation_bytes"]
+    parts = ("param", "grad", "optimizer", "buffer", "all_gather", "reduce_scatter", "accumulation", "activation")
+    assert report.total_bytes == sum(getattr(report, f"{p}_bytes") for p in parts)
+    act = report.activation_parts
+    assert report.activation_bytes == sum(act[k] for k in ("saved_by_blocks", "head_loss_and_inputs", "transient",
+                                                          "stage_outputs", "pipeline_receive_buffers"))
+    # torch's PipelineStage keeps every unit gathered and its unsharded fp32 gradient until the step's end:
+    # a rank's unsharded parameters are its shards × dp_shard (8).
+    assert report.accumulation_bytes == pytest.approx(4 * 8 * report.params_per_device, rel=1e-3)
+    assert report.all_gather_bytes == pytest.approx(2 * 8 * report.params_per_device, rel=1e-3)
+    out = json.loads(json.dumps(report.as_dict()))
+    assert out["pipeline"][7]["head"] and out["pipeline"][0]["total_gib"] > 0
+    text = planner.format_report(report)
+    assert "pipeline_parallel 8 x data_parallel_replicate 1" in text and "pipeline rank" in text
+    assert f"{worst['pipeline_rank']:>13}  " in text and text.count(" *\n") == 1
+
+
+def test_pipeline_rank_parameters_equal_a_model_of_its_blocks(pipeline_405b):
+    """Independent of the pipeline code: pp=1 plans of the same shapes on one stage's world (dp 8 x tp 8)."""
+    stage_world = dict(num_nodes=8, devices=8, config=ParallelConfig(tensor_parallel_size=8))
+
+    def params(n_layers: int) -> int:
+        return plan_run("llama3-405b", model_overrides={"n_layers": n_layers}, **stage_world).params_per_device
+
+    block = params(2) - params(1)  # every block is sharded alike: P(n) = embedding + n · block + head
+    ranks = pipeline_405b.pipeline
+    for r in ranks[1:-1]:
+        assert r["params_per_device"] == r["blocks"][0] * block
+    first, last = ranks[0], ranks[-1]
+    assert first["params_per_device"] + last["params_per_device"] == params(first["blocks"][0] + last["blocks"][0])
+    vocab_rows = 128256 * 16384 / 64
+    assert first["params_per_device"] - first["blocks"][0] * block == pytest.approx(vocab_rows, rel=1e-3)  # embedding
+    assert last["params_per_device"] - last["blocks"][0] * block == pytest.approx(vocab_rows, rel=1e-3)  # head + norm
+
+
+DEBUG_PP = dict(num_nodes=1, devices=4)
+
+
+def _debug_pp(**options: Any) -> planner.PlanReport:
+    """The debug model on 4 ranks, pipeline 2 x tensor 2 (planned once per options: tests only read it)."""
+    return _debug_pp_cached(tuple(sorted(options.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _debug_pp_cached(options: tuple[tuple[str, Any], ...]) -> planner.PlanReport:
+    return plan_run("debug", **DEBUG_PP, config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                              **dict(options)))
+
+
+def test_pipeline_of_two_stages_on_the_debug_model():
+    report = _debug_pp()
+    assert report.dims["pipeline_parallel"] == 2 and report.dims["data_parallel"] == 1
+    assert [r["blocks"] for r in report.pipeline] == [[2], [2]]
+    # The two stages hold the model as one tensor-parallel pair would (dp = 1: no padding).
+    alone = plan_run("debug", num_nodes=1, devices=2, config=ParallelConfig(tensor_parallel_size=2))
+    assert sum(r["params_per_device"] for r in report.pipeline) == alone.params_per_device
+    assert [r["in_flight"] for r in report.pipeline] == [2, 1]  # 1F1B, m = 2
+    json.dumps(report.as_dict())
+    assert "pipeline: 1F1B, 2 stages (1 per rank), 2 micro-batches" in planner.format_report(report)
+
+
+def test_gpipe_keeps_every_micro_batch_and_1f1b_does_not():
+    args = ModelArgs.from_name("debug")
+    gpipe = {m: _debug_pp(pipeline_schedule="GPipe", pipeline_microbatches=m) for m in (2, 4, 8)}
+    one_f = {m: _debug_pp(pipeline_microbatches=m) for m in (4, 8)}
+    base = planner.ActivationModel.for_layout(
+        args, tp=2, sequence_parallel=True, seq_len=args.max_seq_len, micro_batch_size=1, act_dtype=torch.bfloat16,
+    )
+    residual = base.residual_bytes
+    for k in range(2):
+        act = {m: r.pipeline[k]["activation_bytes"] for m, r in gpipe.items()}
+        assert [gpipe[m].pipeline[k]["in_flight"] for m in (2, 4, 8)] == [2, 4, 8]
+        per_micro_batch = (act[4] - act[2]) // 2
+        assert act[8] - act[4] == 4 * per_micro_batch > 0  # linear in m
+        # What one more micro-batch adds: its stage's saved tensors between forward and backward (with the
+        # stage output before the last stage), plus its receive buffer (gradients on stage 0, activations on 1).
+        stage = replace(base, n_layers=2, has_embedding=k == 0, has_head=k == 1)
+        kept = stage.estimate("none").kept_by_blocks + stage.estimate("none").kept_by_head
+        assert per_micro_batch == kept + residual + (residual if k == 0 else 0)
+        # 1F1B keeps min(p - k, m) whatever m: only the receive buffers (one per micro-batch) grow.
+        assert [one_f[m].pipeline[k]["in_flight"] for m in (4, 8)] == [2 - k, 2 - k]
+        grown = one_f[8].pipeline[k]["activation_bytes"] - one_f[4].pipeline[k]["activation_bytes"]
+        assert grown == 4 * residual
+    # GPipe's last stage keeps every micro-batch's fp32 head-gradient accumulator of the fused loss
+    assert gpipe[8].pipeline[1]["activation_bytes"] > gpipe[8].pipeline[0]["activation_bytes"]
+
+
+@pytest.mark.parametrize(("pp", "per_rank", "m"), [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6), (4, 2, 12)])
+def test_interleaved_order_is_torchs(pp, per_rank, m):
+    """``schedule_order`` against torch's own ``ScheduleInterleaved1F1B`` action lists."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, m // pp)
+    fake = SimpleNamespace(n_local_stages=per_rank, pp_group_size=pp, microbatches_per_round=m // rounds,
+                           _n_microbatches=m)
+    for rank in range(pp):
+        actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank)
+        expected = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // pp)
+                    for a in actions if a is not None]
+        order = planner.schedule_order("Interleaved1F1B", pp, per_rank, m, rank)
+        assert order == expected
+        # in flight at most: torch's warm-up forwards + 1 (one more forward before the first backward)
+        warmup = min((per_rank - 1) * (m // rounds) + 2 * (pp - 1 - rank), m * per_rank)
+        flight = peak = 0
+        for kind, _ in order:
+            flight += 1 if kind == "F" else -1
+            peak = max(peak, flight)
+        assert peak == min(warmup + 1, m * per_rank)
+
+
+def test_interleaved_pipeline_plans_two_stages_per_rank():
+    report = _debug_pp(pipeline_schedule="Interleaved1F1B")
+    assert [r["stages"] for r in report.pipeline] == [[0, 2], [1, 3]]
+    assert [r["blocks"] for r in report.pipeline] == [[1, 1], [1, 1]]
+    assert [r["embedding"] for r in report.pipeline] == [True, False]
+    assert [r["head"] for r in report.pipeline] == [False, True]
+    assert report.pipeline[0]["microbatches"] == 4
+    # rank 0: warm-up (2 - 1) x 2 + 2 x 1 = 4 forwards, the 5th before the first backward
+    assert report.pipeline[0]["in_flight"] == 5
+
+
+def test_pipeline_suggestions(pipeline_405b):
+    assert _debug_pp(pipeline_microbatches=4).fits
+    tight = plan_run("debug", **DEBUG_PP, device_memory_gib=0.001, reserve_gib=0,
+                     config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+    assert not tight.fits and all(isinstance(s, str) for s in tight.suggestions)
+    # Under a pipeline the option also reshards every unit after each micro-batch's backward.
+    assert any(s.startswith("--reduce-every-micro-batch (reshard and reduce-scatter") for s in tight.suggestions)
+    kept = _debug_pp()
+    every = _debug_pp(reduce_every_micro_batch=True)
+    assert kept.accumulation_bytes > 0 and every.accumulation_bytes == 0
+    assert every.all_gather_bytes < kept.all_gather_bytes
+    # 405B in 50 GiB: a deeper pipeline shrinks each rank's gathered stage and its unsharded gradients.
+    config = ParallelConfig(tensor_parallel_size=8, pipeline_parallel_size=8, activation_checkpointing="full")
+    config = config.resolve_dtypes("bf16-mixed")
+    args = ModelArgs.from_name("llama3-405b")
+    report = replace(pipeline_405b, device_memory_bytes=50 * GIB)
+    worst = max(report.pipeline, key=lambda r: r["total_bytes"])
+    split = [b for r in report.pipeline for b in r["blocks"]]
+    activations = planner.ActivationModel.for_layout(
+        args, tp=8, sequence_parallel=True, seq_len=8192, micro_batch_size=1, act_dtype=torch.bfloat16,
+    )
+    from lightning_2d.parallel.dims import ParallelDims
+
+    out = planner._suggestions(report, args, ParallelDims(1, 8, 8, 8), config, activations, 8192, 1,
+                               pipeline=(split, worst["pipeline_rank"], 8))
+    assert any(s.startswith("--pipeline-parallel-size 16 (data parallel 4)") and s.endswith("(fits)") for s in out)
+
+
+def test_pipeline_layers_per_stage_is_a_flag(capsys):
+    parser = planner.build_parser()
+    for text in ("15,16,16,16,16,16,16,15", "[15, 16, 16, 16, 16, 16, 16, 15]"):
+        assert parser.parse_args(["--pipeline-layers-per-stage", text]).pipeline_layers_per_stage == [
+            15, 16, 16, 16, 16, 16, 16, 15]
+    planner.main(["--model", "debug", "--devices", "4", "--tensor-parallel-size", "2", "--pipeline-parallel-size",
+                  "2", "--pipeline-layers-per-stage", "1,3", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert [r["blocks"] for r in report["pipeline"]] == [[1], [3]]
