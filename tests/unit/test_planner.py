@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -599,3 +599,20 @@ def test_pipeline_layers_per_stage_is_a_flag(capsys):
                   "2", "--pipeline-layers-per-stage", "1,3", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert [r["blocks"] for r in report["pipeline"]] == [[1], [3]]
+
+
+def test_the_readme_pipeline_view_is_what_the_planner_prints():
+    """README "Pipeline parallelism" quotes the planner's view of recipes/llama3_405b_pipeline.yaml whole."""
+    import re
+    import shlex
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    block = re.search(r"```text\n\$ lightning-2d plan (--model llama3-405b [^\n]*--pipeline-parallel-size[^\n]*)\n(.*?)```",
+                      readme, re.S)
+    assert block, "the README's pipeline planner view is missing"
+    args = planner.build_parser().parse_args(shlex.split(block.group(1)))
+    given = {f.name: getattr(args, f.name) for f in fields(ParallelConfig) if getattr(args, f.name) is not None}
+    report = plan_run(args.model, num_nodes=args.num_nodes, devices=args.devices, config=ParallelConfig(**given),
+                      precision=args.precision, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
+    printed = [line for line in planner.format_report(report).splitlines() if not line.startswith("(planned in")]
+    assert block.group(2).rstrip("\n").splitlines() == printed
