@@ -13,10 +13,15 @@ pytestmark = pytest.mark.distributed
 
 CLIP = 0.5
 # loss_parallel applies to a model that returns logits: LlamaLightningModule(fused_loss=False).
+# Each activation-checkpointing mode rides along in one of these jobs (shared launches): recomputation
+# is exact in fp32, so the job must still equal the single-device run.
 OPTIONS = {
-    "loss-parallel": {"loss_parallel": True, "fused_loss": False, "reshard_after_forward": "never"},
-    "no-sequence-parallel": {"sequence_parallel": False, "loss_parallel": True, "fused_loss": False},
-    "no-sequence-parallel-reshard-always": {"sequence_parallel": False, "reshard_after_forward": "always"},
+    "loss-parallel": {"loss_parallel": True, "fused_loss": False, "reshard_after_forward": "never",
+                      "activation_checkpointing": "full"},
+    "no-sequence-parallel": {"sequence_parallel": False, "loss_parallel": True, "fused_loss": False,
+                             "activation_checkpointing": "selective", "selective_ac_option": "op"},
+    "no-sequence-parallel-reshard-always": {"sequence_parallel": False, "reshard_after_forward": "always",
+                                            "activation_checkpointing": "selective", "selective_ac_option": 2},
     "unfused-loss-gathered-logits": {"fused_loss": False},
 }
 
@@ -44,6 +49,17 @@ def test_option_with_gradient_clipping_matches_single_device(jobs, name):
         torch.testing.assert_close(weight, ref_final[name_], rtol=1e-5, atol=1e-5, msg=name_)
 
 
+@pytest.mark.parametrize(("name", "checkpointed"), [
+    ("loss-parallel", ["0", "1", "2", "3"]),  # full: every block
+    ("no-sequence-parallel", ["0", "1", "2", "3"]),  # selective per op: every block, with a save policy
+    ("no-sequence-parallel-reshard-always", ["1", "3"]),  # selective 2: every 2nd block
+])
+def test_activation_checkpointing_modes_wrap_their_blocks_and_keep_single_device_numerics(jobs, name, checkpointed):
+    """The option jobs above carry the three activation-checkpointing modes (their parity is asserted there)."""
+    out = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name]).rank_output(0)
+    assert out["checkpointed_blocks"] == checkpointed
+
+
 @pytest.mark.parametrize(("name", "gathered"), [("loss-parallel", "all"), ("no-sequence-parallel-reshard-always", "none")])
 def test_reshard_policy_decides_what_stays_gathered_after_forward(jobs, name, gathered):
     out = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name]).rank_output(0)  # the jobs above
@@ -68,23 +84,31 @@ def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_
     """accumulate_grad_batches=2: FSDP2 skips the first micro-batch's reduce-scatter (Lightning's own
     block_backward_sync only knows DDP). Every target counts (even labels), so the mean of the two
     micro-batch means is the double batch's mean."""
-    double = jobs.layout(2, 2, even_labels=True)
+    double = jobs.reference(even_labels=True)  # one device, the whole global batch per step
     accumulated = jobs.layout(2, 2, even_labels=True, accumulate=2)
     every = jobs.layout(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True)
+    ref = double.rank_output(0)
     for rank in range(4):
-        ref, out = double.rank_output(rank), accumulated.rank_output(rank)
+        out = accumulated.rank_output(rank)
         micro = out["losses"]
         assert len(micro) == 12  # two micro-batches per optimizer step
         pairs = [(a + b) / 2 for a, b in zip(micro[::2], micro[1::2])]
         assert worst_relative_error(pairs, ref["losses"]) <= LOSS_RTOL
         assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
-        assert out["reduce_scatters"] == ref["reduce_scatters"] > 0
+        # One reduce-scatter per FSDP unit (embedding, 4 blocks, [norm, output]) and step, as without
+        # accumulation: the first micro-batch's backward reduces nothing.
+        assert out["reduce_scatters"] == 6 * 6
         # The memory-saving option reduce-scatters after each micro-batch: twice as often.
-        assert every.rank_output(rank)["reduce_scatters"] == 2 * ref["reduce_scatters"]
+        assert every.rank_output(rank)["reduce_scatters"] == 2 * 6 * 6
         assert worst_relative_error(every.rank_output(rank)["losses"][1::2], micro[1::2]) <= LOSS_RTOL
     ref_final, final = load_weights(double, "final"), load_weights(accumulated, "final")
+    every_final = load_weights(every, "final")
     for name, weight in final.items():
-        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+        # Against one device the micro-batch sums round differently, and AdamW's normalized update
+        # (lr 1e-3 per step) turns that into up to ~1.1e-5 on an element whose gradient is near zero.
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=3e-5, msg=name)
+        # The two reduction schedules sum the same micro-batch gradients.
+        torch.testing.assert_close(every_final[name], weight, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):

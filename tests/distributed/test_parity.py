@@ -66,15 +66,6 @@ def test_tensor_parallel_group_shares_batches_data_parallel_ranks_differ(jobs, d
         assert len(set(hashes)) == dp, f"data-parallel ranks drew overlapping batches at step {step}"
 
 
-@pytest.mark.parametrize("ac", ["full", "selective-op", "selective-2"])
-def test_activation_checkpointing_gives_the_same_losses(jobs, ac):
-    mode, _, option = ac.partition("-")
-    extra = {"activation_checkpointing": mode, **({"selective_ac_option": option} if option else {})}
-    losses = jobs.layout(2, 2, **extra).rank_output(0)["losses"]
-    plain = jobs.layout(2, 2).rank_output(0)["losses"]
-    assert worst_relative_error(losses, plain) <= LOSS_RTOL
-
-
 def test_two_simulated_nodes_auto_sizes_put_tensor_parallel_inside_a_node(jobs):
     run = jobs.layout("auto", "auto", nprocs=4, num_nodes=2)
     outputs = [run.rank_output(r) for r in range(4)]

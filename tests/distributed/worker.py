@@ -316,6 +316,11 @@ def fit(cfg: dict) -> None:
     }
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg:  # which blocks activation checkpointing wrapped
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        result["checkpointed_blocks"] = [name for name, block in module.model.layers.items()
+                                         if isinstance(block, CheckpointWrapper)]
     if module.model.__class__.__name__.startswith("Pipelined"):
         result["pipeline_split"] = module.model._pipeline_split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
