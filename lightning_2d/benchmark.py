@@ -367,6 +367,12 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
                 " the hand-written Lightning and plain torch variants of --compare (they shard over every"
                 " data-parallel rank); drop --compare or the option"
             )
+        if args.compare and config.pipeline_parallel_size > 1:
+            problems.append(
+                f"--pipeline-parallel-size {config.pipeline_parallel_size} has no counterpart in the hand-written"
+                " Lightning and plain torch variants of --compare (neither has pipeline parallelism); drop --compare"
+                " (to measure lightning_2d alone) or the option"
+            )
         if args.compare and not config.sequence_parallel:
             # The hand-written variants always use the reference plan, sequence parallel included.
             _validate_layout(ParallelConfig(**{**options, "sequence_parallel": True}), args, model_args)
@@ -947,7 +953,9 @@ def format_report(report: dict[str, Any]) -> str:
         ),
         f"data: seq {s.seq_len}, global batch {s.global_batch_size} ({s.tokens_per_step} tokens/step)",
         (
-            f"layout: (dp, tp) = ({s.dp}, {s.tp}) on {s.world_size} {s.accelerator} process(es),"
+            (f"layout: (pp, dp, tp) = ({pp}, {s.dp}, {s.tp})" if (pp := s.strategy_options.get("pipeline_parallel_size", 1)) > 1
+             else f"layout: (dp, tp) = ({s.dp}, {s.tp})")
+            + f" on {s.world_size} {s.accelerator} process(es),"
             f" {s.num_nodes} node(s); precision {s.precision}"
         ),
         f"timing: {s.steps} steps after {s.warmup} warm-up, {s.rounds} round(s), median of the slowest rank per step",

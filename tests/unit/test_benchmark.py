@@ -126,6 +126,8 @@ def test_bad_flag_value_is_a_parse_error(capsys):
         (["--seq-len", "33"], r"sequence length \(33\) must be divisible by tensor_parallel_size \(2\)"),
         (["--seq-len", "33", "--no-sequence-parallel", "--compare"],
          r"under --compare the lightning and plain variants use sequence parallelism: sequence length \(33\)"),
+        (["--pipeline-parallel-size", "2", "--tensor-parallel-size", "1", "--compare"],
+         r"--pipeline-parallel-size 2 has no counterpart in the hand-written Lightning and plain torch variants"),
         (["--data-parallel-replicate-size", "2", "--tensor-parallel-size", "1", "--compare"],
          r"--data-parallel-replicate-size 2 \(HSDP\) has no counterpart in the hand-written Lightning and plain"),
         (["--seq-len", "8192"], r"--seq-len \(8192\) exceeds the model's max_seq_len \(4096\)"),
