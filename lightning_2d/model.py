@@ -299,23 +299,27 @@ class Transformer(nn.Module):
         # Not persistent: derived from args, so checkpoints do not carry it.
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        seqlen = tokens.shape[1]
-        if seqlen > self.args.max_seq_len:
+    def check_inputs(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Refuse a sequence longer than ``max_seq_len`` and labels of another shape or out of the vocabulary."""
+        if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
-                f"Sequence length {seqlen} exceeds max_seq_len ({self.args.max_seq_len}); raise max_seq_len or"
-                " use shorter sequences"
+                f"Sequence length {tokens.shape[1]} exceeds max_seq_len ({self.args.max_seq_len}); raise max_seq_len"
+                " or use shorter sequences"
             )
+        if labels is not None:
+            if labels.shape != tokens.shape:
+                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the tokens {tuple(tokens.shape)}")
+            check_labels(labels, self.args.vocab_size)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_inputs(tokens, labels)
         h = self.tok_embeddings(tokens)  # (B, T, dim)
-        rope = self.rope[:seqlen]
+        rope = self.rope[: tokens.shape[1]]
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h)
         if labels is None:
             return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss
-        if labels.shape != tokens.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the tokens {tuple(tokens.shape)}")
-        check_labels(labels, self.args.vocab_size)
         return self.output(h, labels=labels)  # 0-dim fp32: the summed cross-entropy
 
     def param_init_specs(self) -> dict[str, InitSpec]:

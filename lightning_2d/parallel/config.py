@@ -303,6 +303,22 @@ class ParallelConfig:
             problems += self.microbatch_problems(self.pipeline_microbatches, batch_size=None)
         return problems
 
+    def block_count_problems(self, num_blocks: int) -> list[str]:
+        """The pipeline's stages against the model's ``num_blocks`` transformer blocks."""
+        stages, layers = self.num_pipeline_stages, self.pipeline_layers_per_stage
+        if num_blocks < stages:
+            return [
+                f"the model has {num_blocks} transformer blocks, fewer than the {stages} pipeline stages"
+                f" (pipeline_parallel_size {self.pipeline_parallel_size} × {self.stages_per_rank} per rank): every"
+                " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
+            ]
+        if isinstance(layers, (list, tuple)) and sum(layers) != num_blocks:
+            return [
+                f"pipeline_layers_per_stage {list(layers)} adds up to {sum(layers)} blocks but the model has"
+                f" {num_blocks}; the counts must add up to the model's blocks"
+            ]
+        return []
+
     def microbatch_problems(self, microbatches: int, batch_size: Optional[int], schedule_checks: bool = True) -> list[str]:
         """What the schedule needs of the micro-batch count (and the batch size, when known)."""
         pp, problems = self.pipeline_parallel_size, []

@@ -218,18 +218,14 @@ def validate_parallel_dims(
         given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
         per_stage = world_size // pp
         pairs = ", ".join(f"({d}, {per_stage // d})" for d in _divisors(per_stage))
+        names, sizes = "data_parallel_size × tensor_parallel_size", f"{dp} × {tp}"
         if pp > 1:
-            problems.append(
-                f"pipeline_parallel_size × data_parallel_size × tensor_parallel_size ({pp} × {dp} × {tp} ="
-                f" {pp * dp * tp}) must equal the world size ({world_size} = {num_nodes} node(s) × {devices_per_node}"
-                f" device(s)) [{given}]; valid (dp, tp) pairs with pipeline_parallel_size={pp}: {pairs}"
-            )
-        else:
-            problems.append(
-                f"data_parallel_size × tensor_parallel_size ({dp} × {tp} = {dp * tp}) must equal the world size"
-                f" ({world_size} = {num_nodes} node(s) × {devices_per_node} device(s)) [{given}]; valid (dp, tp)"
-                f" pairs: {pairs}"
-            )
+            names, sizes = f"pipeline_parallel_size × {names}", f"{pp} × {sizes}"
+        problems.append(
+            f"{names} ({sizes} = {pp * dp * tp}) must equal the world size ({world_size} = {num_nodes} node(s) ×"
+            f" {devices_per_node} device(s)) [{given}]; valid (dp, tp) pairs"
+            f"{f' with pipeline_parallel_size={pp}' if pp > 1 else ''}: {pairs}"
+        )
     if pp > 1:
         problems += pipeline_split_problems(config, plan, batch_size)
     if plan is not None and tp > 1:
@@ -287,21 +283,8 @@ def pipeline_split_problems(config: ParallelConfig, plan: ParallelPlan | None, b
             " can be split (ParallelPlan.supports_pipeline=False: e.g. a Hugging Face decoder). Use"
             " pipeline_parallel_size=1, or LlamaLightningModule"
         ]
-    stages = config.num_pipeline_stages
-    blocks = plan.num_blocks if plan is not None else None
-    layers = config.pipeline_layers_per_stage
-    if blocks is not None:
-        if blocks < stages:
-            problems.append(
-                f"the model has {blocks} transformer blocks, fewer than the {stages} pipeline stages"
-                f" (pipeline_parallel_size {config.pipeline_parallel_size} × {config.stages_per_rank} per rank): every"
-                " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
-            )
-        elif layers is not None and isinstance(layers, (list, tuple)) and sum(layers) != blocks:
-            problems.append(
-                f"pipeline_layers_per_stage {list(layers)} adds up to {sum(layers)} blocks but the model has {blocks};"
-                " the counts must add up to the model's blocks"
-            )
+    if plan is not None and plan.num_blocks is not None:
+        problems += config.block_count_problems(plan.num_blocks)
     if batch_size is not None:
         # A given count's schedule needs were checked with the options; the batch size's own count here.
         given = config.pipeline_microbatches

@@ -28,15 +28,22 @@ with ``scale_grads=False`` (its default divides the gradients by the micro-batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from lightning_2d.linear_cross_entropy import IGNORE_INDEX, check_labels
-from lightning_2d.parallel.config import PIPELINE_SCHEDULES, ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.linear_cross_entropy import IGNORE_INDEX
+from lightning_2d.parallel.config import (
+    PIPELINE_SCHEDULES,
+    ParallelConfig,
+    ParallelConfigError,
+    ParallelPlan,
+    raise_if_problems,
+)
 from lightning_2d.parallel.dims import DP_DIM, PP_DIM, TP_DIM
+from lightning_2d.parallel.tensor_parallel import check_sequence_length
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,22 +110,11 @@ def block_costs_of(model: nn.Module, block_names: list[str]) -> tuple[list[float
 def pipeline_split(model: nn.Module, config: ParallelConfig) -> list[list[str]]:
     """The block names of every stage, in stage order (the given ``pipeline_layers_per_stage`` or balanced)."""
     names = list(model.layers.keys())
-    stages = config.num_pipeline_stages
-    if len(names) < stages:
-        raise ParallelConfigError([
-            f"the model has {len(names)} transformer blocks, fewer than the {stages} pipeline stages"
-            f" (pipeline_parallel_size {config.pipeline_parallel_size} × {config.stages_per_rank} per rank): every"
-            " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
-        ])
+    raise_if_problems(config.block_count_problems(len(names)))
     sizes = config.pipeline_layers_per_stage
     if sizes is None:
         blocks, head, embed = block_costs_of(model, names)
-        sizes = balanced_split(blocks, stages, last_extra=head, first_extra=embed)
-    elif sum(sizes) != len(names):
-        raise ParallelConfigError([
-            f"pipeline_layers_per_stage {list(sizes)} adds up to {sum(sizes)} blocks but the model has {len(names)};"
-            " the counts must add up to the model's blocks"
-        ])
+        sizes = balanced_split(blocks, config.num_pipeline_stages, last_extra=head, first_extra=embed)
     out, start = [], 0
     for size in sizes:
         out.append(names[start : start + size])
@@ -205,12 +201,6 @@ class _ReduceEveryMicroBatch(nn.Module):
 
 
 # ---- the runtime -----------------------------------------------------------------------------
-@dataclass
-class _Schedule:
-    schedule: Any
-    stages: list[Any]
-
-
 class Pipeline:
     """This rank's stages and the schedules that run them (one per batch shape and mode).
 
@@ -243,7 +233,7 @@ class Pipeline:
         self.has_last = self.num_stages - 1 in stage_indices
         tp = mesh[TP_DIM].size()
         self.sequence_shards = tp if config.sequence_parallel and tp > 1 else 1
-        self._schedules: dict[tuple, _Schedule] = {}
+        self._schedules: dict[tuple, Any] = {}
         self._scale = torch.ones(())
         self._raw_losses: list[torch.Tensor] = []
         #: Multiplies the loss the gradients are computed of: the Trainer sets ``1 / accumulate_grad_batches``
@@ -279,7 +269,7 @@ class Pipeline:
         self._raw_losses.append(output.detach())
         return output * self._scale
 
-    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device, train: bool) -> _Schedule:
+    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device, train: bool) -> Any:
         from torch.distributed import pipelining
 
         mb = batch_size // microbatches
@@ -315,7 +305,7 @@ class Pipeline:
         schedule = cls(stages[0] if single else stages, **kwargs)
         if self.measure:
             self._instrument(stages)
-        return _Schedule(schedule, stages)
+        return schedule
 
     def _instrument(self, stages: list[Any]) -> None:
         import time
@@ -339,12 +329,9 @@ class Pipeline:
 
         batch_size, seq_len = tokens.shape
         microbatches = self.microbatches(batch_size, train)
-        if seq_len % self.sequence_shards:
-            raise ValueError(
-                f"Input sequence length {seq_len} is not divisible by tensor_parallel_size ({self.sequence_shards});"
-                " sequence parallelism shards the sequence evenly. Use a sequence length that is a multiple of"
-                f" {self.sequence_shards} or sequence_parallel=False."
-            )
+        # Checked on every rank before any collective (the first stage's own check would leave the
+        # other stages waiting for its activations).
+        check_sequence_length(seq_len, self.sequence_shards)
         # The gradient of the global-batch mean: each micro-batch's sum × dp / (target tokens of the global batch).
         count = (labels != IGNORE_INDEX).sum().to(torch.float32).reshape(1)
         dist.all_reduce(count, group=self.dp_group)
@@ -355,7 +342,7 @@ class Pipeline:
         key = (batch_size, seq_len, microbatches, train)
         if key not in self._schedules:
             self._schedules[key] = self._build(batch_size, seq_len, microbatches, tokens.device, train)
-        schedule = self._schedules[key].schedule
+        schedule = self._schedules[key]
         for stage in self.stages:
             stage.seq_len = seq_len
         self._raw_losses = []
@@ -411,14 +398,7 @@ class PipelinedModel:
                 " logits exist on the last stage only, one micro-batch at a time. Call model(tokens, labels=labels);"
                 " for logits (prediction, generation) load the checkpoint with pipeline_parallel_size=1."
             )
-        if tokens.shape[1] > self.args.max_seq_len:  # type: ignore[attr-defined]
-            raise ValueError(
-                f"Sequence length {tokens.shape[1]} exceeds max_seq_len ({self.args.max_seq_len}); raise"  # type: ignore[attr-defined]
-                " max_seq_len or use shorter sequences"
-            )
-        if labels.shape != tokens.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the tokens {tuple(tokens.shape)}")
-        check_labels(labels, self.args.vocab_size)  # type: ignore[attr-defined]
+        self.check_inputs(tokens, labels)  # type: ignore[attr-defined]  # Transformer.check_inputs
         return self._pipeline.run(tokens, labels, train=torch.is_grad_enabled())
 
 

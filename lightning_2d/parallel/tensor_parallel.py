@@ -158,6 +158,15 @@ def llama_tensor_parallel_plan(
     return plan
 
 
+def check_sequence_length(seq_len: int, tp: int) -> None:
+    """Sequence parallelism shards the sequence evenly over ``tp`` ranks: refuse another length up front."""
+    if seq_len % tp:
+        raise ValueError(
+            f"Input sequence length {seq_len} is not divisible by tensor_parallel_size ({tp}); sequence parallelism"
+            f" shards the sequence evenly. Use a sequence length that is a multiple of {tp} or sequence_parallel=False."
+        )
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: ParallelPlan, config: ParallelConfig) -> None:
     """Apply ``plan.tensor_parallel`` to ``model`` over ``tp_mesh`` (in place).
 
@@ -179,15 +188,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: Paralle
     elif config.sequence_parallel:
         tp, dim = tp_mesh.size(), plan.sequence_dim
 
-        def check_sequence_length(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def check_input_sequence(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             # The first tensor input, positional or keyword (HF models take `input_ids=`).
             tokens = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
             # Hidden states (a later pipeline stage's input) are already sharded along the sequence.
-            if tokens is not None and not tokens.is_floating_point() and tokens.dim() > dim and tokens.shape[dim] % tp:
-                raise ValueError(
-                    f"Input sequence length {tokens.shape[dim]} is not divisible by tensor_parallel_size ({tp});"
-                    f" sequence parallelism shards the sequence evenly. Use a sequence length that is a multiple"
-                    f" of {tp} or sequence_parallel=False."
-                )
+            if tokens is not None and not tokens.is_floating_point() and tokens.dim() > dim:
+                check_sequence_length(tokens.shape[dim], tp)
 
-        model.register_forward_pre_hook(check_sequence_length, with_kwargs=True)
+        model.register_forward_pre_hook(check_input_sequence, with_kwargs=True)

@@ -61,15 +61,14 @@ def pipeline_group_of(module: torch.nn.Module):
     return pipeline.pp_group if pipeline is not None else None
 
 
-def save_state(trainer, pl_module, out_dir: Path, which: str) -> None:
+def save_state(model: torch.nn.Module, mesh, global_rank: int, out_dir: Path, which: str) -> None:
     """``which.pt`` from rank 0, or under pipeline parallelism ``which_pp{R}.pt`` from the first rank of
-    each pipeline rank's sub-mesh (``load_weights`` merges them)."""
-    state = full_state(pl_module.model)
-    mesh = pl_module.device_mesh
+    each pipeline rank's sub-mesh (``load_weights`` merges them); a collective on every rank."""
+    state = full_state(model)
     if mesh is not None and "pipeline_parallel" in (mesh.mesh_dim_names or ()):
         if mesh["data_parallel"].get_local_rank() == 0 and mesh["tensor_parallel"].get_local_rank() == 0:
             torch.save(state, out_dir / f"{which}_pp{mesh['pipeline_parallel'].get_local_rank()}.pt")
-    elif trainer.global_rank == 0:
+    elif global_rank == 0:
         torch.save(state, out_dir / f"{which}.pt")
 
 
@@ -87,7 +86,7 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.save_weights:
-            save_state(trainer, pl_module, self.out_dir, "initial")
+            save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "initial")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
@@ -102,11 +101,12 @@ class Recorder(L.Callback):
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.
         self.draws.append(float(torch.rand(1)))
         if trainer.global_step in self.weights_at_steps:
-            save_state(trainer, pl_module, self.out_dir, f"weights_step{trainer.global_step}")
+            save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir,
+                       f"weights_step{trainer.global_step}")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_weights:
-            save_state(trainer, pl_module, self.out_dir, "final")
+            save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "final")
 
 
 def placements(module: torch.nn.Module) -> dict[str, list]:
@@ -536,13 +536,7 @@ def fabric_loop(cfg: dict) -> None:
 
     def on_step(step: int, model) -> None:
         if step == 6:
-            state = full_state(model)
-            mesh = getattr(fabric.strategy, "device_mesh", None)
-            if mesh is not None and "pipeline_parallel" in (mesh.mesh_dim_names or ()):
-                if mesh["data_parallel"].get_local_rank() == 0 and mesh["tensor_parallel"].get_local_rank() == 0:
-                    torch.save(state, out_dir / f"final_pp{mesh['pipeline_parallel'].get_local_rank()}.pt")
-            elif fabric.global_rank == 0:
-                torch.save(state, out_dir / "final.pt")
+            save_state(model, getattr(fabric.strategy, "device_mesh", None), fabric.global_rank, out_dir, "final")
 
     history = recipe.train(fabric, args, on_step=on_step)
     result = {**history, "reduce_scatters": reduce_scatters["n"]}
