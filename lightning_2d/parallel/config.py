@@ -18,6 +18,9 @@ AC_MODES = ("none", "full", "selective")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RESHARD_POLICIES = ("default", "always", "never")
 NON_FINITE_POLICIES = ("raise", "skip", "off")
+#: The oldest torch the pipeline runs on: the release it is tested with. Before it ``torch.distributed.pipelining``
+#: lacked parts it relies on (schedules' ``eval()`` arrived in 2.9; static stage metadata and its warm-up vote later).
+PIPELINE_MIN_TORCH = "2.13"
 #: Pipeline schedules (``torch.distributed.pipelining``) → stages per rank they need: one, or several ("virtual").
 PIPELINE_SCHEDULES: dict[str, str] = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "multi"}
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
@@ -263,6 +266,12 @@ class ParallelConfig:
         pp = self.pipeline_parallel_size
         if not positive("pipeline_parallel_size", pp):
             return problems
+        if pp > 1 and torch.__version__ < PIPELINE_MIN_TORCH:
+            problems.append(
+                f"pipeline_parallel_size={pp} needs torch >= {PIPELINE_MIN_TORCH} (the release lightning_2d's pipeline is"
+                f" tested with; torch.distributed.pipelining changed before it), found {torch.__version__}; upgrade"
+                " torch or use pipeline_parallel_size=1"
+            )
         kind = PIPELINE_SCHEDULES.get(self.pipeline_schedule)
         if kind is None:
             problems.append(

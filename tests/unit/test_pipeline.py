@@ -140,3 +140,12 @@ def test_a_loss_rescaled_outside_the_pipeline_is_refused():
     pipeline.last_objective = torch.tensor(2.0)
     with pytest.raises(RuntimeError, match="this loss still needs a gradient"):
         pipeline.check_backward_loss(torch.tensor(2.0, requires_grad=True) * 1)
+
+
+def test_an_older_torch_is_refused_for_a_pipeline_only(monkeypatch):
+    from torch.torch_version import TorchVersion
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.12.1"))
+    with pytest.raises(ParallelConfigError, match=r"pipeline_parallel_size=2 needs torch >= 2\.13 .*found 2\.12\.1"):
+        ParallelConfig(pipeline_parallel_size=2)
+    ParallelConfig(tensor_parallel_size=2)  # no pipeline: no requirement
