@@ -58,7 +58,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """
 
     strategy_name = "model_parallel_2d"
-    _held_grads: list = []
+    #: Gradients a pipelined training step computed, held from its end to ``backward`` (see ``training_step``).
+    _held_grads: tuple = ()
 
     # ---- what differs from Fabric -------------------------------------------------------------
     def _precision_plugin_2d(self) -> Any:
@@ -167,14 +168,14 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad()
         output = super().training_step(*args, **kwargs)
-        self._held_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        self._held_grads = tuple((p, p.grad) for p in module.parameters() if p.grad is not None)
         for param, _ in self._held_grads:
             param.grad = None
         return output
 
     @override
     def backward(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        held, self._held_grads = self._held_grads, []
+        held, self._held_grads = self._held_grads, ()
         for param, grad in held:  # see training_step: Lightning's zero_grad ran in between
             param.grad = grad if param.grad is None else param.grad.add_(grad)
         return super().backward(tensor, *args, **kwargs)

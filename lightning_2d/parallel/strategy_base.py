@@ -423,7 +423,7 @@ class ModelParallel2DBase:
         do not fit ``module`` (another model size, fewer layers): quoting both shapes. Rank 0 reads the
         metadata; every rank raises the same error."""
         problems: Any = None
-        pipelined = pipeline_of(module) is not None
+        pipelined = self._pipeline is not None
         expected: dict[str, tuple[int, ...]] = {}
         if self.global_rank == 0 or pipelined:  # type: ignore[attr-defined]
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
