@@ -1,11 +1,11 @@
 """lightning_2d: 2D parallel training (FSDP2 × tensor/sequence parallel) as a Lightning strategy."""
 
-from lightning_2d.callbacks import ThroughputMonitor
-from lightning_2d.data import TextDataModule
-from lightning_2d.model import ModelArgs, Transformer
-from lightning_2d.module import LlamaLightningModule
+from lightning_2d.data.text import TextDataModule
+from lightning_2d.lightning.callbacks import ThroughputMonitor
+from lightning_2d.lightning.module import LlamaLightningModule
+from lightning_2d.lightning.trainer_strategy import ModelParallel2DStrategy
+from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
-from lightning_2d.strategy import ModelParallel2DStrategy
 
 __version__ = "0.1.0"
 

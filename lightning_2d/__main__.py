@@ -1,3 +1,3 @@
-from lightning_2d.cli import main
+from lightning_2d.tools.cli import main
 
 main()

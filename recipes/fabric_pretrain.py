@@ -26,17 +26,17 @@ import lightning as L
 import torch
 
 from lightning_2d import ModelArgs, TextDataModule, Transformer
-from lightning_2d.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
-from lightning_2d.module import warmup_cosine_schedule
+from lightning_2d.lightning.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
+from lightning_2d.lightning.module import warmup_cosine_schedule
 from lightning_2d.parallel import pipeline_of
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="debug", help="a preset of lightning_2d.model.PRESETS")
+    parser.add_argument("--model", default="debug", help="a preset of lightning_2d.models.llama.model.PRESETS")
     parser.add_argument("--data", nargs="*", default=None, help="text/JSONL/Parquet files or globs (default: stdlib)")
     parser.add_argument("--tokenizer", default="byte")
     parser.add_argument("--accelerator", default="cpu")
@@ -82,7 +82,7 @@ def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional
     newest complete checkpoint in ``--checkpoint-dir``.
 
     Newer saves that never finished are skipped with a warning naming them
-    (``lightning_2d.checkpoint.latest_checkpoint``); rank 0 decides and every rank gets its answer.
+    (``lightning_2d.checkpoint.files.latest_checkpoint``); rank 0 decides and every rank gets its answer.
 
     Args:
         fabric: The launched Fabric.

@@ -7,11 +7,12 @@ process group exists. ``ParallelConfig.validate`` collects every problem and rai
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Union
 
 import torch
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
 
 AC_MODES = ("none", "full", "selective")
@@ -362,6 +363,32 @@ class ParallelConfig:
         return replace(self, param_dtype=self.param_dtype or param_dtype, reduce_dtype=self.reduce_dtype or reduce_dtype)
 
 
+class PipelineStages(Protocol):
+    """What a model family tells the pipeline about its models (``ParallelPlan.pipeline_stages``): the
+    library splits by blocks and runs schedules; the family knows its modules (our Llama:
+    ``lightning_2d.models.llama.pipeline``)."""
+
+    def check(self, model: "nn.Module") -> None:
+        """Raise ``ParallelConfigError`` for a model this family cannot split."""
+
+    def block_names(self, model: "nn.Module") -> list[str]:
+        """The blocks, in order."""
+
+    def block_costs(self, model: "nn.Module", block_names: list[str]) -> tuple[list[float], float, float]:
+        """A compute proxy per block, for the head (counted in the last stage) and the embedding (first)."""
+
+    def stage(self, model: "nn.Module", block_names: list[str], first: bool, last: bool) -> "nn.Module":
+        """A module running ``block_names`` (+ the embedding if ``first``, the head and loss if ``last``):
+        ``forward(x, labels=None)`` takes token ids or hidden states, returns hidden states or the summed loss;
+        it has a ``seq_len`` attribute (the batch's full sequence length, set by the pipeline)."""
+
+    def prune(self, model: "nn.Module", kept_blocks: set[str], first: bool, last: bool) -> None:
+        """Drop from ``model`` (meta device) every module this rank's stages do not hold, keeping names."""
+
+    def hidden_size(self, model: "nn.Module") -> int:
+        """The width of the hidden states passed between stages."""
+
+
 @dataclass
 class ParallelPlan:
     """Where the parallelism goes in a model: module names, not code.
@@ -402,9 +429,10 @@ class ParallelPlan:
             dropout modules with ``p > 0``.
         num_blocks: How many blocks the model has, when known before it is built (the pipeline split
             is then checked before any process starts).
-        supports_pipeline: Whether the model can be split into pipeline stages by its blocks
-            (``lightning_2d.parallel.pipeline`` splits the Llama ``Transformer``); checked before
-            any process starts when ``pipeline_parallel_size > 1``.
+        pipeline_stages: How the model splits into pipeline stages by its blocks
+            (``lightning_2d.parallel.pipeline.PipelineStages``; ``llama_plan`` gives our Llama's), or
+            ``None``: the model cannot be pipelined (refused before any process starts when
+            ``pipeline_parallel_size > 1``).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -417,11 +445,16 @@ class ParallelPlan:
     output_unit: tuple[str, ...] = ()
     blocks_use_randomness: Optional[bool] = None
     num_blocks: Optional[int] = None
-    supports_pipeline: bool = False
+    pipeline_stages: Optional["PipelineStages"] = None
+
+    @property
+    def supports_pipeline(self) -> bool:
+        """Whether the model can be split into pipeline stages (the plan has ``pipeline_stages``)."""
+        return self.pipeline_stages is not None
 
     def sequence_parallel_entries(self) -> list[str]:
         """Names in ``tensor_parallel`` whose style only makes sense under sequence parallelism."""
-        from lightning_2d.parallel.tensor_parallel import is_sequence_parallel_style
+        from lightning_2d.parallel.styles import is_sequence_parallel_style
 
         return [name for name, style in self.tensor_parallel.items() if is_sequence_parallel_style(style)]
 

@@ -6,7 +6,6 @@ reported in one message instead of a hang or a deep traceback from a collective.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
@@ -17,24 +16,11 @@ from lightning_2d.parallel.config import (
     ParallelPlan,
     raise_if_problems,
 )
+from lightning_2d.parallel.names import DP_DIM, DP_REPLICATE_DIM, DP_SHARD_DIM, MESH_DIMS, PP_DIM, TP_DIM  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
-
-#: Names of the mesh dimensions. ``data_parallel`` is the flattened ``replicate × shard`` dimension
-#: (the data-parallel group: sampler, loss normalization); with the ``tensor_parallel`` name it
-#: matches Lightning's, so ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` work in user
-#: code written for Lightning's ModelParallelStrategy.
-DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
-DP_DIM = "data_parallel"
-PP_DIM = "pipeline_parallel"
-MESH_DIMS = (DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM)
-
-# torch warns on every `mesh["data_parallel"]` of a flattened dim ("will be deprecated in PT 2.11";
-# still supported in 2.13). Lightning's sampler kwargs and user code written for Lightning's 2D
-# mesh read it by that name, so the name must keep working; the warning is not actionable by users.
-warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh will be deprecated")
 
 
 def _divisors(n: int) -> list[int]:

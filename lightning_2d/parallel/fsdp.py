@@ -3,7 +3,6 @@ switch that defers gradient reduction during accumulation."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -52,11 +51,6 @@ def apply_fully_shard(
             resolved against the precision by ``ParallelConfig.resolve_dtypes``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    # Under TP the root returns the logits as a view of the local shard (ColwiseParallel's
-    # to_local), which FSDP2 warns about on every step in case the caller edits it in place.
-    # The loss only reads the logits.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     reshard = reshard_after_forward_by_unit(config.reshard_after_forward)

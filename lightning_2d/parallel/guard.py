@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+
 class NonFiniteStepError(RuntimeError):
     """A step's loss or gradients were NaN/inf on some rank; raised on every rank before the update."""
 

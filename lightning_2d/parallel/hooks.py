@@ -21,7 +21,7 @@ Order in which the strategies use them (both the Trainer's and Fabric's):
    then depend on the layout; a warning says so); then the model's ``init_buffers(device)``.
    ``ModelInitHooks`` may also be defined on the owner (for a model class you cannot change; names
    relative to the model); a Hugging Face Llama-family decoder gets them from the library
-   (``lightning_2d.hf.HFDecoderInit``). Any tensor none of these fills stops the run
+   (``lightning_2d.checkpoint.hf.HFDecoderInit``). Any tensor none of these fills stops the run
    (``MaterializationError``).
 
 A plan may carry its sequence-parallel form (``ParallelPlan.sequence_parallel``), applied only
@@ -38,7 +38,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_2d.init import InitSpec
+    from lightning_2d.ops.init import InitSpec
     from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
     from lightning_2d.parallel.materialize import WeightSource
 
@@ -76,7 +76,7 @@ class ParallelHooks(Protocol):
         ...
 
     def weights_source(self) -> Optional["WeightSource"]:
-        """Initial values read block by block (e.g. ``lightning_2d.hf.HFWeights``), or ``None`` to initialize."""
+        """Initial values read block by block (e.g. ``lightning_2d.checkpoint.hf.HFWeights``), or ``None`` to initialize."""
         ...
 
 
@@ -86,7 +86,7 @@ class ModelInitHooks(Protocol):
     materialization."""
 
     def param_init_specs(self) -> dict[str, "InitSpec"]:
-        """Canonical parameter name → how to draw it (``lightning_2d.init.InitSpec``)."""
+        """Canonical parameter name → how to draw it (``lightning_2d.ops.init.InitSpec``)."""
         ...
 
     def init_buffers(self, device: torch.device) -> None:

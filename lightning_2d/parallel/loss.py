@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy
-from lightning_2d.parallel.dims import DP_DIM
+from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy
+from lightning_2d.parallel.names import DP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -57,7 +57,7 @@ def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-
 def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = 1024
 ) -> torch.Tensor:
-    """``lightning_2d.linear_cross_entropy`` when the output projection is tensor-parallel.
+    """``lightning_2d.ops.linear_cross_entropy`` when the output projection is tensor-parallel.
 
     Installed on the model's ``VocabProjection`` by the tensor-parallel plan. Each rank holds a
     slice of the vocabulary (``weight``: ``Shard(0)`` DTensor over the tensor-parallel mesh) and

@@ -9,7 +9,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_2d.init import SeededInit
+from lightning_2d.ops.init import SeededInit
 from lightning_2d.parallel.modules import canonical_name
 
 
@@ -95,9 +95,9 @@ def materialize_model(
 ) -> None:
     """Allocate ``model``'s meta tensors on ``device`` and fill each rank's blocks; never leave one unfilled.
 
-    ``weights`` supplies the values (e.g. ``lightning_2d.hf.HFWeights`` reads them from a Hugging
+    ``weights`` supplies the values (e.g. ``lightning_2d.checkpoint.hf.HFWeights`` reads them from a Hugging
     Face directory). Without it, a model that describes its initialization (``param_init_specs()``
-    → ``{name: InitSpec}``, as ``lightning_2d.model.Transformer`` does) gets its seeded init, the
+    → ``{name: InitSpec}``, as ``lightning_2d.models.llama.model.Transformer`` does) gets its seeded init, the
     same at every ``(dp, tp)`` layout and on a single device. Other models fall back to their
     modules' ``reset_parameters()`` methods (Lightning's behaviour), whose values depend on the
     layout; a warning says so. Then the model's ``init_buffers(device)``, if defined, fills (or

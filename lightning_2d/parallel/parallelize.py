@@ -1,7 +1,7 @@
 """The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → activation
 checkpointing → compile → FSDP2.
 
-The Trainer strategy (``lightning_2d.strategy``) and the Fabric strategy (``lightning_2d.fabric``)
+The Trainer strategy (``lightning_2d.lightning.trainer_strategy``) and the Fabric strategy (``lightning_2d.lightning.fabric_strategy``)
 both call ``parallelize_model``; neither has a copy of these steps.
 
 Each step can be replaced without subclassing a strategy: an object passed as ``hooks`` (the
@@ -29,9 +29,10 @@ from torch import nn
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import PP_DIM, TP_DIM, fsdp_mesh_of
+from lightning_2d.parallel.dims import fsdp_mesh_of
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
+from lightning_2d.parallel.names import PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -54,19 +55,6 @@ def is_parallelized(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def resolve_plan(owner: Any, config: ParallelConfig, plan: ParallelPlan | None) -> ParallelPlan:
-    """The plan to apply: the one given to the strategy, else ``owner.parallel_plan(config)``, else the
-    plan of a model this library knows (a bare Llama ``Transformer``), else the default names."""
-    from lightning_2d.parallel.plans import known_plan
-
-    if plan is not None:
-        return plan
-    plan_fn = getattr(owner, "parallel_plan", None)
-    if callable(plan_fn):
-        return plan_fn(config)
-    return known_plan(owner, config) or ParallelPlan()
-
-
 def target_module(owner: nn.Module, plan: ParallelPlan) -> nn.Module:
     """The module the plan applies to: ``owner`` itself or its attribute ``plan.module``."""
     if not plan.module:
@@ -86,10 +74,11 @@ def parallelize_and_materialize(
     owner: nn.Module,
     mesh: "DeviceMesh",
     config: ParallelConfig,
-    plan: ParallelPlan | None,
+    plan: ParallelPlan,
     precision: str,
     device: torch.device,
     seed: Callable[[], int],
+    known_init_hooks: Callable[[nn.Module], Any] = lambda model: None,
 ) -> nn.Module:
     """What both strategies do with a model: parallelize it (unless already done) and materialize it.
 
@@ -99,19 +88,20 @@ def parallelize_and_materialize(
             is given, its ``weights_source()`` (if any) gives the initial values.
         mesh: The device mesh (``ParallelDims.build_mesh``).
         config: The strategy's options.
-        plan: The plan passed to the strategy, if any.
+        plan: The plan to apply (``lightning_2d.models.registry.resolve_plan``: the strategy's, the
+            owner's ``parallel_plan(config)`` or a known model's).
         precision: The Trainer/Fabric precision string.
         device: Where the shards live.
         seed: Called (on every rank) for the initialization seed when a seeded init is needed.
+        known_init_hooks: The built-in init hooks of a model family the library knows, for a model that
+            has none (``lightning_2d.models.registry.known_init_hooks``), else ``None``.
 
     Returns:
         The module the plan applied to.
     """
     from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
-    from lightning_2d.parallel.plans import known_init_hooks
 
     config = config.resolve_dtypes(precision)
-    plan = resolve_plan(owner, config, plan)
     model = target_module(owner, plan)
     if not is_parallelized(model):
         if precision == "bf16-true":

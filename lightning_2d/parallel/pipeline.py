@@ -1,4 +1,4 @@
-"""Pipeline parallelism: the Llama split into stages by blocks, run by ``torch.distributed.pipelining``.
+"""Pipeline parallelism: a model split into stages by blocks, run by ``torch.distributed.pipelining``.
 
 ``parallelize_pipeline`` (called by ``parallelize_model`` when the mesh has a ``pipeline_parallel``
 dimension) does, on the meta-device model:
@@ -11,7 +11,8 @@ dimension) does, on the meta-device model:
    holds the first / last stage). Names are unchanged (``layers.17.attention.wq.weight``), so the
    layout-independent init, ``state_dict`` and DCP checkpoints see the same names as on one
    device: a checkpoint saved at one pipeline size loads at another.
-3. **Stages**: each stage is a ``PipelineStageModule``, a view holding references to its blocks.
+3. **Stages**: each stage is a view holding references to its blocks (the model family builds it:
+   ``ParallelPlan.pipeline_stages``, ``lightning_2d.models.llama.pipeline`` for our Llama).
    TP/SP, activation checkpointing, compile and FSDP2 are applied to each view (the view is its
    FSDP root, so ``PipelineStage`` defers FSDP's gradient reduce-scatter to the last micro-batch)
    over the ``(data_parallel, tensor_parallel)`` sub-mesh of this pipeline rank.
@@ -34,15 +35,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_2d.linear_cross_entropy import IGNORE_INDEX
+from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX
 from lightning_2d.parallel.config import (
     PIPELINE_SCHEDULES,
     ParallelConfig,
     ParallelConfigError,
     ParallelPlan,
+    PipelineStages,
     raise_if_problems,
 )
-from lightning_2d.parallel.dims import DP_DIM, PP_DIM, TP_DIM
+from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import check_sequence_length
 
 if TYPE_CHECKING:
@@ -97,23 +99,13 @@ def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
-def block_costs_of(model: nn.Module, block_names: list[str]) -> tuple[list[float], float, float]:
-    """Parameter counts of each block, of the head (+ final norm) and of the embedding: a proxy for their
-    compute per token (each parameter of a matmul costs 6 FLOPs per token in training; an embedding
-    lookup costs next to nothing, so it counts for memory only, at a tenth)."""
-    blocks = [float(sum(p.numel() for p in model.layers[name].parameters())) for name in block_names]
-    head = float(sum(p.numel() for m in (model.norm, model.output) for p in m.parameters()))
-    embed = float(sum(p.numel() for p in model.tok_embeddings.parameters())) * 0.1
-    return blocks, head, embed
-
-
-def pipeline_split(model: nn.Module, config: ParallelConfig) -> list[list[str]]:
+def pipeline_split(model: nn.Module, config: ParallelConfig, stages: PipelineStages) -> list[list[str]]:
     """The block names of every stage, in stage order (the given ``pipeline_layers_per_stage`` or balanced)."""
-    names = list(model.layers.keys())
+    names = stages.block_names(model)
     raise_if_problems(config.block_count_problems(len(names)))
     sizes = config.pipeline_layers_per_stage
     if sizes is None:
-        blocks, head, embed = block_costs_of(model, names)
+        blocks, head, embed = stages.block_costs(model, names)
         sizes = balanced_split(blocks, config.num_pipeline_stages, last_extra=head, first_extra=embed)
     out, start = [], 0
     for size in sizes:
@@ -123,37 +115,7 @@ def pipeline_split(model: nn.Module, config: ParallelConfig) -> list[list[str]]:
 
 
 # ---- stages ----------------------------------------------------------------------------------
-class PipelineStageModule(nn.Module):
-    """One pipeline stage of a Llama ``Transformer``: references to its blocks (and the embedding /
-    final norm + head for the first / last stage), with the ``Transformer``'s attribute names so the
-    parallel plan applies to it unchanged.
-
-    ``forward(x, labels=None)``: token ids (first stage) or hidden states ``(B, T_local, dim)`` in;
-    hidden states out, or for the last stage the summed cross-entropy of ``labels`` (0-dim fp32).
-    """
-
-    def __init__(self, model: nn.Module, block_names: list[str], first: bool, last: bool) -> None:
-        super().__init__()
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({name: model.layers[name] for name in block_names})
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-        self.is_first, self.is_last = first, last
-        self._owner = [model]  # a list: not registered as a submodule (the model holds this stage)
-        self.seq_len = 0  # the full sequence length of the running batch (set by the pipeline)
-
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T_local, dim)
-        rope = self._owner[0].rope[: self.seq_len]
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if self.output is None:
-            return h
-        assert labels is not None, "the last stage computes the loss: it needs the labels"
-        return self.output(self.norm(h), labels=labels)  # 0-dim fp32: the summed cross-entropy
-
-
-def stage_plan(stage: PipelineStageModule, plan: ParallelPlan) -> ParallelPlan:
+def stage_plan(stage: nn.Module, plan: ParallelPlan) -> ParallelPlan:
     """``plan`` without the entries naming modules this stage does not hold (embedding, norm, head)."""
 
     def held(name: str) -> bool:
@@ -167,18 +129,6 @@ def stage_plan(stage: PipelineStageModule, plan: ParallelPlan) -> ParallelPlan:
         input_units=tuple(n for n in plan.input_units if held(n)),
         output_unit=tuple(n for n in plan.output_unit if held(n)),
     )
-
-
-def check_pipeline_model(model: nn.Module) -> None:
-    """Pipeline parallelism splits a Llama ``Transformer`` (by its ``layers``); refuse anything else early."""
-    from lightning_2d.model import Transformer
-
-    if not isinstance(model, Transformer):
-        raise ParallelConfigError([
-            f"pipeline_parallel_size > 1 splits lightning_2d.model.Transformer into stages by its blocks; the"
-            f" model to parallelize is {type(model).__name__}. Use LlamaLightningModule (or a Transformer), or"
-            " pipeline_parallel_size=1"
-        ])
 
 
 class _ReduceEveryMicroBatch(nn.Module):
@@ -205,7 +155,7 @@ class Pipeline:
     """This rank's stages and the schedules that run them (one per batch shape and mode).
 
     Args:
-        stages: This rank's ``PipelineStageModule`` s, in stage order.
+        stages: This rank's stage modules (``PipelineStages.stage``), in stage order.
         stage_indices: Their indices in the pipeline.
         mesh: The device mesh (``pipeline_parallel``, …, ``data_parallel``, ``tensor_parallel``).
         config: The options (schedule, micro-batches, sequence parallelism, ``param_dtype``: the
@@ -215,7 +165,7 @@ class Pipeline:
 
     def __init__(
         self,
-        stages: list[PipelineStageModule],
+        stages: list[nn.Module],
         stage_indices: list[int],
         mesh: "DeviceMesh",
         config: ParallelConfig,
@@ -420,31 +370,32 @@ def parallelize_pipeline(
     """Split ``model`` (meta device) into this rank's stages, parallelize each, and make calling it run them.
 
     Args:
-        model: A Llama ``Transformer``, not yet parallelized.
+        model: The model, not yet parallelized, of a family whose plan has ``pipeline_stages``.
         mesh: The mesh with a ``pipeline_parallel`` dimension.
-        plan: The model's plan (names relative to the ``Transformer``).
+        plan: The model's plan (names relative to the model).
         config: The options.
         parallelize_stage: ``(stage, stage_plan) ->`` TP/SP, AC, compile and FSDP2 on one stage.
     """
-    check_pipeline_model(model)
+    family = plan.pipeline_stages
+    if family is None:
+        raise ParallelConfigError([
+            f"pipeline_parallel_size > 1 needs a model the library can split into stages; the plan of"
+            f" {type(model).__name__} has no pipeline_stages (e.g. a Hugging Face decoder). Use LlamaLightningModule"
+            " (or a lightning_2d Transformer), or pipeline_parallel_size=1"
+        ])
+    family.check(model)
     pp_mesh = mesh[PP_DIM]
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
-    split = pipeline_split(model, config)
+    split = pipeline_split(model, config, family)
     indices = stages_of_rank(pp_rank, pp_size, config.stages_per_rank)
     num_stages = len(split)
     mine = {name for i in indices for name in split[i]}
-    for name in list(model.layers.keys()):
-        if name not in mine:
-            del model.layers[name]
-    stages = [PipelineStageModule(model, split[i], first=i == 0, last=i == num_stages - 1) for i in indices]
-    if 0 not in indices:
-        model.tok_embeddings = None
-    if num_stages - 1 not in indices:
-        model.norm = None
-        model.output = None
+    dim = family.hidden_size(model)
+    stages = [family.stage(model, split[i], first=i == 0, last=i == num_stages - 1) for i in indices]
+    family.prune(model, mine, first=0 in indices, last=num_stages - 1 in indices)
     for stage in stages:
         parallelize_stage(stage, stage_plan(stage, plan))
-    pipeline = Pipeline(stages, indices, mesh, config, dim=model.args.dim)
+    pipeline = Pipeline(stages, indices, mesh, config, dim=dim)
     # The stages are not submodules of the model (their modules are): the model's parameters,
     # state_dict and checkpoints keep the single-device names.
     base = type(model)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lightning_2d.model import ModelArgs, Transformer  # noqa: E402
+from lightning_2d.models.llama.model import ModelArgs, Transformer  # noqa: E402
 
 
 # ---- the exporter before streaming (lightning_2d/hf.py before the change), for the side by side ----

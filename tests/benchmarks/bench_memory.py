@@ -93,7 +93,7 @@ def worker(config_path: str) -> None:
 
 
 def run_variant(name: str, module: dict, strategy: dict, steps: int, code: Path, root: Path) -> dict:
-    from lightning_2d.launch import launch_processes
+    from lightning_2d.tools.launch import launch_processes
 
     out_dir = root / re.sub(r"\W+", "_", name)
     out_dir.mkdir(parents=True)

@@ -40,9 +40,9 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from lightning_2d.model import ModelArgs, Transformer
+    from lightning_2d.models.llama.model import ModelArgs, Transformer
     from lightning_2d.parallel import ParallelConfig, ParallelDims, materialize_model, parallelize_model, pipeline_of
-    from lightning_2d.parallel.plans import llama_plan
+    from lightning_2d.models.llama.plan import llama_plan
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -76,7 +76,7 @@ def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
 
 
 def measure(stages: int, schedule: str, microbatches: int, steps: int) -> dict[str, float]:
-    from lightning_2d.launch import launch_processes
+    from lightning_2d.tools.launch import launch_processes
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)

@@ -20,7 +20,7 @@ import sys
 import time
 
 from lightning_2d.parallel.config import ParallelConfig
-from lightning_2d.planner import GIB, plan_run
+from lightning_2d.tools.planner import GIB, plan_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)

@@ -1,7 +1,7 @@
 """Launch real multi-process jobs (CPU, gloo) for the distributed tests.
 
 Each rank is a plain ``python worker.py SCENARIO CONFIG`` process started by
-``lightning_2d.launch.launch_processes`` with the environment a cluster launcher would set
+``lightning_2d.tools.launch.launch_processes`` with the environment a cluster launcher would set
 (``RANK``/``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*``), so Lightning sees processes
 created externally. Launching ourselves instead of through ``torchrun`` lets a test simulate several
 nodes and keeps start-up light; the launcher kills the whole job when one rank fails or time runs
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from lightning_2d.launch import JobResult, free_port, launch_processes
+from lightning_2d.tools.launch import JobResult, free_port, launch_processes
 
 __all__ = ["REPO", "WORKER", "JobResult", "free_port", "launch"]
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lightning_2d.launch import launch_processes
+from lightning_2d.tools.launch import launch_processes
 from tests.distributed.launcher import REPO
 
 pytestmark = pytest.mark.distributed
@@ -57,7 +57,7 @@ def test_compare_spawns_each_variant_and_reports_ratios(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_2d.benchmark", *TINY, "--json", str(out)],
+        [sys.executable, "-m", "lightning_2d.tools.benchmark", *TINY, "--json", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -69,7 +69,7 @@ def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
     # As under torchrun: the four ranks already exist, each runs the three variants one after the other.
     out = tmp_path / "report.json"
     job = launch_processes(
-        [sys.executable, "-m", "lightning_2d.benchmark", *TINY, "--json", str(out)],
+        [sys.executable, "-m", "lightning_2d.tools.benchmark", *TINY, "--json", str(out)],
         tmp_path / "job", nprocs=4, timeout=600, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
     )
     assert job.ok, job.describe()

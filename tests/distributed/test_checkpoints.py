@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from lightning_2d.checkpoint import is_complete
-from lightning_2d.data import stdlib_sources
+from lightning_2d.checkpoint.files import is_complete
+from lightning_2d.data.text import stdlib_sources
 from tests.distributed.conftest import load_weights
 
 pytestmark = pytest.mark.distributed

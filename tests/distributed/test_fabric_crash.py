@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_2d.checkpoint import is_complete
-from lightning_2d.data import stdlib_sources
-from lightning_2d.launch import JobResult, launch_processes
+from lightning_2d.checkpoint.files import is_complete
+from lightning_2d.data.text import stdlib_sources
+from lightning_2d.tools.launch import JobResult, launch_processes
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_2d.model import PRESETS, Transformer
+from lightning_2d.models.llama.model import PRESETS, Transformer
 from tests.distributed.conftest import PARITY, load_weights
 from tests.distributed.test_options import CLIP
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error

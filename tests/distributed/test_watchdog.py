@@ -110,7 +110,7 @@ import lightning as L
 import torch
 from lightning_2d import LlamaLightningModule
 from lightning_2d.fabric import ModelParallel2DStrategy
-from lightning_2d.model import Transformer
+from lightning_2d.models.llama.model import Transformer
 
 out = sys.argv[1]
 fabric = L.Fabric(accelerator="cpu", devices=2,
@@ -133,7 +133,7 @@ for step in range(1, 5):
 
 def test_under_fabric_an_uncaught_exception_ends_the_other_ranks(tmp_path):
     """A Fabric script has no Trainer hook: the exception reaches ``sys.excepthook``, which the watchdog wraps."""
-    from lightning_2d.launch import launch_processes
+    from lightning_2d.tools.launch import launch_processes
 
     script = tmp_path / "fabric_fail.py"
     script.write_text(FABRIC_SCRIPT)

@@ -239,7 +239,7 @@ def fit(cfg: dict) -> None:
         from lightning_2d.hf import HFCausalLMModule
 
         if cfg.get("without_builtin_init"):  # as before #10: no init route for RMSNorm and rotary buffers
-            import lightning_2d.parallel.plans as plans
+            import lightning_2d.models.registry as plans
 
             plans.known_init_hooks = lambda model: None
 
@@ -367,7 +367,7 @@ def text(cfg: dict) -> None:
     (Resuming the data position is tested with the checkpoints, in test_checkpoints.py.)
     """
     from lightning_2d import TextDataModule
-    from lightning_2d.callbacks import ThroughputMonitor
+    from lightning_2d.lightning.callbacks import ThroughputMonitor
 
     out_dir = Path(cfg["out_dir"])
     L.seed_everything(7, verbose=False)
@@ -517,7 +517,7 @@ def fabric_loop(cfg: dict) -> None:
     elif cfg.get("custom_parallelize_fn"):
         # Fabric's own hook, written by hand as a user would: the library's steps, full AC.
         from lightning_2d.parallel import ParallelConfig, parallelize_model
-        from lightning_2d.parallel.plans import llama_plan
+        from lightning_2d.models.llama.plan import llama_plan
 
         def parallelize_fn(model, mesh):
             config = ParallelConfig(activation_checkpointing="full").resolve_dtypes("32-true")

@@ -1,6 +1,6 @@
 """The GPU lane's machinery: skipping without CUDA, the text corpus, job launches and the report.
 
-Jobs are launched with ``lightning_2d.launch.launch_processes`` (what ``tests/distributed/launcher.py``
+Jobs are launched with ``lightning_2d.tools.launch.launch_processes`` (what ``tests/distributed/launcher.py``
 uses: plain processes with the environment a cluster launcher sets, the whole job killed when a rank
 fails or time runs out) running ``tests/gpu/worker.py``. Each job is launched once per
 session and cached, so several tests read one launch. Every test adds the numbers it judged to a
@@ -145,7 +145,7 @@ class GpuJobs:
     ) -> Runs:
         """Launch job ``name`` (or return its cached result); fails the calling test if any rank failed."""
         if name not in self._cache:
-            from lightning_2d.launch import launch_processes
+            from lightning_2d.tools.launch import launch_processes
 
             started = time.perf_counter()
             out_dir = self.root / name
@@ -177,7 +177,7 @@ class GpuJobs:
 
 def write_corpus(path: Path, max_bytes: int = CORPUS_BYTES) -> Path:
     """Concatenate standard-library sources (UTF-8, non-empty) into one text file of about ``max_bytes``."""
-    from lightning_2d.data import stdlib_sources
+    from lightning_2d.data.text import stdlib_sources
 
     pieces, size = [], 0
     for source in stdlib_sources():

@@ -1,5 +1,5 @@
 """One rank of a GPU-lane job: ``python tests/gpu/worker.py runs CONFIG_JSON`` (started by
-``tests/gpu/conftest.py`` through ``lightning_2d.launch.launch_processes``, which sets
+``tests/gpu/conftest.py`` through ``lightning_2d.tools.launch.launch_processes``, which sets
 RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*).
 
 A job runs several fits one after another in the same processes (``cfg["runs"]``), so process
@@ -40,7 +40,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_2d import LlamaLightningModule, ModelArgs, ModelParallel2DStrategy, TextDataModule  # noqa: E402
-from lightning_2d.callbacks import ThroughputMonitor  # noqa: E402
+from lightning_2d.lightning.callbacks import ThroughputMonitor  # noqa: E402
 from lightning_2d.parallel.grad_norm import total_grad_norm  # noqa: E402
 from tests.gpu.lane import PARENT_PID_ENV, dense_bf16_peak_tflops  # noqa: E402
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfig
-from lightning_2d import benchmark as bench
-from lightning_2d.launch import launch_processes
-from lightning_2d.model import ModelArgs
+from lightning_2d.tools import benchmark as bench
+from lightning_2d.tools.launch import launch_processes
+from lightning_2d.models.llama.model import ModelArgs
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -184,7 +184,7 @@ def test_main_reports_bad_settings_before_starting_processes(monkeypatch, capsys
 
 
 def test_lightning_2d_command_dispatches_benchmark_and_help_mentions_it(monkeypatch, capsys):
-    from lightning_2d import cli
+    from lightning_2d.tools import cli
 
     monkeypatch.setattr(sys, "argv", ["lightning-2d", "benchmark", "--accelerator", "cpu", "--steps", "0"])
     with pytest.raises(SystemExit) as exit_:
@@ -353,13 +353,13 @@ def test_launcher_refuses_uneven_nodes(tmp_path):
 
 
 def test_a_failed_rank_stops_the_benchmark_with_its_log(monkeypatch, tmp_path):
-    import lightning_2d.launch
+    import lightning_2d.tools.launch
 
     def failed_job(argv, out_dir, nprocs, num_nodes, timeout, env):
-        assert argv[1:5] == ["-m", "lightning_2d.benchmark", "--worker", "plain"] and nprocs == 4
+        assert argv[1:5] == ["-m", "lightning_2d.tools.benchmark", "--worker", "plain"] and nprocs == 4
         logs = ["", "Traceback ...\nRuntimeError: boom", "", ""]
-        return lightning_2d.launch.JobResult([-9, 1, -9, -9], logs, out_dir)
+        return lightning_2d.tools.launch.JobResult([-9, 1, -9, -9], logs, out_dir)
 
-    monkeypatch.setattr(lightning_2d.launch, "launch_processes", failed_job)
+    monkeypatch.setattr(lightning_2d.tools.launch, "launch_processes", failed_job)
     with pytest.raises(bench.BenchmarkJobError, match=r"(?s)variant 'plain': rank 1 failed.*RuntimeError: boom"):
         bench.run_job("plain", settings("--compare"), tmp_path / "settings.json", tmp_path)

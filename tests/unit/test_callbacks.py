@@ -22,9 +22,9 @@ from lightning_2d import (
     ModelParallel2DStrategy,
     TextDataModule,
     ThroughputMonitor,
-    callbacks,
 )
-from lightning_2d.callbacks import (
+from lightning_2d.lightning import callbacks
+from lightning_2d.lightning.callbacks import (
     ThroughputMeter,
     compute_dtype_of,
     fp32_matmuls_use_tf32,
@@ -33,7 +33,7 @@ from lightning_2d.callbacks import (
     reset_peak_memory,
     synchronize,
 )
-from lightning_2d.data import stdlib_sources
+from lightning_2d.data.text import stdlib_sources
 from lightning_2d.fabric import ModelParallel2DStrategy as FabricModelParallel2DStrategy
 
 CUDA = torch.device("cuda", 0)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_2d.checkpoint import (
+from lightning_2d.checkpoint.files import (
     checkpoint_step,
     checkpoints_in,
     incomplete_checkpoints,
@@ -257,7 +257,7 @@ def test_no_checkpoint_at_all(tmp_path):
 def test_an_explicit_checkpoint_loads_exactly_or_fails_naming_it(tmp_path):
     """Only "last" may stand in for another checkpoint: a mistyped or interrupted explicit path is an
     error naming it and the newest complete alternative, never a silent resume from another step."""
-    from lightning_2d.checkpoint import CheckpointError
+    from lightning_2d.checkpoint.files import CheckpointError
 
     good = sharded(tmp_path, "step-000002")
     broken = sharded(tmp_path, "step-000003", complete=False)
@@ -270,7 +270,7 @@ def test_an_explicit_checkpoint_loads_exactly_or_fails_naming_it(tmp_path):
 
 
 def test_a_damaged_checkpoint_is_named_with_its_file_and_skipped_only_for_last(tmp_path):
-    from lightning_2d.checkpoint import CheckpointError, damage
+    from lightning_2d.checkpoint.files import CheckpointError, damage
 
     older = sharded(tmp_path, "step-000002")
     newer = sharded(tmp_path, "step-000004")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_2d.model import ModelArgs, Transformer, VocabProjection
+from lightning_2d.models.llama.model import ModelArgs, Transformer, VocabProjection
 from lightning_2d.parallel import float8 as f8
 
 requires_torchao = pytest.mark.skipif(
@@ -201,7 +201,8 @@ def test_emulated_float8_trains_close_to_fp32(recipe):
 def test_float8_plan_swaps_styles_only_where_the_modules_are_float8():
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from lightning_2d.parallel.tensor_parallel import VocabParallelHead, llama_tensor_parallel_plan
+    from lightning_2d.models.llama.plan import llama_tensor_parallel_plan
+    from lightning_2d.parallel.styles import VocabParallelHead
 
     colwise, rowwise, prepare_input = f8.float8_tensor_parallel_styles()
     model = _meta_llama(hidden_dim=360)  # the feed-forward stays in high precision
@@ -242,7 +243,7 @@ def test_float8_plan_swaps_styles_only_where_the_modules_are_float8():
 
 @requires_torchao
 def test_rowwise_float8_keeps_the_plain_plan():
-    from lightning_2d.parallel.tensor_parallel import llama_tensor_parallel_plan
+    from lightning_2d.models.llama.plan import llama_tensor_parallel_plan
 
     model = _meta_llama()
     f8.convert_to_float8(model, emulate=True, recipe="rowwise")  # torchao's TP styles assume tensorwise scales
@@ -274,7 +275,7 @@ def test_float8_tp_fsdp_pipeline_on_one_rank(gloo_world, all_gather):
     from lightning_2d.parallel.dims import DP_DIM, TP_DIM, ParallelDims, build_device_mesh
     from lightning_2d.parallel.fsdp import apply_fully_shard
     from lightning_2d.parallel.materialize import materialize_model
-    from lightning_2d.parallel.plans import llama_plan
+    from lightning_2d.models.llama.plan import llama_plan
     from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
     _, _, prepare_input = f8.float8_tensor_parallel_styles()

@@ -69,7 +69,7 @@ def test_the_policy_is_checked_at_construction():
 def test_off_checks_nothing_per_step(monkeypatch):
     """``non_finite="off"`` (benchmarks): no gradient read and no all-gather per step, a NaN gradient goes through
     to the optimizer as in plain Lightning."""
-    import lightning_2d.parallel.strategy_base as base
+    import lightning_2d.lightning.strategy_base as base
 
     monkeypatch.setattr(base, "guard_step", lambda *a, **k: pytest.fail("guard_step called under non_finite='off'"))
     strategy = ModelParallel2DStrategy(non_finite="off")
@@ -107,7 +107,7 @@ def _fit(module, tmp_path, ckpt_path=None, save_to=None):
 
 def test_resuming_into_another_model_size_is_refused_quoting_both_shapes(tmp_path):
     from lightning_2d import LlamaLightningModule
-    from lightning_2d.checkpoint import CheckpointError
+    from lightning_2d.checkpoint.files import CheckpointError
 
     saved = tmp_path / "two_layers.ckpt"
     _fit(LlamaLightningModule("debug", model_overrides={"n_layers": 2}, warmup_steps=1, max_steps=2), tmp_path,

@@ -89,7 +89,7 @@ def previous_export(checkpoint, out_dir, dtype=None, max_shard_bytes=5 * 2**30):
     """The exporter before streaming (every tensor collected, then written), as the reference output."""
     from safetensors.torch import save_file
 
-    from lightning_2d.hf import hf_config, hf_name, meta_to_hf, rotary_heads
+    from lightning_2d.checkpoint.hf import hf_config, hf_name, meta_to_hf, rotary_heads
 
     if checkpoint.is_dir():
         import torch.distributed.checkpoint as dcp
@@ -196,7 +196,7 @@ def test_export_holds_one_output_file_at_a_time(trained, tmp_path, monkeypatch, 
 
     import safetensors.torch
 
-    import lightning_2d.hf as hf
+    import lightning_2d.checkpoint.hf as hf
 
     alive: set[str] = set()
     events: list[tuple[str, Any]] = []
@@ -342,7 +342,7 @@ def test_a_trusted_type_can_be_allowed_by_name(trained, tmp_path):
 
 # ---- the CLI ------------------------------------------------------------------------------------
 def test_cli_reports_a_missing_model_without_a_traceback(without_args, tmp_path, capsys):
-    from lightning_2d.hf import main
+    from lightning_2d.tools.export import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(without_args), str(tmp_path / "out")])

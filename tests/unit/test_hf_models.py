@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 from lightning_2d.hf import HFCausalLMModule, HFDecoderInit, SafetensorsWeights, check_hf_decoder, hf_decoder_plan  # noqa: E402
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan, validate_parallel_dims  # noqa: E402
 from lightning_2d.parallel.materialize import MaterializationError, materialize_model  # noqa: E402
-from lightning_2d.parallel.plans import known_init_hooks, known_plan  # noqa: E402
-from lightning_2d.parallel.tensor_parallel import SequenceShardInput, is_sequence_parallel_style  # noqa: E402
+from lightning_2d.models.registry import known_init_hooks, known_plan  # noqa: E402
+from lightning_2d.parallel.styles import SequenceShardInput, is_sequence_parallel_style  # noqa: E402
 
 CPU = torch.device("cpu")
 LLAMA = {
@@ -60,7 +60,7 @@ def test_the_plan_applies_to_every_named_module_of_the_family(model_type):
     """In a fake 2×2 world: every plan entry resolves to a module (torch only warns on a typo), the
     projections become DTensors over both mesh dims, and nothing is left on the meta device unplanned."""
     from lightning_2d.parallel import ParallelDims, parallelize_model
-    from lightning_2d.planner import fake_world
+    from lightning_2d.tools.planner import fake_world
 
     model = meta_model(model_type=model_type)
     config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2).resolve_dtypes("32-true")
@@ -125,7 +125,7 @@ def test_sequence_parallel_on_a_plan_without_its_styles_warns_that_it_does_nothi
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_2d.parallel import ParallelDims, parallelize_model
-    from lightning_2d.planner import fake_world
+    from lightning_2d.tools.planner import fake_world
 
     class MLPs(nn.Module):
         def __init__(self) -> None:
@@ -231,7 +231,7 @@ def test_a_trained_hf_module_exports_to_a_directory_transformers_loads(tmp_path)
 def test_float8_converts_the_projections_and_keeps_the_head_in_high_precision():
     pytest.importorskip("torchao")
     from lightning_2d.parallel import ParallelDims, parallelize_model
-    from lightning_2d.planner import fake_world
+    from lightning_2d.tools.planner import fake_world
 
     model = meta_model()
     config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=False,

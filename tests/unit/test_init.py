@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lightning_2d.init as init_module
-from lightning_2d.init import InitSpec, fill_block_
+import lightning_2d.ops.init as init_module
+from lightning_2d.ops.init import InitSpec, fill_block_
 
 SPECS = [InitSpec("normal", std=0.5), InitSpec("trunc_normal", std=0.02), InitSpec("constant", value=1.0)]
 

@@ -16,8 +16,8 @@ import lightning as L
 import pytest
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfigError, ParallelPlan, TextDataModule
-from lightning_2d.checkpoint import CheckpointError, resolve_checkpoint
-from lightning_2d.data import DataError
+from lightning_2d.checkpoint.files import CheckpointError, resolve_checkpoint
+from lightning_2d.data.text import DataError
 
 
 def trainer(**strategy) -> L.Trainer:
@@ -45,7 +45,7 @@ def plan_with_sp_styles() -> ParallelPlan:
 
 
 def export_of(tmp_path: Path) -> None:
-    from lightning_2d.hf import main
+    from lightning_2d.tools.export import main
 
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     main([str(tmp_path / "notes.txt"), str(tmp_path / "out")])

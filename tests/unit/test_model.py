@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_2d.model as model_module
-from lightning_2d.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, rope_table
+import lightning_2d.models.llama.model as model_module
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer, apply_rotary_emb, rope_table
 
 # Published SwiGLU hidden sizes and parameter counts (Meta's model cards / reference code).
 PUBLISHED = {

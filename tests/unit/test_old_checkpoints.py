@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_2d.hf import export_hf, hf_name, to_hf_tensor
-from lightning_2d.model import ModelArgs
+from lightning_2d.checkpoint.hf import export_hf, hf_name, to_hf_tensor
+from lightning_2d.models.llama.model import ModelArgs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints_v0_1"
 

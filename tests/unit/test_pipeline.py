@@ -8,19 +8,18 @@ import itertools
 import pytest
 import torch
 
-from lightning_2d.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import PP_DIM, ParallelDims, validate_parallel_dims
+from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES, PipelineStageModule, block_costs_of
 from lightning_2d.parallel.pipeline import (
     Pipeline,
-    PipelineStageModule,
     balanced_split,
-    block_costs_of,
     pipeline_split,
     stage_plan,
     stages_of_rank,
 )
-from lightning_2d.parallel.plans import llama_plan
+from lightning_2d.models.llama.plan import llama_plan
 
 
 def brute_force_best(costs: list[float], stages: int, last_extra: float, first_extra: float) -> float:
@@ -61,7 +60,7 @@ def test_llama3_405b_splits_into_8_stages_with_a_lighter_last_one():
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_name("llama3-405b"))
     config = ParallelConfig(pipeline_parallel_size=8)
-    sizes = [len(stage) for stage in pipeline_split(model, config)]
+    sizes = [len(stage) for stage in pipeline_split(model, config, LLAMA_PIPELINE_STAGES)]
     assert sum(sizes) == 126 and len(sizes) == 8
     # The output head (16384 × 128256 ≈ 0.65 of a block) goes with the last stage: it gets fewer blocks.
     assert sizes[-1] < max(sizes) and max(sizes) - min(sizes) <= 1
@@ -72,10 +71,12 @@ def test_llama3_405b_splits_into_8_stages_with_a_lighter_last_one():
 def test_given_block_counts_are_used_and_must_add_up():
     with torch.device("meta"):
         model = Transformer(PRESETS["debug"])
-    split = pipeline_split(model, ParallelConfig(pipeline_parallel_size=2, pipeline_layers_per_stage=[3, 1]))
+    split = pipeline_split(model, ParallelConfig(pipeline_parallel_size=2, pipeline_layers_per_stage=[3, 1]), LLAMA_PIPELINE_STAGES)
     assert split == [["0", "1", "2"], ["3"]]
     with pytest.raises(ParallelConfigError, match=r"adds up to 5 blocks but the model has 4"):
-        pipeline_split(model, ParallelConfig(pipeline_parallel_size=2, pipeline_layers_per_stage=[4, 1]))
+        pipeline_split(
+            model, ParallelConfig(pipeline_parallel_size=2, pipeline_layers_per_stage=[4, 1]), LLAMA_PIPELINE_STAGES
+        )
 
 
 def test_stages_are_placed_in_a_loop_over_the_pipeline_ranks():

@@ -8,10 +8,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from lightning_2d import LlamaLightningModule, ModelArgs, ParallelConfig, ParallelPlan, Transformer
-from lightning_2d.parallel import llama_tensor_parallel_plan
+from lightning_2d.models.llama.plan import llama_tensor_parallel_plan
 from lightning_2d.parallel.activation_checkpoint import uses_randomness
 from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
-from lightning_2d.parallel.tensor_parallel import VocabParallelHead
+from lightning_2d.parallel.styles import VocabParallelHead
 
 
 def test_sequence_parallel_plan_matches_the_reference_layouts():
@@ -105,7 +105,7 @@ def test_parallel_dims_build_the_named_mesh_with_a_flattened_data_parallel_dim(m
     from lightning_2d.parallel.dims import MESH_DIMS, ParallelDims, fsdp_mesh_of
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    from lightning_2d.launch import free_port
+    from lightning_2d.tools.launch import free_port
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)

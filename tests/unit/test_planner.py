@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_2d import planner
-from lightning_2d.model import ModelArgs, Transformer
+from lightning_2d.tools import planner
+from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_2d.parallel.plans import llama_plan
-from lightning_2d.planner import ActivationModel, FSDPUnit, gathered_peak, plan_run
+from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.tools.planner import ActivationModel, FSDPUnit, gathered_peak, plan_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -240,11 +240,11 @@ MEASURE = textwrap.dedent(
     """
     import gc, json, sys
     import torch
-    from lightning_2d.callbacks import peak_memory_gib, reset_peak_memory
-    from lightning_2d.model import ModelArgs, Transformer
+    from lightning_2d.lightning.callbacks import peak_memory_gib, reset_peak_memory
+    from lightning_2d.models.llama.model import ModelArgs, Transformer
     from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
     from lightning_2d.parallel.config import ParallelConfig
-    from lightning_2d.parallel.plans import llama_plan
+    from lightning_2d.models.llama.plan import llama_plan
 
     spec = json.loads(sys.argv[1])
     torch.manual_seed(0)
@@ -329,7 +329,7 @@ def test_planner_arguments_are_checked_with_the_layout():
 
 def test_cli_prints_the_problems_without_a_traceback_and_fails():
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_2d.cli", "plan", "--model", "llama3-8b", "--num-nodes", "1", "--devices",
+        [sys.executable, "-m", "lightning_2d.tools.cli", "plan", "--model", "llama3-8b", "--num-nodes", "1", "--devices",
          "8", "--tensor-parallel-size", "3"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )

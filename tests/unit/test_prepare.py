@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_2d import data as data_module
-from lightning_2d.data import (
+from lightning_2d.data import text as data_module
+from lightning_2d.data.text import (
     DataError,
     PieceTokenizer,
     TextDataModule,
@@ -29,9 +29,9 @@ from lightning_2d.data import (
     prepare_token_cache,
     resolve_sources,
 )
-from lightning_2d.prepare import main as prepare_main
-from lightning_2d.prepare import parse_args
-from lightning_2d.tokenizers import ByteTokenizer, load_tokenizer
+from lightning_2d.tools.prepare import main as prepare_main
+from lightning_2d.tools.prepare import parse_args
+from lightning_2d.data.tokenizers import ByteTokenizer, load_tokenizer
 
 # Lines of very different lengths, multi-byte characters, and a line longer than the chunk sizes
 # used below with no newline (cut at a character boundary).
@@ -389,7 +389,7 @@ def test_every_shipped_recipe_can_be_prepared(recipe, tmp_path, monkeypatch):
 
 
 def test_lightning_2d_prepare_data_is_the_console_command(corpus, tmp_path, monkeypatch, capsys):
-    from lightning_2d.cli import main as cli_main
+    from lightning_2d.tools.cli import main as cli_main
 
     folder, documents = corpus
     monkeypatch.setattr(sys, "argv", ["lightning-2d", "prepare-data", f"--data.paths={folder}",

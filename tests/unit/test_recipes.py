@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from lightning_2d import LlamaLightningModule, ParallelConfig
-from lightning_2d.cli import cli_main
+from lightning_2d.tools.cli import cli_main
 from lightning_2d.parallel import validate_parallel_dims
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))

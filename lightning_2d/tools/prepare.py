@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
-from lightning_2d.data import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
+from lightning_2d.data.text import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
 
 DESCRIPTION = (
     "Tokenize the corpus of a recipe's `data` section (TextDataModule) into the token cache that training"
@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
     """
     from lightning.pytorch.cli import LightningArgumentParser
 
-    from lightning_2d.cli import MODEL_AND_DATA, Lightning2DCLI
+    from lightning_2d.tools.cli import MODEL_AND_DATA, Lightning2DCLI
 
     class DataOnlyCLI(Lightning2DCLI):
         """``lightning-2d fit``'s parser (no subcommand); instantiates the data module only."""

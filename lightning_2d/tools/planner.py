@@ -92,7 +92,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_2d.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
     ParallelConfig,
@@ -124,7 +124,7 @@ class ActivationModel:
 
     Every term is a tensor the real forward saves for backward (or allocates while it runs),
     counted once per storage, in the shapes one tensor-parallel rank sees. Derived from
-    ``lightning_2d.model`` op by op and checked against ``torch.autograd.graph.saved_tensors_hooks``
+    ``lightning_2d.models.llama.model`` op by op and checked against ``torch.autograd.graph.saved_tensors_hooks``
     and a live-tensor tracker on CPU (``tests/unit/test_planner.py``). It is also the building block of a
     pipeline stage's estimate (``pipeline_activation_estimate``): ``n_layers`` the stage's blocks,
     ``has_embedding`` / ``has_head`` whether it holds the embedding / the final norm, head and loss.
@@ -149,7 +149,7 @@ class ActivationModel:
     what is already kept).
 
     The head computes the fused loss in forward, a chunk of ``loss_chunk_size`` tokens at a time
-    (``lightning_2d.linear_cross_entropy``): it keeps the hidden states' gradient (``a·N·D``) and
+    (``lightning_2d.ops.linear_cross_entropy``): it keeps the hidden states' gradient (``a·N·D``) and
     an fp32 accumulator of the head's gradient (``4·V·D``, ``V`` = vocabulary / tp) for backward,
     and allocates per chunk fp32 logits, their low-precision copy and, in bf16, the chunk's
     weight-gradient product. Logits of the whole sequence never exist.
@@ -847,7 +847,7 @@ def _validate(
     seq_len: int,
 ) -> ParallelDims:
     """``validate_parallel_dims`` for the target (CUDA) world, merged with the planner's own problems."""
-    from lightning_2d.parallel.plans import llama_plan
+    from lightning_2d.models.llama.plan import llama_plan
 
     if num_nodes < 1 or devices < 1:
         problems.append(f"num_nodes ({num_nodes}) and devices ({devices}) must be positive integers")
@@ -1247,7 +1247,7 @@ def _shard(
         loss_chunk_size: The fused loss's chunk.
         rank: The global rank to play (under a pipeline: its stages, the model pruned to them).
     """
-    from lightning_2d.parallel.plans import llama_plan
+    from lightning_2d.models.llama.plan import llama_plan
 
     plan = llama_plan(args, config)
     with fake_world(dims.world_size, rank), warnings.catch_warnings():
@@ -1560,7 +1560,7 @@ def _pipeline_table(pipeline: list[dict[str, Any]], worst: dict[str, Any]) -> li
 def add_parallel_config_options(parser: argparse.ArgumentParser) -> None:
     """One flag per ``ParallelConfig`` field, as ``lightning-2d benchmark`` generates them (help from the
     field docs; unset flags keep ``ParallelConfig``'s defaults)."""
-    from lightning_2d.benchmark import add_strategy_options
+    from lightning_2d.tools.benchmark import add_strategy_options
 
     add_strategy_options(parser, defaults={}, description="ModelParallel2DStrategy / ParallelConfig options")
 
@@ -1613,7 +1613,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``lightning-2d plan`` / ``python -m lightning_2d.planner``."""
+    """``lightning-2d plan`` / ``python -m lightning_2d.tools.planner``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in fields(ParallelConfig) if getattr(args, f.name) is not None}

@@ -2,7 +2,7 @@
 
     lightning-2d benchmark                          # reference shape, (dp, tp) = (2, 2) on 4 CPU processes
     lightning-2d benchmark --compare --json out.json
-    python -m lightning_2d.benchmark --compare --accelerator gpu --devices 8 --tensor-parallel-size 8 \\
+    python -m lightning_2d.tools.benchmark --compare --accelerator gpu --devices 8 --tensor-parallel-size 8 \\
         --precision bf16-mixed --model llama3-8b --n-layers 4 --seq-len 4096 --global-batch-size 8
 
 Variants (``--compare`` runs all three, alternating ``a, b, c, a, b, c, ...`` for ``--rounds``):
@@ -25,7 +25,7 @@ losses agree. A step's time is the wall time between the ends of consecutive opt
 of every run are dropped and the median is taken over the remaining steps of all rounds.
 
 Each variant of each round is a fresh set of ``--devices × --num-nodes`` local processes
-(``lightning_2d.launch``), so peak memory is per run. Started under torchrun/SLURM (``RANK`` and
+(``lightning_2d.tools.launch``), so peak memory is per run. Started under torchrun/SLURM (``RANK`` and
 ``WORLD_SIZE`` set), the benchmark instead runs every variant in place, one after the other, in
 the processes it was started in.
 """
@@ -52,8 +52,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.callbacks import peak_memory_gib, peak_tflops, reset_peak_memory, synchronize
-from lightning_2d.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.lightning.callbacks import peak_memory_gib, peak_tflops, reset_peak_memory, synchronize
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.parallel.config import (
     PRECISION_TO_DTYPES,
     SUPPORTED_PRECISIONS,
@@ -288,14 +288,14 @@ def _model_args(args: argparse.Namespace, problems: list[str]) -> Optional[Model
 
 
 def _strategy_accepts() -> set[str]:
-    from lightning_2d.strategy import ModelParallel2DStrategy
+    from lightning_2d.lightning.trainer_strategy import ModelParallel2DStrategy
 
     return set(inspect.signature(ModelParallel2DStrategy).parameters)
 
 
 def _validate_layout(config: ParallelConfig, args: argparse.Namespace, model_args: Optional[ModelArgs]) -> ParallelDims:
+    from lightning_2d.models.llama.plan import llama_plan
     from lightning_2d.parallel.dims import validate_parallel_dims
-    from lightning_2d.parallel.plans import llama_plan
 
     return validate_parallel_dims(
         config,
@@ -483,7 +483,7 @@ class StepClock:
 
 def adamw_defaults() -> dict[str, Any]:
     """``LlamaLightningModule``'s optimizer hyper-parameters (its constructor defaults): one source of truth."""
-    from lightning_2d.module import LlamaLightningModule
+    from lightning_2d.lightning.module import LlamaLightningModule
 
     parameters = inspect.signature(LlamaLightningModule.__init__).parameters
     names = ("learning_rate", "weight_decay", "betas", "eps", "fused", "warmup_steps", "min_lr_ratio")
@@ -499,7 +499,7 @@ def build_adamw(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its schedule for the hand-written variants, following ``LlamaLightningModule.configure_optimizers``:
     weight decay on matrices only, fused on CUDA and foreach elsewhere, linear warm-up then cosine."""
-    from lightning_2d.module import warmup_cosine_schedule
+    from lightning_2d.lightning.module import warmup_cosine_schedule
 
     hp = adamw_defaults()
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -602,7 +602,7 @@ def build_reference_model(settings: BenchmarkSettings, tp_mesh: "DeviceMesh", dp
 def load_seeded_init(model: Transformer, seed: int) -> None:
     """Overwrite each rank's shards with the values ``Transformer.init_weights(seed)`` gives the full
     model, and recompute the rotary table: every variant then starts from the same weights."""
-    from lightning_2d.init import SeededInit
+    from lightning_2d.ops.init import SeededInit
     from lightning_2d.parallel.materialize import local_block
     from lightning_2d.parallel.modules import canonical_name
 
@@ -675,8 +675,8 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, callbac
 
 def run_lightning_2d(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, torch.dtype]:
     """Variant ``lightning_2d``: Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``."""
-    from lightning_2d.module import LlamaLightningModule
-    from lightning_2d.strategy import ModelParallel2DStrategy
+    from lightning_2d.lightning.module import LlamaLightningModule
+    from lightning_2d.lightning.trainer_strategy import ModelParallel2DStrategy
 
     module = LlamaLightningModule(
         model=settings.model_args,
@@ -820,9 +820,9 @@ def _child_env(settings: BenchmarkSettings) -> dict[str, str]:
 
 def run_job(variant: str, settings: BenchmarkSettings, settings_path: Path, job_dir: Path) -> list[dict[str, Any]]:
     """Start ``settings.world_size`` local processes running ``variant``; each rank's result, by rank."""
-    from lightning_2d.launch import launch_processes
+    from lightning_2d.tools.launch import launch_processes
 
-    argv = [sys.executable, "-m", "lightning_2d.benchmark", "--worker", variant,
+    argv = [sys.executable, "-m", "lightning_2d.tools.benchmark", "--worker", variant,
             "--settings", str(settings_path), "--out", str(job_dir)]
     job = launch_processes(
         argv, job_dir, nprocs=settings.world_size, num_nodes=settings.num_nodes, timeout=settings.timeout,
@@ -1050,7 +1050,7 @@ def worker_main(variant: str, settings_path: Path, out_dir: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``lightning-2d benchmark`` / ``python -m lightning_2d.benchmark``."""
+    """``lightning-2d benchmark`` / ``python -m lightning_2d.tools.benchmark``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker is not None:

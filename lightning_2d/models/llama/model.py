@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_2d.init import InitSpec, SeededInit
-from lightning_2d.linear_cross_entropy import check_labels, linear_cross_entropy
+from lightning_2d.ops.init import InitSpec, SeededInit
+from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
 
 
 @dataclass
@@ -276,11 +276,11 @@ class Transformer(nn.Module):
 
     ``model(tokens, labels=labels)`` returns the *summed* next-token cross-entropy over the targets
     that are not ``-100``, computed by the output head a chunk of ``loss_chunk_size`` tokens at a
-    time so the ``(B, T, vocab_size)`` logits never exist (see ``lightning_2d.linear_cross_entropy``).
+    time so the ``(B, T, vocab_size)`` logits never exist (see ``lightning_2d.ops.linear_cross_entropy``).
 
     Build it on the meta device (``with torch.device("meta"): Transformer(args)``) and materialize it
     with ``to_empty(device=...)`` followed by ``init_weights(seed)``, or let the parallel strategy do
-    the materialization shard by shard (same values, see ``lightning_2d.init``).
+    the materialization shard by shard (same values, see ``lightning_2d.ops.init``).
 
     Args:
         args: The shape.

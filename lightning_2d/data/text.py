@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_2d.tokenizers import Tokenizer, load_tokenizer
+from lightning_2d.data.tokenizers import Tokenizer, load_tokenizer
 
 #: Version of the cache layout and of the way text is cut into pieces (part of the cache key).
 CACHE_FORMAT = 2

@@ -5,14 +5,14 @@
     lightning-2d fit --trainer.strategy=model_parallel_2d --trainer.devices=4 --trainer.accelerator=cpu
 
 The model is any ``CausalLMModule``: a recipe's ``model:`` section without ``class_path`` configures
-``LlamaLightningModule``; ``class_path: lightning_2d.hf.HFCausalLMModule`` trains a Hugging Face
+``LlamaLightningModule``; ``class_path: lightning_2d.checkpoint.hf.HFCausalLMModule`` trains a Hugging Face
 decoder (``recipes/hf_llama_cpu.yaml``).
 
 Subcommands: ``fit``, ``validate``, ``test``, ``predict``. A ``ThroughputMonitor`` is always on
 (``--throughput.*`` configures it). The other subcommands (``TOOLS``): ``export CHECKPOINT
-OUT_DIR`` (Hugging Face Llama directory, ``lightning_2d.hf``), ``benchmark [--compare]``
-(``lightning_2d.benchmark``), ``plan`` (dry run on a simulated world, ``lightning_2d.planner``) and
-``prepare-data --config RECIPE`` (tokenize the corpus before training, ``lightning_2d.prepare``).
+OUT_DIR`` (Hugging Face Llama directory, ``lightning_2d.checkpoint.hf``), ``benchmark [--compare]``
+(``lightning_2d.tools.benchmark``), ``plan`` (dry run on a simulated world, ``lightning_2d.tools.planner``) and
+``prepare-data --config RECIPE`` (tokenize the corpus before training, ``lightning_2d.tools.prepare``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-import lightning_2d  # noqa: F401  (registers the "model_parallel_2d" strategy name)
-from lightning_2d.callbacks import ThroughputMonitor
-from lightning_2d.data import TextDataModule
-from lightning_2d.module import CausalLMModule
+import lightning_2d.lightning.trainer_strategy  # noqa: F401  (registers the "model_parallel_2d" strategy name)
+from lightning_2d.data.text import TextDataModule
+from lightning_2d.lightning.callbacks import ThroughputMonitor
+from lightning_2d.lightning.module import CausalLMModule
 
 
 class Lightning2DCLI(LightningCLI):
@@ -86,10 +86,10 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DC
 #: ``lightning-2d NAME ...`` subcommands that are not LightningCLI's: NAME → the module whose
 #: ``main(argv)`` runs it (imported only when used).
 TOOLS = {
-    "export": "lightning_2d.hf",
-    "benchmark": "lightning_2d.benchmark",
-    "plan": "lightning_2d.planner",
-    "prepare-data": "lightning_2d.prepare",
+    "export": "lightning_2d.tools.export",
+    "benchmark": "lightning_2d.tools.benchmark",
+    "plan": "lightning_2d.tools.planner",
+    "prepare-data": "lightning_2d.tools.prepare",
 }
 
 

@@ -6,7 +6,7 @@ layout before any process group exists, builds the N-D mesh (``ParallelDims``: H
 FSDP shards × tensor parallel), then applies ``lightning_2d.parallel.parallelize_model`` (the same
 function the Fabric strategy calls) and materializes the meta-device model shard by shard with
 layout-independent values. What both strategies share lives in
-``lightning_2d.parallel.strategy_base``; launching, the sampler and checkpoint I/O are Lightning's.
+``lightning_2d.lightning.strategy_base``; launching, the sampler and checkpoint I/O are Lightning's.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_2d.checkpoint import remove_path, save_full_checkpoint
+from lightning_2d.checkpoint.files import remove_path, save_full_checkpoint
+from lightning_2d.lightning.strategy_base import FSDP2Precision, ModelParallel2DBase
+from lightning_2d.models import registry
+from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfigError
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.guard import check_finite_weights
-from lightning_2d.parallel.parallelize import parallelize_and_materialize, resolve_plan
-from lightning_2d.parallel.strategy_base import FSDP2Precision, ModelParallel2DBase
+from lightning_2d.parallel.parallelize import parallelize_and_materialize
 
 __all__ = ["FSDP2Precision", "ModelParallel2DStrategy"]
 
@@ -48,7 +50,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     A ``configure_model`` that parallelizes the model itself (as with Lightning's strategy) is
     respected: the strategy then only materializes it.
 
-    The options are documented on ``lightning_2d.parallel.strategy_base.ModelParallel2DBase``
+    The options are documented on ``lightning_2d.lightning.strategy_base.ModelParallel2DBase``
     (``data_parallel_size``, ``tensor_parallel_size``, ``data_parallel_replicate_size``,
     ``sequence_parallel``, ``activation_checkpointing``, ``compile``, ``float8``, checkpoints …).
 
@@ -132,14 +134,16 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        precision = self.precision_plugin.precision
         parallelize_and_materialize(
             self.lightning_module,
             self.device_mesh,
             self.parallel_config,
-            self._plan,
-            self.precision_plugin.precision,
+            resolve_plan(self.lightning_module, self.parallel_config.resolve_dtypes(precision), self._plan),
+            precision,
             self.root_device,
             seed=lambda: self._init_seed(self.lightning_module),
+            known_init_hooks=registry.known_init_hooks,
         )
         self._attach_pipeline(self.lightning_module)
         self.model_to_device()  # metrics and anything else outside the parallelized model

@@ -150,7 +150,7 @@ def stored_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
             for name, meta in metadata.state_dict_metadata.items()
             if name.startswith(prefix) and hasattr(meta, "size")
         }
-    from lightning_2d.hf import load_checkpoint_file  # the weights-only loader with our safe types
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file  # the weights-only loader with our safe types
 
     stored = load_checkpoint_file(path, mmap=True).get(key) or {}
     return {name: tuple(t.shape) for name, t in stored.items() if isinstance(t, torch.Tensor)}

@@ -1,6 +1,6 @@
 """What the Trainer and the Fabric strategies share: options, validation, the mesh, seed, checkpoints.
 
-``lightning_2d.ModelParallel2DStrategy`` (Trainer) and ``lightning_2d.fabric.ModelParallel2DStrategy``
+``lightning_2d.ModelParallel2DStrategy`` (Trainer) and ``lightning_2d.lightning.fabric_strategy.ModelParallel2DStrategy``
 are each Lightning's ``ModelParallelStrategy`` of their world with ``ModelParallel2DBase`` in front
 of it in the MRO. The base owns everything that is not specific to one world:
 
@@ -26,14 +26,14 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_2d.checkpoint import (
+from lightning_2d.checkpoint.files import (
     CheckpointError,
     ShardedCheckpointWriter,
     layout_of,

@@ -13,11 +13,11 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from lightning_2d.hf import HFWeights, model_args_from_hf
-from lightning_2d.model import ModelArgs, Transformer
+from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
+from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
-from lightning_2d.parallel.plans import llama_plan
 
 
 def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -139,7 +139,7 @@ class LlamaLightningModule(CausalLMModule):
     meta device.
 
     Args:
-        model: A preset name (``"debug"``, ``"llama3-8b"``, … see ``lightning_2d.model.PRESETS``),
+        model: A preset name (``"debug"``, ``"llama3-8b"``, … see ``lightning_2d.models.llama.model.PRESETS``),
             ``ModelArgs`` (or their dict); ``None``: from ``init_from``'s ``config.json`` if given,
             else ``"debug"``.
         model_overrides: Fields of the preset to change (``{"n_layers": 2}``).

@@ -1,0 +1,23 @@
+"""Checkpoints: complete-or-ignored sharded (DCP) and full saves, integrity checks and fall-back on resume,
+background writes, RNG states (``files``); weights-only reading (``safe_load``); our Llama's weights to and
+from Hugging Face directories (``hf``). Above the model families and the parallel mechanics."""
+
+from lightning_2d.checkpoint.files import (
+    CheckpointError,
+    checkpoints_in,
+    incomplete_checkpoints,
+    is_checkpoint,
+    is_complete,
+    latest_checkpoint,
+    resolve_checkpoint,
+)
+
+__all__ = [
+    "CheckpointError",
+    "checkpoints_in",
+    "incomplete_checkpoints",
+    "is_checkpoint",
+    "is_complete",
+    "latest_checkpoint",
+    "resolve_checkpoint",
+]

@@ -1,0 +1,688 @@
+"""Hugging Face Llama interop: export a checkpoint to ``model.safetensors`` + ``config.json``, and load
+such a directory into a (sharded) model.
+
+Names map one to one (``layers.N.attention.wq`` ↔ ``model.layers.N.self_attn.q_proj``). The only
+change of values is in ``wq``/``wk``: Meta's rotary embedding rotates interleaved pairs
+``(x[2i], x[2i+1])`` while Hugging Face's rotates the halves ``(x[i], x[i + d/2])`` of each head,
+so the rows of each head are permuted between the two layouts.
+
+Both directions stream, so a 70B model never has to fit in one process's memory: the export reads,
+converts and writes one output file at a time (``export_hf``), the import reads each rank's blocks
+as safetensors slices (``HFWeights``). Checkpoints are read with ``torch.load(weights_only=True)``
+(and DCP's ``.metadata`` with a restricted unpickler): a pickled object that could run code is
+refused, not built.
+
+Torch DCP's ``HuggingFaceStorageWriter``/``HuggingFaceStorageReader`` are not used. The writer
+writes what one ``dcp.save`` call is given: the whole state dict at once (no streaming), or one
+call per file, each call overwriting the index with its own file only; it also names a single file
+``model-00001-of-00001.safetensors`` and adds DCP keys to the headers. The reader reads a
+``(rows, cols)`` box of each stored tensor, while a block of ``wq``/``wk`` whose rows cut a head
+needs the whole heads it touches (the RoPE permutation moves rows within a head), which
+``HFWeights.fill_block_`` reads itself with the same ``safe_open``/``get_slice``. Neither maps names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+
+from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_LAYER_MAP = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name → the Hugging Face Llama name."""
+    match = _LAYER_NAME.match(name)
+    if match:
+        return f"model.layers.{match.group(1)}.{_LAYER_MAP[match.group(2)]}.weight"
+    return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
+
+
+def rotary_heads(name: str, args: ModelArgs) -> Optional[int]:
+    """Number of heads whose rows are permuted between the layouts (``wq``: n_heads, ``wk``: n_kv_heads)."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+def meta_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of each head: interleaved pairs → halves."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def hf_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of each head: halves → interleaved pairs (inverse of ``meta_to_hf``)."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of a ``LlamaForCausalLM`` with these shapes."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def model_args_from_hf(directory: Path) -> ModelArgs:
+    """``ModelArgs`` from a Hugging Face Llama ``config.json`` (``multiple_of`` chosen to reproduce its FFN size)."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json; init_from needs a Hugging Face Llama directory")
+    config = json.loads(config_path.read_text())
+    if config.get("model_type") != "llama":
+        raise ValueError(f"{config_path} describes a {config.get('model_type')!r} model, not 'llama'")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+        raise ValueError(
+            f"{config_path} uses rotary scaling ({rope.get('rope_type') or config.get('rope_scaling')}), which this"
+            " model does not implement"
+        )
+    if config.get("tie_word_embeddings"):
+        raise ValueError(f"{config_path} ties the embedding and output weights, which this model does not")
+    n_heads = config["num_attention_heads"]
+    return ModelArgs(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads", n_heads),
+        vocab_size=config["vocab_size"],
+        hidden_dim=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        max_seq_len=config.get("max_position_embeddings", 4096),
+    )
+
+
+def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
+    """Fields (those that shape the weights or their meaning) where ``a`` and ``b`` differ."""
+    checks = {
+        "dim": (a.dim, b.dim), "n_layers": (a.n_layers, b.n_layers), "n_heads": (a.n_heads, b.n_heads),
+        "n_kv_heads": (a.kv_heads, b.kv_heads), "vocab_size": (a.vocab_size, b.vocab_size),
+        "ffn_hidden_dim": (a.ffn_hidden_dim, b.ffn_hidden_dim), "rope_theta": (a.rope_theta, b.rope_theta),
+        "norm_eps": (a.norm_eps, b.norm_eps),
+    }
+    return [f"{k}: {x} vs {y}" for k, (x, y) in checks.items() if x != y]
+
+
+# ---- export -----------------------------------------------------------------------------------
+#: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
+#: checkpoint's ``state_dict`` (``state_dict.model.<our name>`` among DCP's flattened keys).
+STATE_DICT_PREFIX = "model."
+
+class WeightInfo(NamedTuple):
+    """A weight of a checkpoint as its metadata describes it (no data read).
+
+    Args:
+        name: Our parameter name (``layers.0.attention.wq.weight``).
+        shape: Its full (unsharded) shape.
+        dtype: Its stored dtype.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _ShardedCheckpoint:
+    """The weights of a DCP checkpoint folder, read tensor by tensor without a process group.
+
+    Each ``dcp.load`` gets one preallocated full tensor: DCP reads only the byte ranges of that
+    tensor's chunks (one per saving rank) from the ``.distcp`` files and copies them in place.
+    """
+
+    def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+        from lightning_2d.checkpoint.files import (
+            DCP_METADATA_FILE,
+            METADATA_FILE,
+            DCPMetadataUnpickler,
+            shard_size_problems,
+        )
+
+        try:
+            with open(path / DCP_METADATA_FILE, "rb") as f:
+                dcp_metadata = DCPMetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise ExportError(
+                f"{path / DCP_METADATA_FILE} was not loaded: {err} (unpickling it could run code)"
+            ) from err
+        if not isinstance(dcp_metadata, Metadata):
+            raise ExportError(f"{path / DCP_METADATA_FILE} holds a {type(dcp_metadata).__name__}, not DCP's Metadata")
+        if dcp_metadata.storage_meta is None:
+            dcp_metadata.storage_meta = StorageMeta()
+        self.reader = FileSystemReader(str(path))
+
+        def read_metadata(*args: Any, **kwargs: Any) -> Metadata:
+            # Read once (above, safely), not once per tensor: a large job's `.metadata` lists every chunk.
+            dcp_metadata.storage_meta.load_id = self.reader.load_id
+            return dcp_metadata
+
+        self.reader.read_metadata = read_metadata  # type: ignore[method-assign]
+        self.path = path
+        if problems := shard_size_problems(path, dcp_metadata):
+            raise ExportError(
+                f"{path} is damaged (cut short or incomplete after saving):\n  - " + "\n  - ".join(problems)
+                + "\nExport an earlier checkpoint, or copy this one again."
+            )
+        self.key_prefix = f"state_dict.{STATE_DICT_PREFIX}"
+        self.weights = [
+            WeightInfo(key[len(self.key_prefix):], tuple(meta.size), meta.properties.dtype)
+            for key, meta in dcp_metadata.state_dict_metadata.items()
+            if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
+        ]
+        self.metadata: Optional[dict[str, Any]] = None
+        try:
+            self.metadata = load_checkpoint_file(path / METADATA_FILE, allow_globals=allow_globals)
+        except ExportError as err:
+            if need_metadata:
+                raise ExportError(
+                    f"{err} Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
+                ) from err
+            warnings.warn(f"{err} Exporting with the given model args, without {METADATA_FILE}.", stacklevel=2)
+
+    def read(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` for each of ``names``, one tensor read at a time."""
+        import torch.distributed.checkpoint as dcp
+
+        shapes = {w.name: w for w in self.weights}
+        for name in names:
+            info = shapes[name]
+            tensor = torch.empty(info.shape, dtype=info.dtype)
+            with warnings.catch_warnings():
+                # On purpose: one process, no process group.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                try:
+                    dcp.load({self.key_prefix + name: tensor}, storage_reader=self.reader, no_dist=True)
+                except Exception as err:  # DCP wraps a reader's EOF/zip error in a CheckpointException
+                    raise ExportError(
+                        f"{self.path}: reading {name} failed ({type(err).__name__}: {str(err).splitlines()[0]}); the"
+                        " checkpoint is damaged (a shard corrupted after saving): export an earlier checkpoint"
+                    ) from err
+            yield name, tensor
+            del tensor  # before the next one is allocated
+
+
+class _FullCheckpoint:
+    """The weights of a full checkpoint file, memory-mapped: only the tensors asked for are read.
+
+    ``read`` maps the file anew for each call, so that once the caller drops the tensors of one
+    call the mapping goes and its pages leave this process's memory (a mapping kept for the whole
+    export would end up holding every page read).
+    """
+
+    def __init__(self, path: Path, allow_globals: Sequence[str]) -> None:
+        self.path, self.allow_globals = path, allow_globals
+        loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), Mapping):
+            raise ExportError(f"{path} is not a Lightning checkpoint: it has no 'state_dict' dictionary")
+        self.weights = [
+            WeightInfo(key[len(STATE_DICT_PREFIX):], tuple(value.shape), value.dtype)
+            for key, value in loaded["state_dict"].items()
+            if key.startswith(STATE_DICT_PREFIX) and isinstance(value, torch.Tensor)
+        ]
+        self.metadata: Optional[dict[str, Any]] = {
+            k: v for k, v in loaded.items() if k not in ("state_dict", "optimizer_states")
+        }
+
+    def read(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for each of ``names``: views of the mapped file, read when used."""
+        state = load_checkpoint_file(self.path, mmap=True, allow_globals=self.allow_globals)["state_dict"]
+        for name in names:
+            yield name, state[STATE_DICT_PREFIX + name]
+
+
+def open_checkpoint(
+    checkpoint: Path, allow_globals: Sequence[str] = (), need_metadata: bool = True
+) -> Union[_ShardedCheckpoint, _FullCheckpoint]:
+    """A complete sharded (folder) or full (file) checkpoint, its metadata read, its weights not yet.
+
+    Args:
+        checkpoint: The folder or file.
+        allow_globals: See ``load_checkpoint_file``.
+        need_metadata: Whether a sharded checkpoint's ``meta.pt`` that cannot be loaded safely is an
+            error (``False``: the model args come from elsewhere; only the weights are needed).
+    """
+    from lightning_2d.checkpoint.files import is_complete
+
+    checkpoint = Path(checkpoint)
+    if not is_complete(checkpoint):
+        raise FileNotFoundError(
+            f"{checkpoint} is not a complete checkpoint (a folder with .metadata and meta.pt, or a file)"
+        )
+    if checkpoint.is_dir():
+        return _ShardedCheckpoint(checkpoint, allow_globals, need_metadata)
+    return _FullCheckpoint(checkpoint, allow_globals)
+
+
+def _describe_model(model: Union[str, ModelArgs, Mapping[str, Any], None], overrides: Mapping[str, Any]) -> str:
+    """Where the export's model args come from, for messages."""
+    if model is None:
+        described = "the model args stored in the checkpoint"
+    else:
+        described = f"--model {model}" if isinstance(model, str) else "the given model args"
+    return f"{described} with --model-overrides '{json.dumps(dict(overrides))}'" if overrides else described
+
+
+def _model_args(model: Union[str, ModelArgs, Mapping[str, Any]], overrides: Mapping[str, Any]) -> ModelArgs:
+    if isinstance(model, str):
+        return ModelArgs.from_name(model, **overrides)
+    fields = asdict(model) if isinstance(model, ModelArgs) else dict(model)
+    return ModelArgs(**{**fields, **overrides})
+
+
+def checkpoint_model_args(metadata: Optional[Mapping[str, Any]]) -> Optional[ModelArgs]:
+    """The model args a checkpoint records, or ``None`` if it does not.
+
+    ``LlamaLightningModule`` saves them as ``model_args`` (exact fields); older checkpoints have only
+    the hyper-parameters ``model`` (a preset name, a field dict or a ``ModelArgs``) and
+    ``model_overrides``.
+
+    Args:
+        metadata: The checkpoint without its tensors (``meta.pt``, or a full file's top level).
+    """
+    if not metadata:
+        return None
+    stored = metadata.get("model_args")
+    if stored is not None:
+        return _model_args(stored, {})
+    hparams = metadata.get("hyper_parameters")
+    if not isinstance(hparams, Mapping) or "model" not in hparams:
+        return None
+    model, overrides = hparams["model"], hparams.get("model_overrides") or {}
+    if model is None:
+        if hparams.get("init_from"):
+            return None  # the shapes came from that directory's config.json, not recorded here
+        model = "debug"  # what LlamaLightningModule builds for model=None without init_from
+    return _model_args(model, overrides)
+
+
+def resolve_model_args(
+    checkpoint: Path,
+    metadata: Optional[Mapping[str, Any]],
+    model: Union[str, ModelArgs, Mapping[str, Any], None] = None,
+    model_overrides: Optional[Mapping[str, Any]] = None,
+) -> ModelArgs:
+    """The model args to export with: ``model`` if given (it must agree with those the checkpoint
+    records, if any), else the checkpoint's; ``model_overrides`` applies to either.
+
+    Args:
+        checkpoint: The checkpoint (for messages).
+        metadata: Its non-tensor part (``None``: not read).
+        model: A preset name, ``ModelArgs`` or their dict.
+        model_overrides: Fields to change.
+
+    Raises:
+        ExportError: The checkpoint records no model args and ``model`` is not given, or both exist
+            and disagree.
+    """
+    overrides = dict(model_overrides or {})
+    try:
+        stored = checkpoint_model_args(metadata)
+    except (TypeError, ValueError) as err:
+        raise ExportError(
+            f"{checkpoint} records model args that are not valid ModelArgs ({err}); pass --model PRESET"
+        ) from err
+    if model is None:
+        if stored is None:
+            raise ExportError(
+                f"{checkpoint} does not record its model args (no 'model_args' entry, no 'model' hyper-parameter"
+                " of LlamaLightningModule): the export cannot know the shapes and refuses to guess. Pass the"
+                f" model it was trained with: --model PRESET (one of {', '.join(PRESETS)}), plus"
+                " --model-overrides '{\"n_layers\": 2}' for the fields that differ from the preset"
+                " (export_hf(..., model=..., model_overrides=...) in Python)."
+            )
+    source = _describe_model(model, overrides)
+    try:
+        args = _model_args(stored if model is None else model, overrides)
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"{source}: {err}") from err
+    if model is not None and stored is not None and (mismatch := same_shapes(args, stored)):
+        raise ExportError(
+            f"{source} disagrees with the model args stored in {checkpoint}: " + "; ".join(mismatch)
+            + " (given vs stored). Drop --model to export with the stored ones."
+        )
+    return args
+
+
+def check_weight_shapes(args: ModelArgs, weights: Sequence[WeightInfo], checkpoint: Path, source: str) -> None:
+    """Refuse, naming them, weights missing from the checkpoint, unexpected, or of another shape
+    than a ``Transformer(args)`` has.
+
+    Args:
+        args: The model args the export would use.
+        weights: The checkpoint's weights.
+        checkpoint: The checkpoint (for messages).
+        source: Where ``args`` come from (for messages).
+    """
+    with torch.device("meta"):  # shapes only: nothing allocated, whatever the model size
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    found = {w.name: tuple(w.shape) for w in weights}
+    problems = [f"{name}: stored {list(found[name])}, expected {list(shape)}"
+                for name, shape in expected.items() if name in found and found[name] != shape]
+    problems += [f"{name}: missing" for name in expected if name not in found]
+    problems += [f"{name}: not a weight of this model" for name in found if name not in expected]
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise ExportError(
+            f"The weights of {checkpoint} do not fit {source} ({len(problems)} of {len(expected)} tensors): {shown}."
+            " Pass the model the checkpoint was trained with (--model PRESET --model-overrides '{...}')."
+        )
+
+
+def plan_shards(weights: Sequence[WeightInfo], dtype: Optional[torch.dtype], max_shard_bytes: int) -> list[list[str]]:
+    """The names of the weights of each output file, in checkpoint order, from the metadata alone.
+
+    A new file starts when the next weight would take the current one beyond ``max_shard_bytes``
+    (a weight larger than that has a file of its own).
+
+    Args:
+        weights: The checkpoint's weights.
+        dtype: The exported dtype (``None``: as stored).
+        max_shard_bytes: Largest file size, in bytes of tensor data.
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for weight in weights:
+        nbytes = math.prod(weight.shape) * (dtype or weight.dtype).itemsize
+        if size and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(weight.name)
+        size += nbytes
+    return shards
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the last output file back to the OS (glibc only; elsewhere a no-op).
+
+    glibc serves allocations below its mmap threshold (which grows up to 32 MiB as blocks are freed)
+    from heaps it keeps: without a trim, a freed file's smaller tensors may still count in the
+    process's memory while the next file is read (measured: 0.26-0.49 GiB peaks over runs for
+    0.25 GiB files, 0.27-0.29 GiB with the trim; see tests/benchmarks/bench_export.py).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """One of our weights in the Hugging Face layout: ``dtype``, and the RoPE row permutation of ``wq``/``wk``."""
+    tensor = tensor.to(dtype or tensor.dtype)
+    heads = rotary_heads(name, args)
+    if heads is not None:
+        tensor = meta_to_hf(tensor, heads)
+    return tensor.contiguous()
+
+
+def export_hf(
+    checkpoint: Path,
+    out_dir: Path,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    model: Union[str, ModelArgs, Mapping[str, Any], None] = None,
+    model_overrides: Optional[Mapping[str, Any]] = None,
+    allow_globals: Sequence[str] = (),
+) -> Path:
+    """Write ``out_dir/model.safetensors`` (or shards + index) and ``config.json`` from a Lightning checkpoint.
+
+    Streams: the output files are planned from the checkpoint's metadata (DCP's ``.metadata``, or
+    the memory-mapped full file), then each is read, converted, written and freed before the next
+    is read. Peak memory is about one output file plus one tensor, whatever the model size.
+
+    Torch DCP's ``HuggingFaceStorageWriter`` is not used: it writes what one ``dcp.save`` call is
+    given (the whole state dict in memory, or one call per file, each overwriting the index with
+    its own file), names even a single file ``model-00001-of-00001.safetensors`` and adds DCP keys
+    to the safetensors header; the name mapping and the RoPE permutation are ours either way.
+
+    Args:
+        checkpoint: A sharded checkpoint folder or a full checkpoint file of ``LlamaLightningModule``
+            (names mapped, RoPE rows permuted) or of ``HFCausalLMModule`` (the weights as they are,
+            ``config.json`` from the config the checkpoint records).
+        out_dir: Where the Hugging Face directory is written.
+        dtype: Dtype of the exported weights (default: as stored).
+        max_shard_bytes: Start a new ``.safetensors`` file beyond this size.
+        model: The model args, for a checkpoint that does not record them (a preset name,
+            ``ModelArgs`` or their dict); if it does, they must agree.
+        model_overrides: Fields to change in ``model`` (or in the stored model args).
+        allow_globals: ``module.Name`` of types the checkpoint may hold besides the ones known safe
+            (see ``load_checkpoint_file``); only for a file you trust.
+
+    Raises:
+        ExportError: Model args missing, disagreeing or not fitting the weights; a checkpoint that a
+            weights-only load refuses. Nothing is written then.
+        FileNotFoundError: Not a complete checkpoint.
+    """
+    from safetensors.torch import save_file
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)
+    if not source.weights:
+        raise ExportError(f"{checkpoint} holds no model weights (expected keys under '{STATE_DICT_PREFIX}')")
+    # The last weight's dtype (all weights share one in our checkpoints).
+    out_dtype = dtype or source.weights[-1].dtype
+    native_config = (source.metadata or {}).get("hf_config")
+    if native_config is not None:
+        # An HFCausalLMModule checkpoint: the weights already have the model's names and layout.
+        if model is not None or model_overrides:
+            raise ExportError(
+                f"{checkpoint} is a checkpoint of a Hugging Face model (HFCausalLMModule) and records its own"
+                " config; --model/--model-overrides apply to LlamaLightningModule checkpoints only: drop them"
+            )
+        hf_key: Any = str
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(dtype or tensor.dtype).contiguous()
+
+        config = {**native_config, "torch_dtype": str(out_dtype).removeprefix("torch."),
+                  "dtype": str(out_dtype).removeprefix("torch.")}
+    else:
+        args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
+        check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
+        hf_key = hf_name
+
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return to_hf_tensor(name, tensor, args, dtype)
+
+        config = hf_config(args, out_dtype)
+    shards = plan_shards(source.weights, dtype, max_shard_bytes)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+    # Written into a staging folder next to out_dir and moved in only once complete: a failure (a
+    # corrupt shard, a full disk) leaves out_dir as it was (absent, or an earlier export, intact).
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for file, names in zip(files, shards):
+            tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
+            save_file(tensors, staging / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors  # before the next file is read: one file's tensors in memory at a time
+            _release_freed_memory()
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        out_dir.mkdir(exist_ok=True)
+        # Files of an earlier export to the same folder would be read instead of ours or beside them
+        # (transformers prefers model.safetensors to an index): only this export's names remain.
+        for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
+            if stale.is_file() and stale.name not in files:
+                stale.unlink()
+        for staged in staging.iterdir():
+            os.replace(staged, out_dir / staged.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+# ---- import -----------------------------------------------------------------------------------
+class SafetensorsWeights:
+    """Reads a directory of safetensors (``model.safetensors`` or shards + index) block by block, as a
+    ``WeightSource``: each rank reads only the rows and columns of the shards it holds (memory-mapped
+    slices), so loading a 70B directory into a sharded model never holds more than a block.
+
+    Names are the stored names (a Hugging Face model's own); ``HFWeights`` maps ours onto them.
+
+    Args:
+        directory: The directory.
+        expected: Name → shape of every parameter that will be read; when given, missing weights and
+            shape mismatches are refused here, all listed, before anything is allocated.
+    """
+
+    def __init__(self, directory: Path, expected: Optional[Mapping[str, tuple[int, ...]]] = None) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            self.files = {k: self.directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.directory / SINGLE_FILE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
+                self.files = {k: self.directory / SINGLE_FILE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        if expected is not None:
+            self._check(expected)
+
+    def _check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        from safetensors import safe_open
+
+        problems = []
+        for name, shape in expected.items():
+            key = self.key(name)
+            if key not in self.files:
+                problems.append(f"{key}: missing")
+                continue
+            with safe_open(self.files[key], framework="pt") as f:
+                stored = tuple(f.get_slice(key).get_shape())
+            if stored != tuple(shape):
+                problems.append(f"{key}: stored {stored}, the model's is {tuple(shape)}")
+        if problems:
+            raise ValueError(
+                f"{self.directory} does not hold the model's weights ({len(problems)} problem(s)):\n  - "
+                + "\n  - ".join(problems[:20])
+                + ("\n  - …" if len(problems) > 20 else "")
+                + "\nCheck that the config matches the checkpoint's config.json."
+            )
+
+    def key(self, name: str) -> str:
+        """The stored name of the model's parameter ``name``."""
+        return name
+
+    def read(self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
+        """The block ``[rows, *cols]`` of ``stored`` (a safetensors slice) as the model expects it."""
+        return stored[(rows, *cols)]
+
+    @torch.no_grad()
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
+    ) -> None:
+        """Copy the block of weight ``name`` starting at ``offset`` (``None``: the whole) into ``out``.
+
+        Args:
+            out: The block to fill (its shape is the block's).
+            name: The model's parameter name.
+            global_shape: The full weight's shape.
+            offset: Where the block starts in the full weight.
+        """
+        from safetensors import safe_open
+
+        key = self.key(name)
+        if key not in self.files:
+            raise KeyError(f"{self.directory} has no weight {key!r} (for {name})")
+        if out.numel() == 0:  # an empty local shard (more ranks than rows): nothing to read
+            return
+        offset = offset or (0,) * len(global_shape)
+        rows = slice(offset[0], offset[0] + out.shape[0]) if global_shape else slice(None)
+        cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
+        with safe_open(self.files[key], framework="pt") as f:
+            out.copy_(self.read(f.get_slice(key), name, rows, cols, global_shape))
+
+
+class HFWeights(SafetensorsWeights):
+    """A Hugging Face Llama directory read into our ``Transformer``: names mapped (``hf_name``) and the
+    rows of ``wq``/``wk`` permuted back to Meta's rotary layout.
+
+    Args:
+        directory: The Hugging Face directory (``config.json``, ``model.safetensors`` or shards + index).
+        args: The model's args; they must match ``config.json``.
+    """
+
+    def __init__(self, directory: Path, args: ModelArgs) -> None:
+        super().__init__(directory)
+        self.args = args
+        loaded = model_args_from_hf(self.directory)
+        if mismatch := same_shapes(args, loaded):
+            raise ValueError(f"The model does not match {directory}/config.json: " + "; ".join(mismatch))
+
+    def key(self, name: str) -> str:
+        return hf_name(name)
+
+    def read(self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
+        heads = rotary_heads(name, self.args)
+        if heads is None:
+            return stored[(rows, *cols)]
+        # Rows of a head are permuted within the head: read the whole heads the block touches.
+        head_rows = global_shape[0] // heads
+        first, last = rows.start // head_rows, (rows.stop - 1) // head_rows + 1
+        whole = stored[(slice(first * head_rows, last * head_rows), *cols)]
+        return hf_to_meta(whole, last - first)[rows.start - first * head_rows : rows.stop - first * head_rows]

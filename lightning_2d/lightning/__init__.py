@@ -1,0 +1,3 @@
+"""The Lightning glue: the Trainer and Fabric strategies (``trainer_strategy``, ``fabric_strategy``, what they
+share in ``strategy_base``), the LightningModules (``module``, ``hf_module``) and callbacks. Thin: the
+mechanics are in ``parallel``, checkpoints in ``checkpoint``, data in ``data``."""

@@ -1,0 +1,139 @@
+"""``HFCausalLMModule``: a LightningModule training a Hugging Face Llama-family decoder
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) under the 2D strategies.
+
+The models' plan and layout-independent initialization live in ``lightning_2d.models.hf_decoders``;
+the public names are re-exported by ``lightning_2d.hf``. ``transformers`` is imported only when used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_2d.lightning.module import CausalLMModule
+from lightning_2d.models.hf_decoders import (
+    HFDecoderInit,
+    check_hf_decoder,
+    hf_config_problems,
+    hf_decoder_plan,
+    load_hf_config,
+)
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.modules import canonical_name
+
+if TYPE_CHECKING:
+    from lightning_2d.checkpoint.hf import SafetensorsWeights
+
+
+class HFCausalLMModule(CausalLMModule):
+    """Trains a Hugging Face Llama-family ``*ForCausalLM`` under ``ModelParallel2DStrategy`` (or any strategy).
+
+    The model is built from its config on the meta device; under the 2D strategy it is parallelized
+    with ``hf_decoder_plan`` and each rank allocates only its shards, initialized by
+    ``HFDecoderInit`` (the same weights at every layout and on one device) or read from
+    ``init_from`` block by block. Loss, metrics and optimizer are those of ``LlamaLightningModule``.
+
+    Args:
+        config: A ``PretrainedConfig``, a dict with ``model_type`` (``"llama"``, ``"mistral"``,
+            ``"qwen2"``) and the fields to set, or a model directory / ``config.json``; ``None``:
+            ``init_from``'s config.
+        config_overrides: Fields to change (``{"num_hidden_layers": 2}``).
+        init_from: A Hugging Face model directory (``config.json`` + ``model.safetensors`` or shards)
+            to start from instead of a random init; each rank reads only the blocks it holds.
+        attn_implementation: The ``transformers`` attention kernel (``"sdpa"``, ``"eager"`` …).
+        learning_rate, weight_decay, betas, eps, fused, warmup_steps, max_steps, min_lr_ratio:
+            AdamW and its warm-up/cosine schedule (see ``LlamaLightningModule``).
+        init_seed: Seed of the initialization; ``None``: the run's seed.
+    """
+
+    def __init__(
+        self,
+        config: Union[str, dict, Any, None] = None,
+        config_overrides: Optional[dict[str, Any]] = None,
+        init_from: Optional[str] = None,
+        attn_implementation: str = "sdpa",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        fused: Optional[bool] = None,
+        warmup_steps: int = 100,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+        init_seed: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if config is None and init_from is None:
+            raise ValueError("HFCausalLMModule needs a config (a dict with model_type, or a directory) or init_from")
+        self.hf_config = load_hf_config(config if config is not None else init_from, config_overrides)
+        if problems := hf_config_problems(self.hf_config):
+            raise ValueError("HFCausalLMModule cannot train this model:\n  - " + "\n  - ".join(problems))
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
+        self.model: Optional[nn.Module] = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
+        return hf_decoder_plan(self.hf_config, config, module="model")
+
+    def weights_source(self) -> Optional["SafetensorsWeights"]:
+        """The ``init_from`` directory read block by block (names as in the model), if given."""
+        from lightning_2d.checkpoint.hf import SafetensorsWeights
+
+        init_from = self.hparams.get("init_from")
+        if not init_from:
+            return None
+        assert self.model is not None
+        return SafetensorsWeights(Path(init_from), {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()})
+
+    def build_model(self) -> nn.Module:
+        """The ``*ForCausalLM`` on the meta device (no memory, no initialization)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
+            )
+        check_hf_decoder(model)
+        return model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = self.build_model()
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "materializes_meta_modules", False):
+            self.model = model  # parallelized, then allocated shard by shard, by the strategy
+            return
+        # One device (the parity reference): the same materialization, the whole of each tensor.
+        from lightning_2d.parallel.materialize import materialize_model
+
+        self.model = model
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
+        seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
+        if strategy is not None and strategy.world_size > 1:
+            seed = strategy.broadcast(seed)
+        materialize_model(model, device, seed=seed, weights=self.weights_source(), init_hooks=[self, HFDecoderInit(model)])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["hf_config"] = self.hf_config.to_dict()
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: ``6 · N`` (parameters except the embedding) + ``12 · L · H · Dh · T``."""
+        c = self.hf_config
+        heads, head_dim = c.num_attention_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        attention = c.hidden_size * head_dim * (2 * heads + 2 * kv)
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        matmul_params = c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size
+        return 6 * matmul_params + 12 * c.num_hidden_layers * heads * head_dim * seq_len

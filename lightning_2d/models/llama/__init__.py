@@ -1,0 +1,6 @@
+"""The Llama family: ``model`` (``ModelArgs``, presets, ``Transformer``; no ``torch.distributed``), ``plan``
+(its tensor/sequence-parallel plan), ``pipeline`` (how it splits into pipeline stages)."""
+
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
+
+__all__ = ["PRESETS", "ModelArgs", "Transformer"]

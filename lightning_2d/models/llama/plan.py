@@ -1,0 +1,88 @@
+"""The Llama's parallel plan: Meta's module names, as data.
+
+The plan follows PyTorch's 2D Llama example and torchtitan: the embedding is sharded over the
+vocabulary, attention and feed-forward input projections column-wise (each rank computes
+``n_heads / tp`` heads and ``hidden / tp`` SwiGLU features), their output projections row-wise.
+With sequence parallelism the activations between those regions stay sharded along the sequence
+(``Shard(1)``) and the norms run on the shards; the all-reduce of plain TP becomes a
+reduce-scatter + all-gather pair that moves the same bytes but keeps ``1/tp`` of the
+activations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.styles import VocabParallelHead
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def llama_tensor_parallel_plan(
+    sequence_parallel: bool = True, loss_parallel: bool = False, blocks: str = "layers"
+) -> dict[str, "ParallelStyle"]:
+    """The tensor-parallel plan of a Meta-named Llama ``Transformer``.
+
+    Args:
+        sequence_parallel: Shard the residual stream and the norms along the sequence.
+        loss_parallel: Leave the logits sharded over the vocabulary (``Shard(-1)`` DTensor) for a
+            vocabulary-parallel cross-entropy.
+        blocks: Name of the transformer-block container.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    logits = Shard(-1) if loss_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": VocabParallelHead(input_layouts=between, output_layouts=logits, use_local_output=not loss_parallel),
+    }
+    block = f"{blocks}.*"
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+        plan[f"{block}.attention_norm"] = SequenceParallel()
+        plan[f"{block}.ffn_norm"] = SequenceParallel()
+        # The attention and SwiGLU need the whole sequence: gather it at their entry.
+        plan[f"{block}.attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        )
+        plan[f"{block}.feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        plan[f"{block}.{name}"] = ColwiseParallel()
+    for name in ("attention.wo", "feed_forward.w2"):
+        plan[f"{block}.{name}"] = RowwiseParallel(output_layouts=between)
+    return plan
+
+
+def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> ParallelPlan:
+    """The Llama plan: Meta's module names and the head counts tensor parallelism must divide.
+
+    Args:
+        args: The model's shape.
+        config: Sequence/loss parallel options shape the plan.
+        module: Attribute holding the ``Transformer`` (``"model"`` in ``LlamaLightningModule``;
+            ``""`` when the plan applies to the ``Transformer`` itself, as in Fabric).
+    """
+    return ParallelPlan(
+        tensor_parallel=llama_tensor_parallel_plan(config.sequence_parallel, config.loss_parallel),
+        blocks="layers",
+        module=module,
+        tp_divides={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        input_units=("tok_embeddings",),
+        output_unit=("norm", "output"),
+        blocks_use_randomness=False,  # no dropout in Llama
+        num_blocks=args.n_layers,
+        pipeline_stages=LLAMA_PIPELINE_STAGES,
+    )

@@ -1,0 +1,50 @@
+"""What the library knows of a model given without a plan: its family's plan (our Llama ``Transformer``,
+a Hugging Face Llama-family decoder) and init hooks; ``resolve_plan`` picks the plan the strategies apply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_2d.models.llama.model import Transformer
+from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+
+
+def is_hf_model(model: Any) -> bool:
+    """Whether ``model`` is a Hugging Face ``transformers`` model (without importing ``transformers``)."""
+    # The MRO, not the class: FSDP2 swaps in a subclass (``FSDPLlamaForCausalLM``) defined in torch.
+    return hasattr(model, "config") and any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def known_plan(owner: Any, config: ParallelConfig) -> ParallelPlan | None:
+    """The plan of a model this library knows (a bare ``Transformer``; a Hugging Face Llama-family
+    decoder such as ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), else ``None``."""
+    if isinstance(owner, Transformer):
+        return llama_plan(owner.args, config)
+    if is_hf_model(owner):
+        from lightning_2d.models.hf_decoders import check_hf_decoder, hf_decoder_plan
+
+        check_hf_decoder(owner)
+        return hf_decoder_plan(owner.config, config, module="")
+    return None
+
+
+def known_init_hooks(model: Any) -> Any:
+    """Init hooks (``param_init_specs``/``init_buffers``) for a known model class that has none
+    (a Hugging Face decoder), else ``None``."""
+    if is_hf_model(model):
+        from lightning_2d.models.hf_decoders import HFDecoderInit
+
+        return HFDecoderInit(model)
+    return None
+
+
+def resolve_plan(owner: Any, config: ParallelConfig, plan: ParallelPlan | None) -> ParallelPlan:
+    """The plan to apply: the one given to the strategy, else ``owner.parallel_plan(config)``, else the
+    plan of a model this library knows (a bare Llama ``Transformer``), else the default names."""
+    if plan is not None:
+        return plan
+    plan_fn = getattr(owner, "parallel_plan", None)
+    if callable(plan_fn):
+        return plan_fn(config)
+    return known_plan(owner, config) or ParallelPlan()

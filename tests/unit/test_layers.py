@@ -1,0 +1,160 @@
+"""The package's layers, read from its folders: each imports only the layers below it, and no module takes
+part in an import circle. A failure names the offending import (file, line, both layers)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_2d"
+
+#: Bottom to top. A module may import its own layer (no circles) and any layer below; ``checkpoint`` and
+#: ``data`` are peers that do not import each other. The top holds the public front doors.
+LAYERS: list[tuple[str, ...]] = [
+    ("_compat",),
+    ("ops",),
+    ("parallel",),
+    ("models",),
+    ("checkpoint", "data"),
+    ("lightning",),
+    ("tools",),
+    ("__init__", "__main__", "hf", "fabric"),
+]
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """``lightning_2d.parallel.fsdp`` → (index of its layer, ``"parallel"``)."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    for index, names in enumerate(LAYERS):
+        if top in names:
+            return index, top
+    raise AssertionError(f"{module} is in no layer: add lightning_2d/{top} to LAYERS in {__file__}")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
+    """Every ``lightning_2d`` module ``name`` imports (also inside functions and ``TYPE_CHECKING``), with lines."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import submodule` imports the submodule; `from pkg import name` the package.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        found += [(t, node.lineno) for t in targets if t == "lightning_2d" or t.startswith("lightning_2d.")]
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, int]]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def upward_imports() -> list[str]:
+    problems = []
+    for name, targets in graph().items():
+        here, here_name = layer_of(name)
+        for target, line in targets:
+            there, there_name = layer_of(target)
+            if there > here or (there == here and there_name != here_name):
+                problems.append(
+                    f"{modules()[name].relative_to(PACKAGE.parent)}:{line} imports {target}: layer {there_name!r}"
+                    f" is {'above' if there > here else 'a peer of'} {here_name!r}"
+                )
+    return problems
+
+
+def circles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    edges = {name: sorted({t for t, _ in targets if t != name}) for name, targets in graph().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, []):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    for name in modules():
+        layer_of(name)
+
+
+def test_imports_only_go_down_the_layers():
+    problems = upward_imports()
+    assert not problems, "imports that run upward or sideways:\n  " + "\n  ".join(problems)
+
+
+def test_no_import_circles():
+    found = circles()
+    assert not found, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_model_files_do_not_import_torch_distributed():
+    for path in (PACKAGE / "models" / "llama" / "model.py", PACKAGE / "ops" / "linear_cross_entropy.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.startswith("torch.distributed")], path
+
+
+@pytest.mark.parametrize("bad", ["upward", "circle"])
+def test_the_checks_catch_what_they_name(tmp_path, monkeypatch, bad):
+    """The checks themselves fail on a planted upward import and a planted circle."""
+    fake = tmp_path / "lightning_2d"
+    for folder in ("parallel", "tools"):
+        (fake / folder).mkdir(parents=True)
+        (fake / folder / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    if bad == "upward":
+        (fake / "parallel" / "mesh.py").write_text("from lightning_2d.tools import cli\n")
+        (fake / "tools" / "cli.py").write_text("")
+        monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", fake)
+        assert any("parallel/mesh.py:1 imports lightning_2d.tools.cli" in p for p in upward_imports())
+    else:
+        (fake / "parallel" / "a.py").write_text("import lightning_2d.parallel.b\n")
+        (fake / "parallel" / "b.py").write_text("def f():\n    from lightning_2d.parallel import a\n")
+        monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", fake)
+        assert circles() == [["lightning_2d.parallel.a", "lightning_2d.parallel.b"]]
