@@ -48,6 +48,7 @@ from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import finite_flag, guard_step
+from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
 from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT, Watchdog, start_watchdog, stop_watchdog
@@ -226,6 +227,7 @@ class ModelParallel2DBase:
         self._first_loss_checked = False
         self._optimizer_steps = 0
         self._pipeline: Optional[Pipeline] = None
+        self._known_warnings = KnownWarnings()
 
     def _lightning_strategy_kwargs(self) -> dict[str, Any]:
         """Extra arguments of the Lightning strategy's constructor (Fabric: ``parallelize_fn``)."""
@@ -292,6 +294,7 @@ class ModelParallel2DBase:
     def setup_environment(self) -> None:
         """Validate in this process, start the process group, build the mesh (not Lightning's 2D one)."""
         self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))  # type: ignore[attr-defined]
+        self._known_warnings.install()  # torch's per-step noise of a correct 2D run, until teardown
         if self.parallel_config.loss_parallel and self.parallel_dims.tp == 1:
             rank_zero_warn(
                 "loss_parallel=True has no effect with tensor_parallel_size=1: the logits are not sharded over a"
@@ -467,6 +470,7 @@ class ModelParallel2DBase:
         stop_watchdog(self._watchdog)  # finished: the other ranks stop watching this one
         self._watchdog = None
         super().teardown()  # type: ignore[misc]
+        self._known_warnings.remove()
 
 
 #: Backends ``torch.distributed`` ships; a ``"cpu:gloo,cuda:nccl"`` style mapping is accepted too.

@@ -234,9 +234,10 @@ def _int_or_none(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-StrategyRegistry.register(
-    ModelParallel2DStrategy.strategy_name,
-    ModelParallel2DStrategy,
-    description="2D parallelism (FSDP2 × TP/SP) applied by lightning_2d",
-    override=True,
-)
+if ModelParallel2DStrategy.strategy_name not in StrategyRegistry:
+    # The name for `Trainer(strategy="model_parallel_2d")`; one registered by someone else is left alone.
+    StrategyRegistry.register(
+        ModelParallel2DStrategy.strategy_name,
+        ModelParallel2DStrategy,
+        description="2D parallelism (FSDP2 × TP/SP) applied by lightning_2d",
+    )
