@@ -1,9 +1,9 @@
 """lightning_2d: 2D parallel training (FSDP2 × tensor/sequence parallel) as a Lightning strategy."""
 
 from lightning_2d.data.text import TextDataModule
-from lightning_2d.lightning.callbacks import ThroughputMonitor
-from lightning_2d.lightning.module import LlamaLightningModule
-from lightning_2d.lightning.trainer_strategy import ModelParallel2DStrategy
+from lightning_2d.integration.callbacks import ThroughputMonitor
+from lightning_2d.integration.module import LlamaLightningModule
+from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
 

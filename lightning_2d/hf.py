@@ -19,7 +19,7 @@ from lightning_2d.checkpoint.hf import (
     meta_to_hf,
     model_args_from_hf,
 )
-from lightning_2d.lightning.hf_module import HFCausalLMModule
+from lightning_2d.integration.hf_module import HFCausalLMModule
 from lightning_2d.models.hf_decoders import HFDecoderInit, check_hf_decoder, hf_decoder_plan, load_hf_config
 
 __all__ = [

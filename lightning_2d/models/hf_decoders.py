@@ -1,6 +1,6 @@
 """Hugging Face Llama-family decoders (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``)
 under the 2D strategies: their parallel plan and their layout-independent initialization
-(``lightning_2d.lightning.hf_module.HFCausalLMModule`` trains one). Public names are re-exported by
+(``lightning_2d.integration.hf_module.HFCausalLMModule`` trains one). Public names are re-exported by
 ``lightning_2d.hf``.
 
 These models share one module layout::

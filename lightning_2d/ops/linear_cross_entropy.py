@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from lightning_2d._compat import assert_async
+
 IGNORE_INDEX = -100
 
 
@@ -110,7 +112,7 @@ def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
         if bool(bad.any()):
             raise ValueError(f"{message}; got values {sorted(set(labels[bad].tolist()))[:8]}")
     else:
-        torch._assert_async(~bad.any(), message)
+        assert_async(~bad.any(), message)
 
 
 def linear_cross_entropy(

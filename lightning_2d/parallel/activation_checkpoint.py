@@ -70,7 +70,7 @@ def uses_randomness(block: nn.Module, plan: ParallelPlan) -> bool:
 
 
 def _wrap(block: nn.Module, plan: ParallelPlan, **kwargs: Any) -> nn.Module:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from lightning_2d._compat import checkpoint_wrapper
 
     # preserve_rng_state saves and restores the CPU and device generator states around every
     # recomputed block so dropout draws the same masks twice; a block without randomness (Llama)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_2d._compat import raise_dynamo_cache_limit
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import get_submodule_container, replace_blocks
 
@@ -17,5 +18,5 @@ def apply_compile(model: nn.Module, plan: ParallelPlan, config: ParallelConfig) 
     """
     blocks = get_submodule_container(model, plan.blocks)
     # Each block is a separate module object, so dynamo caches an entry per block.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(blocks) + 8)
+    raise_dynamo_cache_limit(len(blocks) + 8)
     replace_blocks(blocks, lambda i, block: torch.compile(block, fullgraph=True))

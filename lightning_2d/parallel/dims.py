@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_2d._compat import flatten_mesh_dims, group_timeout, set_group_timeout
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
     ParallelConfig,
@@ -82,7 +83,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims)
-        flat = mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]._flatten(DP_DIM)
+        flat = flatten_mesh_dims(mesh, (DP_REPLICATE_DIM, DP_SHARD_DIM), DP_DIM)
         if timeout is not None:
             set_group_timeouts([*mesh.get_all_groups(), flat.get_group()], timeout)
         return mesh
@@ -97,12 +98,10 @@ class ParallelDims:
 
 
 def set_group_timeouts(groups: list[Any], timeout: timedelta) -> None:
-    """``timeout`` on each process group (torch's ``_set_pg_timeout``; the fake backend has none to set)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
+    """``timeout`` on each process group (the fake backend has none to set)."""
     for group in {id(g): g for g in groups}.values():
         try:
-            _set_pg_timeout(timeout, group)
+            set_group_timeout(group, timeout)
         except (RuntimeError, AttributeError, ValueError):  # a backend without timeouts (fake, custom)
             pass
 
@@ -115,8 +114,7 @@ def group_timeouts(mesh: "DeviceMesh") -> dict[str, Optional[timedelta]]:
     for name in (*(mesh.mesh_dim_names or MESH_DIMS), DP_DIM):
         group = mesh[name].get_group()
         try:
-            backend = group._get_backend(torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda"))
-            out[name] = backend.options._timeout
+            out[name] = group_timeout(group, torch.device("cpu" if mesh.device_type == "cpu" else "cuda"))
         except (RuntimeError, AttributeError):
             out[name] = None
     return out

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lightning_2d._compat import PYTREE_LOGGER, enable_micro_pipeline_tp, has_symmetric_memory, symmetric_memory
 from lightning_2d.parallel.config import Size, float8_recipe_problems
 from lightning_2d.parallel.modules import canonical_name
 
@@ -127,12 +128,7 @@ def _float8_device_problem(device_index: int) -> str | None:
 
 
 def _has_symmetric_memory() -> bool:
-    try:
-        importlib.import_module("torch.distributed._symmetric_memory")
-        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return has_symmetric_memory()
 
 
 def float8_problems(
@@ -245,7 +241,7 @@ def float8_problems(
 def _quiet_torchao_import() -> Iterator[None]:
     # On a torch build without CUDA, torchao logs a warning for every CUDA extension it cannot load,
     # and torch logs a deprecation aimed at torchao's own code; neither is actionable by our users.
-    names = ["torch.utils._pytree"]
+    names = [PYTREE_LOGGER]
     if torch.version.cuda is None and torch.version.hip is None:
         names.append("torchao")
     loggers = [logging.getLogger(name) for name in names]
@@ -521,10 +517,8 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
             f"Async tensor parallelism overlaps tensor-parallel communication, but the tensor-parallel mesh has"
             f" {tp_mesh.size()} rank. Use tensor_parallel_size > 1 or async_tensor_parallel=False."
         )
-    import torch._inductor.config as inductor_config
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    inductor_config._micro_pipeline_tp = True
+    symm_mem = symmetric_memory()
+    enable_micro_pipeline_tp()
     group_name = tp_mesh.get_group().group_name
     # torch 2.13 marks enable_symm_mem_for_group deprecated ("no need to call"), yet its
     # micro-pipeline pass still skips any group for which is_symm_mem_enabled_for_group() is False,

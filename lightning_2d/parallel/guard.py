@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_2d._compat import foreach_norm
+
 
 class NonFiniteStepError(RuntimeError):
     """A step's loss or gradients were NaN/inf on some rank; raised on every rank before the update."""
@@ -46,7 +48,7 @@ def finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
         return torch.ones((), device=device)
     # The max-norm is finite exactly when every element is (NaN propagates), reads each tensor once
     # (fused), and, unlike the 2-norm, cannot overflow on large finite values.
-    norms = torch._foreach_norm([t.float() if not t.is_floating_point() else t for t in tensors], float("inf"))
+    norms = foreach_norm([t.float() if not t.is_floating_point() else t for t in tensors], float("inf"))
     return torch.isfinite(torch.stack([n.float().to(device) for n in norms]).max()).float()
 
 

@@ -75,7 +75,8 @@ def vocab_parallel_linear_cross_entropy(
     """
     import torch.distributed as dist
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from lightning_2d._compat import compute_local_shape_and_global_offset
 
     mesh = weight.device_mesh
     group = mesh.get_group()

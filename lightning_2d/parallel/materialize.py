@@ -24,7 +24,8 @@ def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | No
     and the global offset of that shard (the same computation Distributed Checkpoint uses).
     """
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from lightning_2d._compat import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
         return param, None

@@ -1,7 +1,7 @@
 """The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → activation
 checkpointing → compile → FSDP2.
 
-The Trainer strategy (``lightning_2d.lightning.trainer_strategy``) and the Fabric strategy (``lightning_2d.lightning.fabric_strategy``)
+The Trainer strategy (``lightning_2d.integration.trainer_strategy``) and the Fabric strategy (``lightning_2d.integration.fabric_strategy``)
 both call ``parallelize_model``; neither has a copy of these steps.
 
 Each step can be replaced without subclassing a strategy: an object passed as ``hooks`` (the

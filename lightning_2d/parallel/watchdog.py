@@ -54,6 +54,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
+from lightning_2d._compat import default_store
+
 #: The exit code of a rank ended by the watchdog (``EX_TEMPFAIL``: resume from the last checkpoint).
 EXIT_CODE = 75
 
@@ -662,7 +664,7 @@ def start_watchdog(timeout: Optional[timedelta], rank: int, world_size: int, **k
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, (identity, uuid.uuid4().hex if rank == 0 else None))
     run_id = gathered[0][1]
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     try:
         store = store.clone()  # its own connection: the main thread's store calls never wait behind ours
     except Exception:  # noqa: BLE001 — a store kind without clone() (FileStore): share it

@@ -52,7 +52,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.lightning.callbacks import peak_memory_gib, peak_tflops, reset_peak_memory, synchronize
+from lightning_2d.integration.callbacks import peak_memory_gib, peak_tflops, reset_peak_memory, synchronize
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.parallel.config import (
     PRECISION_TO_DTYPES,
@@ -288,7 +288,7 @@ def _model_args(args: argparse.Namespace, problems: list[str]) -> Optional[Model
 
 
 def _strategy_accepts() -> set[str]:
-    from lightning_2d.lightning.trainer_strategy import ModelParallel2DStrategy
+    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 
     return set(inspect.signature(ModelParallel2DStrategy).parameters)
 
@@ -483,7 +483,7 @@ class StepClock:
 
 def adamw_defaults() -> dict[str, Any]:
     """``LlamaLightningModule``'s optimizer hyper-parameters (its constructor defaults): one source of truth."""
-    from lightning_2d.lightning.module import LlamaLightningModule
+    from lightning_2d.integration.module import LlamaLightningModule
 
     parameters = inspect.signature(LlamaLightningModule.__init__).parameters
     names = ("learning_rate", "weight_decay", "betas", "eps", "fused", "warmup_steps", "min_lr_ratio")
@@ -499,7 +499,7 @@ def build_adamw(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its schedule for the hand-written variants, following ``LlamaLightningModule.configure_optimizers``:
     weight decay on matrices only, fused on CUDA and foreach elsewhere, linear warm-up then cosine."""
-    from lightning_2d.lightning.module import warmup_cosine_schedule
+    from lightning_2d.integration.module import warmup_cosine_schedule
 
     hp = adamw_defaults()
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -675,8 +675,8 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, callbac
 
 def run_lightning_2d(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, torch.dtype]:
     """Variant ``lightning_2d``: Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``."""
-    from lightning_2d.lightning.module import LlamaLightningModule
-    from lightning_2d.lightning.trainer_strategy import ModelParallel2DStrategy
+    from lightning_2d.integration.module import LlamaLightningModule
+    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 
     module = LlamaLightningModule(
         model=settings.model_args,
@@ -810,7 +810,7 @@ def started_by_launcher() -> bool:
 
 
 def _child_env(settings: BenchmarkSettings) -> dict[str, str]:
-    package_root = str(Path(__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)}
     if settings.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N processes each running as many threads as cores would oversubscribe.

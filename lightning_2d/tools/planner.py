@@ -92,6 +92,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_2d._compat import fake_store
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
@@ -788,14 +789,13 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         rank: The rank this process plays (its mesh coordinates: under a pipeline, its stages).
     """
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
         raise RuntimeError(
             "plan_run simulates its own world with a fake process group, but this process already has a"
             " default process group; call it in a process without one (e.g. before the Trainer starts)"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -367,7 +367,7 @@ def text(cfg: dict) -> None:
     (Resuming the data position is tested with the checkpoints, in test_checkpoints.py.)
     """
     from lightning_2d import TextDataModule
-    from lightning_2d.lightning.callbacks import ThroughputMonitor
+    from lightning_2d.integration.callbacks import ThroughputMonitor
 
     out_dir = Path(cfg["out_dir"])
     L.seed_everything(7, verbose=False)

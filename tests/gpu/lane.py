@@ -34,7 +34,7 @@ MFU_TARGET_PERCENT = 45.0
 
 #: Dense bf16 tensor-core peak, TFLOP/s, by a substring of ``torch.cuda.get_device_name()``
 #: (vendor data sheets, SXM parts; torchtitan uses the same 989 for H100/H200). The lane keeps its
-#: own figure instead of reading ``lightning_2d.lightning.callbacks``: the MFU it reports cross-checks that
+#: own figure instead of reading ``lightning_2d.integration.callbacks``: the MFU it reports cross-checks that
 #: callback, so it must not share the callback's inputs.
 DENSE_BF16_PEAK_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0}
 

@@ -40,7 +40,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_2d import LlamaLightningModule, ModelArgs, ModelParallel2DStrategy, TextDataModule  # noqa: E402
-from lightning_2d.lightning.callbacks import ThroughputMonitor  # noqa: E402
+from lightning_2d.integration.callbacks import ThroughputMonitor  # noqa: E402
 from lightning_2d.parallel.grad_norm import total_grad_norm  # noqa: E402
 from tests.gpu.lane import PARENT_PID_ENV, dense_bf16_peak_tflops  # noqa: E402
 

@@ -23,8 +23,8 @@ from lightning_2d import (
     TextDataModule,
     ThroughputMonitor,
 )
-from lightning_2d.lightning import callbacks
-from lightning_2d.lightning.callbacks import (
+from lightning_2d.integration import callbacks
+from lightning_2d.integration.callbacks import (
     ThroughputMeter,
     compute_dtype_of,
     fp32_matmuls_use_tf32,

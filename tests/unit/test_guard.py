@@ -69,7 +69,7 @@ def test_the_policy_is_checked_at_construction():
 def test_off_checks_nothing_per_step(monkeypatch):
     """``non_finite="off"`` (benchmarks): no gradient read and no all-gather per step, a NaN gradient goes through
     to the optimizer as in plain Lightning."""
-    import lightning_2d.lightning.strategy_base as base
+    import lightning_2d.integration.strategy_base as base
 
     monkeypatch.setattr(base, "guard_step", lambda *a, **k: pytest.fail("guard_step called under non_finite='off'"))
     strategy = ModelParallel2DStrategy(non_finite="off")

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel",),
     ("models",),
     ("checkpoint", "data"),
-    ("lightning",),
+    ("integration",),
     ("tools",),
     ("__init__", "__main__", "hf", "fabric"),
 ]

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_2d import LlamaLightningModule, ModelArgs
-from lightning_2d.lightning.module import warmup_cosine_schedule
+from lightning_2d.integration.module import warmup_cosine_schedule
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine():

@@ -240,7 +240,7 @@ MEASURE = textwrap.dedent(
     """
     import gc, json, sys
     import torch
-    from lightning_2d.lightning.callbacks import peak_memory_gib, reset_peak_memory
+    from lightning_2d.integration.callbacks import peak_memory_gib, reset_peak_memory
     from lightning_2d.models.llama.model import ModelArgs, Transformer
     from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
     from lightning_2d.parallel.config import ParallelConfig

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_2d.lightning.module import CausalLMModule
+from lightning_2d._compat import trainer_of
+from lightning_2d.integration.module import CausalLMModule
 from lightning_2d.models.hf_decoders import (
     HFDecoderInit,
     check_hf_decoder,
@@ -107,7 +108,8 @@ class HFCausalLMModule(CausalLMModule):
         if self.model is not None:
             return
         model = self.build_model()
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        trainer = trainer_of(self)
+        strategy = trainer.strategy if trainer is not None else None
         if getattr(strategy, "materializes_meta_modules", False):
             self.model = model  # parallelized, then allocated shard by shard, by the strategy
             return

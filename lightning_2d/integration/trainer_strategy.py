@@ -6,7 +6,7 @@ layout before any process group exists, builds the N-D mesh (``ParallelDims``: H
 FSDP shards × tensor parallel), then applies ``lightning_2d.parallel.parallelize_model`` (the same
 function the Fabric strategy calls) and materializes the meta-device model shard by shard with
 layout-independent values. What both strategies share lives in
-``lightning_2d.lightning.strategy_base``; launching, the sampler and checkpoint I/O are Lightning's.
+``lightning_2d.integration.strategy_base``; launching, the sampler and checkpoint I/O are Lightning's.
 """
 
 from __future__ import annotations
@@ -17,14 +17,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_2d._compat import (
+    optimizers_to_device,
+    saves_distributed_checkpoint,
+    set_module_mesh,
+    trainer_of,
+    trainer_precision_plugin,
+)
 from lightning_2d.checkpoint.files import remove_path, save_full_checkpoint
-from lightning_2d.lightning.strategy_base import FSDP2Precision, ModelParallel2DBase
+from lightning_2d.integration.launcher import ValidatingLauncher
+from lightning_2d.integration.strategy_base import FSDP2Precision, ModelParallel2DBase
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfigError
@@ -50,7 +57,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     A ``configure_model`` that parallelizes the model itself (as with Lightning's strategy) is
     respected: the strategy then only materializes it.
 
-    The options are documented on ``lightning_2d.lightning.strategy_base.ModelParallel2DBase``
+    The options are documented on ``lightning_2d.integration.strategy_base.ModelParallel2DBase``
     (``data_parallel_size``, ``tensor_parallel_size``, ``data_parallel_replicate_size``,
     ``sequence_parallel``, ``activation_checkpointing``, ``compile``, ``float8``, checkpoints …).
 
@@ -65,7 +72,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
     # ---- what differs from Fabric -------------------------------------------------------------
     def _precision_plugin_2d(self) -> Any:
-        return self._precision_plugin
+        return trainer_precision_plugin(self)
 
     def _set_precision_plugin_2d(self, plugin: Any) -> None:
         self.precision_plugin = plugin
@@ -76,7 +83,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         module = self.lightning_module
         if module is None:
             return {"plan": self._plan, "seq_len": None}
-        trainer = getattr(module, "_trainer", None)
+        trainer = trainer_of(module)
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
         return {
             "plan": resolve_plan(module, self.parallel_config, self._plan),
@@ -87,18 +94,13 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._launcher is None:  # processes created externally (torchrun, SLURM): each validates at setup
-            return
-        # The model and the datamodule reach the strategy only inside the launched function, i.e. in
-        # every process once they are spawned; the launcher's arguments carry them earlier. Check the
-        # plan's sizes and the sequence length here, in the launching process, before any rank starts.
-        launch = self._launcher.launch
-
-        def validate_then_launch(function: Any, *args: Any, **kwargs: Any) -> Any:
-            self._validate_before_launch([*args, *kwargs.values()])
-            return launch(function, *args, **kwargs)
-
-        self._launcher.launch = validate_then_launch  # type: ignore[method-assign]
+        # Lightning's strategy starts the other ranks as copies of the script unless they were created
+        # externally (torchrun, SLURM: each validates at setup). Ours checks the plan's sizes and the
+        # sequence length first, in the launching process, before any rank starts.
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = ValidatingLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, validate=self._validate_before_launch
+            )
 
     def _validate_before_launch(self, arguments: list[Any]) -> None:
         """``validate`` with the plan of the LightningModule and the ``seq_len`` of the datamodule found in
@@ -127,7 +129,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         super().setup_environment()
         # Users can reach the mesh in `LightningModule.configure_model()` (as with Lightning's strategy).
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_module_mesh(self.lightning_module, self.device_mesh)
 
     # ---- parallelize and materialize ----------------------------------------------------------
     @override
@@ -153,7 +155,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     # ---- pipeline parallelism -----------------------------------------------------------------
     @override
@@ -195,7 +197,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         if self.lightning_module is not None:
             check_finite_weights(self.lightning_module, path)  # never a checkpoint of NaN weights
         checkpoint["lightning_2d"] = {"layout": self._layout()}
-        if self._save_distributed_checkpoint:
+        if saves_distributed_checkpoint(self):
             state = {"state_dict": checkpoint.pop("state_dict")}
             for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[f"optimizer_{idx}"] = optim_state

@@ -1,6 +1,6 @@
 """What the Trainer and the Fabric strategies share: options, validation, the mesh, seed, checkpoints.
 
-``lightning_2d.ModelParallel2DStrategy`` (Trainer) and ``lightning_2d.lightning.fabric_strategy.ModelParallel2DStrategy``
+``lightning_2d.ModelParallel2DStrategy`` (Trainer) and ``lightning_2d.integration.fabric_strategy.ModelParallel2DStrategy``
 are each Lightning's ``ModelParallelStrategy`` of their world with ``ModelParallel2DBase`` in front
 of it in the MRO. The base owns everything that is not specific to one world:
 
@@ -33,6 +33,13 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_2d._compat import (
+    saves_distributed_checkpoint,
+    set_strategy_mesh,
+    setup_distributed,
+    strategy_timeout,
+    trainer_of,
+)
 from lightning_2d.checkpoint.files import (
     CheckpointError,
     ShardedCheckpointWriter,
@@ -303,14 +310,14 @@ class ModelParallel2DBase:
         # What Lightning's ModelParallelStrategy.setup_environment does before building its 2D mesh:
         # the accelerator's device, then the seed reset, the world ranks and the process group.
         self.accelerator.setup_device(self.root_device)  # type: ignore[attr-defined]
-        self._setup_distributed()  # type: ignore[attr-defined]
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)  # type: ignore[attr-defined]
+        setup_distributed(self)
+        set_strategy_mesh(self, self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self)))
         destroy_process_group_at_exit()
         self._watchdog = start_watchdog(self._watchdog_timeout, self.global_rank, self.world_size)  # type: ignore[attr-defined]
         self._checkpoint_writer = make_writer(
             self.global_rank,  # type: ignore[attr-defined]
             self.barrier,  # type: ignore[attr-defined]
-            self._save_distributed_checkpoint,  # type: ignore[attr-defined]
+            saves_distributed_checkpoint(self),
             self._async_checkpoint,
         )
 
@@ -351,7 +358,7 @@ class ModelParallel2DBase:
     def _step_number(self) -> int:
         """The optimizer step about to be taken, counted from 1 (the Trainer's ``global_step + 1``)."""
         module = getattr(self, "lightning_module", None)
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = trainer_of(module) if module is not None else None
         if trainer is not None:
             return int(trainer.global_step) + 1
         return self._optimizer_steps + 1

@@ -1,4 +1,4 @@
-"""``lightning_2d.lightning.fabric_strategy.ModelParallel2DStrategy``: the same 2D parallelism for Fabric scripts.
+"""``lightning_2d.integration.fabric_strategy.ModelParallel2DStrategy``: the same 2D parallelism for Fabric scripts.
 
     fabric = L.Fabric(devices=8, strategy=ModelParallel2DStrategy(tensor_parallel_size=8))
     with fabric.init_module(empty_init=True):
@@ -21,14 +21,13 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
 from lightning_2d.checkpoint.files import save_full_checkpoint
-from lightning_2d.lightning.strategy_base import FabricFSDP2Precision, ModelParallel2DBase, signature_with
+from lightning_2d.integration.strategy_base import FabricFSDP2Precision, ModelParallel2DBase, signature_with
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfig
@@ -41,7 +40,7 @@ from lightning_2d.parallel.parallelize import parallelize_and_materialize
 __all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy"]
 
 
-class _GradientSyncControl(_BackwardSyncControl):
+class _GradientSyncControl(backward_sync_control_class()):  # type: ignore[misc]
     """``fabric.no_backward_sync``: the FSDP2 switch the Trainer strategy uses too."""
 
     def __init__(self, config: ParallelConfig) -> None:
@@ -56,7 +55,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """2D parallelism (FSDP2 or HSDP × tensor/sequence parallel) for Fabric, applied by the strategy.
 
     Takes the options of the Trainer strategy (documented on
-    ``lightning_2d.lightning.strategy_base.ModelParallel2DBase``), plus:
+    ``lightning_2d.integration.strategy_base.ModelParallel2DBase``), plus:
 
     Args:
         parallelize_fn: Fabric's hook ``(module, device_mesh) -> module``; when given, it replaces the
@@ -151,7 +150,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 f"fabric.save needs exactly one model in the state (got {len(modules)}): state={{'model': model, ...}}"
             )
         check_finite_weights(modules[0], path)  # never a checkpoint of NaN weights
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        sharded = saves_distributed_checkpoint(self)
+        options = StateDictOptions(full_state_dict=not sharded, cpu_offload=True)
         tensors: dict[str, Any] = {}
         metadata: dict[str, Any] = {"lightning_2d": {"layout": self._layout()}}
         for key, obj in state.items():
@@ -160,8 +160,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             elif isinstance(obj, Optimizer):
                 tensors[key] = get_optimizer_state_dict(modules[0], obj, options=options)
             else:
-                metadata[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
-        if self._save_distributed_checkpoint:
+                metadata[key] = obj.state_dict() if is_stateful(obj) else obj
+        if sharded:
             self._checkpoint_writer.save(tensors, metadata, path)
             return
         self._checkpoint_writer.wait()
@@ -182,7 +182,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         stateful = {}
         if isinstance(state, dict):
             stateful = {
-                k: v for k, v in state.items() if isinstance(v, _Stateful) and not isinstance(v, (nn.Module, Optimizer))
+                k: v for k, v in state.items() if is_stateful(v) and not isinstance(v, (nn.Module, Optimizer))
             }
         if isinstance(state, dict):
             for key, obj in state.items():

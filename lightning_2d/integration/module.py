@@ -13,6 +13,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.models.llama.plan import llama_plan
@@ -220,7 +221,8 @@ class LlamaLightningModule(CausalLMModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        trainer = trainer_of(self)
+        strategy = trainer.strategy if trainer is not None else None
         config = getattr(strategy, "parallel_config", None)
         if getattr(config, "loss_parallel", False) and self.hparams.fused_loss:
             rank_zero_warn(
