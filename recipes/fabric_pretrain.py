@@ -28,8 +28,8 @@ import torch
 from lightning_2d import ModelArgs, TextDataModule, Transformer
 from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
-from lightning_2d.lightning.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
-from lightning_2d.lightning.module import warmup_cosine_schedule
+from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
+from lightning_2d.integration.module import warmup_cosine_schedule
 from lightning_2d.parallel import pipeline_of
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
