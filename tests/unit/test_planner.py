@@ -92,7 +92,7 @@ def test_the_fake_world_is_torn_down_on_error(monkeypatch):
         assert dist.is_initialized() and dist.get_world_size() == 16
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(planner, "_units", broken)
+    monkeypatch.setattr(planner.world, "_units", broken)  # where _shard looks it up
     with pytest.raises(RuntimeError, match="boom"):
         plan_run("debug", num_nodes=2, devices=8, config=ParallelConfig(tensor_parallel_size=4))
     assert not dist.is_initialized()
