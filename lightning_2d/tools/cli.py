@@ -23,7 +23,7 @@ from typing import Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_2d.integration.trainer_strategy  # noqa: F401  (registers the "model_parallel_2d" strategy name)
-from lightning_2d.data.text import TextDataModule
+from lightning_2d.data import TextDataModule
 from lightning_2d.integration.callbacks import ThroughputMonitor
 from lightning_2d.integration.module import CausalLMModule
 

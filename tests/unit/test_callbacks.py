@@ -33,7 +33,7 @@ from lightning_2d.integration.callbacks import (
     reset_peak_memory,
     synchronize,
 )
-from lightning_2d.data.text import stdlib_sources
+from lightning_2d.data import stdlib_sources
 from lightning_2d.fabric import ModelParallel2DStrategy as FabricModelParallel2DStrategy
 
 CUDA = torch.device("cuda", 0)
