@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import os
 import json
+import os
 import resource
 import subprocess
 import sys

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfig
+from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.tools import benchmark as bench
 from lightning_2d.tools.launch import launch_processes
-from lightning_2d.models.llama.model import ModelArgs
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -68,7 +68,7 @@ def test_cache_is_reused_and_keyed_by_content(corpus, tmp_path):
 
 
 def test_hugging_face_tokenizer_round_trip(corpus, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

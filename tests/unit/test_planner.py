@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_2d.tools import planner
 from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.tools import planner
 from lightning_2d.tools.planner import ActivationModel, FSDPUnit, gathered_peak, plan_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

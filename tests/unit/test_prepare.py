@@ -28,9 +28,9 @@ from lightning_2d.data import (
 )
 from lightning_2d.data import datamodule as data_module
 from lightning_2d.data.pieces import PieceTokenizer, plan_pieces
+from lightning_2d.data.tokenizers import ByteTokenizer, load_tokenizer
 from lightning_2d.tools.prepare import main as prepare_main
 from lightning_2d.tools.prepare import parse_args
-from lightning_2d.data.tokenizers import ByteTokenizer, load_tokenizer
 
 # Lines of very different lengths, multi-byte characters, and a line longer than the chunk sizes
 # used below with no newline (cut at a character boundary).
