@@ -59,7 +59,6 @@ def cache_folder(
     return Path(cache_dir).expanduser() / cache_key(sources, tokenizer, text_field, chunk_bytes)
 
 
-
 @dataclass
 class CacheReport:
     """What ``prepare_token_cache`` found or built.

@@ -41,7 +41,6 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
-
 # ---- sampling ---------------------------------------------------------------------------------
 class DataParallelSampler(DistributedSampler):
     """Every epoch one seeded permutation of all samples; replica ``r`` takes positions ``r, r+R, …``.

@@ -167,7 +167,6 @@ def _piece_boundary(f: BinaryIO, nominal: int, file_size: int, window: Optional[
     return nominal + next((i for i, b in enumerate(head) if b & 0xC0 != 0x80), 0)
 
 
-
 # ---- tokenizing pieces (in the worker processes) ---------------------------------------------
 @dataclass
 class PieceTokens:

@@ -16,7 +16,6 @@ class DataError(ValueError):
     """Bad data input: names the file or value and what to do."""
 
 
-
 def stdlib_sources() -> list[Path]:
     """The Python standard library's own ``.py`` files (tens of MB of real text on every machine)."""
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -50,7 +50,6 @@ def synthetic_loader(settings: BenchmarkSettings, rank: int) -> torch.utils.data
     return torch.utils.data.DataLoader(dataset, batch_size=settings.local_batch_size, shuffle=False)
 
 
-
 def adamw_defaults() -> dict[str, Any]:
     """``LlamaLightningModule``'s optimizer hyper-parameters (its constructor defaults): one source of truth."""
     from lightning_2d.integration.module import LlamaLightningModule
@@ -85,7 +84,6 @@ def build_adamw(
     )
     schedule = warmup_cosine_schedule(lr_warmup_steps(settings), settings.total_steps, hp["min_lr_ratio"])
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
 
 
 @torch.no_grad()

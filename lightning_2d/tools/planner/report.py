@@ -117,7 +117,6 @@ class PlanReport:
         return out
 
 
-
 def _gib(n: float) -> str:
     return f"{n / GIB:9.2f}"
 

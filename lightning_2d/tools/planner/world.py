@@ -78,7 +78,6 @@ class _Shards:
     split: list[int]  # blocks of every stage of the pipeline ([] without a pipeline)
 
 
-
 def _shard(
     args: ModelArgs, dims: ParallelDims, config: ParallelConfig, precision: str, loss_chunk_size: Optional[int],
     rank: int = 0,
