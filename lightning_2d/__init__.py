@@ -1,6 +1,6 @@
 """lightning_2d: 2D parallel training (FSDP2 × tensor/sequence parallel) as a Lightning strategy."""
 
-from lightning_2d.data.text import TextDataModule
+from lightning_2d.data import TextDataModule
 from lightning_2d.integration.callbacks import ThroughputMonitor
 from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy

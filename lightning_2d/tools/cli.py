@@ -5,7 +5,7 @@
     lightning-2d fit --trainer.strategy=model_parallel_2d --trainer.devices=4 --trainer.accelerator=cpu
 
 The model is any ``CausalLMModule``: a recipe's ``model:`` section without ``class_path`` configures
-``LlamaLightningModule``; ``class_path: lightning_2d.checkpoint.hf.HFCausalLMModule`` trains a Hugging Face
+``LlamaLightningModule``; ``class_path: lightning_2d.hf.HFCausalLMModule`` trains a Hugging Face
 decoder (``recipes/hf_llama_cpu.yaml``).
 
 Subcommands: ``fit``, ``validate``, ``test``, ``predict``. A ``ThroughputMonitor`` is always on
@@ -23,7 +23,7 @@ from typing import Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_2d.integration.trainer_strategy  # noqa: F401  (registers the "model_parallel_2d" strategy name)
-from lightning_2d.data.text import TextDataModule
+from lightning_2d.data import TextDataModule
 from lightning_2d.integration.callbacks import ThroughputMonitor
 from lightning_2d.integration.module import CausalLMModule
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
-from lightning_2d.data.text import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
+from lightning_2d.data import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
 
 DESCRIPTION = (
     "Tokenize the corpus of a recipe's `data` section (TextDataModule) into the token cache that training"

@@ -41,8 +41,8 @@ def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
     import torch.distributed as dist
 
     from lightning_2d.models.llama.model import ModelArgs, Transformer
-    from lightning_2d.parallel import ParallelConfig, ParallelDims, materialize_model, parallelize_model, pipeline_of
     from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel import ParallelConfig, ParallelDims, materialize_model, parallelize_model, pipeline_of
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")

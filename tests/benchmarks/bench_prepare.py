@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import os
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -33,7 +33,7 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_2d.data.text import (  # noqa: E402
+from lightning_2d.data import (  # noqa: E402
     CacheReport,
     corpus_bytes,
     default_num_workers,
@@ -109,7 +109,7 @@ def build(
 BEFORE = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from lightning_2d.data.text import build_token_cache, stdlib_sources
+from lightning_2d.data import build_token_cache, stdlib_sources
 from lightning_2d.data.tokenizers import load_tokenizer
 sources, tokenizer = stdlib_sources(), load_tokenizer(sys.argv[2])
 started, cpu = time.perf_counter(), time.process_time()

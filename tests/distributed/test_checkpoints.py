@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint.files import is_complete
-from lightning_2d.data.text import stdlib_sources
+from lightning_2d.data import stdlib_sources
 from tests.distributed.conftest import load_weights
 
 pytestmark = pytest.mark.distributed

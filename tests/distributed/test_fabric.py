@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_2d.data.text import stdlib_sources
+from lightning_2d.data import stdlib_sources
 from tests.distributed.conftest import load_weights
 from tests.distributed.test_parity import LOSS_RTOL
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint.files import is_complete
-from lightning_2d.data.text import stdlib_sources
+from lightning_2d.data import stdlib_sources
 from lightning_2d.tools.launch import JobResult, launch_processes
 
 pytestmark = pytest.mark.distributed

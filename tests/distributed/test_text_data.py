@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from lightning_2d.data.text import stdlib_sources
+from lightning_2d.data import stdlib_sources
 
 pytestmark = pytest.mark.distributed
 

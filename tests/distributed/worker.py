@@ -516,8 +516,8 @@ def fabric_loop(cfg: dict) -> None:
         strategy = "auto"
     elif cfg.get("custom_parallelize_fn"):
         # Fabric's own hook, written by hand as a user would: the library's steps, full AC.
-        from lightning_2d.parallel import ParallelConfig, parallelize_model
         from lightning_2d.models.llama.plan import llama_plan
+        from lightning_2d.parallel import ParallelConfig, parallelize_model
 
         def parallelize_fn(model, mesh):
             config = ParallelConfig(activation_checkpointing="full").resolve_dtypes("32-true")

@@ -177,7 +177,7 @@ class GpuJobs:
 
 def write_corpus(path: Path, max_bytes: int = CORPUS_BYTES) -> Path:
     """Concatenate standard-library sources (UTF-8, non-empty) into one text file of about ``max_bytes``."""
-    from lightning_2d.data.text import stdlib_sources
+    from lightning_2d.data import stdlib_sources
 
     pieces, size = [], 0
     for source in stdlib_sources():

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfig
+from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.tools import benchmark as bench
 from lightning_2d.tools.launch import launch_processes
-from lightning_2d.models.llama.model import ModelArgs
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -164,7 +164,7 @@ def test_gpu_without_cuda_is_refused(monkeypatch):
 
 
 def test_an_option_the_strategy_does_not_accept_is_refused(monkeypatch):
-    monkeypatch.setattr(bench, "_strategy_accepts", lambda: {"data_parallel_size", "tensor_parallel_size"})
+    monkeypatch.setattr(bench.settings, "_strategy_accepts", lambda: {"data_parallel_size", "tensor_parallel_size"})
     message = r"does not accept the ParallelConfig option\(s\) loss_parallel"
     with pytest.raises(bench.BenchmarkConfigError, match=message):
         settings("--loss-parallel")
@@ -176,7 +176,7 @@ def test_main_reports_bad_settings_before_starting_processes(monkeypatch, capsys
     def must_not_run(*args, **kwargs):
         raise AssertionError("processes started despite impossible settings")
 
-    monkeypatch.setattr(bench, "run_spawned", must_not_run)
+    monkeypatch.setattr(bench.cli, "run_spawned", must_not_run)  # where main looks it up
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--accelerator", "cpu", "--global-batch-size", "3"])
     assert exit_.value.code == 2

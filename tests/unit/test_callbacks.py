@@ -23,6 +23,8 @@ from lightning_2d import (
     TextDataModule,
     ThroughputMonitor,
 )
+from lightning_2d.data import stdlib_sources
+from lightning_2d.fabric import ModelParallel2DStrategy as FabricModelParallel2DStrategy
 from lightning_2d.integration import callbacks
 from lightning_2d.integration.callbacks import (
     ThroughputMeter,
@@ -33,8 +35,6 @@ from lightning_2d.integration.callbacks import (
     reset_peak_memory,
     synchronize,
 )
-from lightning_2d.data.text import stdlib_sources
-from lightning_2d.fabric import ModelParallel2DStrategy as FabricModelParallel2DStrategy
 
 CUDA = torch.device("cuda", 0)
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from lightning_2d import ModelParallel2DStrategy
+from lightning_2d.data import DataError, stdlib_sources
 from lightning_2d.tools.cli import cli_main
-from lightning_2d.data.text import DataError, stdlib_sources
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_2d.data.text import (
+from lightning_2d.data import (
     DataError,
     DataParallelSampler,
     ResumableDataLoader,
@@ -68,7 +68,7 @@ def test_cache_is_reused_and_keyed_by_content(corpus, tmp_path):
 
 
 def test_hugging_face_tokenizer_round_trip(corpus, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -236,7 +236,7 @@ def test_vocabulary_mismatch_and_bad_arguments():
 
 
 def test_a_folder_contributes_its_corpus_files_not_metadata_or_hidden_files(tmp_path):
-    from lightning_2d.data.text import DataError
+    from lightning_2d.data import DataError
 
     root = tmp_path / "dataset"
     (root / "__pycache__").mkdir(parents=True)
@@ -260,7 +260,7 @@ def test_a_folder_contributes_its_corpus_files_not_metadata_or_hidden_files(tmp_
 def test_every_bad_file_is_reported_at_once_and_nothing_is_cached(tmp_path):
     """JSONL values that are not strings (null, numbers, objects) would be tokenized as their repr; a run
     with several bad files names each with its line, in one error, and leaves no cache or partial file."""
-    from lightning_2d.data.text import DataError
+    from lightning_2d.data import DataError
 
     (tmp_path / "a_null.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
     (tmp_path / "b_number.jsonl").write_text('{"text": 42}\n')

@@ -271,11 +271,11 @@ def test_float8_tp_fsdp_pipeline_on_one_rank(gloo_world, all_gather):
     from torchao.float8.config import e4m3_dtype
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+    from lightning_2d.models.llama.plan import llama_plan
     from lightning_2d.parallel.config import ParallelConfig
     from lightning_2d.parallel.dims import DP_DIM, TP_DIM, ParallelDims, build_device_mesh
     from lightning_2d.parallel.fsdp import apply_fully_shard
     from lightning_2d.parallel.materialize import materialize_model
-    from lightning_2d.models.llama.plan import llama_plan
     from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
     _, _, prepare_input = f8.float8_tensor_parallel_styles()

@@ -196,7 +196,7 @@ def test_export_holds_one_output_file_at_a_time(trained, tmp_path, monkeypatch, 
 
     import safetensors.torch
 
-    import lightning_2d.checkpoint.hf as hf
+    import lightning_2d.checkpoint.hf.export as hf  # where export_hf looks up to_hf_tensor
 
     alive: set[str] = set()
     events: list[tuple[str, Any]] = []

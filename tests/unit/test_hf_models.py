@@ -17,9 +17,9 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_2d.hf import HFCausalLMModule, HFDecoderInit, SafetensorsWeights, check_hf_decoder, hf_decoder_plan  # noqa: E402
+from lightning_2d.models.registry import known_init_hooks, known_plan  # noqa: E402
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan, validate_parallel_dims  # noqa: E402
 from lightning_2d.parallel.materialize import MaterializationError, materialize_model  # noqa: E402
-from lightning_2d.models.registry import known_init_hooks, known_plan  # noqa: E402
 from lightning_2d.parallel.styles import SequenceShardInput, is_sequence_parallel_style  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.ops.linear_cross_entropy import linear_cross_entropy
 from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.ops.linear_cross_entropy import linear_cross_entropy
 
 
 def _problem(dtype: torch.dtype, n: int = 150, dim: int = 32, vocab: int = 301):

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_2d import LlamaLightningModule, ModelArgs, ModelParallel2DStrategy, Transformer
-from lightning_2d.parallel.materialize import MaterializationError, materialize_model
 from lightning_2d.integration.strategy_base import NonFiniteLossError
+from lightning_2d.parallel.materialize import MaterializationError, materialize_model
 
 CPU = torch.device("cpu")
 

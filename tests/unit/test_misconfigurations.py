@@ -15,9 +15,15 @@ from pathlib import Path
 import lightning as L
 import pytest
 
-from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, ParallelConfigError, ParallelPlan, TextDataModule
+from lightning_2d import (
+    LlamaLightningModule,
+    ModelParallel2DStrategy,
+    ParallelConfigError,
+    ParallelPlan,
+    TextDataModule,
+)
 from lightning_2d.checkpoint.files import CheckpointError, resolve_checkpoint
-from lightning_2d.data.text import DataError
+from lightning_2d.data import DataError
 
 
 def trainer(**strategy) -> L.Trainer:

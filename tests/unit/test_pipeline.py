@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES, PipelineStageModule, block_costs_of
+from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import PP_DIM, ParallelDims, validate_parallel_dims
-from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES, PipelineStageModule, block_costs_of
 from lightning_2d.parallel.pipeline import (
     Pipeline,
     balanced_split,
@@ -19,7 +20,6 @@ from lightning_2d.parallel.pipeline import (
     stage_plan,
     stages_of_rank,
 )
-from lightning_2d.models.llama.plan import llama_plan
 
 
 def brute_force_best(costs: list[float], stages: int, last_extra: float, first_extra: float) -> float:

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_2d.tools import planner
 from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.tools import planner
 from lightning_2d.tools.planner import ActivationModel, FSDPUnit, gathered_peak, plan_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,7 +92,7 @@ def test_the_fake_world_is_torn_down_on_error(monkeypatch):
         assert dist.is_initialized() and dist.get_world_size() == 16
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(planner, "_units", broken)
+    monkeypatch.setattr(planner.world, "_units", broken)  # where _shard looks it up
     with pytest.raises(RuntimeError, match="boom"):
         plan_run("debug", num_nodes=2, devices=8, config=ParallelConfig(tensor_parallel_size=4))
     assert not dist.is_initialized()

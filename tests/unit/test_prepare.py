@@ -18,20 +18,19 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_2d.data import text as data_module
-from lightning_2d.data.text import (
+from lightning_2d.data import (
     DataError,
-    PieceTokenizer,
     TextDataModule,
-    plan_pieces,
     prepare_command,
     prepare_python,
     prepare_token_cache,
     resolve_sources,
 )
+from lightning_2d.data import datamodule as data_module
+from lightning_2d.data.pieces import PieceTokenizer, plan_pieces
+from lightning_2d.data.tokenizers import ByteTokenizer, load_tokenizer
 from lightning_2d.tools.prepare import main as prepare_main
 from lightning_2d.tools.prepare import parse_args
-from lightning_2d.data.tokenizers import ByteTokenizer, load_tokenizer
 
 # Lines of very different lengths, multi-byte characters, and a line longer than the chunk sizes
 # used below with no newline (cut at a character boundary).

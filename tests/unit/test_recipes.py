@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from lightning_2d import LlamaLightningModule, ParallelConfig
-from lightning_2d.tools.cli import cli_main
 from lightning_2d.parallel import validate_parallel_dims
+from lightning_2d.tools.cli import cli_main
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 STRATEGY_KEYS = set(ParallelConfig.__dataclass_fields__)

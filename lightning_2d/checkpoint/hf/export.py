@@ -1,24 +1,9 @@
-"""Hugging Face Llama interop: export a checkpoint to ``model.safetensors`` + ``config.json``, and load
-such a directory into a (sharded) model.
+"""A Lightning checkpoint exported as a Hugging Face directory (``export_hf``), streamed file by file.
 
-Names map one to one (``layers.N.attention.wq`` ↔ ``model.layers.N.self_attn.q_proj``). The only
-change of values is in ``wq``/``wk``: Meta's rotary embedding rotates interleaved pairs
-``(x[2i], x[2i+1])`` while Hugging Face's rotates the halves ``(x[i], x[i + d/2])`` of each head,
-so the rows of each head are permuted between the two layouts.
-
-Both directions stream, so a 70B model never has to fit in one process's memory: the export reads,
-converts and writes one output file at a time (``export_hf``), the import reads each rank's blocks
-as safetensors slices (``HFWeights``). Checkpoints are read with ``torch.load(weights_only=True)``
-(and DCP's ``.metadata`` with a restricted unpickler): a pickled object that could run code is
-refused, not built.
-
-Torch DCP's ``HuggingFaceStorageWriter``/``HuggingFaceStorageReader`` are not used. The writer
-writes what one ``dcp.save`` call is given: the whole state dict at once (no streaming), or one
-call per file, each call overwriting the index with its own file only; it also names a single file
-``model-00001-of-00001.safetensors`` and adds DCP keys to the headers. The reader reads a
-``(rows, cols)`` box of each stored tensor, while a block of ``wq``/``wk`` whose rows cut a head
-needs the whole heads it touches (the RoPE permutation moves rows within a head), which
-``HFWeights.fill_block_`` reads itself with the same ``safe_open``/``get_slice``. Neither maps names.
+The checkpoint (a DCP folder read tensor by tensor without a process group, or a memory-mapped full file)
+is opened with its metadata only; the model args are resolved and checked against the weights' shapes;
+the output files are planned from the metadata, then each is read, converted (names, RoPE rows, dtype),
+written into a staging folder and freed before the next, and the folder moved in once complete.
 """
 
 from __future__ import annotations
@@ -28,7 +13,6 @@ import json
 import math
 import os
 import pickle
-import re
 import shutil
 import tempfile
 import warnings
@@ -39,127 +23,22 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
+from lightning_2d.checkpoint.hf.layout import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    hf_config,
+    hf_name,
+    meta_to_hf,
+    rotary_heads,
+    same_shapes,
+)
 from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-_LAYER_MAP = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
-_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name → the Hugging Face Llama name."""
-    match = _LAYER_NAME.match(name)
-    if match:
-        return f"model.layers.{match.group(1)}.{_LAYER_MAP[match.group(2)]}.weight"
-    return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
-
-
-def rotary_heads(name: str, args: ModelArgs) -> Optional[int]:
-    """Number of heads whose rows are permuted between the layouts (``wq``: n_heads, ``wk``: n_kv_heads)."""
-    if name.endswith("attention.wq.weight"):
-        return args.n_heads
-    if name.endswith("attention.wk.weight"):
-        return args.kv_heads
-    return None
-
-
-def meta_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of each head: interleaved pairs → halves."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def hf_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of each head: halves → interleaved pairs (inverse of ``meta_to_hf``)."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of a ``LlamaForCausalLM`` with these shapes."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def model_args_from_hf(directory: Path) -> ModelArgs:
-    """``ModelArgs`` from a Hugging Face Llama ``config.json`` (``multiple_of`` chosen to reproduce its FFN size)."""
-    config_path = Path(directory) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json; init_from needs a Hugging Face Llama directory")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"{config_path} describes a {config.get('model_type')!r} model, not 'llama'")
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
-        raise ValueError(
-            f"{config_path} uses rotary scaling ({rope.get('rope_type') or config.get('rope_scaling')}), which this"
-            " model does not implement"
-        )
-    if config.get("tie_word_embeddings"):
-        raise ValueError(f"{config_path} ties the embedding and output weights, which this model does not")
-    n_heads = config["num_attention_heads"]
-    return ModelArgs(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads", n_heads),
-        vocab_size=config["vocab_size"],
-        hidden_dim=config["intermediate_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        max_seq_len=config.get("max_position_embeddings", 4096),
-    )
-
-
-def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
-    """Fields (those that shape the weights or their meaning) where ``a`` and ``b`` differ."""
-    checks = {
-        "dim": (a.dim, b.dim), "n_layers": (a.n_layers, b.n_layers), "n_heads": (a.n_heads, b.n_heads),
-        "n_kv_heads": (a.kv_heads, b.kv_heads), "vocab_size": (a.vocab_size, b.vocab_size),
-        "ffn_hidden_dim": (a.ffn_hidden_dim, b.ffn_hidden_dim), "rope_theta": (a.rope_theta, b.rope_theta),
-        "norm_eps": (a.norm_eps, b.norm_eps),
-    }
-    return [f"{k}: {x} vs {y}" for k, (x, y) in checks.items() if x != y]
-
-
-# ---- export -----------------------------------------------------------------------------------
 #: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
 #: checkpoint's ``state_dict`` (``state_dict.model.<our name>`` among DCP's flattened keys).
 STATE_DICT_PREFIX = "model."
+
 
 class WeightInfo(NamedTuple):
     """A weight of a checkpoint as its metadata describes it (no data read).
@@ -572,117 +451,3 @@ def export_hf(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
-
-
-# ---- import -----------------------------------------------------------------------------------
-class SafetensorsWeights:
-    """Reads a directory of safetensors (``model.safetensors`` or shards + index) block by block, as a
-    ``WeightSource``: each rank reads only the rows and columns of the shards it holds (memory-mapped
-    slices), so loading a 70B directory into a sharded model never holds more than a block.
-
-    Names are the stored names (a Hugging Face model's own); ``HFWeights`` maps ours onto them.
-
-    Args:
-        directory: The directory.
-        expected: Name → shape of every parameter that will be read; when given, missing weights and
-            shape mismatches are refused here, all listed, before anything is allocated.
-    """
-
-    def __init__(self, directory: Path, expected: Optional[Mapping[str, tuple[int, ...]]] = None) -> None:
-        self.directory = Path(directory)
-        index = self.directory / INDEX_FILE
-        if index.is_file():
-            self.files = {k: self.directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-        elif (self.directory / SINGLE_FILE).is_file():
-            from safetensors import safe_open
-
-            with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
-                self.files = {k: self.directory / SINGLE_FILE for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        if expected is not None:
-            self._check(expected)
-
-    def _check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
-        from safetensors import safe_open
-
-        problems = []
-        for name, shape in expected.items():
-            key = self.key(name)
-            if key not in self.files:
-                problems.append(f"{key}: missing")
-                continue
-            with safe_open(self.files[key], framework="pt") as f:
-                stored = tuple(f.get_slice(key).get_shape())
-            if stored != tuple(shape):
-                problems.append(f"{key}: stored {stored}, the model's is {tuple(shape)}")
-        if problems:
-            raise ValueError(
-                f"{self.directory} does not hold the model's weights ({len(problems)} problem(s)):\n  - "
-                + "\n  - ".join(problems[:20])
-                + ("\n  - …" if len(problems) > 20 else "")
-                + "\nCheck that the config matches the checkpoint's config.json."
-            )
-
-    def key(self, name: str) -> str:
-        """The stored name of the model's parameter ``name``."""
-        return name
-
-    def read(self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
-        """The block ``[rows, *cols]`` of ``stored`` (a safetensors slice) as the model expects it."""
-        return stored[(rows, *cols)]
-
-    @torch.no_grad()
-    def fill_block_(
-        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
-    ) -> None:
-        """Copy the block of weight ``name`` starting at ``offset`` (``None``: the whole) into ``out``.
-
-        Args:
-            out: The block to fill (its shape is the block's).
-            name: The model's parameter name.
-            global_shape: The full weight's shape.
-            offset: Where the block starts in the full weight.
-        """
-        from safetensors import safe_open
-
-        key = self.key(name)
-        if key not in self.files:
-            raise KeyError(f"{self.directory} has no weight {key!r} (for {name})")
-        if out.numel() == 0:  # an empty local shard (more ranks than rows): nothing to read
-            return
-        offset = offset or (0,) * len(global_shape)
-        rows = slice(offset[0], offset[0] + out.shape[0]) if global_shape else slice(None)
-        cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
-        with safe_open(self.files[key], framework="pt") as f:
-            out.copy_(self.read(f.get_slice(key), name, rows, cols, global_shape))
-
-
-class HFWeights(SafetensorsWeights):
-    """A Hugging Face Llama directory read into our ``Transformer``: names mapped (``hf_name``) and the
-    rows of ``wq``/``wk`` permuted back to Meta's rotary layout.
-
-    Args:
-        directory: The Hugging Face directory (``config.json``, ``model.safetensors`` or shards + index).
-        args: The model's args; they must match ``config.json``.
-    """
-
-    def __init__(self, directory: Path, args: ModelArgs) -> None:
-        super().__init__(directory)
-        self.args = args
-        loaded = model_args_from_hf(self.directory)
-        if mismatch := same_shapes(args, loaded):
-            raise ValueError(f"The model does not match {directory}/config.json: " + "; ".join(mismatch))
-
-    def key(self, name: str) -> str:
-        return hf_name(name)
-
-    def read(self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
-        heads = rotary_heads(name, self.args)
-        if heads is None:
-            return stored[(rows, *cols)]
-        # Rows of a head are permuted within the head: read the whole heads the block touches.
-        head_rows = global_shape[0] // heads
-        first, last = rows.start // head_rows, (rows.stop - 1) // head_rows + 1
-        whole = stored[(slice(first * head_rows, last * head_rows), *cols)]
-        return hf_to_meta(whole, last - first)[rows.start - first * head_rows : rows.stop - first * head_rows]

@@ -1,0 +1,142 @@
+"""Hugging Face directories read into a (sharded) model block by block, as a ``WeightSource``: each rank
+reads only the rows and columns of the shards it holds, as memory-mapped safetensors slices
+(``SafetensorsWeights``; ``HFWeights`` maps our Llama's names onto a Hugging Face Llama's and permutes the
+RoPE rows back).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_2d.checkpoint.hf.layout import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    hf_name,
+    hf_to_meta,
+    model_args_from_hf,
+    rotary_heads,
+    same_shapes,
+)
+from lightning_2d.models.llama.model import ModelArgs
+
+
+class SafetensorsWeights:
+    """Reads a directory of safetensors (``model.safetensors`` or shards + index) block by block, as a
+    ``WeightSource``: each rank reads only the rows and columns of the shards it holds (memory-mapped
+    slices), so loading a 70B directory into a sharded model never holds more than a block.
+
+    Names are the stored names (a Hugging Face model's own); ``HFWeights`` maps ours onto them.
+
+    Args:
+        directory: The directory.
+        expected: Name → shape of every parameter that will be read; when given, missing weights and
+            shape mismatches are refused here, all listed, before anything is allocated.
+    """
+
+    def __init__(self, directory: Path, expected: Optional[Mapping[str, tuple[int, ...]]] = None) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            self.files = {k: self.directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.directory / SINGLE_FILE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
+                self.files = {k: self.directory / SINGLE_FILE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        if expected is not None:
+            self._check(expected)
+
+    def _check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        from safetensors import safe_open
+
+        problems = []
+        for name, shape in expected.items():
+            key = self.key(name)
+            if key not in self.files:
+                problems.append(f"{key}: missing")
+                continue
+            with safe_open(self.files[key], framework="pt") as f:
+                stored = tuple(f.get_slice(key).get_shape())
+            if stored != tuple(shape):
+                problems.append(f"{key}: stored {stored}, the model's is {tuple(shape)}")
+        if problems:
+            raise ValueError(
+                f"{self.directory} does not hold the model's weights ({len(problems)} problem(s)):\n  - "
+                + "\n  - ".join(problems[:20])
+                + ("\n  - …" if len(problems) > 20 else "")
+                + "\nCheck that the config matches the checkpoint's config.json."
+            )
+
+    def key(self, name: str) -> str:
+        """The stored name of the model's parameter ``name``."""
+        return name
+
+    def read(
+        self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The block ``[rows, *cols]`` of ``stored`` (a safetensors slice) as the model expects it."""
+        return stored[(rows, *cols)]
+
+    @torch.no_grad()
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
+    ) -> None:
+        """Copy the block of weight ``name`` starting at ``offset`` (``None``: the whole) into ``out``.
+
+        Args:
+            out: The block to fill (its shape is the block's).
+            name: The model's parameter name.
+            global_shape: The full weight's shape.
+            offset: Where the block starts in the full weight.
+        """
+        from safetensors import safe_open
+
+        key = self.key(name)
+        if key not in self.files:
+            raise KeyError(f"{self.directory} has no weight {key!r} (for {name})")
+        if out.numel() == 0:  # an empty local shard (more ranks than rows): nothing to read
+            return
+        offset = offset or (0,) * len(global_shape)
+        rows = slice(offset[0], offset[0] + out.shape[0]) if global_shape else slice(None)
+        cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
+        with safe_open(self.files[key], framework="pt") as f:
+            out.copy_(self.read(f.get_slice(key), name, rows, cols, global_shape))
+
+
+class HFWeights(SafetensorsWeights):
+    """A Hugging Face Llama directory read into our ``Transformer``: names mapped (``hf_name``) and the
+    rows of ``wq``/``wk`` permuted back to Meta's rotary layout.
+
+    Args:
+        directory: The Hugging Face directory (``config.json``, ``model.safetensors`` or shards + index).
+        args: The model's args; they must match ``config.json``.
+    """
+
+    def __init__(self, directory: Path, args: ModelArgs) -> None:
+        super().__init__(directory)
+        self.args = args
+        loaded = model_args_from_hf(self.directory)
+        if mismatch := same_shapes(args, loaded):
+            raise ValueError(f"The model does not match {directory}/config.json: " + "; ".join(mismatch))
+
+    def key(self, name: str) -> str:
+        return hf_name(name)
+
+    def read(
+        self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        heads = rotary_heads(name, self.args)
+        if heads is None:
+            return stored[(rows, *cols)]
+        # Rows of a head are permuted within the head: read the whole heads the block touches.
+        head_rows = global_shape[0] // heads
+        first, last = rows.start // head_rows, (rows.stop - 1) // head_rows + 1
+        whole = stored[(slice(first * head_rows, last * head_rows), *cols)]
+        return hf_to_meta(whole, last - first)[rows.start - first * head_rows : rows.stop - first * head_rows]

@@ -1,0 +1,320 @@
+"""The token cache: a corpus tokenized once into a flat token file on disk, built by one process at a time.
+
+``prepare_token_cache`` finds the cache of a corpus (keyed by the sources' paths, sizes and mtimes, the
+tokenizer, the text field and the piece size) or builds it: the tokens of the pieces (``pieces``) are
+appended in corpus order to a temporary file, which is synced and renamed, and ``meta.json``, written last,
+marks the cache complete. Processes of one machine building the same cache take turns on a file lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Optional, Union
+
+import numpy as np
+
+from lightning_2d.data.pieces import (
+    CHUNK_BYTES,
+    Piece,
+    PieceTokenizer,
+    PieceTokens,
+    _tokenized_in_order,
+    group_tasks,
+    plan_pieces,
+)
+from lightning_2d.data.sources import DataError, _stat, corpus_bytes
+from lightning_2d.data.tokenizers import Tokenizer
+
+#: Version of the cache layout and of the way text is cut into pieces (part of the cache key).
+CACHE_FORMAT = 2
+DEFAULT_CACHE_DIR = Path(os.environ.get("LIGHTNING_2D_CACHE", Path.home() / ".cache" / "lightning_2d"))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def cache_key(sources: list[Path], tokenizer: Tokenizer, text_field: str, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """The cache folder's name: the sources (path, size, mtime), the tokenizer, the text field and the piece size."""
+    h = hashlib.sha256(f"v{CACHE_FORMAT}|{tokenizer.fingerprint}|{text_field}|chunk{chunk_bytes}".encode())
+    for path in sources:
+        stat = _stat(path)
+        h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def cache_folder(
+    sources: list[Path], tokenizer: Tokenizer, cache_dir: Union[str, Path], text_field: str = "text",
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Path:
+    """Where the cache of this corpus lives (complete once its ``meta.json`` exists)."""
+    return Path(cache_dir).expanduser() / cache_key(sources, tokenizer, text_field, chunk_bytes)
+
+
+@dataclass
+class CacheReport:
+    """What ``prepare_token_cache`` found or built.
+
+    Args:
+        folder: The cache folder (``tokens.bin`` + ``meta.json``).
+        built: ``False`` when the cache was already complete (nothing was tokenized).
+        files: Source files.
+        bytes: Their total size.
+        tokens: Tokens in the cache.
+        documents: Documents (each followed by the end-of-text token, when the tokenizer has one).
+        seconds: Time spent building (0 when ``built`` is ``False``).
+        num_workers: Tokenizing processes used.
+        tasks: Tasks the corpus was cut into.
+        largest_read: Largest number of bytes read for one piece (bounded by about 2 · ``chunk_bytes``
+            for text, one record more for JSONL, a row group for Parquet).
+    """
+
+    folder: Path
+    built: bool
+    files: int
+    bytes: int
+    tokens: int
+    documents: int
+    seconds: float = 0.0
+    num_workers: int = 0
+    tasks: int = 0
+    largest_read: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _read_meta(folder: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((folder / "meta.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+@contextmanager
+def _exclusive(lock_path: Path, on_wait: Callable[[str], None]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path``: processes of one machine build a cache one at a time.
+
+    The others wait, then find the cache complete. Where ``flock`` is unavailable (Windows, some
+    network file systems) builds may overlap; each writes its own temporary file, so the result is
+    still complete and correct, only computed twice.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait(f"Waiting for another process that is building {lock_path.parent}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # pragma: no cover - no locks on this file system
+            pass
+        yield  # closing the file releases the lock, also when this process dies
+
+
+def _partial_name() -> str:
+    return f"tokens.bin.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _remove_dead_partials(folder: Path) -> None:
+    """Delete temporary token files left by killed builds of this machine (not those of live processes)."""
+    host = socket.gethostname()
+    for path in folder.glob(f"tokens.bin.tmp-{host}-*"):
+        try:
+            os.kill(int(path.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            pass
+
+
+class _Writer:
+    """Appends the tokens of each piece to ``out`` in corpus order and applies the per-file rules.
+
+    A text file all of whose pieces are whitespace is empty; an empty or non-UTF-8 file raises
+    ``DataError`` (``strict``) or is skipped: its tokens already written are truncated away.
+    """
+
+    def __init__(self, out: BinaryIO, strict: bool, itemsize: int) -> None:
+        self.out, self.strict, self.itemsize = out, strict, itemsize
+        self.file = -1
+        self.file_start = 0
+        self.file_documents = 0
+        self.file_blank = True
+        self.skipping = False
+        self.documents = 0
+        self.largest_read = 0
+
+    def add(self, piece: Piece, result: PieceTokens) -> None:
+        if piece.file != self.file:
+            self.file, self.file_start = piece.file, self.out.tell()
+            self.file_documents, self.file_blank, self.skipping = 0, True, False
+        if self.skipping:
+            return
+        if result.error is not None:
+            if self.strict or not result.skippable:
+                raise DataError(result.error)
+            self._drop_file()
+            return
+        self.largest_read = max(self.largest_read, result.bytes_read)
+        result.tokens.tofile(self.out)
+        self.file_documents += result.documents
+        self.file_blank = self.file_blank and result.blank
+        if piece.last:
+            if piece.kind == "text" and self.file_blank:
+                if self.strict:
+                    raise DataError(f"{piece.path} is empty; remove it from paths")
+                self._drop_file()
+                return
+            self.documents += self.file_documents
+
+    def skip_file(self) -> None:
+        """Ignore the rest of the current file (after an error was reported for it)."""
+        self.skipping = True
+
+    def _drop_file(self) -> None:
+        self.out.truncate(self.file_start)
+        self.out.seek(self.file_start)
+        self.skipping = True
+
+    @property
+    def tokens(self) -> int:
+        return self.out.tell() // self.itemsize
+
+
+def prepare_token_cache(
+    sources: list[Path],
+    tokenizer: Tokenizer,
+    cache_dir: Union[str, Path],
+    text_field: str = "text",
+    strict: bool = True,
+    num_workers: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: Optional[Callable[[int, int, int], None]] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> CacheReport:
+    """Tokenize ``sources`` into ``cache_dir/<key>/tokens.bin`` unless that cache is complete.
+
+    Streaming and parallel: the corpus is cut into pieces (``plan_pieces``), ``num_workers``
+    processes tokenize them (at most two tasks per worker in flight, so memory stays about
+    ``num_workers × chunk_bytes`` whatever the corpus size) and this process appends their tokens in
+    corpus order: the cache is the same, token for token, for any ``num_workers``. The tokens go to
+    a temporary file, which is synced and renamed to ``tokens.bin``; ``meta.json``, written last
+    (also via a temporary file), marks the cache complete, so an interrupted build (error, Ctrl-C,
+    kill) never leaves a cache that looks complete. Processes of one machine building the same
+    cache take turns (a file lock): the second finds the first one's cache.
+
+    Args:
+        sources: Files in corpus order (``resolve_sources``).
+        tokenizer: The tokenizer (``load_tokenizer``).
+        cache_dir: Folder of the caches.
+        text_field: JSONL field / Parquet column holding the text.
+        strict: Raise on an empty or non-UTF-8 text file (``False``: skip it, for the built-in corpus).
+        num_workers: Tokenizing processes (1: in this process).
+        chunk_bytes: Piece size (part of the cache key).
+        progress: Called after each task with (bytes done, bytes in all, tokens so far).
+        log: Called with a line of text for events worth telling (waiting for another builder).
+
+    Returns:
+        A ``CacheReport`` (``built=False`` when the cache already existed).
+    """
+    if chunk_bytes < 16:
+        raise DataError(f"chunk_bytes must be at least 16, got {chunk_bytes}")
+    if num_workers < 1:
+        raise DataError(f"num_workers must be at least 1, got {num_workers}")
+    folder = cache_folder(sources, tokenizer, cache_dir, text_field, chunk_bytes)
+    meta = _read_meta(folder)
+    if meta is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _exclusive(folder / ".lock", log or (lambda message: None)):
+            meta = _read_meta(folder)  # another process may have finished it while this one waited
+            if meta is None:
+                return _build(folder, sources, tokenizer, text_field, strict, num_workers, chunk_bytes, progress)
+    return CacheReport(folder, False, meta["num_sources"], meta.get("num_bytes", 0), meta["num_tokens"],
+                       meta["num_documents"])
+
+
+def _build(
+    folder: Path, sources: list[Path], tokenizer: Tokenizer, text_field: str, strict: bool, num_workers: int,
+    chunk_bytes: int, progress: Optional[Callable[[int, int, int], None]],
+) -> CacheReport:
+    started = time.perf_counter()
+    _remove_dead_partials(folder)
+    tasks = group_tasks(plan_pieces(sources, text_field, chunk_bytes), chunk_bytes)
+    total = corpus_bytes(sources)
+    dtype = token_dtype(tokenizer.vocab_size)
+    tokenize = PieceTokenizer(tokenizer, text_field, dtype, chunk_bytes)
+    partial = folder / _partial_name()
+    done = 0
+    try:
+        with partial.open("wb") as out, closing(_tokenized_in_order(tasks, tokenize, num_workers)) as tokenized:
+            writer = _Writer(out, strict, dtype.itemsize)
+            problems: list[str] = []
+            for task, results in zip(tasks, tokenized):
+                for piece, result in zip(task, results):
+                    try:
+                        writer.add(piece, result)
+                    except DataError as err:  # go on: every bad file is reported at once, not one per run
+                        problems.append(str(err))
+                        writer.skip_file()
+                done += sum(p.nbytes for p in task)
+                if progress is not None:
+                    progress(min(done, total), total, writer.tokens)
+            if problems:
+                raise DataError(
+                    f"{len(problems)} problem(s) in the corpus (nothing was cached):\n  - "
+                    + "\n  - ".join(problems[:20])
+                    + (f"\n  - … and {len(problems) - 20} more" if len(problems) > 20 else "")
+                )
+            n_tokens = writer.tokens
+            out.flush()
+            os.fsync(out.fileno())  # the data is on disk before meta.json can say it is complete
+        os.replace(partial, folder / "tokens.bin")
+    finally:
+        partial.unlink(missing_ok=True)
+    meta = {
+        "format": CACHE_FORMAT,
+        "num_tokens": n_tokens,
+        "num_documents": writer.documents,
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer.fingerprint,
+        "text_field": text_field,
+        "chunk_bytes": chunk_bytes,
+        "num_bytes": total,
+        "sources": [str(p) for p in sources[:1000]],
+        "num_sources": len(sources),
+    }
+    partial_meta = folder / f"meta.json.tmp-{socket.gethostname()}-{os.getpid()}"
+    with partial_meta.open("w") as f:
+        f.write(json.dumps(meta, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial_meta, folder / "meta.json")
+    return CacheReport(folder, True, len(sources), total, n_tokens, writer.documents, time.perf_counter() - started,
+                       min(num_workers, max(1, len(tasks))), len(tasks), writer.largest_read)
+
+
+def build_token_cache(
+    sources: list[Path],
+    tokenizer: Tokenizer,
+    cache_dir: Union[str, Path],
+    text_field: str = "text",
+    strict: bool = True,
+    num_workers: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Path:
+    """``prepare_token_cache`` returning only the cache folder (see there for the arguments)."""
+    return prepare_token_cache(sources, tokenizer, cache_dir, text_field, strict, num_workers, chunk_bytes).folder

@@ -1,0 +1,327 @@
+"""``TextDataModule``: a corpus tokenized once, cached, packed into windows, data-parallel and resumable.
+
+The Lightning face of ``sources``, ``cache`` and ``loading``: it checks its arguments and the model's
+vocabulary, builds a small corpus's cache at start-up and refuses a large one with the command that
+prepares it (``prepare_command``, ``prepare_python``), splits the windows into training and validation,
+and gives each data-parallel replica its sampler.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_2d.data.cache import DEFAULT_CACHE_DIR, CacheReport, cache_folder, prepare_token_cache
+from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader, TokenWindows
+from lightning_2d.data.pieces import default_num_workers
+from lightning_2d.data.sources import DataError, corpus_bytes, resolve_sources
+from lightning_2d.data.tokenizers import load_tokenizer
+
+#: Default of ``TextDataModule(max_unprepared_mb=...)``: larger corpora without a cache are refused
+#: when training starts (tokenizing them inline would keep every other rank waiting).
+DEFAULT_MAX_UNPREPARED_MB = 8.0
+
+
+class TextDataModule(L.LightningDataModule):
+    """Real text for ``LlamaLightningModule``: tokenized once, cached, packed, data-parallel and resumable.
+
+    Args:
+        paths: Text files, directories and globs; ``.jsonl``/``.ndjson`` and ``.parquet`` files are
+            read record by record from ``text_field``. A directory contributes its ``.txt``, ``.text``,
+            ``.jsonl``, ``.ndjson``, ``.parquet`` and ``.py`` files, not hidden ones, ``__pycache__`` or
+            metadata such as a dataset card ``README.md`` (``FOLDER_SUFFIXES``); name other files or a glob.
+            ``None``: the Python standard library's source files (no download).
+        tokenizer: ``"byte"`` (UTF-8 bytes, vocabulary 256), a Hugging Face ``tokenizer.json``, or a
+            SentencePiece ``.model``.
+        eos_token: End-of-text token of a Hugging Face tokenizer, when it is not a common one.
+        text_field: Field/column holding the text in JSONL/Parquet files.
+        seq_len: Tokens per training sequence.
+        batch_size: Sequences per batch on each data-parallel replica.
+        val_fraction: Fraction of the windows held out (from the end of the corpus) for validation
+            (also used by ``test`` and ``predict``); ``0`` for none.
+        shuffle: Shuffle training windows (a new seeded permutation every epoch).
+        seed: Seed of the permutations.
+        num_workers: DataLoader worker processes.
+        cache_dir: Where the token cache lives (default ``$LIGHTNING_2D_CACHE`` or
+            ``~/.cache/lightning_2d``).
+        max_unprepared_mb: Largest corpus (in MB, 10^6 bytes of source files) tokenized when
+            training starts if it has no cache: on one process per node while the other ranks wait.
+            A larger corpus without a cache raises ``DataError`` before anything is tokenized, with
+            the command that prepares it with every local core (``lightning-2d prepare-data``, or
+            ``prepare()``). ``None``: no limit.
+    """
+
+    def __init__(
+        self,
+        paths: Union[str, list[str], None] = None,
+        tokenizer: str = "byte",
+        eos_token: Optional[str] = None,
+        text_field: str = "text",
+        seq_len: int = 512,
+        batch_size: int = 8,
+        val_fraction: float = 0.005,
+        shuffle: bool = True,
+        seed: int = 1234,
+        num_workers: int = 0,
+        cache_dir: Optional[str] = None,
+        max_unprepared_mb: Optional[float] = DEFAULT_MAX_UNPREPARED_MB,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        problems = []
+        if seq_len < 1:
+            problems.append(f"seq_len must be a positive integer, got {seq_len}")
+        if batch_size < 1:
+            problems.append(f"batch_size must be a positive integer, got {batch_size}")
+        if not 0 <= val_fraction < 1:
+            problems.append(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if max_unprepared_mb is not None and not max_unprepared_mb >= 0:
+            problems.append(f"max_unprepared_mb must be >= 0 or None (no limit), got {max_unprepared_mb}")
+        if problems:
+            raise DataError("Invalid TextDataModule arguments:\n  - " + "\n  - ".join(problems))
+        self.paths, self.text_field = paths, text_field
+        self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
+        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
+        self.max_unprepared_mb = max_unprepared_mb
+        self.tokenizer = load_tokenizer(tokenizer, eos_token)  # fails here, before any process starts
+        self._sources: list[Path] | None = None
+        self._folder: Path | None = None
+        self._data_parallel: tuple[int, int] | None = None
+        self.train_dataset: TokenWindows | None = None
+        self.val_dataset: TokenWindows | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def sources(self) -> list[Path]:
+        if self._sources is None:
+            self._sources = resolve_sources(self.paths)
+        return self._sources
+
+    def check_model(self, model_vocab_size: int) -> None:
+        """Refuse a model whose embedding cannot hold every token id."""
+        if model_vocab_size < self.vocab_size:
+            raise DataError(
+                f"The model's vocab_size ({model_vocab_size}) is smaller than the tokenizer's ({self.vocab_size});"
+                f" set the model's vocab_size to at least {self.vocab_size} (e.g. model_overrides:"
+                f" {{vocab_size: {self.vocab_size}}}) or use the tokenizer the model was made for"
+            )
+
+    # ---- the token cache ----
+    def prepare(
+        self,
+        num_workers: Optional[int] = None,
+        progress: Optional[Callable[[int, int, int], None]] = None,
+        log: Optional[Callable[[str], None]] = None,
+    ) -> CacheReport:
+        """Build the token cache with a pool of processes, whatever the corpus size (a no-op once it exists).
+
+        What ``lightning-2d prepare-data`` runs. Call it before training; processes of one machine
+        that call it together take turns on a file lock (no collective, so no timeout): the first
+        tokenizes, the others then find its cache.
+
+        Args:
+            num_workers: Tokenizing processes (default: every core this process may use).
+            progress: Called after each task with (bytes done, bytes in all, tokens so far).
+            log: Called with a line of text for events worth telling (waiting for another builder).
+
+        Returns:
+            The ``CacheReport`` (files, bytes, tokens, seconds; ``built=False`` if it already existed).
+        """
+        workers = default_num_workers() if num_workers is None else num_workers
+        return prepare_token_cache(self.sources, self.tokenizer, self.cache_dir, self.text_field,
+                                   strict=self.paths is not None, num_workers=workers, progress=progress, log=log)
+
+    @property
+    def cache_folder(self) -> Path:
+        """This corpus's cache folder (complete once ``meta.json`` exists in it)."""
+        return cache_folder(self.sources, self.tokenizer, self.cache_dir, self.text_field)
+
+    def check_prepared(self) -> bool:
+        """Whether the cache is complete; raise ``DataError`` when it is not and training may not build it.
+
+        Training builds a missing cache itself (one process per node, the other ranks waiting)
+        only for a corpus of at most ``max_unprepared_mb``. Every rank can call this before a
+        barrier: all of them fail with the same message instead of some waiting for the others.
+        """
+        if (self.cache_folder / "meta.json").is_file():
+            return True
+        if self.max_unprepared_mb is not None:
+            size = corpus_bytes(self.sources)
+            if size > self.max_unprepared_mb * 1e6:
+                raise DataError(self._unprepared_message(size))
+        return False
+
+    def _unprepared_message(self, size: int) -> str:
+        mb = size / 1e6
+        return (
+            f"The corpus ({len(self.sources):,} files, {mb:,.1f} MB) has no token cache in {self.cache_dir} and is"
+            f" larger than max_unprepared_mb ({self.max_unprepared_mb:g} MB): it is not tokenized here, on one process"
+            f" while every other rank waits. Tokenize it first with every local core, then start training again:\n"
+            f"    {prepare_command(self)}\n"
+            f"or in Python:\n"
+            f"    {prepare_python(self)}\n"
+            f"(To tokenize at start-up anyway, raise max_unprepared_mb above {mb:,.1f} or set it to null.)"
+        )
+
+    def _ensure_cache(self) -> Path:
+        if not self.check_prepared():
+            # A small corpus: tokenized here, in this process, as before prepare-data existed.
+            return prepare_token_cache(self.sources, self.tokenizer, self.cache_dir, self.text_field,
+                                       strict=self.paths is not None).folder
+        return self.cache_folder
+
+    def prepare_data(self) -> None:
+        # Lightning runs this on one process per node, then makes the others wait (in a barrier
+        # without timeout): only a small corpus may be tokenized here (``check_prepared``).
+        self._ensure_cache()
+
+    def setup(self, stage: str | None = None) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        vocab_size = getattr(module, "vocab_size", None)  # the LM modules of lightning_2d (CausalLMModule)
+        if isinstance(vocab_size, int):
+            self.check_model(vocab_size)
+        if self.train_dataset is not None:
+            return
+        self._folder = self._ensure_cache()
+        meta = json.loads((self._folder / "meta.json").read_text())
+        expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+        if (self._folder / "tokens.bin").stat().st_size != expected:
+            raise DataError(
+                f"The token cache {self._folder} is damaged (tokens.bin is not {expected} bytes); delete that folder"
+                f" and prepare the corpus again"
+            )
+        windows = (meta["num_tokens"] - 1) // self.seq_len
+        if windows < 1:
+            raise DataError(
+                f"The corpus has {meta['num_tokens']} tokens, fewer than one sequence needs ({self.seq_len + 1});"
+                f" add text or lower seq_len"
+            )
+        n_val = max(1, round(windows * self.val_fraction)) if self.val_fraction > 0 else 0
+        if windows - n_val < 1:
+            raise DataError(
+                f"The corpus gives {windows} sequence(s) of {self.seq_len} tokens, too few for a training split and a"
+                f" validation split; add text, lower seq_len or set val_fraction=0"
+            )
+        self.train_dataset = TokenWindows(self._folder, self.seq_len, 0, windows - n_val)
+        self.val_dataset = TokenWindows(self._folder, self.seq_len, windows - n_val, n_val) if n_val else None
+
+    def set_data_parallel(self, num_replicas: int, rank: int) -> None:
+        """Outside a Trainer (Fabric): this process's data-parallel replica, e.g.
+        ``data.set_data_parallel(**fabric.strategy.distributed_sampler_kwargs)``."""
+        self._data_parallel = (int(num_replicas), int(rank))
+
+    def _replicas(self) -> tuple[int, int]:
+        if self._data_parallel is not None:
+            return self._data_parallel
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+        if not kwargs:
+            return 1, 0
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+    def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
+        replicas, rank = self._replicas()
+        if len(dataset) < replicas * self.batch_size:
+            split = "training" if dataset is self.train_dataset else "validation"
+            raise DataError(
+                f"The {split} split has {len(dataset)} sequence(s), fewer than one global batch"
+                f" ({replicas} data-parallel replica(s) × batch_size {self.batch_size}); add text, lower seq_len or"
+                f" batch_size{', or raise val_fraction' if split == 'validation' else ''}"
+            )
+        sampler = DataParallelSampler(len(dataset), replicas, rank, shuffle=shuffle, seed=self.seed)
+        kwargs = dict(
+            batch_size=self.batch_size,
+            sampler=sampler,
+            # Its own generator: creating an iterator would otherwise draw from the global RNG and
+            # shift the model's random stream (dropout) between a run and its resumption.
+            generator=torch.Generator().manual_seed(self.seed),
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+        if dataset is not self.train_dataset:  # only training needs to resume mid-epoch
+            return DataLoader(dataset, **kwargs)
+        consumed = epoch = None
+        if self.trainer is not None:
+            trainer = self.trainer
+            # Batches of this epoch whose training step ran, and completed epochs: both restored from
+            # the checkpoint on resume.
+            consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
+            epoch = lambda: trainer.current_epoch  # noqa: E731
+        return ResumableDataLoader(dataset, consumed_batches=consumed, epoch=epoch, **kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_dataset is not None, "setup() first"
+        return self._loader(self.train_dataset, self.shuffle)
+
+    def _eval_dataloader(self) -> DataLoader:
+        if self.val_dataset is None:
+            raise DataError("val_fraction=0 leaves no held-out split; set val_fraction > 0 to validate or test")
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_dataloader() if self.val_dataset is not None else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._eval_dataloader()
+
+
+# ---- the commands that prepare a data module's cache (for messages) ---------------------------
+#: The data module's arguments that decide its cache (the others do not change the tokens).
+_CACHE_ARGS = ("paths", "tokenizer", "eos_token", "text_field", "cache_dir")
+_TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _non_default_cache_args(data: TextDataModule) -> dict[str, Any]:
+    defaults = inspect.signature(TextDataModule.__init__).parameters
+    hparams = dict(data.hparams)
+    return {k: hparams[k] for k in _CACHE_ARGS if k in hparams and hparams[k] != defaults[k].default}
+
+
+def prepare_command(data: TextDataModule, argv: Optional[list[str]] = None) -> str:
+    """The shell command that builds ``data``'s cache.
+
+    Started from ``lightning-2d fit|validate|test|predict ...`` (``argv``, default ``sys.argv``):
+    the same ``--config`` files and ``--data*`` options after ``lightning-2d prepare-data``.
+    Otherwise the data module's own arguments as ``--data.*`` options.
+    """
+    argv = sys.argv if argv is None else argv
+    if len(argv) > 1 and argv[1] in _TRAINER_SUBCOMMANDS:
+        program = "python -m lightning_2d" if argv[0].endswith("__main__.py") else "lightning-2d"
+        kept, rest, i = [], argv[2:], 0
+        while i < len(rest):
+            option = rest[i]
+            takes_value = "=" not in option and i + 1 < len(rest) and not rest[i + 1].startswith("--")
+            name = option.split("=", 1)[0]
+            if name in ("-c", "--config", "--data") or name.startswith("--data."):
+                kept += rest[i : i + 1 + takes_value]
+            i += 1 + takes_value
+        return " ".join([program, "prepare-data", *map(shlex.quote, kept)])
+    options = []
+    for key, value in _non_default_cache_args(data).items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        options.append(shlex.quote(f"--data.{key}={text}"))
+    return " ".join(["lightning-2d", "prepare-data", *options])
+
+
+def prepare_python(data: TextDataModule) -> str:
+    """The Python statement that builds ``data``'s cache."""
+    args = ", ".join(f"{k}={v!r}" for k, v in _non_default_cache_args(data).items())
+    return f"TextDataModule({args}).prepare()  # from lightning_2d import TextDataModule"

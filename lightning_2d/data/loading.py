@@ -1,0 +1,139 @@
+"""From the token cache to batches: packed windows (``TokenWindows``), a data-parallel sampler whose global
+batch sequence does not depend on the number of replicas (``DataParallelSampler``), and a DataLoader that
+checkpoints how far into the epoch it is and resumes there (``ResumableDataLoader``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class TokenWindows(Dataset):
+    """Windows ``[i·seq_len, i·seq_len + seq_len + 1)`` of a token file, as ``{"input_ids", "labels"}``.
+
+    The memory map is opened lazily in each process (DataLoader workers included).
+    """
+
+    def __init__(self, folder: Path, seq_len: int, first: int, count: int) -> None:
+        meta = json.loads((folder / "meta.json").read_text())
+        self.path, self.dtype = folder / "tokens.bin", np.dtype(meta["dtype"])
+        self.seq_len, self.first, self.count = seq_len, first, count
+        self._tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        start = (self.first + index) * self.seq_len
+        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+class DataParallelSampler(DistributedSampler):
+    """Every epoch one seeded permutation of all samples; replica ``r`` takes positions ``r, r+R, …``.
+
+    Step ``i``'s batches of all replicas together are positions ``[i·B·R, (i+1)·B·R)`` of the
+    permutation, whatever ``R``: the global batch sequence is the same for every data-parallel
+    size with the same global batch. A ``DistributedSampler``, so Lightning keeps it (and calls
+    ``set_epoch``). ``resume(epoch, consumed)`` skips the first ``consumed`` positions once, when
+    that epoch is iterated.
+    """
+
+    def __init__(
+        self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0
+    ) -> None:
+        super().__init__(
+            range(num_samples), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.num_positions = num_samples - num_samples % num_replicas
+        self._resume: tuple[int, int] | None = None
+
+    def resume(self, epoch: int, consumed: int) -> None:
+        self._resume = (epoch, consumed)
+
+    def _start(self) -> int:
+        if self._resume is not None and self._resume[0] == self.epoch:
+            return min(self._resume[1], self.num_positions)
+        return 0
+
+    def __iter__(self) -> Iterator[int]:
+        start = self._start()
+        self._resume = None
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(n)
+        return iter(order[start + self.rank : self.num_positions : self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        # The whole epoch, also when resuming inside it: Lightning sizes the epoch once from this
+        # and counts the batches already done (restored from the checkpoint) against it.
+        return self.num_positions // self.num_replicas
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose ``state_dict`` records the samples of the current epoch consumed so far.
+
+    Lightning saves it in checkpoints and restores it before iterating (its stateful data-loader
+    support).
+
+    Args:
+        consumed_batches: How many batches of this epoch were trained on. Lightning fetches a batch
+            ahead, so counting yielded batches would skip one on resume.
+        epoch: The epoch being iterated, read when an iteration starts. Lightning's own
+            ``set_epoch`` value runs one ahead after resuming from a checkpoint saved at an epoch's
+            end (it passes the number of *processed* epochs), which would skip a permutation; the
+            number of *completed* epochs (``trainer.current_epoch``) is right in every case.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        consumed_batches: Optional[Callable[[], int]] = None,
+        epoch: Optional[Callable[[], int]] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, DataParallelSampler):
+            raise TypeError("ResumableDataLoader needs a DataParallelSampler")
+        self._consumed_batches = consumed_batches
+        self._epoch = epoch
+        self._yielded = 0
+        self._offset = 0  # positions skipped by a resume in the epoch being iterated
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler: DataParallelSampler = self.sampler  # type: ignore[assignment]
+        if self._epoch is not None:
+            sampler.set_epoch(self._epoch())
+        self._offset, self._yielded = sampler._start(), 0
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler: DataParallelSampler = self.sampler  # type: ignore[assignment]
+        global_batch = self.batch_size * sampler.num_replicas
+        if self._consumed_batches is not None:
+            consumed = self._consumed_batches() * global_batch
+        else:
+            consumed = self._offset + self._yielded * global_batch
+        return {"epoch": sampler.epoch, "consumed_samples": consumed, "seed": sampler.seed, "shuffle": sampler.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sampler: DataParallelSampler = self.sampler  # type: ignore[assignment]
+        sampler.set_epoch(int(state["epoch"]))  # a Fabric loop continues from the sampler's epoch
+        sampler.resume(int(state["epoch"]), int(state["consumed_samples"]))

@@ -1,0 +1,130 @@
+"""``lightning-2d benchmark``: time a model/layout; ``--compare`` puts it side by side with hand-written 2D code.
+
+    lightning-2d benchmark                          # reference shape, (dp, tp) = (2, 2) on 4 CPU processes
+    lightning-2d benchmark --compare --json out.json
+    python -m lightning_2d.tools.benchmark --compare --accelerator gpu --devices 8 --tensor-parallel-size 8 \\
+        --precision bf16-mixed --model llama3-8b --n-layers 4 --seq-len 4096 --global-batch-size 8
+
+Variants (``--compare`` runs all three, alternating ``a, b, c, a, b, c, ...`` for ``--rounds``):
+
+``lightning_2d``
+    ``lightning.Trainer`` + ``ModelParallel2DStrategy`` (options from the command line, generated
+    from ``ParallelConfig``) + ``LlamaLightningModule`` with its defaults.
+``lightning``
+    Lightning's own ``ModelParallelStrategy`` with a LightningModule whose ``configure_model``
+    applies the Llama TP/SP plan by hand, as PyTorch's 2D example and torchtitan do
+    (``reference_2d_plan``), a plain mean cross-entropy, AdamW.
+``plain``
+    A torch loop without Lightning: ``init_process_group``, ``init_device_mesh``, the same
+    ``reference_2d_plan``, model, data and optimizer.
+
+All three train the same seeded initial weights on the same synthetic tokens (the ranks of a
+tensor-parallel group draw the same batch; data-parallel ranks different ones), so their first
+losses agree. A step's time is the wall time between the ends of consecutive optimizer steps
+(device synchronized before the clock is read), the slowest rank's; the first ``--warmup`` steps
+of every run are dropped and the median is taken over the remaining steps of all rounds.
+
+Each variant of each round is a fresh set of ``--devices × --num-nodes`` local processes
+(``lightning_2d.tools.launch``), so peak memory is per run. Started under torchrun/SLURM (``RANK`` and
+``WORLD_SIZE`` set), the benchmark instead runs every variant in place, one after the other, in
+the processes it was started in.
+
+One module per job: ``options`` (strategy flags generated from ``ParallelConfig``), ``settings`` (the
+command line checked, ``BenchmarkSettings``), ``workload`` (synthetic tokens, seeded weights, AdamW),
+``reference`` (the hand-written 2D plan), ``clock`` (the step clock), ``variants`` (the three runs),
+``processes`` (spawned jobs or in place), ``report`` (statistics and the table) and ``cli``.
+"""
+
+from lightning_2d.tools.benchmark.cli import build_parser, main
+from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
+from lightning_2d.tools.benchmark.options import (
+    STRATEGY_DEFAULTS,
+    add_strategy_options,
+    field_docs,
+    option_converter,
+    option_flag,
+    strategy_options,
+)
+from lightning_2d.tools.benchmark.processes import (
+    BenchmarkJobError,
+    run_in_place,
+    run_job,
+    run_spawned,
+    started_by_launcher,
+    worker_main,
+)
+from lightning_2d.tools.benchmark.reference import (
+    build_reference_model,
+    mean_cross_entropy,
+    reference_2d_plan,
+    reference_mp_policy,
+)
+from lightning_2d.tools.benchmark.report import (
+    format_report,
+    slowest_rank_step_times,
+    steady_step_times,
+    step_time_ratios,
+    summarize,
+    variant_summary,
+)
+from lightning_2d.tools.benchmark.settings import (
+    OURS,
+    REFERENCE_MODEL,
+    VARIANTS,
+    BenchmarkConfigError,
+    BenchmarkSettings,
+    settings_from_args,
+)
+from lightning_2d.tools.benchmark.variants import RUNNERS, HandWritten2DModule, run_variant
+from lightning_2d.tools.benchmark.workload import (
+    SyntheticTokens,
+    adamw_defaults,
+    build_adamw,
+    load_seeded_init,
+    lr_warmup_steps,
+    synthetic_loader,
+)
+
+__all__ = [
+    "OURS",
+    "REFERENCE_MODEL",
+    "RUNNERS",
+    "STRATEGY_DEFAULTS",
+    "VARIANTS",
+    "BenchmarkConfigError",
+    "BenchmarkJobError",
+    "BenchmarkSettings",
+    "HandWritten2DModule",
+    "StepClock",
+    "StepClockCallback",
+    "SyntheticTokens",
+    "adamw_defaults",
+    "add_strategy_options",
+    "build_adamw",
+    "build_parser",
+    "build_reference_model",
+    "field_docs",
+    "format_report",
+    "load_seeded_init",
+    "lr_warmup_steps",
+    "main",
+    "mean_cross_entropy",
+    "option_converter",
+    "option_flag",
+    "reference_2d_plan",
+    "reference_mp_policy",
+    "run_in_place",
+    "run_job",
+    "run_spawned",
+    "run_variant",
+    "settings_from_args",
+    "slowest_rank_step_times",
+    "started_by_launcher",
+    "steady_step_times",
+    "step_time_ratios",
+    "strategy_options",
+    "summarize",
+    "synthetic_loader",
+    "variant_summary",
+    "worker_main",
+]

@@ -1,0 +1,100 @@
+"""``lightning-2d benchmark``'s command line: the parser (model, run, the lightning_2d variant's loss, one flag
+per ``ParallelConfig`` field) and ``main``, which checks the settings, runs the variants (spawned or in
+place), prints the report and writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.parallel.config import SUPPORTED_PRECISIONS
+from lightning_2d.tools.benchmark.options import add_strategy_options, option_flag
+from lightning_2d.tools.benchmark.processes import (
+    BenchmarkJobError,
+    run_in_place,
+    run_spawned,
+    started_by_launcher,
+    worker_main,
+)
+from lightning_2d.tools.benchmark.report import format_report, summarize
+from lightning_2d.tools.benchmark.settings import VARIANTS, BenchmarkConfigError, settings_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lightning-2d benchmark`` parser, strategy options included."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-2d benchmark",
+        description="Train a Llama model for --warmup + --steps steps and print the median step time, tokens/s"
+        " (global and per device), TFLOP/s, MFU (GPU), peak memory per device and the settings. --compare runs,"
+        " alternating, ModelParallel2DStrategy (lightning_2d), Lightning's ModelParallelStrategy with the plan"
+        " hand-written (lightning) and a plain torch loop (plain), and prints the step-time ratios.",
+    )
+    parser.add_argument("--compare", action="store_true", help="run the three variants side by side")
+    model = parser.add_argument_group(
+        "model", "default: PyTorch's 2D example (dim 256, 2 layers, 16 heads, vocab 32000)"
+    )
+    model.add_argument("--model", choices=list(PRESETS), default=None, help="a preset to start from")
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
+        model.add_argument(option_flag(name), type=int, default=None, help=f"ModelArgs.{name}")
+    run = parser.add_argument_group("run")
+    run.add_argument("--seq-len", type=int, default=256)
+    run.add_argument("--global-batch-size", type=int, default=8, help="sequences per step over all replicas")
+    run.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
+    run.add_argument("--devices", type=int, default=4, help="processes per node")
+    run.add_argument("--num-nodes", type=int, default=1)
+    run.add_argument("--precision", choices=SUPPORTED_PRECISIONS, default="32-true")
+    run.add_argument("--steps", type=int, default=18, help="timed steps per run")
+    run.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run")
+    run.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating")
+    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the tokens")
+    run.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before it is killed")
+    run.add_argument("--json", type=Path, default=None, help="write the settings, summaries and raw step times here")
+    module = parser.add_argument_group("LlamaLightningModule (the lightning_2d variant)")
+    module.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
+                        help="output projection fused with the cross-entropy, chunk by chunk (default); "
+                        "--no-fused-loss: logits, then F.cross_entropy")
+    module.add_argument("--loss-chunk-size", type=int, default=1024, help="tokens per chunk of the fused loss")
+    add_strategy_options(parser)
+    # Internal: one rank of a job started by run_job.
+    parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``lightning-2d benchmark`` / ``python -m lightning_2d.tools.benchmark``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        if args.settings is None or args.out is None:
+            parser.error("--worker needs --settings and --out")
+        worker_main(args.worker, args.settings, args.out)
+        return
+    in_place = started_by_launcher()
+    try:
+        settings = settings_from_args(args, world_size=int(os.environ["WORLD_SIZE"]) if in_place else None)
+    except BenchmarkConfigError as err:
+        parser.error(str(err))
+    if in_place:
+        runs = run_in_place(settings)
+        if runs is None:
+            return
+    else:
+        try:
+            runs = run_spawned(settings, log=lambda line: print(line, flush=True))
+        except BenchmarkJobError as err:
+            print(err, file=sys.stderr)
+            raise SystemExit(1) from None
+    report = summarize(settings, runs, in_place=in_place)
+    print(format_report(report), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")

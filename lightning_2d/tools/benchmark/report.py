@@ -1,0 +1,137 @@
+"""The comparison report: per variant the median step time of the slowest rank after warm-up and what follows
+from it (tokens/s, TFLOP/s, MFU), peak memory and first loss, the step-time ratios, and the table.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
+from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
+
+
+def slowest_rank_step_times(per_rank: list[list[float]]) -> list[float]:
+    """Per step, the longest time any rank took (the ranks wait for each other in collectives)."""
+    lengths = {len(times) for times in per_rank}
+    if len(lengths) != 1:
+        raise ValueError(f"ranks recorded different numbers of steps: {[len(t) for t in per_rank]}")
+    return [max(step) for step in zip(*per_rank)]
+
+
+def steady_step_times(runs: list[dict[str, Any]], warmup: int) -> list[float]:
+    """The step times of all ``runs`` (of one variant) after each run's first ``warmup`` steps."""
+    steady: list[float] = []
+    for run in runs:
+        steady.extend(slowest_rank_step_times([rank["step_times"] for rank in run["ranks"]])[warmup:])
+    return steady
+
+
+def variant_summary(settings: BenchmarkSettings, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median step time and what follows from it (throughput, TFLOP/s, MFU), peak memory, first loss."""
+    steady = steady_step_times(runs, settings.warmup)
+    median = statistics.median(steady)
+    tokens_per_sec = settings.tokens_per_step / median
+    per_device = tokens_per_sec / settings.world_size
+    tflops = settings.model_args.flops_per_token(settings.seq_len) * per_device / 1e12
+    peak = runs[0]["ranks"][0].get("peak_tflops")
+    first = runs[0]["ranks"]
+    return {
+        "median_step_s": median,
+        "step_times_s": steady,
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_device": per_device,
+        "tflops_per_device": tflops,
+        "mfu_percent": 100.0 * tflops / peak if peak else None,
+        "peak_memory_gib_per_device": max(rank["peak_memory_gib"] for run in runs for rank in run["ranks"]),
+        # Mean over ranks: the global-batch mean whether a rank reports its own mean (equal token
+        # counts on every replica) or the global one.
+        "first_loss": statistics.fmean(rank["losses"][0] for rank in first),
+        "compute_dtype": first[0].get("compute_dtype"),
+        "ranks": sorted({rank["rank"] for run in runs for rank in run["ranks"]}),
+        "rounds": len(runs),
+    }
+
+
+def step_time_ratios(medians: dict[str, float], ours: str = OURS) -> dict[str, float]:
+    """``ours``' median step time over each other variant's (below 1: ours is faster)."""
+    return {other: medians[ours] / median for other, median in medians.items() if other != ours}
+
+
+def summarize(settings: BenchmarkSettings, runs: list[dict[str, Any]], in_place: bool = False) -> dict[str, Any]:
+    """The report: settings, a summary per variant, the ratios, and every rank's raw records.
+
+    Args:
+        settings: What ran.
+        runs: ``{"variant", "round", "ranks": [rank record, ...]}`` in the order they ran.
+        in_place: Whether the variants ran one after the other in the same processes.
+    """
+    summaries = {v: variant_summary(settings, [r for r in runs if r["variant"] == v]) for v in settings.variants}
+    ratios = step_time_ratios({v: s["median_step_s"] for v, s in summaries.items()}) if len(summaries) > 1 else {}
+    return {"settings": asdict(settings), "in_place": in_place, "variants": summaries, "ratios": ratios, "runs": runs}
+
+
+def _fmt(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable table, settings and ratios of ``summarize``'s report."""
+    s = BenchmarkSettings(**report["settings"])
+    args = s.model_args
+    options = ", ".join(f"{k}={v}" for k, v in s.strategy_options.items() if k not in STRATEGY_DEFAULTS) or "defaults"
+    lines = [
+        (
+            f"model: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads ({args.kv_heads} kv), vocab"
+            f" {args.vocab_size}; {args.num_params() / 1e6:.1f}M parameters,"
+            f" {args.flops_per_token(s.seq_len) / 1e6:.1f} MFLOP/token"
+        ),
+        f"data: seq {s.seq_len}, global batch {s.global_batch_size} ({s.tokens_per_step} tokens/step)",
+        (
+            (f"layout: (pp, dp, tp) = ({pp}, {s.dp}, {s.tp})"
+             if (pp := s.strategy_options.get("pipeline_parallel_size", 1)) > 1
+             else f"layout: (dp, tp) = ({s.dp}, {s.tp})")
+            + f" on {s.world_size} {s.accelerator} process(es),"
+            f" {s.num_nodes} node(s); precision {s.precision}"
+        ),
+        f"timing: {s.steps} steps after {s.warmup} warm-up, {s.rounds} round(s), median of the slowest rank per step",
+        f"strategy options (lightning_2d): {options}",
+        "loss (lightning_2d): " + (
+            f"fused projection + cross-entropy, {s.module_options['loss_chunk_size']} tokens per chunk"
+            if s.module_options.get("fused_loss", True) else "logits, then F.cross_entropy"
+        ),
+    ]
+    if len(s.variants) > 1:
+        lines.append(
+            "hand-written variants (lightning, plain): the reference plan (sequence parallel, gathered logits, mean"
+            " cross-entropy, FSDP2 per block and root)"
+        )
+    header = ("variant", "step ms", "tokens/s", "tokens/s/dev", "TFLOP/s/dev", "MFU %", "peak GiB/dev", "first loss")
+    rows = [header]
+    for variant, v in report["variants"].items():
+        rows.append((
+            variant,
+            _fmt(v["median_step_s"] * 1e3, 2),
+            _fmt(v["tokens_per_sec"], 0),
+            _fmt(v["tokens_per_sec_per_device"], 0),
+            _fmt(v["tflops_per_device"], 4),
+            _fmt(v["mfu_percent"], 1),
+            _fmt(v["peak_memory_gib_per_device"], 3),
+            f"{v['first_loss']:.6f}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines.append("")
+    for row in rows:
+        cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells))
+    if report.get("in_place") and s.accelerator == "cpu" and not Path("/proc/self/clear_refs").exists():
+        lines.append(
+            "(in place on CPU: a variant's peak memory is its processes' peak so far, earlier variants included)"
+        )
+    if report["ratios"]:
+        lines.append("")
+        for other, ratio in report["ratios"].items():
+            lines.append(f"ours / {other} = {ratio:.3f}x step time ({1 / ratio:.3f}x the throughput)")
+    return "\n".join(lines)

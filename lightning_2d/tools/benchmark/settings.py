@@ -1,0 +1,251 @@
+"""The benchmark's settings: the command line checked and the layout resolved before any process starts
+(``settings_from_args`` raises ``BenchmarkConfigError`` listing every problem), as ``BenchmarkSettings``,
+which the worker processes read back from JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.tools.benchmark.options import option_flag, strategy_options
+
+if TYPE_CHECKING:
+    from lightning_2d.parallel.dims import ParallelDims
+
+VARIANTS = ("lightning_2d", "lightning", "plain")
+OURS = "lightning_2d"
+#: PyTorch's 2D Llama example (``dtensor_2d_llama.py``): the shape the benchmark runs by default.
+REFERENCE_MODEL = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
+
+
+class BenchmarkConfigError(ValueError):
+    """Impossible benchmark settings, found before any process starts; lists every problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("Invalid benchmark settings:\n  - " + "\n  - ".join(self.problems))
+
+
+@dataclass
+class BenchmarkSettings:
+    """Everything a benchmark run needs (from ``settings_from_args``); written as JSON for the worker processes.
+
+    Args:
+        model: ``ModelArgs`` fields.
+        seq_len: Tokens per sequence.
+        global_batch_size: Sequences per optimizer step over all data-parallel ranks.
+        accelerator: ``"cpu"`` or ``"gpu"``.
+        devices: Processes per node.
+        num_nodes: Nodes.
+        precision: Trainer precision (``SUPPORTED_PRECISIONS``), applied the same way in all variants.
+        steps: Timed steps per run.
+        warmup: Steps run before the timed ones in every run (dropped).
+        rounds: Runs of each variant, alternating between variants.
+        seed: Seed of the initial weights and the synthetic tokens.
+        strategy_options: ``ParallelConfig`` fields passed to ``ModelParallel2DStrategy``.
+        module_options: ``LlamaLightningModule`` loss options of the lightning_2d variant
+            (``fused_loss``, ``loss_chunk_size``).
+        dp: Resolved data-parallel size.
+        tp: Resolved tensor-parallel size.
+        variants: Which of ``VARIANTS`` to run.
+        timeout: Seconds one job may take before it is killed.
+    """
+
+    # No defaults here: the command line (build_parser) holds them.
+    model: dict[str, Any]
+    seq_len: int
+    global_batch_size: int
+    accelerator: str
+    devices: int
+    num_nodes: int
+    precision: str
+    steps: int
+    warmup: int
+    rounds: int
+    seed: int
+    strategy_options: dict[str, Any]
+    module_options: dict[str, Any]
+    dp: int
+    tp: int
+    variants: list[str]
+    timeout: float
+
+    @property
+    def model_args(self) -> ModelArgs:
+        return ModelArgs(**self.model)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.dp
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """``ModelParallel2DStrategy`` arguments: the options with the mesh sizes resolved."""
+        return {**self.strategy_options, "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchmarkSettings:
+        return cls(**json.loads(text))
+
+
+def _model_args(args: argparse.Namespace, problems: list[str]) -> Optional[ModelArgs]:
+    overrides = {
+        name: getattr(args, name)
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
+        if getattr(args, name) is not None
+    }
+    try:
+        if args.model is not None:
+            return ModelArgs.from_name(args.model, **overrides)
+        return ModelArgs(**{**asdict(REFERENCE_MODEL), **overrides})
+    except ValueError as err:
+        # "Invalid ModelArgs:\n  - a\n  - b" → one problem per line
+        lines = [line.strip().removeprefix("- ") for line in str(err).splitlines()[1:]] or [str(err)]
+        problems.extend(f"model: {line}" for line in lines if line)
+        return None
+
+
+def _strategy_accepts() -> set[str]:
+    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
+
+    return set(inspect.signature(ModelParallel2DStrategy).parameters)
+
+
+def _validate_layout(config: ParallelConfig, args: argparse.Namespace, model_args: Optional[ModelArgs]) -> ParallelDims:
+    from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel.dims import validate_parallel_dims
+
+    return validate_parallel_dims(
+        config,
+        world_size=args.devices * args.num_nodes,
+        devices_per_node=args.devices,
+        plan=llama_plan(model_args, config) if model_args is not None else None,
+        precision=args.precision,
+        seq_len=args.seq_len,
+        num_nodes=args.num_nodes,
+    )
+
+
+def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = None) -> BenchmarkSettings:
+    """Check the command line and resolve the layout; raises ``BenchmarkConfigError`` listing every problem.
+
+    Args:
+        args: Parsed by ``build_parser()``.
+        world_size: ``WORLD_SIZE`` when started by torchrun/SLURM (it must equal ``devices × num_nodes``);
+            ``None`` when the benchmark starts the processes itself.
+    """
+    problems: list[str] = []
+    for name, minimum in (("steps", 1), ("warmup", 0), ("rounds", 1), ("devices", 1), ("num_nodes", 1),
+                          ("seq_len", 1), ("global_batch_size", 1)):
+        value = getattr(args, name)
+        if value < minimum:
+            problems.append(f"{option_flag(name)} must be at least {minimum}, got {value}")
+    if args.timeout <= 0:
+        problems.append(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.loss_chunk_size < 1:
+        problems.append(f"--loss-chunk-size must be a positive number of tokens, got {args.loss_chunk_size}")
+    model_args = _model_args(args, problems)
+    if model_args is not None and args.seq_len > model_args.max_seq_len:
+        problems.append(
+            f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model_args.max_seq_len}); use a shorter"
+            " sequence or a preset with a longer max_seq_len"
+        )
+
+    accelerator = args.accelerator
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if accelerator == "gpu" and not torch.cuda.is_available():
+        problems.append("--accelerator gpu, but CUDA is not available here; use --accelerator cpu")
+    elif accelerator == "gpu" and world_size is None and torch.cuda.device_count() < args.devices:
+        problems.append(
+            f"--devices {args.devices} on GPU, but this machine has {torch.cuda.device_count()} CUDA device(s);"
+            f" use --devices {torch.cuda.device_count()} or fewer"
+        )
+    if world_size is not None and args.devices * args.num_nodes != world_size:
+        problems.append(
+            f"started with WORLD_SIZE={world_size}, but --devices {args.devices} × --num-nodes {args.num_nodes} ="
+            f" {args.devices * args.num_nodes}; pass the devices per node and the nodes of the launch"
+        )
+
+    options = strategy_options(args)
+    unknown = sorted(set(options) - _strategy_accepts())
+    if unknown:
+        problems.append(
+            f"ModelParallel2DStrategy does not accept the ParallelConfig option(s) {', '.join(unknown)}; drop"
+            f" {', '.join(option_flag(n) for n in unknown)}"
+        )
+    dp = tp = 0
+    try:
+        config = ParallelConfig(**options)
+        dims = _validate_layout(config, args, model_args)
+        dp, tp = dims.dp, dims.tp
+        if args.compare and config.data_parallel_replicate_size > 1:
+            problems.append(
+                f"--data-parallel-replicate-size {config.data_parallel_replicate_size} (HSDP) has no counterpart in"
+                " the hand-written Lightning and plain torch variants of --compare (they shard over every"
+                " data-parallel rank); drop --compare or the option"
+            )
+        if args.compare and config.pipeline_parallel_size > 1:
+            problems.append(
+                f"--pipeline-parallel-size {config.pipeline_parallel_size} has no counterpart in the hand-written"
+                " Lightning and plain torch variants of --compare (neither has pipeline parallelism); drop --compare"
+                " (to measure lightning_2d alone) or the option"
+            )
+        if args.compare and not config.sequence_parallel:
+            # The hand-written variants always use the reference plan, sequence parallel included.
+            _validate_layout(ParallelConfig(**{**options, "sequence_parallel": True}), args, model_args)
+    except ParallelConfigError as err:
+        extra = [p for p in err.problems if p not in problems]
+        if dp and extra:  # only the reference plan's check got here
+            extra = [f"under --compare the lightning and plain variants use sequence parallelism: {p}" for p in extra]
+        problems.extend(extra)
+    if dp and args.global_batch_size % dp:
+        fits = [b for b in (args.global_batch_size // dp * dp, (args.global_batch_size // dp + 1) * dp) if b > 0]
+        problems.append(
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by the data-parallel size ({dp}):"
+            f" every data-parallel rank trains the same number of sequences; try {' or '.join(map(str, fits))}"
+        )
+    if problems:
+        raise BenchmarkConfigError(problems)
+    assert model_args is not None
+    return BenchmarkSettings(
+        model=asdict(model_args),
+        seq_len=args.seq_len,
+        global_batch_size=args.global_batch_size,
+        accelerator=accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        precision=args.precision,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        seed=args.seed,
+        strategy_options=options,
+        module_options={"fused_loss": args.fused_loss, "loss_chunk_size": args.loss_chunk_size},
+        dp=dp,
+        tp=tp,
+        variants=list(VARIANTS) if args.compare else [OURS],
+        timeout=args.timeout,
+    )

@@ -1,0 +1,184 @@
+"""The three variants, one rank each: ``lightning_2d`` (Trainer + ``ModelParallel2DStrategy`` +
+``LlamaLightningModule``), ``lightning`` (Lightning's ``ModelParallelStrategy`` with the plan written by hand in
+``configure_model``) and ``plain`` (a torch loop); ``run_variant`` runs one and returns its step times,
+losses and peak memory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+
+from lightning_2d.integration.callbacks import peak_memory_gib, peak_tflops
+from lightning_2d.models.llama.model import Transformer
+from lightning_2d.parallel.config import PRECISION_TO_DTYPES
+from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
+from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
+from lightning_2d.tools.benchmark.settings import BenchmarkSettings
+from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _quiet_lightning() -> None:
+    # The synthetic loader needs no workers, and the benchmark sets no logger on purpose.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*`self.log\(\)` but .*logger.*")
+
+
+def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, callback: L.Callback) -> L.Trainer:
+    return L.Trainer(
+        accelerator=settings.accelerator,
+        devices=settings.devices,
+        num_nodes=settings.num_nodes,
+        strategy=strategy,
+        precision=precision,
+        max_steps=settings.total_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        # Each rank gets its own synthetic loader (see synthetic_loader): no sampler on top.
+        use_distributed_sampler=False,
+        callbacks=[callback],
+        default_root_dir=tempfile.gettempdir(),
+    )
+
+
+def run_lightning_2d(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, torch.dtype]:
+    """Variant ``lightning_2d``: Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``."""
+    from lightning_2d.integration.module import LlamaLightningModule
+    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
+
+    module = LlamaLightningModule(
+        model=settings.model_args,
+        init_seed=settings.seed,
+        warmup_steps=lr_warmup_steps(settings),
+        max_steps=settings.total_steps,
+        **settings.module_options,
+    )
+    strategy = ModelParallel2DStrategy(**settings.strategy_kwargs())
+    callback = StepClockCallback()
+    trainer = _trainer(settings, strategy, settings.precision, callback)
+    trainer.fit(module, train_dataloaders=synthetic_loader(settings, _rank()))
+    dtype = strategy.parallel_config.resolve_dtypes(settings.precision).param_dtype
+    assert callback.clock is not None and dtype is not None
+    return callback.clock, strategy.root_device, dtype
+
+
+class HandWritten2DModule(L.LightningModule):
+    """What a user writes for Lightning's ``ModelParallelStrategy`` today: the 2D plan in ``configure_model``.
+
+    Args:
+        settings: Model shape, precision, seed and optimizer schedule.
+    """
+
+    def __init__(self, settings: BenchmarkSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.model: Optional[Transformer] = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            mesh = self.device_mesh
+            self.model = build_reference_model(self.settings, mesh["tensor_parallel"], mesh["data_parallel"])
+
+    def on_fit_start(self) -> None:
+        # Lightning materialized the meta model with each module's reset_parameters(), whose values
+        # depend on the layout (and the Transformer's rotary table has none): load the seeded
+        # values the other variants start from.
+        assert self.model is not None
+        load_seeded_init(self.model, self.settings.seed)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.model is not None
+        return mean_cross_entropy(self.model(batch["input_ids"]), batch["labels"])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        optimizer, scheduler = build_adamw(self.model, self.device, self.settings)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def run_lightning(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, torch.dtype]:
+    """Variant ``lightning``: Lightning's ``ModelParallelStrategy``, ``reference_2d_plan`` in ``configure_model``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # Replaced by the seeded init in on_fit_start (see HandWritten2DModule).
+    warnings.filterwarnings("ignore", message=r"Parameter initialization incomplete.*")
+    strategy = ModelParallelStrategy(data_parallel_size=settings.dp, tensor_parallel_size=settings.tp)
+    callback = StepClockCallback()
+    # Precision goes through FSDP2's policy in reference_2d_plan, as in the other variants; Lightning's
+    # bf16 plugins would add autocast or a module conversion on top.
+    trainer = _trainer(settings, strategy, "32-true", callback)
+    trainer.fit(HandWritten2DModule(settings), train_dataloaders=synthetic_loader(settings, _rank()))
+    assert callback.clock is not None
+    return callback.clock, strategy.root_device, PRECISION_TO_DTYPES[settings.precision][0]
+
+
+def run_plain(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, torch.dtype]:
+    """Variant ``plain``: a torch training loop, no Lightning."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if settings.accelerator == "gpu":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():  # in place, an earlier variant may have created it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    mesh = init_device_mesh(device.type, (settings.dp, settings.tp), mesh_dim_names=("dp", "tp"))
+    model = build_reference_model(settings, mesh["tp"], mesh["dp"])
+    model.to_empty(device=device)
+    load_seeded_init(model, settings.seed)
+    optimizer, scheduler = build_adamw(model, device, settings)
+    loader = synthetic_loader(settings, dist.get_rank())
+
+    clock = StepClock(device)
+    clock.start()
+    for batch in loader:
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        loss = mean_cross_entropy(model(input_ids), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        clock.tick(loss.detach())
+    return clock, device, PRECISION_TO_DTYPES[settings.precision][0]
+
+
+RUNNERS: dict[str, Callable[[BenchmarkSettings], tuple[StepClock, torch.device, torch.dtype]]] = {
+    "lightning_2d": run_lightning_2d,
+    "lightning": run_lightning,
+    "plain": run_plain,
+}
+
+
+def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
+    """Run one variant on this rank; returns its step times, losses, peak memory and the device's peak."""
+    from lightning_2d.parallel.dims import destroy_process_group_at_exit
+
+    _quiet_lightning()
+    clock, device, dtype = RUNNERS[variant](settings)
+    destroy_process_group_at_exit()
+    return {
+        "variant": variant,
+        "rank": _rank(),
+        "device": str(device),
+        "step_times": clock.step_times,
+        "losses": clock.losses,
+        "peak_memory_gib": peak_memory_gib(device),
+        "peak_tflops": peak_tflops(device, dtype),
+        "compute_dtype": str(dtype).removeprefix("torch."),
+    }

@@ -1,0 +1,383 @@
+"""The activation model: what autograd keeps for one micro-batch of the Llama ``Transformer`` on one device.
+
+``ActivationModel`` counts, tensor by tensor, what the real forward saves for backward (and allocates while
+it runs) per block, for the head and the fused loss, under each activation-checkpointing mode, and finds the
+peak over a forward and a backward (``ActivationModel.estimate`` → ``ActivationEstimate``). Checked against
+autograd's saved tensors and measured CPU peaks in ``tests/unit/test_planner.py``; a pipeline stage's estimate
+(``schedules.pipeline_activation_estimate``) is built from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from lightning_2d.models.llama.model import ModelArgs
+
+DEFAULT_LOSS_CHUNK_SIZE = 1024  # LlamaLightningModule's and Transformer's default
+#: Activation bytes → peak of ``RMSNorm``'s backward per input element, beyond its saved tensors
+#: (measured with a live-tensor tracker on CPU, torch 2.13): its fp32 chain rule through
+#: ``rsqrt(mean(x²))`` holds about four fp32 tensors the input's size at once, and in bf16 a
+#: low-precision one more.
+NORM_BACKWARD_BYTES = {4: 16, 2: 18}
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """What autograd keeps for one micro-batch of the Llama ``Transformer`` on one device.
+
+    Every term is a tensor the real forward saves for backward (or allocates while it runs),
+    counted once per storage, in the shapes one tensor-parallel rank sees. Derived from
+    ``lightning_2d.models.llama.model`` op by op and checked against ``torch.autograd.graph.saved_tensors_hooks``
+    and a live-tensor tracker on CPU (``tests/unit/test_planner.py``). It is also the building block of a
+    pipeline stage's estimate (``pipeline_activation_estimate``): ``n_layers`` the stage's blocks,
+    ``has_embedding`` / ``has_head`` whether it holds the embedding / the final norm, head and loss.
+    Per block, with ``N`` tokens,
+    ``s`` the sequence shards (``tp`` under sequence parallelism, else 1), ``a`` the activation
+    bytes (``param_dtype``), local sizes ``D`` (dim), ``F`` (SwiGLU hidden / tp), ``H`` (query heads
+    / tp), ``Dh`` (head dim):
+
+    * each RMSNorm: its input in fp32 (``x.float()``, ``4·N/s·D``), the normalized value before the
+      weight (``a·N/s·D``) and ``rsqrt`` (``4·N/s``);
+    * the attention and SwiGLU inputs, all-gathered to the whole sequence under SP and saved by the
+      projections (``2 × a·N·D``);
+    * attention: rotated q, k and v repeated to the query heads (grouped-query attention), the SDPA
+      output (``4 × a·N·H·Dh``) and its log-sum-exp (``4·N·H``); the rotary products save only
+      the (resident) rotary table;
+    * SwiGLU: ``w1`` out, ``silu`` out, ``w3`` out and their product (``4 × a·N·F``).
+
+    Activation checkpointing keeps instead: ``full``: the block input (``a·N/s·D``); ``selective``
+    per op: the block input and the outputs of torchtitan's save list (every other ``mm`` — ``wq``,
+    ``wv``, ``w1``, ``w2`` —, SDPA, and the reduce-scatters under SP); ``selective`` N: every N-th
+    block full. In backward a checkpointed block recomputes its forward (everything above, minus
+    what is already kept).
+
+    The head computes the fused loss in forward, a chunk of ``loss_chunk_size`` tokens at a time
+    (``lightning_2d.ops.linear_cross_entropy``): it keeps the hidden states' gradient (``a·N·D``) and
+    an fp32 accumulator of the head's gradient (``4·V·D``, ``V`` = vocabulary / tp) for backward,
+    and allocates per chunk fp32 logits, their low-precision copy and, in bf16, the chunk's
+    weight-gradient product. Logits of the whole sequence never exist.
+
+    Args:
+        tokens: Tokens per micro-batch (``micro_batch_size × seq_len``).
+        seq_shards: Sequence shards of the residual stream: ``tp`` under sequence parallelism, else 1.
+        tp: Tensor-parallel size.
+        dim: Model width ``D``.
+        n_layers: Transformer blocks.
+        heads: Query heads per tensor-parallel rank.
+        kv_heads: Key/value heads per tensor-parallel rank.
+        head_dim: ``Dh``.
+        ffn_hidden: SwiGLU hidden size per tensor-parallel rank.
+        vocab: Vocabulary rows per tensor-parallel rank.
+        act_bytes: Bytes per activation element (the ``param_dtype`` FSDP computes in).
+        loss_chunk_size: Tokens per chunk of the fused loss (``None``: all at once).
+        has_embedding: Whether the token embedding runs here (its token ids are kept): always without
+            a pipeline, on the first stage with one.
+        has_head: Whether the final norm, the output head and the fused loss run here: always without a
+            pipeline, on the last stage with one. Without them the peak is in the blocks' backward.
+    """
+
+    tokens: int
+    seq_shards: int
+    tp: int
+    dim: int
+    n_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab: int
+    act_bytes: int
+    loss_chunk_size: Optional[int] = DEFAULT_LOSS_CHUNK_SIZE
+    has_embedding: bool = True
+    has_head: bool = True
+
+    @classmethod
+    def for_layout(
+        cls,
+        args: ModelArgs,
+        *,
+        tp: int,
+        sequence_parallel: bool,
+        seq_len: int,
+        micro_batch_size: int,
+        act_dtype: torch.dtype,
+        loss_chunk_size: Optional[int] = DEFAULT_LOSS_CHUNK_SIZE,
+        n_layers: Optional[int] = None,
+        has_embedding: bool = True,
+        has_head: bool = True,
+    ) -> ActivationModel:
+        """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
+
+        Args:
+            args: The model's shape.
+            tp: Tensor-parallel size (must divide the head counts, the SwiGLU width and the vocabulary
+                as validated; uneven splits are rounded up).
+            sequence_parallel: Whether the residual stream is sharded along the sequence (only with ``tp > 1``).
+            seq_len: Tokens per sequence.
+            micro_batch_size: Sequences per micro-batch and device.
+            act_dtype: The dtype activations are computed in (``param_dtype``).
+            loss_chunk_size: Tokens per chunk of the fused loss.
+            n_layers: Blocks on this device (a pipeline stage's); ``None``: all of the model's.
+            has_embedding: Whether the token embedding runs here (a pipeline's first stage).
+            has_head: Whether the final norm, head and loss run here (a pipeline's last stage).
+        """
+        return cls(
+            tokens=micro_batch_size * seq_len,
+            seq_shards=tp if sequence_parallel and tp > 1 else 1,
+            tp=tp,
+            dim=args.dim,
+            n_layers=args.n_layers if n_layers is None else n_layers,
+            heads=math.ceil(args.n_heads / tp),
+            kv_heads=math.ceil(args.kv_heads / tp),
+            head_dim=args.head_dim,
+            ffn_hidden=math.ceil(args.ffn_hidden_dim / tp),
+            vocab=math.ceil(args.vocab_size / tp),
+            act_bytes=act_dtype.itemsize,
+            loss_chunk_size=loss_chunk_size,
+            has_embedding=has_embedding,
+            has_head=has_head,
+        )
+
+    # -- per block -------------------------------------------------------------------------------
+    @property
+    def _residual(self) -> int:
+        """One residual-stream tensor ``(N/s, D)``: a block input, the gradient flowing between blocks."""
+        return self.tokens // self.seq_shards * self.dim * self.act_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of one residual-stream tensor ``(N/s, D)``: also what pipeline stages send each other."""
+        return self._residual
+
+    def saved_input(self, mode: str) -> int:
+        """Bytes of a block's saved tensors that are its input tensor itself (not a copy of it).
+
+        A pipeline stage's first block gets the receive buffer as its input: what the block saves
+        of it is that buffer, which the planner counts once, as a buffer.
+
+        Args:
+            mode: The block's mode (``block_modes``).
+        """
+        if mode in ("full", "selective_op"):
+            return self._residual  # the checkpoint keeps its input
+        # Without checkpointing only the first norm's ``x.float()`` saves the input, and only in fp32
+        # (where it is ``x`` itself); in bf16 it is an fp32 copy.
+        return self._residual if self.act_bytes == 4 else 0
+
+    @property
+    def _attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+    def block_saved(self, mode: str = "none") -> dict[str, int]:
+        """Bytes one block keeps from its forward to its backward, by tensor group.
+
+        Args:
+            mode: ``"none"`` (everything autograd saves), ``"full"`` (the checkpoint's input) or
+                ``"selective_op"`` (the input and the outputs of the per-op save list).
+        """
+        n, a, d, s = self.tokens, self.act_bytes, self.dim, self.seq_shards
+        if mode == "full":
+            return {"block input": self._residual}
+        if mode == "selective_op":
+            saved = {
+                "block input": self._residual,
+                "wq, wv outputs": n * (self.heads + self.kv_heads) * self.head_dim * a,
+                "w1 output": n * self.ffn_hidden * a,
+                # Under TP w2's output is the partial sum of the whole sequence, before its reduce-scatter.
+                "w2 output": n * d * a,
+                "attention output + logsumexp": n * self._attention_width * a + n * self.heads * 4,
+            }
+            if s > 1:  # the reduce-scatters' outputs (wo, w2) are on the save list too
+                saved["reduce-scatter outputs"] = 2 * self._residual
+            return saved
+        if mode != "none":
+            raise ValueError(f"mode={mode!r}; use 'none', 'full' or 'selective_op'")
+        norm = n // s * (d * (4 + a) + 4)  # fp32 input, normalized value, rsqrt
+        return {
+            "norms (fp32 input, normalized, rsqrt)": 2 * norm,
+            "attention/SwiGLU inputs (whole sequence)": 2 * n * d * a,
+            # q, k, v (k and v repeated to the query heads), SDPA output; logsumexp in fp32
+            "attention q, k, v, output, logsumexp": 4 * n * self._attention_width * a + n * self.heads * 4,
+            "SwiGLU w1, silu, w3, product": 4 * n * self.ffn_hidden * a,
+        }
+
+    def recompute_extra(self, mode: str) -> int:
+        """Bytes a checkpointed block adds while its backward runs: its recomputed forward, less what it kept.
+
+        Args:
+            mode: ``"none"`` (nothing recomputed), ``"full"`` or ``"selective_op"``.
+        """
+        if mode == "none":
+            return 0
+        saved = sum(self.block_saved("none").values())
+        # In fp32 the first norm's fp32 input is the block input itself, already kept.
+        duplicate = self._residual if self.act_bytes == 4 else 0
+        if mode == "full":
+            return saved - duplicate
+        n, a = self.tokens, self.act_bytes
+        # Recomputation reuses the cached outputs: w1 out and SDPA out/logsumexp are saved tensors
+        # already counted; wq and wv out (rotated, repeated) and under SP wo's reduce-scatter output
+        # (added to the residual) are consumed and freed.
+        reused = n * (self.heads + self.kv_heads) * self.head_dim * a + n * self.ffn_hidden * a
+        reused += n * self._attention_width * a + n * self.heads * 4
+        if self.seq_shards > 1:  # wo's reduce-scatter output, consumed by the residual add
+            reused += self._residual
+        return saved - duplicate - reused
+
+    def backward_transient(self) -> int:
+        """Bytes a block's backward adds at its peak to what the block saved (net of what it freed).
+
+        Two candidate moments, both with the residual gradient ``g`` (``a·N/s·D``) waiting:
+
+        * SwiGLU: after ``w2``'s backward its saved input is freed and the gradients of ``silu`` out
+          and ``w3`` out are allocated next to its gradient (``2 × a·N·F`` net); under SP, ``w2``'s
+          backward first all-gathers the incoming gradient to the whole sequence (``a·N·D`` next to
+          ``a·N·F``).
+        * ``ffn_norm``: SwiGLU's saved tensors and its input are freed, and RMSNorm's backward (fp32
+          math) peaks at ``NORM_BACKWARD_BYTES`` per input element. It dominates without sequence
+          parallelism at large ``tp`` (the norm sees the whole sequence, SwiGLU a ``1/tp`` slice).
+        """
+        n, a, d = self.tokens, self.act_bytes, self.dim
+        swiglu = 2 * n * self.ffn_hidden * a
+        if self.seq_shards > 1:
+            swiglu = max(swiglu, n * d * a + n * self.ffn_hidden * a)
+        rows = n // self.seq_shards
+        norm = rows * d * NORM_BACKWARD_BYTES[a] - 4 * n * self.ffn_hidden * a - n * d * a
+        return self._residual + max(swiglu, norm)
+
+    # -- head and loss ---------------------------------------------------------------------------
+    def inputs_saved(self) -> int:
+        """Bytes of token ids kept: the tokens where the embedding runs (under TP the embedding saves
+        its shifted ids as well) and the labels where the loss runs (int64)."""
+        n = self.tokens
+        tokens = n * 8 * (2 if self.tp > 1 else 1) if self.has_embedding else 0
+        return tokens + (n * 8 if self.has_head else 0)
+
+    def loss_saved(self) -> dict[str, int]:
+        """Bytes the final norm and the fused loss keep for backward (where they run), and the inputs."""
+        n, a, d, s = self.tokens, self.act_bytes, self.dim, self.seq_shards
+        if not self.has_head:
+            return {"tokens, labels": self.inputs_saved()}
+        return {
+            "final norm": n // s * (d * (4 + a) + 4),
+            "loss: hidden-state gradient": n * d * a,
+            "loss: fp32 head-gradient accumulator": self.vocab * d * 4,
+            "tokens, labels": self.inputs_saved(),
+        }
+
+    def loss_forward_transient(self) -> int:
+        """Extra bytes while the fused loss runs its chunks (the forward's peak)."""
+        n, a, d, v = self.tokens, self.act_bytes, self.dim, self.vocab
+        chunk = n if self.loss_chunk_size is None else min(self.loss_chunk_size, n)
+        several = n > chunk
+        hidden = n * d * a  # the head's input: the final norm output, all-gathered under SP
+        if self.seq_shards > 1:
+            hidden += self._residual  # the sharded norm output is still referenced by the caller
+        if a == 4:
+            # fp32: logits (updated in place into their gradient); the next chunk's logits are
+            # computed before the previous ones are released.
+            chunks = 4 * chunk * v * (2 if several else 1)
+        else:
+            # fp32 logits + their bf16 gradient + the (V, D) product added into the accumulator;
+            # at the next chunk, its bf16 and fp32 logits next to the previous chunk's pair.
+            chunks = max(6 * chunk * v + a * v * d, 12 * chunk * v if several else 0)
+        return hidden + chunks
+
+    # -- the peak ---------------------------------------------------------------------------------
+    def block_modes(self, activation_checkpointing: str, selective_ac_option: Any = "op") -> list[str]:
+        """Each block's mode under the configured activation checkpointing."""
+        if activation_checkpointing == "none":
+            return ["none"] * self.n_layers
+        if activation_checkpointing == "full":
+            return ["full"] * self.n_layers
+        if str(selective_ac_option) == "op":
+            return ["selective_op"] * self.n_layers
+        every = int(selective_ac_option)
+        return ["full" if (i + 1) % every == 0 else "none" for i in range(self.n_layers)]
+
+    def estimate(self, activation_checkpointing: str = "none", selective_ac_option: Any = "op") -> ActivationEstimate:
+        """The peak of activation memory over one micro-batch's forward and backward.
+
+        The candidates: the fused loss at the end of forward (every block's saved tensors alive),
+        the final norm's backward (both only ``has_head``), and each block's backward (recomputation
+        included) while the blocks before it still hold theirs.
+
+        Args:
+            activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
+            selective_ac_option: ``"op"`` or N (for ``"selective"``).
+        """
+        modes = self.block_modes(activation_checkpointing, selective_ac_option)
+        per_block = [sum(self.block_saved(m).values()) for m in modes]
+        blocks = sum(per_block)
+        loss = self.loss_saved()
+        inputs = loss["tokens, labels"]
+        # (phase, blocks' saved, head/loss/inputs, transient) at each candidate moment
+        if self.has_head:
+            moments = [("forward (fused loss)", blocks, sum(loss.values()), self.loss_forward_transient())]
+            # The final norm's backward: the loss's buffers have become the head's gradient (FSDP's) and
+            # the incoming gradient; RMSNorm's backward temporaries on top.
+            rows = self.tokens // self.seq_shards
+            norm = rows * self.dim * NORM_BACKWARD_BYTES[self.act_bytes]
+            moments.append(("backward of the final norm", blocks, loss["final norm"] + inputs, norm))
+        else:  # a pipeline stage without the head: its output goes to the next stage
+            moments = [("end of forward", blocks, inputs, 0)]
+        below = blocks
+        for i in reversed(range(self.n_layers)):  # backward order; blocks after i have freed theirs
+            phase = f"backward of block {i}" + (" (recomputed)" if modes[i] != "none" else "")
+            moments.append((phase, below, inputs, self.recompute_extra(modes[i]) + self.backward_transient()))
+            below -= per_block[i]
+        phase, saved, head, transient = max(moments, key=lambda m: m[1] + m[2] + m[3])
+        return ActivationEstimate(
+            peak=saved + head + transient,
+            phase=phase,
+            saved_by_blocks=saved,
+            head_and_loss=head,
+            transient=transient,
+            block_modes=modes,
+            block_saved=self._last_block_saved(modes),
+            kept_by_blocks=blocks,
+            kept_by_head=sum(loss.values()),
+        )
+
+    def _last_block_saved(self, modes: list[str]) -> dict[str, int]:
+        return self.block_saved(modes[-1]) if modes else {}
+
+
+@dataclass
+class ActivationEstimate:
+    """The activation peak and its parts (bytes).
+
+    Args:
+        peak: Bytes at the peak.
+        phase: Where the peak is.
+        saved_by_blocks: Bytes the blocks hold at the peak.
+        head_and_loss: Bytes the final norm, the loss and the inputs hold at the peak.
+        transient: Bytes alive only around the peak (loss chunks, a recomputed block, backward gradients).
+        block_modes: Each block's checkpointing mode.
+        block_saved: What the last block keeps, by tensor group.
+        kept_by_blocks: What the blocks keep from the end of one micro-batch's forward to its
+            backward (a pipeline holds that for each micro-batch in flight).
+        kept_by_head: What the final norm, the loss and the inputs keep over the same span.
+        receive_buffers: Pipeline: the stages' receive buffers (activations and gradients, one per
+            micro-batch each); 0 without a pipeline.
+        stage_outputs: Pipeline: the outputs of non-last stages kept for their backward, at the peak.
+        in_flight: Micro-batches (stage-chunks under an interleaved schedule) whose forward ran and
+            whose backward had not finished, at the peak; 1 without a pipeline.
+    """
+
+    peak: int
+    phase: str
+    saved_by_blocks: int
+    head_and_loss: int
+    transient: int
+    block_modes: list[str]
+    block_saved: dict[str, int]
+    kept_by_blocks: int = 0
+    kept_by_head: int = 0
+    receive_buffers: int = 0
+    stage_outputs: int = 0
+    in_flight: int = 1

@@ -1,0 +1,402 @@
+"""``plan_run``: a layout checked and its per-device memory estimated for one training step, without GPUs.
+
+The planner's arguments are checked together with the layout (``validate_parallel_dims``, every problem at
+once), each planned rank is built in the simulated world (``world._shard``), and its states, FSDP buffers
+(``units.gathered_peak``) and activations (``ActivationModel``, under a pipeline
+``pipeline_activation_estimate``) are added up; the fullest rank decides the ``PlanReport``'s verdict, with
+``suggestions`` when it does not fit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Optional
+
+import torch
+
+from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
+from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport
+from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
+from lightning_2d.tools.planner.suggestions import _suggestions
+from lightning_2d.tools.planner.units import gathered_peak
+from lightning_2d.tools.planner.world import _Retry, _shard, _Shards
+
+#: H100 / A100 80GB: the nominal size. ``torch.cuda.get_device_properties().total_memory`` reports
+#: ~79.1 GiB on an H100 SXM; what the CUDA context takes out of it is part of the reserve.
+DEFAULT_DEVICE_MEMORY_GIB = 80.0
+#: What the estimate does not see: the CUDA context (~0.5 GiB), NCCL and cuBLAS workspaces and
+#: the caching allocator's fragmentation.
+DEFAULT_RESERVE_GIB = 2.0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _model_args(model: str, overrides: Optional[dict[str, Any]], problems: list[str]) -> Optional[ModelArgs]:
+    try:
+        return ModelArgs.from_name(model, **(overrides or {}))
+    except (ValueError, TypeError) as err:
+        lines = [line.strip().removeprefix("- ") for line in str(err).splitlines()[1:]] or [str(err)]
+        problems.extend(f"model: {line}" for line in lines if line)
+        return None
+
+
+def _run_problems(args: Optional[ModelArgs], seq_len: int, micro_batch_size: int, device_memory_gib: float,
+                  reserve_gib: float, loss_chunk_size: Optional[int]) -> list[str]:
+    problems = []
+    if seq_len < 1:
+        problems.append(f"seq_len must be a positive number of tokens, got {seq_len}")
+    elif args is not None and seq_len > args.max_seq_len:
+        problems.append(
+            f"seq_len ({seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}); use a shorter sequence or"
+            f" raise it with --model-overrides '{{\"max_seq_len\": {seq_len}}}'"
+        )
+    if micro_batch_size < 1:
+        problems.append(f"micro_batch_size must be a positive number of sequences, got {micro_batch_size}")
+    if device_memory_gib <= 0:
+        problems.append(f"device_memory_gib must be positive, got {device_memory_gib}")
+    if reserve_gib < 0:
+        problems.append(f"reserve_gib must be >= 0, got {reserve_gib}")
+    if loss_chunk_size is not None and loss_chunk_size < 1:
+        problems.append(f"loss_chunk_size must be a positive number of tokens or None, got {loss_chunk_size}")
+    return problems
+
+
+def _validate(
+    config: ParallelConfig,
+    args: Optional[ModelArgs],
+    problems: list[str],
+    *,
+    num_nodes: int,
+    devices: int,
+    precision: str,
+    seq_len: int,
+) -> ParallelDims:
+    """``validate_parallel_dims`` for the target (CUDA) world, merged with the planner's own problems."""
+    from lightning_2d.models.llama.plan import llama_plan
+
+    if num_nodes < 1 or devices < 1:
+        problems.append(f"num_nodes ({num_nodes}) and devices ({devices}) must be positive integers")
+        raise ParallelConfigError(problems)
+    try:
+        dims = validate_parallel_dims(
+            config,
+            world_size=num_nodes * devices,
+            devices_per_node=devices,
+            plan=llama_plan(args, config) if args is not None else None,
+            precision=precision,
+            seq_len=seq_len,
+            num_nodes=num_nodes,
+            device_type="cuda",  # the target's rules (float8, async TP), not this machine's
+            device_index=None,  # no GPU to ask for its compute capability
+        )
+    except ParallelConfigError as err:
+        raise ParallelConfigError(problems + err.problems) from None
+    if problems:
+        raise ParallelConfigError(problems)
+    return dims
+
+
+def plan_run(
+    model: str = "llama3-8b",
+    *,
+    num_nodes: int = 1,
+    devices: int = 8,
+    config: Optional[ParallelConfig] = None,
+    precision: str = "bf16-mixed",
+    seq_len: Optional[int] = None,
+    micro_batch_size: int = 1,
+    accumulate_grad_batches: int = 1,
+    model_overrides: Optional[dict[str, Any]] = None,
+    loss_chunk_size: Optional[int] = DEFAULT_LOSS_CHUNK_SIZE,
+    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+) -> PlanReport:
+    """Check a layout and estimate its per-device memory for one training step, without GPUs.
+
+    Runs the real validation, mesh and ``parallelize_model`` for rank 0 of a simulated world of
+    ``num_nodes × devices`` ranks (a fake process group, torn down before returning, also on error),
+    on a meta-device Llama, then adds the activation model (``ActivationModel``). Under pipeline
+    parallelism it does so for one rank of every pipeline rank (global rank ``k·dp·tp``), whose stages
+    differ, adds the schedule's micro-batches in flight (``pipeline_activation_estimate``) and reports
+    the fullest one.
+
+    Args:
+        model: A ``ModelArgs`` preset (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``debug``, ...).
+        num_nodes: Nodes of the target cluster.
+        devices: Devices (processes) per node.
+        config: The strategy's options (``ParallelConfig()``: both sizes ``"auto"``).
+        precision: Trainer precision: ``32-true``, ``bf16-mixed`` (default) or ``bf16-true``.
+        seq_len: Tokens per sequence; ``None``: the model's ``max_seq_len``.
+        micro_batch_size: Sequences per device and micro-batch (also per pipeline micro-batch).
+        accumulate_grad_batches: Micro-batches per optimizer step (the Trainer's option). Above 1, FSDP
+            keeps every unit's unsharded gradients between micro-batches unless
+            ``config.reduce_every_micro_batch`` (under a pipeline the schedule reduces after every batch).
+        model_overrides: ``ModelArgs`` fields to change (``{"n_layers": 2}``).
+        loss_chunk_size: Tokens per chunk of the fused loss (``LlamaLightningModule``'s ``loss_chunk_size``).
+        device_memory_gib: Memory of one device in GiB (default 80: H100/A100 80GB; an H200 has 141 GB = 131 GiB).
+        reserve_gib: GiB set aside for what the estimate does not see (CUDA context, NCCL, fragmentation).
+
+    Returns:
+        The report (``as_dict()`` for JSON, ``format_report`` for the table).
+
+    Raises:
+        ParallelConfigError: every problem of the layout (and of the planner's arguments) at once.
+    """
+    start = time.perf_counter()
+    config = config if config is not None else ParallelConfig()
+    problems: list[str] = []
+    args = _model_args(model, model_overrides, problems)
+    seq_len = seq_len if seq_len is not None else (args.max_seq_len if args is not None else 0)
+    problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size)
+    if accumulate_grad_batches < 1:
+        problems.append(f"accumulate_grad_batches must be a positive integer, got {accumulate_grad_batches}")
+    dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len)
+    assert args is not None
+    resolved = config.resolve_dtypes(precision)
+    notes: list[str] = []
+    # Pipeline rank k is played by global rank k·dp·tp (its FSDP and TP coordinates 0: the padded shards).
+    ranks = [k * dims.dp * dims.tp for k in range(dims.pp)]
+
+    try:
+        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank) for rank in ranks]
+    except _Retry as err:
+        notes.append(
+            f"compile/float8 could not be set up on the meta device ({err}); validated, but planned without them"
+        )
+        resolved = replace(resolved, compile=False, float8=False, fsdp_float8_all_gather=False)
+        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank) for rank in ranks]
+
+    param_dtype = resolved.param_dtype
+    activations = ActivationModel.for_layout(
+        args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
+        micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size,
+    )
+    microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
+    plans = [
+        _plan_rank(shard, k, dims, resolved, precision, activations, accumulate_grad_batches, microbatches)
+        for k, shard in enumerate(shards)
+    ]
+    # The verdict is the fullest device's: under a pipeline, the pipeline rank with the largest total.
+    worst = max(plans, key=lambda p: p.total)
+    estimate = worst.activations
+    if resolved.compile:
+        notes.append("activations are estimated for eager blocks; compiled blocks usually save less")
+    if resolved.float8:
+        notes.append("float8: activations are estimated as in bf16 (torchao keeps the high-precision inputs)")
+    if dims.pp > 1:
+        notes += _pipeline_notes(resolved, microbatches, accumulate_grad_batches)
+
+    reserve = int(reserve_gib * GIB)
+    memory = int(device_memory_gib * GIB)
+    headroom = memory - worst.total - reserve
+    parts: dict[str, Any] = {
+        "saved_by_blocks": estimate.saved_by_blocks,
+        "head_loss_and_inputs": estimate.head_and_loss,
+        "transient": estimate.transient,
+    }
+    if dims.pp > 1:
+        parts |= {
+            "pipeline_receive_buffers": estimate.receive_buffers,
+            "stage_outputs": estimate.stage_outputs,
+            "in_flight": estimate.in_flight,
+        }
+    parts |= {"last_block_saved": estimate.block_saved, "block_modes": _count_modes(estimate.block_modes)}
+    report = PlanReport(
+        model=model if not model_overrides else f"{model} (overridden: {', '.join(sorted(model_overrides))})",
+        model_args=asdict(args),
+        total_params=args.num_params(),
+        num_nodes=num_nodes,
+        devices_per_node=devices,
+        world_size=dims.world_size,
+        dims={**dims.as_dict(), "data_parallel": dims.dp},
+        precision=precision,
+        param_dtype=_dtype_name(param_dtype),
+        reduce_dtype=_dtype_name(resolved.reduce_dtype),
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        accumulate_grad_batches=accumulate_grad_batches,
+        parallel_config=_config_dict(resolved, dims),
+        params_per_device=worst.shard.numel,
+        param_bytes=worst.shard.param_bytes,
+        grad_bytes=worst.grad_bytes,
+        optimizer_bytes=worst.optimizer_bytes,
+        buffer_bytes=worst.shard.buffer_bytes,
+        all_gather_bytes=worst.all_gather,
+        reduce_scatter_bytes=worst.reduce_scatter,
+        accumulation_bytes=worst.accumulation,
+        activation_bytes=estimate.peak,
+        activation_phase=estimate.phase,
+        activation_parts=parts,
+        total_bytes=worst.total,
+        reserve_bytes=reserve,
+        device_memory_bytes=memory,
+        fits=headroom >= 0,
+        headroom_bytes=headroom,
+        notes=notes,
+        pipeline=[p.as_dict(microbatches) for p in plans] if dims.pp > 1 else [],
+    )
+    if not report.fits:
+        report.suggestions = _suggestions(
+            report, args, dims, resolved, activations, seq_len, micro_batch_size,
+            pipeline=(worst.shard.split, worst.pp_rank, microbatches) if dims.pp > 1 else None,
+        )
+    report.seconds = round(time.perf_counter() - start, 3)
+    return report
+
+
+@dataclass
+class _RankPlan:
+    """One pipeline rank's estimate (the only one without a pipeline)."""
+
+    pp_rank: int
+    global_rank: int
+    shard: _Shards
+    grad_bytes: int
+    optimizer_bytes: int
+    all_gather: int
+    reduce_scatter: int
+    accumulation: int
+    activations: ActivationEstimate
+
+    @property
+    def total(self) -> int:
+        return (self.shard.param_bytes + self.grad_bytes + self.optimizer_bytes + self.shard.buffer_bytes
+                + self.all_gather + self.reduce_scatter + self.accumulation + self.activations.peak)
+
+    def as_dict(self, microbatches: int) -> dict[str, Any]:
+        """The report's per-pipeline-rank entry (JSON-ready)."""
+        stages, split = self.shard.stage_indices, self.shard.split
+        return {
+            "pipeline_rank": self.pp_rank,
+            "global_rank": self.global_rank,
+            "stages": list(stages),
+            "blocks": [split[s] for s in stages],
+            "embedding": 0 in stages,
+            "head": len(split) - 1 in stages,
+            "params_per_device": self.shard.numel,
+            "microbatches": microbatches,
+            "in_flight": self.activations.in_flight,
+            "activation_phase": self.activations.phase,
+            "param_bytes": self.shard.param_bytes,
+            "all_gather_bytes": self.all_gather,
+            "accumulation_bytes": self.accumulation,
+            "activation_bytes": self.activations.peak,
+            "total_bytes": self.total,
+        }
+
+
+def _pipeline_microbatches(config: ParallelConfig) -> int:
+    """The micro-batches per step the estimate assumes: the given count, else one per stage."""
+    return config.pipeline_microbatches or config.num_pipeline_stages
+
+
+def _pipeline_notes(config: ParallelConfig, microbatches: int, accumulate_grad_batches: int) -> list[str]:
+    notes = []
+    if config.pipeline_microbatches is None:
+        notes.append(
+            f"pipeline: pipeline_microbatches is not set; assumed {microbatches} (pipeline_parallel_size x stages per"
+            " rank) micro-batches of micro_batch_size sequences per step. At run time it defaults to the per-rank"
+            " batch size (one sequence per micro-batch); pass --pipeline-microbatches for the count you will use"
+        )
+    if config.reduce_every_micro_batch:
+        notes.append(
+            "pipeline: reduce_every_micro_batch: each micro-batch's backward reshards and reduce-scatters (FSDP"
+            " buffers as without a pipeline; an all-gather and a reduce-scatter per unit and micro-batch)"
+        )
+        return notes
+    notes.append(
+        "pipeline: torch's PipelineStage keeps each FSDP unit of this rank's stages unsharded from its first"
+        " backward to the end of the step and accumulates its unsharded gradients (reduce_dtype) over the"
+        " micro-batches, reduce-scattered once at the end: both are counted for every unit"
+        + (", every batch (accumulate_grad_batches adds nothing)" if accumulate_grad_batches > 1 else "")
+        + "; --reduce-every-micro-batch trades that memory for a reduce-scatter per micro-batch"
+    )
+    return notes
+
+
+def _plan_rank(
+    shard: _Shards,
+    pp_rank: int,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    precision: str,
+    activations: ActivationModel,
+    accumulate_grad_batches: int,
+    microbatches: int,
+) -> _RankPlan:
+    """States, FSDP buffers and activations of one planned rank.
+
+    Args:
+        shard: What the rank holds.
+        pp_rank: Its pipeline rank (0 without a pipeline).
+        dims: The mesh sizes.
+        config: The options, dtypes resolved.
+        precision: Trainer precision (the stored dtype).
+        activations: One micro-batch of the whole model on one device.
+        accumulate_grad_batches: Micro-batches per optimizer step.
+        microbatches: Pipeline micro-batches per step (1 without a pipeline).
+    """
+    from lightning_2d.parallel.fsdp import reshard_after_forward_by_unit
+
+    param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
+    stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    units = shard.units
+    reduce_scatter = max((u.unsharded_numel * (param_dtype.itemsize + reduce_dtype.itemsize) for u in units), default=0)
+    if dims.pp > 1:
+        if config.reduce_every_micro_batch:
+            # Each micro-batch's backward reshards and reduce-scatters (the stage hidden from
+            # PipelineStage's FSDP handling, lightning_2d.parallel.pipeline): FSDP's peaks as without a pipeline.
+            all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_after_forward))
+            accumulation = 0
+        else:
+            # PipelineStage runs each micro-batch's backward with set_reshard_after_backward(False) and
+            # set_requires_gradient_sync(False) and reduce-scatters once after the last (perform_reduce_grad):
+            # from its first backward to the end of the step every unit stays gathered and keeps its
+            # unsharded gradient, upcast to reduce_dtype by FSDP2 between backwards.
+            all_gather = sum(u.gathered_bytes for u in units)
+            accumulation = sum(u.unsharded_numel for u in units) * reduce_dtype.itemsize
+        estimate = pipeline_activation_estimate(
+            activations, shard.split, pp=dims.pp, pp_rank=pp_rank, schedule=config.pipeline_schedule,
+            microbatches=microbatches, activation_checkpointing=config.activation_checkpointing,
+            selective_ac_option=config.selective_ac_option,
+        )
+    else:
+        all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_after_forward))
+        accumulation = 0
+        if accumulate_grad_batches > 1 and not config.reduce_every_micro_batch:
+            # FSDP2 without gradient sync accumulates each unit's unsharded gradient in reduce_dtype.
+            accumulation = sum(u.unsharded_numel for u in units) * reduce_dtype.itemsize
+        estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
+    return _RankPlan(
+        pp_rank=pp_rank,
+        global_rank=pp_rank * dims.dp * dims.tp,
+        shard=shard,
+        grad_bytes=shard.numel * stored.itemsize,
+        optimizer_bytes=ADAMW_STATES * shard.numel * stored.itemsize,
+        all_gather=all_gather,
+        reduce_scatter=reduce_scatter,
+        accumulation=accumulation,
+        activations=estimate,
+    )
+
+
+def _config_dict(config: ParallelConfig, dims: ParallelDims) -> dict[str, Any]:
+    out = {}
+    for f in fields(ParallelConfig):
+        value = getattr(config, f.name)
+        out[f.name] = _dtype_name(value) if isinstance(value, torch.dtype) else value
+    out["data_parallel_size"], out["tensor_parallel_size"] = dims.dp, dims.tp
+    return out
+
+
+def _count_modes(modes: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for mode in modes:
+        counts[mode] = counts.get(mode, 0) + 1
+    return counts

@@ -1,0 +1,216 @@
+"""The planner's report: ``PlanReport`` (a layout's sizes, per-device memory and verdict) and its table.
+
+``PlanReport.as_dict`` is the ``--json`` output; ``format_report`` the human-readable table of
+``lightning-2d plan`` (with one line per pipeline rank under a pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 2**30
+#: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (like the parameter; the step counts are scalars).
+ADAMW_STATES = 2
+
+
+@dataclass
+class PlanReport:
+    """A layout's resolved sizes and per-device memory estimate (bytes), with the verdict.
+
+    Under pipeline parallelism the pipeline ranks hold different parts of the model: the per-device
+    fields are those of the pipeline rank with the largest total (which decides the verdict), and
+    ``pipeline`` lists every pipeline rank.
+
+    Args:
+        model: Preset name, with the overridden ``ModelArgs`` fields named.
+        model_args: ``ModelArgs`` fields.
+        total_params: Parameters of the whole model.
+        num_nodes: Nodes simulated.
+        devices_per_node: Devices (ranks) per node.
+        world_size: ``num_nodes × devices_per_node``.
+        dims: ``data_parallel_replicate``, ``data_parallel_shard``, ``tensor_parallel`` (and ``data_parallel``;
+            ``pipeline_parallel`` when above 1).
+        precision: Trainer precision.
+        param_dtype: Dtype FSDP gathers parameters in (and activations are computed in).
+        reduce_dtype: Dtype of the gradient reduce-scatter.
+        seq_len: Tokens per sequence.
+        micro_batch_size: Sequences per micro-batch and device.
+        accumulate_grad_batches: Micro-batches per optimizer step.
+        parallel_config: The ``ParallelConfig`` fields (dtypes as names).
+        params_per_device: Parameter elements on this device (padded shards).
+        param_bytes: Their bytes.
+        grad_bytes: Sharded gradients.
+        optimizer_bytes: AdamW states.
+        buffer_bytes: Module buffers (the rotary table).
+        all_gather_bytes: FSDP's unsharded parameters at their peak.
+        reduce_scatter_bytes: FSDP's unsharded gradients and reduce-scatter input at their peak.
+        accumulation_bytes: Unsharded gradients kept between micro-batches (deferred reduction).
+        activation_bytes: Activation peak.
+        activation_phase: Where the activation peak is.
+        activation_parts: The peak's parts and the last block's saved tensors.
+        total_bytes: The sum of the above (the estimated peak of allocated memory).
+        reserve_bytes: Added for what the estimate does not see.
+        device_memory_bytes: The device's memory.
+        fits: ``total + reserve <= device memory``.
+        headroom_bytes: ``device memory - total - reserve`` (negative when it does not fit).
+        suggestions: Changes that would make it fit (empty when it fits).
+        notes: What was simulated differently from a real run.
+        seconds: Wall time of the planning.
+        pipeline: One dict per pipeline rank (empty without a pipeline): ``pipeline_rank``,
+            ``global_rank`` (the rank planned), ``stages`` (indices), ``blocks`` (per stage),
+            ``embedding`` / ``head`` (whether it holds them), ``params_per_device``, ``microbatches``,
+            ``in_flight`` (micro-batches or stage-chunks in flight at its activation peak), and the
+            ``param``, ``all_gather``, ``accumulation``, ``activation`` and ``total`` bytes.
+    """
+
+    model: str
+    model_args: dict[str, Any]
+    total_params: int
+    num_nodes: int
+    devices_per_node: int
+    world_size: int
+    dims: dict[str, int]
+    precision: str
+    param_dtype: str
+    reduce_dtype: str
+    seq_len: int
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    parallel_config: dict[str, Any]
+    params_per_device: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    accumulation_bytes: int
+    activation_bytes: int
+    activation_phase: str
+    activation_parts: dict[str, Any]
+    total_bytes: int
+    reserve_bytes: int
+    device_memory_bytes: int
+    fits: bool
+    headroom_bytes: int
+    suggestions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    pipeline: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """``fits with X GiB headroom`` or ``does not fit: needs Y GiB of Z GiB``."""
+        needed = (self.total_bytes + self.reserve_bytes) / GIB
+        if self.fits:
+            return f"fits with {self.headroom_bytes / GIB:.1f} GiB headroom"
+        return f"does not fit: needs {needed:.1f} GiB of {self.device_memory_bytes / GIB:.1f} GiB"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field, the verdict, and the byte sizes in GiB too (``*_gib``)."""
+        out = asdict(self)
+        out["verdict"] = self.verdict
+        for entry in (out, *out["pipeline"]):
+            for name in [k for k in entry if k.endswith("_bytes")]:
+                entry[name.removesuffix("_bytes") + "_gib"] = round(entry[name] / GIB, 3)
+        return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:9.2f}"
+
+
+def format_report(report: PlanReport) -> str:
+    """The human-readable table of ``lightning-2d plan``."""
+    d = report.dims
+    c = report.parallel_config
+    tp = d["tensor_parallel"]
+    sp = " (sequence parallel)" if c["sequence_parallel"] and tp > 1 else ""
+    ac = c["activation_checkpointing"]
+    if ac == "selective":
+        ac += f" ({c['selective_ac_option']})"
+    stored = "bf16" if report.precision == "bf16-true" else "fp32"
+    pd, rd = report.param_dtype, report.reduce_dtype
+    parts = report.activation_parts
+    pipeline = report.pipeline
+    keeps_fewer = bool(report.parallel_config.get("reduce_every_micro_batch"))  # units reshard per micro-batch
+    worst = max(pipeline, key=lambda r: r["total_bytes"]) if pipeline else None
+    rows: list[tuple[str, str, str]] = [
+        (f"parameters ({stored}, sharded)", f"{report.params_per_device:,}", _gib(report.param_bytes)),
+        (f"gradients ({stored}, sharded)", f"{report.params_per_device:,}", _gib(report.grad_bytes)),
+        (f"optimizer state (AdamW, 2 x {stored})", f"{ADAMW_STATES * report.params_per_device:,}",
+         _gib(report.optimizer_bytes)),
+        (f"FSDP all-gather buffers ({pd}{'; a pipeline keeps every unit' if pipeline and not keeps_fewer else ''})", "",
+         _gib(report.all_gather_bytes)),
+        (f"FSDP reduce-scatter buffers ({pd} + {rd})", "", _gib(report.reduce_scatter_bytes)),
+    ]
+    if report.accumulation_bytes:
+        rows.append((f"unsharded gradients between micro-batches ({rd})", "", _gib(report.accumulation_bytes)))
+    # Under a pipeline the peak's description is long: it goes below the table.
+    peak = f"{parts['in_flight']} in flight, see below" if pipeline else report.activation_phase
+    rows += [
+        (f"activations (peak: {peak})", "", _gib(report.activation_bytes)),
+        ("  saved by the blocks", "", _gib(parts["saved_by_blocks"])),
+        ("  head, loss and inputs", "", _gib(parts["head_loss_and_inputs"])),
+        ("  transient at the peak", "", _gib(parts["transient"])),
+    ]
+    if pipeline:
+        rows += [
+            ("  stage outputs kept for backward", "", _gib(parts["stage_outputs"])),
+            ("  pipeline receive buffers", "", _gib(parts["pipeline_receive_buffers"])),
+        ]
+    rows.append(("buffers (rotary table)", "", _gib(report.buffer_bytes)))
+    width = max(len(r[0]) for r in rows) + 2
+    line = "-" * (width + 32)
+    out = [
+        f"lightning-2d plan: {report.model}, {report.total_params / 1e9:.2f} B parameters,"
+        f" on {report.num_nodes} node(s) x {report.devices_per_node} device(s) = {report.world_size} ranks",
+        "layout:   " + (f"pipeline_parallel {d['pipeline_parallel']} x " if pipeline else "")
+        + f"data_parallel_replicate {d['data_parallel_replicate']} x data_parallel_shard"
+        f" {d['data_parallel_shard']} x tensor_parallel {tp}{sp}",
+        f"training: {report.precision} (params {stored}, compute {pd}, reduce {rd}), seq_len {report.seq_len},"
+        f" micro batch {report.micro_batch_size}"
+        + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")
+        + f", activation checkpointing {ac}, reshard {c['reshard_after_forward']}",
+    ]
+    if worst is not None:
+        stages = sum(len(r["stages"]) for r in pipeline)
+        out.append(
+            f"pipeline: {c['pipeline_schedule']}, {stages} stages ({len(worst['stages'])} per rank),"
+            f" {worst['microbatches']} micro-batches of {report.micro_batch_size} sequence(s) per step"
+        )
+    where = f" (pipeline rank {worst['pipeline_rank']}, the fullest)" if worst is not None else ""
+    out += ["", f"{'per device' + where:<{width}}{'elements':>20}{'GiB':>12}", line]
+    out += [f"{label:<{width}}{count:>20}{size:>12}" for label, count, size in rows]
+    out += [
+        line,
+        f"{'estimated peak':<{width}}{'':>20}{_gib(report.total_bytes):>12}",
+        f"{'reserve (CUDA context, NCCL, fragmentation)':<{width}}{'':>20}{_gib(report.reserve_bytes):>12}",
+        f"{'device memory':<{width}}{'':>20}{_gib(report.device_memory_bytes):>12}",
+    ]
+    if worst is not None:
+        out += ["", f"activation peak: {report.activation_phase}", ""] + _pipeline_table(pipeline, worst)
+    out += ["", f"verdict: {report.verdict}"]
+    if report.suggestions:
+        out.append("try (estimates):")
+        out += [f"  {s}" for s in report.suggestions]
+    out += [f"note: {n}" for n in report.notes]
+    out.append(f"(planned in {report.seconds:.1f} s)")
+    return "\n".join(out)
+
+
+def _pipeline_table(pipeline: list[dict[str, Any]], worst: dict[str, Any]) -> list[str]:
+    """One line per pipeline rank: what it holds and its estimate (``*``: the rank detailed above)."""
+    header = (f"{'pipeline rank':>13}  {'stages':<10}{'blocks':<12}{'holds':<18}{'params/device':>15}"
+              f"{'in flight':>11}{'activations GiB':>17}{'total GiB':>11}")
+    lines = [header, "-" * len(header)]
+    for r in pipeline:
+        holds = "+".join(n for n, held in (("embedding", r["embedding"]), ("head", r["head"])) if held) or "-"
+        mark = " *" if r is worst else ""
+        lines.append(
+            f"{r['pipeline_rank']:>13}  {','.join(map(str, r['stages'])):<10}{','.join(map(str, r['blocks'])):<12}"
+            f"{holds:<18}{r['params_per_device']:>15,}{r['in_flight']:>11}{_gib(r['activation_bytes']):>17}"
+            f"{_gib(r['total_bytes']):>11}{mark}"
+        )
+    return lines

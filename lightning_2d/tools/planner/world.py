@@ -1,0 +1,132 @@
+"""The simulated world: the real mesh and ``parallelize_model`` run for one rank of N on a meta-device model.
+
+``fake_world`` sets up a fake process group of N ranks in this process; ``_shard`` builds the Llama on the
+meta device inside it, parallelizes it with the library's own code (under a pipeline, pruned to the rank's
+stages) and measures what the rank holds: its local shards, buffers and FSDP units (``_Shards``). Nothing is
+allocated.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from lightning_2d._compat import fake_store
+from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.dims import ParallelDims
+from lightning_2d.tools.planner.units import FSDPUnit, _units
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in this process, as ``rank``; destroyed on exit.
+
+    The fake backend answers every collective without communicating (its results are garbage), so
+    meshes, DTensors and ``fully_shard`` can be set up for a world this machine does not have.
+
+    Args:
+        world_size: Ranks of the simulated world.
+        rank: The rank this process plays (its mesh coordinates: under a pipeline, its stages).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "plan_run simulates its own world with a fake process group, but this process already has a"
+            " default process group; call it in a process without one (e.g. before the Trainer starts)"
+        )
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _parallelize(model: Transformer, mesh: Any, plan: Any, config: ParallelConfig) -> None:
+    """The real ``parallelize_model``; compile and float8 fall back to being validated only if they
+    cannot be set up on the meta device."""
+    from lightning_2d.parallel.parallelize import parallelize_model
+
+    try:
+        parallelize_model(model, mesh, plan, config)
+    except Exception as err:  # noqa: BLE001 - only the optional steps get a second chance
+        if not (config.compile or config.float8):
+            raise
+        raise _Retry(str(err)) from err
+
+
+class _Retry(RuntimeError):
+    pass
+
+
+@dataclass
+class _Shards:
+    """What one planned rank holds (``_shard``)."""
+
+    units: list[FSDPUnit]  # in forward order, stage after stage
+    numel: int  # parameter elements (local shards)
+    param_bytes: int
+    buffer_bytes: int
+    stage_indices: list[int]  # the pipeline stages it runs ([] without a pipeline)
+    split: list[int]  # blocks of every stage of the pipeline ([] without a pipeline)
+
+
+def _shard(
+    args: ModelArgs, dims: ParallelDims, config: ParallelConfig, precision: str, loss_chunk_size: Optional[int],
+    rank: int = 0,
+) -> _Shards:
+    """Build, parallelize and measure the meta model in a fake world, as ``rank``.
+
+    Args:
+        args: The model's shape.
+        dims: The mesh sizes.
+        config: The options, dtypes resolved.
+        precision: Trainer precision (``bf16-true`` stores the shards in bf16).
+        loss_chunk_size: The fused loss's chunk.
+        rank: The global rank to play (under a pipeline: its stages, the model pruned to them).
+    """
+    from lightning_2d.models.llama.plan import llama_plan
+
+    plan = llama_plan(args, config)
+    with fake_world(dims.world_size, rank), warnings.catch_warnings():
+        # DeviceMesh warns that slicing a flattened dim is deprecated (fsdp_mesh_of): the library's
+        # concern, not the planner user's.
+        warnings.simplefilter("ignore", UserWarning)
+        # The mesh only needs shapes: "cpu" works with the fake backend on any machine.
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(args, loss_chunk_size=loss_chunk_size)
+        if precision == "bf16-true":
+            model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
+        _parallelize(model, mesh, plan, config)
+        pipeline = getattr(model, "_pipeline", None)
+        if pipeline is None:
+            units, stage_indices, split = _units(model, plan, dims, config.param_dtype), [], []
+        else:
+            from lightning_2d.parallel.pipeline import stage_plan
+
+            # Each stage view is its own FSDP root with the usual units (embedding on the first, the
+            # output unit on the last); the pruned model holds exactly the stages' parameters.
+            units = []
+            for stage, index in zip(pipeline.stages, pipeline.stage_indices):
+                for unit in _units(stage, stage_plan(stage, plan), dims, config.param_dtype):
+                    units.append(replace(unit, name=f"stage {index}: {unit.name}"))
+            stage_indices, split = list(pipeline.stage_indices), list(model._pipeline_split)
+        numel = param_bytes = 0
+        for param in model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            numel += local.numel()
+            param_bytes += local.numel() * local.dtype.itemsize
+        buffer_bytes = sum(b.numel() * b.dtype.itemsize for b in model.buffers())
+        # FSDP's hooks and states hold the model in reference cycles: collect it now rather than in
+        # some later, unrelated allocation (the API may be called many times in one process).
+        del model, mesh, pipeline
+        gc.collect()
+    return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split)
