@@ -21,7 +21,7 @@ Order in which the strategies use them (both the Trainer's and Fabric's):
    then depend on the layout; a warning says so); then the model's ``init_buffers(device)``.
    ``ModelInitHooks`` may also be defined on the owner (for a model class you cannot change; names
    relative to the model); a Hugging Face Llama-family decoder gets them from the library
-   (``lightning_2d.checkpoint.hf.HFDecoderInit``). Any tensor none of these fills stops the run
+   (``lightning_2d.models.hf_decoders.HFDecoderInit``). Any tensor none of these fills stops the run
    (``MaterializationError``).
 
 A plan may carry its sequence-parallel form (``ParallelPlan.sequence_parallel``), applied only
