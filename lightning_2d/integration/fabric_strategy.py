@@ -27,7 +27,8 @@ from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
 from lightning_2d.checkpoint.files import save_full_checkpoint
-from lightning_2d.integration.strategy_base import FabricFSDP2Precision, ModelParallel2DBase, signature_with
+from lightning_2d.integration.options import takes_options
+from lightning_2d.integration.strategy_base import FabricFSDP2Precision, ModelParallel2DBase
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfig
@@ -35,6 +36,7 @@ from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.materialize import materialize_model
+from lightning_2d.parallel.options import Option
 from lightning_2d.parallel.parallelize import parallelize_and_materialize
 
 __all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy"]
@@ -51,26 +53,31 @@ class _GradientSyncControl(backward_sync_control_class()):  # type: ignore[misc]
         return gradient_sync(module, enabled=not enabled or self.config.reduce_every_micro_batch)
 
 
+#: Fabric's own constructor argument, after the options.
+PARALLELIZE_FN = Option(
+    name="parallelize_fn",
+    annotation=Optional[Callable[[nn.Module, Any], nn.Module]],
+    default=None,
+    doc="Fabric's hook ``(module, device_mesh) -> module``; when given, it replaces the plan and the steps (the"
+    " model is still materialized afterwards).",
+)
+
+
 class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """2D parallelism (FSDP2 or HSDP × tensor/sequence parallel) for Fabric, applied by the strategy.
 
-    Takes the options of the Trainer strategy (documented on
-    ``lightning_2d.integration.strategy_base.ModelParallel2DBase``), plus:
-
-    Args:
-        parallelize_fn: Fabric's hook ``(module, device_mesh) -> module``; when given, it replaces the
-            plan and the steps (the model is still materialized afterwards).
+    Takes the options of the Trainer strategy (``lightning_2d.integration.options``), plus
+    ``parallelize_fn``: see ``__init__``.
     """
 
-    def __init__(self, *args: Any, parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None, **options: Any) -> None:
+    @takes_options("The options of the Trainer strategy, plus Fabric's ``parallelize_fn``.", extra=(PARALLELIZE_FN,))
+    def __init__(
+        self, *args: Any, parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None, **options: Any
+    ) -> None:
         self._user_parallelize_fn = parallelize_fn
         self._setup_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
         super().__init__(*args, **options)
         self._backward_sync_control = _GradientSyncControl(self.parallel_config)
-
-    __init__.__signature__ = signature_with(  # type: ignore[attr-defined]
-        ModelParallel2DBase.__init__, parallelize_fn=(Optional[Callable[[nn.Module, Any], nn.Module]], None)
-    )
 
     # ---- what differs from the Trainer --------------------------------------------------------
     def _lightning_strategy_kwargs(self) -> dict[str, Any]:
@@ -96,7 +103,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
             materialize_model(module, self.root_device, seed=self._init_seed(module))
             return module
-        plan = resolve_plan(module, self.parallel_config, self._plan)
+        plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         self.validate(plan=plan)  # the model's constraints, before any collective touches it
         parallelize_and_materialize(
             module, self.device_mesh, self.parallel_config, plan, precision, self.root_device,

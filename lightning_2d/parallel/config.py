@@ -371,11 +371,6 @@ class ParallelConfig:
             )
         return problems
 
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> ParallelConfig:
-        """The config from a strategy's constructor arguments (``locals()``): the fields it names."""
-        return cls(**{name: options[name] for name in cls.__dataclass_fields__ if name in options})
-
     def resolve_dtypes(self, precision: str) -> ParallelConfig:
         """A copy whose ``param_dtype``/``reduce_dtype`` are filled in from the Trainer/Fabric ``precision``."""
         param_dtype, reduce_dtype = PRECISION_TO_DTYPES[str(precision)]
