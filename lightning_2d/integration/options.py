@@ -1,15 +1,17 @@
 """The strategies' options, each written once: ``ParallelConfig``'s fields (the parallel layout) and
 ``StrategyOptions``' (the plan, the seed, checkpoints, the process group and the watchdog).
 
-From these fields come the Trainer and Fabric strategies' constructor signature and docstring (what
-LightningCLI/jsonargparse reads for ``--help`` and ``--print_config``), the binding of a call's arguments
-to the two dataclasses, and the README's "Strategy options" table (``lightning_2d.tools.options_table``).
+The Trainer and Fabric strategies' constructors list every option as a parameter, its default read from the
+field (``compile: bool = ParallelConfig.compile``), so that IDEs and type checkers see the real signature;
+tests/unit/test_options.py checks that each parameter agrees with its field. From the fields come the
+constructors' docstring (``takes_options``; what LightningCLI/jsonargparse shows for ``--help``), the split of
+a call's arguments into the two dataclasses (``split_options``), and the README's "Strategy options" table
+(``lightning_2d.tools.options_table``).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
@@ -101,7 +103,8 @@ def process_group_problems(backend: Any, timeout: Any, watchdog_timeout: Any = N
 
 
 #: The strategies' parameters in their positional order (that of 0.1.0, which ``--print_config`` shows too):
-#: every field of ``ParallelConfig`` and ``StrategyOptions`` once; a new option is placed here by hand.
+#: every field of ``ParallelConfig`` and ``StrategyOptions`` once; a new option is placed here by hand, and as a
+#: parameter at the same place in both strategies' ``__init__`` (``ModelParallel2DBase``'s and Fabric's).
 PARAMETER_ORDER = (
     "data_parallel_size", "tensor_parallel_size", "data_parallel_replicate_size",
     "pipeline_parallel_size", "pipeline_schedule", "pipeline_microbatches", "pipeline_stages_per_rank",
@@ -129,48 +132,31 @@ def strategy_options() -> list[Option]:
 OPTIONS: tuple[Option, ...] = tuple(strategy_options())
 
 
-def options_signature(extra: Sequence[Option] = ()) -> inspect.Signature:
-    """``(self, <every option>)``, then the keyword-only parameters ``extra`` (a strategy's own: Fabric's
-    ``parallelize_fn``)."""
-    kind, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("self", kind)]
-    params += [inspect.Parameter(o.name, kind, default=o.default, annotation=o.annotation) for o in OPTIONS]
-    params += [inspect.Parameter(o.name, keyword, default=o.default, annotation=o.annotation) for o in extra]
-    return inspect.Signature(params, return_annotation=None)
-
-
 def takes_options(intro: str, extra: Sequence[Option] = ()) -> Callable[[Init], Init]:
-    """Decorate a strategy's ``__init__(self, *args, **kwargs)``: its signature (``inspect``, jsonargparse)
-    and docstring become every option's, then the keyword-only ``extra``; ``intro`` opens the docstring."""
+    """Decorate a strategy's ``__init__``, written with every option as a parameter: its docstring becomes
+    ``intro`` and an ``Args:`` section with each option's field docstring, then ``extra``'s (a strategy's own
+    arguments: Fabric's ``parallelize_fn``), which is what ``help()`` and jsonargparse's ``--help`` show.
+
+    The signature is the function's own (no ``__signature__``), so IDEs and type checkers see the same one as
+    ``inspect`` and jsonargparse; tests/unit/test_options.py checks that it agrees with the fields.
+    """
 
     def document(init: Init) -> Init:
-        setattr(init, "__signature__", options_signature(extra))
         init.__doc__ = f"{intro}\n\n{args_section([*OPTIONS, *extra])}\n"
         return init
 
     return document
 
 
-def init_options(
-    qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[ParallelConfig, StrategyOptions]:
-    """A strategy constructor's arguments as its two option dataclasses; each validates its values.
+def option_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The options among a constructor's arguments (its ``locals()``), by name, in ``PARAMETER_ORDER``."""
+    return {name: arguments[name] for name in PARAMETER_ORDER if name in arguments}
 
-    A call that does not fit the signature raises the ``TypeError`` Python would for a function
-    ``qualname`` with that signature.
-    """
-    signature = options_signature()
-    try:
-        bound = signature.bind(None, *args, **kwargs)
-    except TypeError as err:
-        message = str(err)
-        if message == "too many positional arguments":
-            count = len(signature.parameters)
-            message = f"takes from 1 to {count} positional arguments but {len(args) + 1} were given"
-        elif message.startswith("multiple values"):
-            message = f"got {message}"
-        raise TypeError(f"{qualname}() {message}") from None
-    given = {name: value for name, value in bound.arguments.items() if name != "self"}
+
+def split_options(arguments: Mapping[str, Any]) -> tuple[ParallelConfig, StrategyOptions]:
+    """A strategy constructor's arguments (its ``locals()``) as its two option dataclasses; each validates its
+    values."""
+    given = option_values(arguments)
     # StrategyOptions first: its process-group problems are reported before the layout's, as since 0.1.0.
     strategy = StrategyOptions(**{f.name: given[f.name] for f in fields(StrategyOptions) if f.name in given})
     parallel = ParallelConfig(**{f.name: given[f.name] for f in fields(ParallelConfig) if f.name in given})

@@ -20,8 +20,9 @@ checkpoint dict, Fabric's ``setup_module`` and ``fabric.save`` state.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -48,8 +49,8 @@ from lightning_2d.checkpoint.files import (
     shape_mismatches,
     stored_shapes,
 )
-from lightning_2d.integration.options import init_options, takes_options
-from lightning_2d.parallel.config import ParallelPlan
+from lightning_2d.integration.options import StrategyOptions, split_options, takes_options
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, Size
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
@@ -125,7 +126,8 @@ class ModelParallel2DBase:
     """Mixin in front of Lightning's ``ModelParallelStrategy`` (Trainer or Fabric); see the module docstring.
 
     Its constructor takes the options of ``ParallelConfig`` and ``StrategyOptions``
-    (``lightning_2d.integration.options``): its signature and docstring are built from their fields.
+    (``lightning_2d.integration.options``) as explicit parameters whose defaults are the fields'; its docstring is
+    built from the fields' docstrings.
     """
 
     #: Tells a LightningModule to build its model on the meta device in ``configure_model``.
@@ -133,10 +135,43 @@ class ModelParallel2DBase:
     #: The precision plugin that replaces Lightning's stock ones (the Trainer's or Fabric's kind).
     fsdp2_precision_class: type = FSDP2Precision
 
+    # Every option, in ``PARAMETER_ORDER``, with its field's type and default (read from the field, so that IDEs and
+    # type checkers see the real signature); tests/unit/test_options.py names any parameter that differs from its field.
     @takes_options("The strategy's options (the fields of ``ParallelConfig`` and ``StrategyOptions``).")
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        data_parallel_size: Size = ParallelConfig.data_parallel_size,
+        tensor_parallel_size: Size = ParallelConfig.tensor_parallel_size,
+        data_parallel_replicate_size: int = ParallelConfig.data_parallel_replicate_size,
+        pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
+        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = ParallelConfig.pipeline_schedule,
+        pipeline_microbatches: Optional[int] = ParallelConfig.pipeline_microbatches,
+        pipeline_stages_per_rank: Optional[int] = ParallelConfig.pipeline_stages_per_rank,
+        pipeline_layers_per_stage: Optional[list[int]] = ParallelConfig.pipeline_layers_per_stage,
+        sequence_parallel: bool = ParallelConfig.sequence_parallel,
+        loss_parallel: bool = ParallelConfig.loss_parallel,
+        activation_checkpointing: Literal["none", "full", "selective"] = ParallelConfig.activation_checkpointing,
+        selective_ac_option: Union[str, int] = ParallelConfig.selective_ac_option,
+        compile: bool = ParallelConfig.compile,
+        param_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.param_dtype,
+        reduce_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.reduce_dtype,
+        reshard_after_forward: Literal["default", "always", "never"] = ParallelConfig.reshard_after_forward,
+        reduce_every_micro_batch: bool = ParallelConfig.reduce_every_micro_batch,
+        float8: Union[bool, Literal["emulate"]] = ParallelConfig.float8,
+        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = ParallelConfig.float8_recipe,
+        fsdp_float8_all_gather: bool = ParallelConfig.fsdp_float8_all_gather,
+        async_tensor_parallel: bool = ParallelConfig.async_tensor_parallel,
+        plan: Optional[ParallelPlan] = StrategyOptions.plan,
+        init_seed: Optional[int] = StrategyOptions.init_seed,
+        save_distributed_checkpoint: bool = StrategyOptions.save_distributed_checkpoint,
+        async_checkpoint: bool = StrategyOptions.async_checkpoint,
+        non_finite: Literal["raise", "skip", "off"] = ParallelConfig.non_finite,
+        process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
+        timeout: Optional[timedelta] = StrategyOptions.timeout,
+        watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
+    ) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
-        parallel, options = init_options(ModelParallel2DBase.__init__.__qualname__, args, kwargs)
+        parallel, options = split_options(locals())
         self.parallel_config, self.strategy_options = parallel, options
         # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
         super().__init__(  # type: ignore[call-arg]

@@ -1,7 +1,8 @@
 """Every strategy option is written once (a field of ``ParallelConfig`` or ``StrategyOptions`` with its docstring)
-and everything else agrees with it: the Trainer and Fabric strategies' signatures and docstrings (what
-LightningCLI/jsonargparse reads) and the README's "Strategy options" table. A failure names the option that
-drifted and how."""
+and everything else agrees with it: the Trainer and Fabric strategies' signatures (written out in their
+``__init__`` so that IDEs and type checkers see them, and compared here parameter by parameter with the fields)
+and docstrings (what LightningCLI/jsonargparse reads), and the README's "Strategy options" table. A failure names
+the option that drifted and how."""
 
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ def test_the_option_agrees_with_its_one_source(name):
     problems = drift(name)
     assert not problems, (
         f"strategy option {name!r} drifted:\n  - " + "\n  - ".join(problems)
-        + "\nEdit its field (ParallelConfig or StrategyOptions), then regenerate the README's table:"
+        + "\nEdit its field (ParallelConfig or StrategyOptions) and its parameter in ModelParallel2DBase.__init__"
+        " and the Fabric strategy's __init__ (lightning_2d/integration/), then regenerate the README's table:"
         " python -m lightning_2d.tools.options_table --write README.md"
     )
 
@@ -147,6 +149,15 @@ def test_the_signatures_keep_the_positional_order():
     assert list(inspect.signature(TRAINER).parameters) == list(PARAMETER_ORDER)
     assert list(inspect.signature(FABRIC).parameters) == [*PARAMETER_ORDER, "parallelize_fn"]
     assert inspect.signature(FABRIC).parameters["parallelize_fn"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_the_signatures_are_the_source_s_own():
+    """What ``inspect`` (and so jsonargparse) reads is the ``def``'s signature, the one static tools see: no
+    ``__signature__`` replaces it."""
+    for cls in (TRAINER, FABRIC):
+        assert not hasattr(cls.__init__, "__signature__"), f"{cls.__qualname__}.__init__ has a __signature__ override"
+        own = inspect.signature(cls.__init__, follow_wrapped=False)
+        assert list(own.parameters)[1:] == list(inspect.signature(cls).parameters)
 
 
 def test_arguments_reach_the_option_dataclasses_and_bad_calls_fail_as_python_would():
