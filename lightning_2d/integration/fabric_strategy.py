@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Union
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy
@@ -27,14 +28,16 @@ from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
 from lightning_2d.checkpoint.files import save_full_checkpoint
-from lightning_2d.integration.strategy_base import FabricFSDP2Precision, ModelParallel2DBase, signature_with
+from lightning_2d.integration.options import StrategyOptions, option_values, takes_options
+from lightning_2d.integration.strategy_base import FabricFSDP2Precision, ModelParallel2DBase
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
-from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, Size
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.materialize import materialize_model
+from lightning_2d.parallel.options import Option
 from lightning_2d.parallel.parallelize import parallelize_and_materialize
 
 __all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy"]
@@ -51,26 +54,63 @@ class _GradientSyncControl(backward_sync_control_class()):  # type: ignore[misc]
         return gradient_sync(module, enabled=not enabled or self.config.reduce_every_micro_batch)
 
 
+#: Fabric's own constructor argument, after the options.
+PARALLELIZE_FN = Option(
+    name="parallelize_fn",
+    annotation=Optional[Callable[[nn.Module, Any], nn.Module]],
+    default=None,
+    doc="Fabric's hook ``(module, device_mesh) -> module``; when given, it replaces the plan and the steps (the"
+    " model is still materialized afterwards).",
+)
+
+
 class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """2D parallelism (FSDP2 or HSDP × tensor/sequence parallel) for Fabric, applied by the strategy.
 
-    Takes the options of the Trainer strategy (documented on
-    ``lightning_2d.integration.strategy_base.ModelParallel2DBase``), plus:
-
-    Args:
-        parallelize_fn: Fabric's hook ``(module, device_mesh) -> module``; when given, it replaces the
-            plan and the steps (the model is still materialized afterwards).
+    Takes the options of the Trainer strategy (``lightning_2d.integration.options``), plus
+    ``parallelize_fn``: see ``__init__``.
     """
 
-    def __init__(self, *args: Any, parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None, **options: Any) -> None:
+    # The Trainer strategy's parameters (``ModelParallel2DBase.__init__``), then Fabric's own, keyword-only.
+    @takes_options("The options of the Trainer strategy, plus Fabric's ``parallelize_fn``.", extra=(PARALLELIZE_FN,))
+    def __init__(
+        self,
+        data_parallel_size: Size = ParallelConfig.data_parallel_size,
+        tensor_parallel_size: Size = ParallelConfig.tensor_parallel_size,
+        data_parallel_replicate_size: int = ParallelConfig.data_parallel_replicate_size,
+        pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
+        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = ParallelConfig.pipeline_schedule,
+        pipeline_microbatches: Optional[int] = ParallelConfig.pipeline_microbatches,
+        pipeline_stages_per_rank: Optional[int] = ParallelConfig.pipeline_stages_per_rank,
+        pipeline_layers_per_stage: Optional[list[int]] = ParallelConfig.pipeline_layers_per_stage,
+        sequence_parallel: bool = ParallelConfig.sequence_parallel,
+        loss_parallel: bool = ParallelConfig.loss_parallel,
+        activation_checkpointing: Literal["none", "full", "selective"] = ParallelConfig.activation_checkpointing,
+        selective_ac_option: Union[str, int] = ParallelConfig.selective_ac_option,
+        compile: bool = ParallelConfig.compile,
+        param_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.param_dtype,
+        reduce_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.reduce_dtype,
+        reshard_after_forward: Literal["default", "always", "never"] = ParallelConfig.reshard_after_forward,
+        reduce_every_micro_batch: bool = ParallelConfig.reduce_every_micro_batch,
+        float8: Union[bool, Literal["emulate"]] = ParallelConfig.float8,
+        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = ParallelConfig.float8_recipe,
+        fsdp_float8_all_gather: bool = ParallelConfig.fsdp_float8_all_gather,
+        async_tensor_parallel: bool = ParallelConfig.async_tensor_parallel,
+        plan: Optional[ParallelPlan] = StrategyOptions.plan,
+        init_seed: Optional[int] = StrategyOptions.init_seed,
+        save_distributed_checkpoint: bool = StrategyOptions.save_distributed_checkpoint,
+        async_checkpoint: bool = StrategyOptions.async_checkpoint,
+        non_finite: Literal["raise", "skip", "off"] = ParallelConfig.non_finite,
+        process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
+        timeout: Optional[timedelta] = StrategyOptions.timeout,
+        watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
+        *,
+        parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = PARALLELIZE_FN.default,
+    ) -> None:
         self._user_parallelize_fn = parallelize_fn
         self._setup_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
-        super().__init__(*args, **options)
+        super().__init__(**option_values(locals()))
         self._backward_sync_control = _GradientSyncControl(self.parallel_config)
-
-    __init__.__signature__ = signature_with(  # type: ignore[attr-defined]
-        ModelParallel2DBase.__init__, parallelize_fn=(Optional[Callable[[nn.Module, Any], nn.Module]], None)
-    )
 
     # ---- what differs from the Trainer --------------------------------------------------------
     def _lightning_strategy_kwargs(self) -> dict[str, Any]:
@@ -96,7 +136,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
             materialize_model(module, self.root_device, seed=self._init_seed(module))
             return module
-        plan = resolve_plan(module, self.parallel_config, self._plan)
+        plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         self.validate(plan=plan)  # the model's constraints, before any collective touches it
         parallelize_and_materialize(
             module, self.device_mesh, self.parallel_config, plan, precision, self.root_device,

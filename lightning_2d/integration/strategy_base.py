@@ -4,7 +4,7 @@
 are each Lightning's ``ModelParallelStrategy`` of their world with ``ModelParallel2DBase`` in front
 of it in the MRO. The base owns everything that is not specific to one world:
 
-- the options (one constructor, one ``ParallelConfig``);
+- the options (one constructor, taking ``ParallelConfig``'s and ``StrategyOptions``' fields);
 - validation before any process group (``validate``, in ``_configure_launcher`` and again in
   ``setup_environment``);
 - the process group and the N-D device mesh, built by ``ParallelDims.build_mesh`` (Lightning's
@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
@@ -50,7 +49,8 @@ from lightning_2d.checkpoint.files import (
     shape_mismatches,
     stored_shapes,
 )
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
+from lightning_2d.integration.options import StrategyOptions, split_options, takes_options
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, Size
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
@@ -58,7 +58,7 @@ from lightning_2d.parallel.guard import finite_flag, guard_step
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
-from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT, Watchdog, start_watchdog, stop_watchdog
+from lightning_2d.parallel.watchdog import Watchdog, start_watchdog, stop_watchdog
 
 
 class FSDP2Precision(Precision):
@@ -125,55 +125,9 @@ def _is_stock_precision(plugin: Any) -> bool:
 class ModelParallel2DBase:
     """Mixin in front of Lightning's ``ModelParallelStrategy`` (Trainer or Fabric); see the module docstring.
 
-    Args:
-        data_parallel_size: Data-parallel ranks (replicas × FSDP shards), or ``"auto"`` (world size /
-            ``tensor_parallel_size``; the number of nodes when both are auto).
-        tensor_parallel_size: TP degree, or ``"auto"`` (world size / ``data_parallel_size``; the
-            devices per node when both are auto). TP groups are consecutive ranks, inside a node.
-        data_parallel_replicate_size: HSDP: split the data-parallel ranks into this many replica
-            groups; FSDP shards inside a group (e.g. one node) and gradients are all-reduced across
-            groups. ``1``: FSDP over every data-parallel rank.
-        pipeline_parallel_size: Pipeline stages' ranks (the outermost mesh dimension): the Llama's
-            blocks are split into stages run by ``torch.distributed.pipelining``, each stage tensor-parallel
-            and FSDP-sharded on its own sub-mesh. ``1``: no pipeline.
-        pipeline_schedule: ``"1F1B"``, ``"GPipe"`` or ``"Interleaved1F1B"`` (several stages per rank).
-        pipeline_microbatches: Micro-batches per batch (divides the per-rank batch size); ``None``:
-            one sequence each.
-        pipeline_stages_per_rank: Stages per pipeline rank (``None``: 1, or 2 for the interleaved schedule).
-        pipeline_layers_per_stage: Blocks of each stage, in order; ``None``: a balanced split.
-        sequence_parallel: Shard activations and norms along the sequence between TP regions.
-        loss_parallel: Compute the cross-entropy on vocabulary-sharded logits.
-        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
-        selective_ac_option: ``"op"`` or every N-th block (an integer), for ``"selective"``.
-        compile: ``torch.compile`` each transformer block.
-        param_dtype: FSDP compute dtype; default from the Trainer's ``precision``.
-        reduce_dtype: FSDP gradient-reduction dtype; default fp32.
-        reshard_after_forward: ``"default"``, ``"always"`` or ``"never"``.
-        reduce_every_micro_batch: With gradient accumulation, reduce-scatter gradients after every
-            micro-batch (least memory) instead of only after the last one (default).
-        float8: Float8 training of the block projections (torchao; GPUs with compute capability
-            >= 8.9); ``"emulate"`` computes the same rounding on any device (tests, debugging).
-        float8_recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
-        fsdp_float8_all_gather: All-gather the float8 weights in float8 (tensorwise only).
-        async_tensor_parallel: Overlap the sequence-parallel collectives with the matmuls (CUDA,
-            NCCL, ``compile=True``).
-        plan: Module names to parallelize, for a model that does not provide ``parallel_plan``.
-        init_seed: Seed of the layout-independent initialization of a meta-device model; ``None``:
-            the model's/LightningModule's ``init_seed`` attribute if it has one, else the run's seed
-            (``seed_everything``) broadcast from rank 0.
-        save_distributed_checkpoint: Save one shard per rank (``True``, resumable at any layout) or a
-            single full file assembled on rank 0.
-        async_checkpoint: Write sharded checkpoints in a background thread after copying them to CPU
-            memory, so training continues during the write.
-        non_finite: A step with a NaN/inf loss or gradient on any rank: ``"raise"`` (stop every rank,
-            naming the step and ranks), ``"skip"`` (drop its gradients everywhere, go on) or ``"off"``
-            (no per-step check). A checkpoint is never saved from non-finite weights.
-        process_group_backend: ``"nccl"``/``"gloo"``; default from the device.
-        timeout: Process-group timeout: a collective waiting this long fails (on every group of the mesh).
-        watchdog_timeout: The progress watchdog's bound (``parallel/watchdog.py``): a rank whose process died
-            ends the job within seconds, one silent (stopped, dead on another host) for this long within
-            about 1.25 × this, every surviving rank exiting with code 75 and naming it; an exception on one
-            rank ends the others within seconds. ``None`` turns the watchdog off.
+    Its constructor takes the options of ``ParallelConfig`` and ``StrategyOptions``
+    (``lightning_2d.integration.options``) as explicit parameters whose defaults are the fields'; its docstring is
+    built from the fields' docstrings.
     """
 
     #: Tells a LightningModule to build its model on the meta device in ``configure_model``.
@@ -181,54 +135,53 @@ class ModelParallel2DBase:
     #: The precision plugin that replaces Lightning's stock ones (the Trainer's or Fabric's kind).
     fsdp2_precision_class: type = FSDP2Precision
 
+    # Every option, in ``PARAMETER_ORDER``, with its field's type and default (read from the field, so that IDEs and
+    # type checkers see the real signature); tests/unit/test_options.py names any parameter that differs from its field.
+    @takes_options("The strategy's options (the fields of ``ParallelConfig`` and ``StrategyOptions``).")
     def __init__(
         self,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        tensor_parallel_size: Union[Literal["auto"], int] = "auto",
-        data_parallel_replicate_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B",
-        pipeline_microbatches: Optional[int] = None,
-        pipeline_stages_per_rank: Optional[int] = None,
-        pipeline_layers_per_stage: Optional[list[int]] = None,
-        sequence_parallel: bool = True,
-        loss_parallel: bool = False,
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
-        selective_ac_option: Union[str, int] = "op",
-        compile: bool = False,
-        param_dtype: Optional[Union[str, torch.dtype]] = None,
-        reduce_dtype: Optional[Union[str, torch.dtype]] = None,
-        reshard_after_forward: Literal["default", "always", "never"] = "default",
-        reduce_every_micro_batch: bool = False,
-        float8: Union[bool, Literal["emulate"]] = False,
-        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise",
-        fsdp_float8_all_gather: bool = False,
-        async_tensor_parallel: bool = False,
-        plan: Optional[ParallelPlan] = None,
-        init_seed: Optional[int] = None,
-        save_distributed_checkpoint: bool = True,
-        async_checkpoint: bool = False,
-        non_finite: Literal["raise", "skip", "off"] = "raise",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        watchdog_timeout: Optional[timedelta] = DEFAULT_WATCHDOG_TIMEOUT,
+        data_parallel_size: Size = ParallelConfig.data_parallel_size,
+        tensor_parallel_size: Size = ParallelConfig.tensor_parallel_size,
+        data_parallel_replicate_size: int = ParallelConfig.data_parallel_replicate_size,
+        pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
+        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = ParallelConfig.pipeline_schedule,
+        pipeline_microbatches: Optional[int] = ParallelConfig.pipeline_microbatches,
+        pipeline_stages_per_rank: Optional[int] = ParallelConfig.pipeline_stages_per_rank,
+        pipeline_layers_per_stage: Optional[list[int]] = ParallelConfig.pipeline_layers_per_stage,
+        sequence_parallel: bool = ParallelConfig.sequence_parallel,
+        loss_parallel: bool = ParallelConfig.loss_parallel,
+        activation_checkpointing: Literal["none", "full", "selective"] = ParallelConfig.activation_checkpointing,
+        selective_ac_option: Union[str, int] = ParallelConfig.selective_ac_option,
+        compile: bool = ParallelConfig.compile,
+        param_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.param_dtype,
+        reduce_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.reduce_dtype,
+        reshard_after_forward: Literal["default", "always", "never"] = ParallelConfig.reshard_after_forward,
+        reduce_every_micro_batch: bool = ParallelConfig.reduce_every_micro_batch,
+        float8: Union[bool, Literal["emulate"]] = ParallelConfig.float8,
+        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = ParallelConfig.float8_recipe,
+        fsdp_float8_all_gather: bool = ParallelConfig.fsdp_float8_all_gather,
+        async_tensor_parallel: bool = ParallelConfig.async_tensor_parallel,
+        plan: Optional[ParallelPlan] = StrategyOptions.plan,
+        init_seed: Optional[int] = StrategyOptions.init_seed,
+        save_distributed_checkpoint: bool = StrategyOptions.save_distributed_checkpoint,
+        async_checkpoint: bool = StrategyOptions.async_checkpoint,
+        non_finite: Literal["raise", "skip", "off"] = ParallelConfig.non_finite,
+        process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
+        timeout: Optional[timedelta] = StrategyOptions.timeout,
+        watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
     ) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
-        raise_if_problems(process_group_problems(process_group_backend, timeout, watchdog_timeout))
-        self.parallel_config = ParallelConfig.from_options(locals())
+        parallel, options = split_options(locals())
+        self.parallel_config, self.strategy_options = parallel, options
         # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
         super().__init__(  # type: ignore[call-arg]
             **self._lightning_strategy_kwargs(),
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            save_distributed_checkpoint=options.save_distributed_checkpoint,
+            process_group_backend=options.process_group_backend,
+            timeout=options.timeout,
         )
-        self._plan = plan
-        self._init_seed_value = init_seed
-        self._async_checkpoint = async_checkpoint
         self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self.parallel_dims: Optional[ParallelDims] = None
-        self._watchdog_timeout = watchdog_timeout
         self._watchdog: Optional[Watchdog] = None
         self._loss_flag: Optional[torch.Tensor] = None
         self._first_loss_checked = False
@@ -249,7 +202,7 @@ class ModelParallel2DBase:
 
     def _validation_context(self) -> dict[str, Any]:
         """``plan`` and ``seq_len`` known at this point (the Trainer knows its LightningModule)."""
-        return {"plan": self._plan, "seq_len": None}
+        return {"plan": self.strategy_options.plan, "seq_len": None}
 
     def _float8_modules(self) -> list[nn.Module]:
         """Modules whose float8 all-gather scales are recomputed after each optimizer step."""
@@ -313,12 +266,14 @@ class ModelParallel2DBase:
         setup_distributed(self)
         set_strategy_mesh(self, self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self)))
         destroy_process_group_at_exit()
-        self._watchdog = start_watchdog(self._watchdog_timeout, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+        self._watchdog = start_watchdog(
+            self.strategy_options.watchdog_timeout, self.global_rank, self.world_size  # type: ignore[attr-defined]
+        )
         self._checkpoint_writer = make_writer(
             self.global_rank,  # type: ignore[attr-defined]
             self.barrier,  # type: ignore[attr-defined]
             saves_distributed_checkpoint(self),
-            self._async_checkpoint,
+            self.strategy_options.async_checkpoint,
         )
 
     # ---- model -------------------------------------------------------------------------------
@@ -331,7 +286,7 @@ class ModelParallel2DBase:
 
     def _init_seed(self, owner: Any = None) -> int:
         """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""
-        seed = self._init_seed_value
+        seed = self.strategy_options.init_seed
         if seed is None:
             seed = getattr(owner, "init_seed", None)
         if seed is None:
@@ -480,47 +435,6 @@ class ModelParallel2DBase:
         self._known_warnings.remove()
 
 
-#: Backends ``torch.distributed`` ships; a ``"cpu:gloo,cuda:nccl"`` style mapping is accepted too.
-PROCESS_GROUP_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
-
-
-def process_group_problems(backend: Any, timeout: Any, watchdog_timeout: Any = None) -> list[str]:
-    """Problems with ``process_group_backend``/``timeout``/``watchdog_timeout``, found at construction
-    instead of at spawn."""
-    problems = []
-    if backend is not None:
-        parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
-        if not isinstance(backend, str) or any(p not in PROCESS_GROUP_BACKENDS for p in parts):
-            problems.append(
-                f"process_group_backend={backend!r} is not a torch.distributed backend; use one of"
-                f" {', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)} (or 'cpu:gloo,cuda:nccl'), or None for the"
-                " device's default"
-            )
-    if timeout is not None and not isinstance(timeout, timedelta):
-        problems.append(
-            f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=10)), not"
-            f" {type(timeout).__name__}: a plain number has no unit"
-        )
-    elif timeout is not None and timeout.total_seconds() <= 0:
-        problems.append(f"timeout={timeout!r} must be positive")
-    if watchdog_timeout is not None and not isinstance(watchdog_timeout, timedelta):
-        problems.append(
-            f"watchdog_timeout={watchdog_timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=2)) or"
-            f" None (no watchdog), not {type(watchdog_timeout).__name__}"
-        )
-    elif watchdog_timeout is not None and watchdog_timeout.total_seconds() < MIN_WATCHDOG_TIMEOUT_S:
-        problems.append(
-            f"watchdog_timeout={watchdog_timeout!r} is under {MIN_WATCHDOG_TIMEOUT_S} s: heartbeats go every"
-            " timeout/8, and a shorter bound would declare a rank stalled during an ordinary pause (GC, a busy"
-            " host); use at least timedelta(seconds=10), or None to turn the watchdog off"
-        )
-    return problems
-
-
-#: The shortest ``watchdog_timeout`` accepted.
-MIN_WATCHDOG_TIMEOUT_S = 5
-
-
 class NonFiniteLossError(RuntimeError):
     """The first loss of a run is NaN/inf: the initial weights or the inputs are broken."""
 
@@ -546,17 +460,3 @@ def check_first_loss(loss: torch.Tensor) -> None:
             " model left uninitialized, weights loaded from a corrupt checkpoint, or token ids outside the"
             " vocabulary. Stopped before the first optimizer step, so nothing was trained or saved on top of it."
         )
-
-
-def signature_with(base: Callable[..., Any], **extra: Any) -> Any:
-    """``base``'s signature plus keyword-only parameters ``extra`` (name → (annotation, default)), so that
-    a subclass taking ``**options`` still shows (and type-checks) every option."""
-    import inspect
-
-    sig = inspect.signature(base)
-    params = list(sig.parameters.values())
-    added = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
-        for name, (annotation, default) in extra.items()
-    ]
-    return sig.replace(parameters=params + added)

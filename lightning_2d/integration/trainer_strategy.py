@@ -82,11 +82,11 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         # seq_len) are known; at Trainer construction neither is.
         module = self.lightning_module
         if module is None:
-            return {"plan": self._plan, "seq_len": None}
+            return {"plan": self.strategy_options.plan, "seq_len": None}
         trainer = trainer_of(module)
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
         return {
-            "plan": resolve_plan(module, self.parallel_config, self._plan),
+            "plan": resolve_plan(module, self.parallel_config, self.strategy_options.plan),
             "seq_len": getattr(datamodule, "seq_len", None),
             "batch_size": _int_or_none(getattr(datamodule, "batch_size", None)),
         }
@@ -110,7 +110,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         plan = None
         if module is not None:
             try:
-                plan = resolve_plan(module, self.parallel_config, self._plan)
+                plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
             except ParallelConfigError:
                 raise
             except Exception:  # a plan that needs the built model (e.g. reads it): checked in each process at setup
@@ -137,11 +137,13 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         precision = self.precision_plugin.precision
+        resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
+        plan = resolve_plan(self.lightning_module, resolved, self.strategy_options.plan)
         parallelize_and_materialize(
             self.lightning_module,
             self.device_mesh,
             self.parallel_config,
-            resolve_plan(self.lightning_module, self.parallel_config.resolve_dtypes(precision), self._plan),
+            plan,
             precision,
             self.root_device,
             seed=lambda: self._init_seed(self.lightning_module),

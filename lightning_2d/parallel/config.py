@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Union
 
 import torch
 
+from lightning_2d.parallel.options import documented, option
+
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -45,7 +47,8 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")
 
-Size = Union[int, Literal["auto"]]
+#: A mesh size: a positive number of ranks, or ``"auto"`` (derived from the world size).
+Size = Union[Literal["auto"], int]
 
 
 class ParallelConfigError(ValueError):
@@ -81,105 +84,121 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPE_NAMES[value]
 
 
+#: The functions that report the options' problems, named in each field's ``option(checks=...)`` (a unit test
+#: checks that each one names the option it is listed for).
+STATIC_CHECKS = "lightning_2d.parallel.config.ParallelConfig.static_problems"
+PIPELINE_CHECKS = "lightning_2d.parallel.config.ParallelConfig.pipeline_problems"
+MICROBATCH_CHECKS = "lightning_2d.parallel.config.ParallelConfig.microbatch_problems"
+BLOCK_COUNT_CHECKS = "lightning_2d.parallel.config.ParallelConfig.block_count_problems"
+FLOAT8_RECIPE_CHECKS = "lightning_2d.parallel.config.float8_recipe_problems"
+LAYOUT_CHECKS = "lightning_2d.parallel.dims.validate_parallel_dims"
+PIPELINE_SPLIT_CHECKS = "lightning_2d.parallel.dims.pipeline_split_problems"
+HARDWARE_CHECKS = "lightning_2d.parallel.float8.float8_problems"
+
+
+@documented
 @dataclass
 class ParallelConfig:
-    """Options of the 2D (FSDP2 × tensor/sequence parallel) strategy.
+    """Options of the 2D (FSDP2 × tensor/sequence parallel) strategy: the parallel layout.
 
-    Args:
-        data_parallel_size: Number of data-parallel ranks (model replicas seeing different batches),
-            or ``"auto"``: the world size divided by ``tensor_parallel_size × pipeline_parallel_size``
-            (the number of nodes when both are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size``
-            of them.
-        data_parallel_replicate_size: HSDP: the data-parallel ranks form this many replica groups;
-            FSDP shards parameters, gradients and optimizer state inside each group of
-            ``data_parallel_size / data_parallel_replicate_size`` ranks (typically one node's, so
-            its all-gathers stay on NVLink) and gradients are all-reduced across the groups. ``1``
-            (default): plain FSDP over all data-parallel ranks.
-        tensor_parallel_size: Size of the tensor-parallel mesh dimension, or ``"auto"``: the world
-            size divided by ``data_parallel_size`` (the devices of one node when both are auto).
-            Tensor-parallel groups are consecutive ranks, so they stay inside a node.
-        sequence_parallel: Shard norms and residual activations along the sequence between the
-            tensor-parallel regions (Megatron SP). Needs the sequence length divisible by the
-            tensor-parallel size.
-        loss_parallel: Keep the logits sharded over the vocabulary and compute the cross-entropy
-            on the shards (saves ``(tp-1)/tp`` of the logits memory). The model's loss must be
-            computed inside ``lightning_2d.parallel.loss_parallel_context()``; ``LlamaLightningModule``
-            does it.
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block) or ``"selective"``.
-        selective_ac_option: For ``"selective"``: ``"op"`` (save matmul/attention outputs, recompute
-            the rest) or an integer ``N`` (fully checkpoint every N-th block).
-        compile: ``torch.compile`` each transformer block (after AC, before FSDP).
-        param_dtype: Dtype FSDP all-gathers parameters in for compute; ``None`` derives it from the
-            precision (bf16 for ``bf16-mixed``/``bf16-true``, fp32 for ``32-true``).
-        reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` means fp32.
-        reshard_after_forward: ``"default"`` (free each unit's gathered parameters after its
-            forward, except the output unit's — final norm and head — which backward needs
-            first), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers).
-        float8: Train the block projections in float8 (torchao's ``Float8Linear``; GPUs with CUDA
-            compute capability >= 8.9, ``pip install "lightning-2d[float8]"``), with torchao's float8
-            tensor-parallel styles. ``"emulate"``: the same float8 rounding computed in high
-            precision on any device (tests, debugging; slower than not converting).
-        float8_recipe: torchao's scaling recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` or
-            ``"rowwise_with_gw_hp"`` (more accurate).
-        fsdp_float8_all_gather: FSDP2 all-gathers the float8 weights in float8 (half the bytes of
-            bf16; ``"tensorwise"`` only); their scales are computed after each optimizer step.
-        async_tensor_parallel: Overlap the sequence-parallel all-gathers and reduce-scatters with
-            the matmuls (inductor's micro-pipelined TP over symmetric memory). Needs CUDA, NCCL,
-            ``compile=True``, ``sequence_parallel=True`` and ``tensor_parallel_size > 1``.
-        reduce_every_micro_batch: With gradient accumulation, reduce-scatter the gradients after
-            every micro-batch (least memory) instead of once, after the last micro-batch (the
-            default: ``n - 1`` of ``n`` reduce-scatters saved, but between micro-batches each rank
-            holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes). Under
-            pipeline parallelism it applies to the pipeline's micro-batches: by default every FSDP
-            unit of a rank's stages stays gathered and keeps its unsharded gradient from its first
-            backward to the end of the step (torch's ``PipelineStage``); with this option each
-            micro-batch's backward reshards and reduce-scatters (an all-gather and a reduce-scatter
-            per unit and micro-batch).
-        pipeline_parallel_size: Number of pipeline stages' ranks (``torch.distributed.pipelining``):
-            the transformer blocks are split into stages, consecutive stages on consecutive
-            pipeline ranks, each stage tensor-parallel and FSDP-sharded on its own
-            ``(data_parallel, tensor_parallel)`` sub-mesh. The outermost mesh dimension (across nodes).
-            ``1`` (default): no pipeline.
-        pipeline_schedule: ``"1F1B"`` (default), ``"GPipe"`` (all forwards, then all backwards: more
-            activation memory) or ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble).
-        pipeline_microbatches: Micro-batches each batch is split into (must divide the per-rank
-            batch size; at least ``pipeline_parallel_size`` for the 1F1B schedules). ``None``: one
-            sequence per micro-batch (the batch size). The idle fraction (bubble) of 1F1B/GPipe is
-            about ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches.
-        pipeline_stages_per_rank: Stages each pipeline rank holds: ``1`` for ``"1F1B"``/``"GPipe"``,
-            at least 2 for ``"Interleaved1F1B"`` (``None``: 1, or 2 for the interleaved schedule).
-        pipeline_layers_per_stage: Transformer blocks of each stage, in order (``[9, 8, 8, 7]``);
-            ``None``: a balanced split by compute, the output head counted in the last stage.
-        non_finite: What a step whose loss or gradients are NaN/inf on any rank does, decided by
-            all ranks together before the update (``lightning_2d.parallel.guard``): ``"raise"``
-            stops every rank naming the step and the ranks; ``"skip"`` drops that step's gradients
-            everywhere (weights and optimizer state unchanged) and goes on; ``"off"`` checks nothing per
-            step (no extra gradient read or all-gather: benchmarks), as plain Lightning does. The first
-            loss and the weights at every save are checked under every policy.
+    Each field's docstring is the option's documentation everywhere: the strategies' signatures and
+    docstrings, the CLI's ``--help`` and the README's table are built from these fields (with the
+    strategy-only options of ``lightning_2d.integration.options.StrategyOptions``).
     """
 
-    data_parallel_size: Size = "auto"
-    tensor_parallel_size: Size = "auto"
-    data_parallel_replicate_size: int = 1
-    sequence_parallel: bool = True
-    loss_parallel: bool = False
-    activation_checkpointing: str = "none"
-    selective_ac_option: Union[str, int] = "op"
-    compile: bool = False
-    param_dtype: Union[torch.dtype, str, None] = None
-    reduce_dtype: Union[torch.dtype, str, None] = None
-    reshard_after_forward: str = "default"
-    float8: Union[bool, str] = False
-    float8_recipe: str = "tensorwise"
-    fsdp_float8_all_gather: bool = False
-    async_tensor_parallel: bool = False
-    reduce_every_micro_batch: bool = False
-    non_finite: str = "raise"
-    pipeline_parallel_size: int = 1
-    pipeline_schedule: str = "1F1B"
-    pipeline_microbatches: Optional[int] = None
-    pipeline_stages_per_rank: Optional[int] = None
-    pipeline_layers_per_stage: Optional[list[int]] = None
+    data_parallel_size: Size = option("auto", checks=(STATIC_CHECKS, LAYOUT_CHECKS))
+    """Number of data-parallel ranks (replicas × FSDP shards; each sees different batches), or ``"auto"``: the
+    world size divided by ``tensor_parallel_size × pipeline_parallel_size`` (the number of nodes when both sizes
+    are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size`` of them."""
+    tensor_parallel_size: Size = option("auto", checks=(STATIC_CHECKS, LAYOUT_CHECKS, HARDWARE_CHECKS))
+    """Size of the tensor-parallel mesh dimension, or ``"auto"``: the world size divided by
+    ``data_parallel_size × pipeline_parallel_size`` (the devices of one node when both sizes are auto).
+    Tensor-parallel groups are consecutive ranks, so they stay inside a node."""
+    data_parallel_replicate_size: int = option(1, checks=(STATIC_CHECKS, LAYOUT_CHECKS))
+    """HSDP: the data-parallel ranks form this many replica groups; FSDP shards parameters, gradients and
+    optimizer state inside each group of ``data_parallel_size / data_parallel_replicate_size`` ranks (typically
+    one node's, so its all-gathers stay on NVLink) and gradients are all-reduced across the groups. ``1``
+    (default): plain FSDP over all data-parallel ranks."""
+    sequence_parallel: bool = option(True, checks=(STATIC_CHECKS, LAYOUT_CHECKS, HARDWARE_CHECKS))
+    """Shard norms and residual activations along the sequence between the tensor-parallel regions (Megatron
+    SP). Needs the sequence length divisible by the tensor-parallel size."""
+    loss_parallel: bool = option(False, checks=(STATIC_CHECKS,))
+    """For models that return logits (``fused_loss=False``, or your own): keep the logits sharded over the
+    vocabulary and compute the cross-entropy on the shards (saves ``(tp-1)/tp`` of the logits memory). The
+    model's loss must be computed inside ``lightning_2d.parallel.loss.loss_parallel_context()``;
+    ``LlamaLightningModule`` does it. The fused Llama loss is always vocabulary-parallel."""
+    activation_checkpointing: Literal["none", "full", "selective"] = option("none", checks=(STATIC_CHECKS,))
+    """``"none"``, ``"full"`` (recompute each block) or ``"selective"`` (see ``selective_ac_option``)."""
+    selective_ac_option: Union[str, int] = option("op", checks=(STATIC_CHECKS,))
+    """For ``"selective"``: ``"op"`` (save matmul/attention outputs, recompute the rest) or an integer ``N``
+    (fully checkpoint every N-th block)."""
+    compile: bool = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
+    """``torch.compile`` each transformer block (after activation checkpointing, before FSDP)."""
+    param_dtype: Optional[Union[str, torch.dtype]] = option(None, checks=(STATIC_CHECKS,), shown="from ``precision``")
+    """Dtype FSDP2 all-gathers parameters in for compute (its ``MixedPrecisionPolicy``), e.g. ``"bfloat16"`` or
+    ``"float32"``; ``None`` derives it from the precision (bf16 for ``bf16-mixed``/``bf16-true``, fp32 for
+    ``32-true``)."""
+    reduce_dtype: Optional[Union[str, torch.dtype]] = option(None, checks=(STATIC_CHECKS,))
+    """Dtype of FSDP2's gradient reduce-scatter (its ``MixedPrecisionPolicy``); ``None`` means fp32."""
+    reshard_after_forward: Literal["default", "always", "never"] = option("default", checks=(STATIC_CHECKS,))
+    """``"default"`` (free each unit's gathered parameters after its forward, except the output unit's — final
+    norm and head — which backward needs first), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer
+    all-gathers)."""
+    float8: Union[bool, Literal["emulate"]] = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
+    """Train the block projections in float8 (torchao's ``Float8Linear``; GPUs with CUDA compute capability
+    >= 8.9, ``pip install "lightning-2d[float8]"``), with torchao's float8 tensor-parallel styles.
+    ``"emulate"``: the same float8 rounding computed in high precision on any device (tests, debugging; slower
+    than not converting)."""
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = option(
+        "tensorwise", checks=(FLOAT8_RECIPE_CHECKS,)
+    )
+    """torchao's scaling recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (more
+    accurate)."""
+    fsdp_float8_all_gather: bool = option(False, checks=(STATIC_CHECKS, FLOAT8_RECIPE_CHECKS))
+    """FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16; ``"tensorwise"`` only); their
+    scales are computed after each optimizer step."""
+    async_tensor_parallel: bool = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
+    """Overlap the sequence-parallel all-gathers and reduce-scatters with the matmuls (inductor's
+    micro-pipelined TP over symmetric memory). Needs CUDA, NCCL, ``compile=True``, ``sequence_parallel=True``
+    and ``tensor_parallel_size > 1``."""
+    reduce_every_micro_batch: bool = option(False, checks=(STATIC_CHECKS,))
+    """With gradient accumulation, reduce-scatter the gradients after every micro-batch (least memory) instead
+    of once, after the last micro-batch (the default: ``n - 1`` of ``n`` reduce-scatters saved, but between
+    micro-batches each rank holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
+    Under pipeline parallelism it applies to the pipeline's micro-batches: by default every FSDP unit of a
+    rank's stages stays gathered and keeps its unsharded gradient from its first backward to the end of the
+    step (torch's ``PipelineStage``); with this option each micro-batch's backward reshards and
+    reduce-scatters (an all-gather and a reduce-scatter per unit and micro-batch)."""
+    non_finite: Literal["raise", "skip", "off"] = option("raise", checks=(STATIC_CHECKS,))
+    """What a step whose loss or gradients are NaN/inf on any rank does, decided by all ranks together before
+    the update (``lightning_2d.parallel.guard``): ``"raise"`` stops every rank naming the step and the ranks;
+    ``"skip"`` drops that step's gradients everywhere (weights and optimizer state unchanged) and goes on;
+    ``"off"`` checks nothing per step (no extra gradient read or all-gather: benchmarks), as plain Lightning
+    does. The first loss and the weights at every save are checked under every policy: a checkpoint is never
+    saved from NaN/inf weights."""
+    pipeline_parallel_size: int = option(
+        1, checks=(PIPELINE_CHECKS, LAYOUT_CHECKS, PIPELINE_SPLIT_CHECKS, BLOCK_COUNT_CHECKS, MICROBATCH_CHECKS)
+    )
+    """Number of pipeline stages' ranks (``torch.distributed.pipelining``): the transformer blocks are split
+    into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded
+    on its own ``(data_parallel, tensor_parallel)`` sub-mesh. The outermost mesh dimension (across nodes).
+    ``1`` (default): no pipeline."""
+    pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = option(
+        "1F1B", checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS)
+    )
+    """``"1F1B"`` (default), ``"GPipe"`` (all forwards, then all backwards: more activation memory) or
+    ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble)."""
+    pipeline_microbatches: Optional[int] = option(None, checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS))
+    """Micro-batches each batch is split into (must divide the per-rank batch size; at least
+    ``pipeline_parallel_size`` for the 1F1B schedules). ``None``: one sequence per micro-batch (the batch size).
+    The idle fraction (bubble) of 1F1B/GPipe is about ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m``
+    micro-batches."""
+    pipeline_stages_per_rank: Optional[int] = option(None, checks=(PIPELINE_CHECKS,))
+    """Stages each pipeline rank holds: ``1`` for ``"1F1B"``/``"GPipe"``, at least 2 for ``"Interleaved1F1B"``
+    (``None``: 1, or 2 for the interleaved schedule)."""
+    pipeline_layers_per_stage: Optional[list[int]] = option(None, checks=(PIPELINE_CHECKS, BLOCK_COUNT_CHECKS))
+    """Transformer blocks of each stage, in order (``[9, 8, 8, 7]``); ``None``: a balanced split by compute, the
+    output head counted in the last stage."""
 
     def __post_init__(self) -> None:
         raise_if_problems(self.static_problems())
@@ -351,11 +370,6 @@ class ParallelConfig:
                 f" of pipeline_parallel_size ({pp})"
             )
         return problems
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> ParallelConfig:
-        """The config from a strategy's constructor arguments (``locals()``): the fields it names."""
-        return cls(**{name: options[name] for name in cls.__dataclass_fields__ if name in options})
 
     def resolve_dtypes(self, precision: str) -> ParallelConfig:
         """A copy whose ``param_dtype``/``reduce_dtype`` are filled in from the Trainer/Fabric ``precision``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 from lightning_2d import ModelParallel2DStrategy
 from lightning_2d.data import DataError, stdlib_sources
+from lightning_2d.integration.options import OPTIONS
 from lightning_2d.tools.cli import cli_main
 
 
@@ -82,3 +84,22 @@ def test_a_big_corpus_without_cache_fails_before_training(tmp_path, corpus):
     with pytest.raises(DataError, match=re.compile(r"larger than max_unprepared_mb \(0\.001 MB\).*lightning-2d prepare-data --data\.paths=", re.S)):
         cli_main(["fit", *common(tmp_path, corpus), "--data.max_unprepared_mb=0.001"])
     assert not (tmp_path / "cache").exists()
+
+
+def test_strategy_help_shows_every_option_with_its_docstring_type_and_default(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["lightning-2d"])
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["fit", "--trainer.strategy.help", "lightning_2d.ModelParallel2DStrategy"])
+    assert exit_.value.code in (0, None)
+    out = capsys.readouterr().out
+    body = out[out.index("Help for --trainer.strategy.help"):]
+    # argparse wraps (and may break words): compare without whitespace.
+    entries = {
+        m.group(1): "".join(m.group(2).split())
+        for m in re.finditer(r"\n  --trainer\.strategy\.(\w+) [A-Z_{]\S*(.*?)(?=\n  --|\Z)", body, re.S)
+    }
+    for opt in OPTIONS:
+        assert opt.name in entries, f"--trainer.strategy.{opt.name} is missing from the strategy's help"
+        help_text = entries[opt.name]
+        assert "".join(opt.doc.split()) in help_text, f"{opt.name}: its docstring is not its help"
+        assert "(type:" in help_text and "default:" in help_text, f"{opt.name}: no type or default in its help"

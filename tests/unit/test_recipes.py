@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from lightning_2d import LlamaLightningModule, ParallelConfig
+from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER
 from lightning_2d.parallel import validate_parallel_dims
 from lightning_2d.tools.cli import cli_main
 
@@ -44,6 +45,13 @@ def test_recipe_parses(recipe, capsys, monkeypatch):
     assert exit_.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["class_path"] == "lightning_2d.ModelParallel2DStrategy"
+    # Every option, in the constructor's order; those the recipe leaves out at their default.
+    shown = printed["trainer"]["strategy"]["init_args"]
+    assert list(shown) == list(PARAMETER_ORDER)
+    given = yaml.safe_load(recipe.read_text())["trainer"]["strategy"].get("init_args", {})
+    for opt in OPTIONS:
+        if opt.name not in given and (opt.default is None or isinstance(opt.default, (bool, int, str))):
+            assert shown[opt.name] == opt.default, opt.name
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

@@ -5,10 +5,10 @@ with a fake clock, fake process states and a fake exit: no thread, no process gr
 from __future__ import annotations
 
 import io
-import re
-import tempfile
 import os
+import re
 import signal
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 

@@ -6,7 +6,6 @@ from the annotation (``option_converter``) and its help from the field's docstri
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 import types
@@ -17,6 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 
 from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.options import options_of
 
 #: Benchmark defaults of strategy options (the rest keep ``ParallelConfig``'s): with the default
 #: 4 devices this is the reference ``(dp, tp) = (2, 2)`` layout.
@@ -24,25 +24,8 @@ STRATEGY_DEFAULTS: dict[str, Any] = {"data_parallel_size": "auto", "tensor_paral
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The ``Args:`` entries of a (Google-style) class docstring, one line of text per name."""
-    docs: dict[str, str] = {}
-    current: Optional[str] = None
-    in_args = False
-    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
-        if line.strip() == "Args:":
-            in_args = True
-            continue
-        if not in_args:
-            continue
-        entry = re.match(r"^    (\w+): ?(.*)$", line)
-        if entry:
-            current = entry.group(1)
-            docs[current] = entry.group(2).strip()
-        elif line.startswith("        ") and current is not None:
-            docs[current] += " " + line.strip()
-        elif line.strip() and not line.startswith(" "):
-            break  # the next section
-    return {name: re.sub(r"``(.*?)``", r"\1", text) for name, text in docs.items()}
+    """Each option's docstring (the fields of ``cls``: ``lightning_2d.parallel.options``), as one line of text."""
+    return {opt.name: re.sub(r"``(.*?)``", r"\1", opt.doc) for opt in options_of(cls)}
 
 
 def option_converter(hint: Any) -> Callable[[str], Any]:
@@ -50,10 +33,13 @@ def option_converter(hint: Any) -> Callable[[str], Any]:
 
     ``None`` for ``none``, a ``bool`` for ``true``/``false``, an ``int`` for digits, a ``Literal``
     value, a ``float``, a ``list[int]`` from ``1,2,3`` or a JSON list, else the string itself where
-    ``str`` or ``torch.dtype`` (whose names ``ParallelConfig`` converts) is allowed.
+    ``str`` or ``torch.dtype`` (whose names ``ParallelConfig`` converts) is allowed, or where the annotation
+    is a choice of words (``Literal`` strings and no number): ``ParallelConfig``'s check then names the
+    valid ones and the fix.
     """
     members = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
     literals = [v for m in members if typing.get_origin(m) is Literal for v in typing.get_args(m)]
+    words = bool(literals) and all(isinstance(v, str) for v in literals) and int not in members and float not in members
     int_lists = any(typing.get_origin(m) is list and typing.get_args(m) == (int,) for m in members)
 
     def int_list(text: str) -> Optional[list[int]]:
@@ -80,7 +66,7 @@ def option_converter(hint: Any) -> Callable[[str], Any]:
                 return float(text)
             except ValueError:
                 pass
-        if str in members or torch.dtype in members:
+        if str in members or torch.dtype in members or words:
             return text
         names = [str(m) if typing.get_origin(m) is list else getattr(m, "__name__", str(m))
                  for m in members if typing.get_origin(m) is not Literal]

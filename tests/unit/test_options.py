@@ -1,0 +1,178 @@
+"""Every strategy option is written once (a field of ``ParallelConfig`` or ``StrategyOptions`` with its docstring)
+and everything else agrees with it: the Trainer and Fabric strategies' signatures (written out in their
+``__init__`` so that IDEs and type checkers see them, and compared here parameter by parameter with the fields)
+and docstrings (what LightningCLI/jsonargparse reads), and the README's "Strategy options" table. A failure names
+the option that drifted and how."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import typing
+from pathlib import Path
+
+import docstring_parser
+import pytest
+
+import lightning_2d
+import lightning_2d.fabric
+from lightning_2d.integration import options as options_module
+from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER, options_table
+from lightning_2d.parallel.options import Option, markdown
+from lightning_2d.tools.options_table import README_HEADING, table_span
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TRAINER = lightning_2d.ModelParallel2DStrategy
+FABRIC = lightning_2d.fabric.ModelParallel2DStrategy
+#: Constructor arguments of one strategy that are not options.
+OWN_ARGUMENTS = {FABRIC: {"parallelize_fn"}}
+SOURCE = {opt.name: opt for opt in OPTIONS}
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def readme_rows() -> dict[str, tuple[str, str]]:
+    """``name → (default cell, meaning cell)`` of the README's options table."""
+    text = README.read_text()
+    start, end = table_span(text)
+    rows = {}
+    for line in text[start:end].splitlines()[2:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        assert len(cells) == 3, f"README {README_HEADING!r}: a row without 3 cells: {line!r}"
+        rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def signature_problems(cls: type, opt: Option) -> list[str]:
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    param = inspect.signature(cls).parameters.get(opt.name)
+    if param is None:
+        return [f"not a parameter of {where}"]
+    problems = []
+    if type(param.default) is not type(opt.default) or param.default != opt.default:
+        problems.append(f"{where} defaults to {param.default!r}, the source to {opt.default!r}")
+    annotation = param.annotation
+    if isinstance(annotation, str):  # a hand-written signature under `from __future__ import annotations`
+        module = importlib.import_module(cls.__init__.__module__)
+        annotation = eval(annotation, {**vars(typing), **vars(module)})  # noqa: S307 - our own source
+    if annotation != opt.annotation:
+        problems.append(f"{where} annotates {annotation!r}, the source {opt.annotation!r}")
+    docs = {p.arg_name: p.description for p in docstring_parser.parse(cls.__init__.__doc__ or "").params}
+    if normalized(docs.get(opt.name) or "") != opt.doc:
+        problems.append(f"{where}.__init__'s docstring says {docs.get(opt.name)!r}, the source {opt.doc!r}")
+    return problems
+
+
+def resolve(dotted: str) -> object:
+    """``"pkg.module.Class.method"`` → the object (the longest importable prefix, then attributes)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            target = getattr(target, attr)
+        return target
+    raise ModuleNotFoundError(dotted)
+
+
+def check_problems(opt: Option) -> list[str]:
+    """Each function named in ``checks`` exists and mentions the option (a stale reference fails)."""
+    problems = []
+    for dotted in opt.checks:
+        try:
+            check = resolve(dotted)
+        except (ImportError, AttributeError):
+            problems.append(f"its check {dotted} does not exist")
+            continue
+        if opt.name not in inspect.getsource(check):  # type: ignore[arg-type]
+            problems.append(f"its check {dotted} never mentions it")
+    return problems
+
+
+def drift(name: str) -> list[str]:
+    """Everything about option ``name`` that disagrees with its one source."""
+    opt = SOURCE.get(name)
+    if opt is None:
+        return ["not a field of ParallelConfig or StrategyOptions (the one source), yet documented or accepted"]
+    problems = []
+    if not opt.doc:
+        problems.append("its field has no docstring")
+    for cls in (TRAINER, FABRIC):
+        problems += signature_problems(cls, opt)
+    row = readme_rows().get(name)
+    if row is None:
+        problems.append(f"no row in the README's {README_HEADING!r} table")
+    else:
+        if row[0] != opt.shown_default:
+            problems.append(f"the README shows the default {row[0]!r}, the source {opt.shown_default!r}")
+        if row[1] != markdown(opt.doc):
+            problems.append(f"the README says {row[1]!r}, the source {markdown(opt.doc)!r}")
+    return problems + check_problems(opt)
+
+
+def every_name() -> list[str]:
+    found = set(SOURCE) | set(readme_rows())
+    for cls in (TRAINER, FABRIC):
+        found |= set(inspect.signature(cls).parameters) - OWN_ARGUMENTS.get(cls, set())
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", every_name())
+def test_the_option_agrees_with_its_one_source(name):
+    problems = drift(name)
+    assert not problems, (
+        f"strategy option {name!r} drifted:\n  - " + "\n  - ".join(problems)
+        + "\nEdit its field (ParallelConfig or StrategyOptions) and its parameter in ModelParallel2DBase.__init__"
+        " and the Fabric strategy's __init__ (lightning_2d/integration/), then regenerate the README's table:"
+        " python -m lightning_2d.tools.options_table --write README.md"
+    )
+
+
+def test_the_readme_table_is_the_generated_one():
+    text = README.read_text()
+    start, end = table_span(text)
+    written, generated = text[start:end].splitlines(), options_table().splitlines()
+    for line, expected in zip(written, generated):
+        assert line == expected, (
+            f"README row {line[:60]!r}… differs from the generated {expected[:60]!r}…: run"
+            " python -m lightning_2d.tools.options_table --write README.md"
+        )
+    assert len(written) == len(generated), "run python -m lightning_2d.tools.options_table --write README.md"
+
+
+def test_the_signatures_keep_the_positional_order():
+    assert list(inspect.signature(TRAINER).parameters) == list(PARAMETER_ORDER)
+    assert list(inspect.signature(FABRIC).parameters) == [*PARAMETER_ORDER, "parallelize_fn"]
+    assert inspect.signature(FABRIC).parameters["parallelize_fn"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_the_signatures_are_the_source_s_own():
+    """What ``inspect`` (and so jsonargparse) reads is the ``def``'s signature, the one static tools see: no
+    ``__signature__`` replaces it."""
+    for cls in (TRAINER, FABRIC):
+        assert not hasattr(cls.__init__, "__signature__"), f"{cls.__qualname__}.__init__ has a __signature__ override"
+        own = inspect.signature(cls.__init__, follow_wrapped=False)
+        assert list(own.parameters)[1:] == list(inspect.signature(cls).parameters)
+
+
+def test_arguments_reach_the_option_dataclasses_and_bad_calls_fail_as_python_would():
+    strategy = FABRIC(2, 2, 1, 1, "GPipe", init_seed=7, compile=True)
+    assert (strategy.parallel_config.data_parallel_size, strategy.parallel_config.pipeline_schedule) == (2, "GPipe")
+    assert strategy.parallel_config.compile and strategy.strategy_options.init_seed == 7
+    with pytest.raises(TypeError, match=r"^ModelParallel2DBase.__init__\(\) got an unexpected keyword argument 'x'$"):
+        TRAINER(x=1)
+    with pytest.raises(TypeError, match=r"takes from 1 to 30 positional arguments but 31 were given$"):
+        TRAINER(*[None] * 30)
+    with pytest.raises(TypeError, match=r"got multiple values for argument 'data_parallel_size'$"):
+        TRAINER(2, data_parallel_size=2)
+
+
+def test_a_new_field_without_a_place_in_the_order_is_refused(monkeypatch):
+    monkeypatch.setattr(options_module, "PARAMETER_ORDER", PARAMETER_ORDER[:-1])
+    with pytest.raises(TypeError, match=r"missing \['watchdog_timeout'\]"):
+        options_module.strategy_options()
