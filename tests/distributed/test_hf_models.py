@@ -9,6 +9,8 @@ from tests.distributed.conftest import PARITY, load_weights
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.distributed
+
 #: Tiny Llama with grouped-query attention (4 query heads share 2 key/value heads).
 LLAMA = {
     "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

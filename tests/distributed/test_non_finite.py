@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.distributed.conftest import PARITY, load_weights
+
+pytestmark = pytest.mark.distributed
 
 LAYOUT = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2}
 

@@ -40,7 +40,7 @@ import torch
 from lightning_2d import ModelParallel2DStrategy
 from tests.gpu.conftest import worst_relative_error
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed]  # jobs of launched processes
 
 FP32_RTOL = 1e-4
 BF16_RTOL = 2e-2
