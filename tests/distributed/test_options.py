@@ -75,9 +75,18 @@ def test_bf16_precisions(jobs, precision, shard_dtype):
 
 
 def test_compiled_blocks_match_single_device(jobs):
-    losses = jobs.layout(2, 2, compile=True).rank_output(0)["losses"]
+    compiled = jobs.layout(2, 2, compile=True)
+    losses = compiled.rank_output(0)["losses"]
     # Inductor fuses and reorders fp32 reductions: equal up to a few ulps of accumulated rounding.
     assert worst_relative_error(losses, jobs.reference().rank_output(0)["losses"]) <= 1e-4
+    # The losses would also match with compile a no-op: check that every block is torch.compile's wrapper
+    # on every rank, and that dynamo did compile graphs in the process (none in an eager job).
+    for rank in range(4):
+        out = compiled.rank_output(rank)
+        assert out["compiled_blocks"] == ["0", "1", "2", "3"], (rank, out["compiled_blocks"])
+        assert out["dynamo_unique_graphs"] >= 1, (rank, out["dynamo_unique_graphs"])  # 2 with torch 2.13
+    eager = jobs.layout(2, 2, gradient_clip_val=CLIP, fused_loss=False).rank_output(0)  # a job of the tests above
+    assert eager["compiled_blocks"] == [] and eager["dynamo_unique_graphs"] == 0
 
 
 def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_per_step(jobs):

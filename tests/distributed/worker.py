@@ -321,6 +321,14 @@ def fit(cfg: dict) -> None:
 
         result["checkpointed_blocks"] = [name for name, block in module.model.layers.items()
                                          if isinstance(block, CheckpointWrapper)]
+        # Which blocks torch.compile wrapped, and what dynamo compiled in this process (0 graphs: nothing ran
+        # compiled, whatever the wrappers say).
+        from torch._dynamo.eval_frame import OptimizedModule
+        from torch._dynamo.utils import counters
+
+        result["compiled_blocks"] = [name for name, block in module.model.layers.items()
+                                     if isinstance(block, OptimizedModule)]
+        result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
     if module.model.__class__.__name__.startswith("Pipelined"):
         result["pipeline_split"] = module.model._pipeline_split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
