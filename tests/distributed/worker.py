@@ -109,6 +109,49 @@ class Recorder(L.Callback):
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "final")
 
 
+def layout_of(value) -> dict:
+    """What a tensor is, as a test compares it: a DTensor's placements (``repr``), mesh and local shape, or a
+    plain tensor's shape (the first element of a tuple/list)."""
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    if hasattr(value, "placements"):
+        return {"type": "DTensor", "placements": [repr(pl) for pl in value.placements],
+                "mesh_dims": list(value.device_mesh.mesh_dim_names or ()), "local_shape": list(value.to_local().shape),
+                "shape": list(value.shape)}
+    if isinstance(value, torch.Tensor):
+        return {"type": "Tensor", "shape": list(value.shape)}
+    return {"type": type(value).__name__}
+
+
+class ActivationLayouts(L.Callback):
+    """The layout of what some modules receive and return in the first training step (forward hooks,
+    registered after the strategy parallelized the model, so they see what the TP hooks produced):
+    ``logits`` is the model's output, what the loss receives; ``attention_norm``/``norm`` a block's
+    first norm and the final norm (``Shard(1)`` DTensors under sequence parallelism, full plain tensors
+    without it)."""
+
+    WATCH = {"logits": "", "attention_norm": "layers.0.attention_norm", "norm": "norm"}
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict] = {}
+        self._handles: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        modules = {canonical_name(name): m for name, m in pl_module.model.named_modules()}
+        for label, name in self.WATCH.items():
+            if name in modules:
+                def hook(_module, args, output, label=label):
+                    if label not in self.seen:  # the first call (activation checkpointing recomputes)
+                        self.seen[label] = {"input": layout_of(args) if args else None, "output": layout_of(output)}
+
+                self._handles.append(modules[name].register_forward_hook(hook))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 def placements(module: torch.nn.Module) -> dict[str, list]:
     out = {}
     for name, p in module.named_parameters():
@@ -283,6 +326,12 @@ def fit(cfg: dict) -> None:
         val_loader = DataLoader(val_data, batch_size=cfg["global_batch"] // (1 if cfg["strategy"] == "single" else dp))
     recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())))
     callbacks = [recorder]
+    pipelined = cfg.get("pipeline_parallel_size", 1) > 1
+    # Hooks inside compiled blocks would be traced into (or break) their graphs: not under compile.
+    activations = None
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not cfg.get("compile"):
+        activations = ActivationLayouts()
+        callbacks.append(activations)
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
@@ -316,6 +365,8 @@ def fit(cfg: dict) -> None:
     }
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if activations is not None:
+        result["activations"] = activations.seen
     if cfg["strategy"] == "2d" and "hf_config" not in cfg:  # which blocks activation checkpointing wrapped
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -333,7 +384,6 @@ def fit(cfg: dict) -> None:
         result["pipeline_split"] = module.model._pipeline_split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
     mesh = module.device_mesh
-    pipelined = cfg.get("pipeline_parallel_size", 1) > 1
     if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined:
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
     if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
