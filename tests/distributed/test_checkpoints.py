@@ -197,12 +197,16 @@ def test_a_save_killed_midway_is_never_resumed_from(setup):
     # Asking for the broken checkpoint itself is an error naming it (never a silent resume from another
     # step), raised on every rank before anything is loaded, with the newest complete one as the way on.
     broken = setup["root"] / "crash_copy" / "epoch=1-step=4.ckpt"
-    refused = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken), expect_ok=False)
+    # The launcher kills no rank (kill_on_failure=False): every rank must raise it by itself.
+    refused = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken), expect_ok=False, kill_on_failure=False)
     assert not refused.ok and not refused.timed_out
     log = refused.logs[refused.failed_rank()]
     assert f"CheckpointError: Checkpoint {broken} is incomplete (an interrupted save). Not resuming" in log
     assert f"the newest complete one there is {broken.parent / 'epoch=0-step=2.ckpt'}" in log
     assert not list(refused.out_dir.glob("rank*.json"))  # nothing trained
+    assert refused.returncodes == [1, 1, 1, 1], refused.describe()  # each raised it (not 75: ended by another)
+    for rank in range(4):
+        assert f"CheckpointError: Checkpoint {broken} is incomplete" in refused.logs[rank], refused.describe([rank])
 
 
 def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):

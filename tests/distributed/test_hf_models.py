@@ -101,13 +101,18 @@ def test_a_meta_built_model_left_uninitialized_stops_before_step_1_naming_each_t
     the rotary buffers, every rank's shards are checked after allocation and the run stops."""
     config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": LLAMA,
               "without_builtin_init": True}
-    result = jobs.run("hf_uninitialized", "fit", config, expect_ok=False)
+    # The launcher kills no rank (kill_on_failure=False): each one must find its own uninitialized shards and stop.
+    result = jobs.run("hf_uninitialized", "fit", config, expect_ok=False, kill_on_failure=False)
     assert not result.ok and not result.timed_out
     log = result.logs[result.failed_rank()]
     assert "MaterializationError" in log
     assert "model.layers.0.input_layernorm.weight (parameter of LlamaRMSNorm): LlamaRMSNorm has no reset_parameters()" in log
     assert "model.rotary_emb.inv_freq (non-persistent buffer of LlamaRotaryEmbedding)" in log
     assert not list(result.out_dir.glob("rank*.json"))  # no rank trained
+    assert result.returncodes == [1, 1, 1, 1], result.describe()  # each raised itself (not 75: ended by another)
+    for rank in range(4):
+        own = result.logs[rank]
+        assert "MaterializationError" in own and "model.rotary_emb.inv_freq" in own, result.describe([rank])
 
 
 def test_the_sharded_checkpoint_of_an_hf_module_exports_as_the_model_trained(jobs, tmp_path):

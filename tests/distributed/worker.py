@@ -72,9 +72,25 @@ def save_state(model: torch.nn.Module, mesh, global_rank: int, out_dir: Path, wh
         torch.save(state, out_dir / f"{which}.pt")
 
 
+def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's own shards of every parameter, by canonical name (no collective)."""
+    return {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
+            for name, p in module.named_parameters()}
+
+
 class Recorder(L.Callback):
-    def __init__(self, out_dir: Path, save_weights: bool, weights_at_steps: tuple[int, ...] = ()) -> None:
+    """Per step: losses, batches, random draws, gradient norms (and weights at ``weights_at_steps``).
+
+    ``local_weights_at_steps`` and ``local_weights_on_exception``: every rank writes its own shards
+    (``local_rank{R}_step{S}.pt``, ``local_rank{R}_exception.pt`` with the step reached), so a test can
+    compare each rank's weights where a collective is no longer possible (a run stopping on every rank).
+    """
+
+    def __init__(self, out_dir: Path, save_weights: bool, weights_at_steps: tuple[int, ...] = (),
+                 local_weights_at_steps: tuple[int, ...] = (), local_weights_on_exception: bool = False) -> None:
         self.out_dir, self.save_weights, self.weights_at_steps = out_dir, save_weights, weights_at_steps
+        self.local_weights_at_steps = local_weights_at_steps
+        self.local_weights_on_exception = local_weights_on_exception
         self.losses: list[float] = []
         self.batches: list[str] = []
         self.draws: list[float] = []
@@ -103,6 +119,15 @@ class Recorder(L.Callback):
         if trainer.global_step in self.weights_at_steps:
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir,
                        f"weights_step{trainer.global_step}")
+        if trainer.global_step in self.local_weights_at_steps:
+            torch.save(local_state(pl_module.model),
+                       self.out_dir / f"local_rank{trainer.global_rank}_step{trainer.global_step}.pt")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.local_weights_on_exception:  # runs before the strategy's own on_exception (the watchdog's)
+            torch.save({"step": trainer.global_step, "error": type(exception).__name__,
+                        "weights": local_state(pl_module.model)},
+                       self.out_dir / f"local_rank{trainer.global_rank}_exception.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_weights:
@@ -324,7 +349,9 @@ def fit(cfg: dict) -> None:
     if "val_samples" in cfg:  # validation through the model (under pipeline parallelism: the schedule's eval)
         val_data = SyntheticTokens(cfg["val_samples"], cfg["seq_len"], vocab_size, seed=1)
         val_loader = DataLoader(val_data, batch_size=cfg["global_batch"] // (1 if cfg["strategy"] == "single" else dp))
-    recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())))
+    recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())),
+                        local_weights_at_steps=tuple(cfg.get("local_weights_at_steps", ())),
+                        local_weights_on_exception=cfg.get("local_weights_on_exception", False))
     callbacks = [recorder]
     pipelined = cfg.get("pipeline_parallel_size", 1) > 1
     # Hooks inside compiled blocks would be traced into (or break) their graphs: not under compile.
