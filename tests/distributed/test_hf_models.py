@@ -78,10 +78,15 @@ def test_hf_decoder_layout_follows_the_sequence_parallel_option(jobs, variant):
         assert norm == [["data_parallel", "tensor_parallel"], ["Shard(dim=0)", "Replicate()"]]
         assert result["layer_input_shape"] == [1, PARITY["seq_len"] // 2, LLAMA["hidden_size"]]
         assert "not divisible by tensor_parallel_size (2)" in result["bad_seq_len_error"]
+        assert "not divisible by tensor_parallel_size (2)" in result["bad_seq_len_error_kw"]
     else:
         assert norm == [["data_parallel"], ["Shard(dim=0)"]]
         assert result["layer_input_shape"] == [1, PARITY["seq_len"], LLAMA["hidden_size"]]
         assert result.get("bad_seq_len_error") is None
+        # Recorded in this job too: a length of 13, indivisible by tp = 2, ran (SP off refuses nothing),
+        # positional and keyword input alike.
+        assert "bad_seq_len_error" in result and "bad_seq_len_error_kw" in result, sorted(result)
+        assert (result["bad_seq_len_error"], result["bad_seq_len_error_kw"]) == (None, None)
     if VARIANTS[variant][0]["model_type"] == "qwen2":
         assert placements["model.layers.0.self_attn.q_proj.bias"]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
 

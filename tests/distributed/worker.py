@@ -421,15 +421,18 @@ def fit(cfg: dict) -> None:
             module.model(torch.zeros(1, cfg["seq_len"], dtype=torch.long))
         handle.remove()
         result["layer_input_shape"] = seen[0]
-    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True) and not pipelined:
-        # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
+    sequence_parallel = cfg.get("sequence_parallel", True)
+    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and (sequence_parallel or "hf_config" in cfg) and not pipelined:
+        # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective;
+        # without it (recorded for the HF jobs) the same length must run (None).
         try:
             module.model(torch.zeros(1, 13, dtype=torch.long))
             result["bad_seq_len_error"] = None
         except ValueError as err:
             result["bad_seq_len_error"] = str(err)
         try:  # the same check for a keyword input (as Hugging Face models take `input_ids=`)
-            module.model(tokens=torch.zeros(1, 13, dtype=torch.long))
+            keyword = "input_ids" if "hf_config" in cfg else "tokens"
+            module.model(**{keyword: torch.zeros(1, 13, dtype=torch.long)})
             result["bad_seq_len_error_kw"] = None
         except ValueError as err:
             result["bad_seq_len_error_kw"] = str(err)
