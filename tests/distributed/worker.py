@@ -91,6 +91,7 @@ class Recorder(L.Callback):
         self.out_dir, self.save_weights, self.weights_at_steps = out_dir, save_weights, weights_at_steps
         self.local_weights_at_steps = local_weights_at_steps
         self.local_weights_on_exception = local_weights_on_exception
+        self.batch_started_at: list[float] = []  # time.time() of each on_train_batch_start
         self.losses: list[float] = []
         self.batches: list[str] = []
         self.draws: list[float] = []
@@ -105,6 +106,7 @@ class Recorder(L.Callback):
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "initial")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batch_started_at.append(time.time())
         digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
         self.batches.append(digest)
 
@@ -482,6 +484,44 @@ def text(cfg: dict) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+class WriteObserver(L.Callback):
+    """Makes a checkpoint write observable: each storage write (DCP's ``FileSystemWriter.write_data``, every
+    rank's shard) first waits until training has started another batch (or ended), then writes. A write
+    that runs in the background is released by the next step's ``on_train_batch_start``; a synchronous one
+    blocks that very step, so it can only be released by the deadline (``timeout_s``). Each write records
+    who released it and whether it ran on the main thread (``writes`` in ``rank{N}.json``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import threading
+
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        self.timeout_s, self.writes = timeout_s, []
+        self.batches_started, self.train_ended = 0, False
+        original = FileSystemWriter.write_data
+
+        def observed_write(writer, plan, planner):
+            started, seen = time.time(), self.batches_started
+            deadline = time.monotonic() + timeout_s
+            while self.batches_started == seen and not self.train_ended and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released_by = ("next_batch" if self.batches_started != seen else "train_end" if self.train_ended
+                           else "timeout")
+            future = original(writer, plan, planner)
+            future.wait()
+            self.writes.append({"started": started, "ended": time.time(), "released_by": released_by,
+                                "main_thread": threading.current_thread() is threading.main_thread()})
+            return future
+
+        FileSystemWriter.write_data = observed_write
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches_started += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.train_ended = True
+
+
 def train(cfg: dict) -> None:
     """One fit on TextDataModule with configurable checkpointing, resuming and a crash during a save."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -515,6 +555,9 @@ def train(cfg: dict) -> None:
                                   init_from=cfg.get("init_from"))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
+    observer = WriteObserver(cfg["observe_writes_timeout_s"]) if "observe_writes_timeout_s" in cfg else None
+    if observer is not None:
+        callbacks.append(observer)
     for spec in cfg.get("checkpoints", []):
         callbacks.append(ModelCheckpoint(**spec))
     strategy = ModelParallel2DStrategy(
@@ -540,7 +583,10 @@ def train(cfg: dict) -> None:
         "draws": recorder.draws,
         "global_step": trainer.global_step,
         "dp_rank": mesh["data_parallel"].get_local_rank(),
+        "batch_started_at": recorder.batch_started_at,
     }
+    if observer is not None:
+        result["writes"] = observer.writes
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
