@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -157,7 +158,7 @@ class ActivationLayouts(L.Callback):
     first norm and the final norm (``Shard(1)`` DTensors under sequence parallelism, full plain tensors
     without it)."""
 
-    WATCH = {"logits": "", "attention_norm": "layers.0.attention_norm", "norm": "norm"}
+    WATCH: ClassVar[dict[str, str]] = {"logits": "", "attention_norm": "layers.0.attention_norm", "norm": "norm"}
 
     def __init__(self) -> None:
         self.seen: dict[str, dict] = {}

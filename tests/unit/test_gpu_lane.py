@@ -53,7 +53,7 @@ def junit_reports(tmp_path_factory) -> dict[str, Path]:
         reports[name] = root / f"{name}.xml"
         done = subprocess.run([sys.executable, "-m", "pytest", str(root / "test_sample.py"), "-q", "-p",
                                "no:cacheprovider", f"--junitxml={reports[name]}", "--rootdir", str(root), *select],
-                              capture_output=True, text=True, cwd=root)
+                              capture_output=True, text=True, cwd=root, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
     return reports
 
@@ -90,7 +90,7 @@ def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
            "LIGHTNING_2D_GPU_SKIP_INSTALL": "1"}
     env.pop("OUT", None)
     done = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "run.sh")], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=300, check=False)
     out = done.stdout.strip().splitlines()
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     assert out[-1].startswith("NOT RUN: 2 test(s) skipped"), out[-5:]  # one per step
