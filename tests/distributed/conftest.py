@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,22 +14,41 @@ from tests.distributed.launcher import JobResult, launch
 PARITY = {"steps": 6, "global_batch": 4, "seq_len": 32, "init_seed": 7, "seed": 1234}
 
 
+def job_spec(scenario: str, config: dict, nprocs: int, num_nodes: int, kill_on_failure: bool) -> str:
+    """Everything a launch depends on, as canonical JSON: two calls reuse one launch only if these match."""
+    return json.dumps({"scenario": scenario, "config": config, "nprocs": nprocs, "num_nodes": num_nodes,
+                       "kill_on_failure": kill_on_failure}, sort_keys=True)
+
+
 class Jobs:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, launcher: Callable[..., JobResult] = launch) -> None:
         self.root = root
-        self._cache: dict[str, JobResult] = {}
+        self._launch = launcher
+        self._cache: dict[str, tuple[str, JobResult]] = {}
 
     def run(
         self, name: str, scenario: str, config: dict, nprocs: int = 4, num_nodes: int = 1, expect_ok: bool = True,
         kill_on_failure: bool = True,
     ) -> JobResult:
+        """Launch job ``name`` once per session; a later call with the same name gets the same launch.
+
+        The cache is keyed by the name (the job's folder), so a name reused with another scenario, config,
+        size or launcher policy is an error: otherwise a test would read another job's output, depending on
+        which test ran first. ``expect_ok`` is checked on every call, not only the launching one.
+        """
+        spec = job_spec(scenario, config, nprocs, num_nodes, kill_on_failure)
         if name not in self._cache:
-            result = launch(scenario, config, self.root / name, nprocs=nprocs, num_nodes=num_nodes,
-                            kill_on_failure=kill_on_failure)
-            if expect_ok:
-                assert result.ok, f"job {name} failed:\n{result.describe()}"
-            self._cache[name] = result
-        return self._cache[name]
+            result = self._launch(scenario, config, self.root / name, nprocs=nprocs, num_nodes=num_nodes,
+                                  kill_on_failure=kill_on_failure)
+            self._cache[name] = (spec, result)
+        cached_spec, result = self._cache[name]
+        assert cached_spec == spec, (
+            f"job name {name!r} reused for another job: the cached launch ran\n  {cached_spec}\nbut this call asks"
+            f" for\n  {spec}\nGive the second job its own name."
+        )
+        if expect_ok:
+            assert result.ok, f"job {name} failed:\n{result.describe()}"
+        return result
 
     def reference(self, **extra) -> JobResult:
         """Single-device training with a plain Trainer: what every layout must reproduce."""

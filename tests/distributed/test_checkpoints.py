@@ -158,11 +158,27 @@ def test_full_single_file_checkpoint_resumes_at_another_layout(setup):
     )
 
 
+#: How long an observed write may wait for the next training step: a background write is released within
+#: a step (well under a second here); a synchronous one blocks that step and is released only by this.
+WRITE_RELEASE_TIMEOUT_S = 20
+
+
 def test_async_checkpoints_hold_the_state_of_their_step(setup):
+    """Each rank's shard write waits (worker.WriteObserver) until training has started the next step, so a
+    save that really runs in the background is written while steps 3-4 / 5-6 change the weights; a
+    synchronous save could not let the next step start and would be released by the timeout instead."""
     async_dir = setup["root"] / "async"
     spec = [{"dirpath": str(async_dir), "every_n_train_steps": 2, "save_top_k": -1}]
-    run = setup["run"]("async_save", 2, 2, checkpoints=spec, async_checkpoint=True)
+    run = setup["run"]("async_save", 2, 2, checkpoints=spec, async_checkpoint=True,
+                       observe_writes_timeout_s=WRITE_RELEASE_TIMEOUT_S)
     assert run.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"]
+    for rank, out in enumerate(outputs(run, 4)):
+        writes = out["writes"]  # the saves of steps 2, 4 and 6, in order
+        # Steps 2 and 4: the next step started while the write was waiting; step 6: the fit ended first.
+        assert [w["released_by"] for w in writes] == ["next_batch", "next_batch", "train_end"], (rank, writes)
+        assert not any(w["main_thread"] for w in writes), (rank, writes)
+        for w in writes[:2]:
+            assert any(w["started"] < t < w["ended"] for t in out["batch_started_at"]), (rank, w)
     for step in (2, 4, 6):
         assert is_complete(async_dir / f"epoch={(step - 1) // 3}-step={step}.ckpt")
     # Written while steps 3 and 4 ran, the step-2 checkpoint still resumes bit-exactly.
@@ -197,12 +213,16 @@ def test_a_save_killed_midway_is_never_resumed_from(setup):
     # Asking for the broken checkpoint itself is an error naming it (never a silent resume from another
     # step), raised on every rank before anything is loaded, with the newest complete one as the way on.
     broken = setup["root"] / "crash_copy" / "epoch=1-step=4.ckpt"
-    refused = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken), expect_ok=False)
+    # The launcher kills no rank (kill_on_failure=False): every rank must raise it by itself.
+    refused = setup["run"]("crash_resume_broken", 2, 2, resume=str(broken), expect_ok=False, kill_on_failure=False)
     assert not refused.ok and not refused.timed_out
     log = refused.logs[refused.failed_rank()]
     assert f"CheckpointError: Checkpoint {broken} is incomplete (an interrupted save). Not resuming" in log
     assert f"the newest complete one there is {broken.parent / 'epoch=0-step=2.ckpt'}" in log
     assert not list(refused.out_dir.glob("rank*.json"))  # nothing trained
+    assert refused.returncodes == [1, 1, 1, 1], refused.describe()  # each raised it (not 75: ended by another)
+    for rank in range(4):
+        assert f"CheckpointError: Checkpoint {broken} is incomplete" in refused.logs[rank], refused.describe([rank])
 
 
 def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):

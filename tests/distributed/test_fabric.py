@@ -59,8 +59,9 @@ def test_fabric_2x2_equals_the_single_device_loop_and_clips_to_the_global_norm(f
 
 
 def test_gradient_accumulation_equals_one_double_batch_and_syncs_once(fabric_jobs):
-    _, run = fabric_jobs
-    double = run("fabric_2x2", dp=2, tp=2)  # shared with the parity test (same configuration)
+    root, run = fabric_jobs
+    # Shared with the parity and resume tests: the same configuration (a name is one job, whichever test runs first).
+    double = run("fabric_2x2", dp=2, tp=2, save_every=3, checkpoint_dir=str(root / "ckpt"))
     # Shared with the custom parallelize_fn test: the same job, parallelized by a hand-written hook.
     accumulated = run("fabric_2x2_acc2_custom_fn", dp=2, tp=2, accumulate=2, custom_parallelize_fn=True)
     assert relative_errors(accumulated.rank_output(0)["loss"], double.rank_output(0)["loss"]) <= LOSS_RTOL

@@ -9,6 +9,8 @@ from tests.distributed.conftest import PARITY, load_weights
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.distributed
+
 #: Tiny Llama with grouped-query attention (4 query heads share 2 key/value heads).
 LLAMA = {
     "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -76,10 +78,15 @@ def test_hf_decoder_layout_follows_the_sequence_parallel_option(jobs, variant):
         assert norm == [["data_parallel", "tensor_parallel"], ["Shard(dim=0)", "Replicate()"]]
         assert result["layer_input_shape"] == [1, PARITY["seq_len"] // 2, LLAMA["hidden_size"]]
         assert "not divisible by tensor_parallel_size (2)" in result["bad_seq_len_error"]
+        assert "not divisible by tensor_parallel_size (2)" in result["bad_seq_len_error_kw"]
     else:
         assert norm == [["data_parallel"], ["Shard(dim=0)"]]
         assert result["layer_input_shape"] == [1, PARITY["seq_len"], LLAMA["hidden_size"]]
         assert result.get("bad_seq_len_error") is None
+        # Recorded in this job too: a length of 13, indivisible by tp = 2, ran (SP off refuses nothing),
+        # positional and keyword input alike.
+        assert "bad_seq_len_error" in result and "bad_seq_len_error_kw" in result, sorted(result)
+        assert (result["bad_seq_len_error"], result["bad_seq_len_error_kw"]) == (None, None)
     if VARIANTS[variant][0]["model_type"] == "qwen2":
         assert placements["model.layers.0.self_attn.q_proj.bias"]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
 
@@ -99,13 +106,18 @@ def test_a_meta_built_model_left_uninitialized_stops_before_step_1_naming_each_t
     the rotary buffers, every rank's shards are checked after allocation and the run stops."""
     config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": LLAMA,
               "without_builtin_init": True}
-    result = jobs.run("hf_uninitialized", "fit", config, expect_ok=False)
+    # The launcher kills no rank (kill_on_failure=False): each one must find its own uninitialized shards and stop.
+    result = jobs.run("hf_uninitialized", "fit", config, expect_ok=False, kill_on_failure=False)
     assert not result.ok and not result.timed_out
     log = result.logs[result.failed_rank()]
     assert "MaterializationError" in log
     assert "model.layers.0.input_layernorm.weight (parameter of LlamaRMSNorm): LlamaRMSNorm has no reset_parameters()" in log
     assert "model.rotary_emb.inv_freq (non-persistent buffer of LlamaRotaryEmbedding)" in log
     assert not list(result.out_dir.glob("rank*.json"))  # no rank trained
+    assert result.returncodes == [1, 1, 1, 1], result.describe()  # each raised itself (not 75: ended by another)
+    for rank in range(4):
+        own = result.logs[rank]
+        assert "MaterializationError" in own and "model.rotary_emb.inv_freq" in own, result.describe([rank])
 
 
 def test_the_sharded_checkpoint_of_an_hf_module_exports_as_the_model_trained(jobs, tmp_path):

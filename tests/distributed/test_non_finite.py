@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.distributed.conftest import PARITY, load_weights
+
+pytestmark = pytest.mark.distributed
 
 LAYOUT = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2}
 
@@ -33,12 +36,28 @@ def test_a_nan_gradient_on_one_rank_is_skipped_on_every_rank(jobs):
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_update(jobs):
-    config = {**LAYOUT, "inject_nan": {"step": 3, "rank": 1, "where": "loss"}}  # non_finite='raise', the default
-    result = jobs.run("nan_loss_raise", "fit", config, expect_ok=False)
+    """Rank 1's loss is NaN at step 3 (non_finite='raise', the default). The launcher kills no rank
+    (``kill_on_failure=False``): every rank must stop by itself, with the error naming the step and rank 1,
+    and its own shards of the weights as they were after step 2 (each rank writes them, no collective)."""
+    config = {**LAYOUT, "inject_nan": {"step": 3, "rank": 1, "where": "loss"},
+              "local_weights_at_steps": [2], "local_weights_on_exception": True}
+    result = jobs.run("nan_loss_raise", "fit", config, expect_ok=False, kill_on_failure=False)
     assert not result.ok and not result.timed_out
     log = result.logs[result.failed_rank()]
     assert "NonFiniteStepError: Step 3 stopped before the update (non-finite loss on rank(s) [1]" in log
     assert "no weight was changed" in log
+    # Each rank raised the error itself (exit 1), none was ended by another rank's failure (75) or killed.
+    assert result.returncodes == [1, 1, 1, 1], result.describe()
+    for rank in range(4):
+        own = result.logs[rank]
+        assert "NonFiniteStepError: Step 3 stopped before the update (non-finite loss on rank(s) [1]" in own, rank
+        assert "every rank checked, no weight was changed." in own, result.describe([rank])
+        stopped = torch.load(result.out_dir / f"local_rank{rank}_exception.pt")
+        after_step_2 = torch.load(result.out_dir / f"local_rank{rank}_step2.pt")
+        assert (stopped["step"], stopped["error"]) == (2, "NonFiniteStepError")
+        assert stopped["weights"].keys() == after_step_2.keys() and after_step_2
+        for name, value in after_step_2.items():
+            assert torch.equal(stopped["weights"][name], value), (rank, name)  # bit-equal: no update ran
 
 
 def test_the_timeout_reaches_every_process_group_of_the_mesh(jobs):

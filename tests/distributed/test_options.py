@@ -49,6 +49,39 @@ def test_option_with_gradient_clipping_matches_single_device(jobs, name):
         torch.testing.assert_close(weight, ref_final[name_], rtol=1e-5, atol=1e-5, msg=name_)
 
 
+# What the options make of the activations (worker.ActivationLayouts, first training step, every rank): batch
+# 4 / dp 2 = 2 sequences of 32 tokens, dim 128, vocabulary 256, tp 2.
+SEQUENCE_SHARDED = {"type": "DTensor", "placements": ["Shard(dim=1)"], "mesh_dims": ["tensor_parallel"],
+                    "local_shape": [2, 16, 128], "shape": [2, 32, 128]}
+FULL_SEQUENCE = {"type": "Tensor", "shape": [2, 32, 128]}  # the same on both tensor-parallel ranks
+VOCAB_SHARDED_LOGITS = {"type": "DTensor", "placements": ["Shard(dim=2)"], "mesh_dims": ["tensor_parallel"],
+                        "local_shape": [2, 32, 128], "shape": [2, 32, 256]}
+GATHERED_LOGITS = {"type": "Tensor", "shape": [2, 32, 256]}
+FUSED_LOSS = {"type": "Tensor", "shape": []}  # the model returns the summed loss, not logits
+
+
+LAYOUTS = {  # option job: (what the model returns, what the norms receive and return)
+    "loss-parallel": (VOCAB_SHARDED_LOGITS, SEQUENCE_SHARDED),
+    "no-sequence-parallel": (VOCAB_SHARDED_LOGITS, FULL_SEQUENCE),
+    "no-sequence-parallel-reshard-always": (FUSED_LOSS, FULL_SEQUENCE),
+    "unfused-loss-gathered-logits": (GATHERED_LOGITS, SEQUENCE_SHARDED),
+}
+
+
+@pytest.mark.parametrize(("name", "logits", "norms"), [(name, *LAYOUTS[name]) for name in LAYOUTS], ids=list(LAYOUTS))
+def test_options_decide_the_placements_of_the_logits_and_the_norms(jobs, name, logits, norms):
+    """The losses above are the same whether or not an option was applied; the layouts are not.
+    loss_parallel: the logits reaching the loss are a DTensor sharded over the vocabulary on the
+    tensor-parallel mesh (without it: gathered plain logits). sequence_parallel=False: the norms run on the
+    whole sequence, plain tensors (with it: Shard(1) DTensors, half the sequence per rank)."""
+    run = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name])  # the jobs above
+    for rank in range(4):
+        seen = run.rank_output(rank)["activations"]
+        assert seen["logits"]["output"] == logits, (rank, seen["logits"])
+        for norm in ("attention_norm", "norm"):
+            assert seen[norm]["input"] == norms and seen[norm]["output"] == norms, (rank, norm, seen[norm])
+
+
 @pytest.mark.parametrize(("name", "checkpointed"), [
     ("loss-parallel", ["0", "1", "2", "3"]),  # full: every block
     ("no-sequence-parallel", ["0", "1", "2", "3"]),  # selective per op: every block, with a save policy
@@ -75,9 +108,18 @@ def test_bf16_precisions(jobs, precision, shard_dtype):
 
 
 def test_compiled_blocks_match_single_device(jobs):
-    losses = jobs.layout(2, 2, compile=True).rank_output(0)["losses"]
+    compiled = jobs.layout(2, 2, compile=True)
+    losses = compiled.rank_output(0)["losses"]
     # Inductor fuses and reorders fp32 reductions: equal up to a few ulps of accumulated rounding.
     assert worst_relative_error(losses, jobs.reference().rank_output(0)["losses"]) <= 1e-4
+    # The losses would also match with compile a no-op: check that every block is torch.compile's wrapper
+    # on every rank, and that dynamo did compile graphs in the process (none in an eager job).
+    for rank in range(4):
+        out = compiled.rank_output(rank)
+        assert out["compiled_blocks"] == ["0", "1", "2", "3"], (rank, out["compiled_blocks"])
+        assert out["dynamo_unique_graphs"] >= 1, (rank, out["dynamo_unique_graphs"])  # 2 with torch 2.13
+    eager = jobs.layout(2, 2, gradient_clip_val=CLIP, fused_loss=False).rank_output(0)  # a job of the tests above
+    assert eager["compiled_blocks"] == [] and eager["dynamo_unique_graphs"] == 0
 
 
 def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_per_step(jobs):

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -72,9 +73,26 @@ def save_state(model: torch.nn.Module, mesh, global_rank: int, out_dir: Path, wh
         torch.save(state, out_dir / f"{which}.pt")
 
 
+def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's own shards of every parameter, by canonical name (no collective)."""
+    return {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
+            for name, p in module.named_parameters()}
+
+
 class Recorder(L.Callback):
-    def __init__(self, out_dir: Path, save_weights: bool, weights_at_steps: tuple[int, ...] = ()) -> None:
+    """Per step: losses, batches, random draws, gradient norms (and weights at ``weights_at_steps``).
+
+    ``local_weights_at_steps`` and ``local_weights_on_exception``: every rank writes its own shards
+    (``local_rank{R}_step{S}.pt``, ``local_rank{R}_exception.pt`` with the step reached), so a test can
+    compare each rank's weights where a collective is no longer possible (a run stopping on every rank).
+    """
+
+    def __init__(self, out_dir: Path, save_weights: bool, weights_at_steps: tuple[int, ...] = (),
+                 local_weights_at_steps: tuple[int, ...] = (), local_weights_on_exception: bool = False) -> None:
         self.out_dir, self.save_weights, self.weights_at_steps = out_dir, save_weights, weights_at_steps
+        self.local_weights_at_steps = local_weights_at_steps
+        self.local_weights_on_exception = local_weights_on_exception
+        self.batch_started_at: list[float] = []  # time.time() of each on_train_batch_start
         self.losses: list[float] = []
         self.batches: list[str] = []
         self.draws: list[float] = []
@@ -89,6 +107,7 @@ class Recorder(L.Callback):
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "initial")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batch_started_at.append(time.time())
         digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
         self.batches.append(digest)
 
@@ -103,10 +122,62 @@ class Recorder(L.Callback):
         if trainer.global_step in self.weights_at_steps:
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir,
                        f"weights_step{trainer.global_step}")
+        if trainer.global_step in self.local_weights_at_steps:
+            torch.save(local_state(pl_module.model),
+                       self.out_dir / f"local_rank{trainer.global_rank}_step{trainer.global_step}.pt")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.local_weights_on_exception:  # runs before the strategy's own on_exception (the watchdog's)
+            torch.save({"step": trainer.global_step, "error": type(exception).__name__,
+                        "weights": local_state(pl_module.model)},
+                       self.out_dir / f"local_rank{trainer.global_rank}_exception.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_weights:
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "final")
+
+
+def layout_of(value) -> dict:
+    """What a tensor is, as a test compares it: a DTensor's placements (``repr``), mesh and local shape, or a
+    plain tensor's shape (the first element of a tuple/list)."""
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    if hasattr(value, "placements"):
+        return {"type": "DTensor", "placements": [repr(pl) for pl in value.placements],
+                "mesh_dims": list(value.device_mesh.mesh_dim_names or ()), "local_shape": list(value.to_local().shape),
+                "shape": list(value.shape)}
+    if isinstance(value, torch.Tensor):
+        return {"type": "Tensor", "shape": list(value.shape)}
+    return {"type": type(value).__name__}
+
+
+class ActivationLayouts(L.Callback):
+    """The layout of what some modules receive and return in the first training step (forward hooks,
+    registered after the strategy parallelized the model, so they see what the TP hooks produced):
+    ``logits`` is the model's output, what the loss receives; ``attention_norm``/``norm`` a block's
+    first norm and the final norm (``Shard(1)`` DTensors under sequence parallelism, full plain tensors
+    without it)."""
+
+    WATCH: ClassVar[dict[str, str]] = {"logits": "", "attention_norm": "layers.0.attention_norm", "norm": "norm"}
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict] = {}
+        self._handles: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        modules = {canonical_name(name): m for name, m in pl_module.model.named_modules()}
+        for label, name in self.WATCH.items():
+            if name in modules:
+                def hook(_module, args, output, label=label):
+                    if label not in self.seen:  # the first call (activation checkpointing recomputes)
+                        self.seen[label] = {"input": layout_of(args) if args else None, "output": layout_of(output)}
+
+                self._handles.append(modules[name].register_forward_hook(hook))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def placements(module: torch.nn.Module) -> dict[str, list]:
@@ -281,8 +352,16 @@ def fit(cfg: dict) -> None:
     if "val_samples" in cfg:  # validation through the model (under pipeline parallelism: the schedule's eval)
         val_data = SyntheticTokens(cfg["val_samples"], cfg["seq_len"], vocab_size, seed=1)
         val_loader = DataLoader(val_data, batch_size=cfg["global_batch"] // (1 if cfg["strategy"] == "single" else dp))
-    recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())))
+    recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())),
+                        local_weights_at_steps=tuple(cfg.get("local_weights_at_steps", ())),
+                        local_weights_on_exception=cfg.get("local_weights_on_exception", False))
     callbacks = [recorder]
+    pipelined = cfg.get("pipeline_parallel_size", 1) > 1
+    # Hooks inside compiled blocks would be traced into (or break) their graphs: not under compile.
+    activations = None
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not cfg.get("compile"):
+        activations = ActivationLayouts()
+        callbacks.append(activations)
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
@@ -316,16 +395,25 @@ def fit(cfg: dict) -> None:
     }
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if activations is not None:
+        result["activations"] = activations.seen
     if cfg["strategy"] == "2d" and "hf_config" not in cfg:  # which blocks activation checkpointing wrapped
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
         result["checkpointed_blocks"] = [name for name, block in module.model.layers.items()
                                          if isinstance(block, CheckpointWrapper)]
+        # Which blocks torch.compile wrapped, and what dynamo compiled in this process (0 graphs: nothing ran
+        # compiled, whatever the wrappers say).
+        from torch._dynamo.eval_frame import OptimizedModule
+        from torch._dynamo.utils import counters
+
+        result["compiled_blocks"] = [name for name, block in module.model.layers.items()
+                                     if isinstance(block, OptimizedModule)]
+        result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
     if module.model.__class__.__name__.startswith("Pipelined"):
         result["pipeline_split"] = module.model._pipeline_split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
     mesh = module.device_mesh
-    pipelined = cfg.get("pipeline_parallel_size", 1) > 1
     if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined:
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
     if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
@@ -336,15 +424,18 @@ def fit(cfg: dict) -> None:
             module.model(torch.zeros(1, cfg["seq_len"], dtype=torch.long))
         handle.remove()
         result["layer_input_shape"] = seen[0]
-    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and cfg.get("sequence_parallel", True) and not pipelined:
-        # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective.
+    sequence_parallel = cfg.get("sequence_parallel", True)
+    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and (sequence_parallel or "hf_config" in cfg) and not pipelined:
+        # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective;
+        # without it (recorded for the HF jobs) the same length must run (None).
         try:
             module.model(torch.zeros(1, 13, dtype=torch.long))
             result["bad_seq_len_error"] = None
         except ValueError as err:
             result["bad_seq_len_error"] = str(err)
         try:  # the same check for a keyword input (as Hugging Face models take `input_ids=`)
-            module.model(tokens=torch.zeros(1, 13, dtype=torch.long))
+            keyword = "input_ids" if "hf_config" in cfg else "tokens"
+            module.model(**{keyword: torch.zeros(1, 13, dtype=torch.long)})
             result["bad_seq_len_error_kw"] = None
         except ValueError as err:
             result["bad_seq_len_error_kw"] = str(err)
@@ -394,6 +485,44 @@ def text(cfg: dict) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+class WriteObserver(L.Callback):
+    """Makes a checkpoint write observable: each storage write (DCP's ``FileSystemWriter.write_data``, every
+    rank's shard) first waits until training has started another batch (or ended), then writes. A write
+    that runs in the background is released by the next step's ``on_train_batch_start``; a synchronous one
+    blocks that very step, so it can only be released by the deadline (``timeout_s``). Each write records
+    who released it and whether it ran on the main thread (``writes`` in ``rank{N}.json``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import threading
+
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        self.timeout_s, self.writes = timeout_s, []
+        self.batches_started, self.train_ended = 0, False
+        original = FileSystemWriter.write_data
+
+        def observed_write(writer, plan, planner):
+            started, seen = time.time(), self.batches_started
+            deadline = time.monotonic() + timeout_s
+            while self.batches_started == seen and not self.train_ended and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released_by = ("next_batch" if self.batches_started != seen else "train_end" if self.train_ended
+                           else "timeout")
+            future = original(writer, plan, planner)
+            future.wait()
+            self.writes.append({"started": started, "ended": time.time(), "released_by": released_by,
+                                "main_thread": threading.current_thread() is threading.main_thread()})
+            return future
+
+        FileSystemWriter.write_data = observed_write
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches_started += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.train_ended = True
+
+
 def train(cfg: dict) -> None:
     """One fit on TextDataModule with configurable checkpointing, resuming and a crash during a save."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -427,6 +556,9 @@ def train(cfg: dict) -> None:
                                   init_from=cfg.get("init_from"))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
+    observer = WriteObserver(cfg["observe_writes_timeout_s"]) if "observe_writes_timeout_s" in cfg else None
+    if observer is not None:
+        callbacks.append(observer)
     for spec in cfg.get("checkpoints", []):
         callbacks.append(ModelCheckpoint(**spec))
     strategy = ModelParallel2DStrategy(
@@ -452,7 +584,10 @@ def train(cfg: dict) -> None:
         "draws": recorder.draws,
         "global_step": trainer.global_step,
         "dp_rank": mesh["data_parallel"].get_local_rank(),
+        "batch_started_at": recorder.batch_started_at,
     }
+    if observer is not None:
+        result["writes"] = observer.writes
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

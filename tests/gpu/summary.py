@@ -2,12 +2,18 @@
 
 Each judged check is shown against its bound; the MFU measurement against the issue's target.
 The verdicts are pytest's; this only lays the numbers out (it exits 0 unless no report exists).
+
+``python tests/gpu/summary.py --verdict RC JUNIT.xml ...`` is the lane's last word (``run.sh``): the
+tests pytest skipped, listed as NOT RUN from its JUnit reports, then one line — ``PASSED`` only when
+``RC`` (the steps' status) is 0 and every test ran (exit 0); ``NOT RUN`` when everything that ran
+passed but some tests were skipped (exit 3: a skip proves nothing); ``FAILED`` otherwise (exit 1).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +60,53 @@ def summarize(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: ``run.sh``'s exit status when everything that ran passed but some tests were skipped.
+NOT_RUN_EXIT = 3
+
+
+def skipped_tests(junit: Path) -> list[str]:
+    """``"file::test: reason"`` for each test a pytest JUnit XML report lists as skipped."""
+    entries = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is not None:
+            where = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+            entries.append(f"{where}::{case.get('name')}: {skipped.get('message', '').strip()}")
+    return entries
+
+
+def verdict(status: int, junit_paths: list[Path]) -> tuple[list[str], int]:
+    """The lines to print and the lane's exit status (see the module docstring).
+
+    Args:
+        status: The steps' own status (``run.sh``'s ``rc``: 0 when every step passed in time).
+        junit_paths: The JUnit XML reports of the pytest steps; a missing one means outcomes unknown.
+    """
+    lines, skipped, missing = [], [], []
+    for path in junit_paths:
+        if path.is_file():
+            skipped += skipped_tests(path)
+        else:
+            missing.append(str(path))
+    lines += [f"NOT RUN {entry}" for entry in skipped]
+    if status != 0:
+        lines.append("FAILED")
+        return lines, 1
+    if missing:
+        lines.append(f"FAILED: no JUnit report at {', '.join(missing)} (which tests ran is unknown)")
+        return lines, 1
+    if skipped:
+        lines.append(f"NOT RUN: {len(skipped)} test(s) skipped (listed above); what ran passed, the lane did not")
+        return lines, NOT_RUN_EXIT
+    lines.append("PASSED")
+    return lines, 0
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--verdict"]:
+        lines, code = verdict(int(paths[1]), [Path(p) for p in paths[2:]])
+        print("\n".join(lines))
+        return code
     reports = []
     for path in map(Path, paths):
         if path.is_file():

@@ -19,7 +19,7 @@ import pytest
 from lightning_2d import ModelArgs
 from tests.gpu.lane import MFU_TARGET_PERCENT
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed]  # jobs of launched processes
 
 #: ThroughputMonitor times the same steps from host timestamps: without a device sync at the window's
 #: ends the host may run a step or two ahead, a few % over 20 steps. A wrong token count (per rank

@@ -21,7 +21,7 @@ import pytest
 from lightning_2d.checkpoint.files import is_complete
 from tests.gpu.conftest import worst_relative_error
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed]  # jobs of launched processes
 
 RESUME_FROM = 4
 #: bf16 run-to-run drift of nondeterministic kernels over a few steps (see test_parity's BF16 bounds);

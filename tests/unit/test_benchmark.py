@@ -323,6 +323,7 @@ if mode in ("fail", "hang"):
 """
 
 
+@pytest.mark.distributed  # starts real processes
 def test_launcher_sets_the_cluster_environment(tmp_path):
     job = launch_processes([sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "ok"], tmp_path, nprocs=4, num_nodes=2,
                            timeout=60, env={"EXTRA": "x"})
@@ -333,6 +334,7 @@ def test_launcher_sets_the_cluster_environment(tmp_path):
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and all(e["EXTRA"] == "x" for e in envs)
 
 
+@pytest.mark.distributed  # starts real processes
 def test_launcher_kills_the_job_when_a_rank_fails(tmp_path):
     start = time.monotonic()
     job = launch_processes([sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "fail"], tmp_path, nprocs=3, timeout=60)
@@ -341,6 +343,7 @@ def test_launcher_kills_the_job_when_a_rank_fails(tmp_path):
     assert job.returncodes[0] == job.returncodes[2] == -9  # killed, not left waiting
 
 
+@pytest.mark.distributed  # starts real processes
 def test_launcher_kills_the_job_at_its_timeout(tmp_path):
     job = launch_processes([sys.executable, "-c", RANK_SCRIPT, str(tmp_path), "hang"], tmp_path, nprocs=2, timeout=2)
     assert job.timed_out and not job.ok and job.failed_rank() is None
