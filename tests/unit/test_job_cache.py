@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_2d.launch import JobResult
+from lightning_2d.tools.launch import JobResult
 from tests.distributed.conftest import Jobs
 
 
