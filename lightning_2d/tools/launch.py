@@ -20,7 +20,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 def free_port() -> int:
@@ -85,6 +85,32 @@ def cluster_env(rank: int, nprocs: int, num_nodes: int, port: int) -> dict[str, 
     }
 
 
+def wait_for_job(
+    returncodes: list[Callable[[], Optional[int]]], timeout: float, kill_on_failure: bool
+) -> tuple[list[Optional[float]], bool]:
+    """Poll each rank's return code (``None`` while it runs) until every rank ended, or one failed
+    (``kill_on_failure``), or ``timeout`` seconds passed.
+
+    Returns:
+        When each rank was seen to end (``time.time()``, within 0.2 s; ``None`` for a rank still running),
+        and whether the time ran out.
+    """
+    exit_times: list[Optional[float]] = [None] * len(returncodes)
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [code() for code in returncodes]
+        for rank, code in enumerate(codes):
+            if code is not None and exit_times[rank] is None:
+                exit_times[rank] = time.time()
+        if all(code is not None for code in codes):
+            return exit_times, False
+        if kill_on_failure and any(code not in (None, 0) for code in codes):
+            return exit_times, False
+        if time.monotonic() > deadline:
+            return exit_times, True
+        time.sleep(0.2)
+
+
 def launch_processes(
     argv: list[str],
     out_dir: Path,
@@ -129,18 +155,7 @@ def launch_processes(
             procs.append(
                 subprocess.Popen(argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
-        exit_times = [None] * nprocs
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if exit_times[rank] is None and p.poll() is not None:
-                    exit_times[rank] = time.time()
-            if kill_on_failure and any(p.poll() not in (None, 0) for p in procs):
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.2)
+        exit_times, timed_out = wait_for_job([p.poll for p in procs], timeout, kill_on_failure)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -15,6 +15,7 @@ what a forked rank must behave like.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lightning_2d.tools.launch import JobResult, cluster_env, free_port, launch_processes
+from lightning_2d.tools.launch import JobResult, cluster_env, free_port, launch_processes, wait_for_job
 
 __all__ = ["REPO", "WORKER", "JobResult", "free_port", "launch"]
 
@@ -152,21 +153,10 @@ def launch_forked(
     ]
     exit_times: list[Optional[float]] = [None] * nprocs
     timed_out = False
-    deadline = time.monotonic() + timeout
     try:
-        while True:
-            codes = [server.returncode(pid) for pid in pids]
-            for rank, code in enumerate(codes):
-                if code is not None and exit_times[rank] is None:
-                    exit_times[rank] = time.time()
-            if all(code is not None for code in codes):
-                break
-            if kill_on_failure and any(code not in (None, 0) for code in codes):
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.2)
+        exit_times, timed_out = wait_for_job(
+            [functools.partial(server.returncode, pid) for pid in pids], timeout, kill_on_failure
+        )
     finally:
         for pid in pids:
             if server.returncode(pid) is None:
