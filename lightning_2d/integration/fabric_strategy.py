@@ -9,7 +9,7 @@ Fabric's own ``ModelParallelStrategy`` needs a hand-written ``parallelize_fn``; 
 the plan itself (the Llama plan for a ``Transformer``, the module's ``parallel_plan(config)`` or
 a ``plan=``), through ``lightning_2d.parallel.parallelize_and_materialize`` — the function the
 Trainer strategy calls. A custom ``parallelize_fn(module, device_mesh)`` is still accepted.
-Checkpoints (``fabric.save``/``fabric.load``) use ``lightning_2d.checkpoint.files``: complete or
+Checkpoints (``fabric.save``/``fabric.load``) go through ``DistributedCheckpointIO``: complete or
 ignored, resumable at another layout, optionally written in the background.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -27,9 +28,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
-from lightning_2d.checkpoint.files import save_full_checkpoint
 from lightning_2d.integration.options import StrategyOptions, option_values, takes_options
-from lightning_2d.integration.strategy_base import FabricFSDP2Precision, ModelParallel2DBase
+from lightning_2d.integration.precision import FabricFSDP2Precision
+from lightning_2d.integration.strategy_base import ModelParallel2DBase
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, Size
@@ -147,6 +148,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         return module
 
     @override
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        self._guarded_backward(tensor, partial(super().backward, tensor, module, *args, **kwargs))
+
+    @override
     def clip_gradients_norm(
         self,
         module: nn.Module,
@@ -182,8 +187,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support filtered checkpoints")
-        path = self._checkpoint_path_to_save(path, storage_options)
-        assert self._checkpoint_writer is not None
+        io = self.distributed_checkpoint_io
+        path = io.path_to_save(path, storage_options)
         modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]
         if len(modules) != 1:
             raise ValueError(
@@ -193,7 +198,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         sharded = saves_distributed_checkpoint(self)
         options = StateDictOptions(full_state_dict=not sharded, cpu_offload=True)
         tensors: dict[str, Any] = {}
-        metadata: dict[str, Any] = {"lightning_2d": {"layout": self._layout()}}
+        metadata: dict[str, Any] = {}
         for key, obj in state.items():
             if isinstance(obj, nn.Module):
                 tensors[key] = get_model_state_dict(obj, options=options)
@@ -201,11 +206,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 tensors[key] = get_optimizer_state_dict(modules[0], obj, options=options)
             else:
                 metadata[key] = obj.state_dict() if is_stateful(obj) else obj
-        if sharded:
-            self._checkpoint_writer.save(tensors, metadata, path)
-            return
-        self._checkpoint_writer.wait()
-        save_full_checkpoint({**tensors, **metadata}, path, self.global_rank, self.world_size, self.barrier)
+        io.save(tensors, metadata, path)
 
     @override
     def load_checkpoint(
@@ -234,5 +235,5 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 obj.load_state_dict(state[key])
                 state[key] = obj
         saved = remainder.pop("lightning_2d", None) if isinstance(remainder, dict) else None
-        self._restore_random_state(resolved, saved)
+        self.distributed_checkpoint_io.restore_random_state(resolved, saved)
         return remainder

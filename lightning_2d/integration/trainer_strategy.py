@@ -6,32 +6,32 @@ layout before any process group exists, builds the N-D mesh (``ParallelDims``: H
 FSDP shards × tensor parallel), then applies ``lightning_2d.parallel.parallelize_model`` (the same
 function the Fabric strategy calls) and materializes the meta-device model shard by shard with
 layout-independent values. What both strategies share lives in
-``lightning_2d.integration.strategy_base``; launching, the sampler and checkpoint I/O are Lightning's.
+``lightning_2d.integration.strategy_base`` (a strategy composed of parts: validation, precision, step guard,
+checkpoint IO, pipeline runner, watchdog); launching and the sampler are Lightning's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from pathlib import Path
+from functools import partial
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
+from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_2d._compat import (
-    optimizers_to_device,
-    saves_distributed_checkpoint,
-    set_module_mesh,
-    trainer_of,
-    trainer_precision_plugin,
-)
-from lightning_2d.checkpoint.files import remove_path, save_full_checkpoint
+from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_of, trainer_precision_plugin
+from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher
-from lightning_2d.integration.strategy_base import FSDP2Precision, ModelParallel2DBase
+from lightning_2d.integration.pipeline_runner import TrainerPipelineRunner
+from lightning_2d.integration.precision import FSDP2Precision
+from lightning_2d.integration.strategy_base import ModelParallel2DBase
+from lightning_2d.integration.validation import model_context
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfigError
@@ -67,8 +67,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """
 
     strategy_name = "model_parallel_2d"
-    #: Gradients a pipelined training step computed, held from its end to ``backward`` (see ``training_step``).
-    _held_grads: tuple = ()
+    #: The pipeline part (under pipeline parallelism, set in ``setup``).
+    pipeline_runner: Optional[TrainerPipelineRunner] = None
 
     # ---- what differs from Fabric -------------------------------------------------------------
     def _precision_plugin_2d(self) -> Any:
@@ -85,14 +85,16 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             return {"plan": self.strategy_options.plan, "seq_len": None}
         trainer = trainer_of(module)
         datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        return {
-            "plan": resolve_plan(module, self.parallel_config, self.strategy_options.plan),
-            "seq_len": getattr(datamodule, "seq_len", None),
-            "batch_size": _int_or_none(getattr(datamodule, "batch_size", None)),
-        }
+        return model_context(module, datamodule, self.parallel_config, self.strategy_options.plan)
 
     @override
     def _configure_launcher(self) -> None:
+        if type(self.checkpoint_io) is not TorchCheckpointIO:  # Lightning's default, replaced by ours at setup
+            raise ParallelConfigError([
+                f"{type(self).__name__} writes checkpoints with its own CheckpointIO (sharded or full, complete or"
+                f" recognisably incomplete, optionally in the background); got {type(self.checkpoint_io).__name__}"
+                " from the Trainer's plugins. Remove it (for background writes: async_checkpoint=True)."
+            ])
         super()._configure_launcher()
         # Lightning's strategy starts the other ranks as copies of the script unless they were created
         # externally (torchrun, SLURM: each validates at setup). Ours checks the plan's sizes and the
@@ -107,18 +109,13 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         ``trainer.fit/validate/test/predict``'s arguments (skipped parts: found again in each process)."""
         module = next((a for a in arguments if isinstance(a, pl.LightningModule)), None)
         datamodule = next((a for a in arguments if isinstance(a, pl.LightningDataModule)), None)
-        plan = None
-        if module is not None:
-            try:
-                plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
-            except ParallelConfigError:
-                raise
-            except Exception:  # a plan that needs the built model (e.g. reads it): checked in each process at setup
-                plan = None
-        seq_len = getattr(datamodule, "seq_len", None)
-        batch_size = _int_or_none(getattr(datamodule, "batch_size", None))
-        if plan is not None or seq_len is not None or batch_size is not None:
-            self.validate(plan=plan, seq_len=_int_or_none(seq_len), batch_size=batch_size)
+        if module is None and datamodule is None:
+            return  # nothing known beyond what construction checked
+        self.validate(**model_context(module, datamodule, self.parallel_config, self.strategy_options.plan,
+                                      before_launch=True))
+
+    def _use_checkpoint_io(self, io: DistributedCheckpointIO) -> None:
+        self.checkpoint_io = io  # Lightning's teardown and ``remove_checkpoint`` (rank 0) call it too
 
     def _float8_modules(self) -> list[nn.Module]:
         module = self.lightning_module
@@ -134,22 +131,25 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     # ---- parallelize and materialize ----------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.model is not None and self.accelerator is not None
+        module = self.lightning_module
+        assert self.model is not None and self.accelerator is not None and module is not None
         self.accelerator.setup(trainer)
         precision = self.precision_plugin.precision
         resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
-        plan = resolve_plan(self.lightning_module, resolved, self.strategy_options.plan)
+        plan = resolve_plan(module, resolved, self.strategy_options.plan)
         parallelize_and_materialize(
-            self.lightning_module,
+            module,
             self.device_mesh,
             self.parallel_config,
             plan,
             precision,
             self.root_device,
-            seed=lambda: self._init_seed(self.lightning_module),
+            seed=lambda: self._init_seed(module),
             known_init_hooks=registry.known_init_hooks,
         )
-        self._attach_pipeline(self.lightning_module)
+        self._attach_pipeline(module)
+        if self._pipeline is not None:
+            self.pipeline_runner = TrainerPipelineRunner(self._pipeline)
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 
@@ -162,51 +162,36 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     # ---- pipeline parallelism -----------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pipeline parallelism the model's call in ``training_step`` runs the backward too, but
-        Lightning zeroes the gradients *after* the training step (right before its backward). So here
-        the gradients are zeroed before the step (where Lightning would, at the first batch of each
-        accumulation window) and held aside from the step's end until ``backward``."""
-        module = self.lightning_module
-        if self._pipeline is None or module is None or not module.automatic_optimization:
+        """Under pipeline parallelism the model's call runs the backward too: ``TrainerPipelineRunner``."""
+        module, runner = self.lightning_module, self.pipeline_runner
+        if runner is None or module is None or not module.automatic_optimization:
             return super().training_step(*args, **kwargs)
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        accumulate = module.trainer.accumulate_grad_batches
-        self._pipeline.grad_scale = 1.0 / accumulate  # Lightning divides the loss by it before backward
-        if batch_idx % accumulate == 0:
-            for optimizer in self.optimizers:
-                optimizer.zero_grad()
+        runner.before_training_step(batch_idx, module.trainer.accumulate_grad_batches, self.optimizers)
         output = super().training_step(*args, **kwargs)
-        self._held_grads = tuple((p, p.grad) for p in module.parameters() if p.grad is not None)
-        for param, _ in self._held_grads:
-            param.grad = None
+        runner.after_training_step(module)
         return output
 
     @override
-    def backward(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        held, self._held_grads = self._held_grads, ()
-        for param, grad in held:  # see training_step: Lightning's zero_grad ran in between
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-        return super().backward(tensor, *args, **kwargs)
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline_runner is not None:
+            self.pipeline_runner.before_backward()
+        return self._guarded_backward(closure_loss, partial(super().backward, closure_loss, optimizer, *args, **kwargs))
 
     # ---- checkpoints --------------------------------------------------------------------------
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
-        """Sharded (DCP) or full checkpoint that is complete or recognisably incomplete, never half-valid."""
-        path = self._checkpoint_path_to_save(filepath, storage_options)
-        assert self._checkpoint_writer is not None
+        """Sharded (DCP) or full checkpoint that is complete or recognisably incomplete, never half-valid.
+
+        Every rank writes (``DistributedCheckpointIO``), where Lightning's base strategy calls its
+        ``CheckpointIO`` on rank 0 only."""
+        io = self.distributed_checkpoint_io
+        path = io.path_to_save(filepath, storage_options)
         if self.lightning_module is not None:
             check_finite_weights(self.lightning_module, path)  # never a checkpoint of NaN weights
-        checkpoint["lightning_2d"] = {"layout": self._layout()}
-        if saves_distributed_checkpoint(self):
-            state = {"state_dict": checkpoint.pop("state_dict")}
-            for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
-                state[f"optimizer_{idx}"] = optim_state
-            self._checkpoint_writer.save(state, checkpoint, path)
-            return
-        self._checkpoint_writer.wait()
-        save_full_checkpoint(checkpoint, path, self.global_rank, self.world_size, self.barrier)
+        io.save_checkpoint(checkpoint, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -214,28 +199,17 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         assert self.lightning_module is not None
         self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading)
         metadata = super().load_checkpoint(path, weights_only=weights_only)
-        self._restore_random_state(path, metadata.get("lightning_2d"))
+        self.distributed_checkpoint_io.restore_random_state(path, metadata.get("lightning_2d"))
         return metadata
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        # ModelCheckpoint removes an older checkpoint right after saving a newer one: never before
-        # the newer one is complete on disk.
-        self._wait_for_checkpoint_writes()
-        if self.is_global_zero:
-            remove_path(Path(filepath))
 
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for the non-final micro-batches of gradient accumulation. Its own
         version only knows DDP; here FSDP2 skips the gradient reduce-scatter until the last one."""
+        assert self.lightning_module is not None
         with gradient_sync(self.lightning_module, enabled=self.parallel_config.reduce_every_micro_batch):
             yield
-
-
-def _int_or_none(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 if ModelParallel2DStrategy.strategy_name not in StrategyRegistry:

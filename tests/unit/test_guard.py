@@ -69,18 +69,19 @@ def test_the_policy_is_checked_at_construction():
 def test_off_checks_nothing_per_step(monkeypatch):
     """``non_finite="off"`` (benchmarks): no gradient read and no all-gather per step, a NaN gradient goes through
     to the optimizer as in plain Lightning."""
-    import lightning_2d.integration.strategy_base as base
+    import lightning_2d.integration.step_guard as step_guard
 
-    monkeypatch.setattr(base, "guard_step", lambda *a, **k: pytest.fail("guard_step called under non_finite='off'"))
+    monkeypatch.setattr(step_guard, "guard_step", lambda *a, **k: pytest.fail("guard_step called under non_finite='off'"))
     strategy = ModelParallel2DStrategy(non_finite="off")
     params = with_grads(torch.tensor([float("nan"), 1.0]))
-    strategy._loss_flag = ZERO  # even a NaN loss
-    assert strategy._guard_step(torch.optim.AdamW(params)) is True
-    assert params[0].grad is not None and strategy._loss_flag is None
+    cpu = torch.device("cpu")
+    strategy.step_guard.loss_flag = ZERO  # even a NaN loss
+    assert strategy.step_guard.check(torch.optim.AdamW(params), 1, cpu) is True
+    assert params[0].grad is not None and strategy.step_guard.loss_flag is None
     on = ModelParallel2DStrategy()  # the default still checks
-    on._loss_flag = ONE
+    on.step_guard.loss_flag = ONE
     with pytest.raises(pytest.fail.Exception, match="guard_step called"):
-        on._guard_step(torch.optim.AdamW(params))
+        on.step_guard.check(torch.optim.AdamW(params), 1, cpu)
 
 
 def _fit(module, tmp_path, ckpt_path=None, save_to=None):

@@ -1,0 +1,161 @@
+"""The checkpoint part of the 2D strategies: a Lightning ``CheckpointIO`` that every rank calls.
+
+Lightning's ``ModelParallelStrategy`` writes its sharded checkpoints beside its ``CheckpointIO``; ours go
+through one, ``DistributedCheckpointIO``, so the job has Lightning's extension point and can be tested
+alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods is called on every rank:
+
+- ``save_checkpoint`` (Lightning's checkpoint dict) and ``save`` (tensors and metadata, as Fabric splits
+  them) write a sharded folder (DCP, optionally in the background) or a full file, complete or recognisably
+  incomplete (``checkpoint.files``);
+- ``resolve`` picks what to load (falling back from an incomplete "last" checkpoint), ``check_fits``
+  refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
+  load at the same layout;
+- ``remove_checkpoint`` and ``teardown`` wait for the write in flight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_2d.checkpoint.files import (
+    METADATA_FILE,
+    CheckpointError,
+    make_writer,
+    remove_path,
+    resolve_on_rank_zero,
+    restore_random_state,
+    save_full_checkpoint,
+    shape_mismatches,
+    stored_shapes,
+)
+
+
+class DistributedCheckpointIO(CheckpointIO):
+    """Sharded or full checkpoints of a 2D-parallel model; create on every rank once the process group exists.
+
+    Args:
+        global_rank, world_size: This process's place in the job.
+        barrier, broadcast: The strategy's collectives (``broadcast(obj)`` from rank 0).
+        sharded: One shard per rank (DCP) or a full file assembled on rank 0.
+        async_save: Write sharded checkpoints in a background thread.
+        layout: What a checkpoint records of the current layout (``checkpoint.files.layout_of``).
+    """
+
+    def __init__(
+        self,
+        global_rank: int,
+        world_size: int,
+        barrier: Callable[[], None],
+        broadcast: Callable[[Any], Any],
+        sharded: bool,
+        async_save: bool,
+        layout: dict[str, Any],
+    ) -> None:
+        self.global_rank, self.world_size = global_rank, world_size
+        self.barrier, self.broadcast = barrier, broadcast
+        self.sharded, self.layout = sharded, layout
+        self.writer = make_writer(global_rank, barrier, sharded, async_save)
+
+    # ---- save -------------------------------------------------------------------------------------
+    def path_to_save(self, path: Any, storage_options: Optional[Any] = None) -> Path:
+        """Rank 0's path (every rank writes into one folder); refuses Lightning's cloud options."""
+        if storage_options is not None:
+            raise TypeError("save_checkpoint(..., storage_options=...) is not supported by the 2D strategies")
+        return Path(self.broadcast(str(path)))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Lightning's checkpoint dict: ``state_dict`` and ``optimizer_states`` are the tensors, the rest metadata."""
+        path = self.path_to_save(path, storage_options)
+        if not self.sharded:
+            self.save(checkpoint, {}, path)
+            return
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{idx}"] = optim_state
+        self.save(tensors, checkpoint, path)
+
+    def save(self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path) -> None:
+        """``tensors`` (state dicts, sharded or already full) and ``metadata`` into ``path``, with the layout."""
+        metadata.setdefault("lightning_2d", {})["layout"] = self.layout
+        if self.sharded:
+            self.writer.save(tensors, metadata, path)
+            return
+        self.writer.wait()
+        save_full_checkpoint({**tensors, **metadata}, path, self.global_rank, self.world_size, self.barrier)
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) is complete on disk; its error is raised here."""
+        self.writer.wait()
+
+    # ---- load -------------------------------------------------------------------------------------
+    def resolve(self, path: Any) -> Path:
+        """``path`` if complete and intact, else an error naming it; only a "last" checkpoint
+        (``ckpt_path="last"`` resolves to ``last*.ckpt``) falls back to the newest complete one."""
+        self.wait()
+        fall_back = Path(str(path)).name.startswith("last")
+        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn, fall_back=fall_back)
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``, or a whole full file); the
+        strategies load tensors in place (DCP), into the model and optimizers they hold."""
+        path = self.resolve(path)
+        file = path / METADATA_FILE if path.is_dir() else path
+        return torch.load(file, map_location=map_location or "cpu", weights_only=bool(weights_only))
+
+    def check_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True, pipelined: bool = False) -> None:
+        """Refuse, on every rank and before anything is loaded, a checkpoint whose tensors under ``key``
+        do not fit ``module`` (another model size, fewer layers): quoting both shapes. Rank 0 reads the
+        metadata; every rank raises the same error. ``pipelined``: each rank holds some stages, the model
+        is the union of every rank's tensors."""
+        problems: Any = None
+        expected: dict[str, tuple[int, ...]] = {}
+        if self.global_rank == 0 or pipelined:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            # The names DCP saved under (wrapper prefixes of AC/compile removed); DTensors give full shapes.
+            state = get_model_state_dict(module)
+            expected = {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+        if pipelined:
+            import torch.distributed as dist
+
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, expected)
+            expected = {name: shape for part in parts for name, shape in part.items()}
+        if self.global_rank == 0:
+            try:
+                problems = shape_mismatches(stored_shapes(path, key), expected, strict=strict)
+            except Exception as err:  # metadata unreadable: resolve() reported damage already
+                problems = [f"its metadata cannot be read ({type(err).__name__}: {err})"]
+        problems = self.broadcast(problems)
+        if problems:
+            raise CheckpointError(
+                f"Checkpoint {path} does not fit the model {type(module).__name__} ({len(problems)} problem(s)):\n  - "
+                + "\n  - ".join(problems[:12]) + ("\n  - …" if len(problems) > 12 else "")
+                + "\nLoad it into the model it was saved from (its model args/config are in the checkpoint)."
+            )
+
+    def restore_random_state(self, path: Path, saved: Optional[dict[str, Any]]) -> None:
+        """After a load: this rank's RNG if the layout is the one saved, else a note that it is not restored."""
+        restore_random_state(path, saved or {}, self.layout, self.global_rank, rank_zero_info)
+
+    # ---- remove, teardown -------------------------------------------------------------------------
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """``ModelCheckpoint`` removes an older checkpoint right after saving a newer one: never before the
+        newer one is complete on disk (rank 0's write completes after every rank's)."""
+        self.wait()
+        if self.global_rank == 0:
+            remove_path(Path(path))
+
+    @override
+    def teardown(self) -> None:
+        self.wait()

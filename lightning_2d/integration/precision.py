@@ -1,0 +1,82 @@
+"""The precision part of the 2D strategies: FSDP2's ``MixedPrecisionPolicy`` casts instead of autocast.
+
+Lightning's extension point for the job is the precision plugin; the strategies put one of these in place of
+Lightning's stock plugins (``fsdp2_precision``) when they are constructed, and keep a plugin the user wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_2d.parallel.grad_norm import clip_grad_norm_
+from lightning_2d.parallel.pipeline import Pipeline
+
+#: Lightning's stock plugins (autocast, module conversion), which give way to FSDP2's policy.
+STOCK_PLUGINS = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixedPrecision, FabricHalfPrecision)
+
+
+class FSDP2Precision(Precision):
+    """Precision under the 2D strategies (Trainer and Fabric): FSDP2's ``MixedPrecisionPolicy`` casts.
+
+    ``bf16-mixed``: parameters stay fp32 (sharded) for the optimizer; FSDP all-gathers them in
+    bf16 and reduce-scatters gradients in fp32 (autocast on top would only add casts).
+    ``bf16-true``: the shards themselves are bf16. ``32-true``: no casting. Gradient clipping
+    computes the true global norm over DTensor gradients on any mix of meshes.
+
+    This is the Trainer's plugin; ``FabricFSDP2Precision`` is the same for Fabric (a Trainer plugin's
+    ``backward`` calls ``LightningModule.backward``, so one class cannot serve both).
+    """
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
+        #: Set by the strategy under pipeline parallelism (``parallel/pipeline.py``).
+        self.pipeline: Optional[Pipeline] = None
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if not skip_pipelined_backward(tensor, self.pipeline):
+            super().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        group = self.pipeline.pp_group if self.pipeline is not None else None
+        clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group)
+
+
+class FabricFSDP2Precision(FabricPrecision):
+    """``FSDP2Precision`` for Fabric: FSDP2's policy casts; clipping is the strategy's (``clip_gradients_norm``)."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
+        self.pipeline: Optional[Pipeline] = None
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if not skip_pipelined_backward(tensor, self.pipeline):
+            super().backward(tensor, model, *args, **kwargs)
+
+
+def skip_pipelined_backward(loss: torch.Tensor, pipeline: Optional[Pipeline]) -> bool:
+    """Under pipeline parallelism the model's call ran backward (the schedule did, micro-batch by
+    micro-batch): its loss comes back without a graph and the strategy's backward does nothing but check
+    that it was given that loss (``Pipeline.check_backward_loss``)."""
+    if pipeline is None:
+        return False
+    pipeline.check_backward_loss(loss)
+    return True
+
+
+def fsdp2_precision(plugin: Any, fsdp2_class: type) -> Any:
+    """The plugin the strategy runs with: ``fsdp2_class`` (of ``plugin``'s precision) in place of one of
+    Lightning's stock plugins; a custom plugin the user passed is kept."""
+    if type(plugin) in STOCK_PLUGINS:
+        return fsdp2_class(plugin.precision)
+    return plugin

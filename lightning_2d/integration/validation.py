@@ -1,0 +1,54 @@
+"""The layout-validation part of the 2D strategies: what the layout is checked against, found once.
+
+``ParallelDims``' ``validate_parallel_dims`` is the one function that checks a layout (every problem
+listed, the same messages wherever it runs). The strategies call it through ``ModelParallel2DBase.validate``
+as soon as each thing it checks is known, always before a process group exists for what it checks:
+
+- in the launching process, when the Trainer/Fabric is constructed (the world, the precision, the
+  hardware), and when the Trainer's launcher starts ``fit``/``validate``/``test``/``predict`` (the
+  LightningModule's plan, the datamodule's sequence length and batch size: ``ValidatingLauncher``);
+- in each rank, before its process group (``setup_environment``: the rank's GPU; under torchrun or SLURM,
+  where no launching process of ours exists, everything); Fabric meets the model only in
+  ``setup_module``, and checks its plan there, before any collective touches it.
+
+``model_context`` derives the model-dependent part from a LightningModule and a datamodule, the same way
+in the launching process and in each rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_2d.models.registry import resolve_plan
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+
+
+def model_context(
+    module: Any, datamodule: Any, config: ParallelConfig, plan: Optional[ParallelPlan], before_launch: bool = False
+) -> dict[str, Any]:
+    """``plan``, ``seq_len`` and ``batch_size`` for ``validate`` from a LightningModule and a datamodule
+    (either may be ``None``).
+
+    ``before_launch``: a plan that cannot be resolved before the model is built (it reads the model) is left
+    to the check in each process; a ``ParallelConfigError`` is raised in any case.
+    """
+    resolved = None
+    if module is not None:
+        try:
+            resolved = resolve_plan(module, config, plan)
+        except ParallelConfigError:
+            raise
+        except Exception:
+            if not before_launch:
+                raise
+    else:
+        resolved = plan
+    return {
+        "plan": resolved,
+        "seq_len": _int_or_none(getattr(datamodule, "seq_len", None)),
+        "batch_size": _int_or_none(getattr(datamodule, "batch_size", None)),
+    }
+
+
+def _int_or_none(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
