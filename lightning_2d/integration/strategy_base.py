@@ -58,7 +58,7 @@ from lightning_2d.parallel.guard import finite_flag, guard_step
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
-from lightning_2d.parallel.watchdog import Watchdog, start_watchdog, stop_watchdog
+from lightning_2d.parallel.watchdog import Watchdog, nccl_failure_env, start_watchdog, stop_watchdog
 
 
 class FSDP2Precision(Precision):
@@ -263,11 +263,14 @@ class ModelParallel2DBase:
         # What Lightning's ModelParallelStrategy.setup_environment does before building its 2D mesh:
         # the accelerator's device, then the seed reset, the world ranks and the process group.
         self.accelerator.setup_device(self.root_device)  # type: ignore[attr-defined]
+        if self.root_device.type == "cuda":  # type: ignore[attr-defined]
+            nccl_failure_env(self.strategy_options.watchdog_timeout)  # torch's NCCL watchdog settings, before the groups
         setup_distributed(self)
         set_strategy_mesh(self, self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self)))
         destroy_process_group_at_exit()
         self._watchdog = start_watchdog(
-            self.strategy_options.watchdog_timeout, self.global_rank, self.world_size  # type: ignore[attr-defined]
+            self.strategy_options.watchdog_timeout, self.global_rank, self.world_size,  # type: ignore[attr-defined]
+            collective_timeout=strategy_timeout(self),
         )
         self._checkpoint_writer = make_writer(
             self.global_rank,  # type: ignore[attr-defined]
@@ -337,7 +340,7 @@ class ModelParallel2DBase:
         """
         completed = self._step_number() - 1
         if self._watchdog is not None:
-            self._watchdog.step = completed
+            self._watchdog.step, self._watchdog.started = completed, completed + 1
         closure = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
         if closure is not None:
 
