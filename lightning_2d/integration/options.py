@@ -59,10 +59,11 @@ class StrategyOptions:
     """How long a rank waits in a collective for a stalled peer before it fails: a ``datetime.timedelta`` set
     on every process group the strategy creates (the mesh's data- and tensor-parallel groups included)."""
     watchdog_timeout: Optional[timedelta] = option(DEFAULT_WATCHDOG_TIMEOUT, checks=(PROCESS_GROUP_CHECKS,))
-    """The progress watchdog's bound (``lightning_2d.parallel.watchdog``): a rank whose process died ends the
-    job within seconds, one silent (stopped, dead on another host) for this long within about 1.25 × this,
-    every surviving rank exiting with code 75 and naming it; an exception on one rank ends the others within
-    seconds. ``None`` turns the watchdog off."""
+    """The failure watchdog's bound (``lightning_2d.parallel.watchdog``): a rank whose process died ends the
+    job within seconds; one silent (stopped, dead on another host) or stuck (alive, not starting the step the
+    others started) for this long is named, every rank exiting with code 75; an exception on one rank ends the
+    others within seconds. The shorter of this and ``timeout`` bounds the job (+ a few seconds): ``timeout`` is
+    never extended. ``None`` turns the watchdog off."""
 
     def __post_init__(self) -> None:
         # A typo fails at construction, with every problem listed.
@@ -96,7 +97,7 @@ def process_group_problems(backend: Any, timeout: Any, watchdog_timeout: Any = N
     elif watchdog_timeout is not None and watchdog_timeout.total_seconds() < MIN_WATCHDOG_TIMEOUT_S:
         problems.append(
             f"watchdog_timeout={watchdog_timeout!r} is under {MIN_WATCHDOG_TIMEOUT_S} s: heartbeats go every"
-            " timeout/8, and a shorter bound would declare a rank stalled during an ordinary pause (GC, a busy"
+            " tenth of it, and a shorter bound would declare a rank stalled during an ordinary pause (GC, a busy"
             " host); use at least timedelta(seconds=10), or None to turn the watchdog off"
         )
     return problems

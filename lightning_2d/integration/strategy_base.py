@@ -54,7 +54,7 @@ from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
-from lightning_2d.parallel.watchdog import Watchdog, start_watchdog, stop_watchdog
+from lightning_2d.parallel.watchdog import Watchdog, nccl_failure_env, start_watchdog, stop_watchdog
 
 __all__ = [
     "FSDP2Precision", "FabricFSDP2Precision", "ModelParallel2DBase", "NonFiniteLossError", "check_first_loss",
@@ -236,10 +236,15 @@ class ModelParallel2DBase(LightningStrategyMembers):
         # the accelerator's device, then the seed reset, the world ranks and the process group.
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
+        if self.root_device.type == "cuda":
+            nccl_failure_env(self.strategy_options.watchdog_timeout)  # torch's NCCL watchdog settings, before the groups
         setup_distributed(self)
         set_strategy_mesh(self, self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self)))
         destroy_process_group_at_exit()
-        self._watchdog = start_watchdog(self.strategy_options.watchdog_timeout, self.global_rank, self.world_size)
+        self._watchdog = start_watchdog(
+            self.strategy_options.watchdog_timeout, self.global_rank, self.world_size,
+            collective_timeout=strategy_timeout(self),
+        )
         self._checkpoint_part = DistributedCheckpointIO(
             self.global_rank,
             self.world_size,
@@ -297,7 +302,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
         """Guard the step (``non_finite``: ``StepGuard``), update, then refresh float8 scales."""
         step = self._step_number()
         if self._watchdog is not None:
-            self._watchdog.step = step - 1
+            self._watchdog.step, self._watchdog.started = step - 1, step
         args, kwargs = self.step_guard.guard_optimizer_step(optimizer, args, kwargs, step, self.root_device)
         self._optimizer_steps += 1
         output = super().optimizer_step(optimizer, *args, **kwargs)

@@ -252,15 +252,25 @@ class InjectNaN(L.Callback):
 
 class Fail(L.Callback):
     """At optimizer step ``step`` (from 1), on rank ``rank``, after the forward: ``how`` = ``"sigkill"``,
-    ``"sigstop"`` or ``"raise"``; the wall-clock time of the failure goes to ``failed_at.json`` first."""
+    ``"sigstop"`` or ``"raise"``; ``"hang"``: before the step starts (as a stuck data loader or callback would), the
+    rank sleeps, alive, its watchdog thread beating. The wall-clock time of the failure goes to ``failed_at.json`` first."""
 
     def __init__(self, step: int, rank: int, how: str, out_dir: Path) -> None:
         self.step, self.rank, self.how, self.out_dir = step, rank, how, out_dir
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def _now(self, trainer) -> bool:
         if trainer.global_step + 1 != self.step or trainer.global_rank != self.rank:
-            return
+            return False
         (self.out_dir / "failed_at.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
+        return True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.how == "hang" and self._now(trainer):
+            time.sleep(600)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.how == "hang" or not self._now(trainer):
+            return
         if self.how == "raise":
             raise ValueError(f"injected failure in step {self.step}")
         os.kill(os.getpid(), {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}[self.how])

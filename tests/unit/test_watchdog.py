@@ -1,32 +1,33 @@
-"""The progress watchdog's decisions, one round at a time (``Watchdog.check_once``) on an in-memory store
-with a fake clock, fake process states and a fake exit: no thread, no process group. The real thing
-(SIGKILL, SIGSTOP, an exception, Lightning's launcher) runs in tests/distributed/test_watchdog.py."""
+"""The failure watchdog's rules, one round at a time (``Watchdog.check_once``) on an in-memory store with a fake clock,
+fake process states and a fake exit: no thread, no process group. The real signals (SIGKILL, SIGSTOP, a rank stuck in
+Python, an exception, Lightning's launcher, Fabric) run in tests/distributed/test_watchdog.py."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
-import tempfile
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
 from lightning_2d.parallel.watchdog import (
     EXIT_CODE,
-    ProcessIdentity,
     Watchdog,
     interval_for,
     is_communication_error,
+    nccl_failure_env,
     process_state,
+    record_for_torchrun,
 )
 
 GLOO_RESET = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:21389: Connection reset by"
     " peer. This is typically caused by a remote worker hanging or bugs in the application."
 )
+GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv"
 
 
 class Exited(BaseException):
@@ -34,40 +35,38 @@ class Exited(BaseException):
 
 
 class World:
-    """``n`` ranks on one host sharing a ``HashStore``; every process alive (``R``) unless told otherwise."""
+    """``n`` ranks sharing a ``HashStore``, every process alive (``R``) unless told otherwise."""
 
-    def __init__(self, n: int = 4, timeout: float = 20.0, hosts: list[str] | None = None) -> None:
-        self.store = dist.HashStore()
-        self.now = 0.0
+    def __init__(self, n: int = 4, timeout: float = 20.0, collective_timeout: float | None = None,
+                 hosts: list[str] | None = None) -> None:
+        self.store, self.now, self.killed = dist.HashStore(), 0.0, []
         self.states = {1000 + r: "R" for r in range(n)}
-        self.killed: list[tuple[int, int]] = []
-        hosts = hosts or ["node0"] * n
-        self.identities = [ProcessIdentity(hosts[r], "pid:[1]", 1000 + r) for r in range(n)]
+        processes = [((hosts or ["node0"] * n)[r], "pid:[1]", 1000 + r) for r in range(n)]
         self.out = {r: io.StringIO() for r in range(n)}
-        self.marks = Path(tempfile.mkdtemp())
-        self.dogs = [self._dog(r, timeout) for r in range(n)]
+        self.dogs = [Watchdog(self.store, r, processes, "run", timeout, collective_timeout) for r in range(n)]
+        for rank, dog in enumerate(self.dogs):
+            dog.clock, dog.sleep, dog.exit, dog.out = (lambda: self.now), self.sleep, self._exit, self.out[rank]
+            dog.state_of, dog.kill = self.states.get, lambda pid, sig: self.killed.append((pid, sig))
+            dog.start(thread=False)
+        self.during_sleep = lambda: None
 
-    def _dog(self, rank: int, timeout: float) -> Watchdog:
-        def exit(code: int) -> None:
-            raise Exited(code)
-
-        dog = Watchdog(self.store, rank, self.identities, "run", timeout, clock=lambda: self.now, sleep=self.sleep, exit=exit,
-                       out=self.out[rank], state_of=lambda pid: self.states.get(pid), kill=self._kill,
-                       marks=self.marks)
-        dog._store_ok_at = 0.0  # what start() does, without the thread
-        return dog
+    def _exit(self, code: int) -> None:
+        raise Exited(code)
 
     def sleep(self, seconds: float) -> None:
+        """The fake ``time.sleep``: time passes, and what ``during_sleep`` says happens meanwhile (not re-entered)."""
         self.now += seconds
-
-    def _kill(self, pid: int, sig: int) -> None:
-        self.killed.append((pid, sig))
+        hook, self.during_sleep = self.during_sleep, lambda: None
+        try:
+            hook()
+        finally:
+            self.during_sleep = hook
 
     def round(self, ranks=None, dt: float = 2.5) -> dict[int, object]:
         """Advance the clock by ``dt`` and run one round on ``ranks``; {rank: exit code or verdict}."""
         self.now += dt
         results = {}
-        for r in ranks if ranks is not None else range(len(self.dogs)):  # noqa: SIM118
+        for r in ranks if ranks is not None else range(len(self.dogs)):
             try:
                 results[r] = self.dogs[r].check_once()
             except Exited as ended:
@@ -75,25 +74,29 @@ class World:
         return results
 
 
-def test_a_stopped_rank_is_named_by_its_predecessor_after_the_timeout_and_killed():
+def test_bound_and_interval_are_the_shorter_timeout_and_a_tenth_of_it():
+    world = World(n=2, timeout=120.0, collective_timeout=20.0)  # the user's timeout is never extended
+    assert world.dogs[0].bound == 20.0 and world.dogs[0].interval == 2.0 and world.dogs[0].wait_for_cause == 7.0
+    assert World(n=2, timeout=20.0).dogs[0].bound == 20.0  # no collective timeout
+    assert World(n=2, timeout=60.0, collective_timeout=1800.0).dogs[0].interval == 5.0  # at most 5 s
+    assert interval_for(1.0) == 0.2
+
+
+def test_a_stopped_rank_is_named_by_its_predecessor_after_the_watchdog_timeout_and_killed():
     world = World(timeout=20.0)
     alive = [0, 2, 3]
     world.round()  # every rank beats once
     world.states[1001] = "T"  # rank 1 stopped: no more heartbeats
-    # Rank 0 first sees rank 1's heartbeat at t = 5 s (it checked before rank 1's first beat).
-    for _ in range(6):  # up to 15 s of silence: under the bound, nothing happens
+    for _ in range(9):  # rank 0 last saw its count change at t = 5 s; up to 20 s of silence: nothing happens
         assert world.round(alive) == {0: None, 2: None, 3: None}
-    results = world.round(alive, dt=10.0)  # 25 s: rank 0 (which checks rank 1) finds it, publishes, ends
+    results = world.round(alive)  # 22.5 s: rank 0 (which watches rank 1) names it, publishes, ends
     assert results[0] == EXIT_CODE
     out = world.out[0].getvalue()
-    assert re.search(r"Stopping rank 0 \(exit code 75\): rank 1 \(pid 1001 on node0\) has sent no heartbeat for 2\d s", out)
-    assert "its process is stopped (SIGSTOP/SIGTSTP)" in out
+    assert re.search(r"Stopping rank 0 \(exit code 75\): rank 1 \(pid 1001 on node0\) has sent no heartbeat for 2\d s"
+                     r" \(watchdog timeout 20 s\): its process is stopped \(SIGSTOP/SIGTSTP\); its last heartbeat"
+                     r" reported 0 completed step\(s\)", out), out
     assert (1001, signal.SIGKILL) in world.killed  # a stopped rank would hold its memory forever
-    # The others read the verdict and end after the grace (their main thread might be failing by itself).
-    seen = world.round([2, 3], dt=0.1)
-    assert seen[2]["ranks"] == seen[3]["ranks"] == [1]  # seen, not yet acted on
-    results = world.round([2, 3], dt=5.0)
-    assert results == {2: EXIT_CODE, 3: EXIT_CODE}
+    assert world.round([2, 3], dt=0.1) == {2: EXIT_CODE, 3: EXIT_CODE}  # no grace: the verdict is no error of theirs
     assert "rank 1 (pid 1001 on node0) has sent no heartbeat" in world.out[2].getvalue()
     assert "[found by rank 0]" in world.out[2].getvalue()
 
@@ -104,65 +107,166 @@ def test_a_dead_local_rank_is_found_within_one_round_unless_it_finished():
     world.dogs[3].stop(done=True)  # rank 3 finished the run and exited: not a failure
     del world.states[1003]
     assert world.round([0, 1, 2]) == {0: None, 1: None, 2: None}
+    world.dogs[1].step = 2
+    world.round([0, 1, 2], dt=0.5)
     del world.states[1002]  # rank 2 vanished mid-run (SIGKILL, OOM killer)
-    results = world.round([0, 1])
-    assert results[0] == EXIT_CODE or results[1] == EXIT_CODE
-    text = world.out[0].getvalue() + world.out[1].getvalue()
+    assert world.round([0, 1], dt=2.0)[1] == EXIT_CODE  # its predecessor, within one round
+    assert world.round([0], dt=0.1)[0] == EXIT_CODE
+    text = world.out[1].getvalue()
     assert "rank 2 (pid 1002 on node0) died: its process is gone; its last heartbeat reported 0 completed step(s)" in text
 
 
-def test_the_ring_skips_finished_ranks_and_checks_the_next_one():
-    world = World(n=3)
+def test_the_ring_skips_finished_ranks_and_a_silent_rank_on_another_host_is_named():
+    world = World(n=3, hosts=["a", "a", "b"])
     world.round()
     world.dogs[1].stop(done=True)  # rank 0's successor finished; rank 0 now watches rank 2
     world.round([0, 2])
-    for _ in range(10):  # rank 2 silent (another host: no process state to read) for 25 s
+    for _ in range(10):  # rank 0 watches rank 2 from t = 7.5 s; 22.5 s later, silent all along
         results = world.round([0])
     assert results[0] == EXIT_CODE
-    assert "rank 2 (pid 1002 on node0) has sent no heartbeat" in world.out[0].getvalue()
+    assert ("rank 2 (pid 1002 on b) has sent no heartbeat for 22 s (watchdog timeout 20 s) (another host: stopped, dead"
+            " or cut off)") in world.out[0].getvalue()
+    assert world.killed == []  # not on this host
 
 
-def test_an_exception_is_published_with_its_step_and_the_others_end():
+def test_a_rank_alive_but_stuck_behind_the_others_is_named_within_the_watchdog_timeout():
+    world = World(timeout=20.0)
+    world.round()
+    for rank in (0, 1, 3):  # they entered step 3 and wait in its collectives; rank 2 never starts it
+        world.dogs[rank].started = 3
+    world.dogs[2].started = world.dogs[2].step = 2
+    for _ in range(9):  # behind from t = 5 s, its heartbeat beating: not named within 20 s
+        assert world.round() == {0: None, 1: None, 2: None, 3: None}
+    results = world.round()  # 22.5 s: its predecessor names it; the stuck rank itself reads it and ends too
+    assert results[1] == EXIT_CODE and results[2] == EXIT_CODE
+    assert ("rank 2 (pid 1002 on node0) is stuck at step 2 (others at step 3) for 22 s (watchdog timeout 20 s): alive"
+            " (its heartbeat beats) but not progressing") in world.out[1].getvalue()
+    assert world.killed == []  # alive, not stopped: it ends itself
+
+
+def test_a_stopped_rank_behind_the_others_is_named_stopped_not_stuck():
+    world = World(timeout=20.0)
+    world.round()
+    for rank in (0, 1, 3):
+        world.dogs[rank].started = 3
+    world.states[1002] = "T"  # its last heartbeat said step 2
+    for _ in range(9):
+        assert world.round([0, 1, 3]) == {0: None, 1: None, 3: None}
+    assert world.round([0, 1, 3])[1] == EXIT_CODE
+    assert "rank 2 (pid 1002 on node0) has sent no heartbeat for 22 s" in world.out[1].getvalue()
+
+
+def test_a_rank_catching_up_is_not_stuck():
+    world = World(timeout=20.0)
+    world.round()
+    for step in range(1, 6):  # rank 2 is a little behind at each round (its data arrives late), then catches up
+        for rank in (0, 1, 3):
+            world.dogs[rank].started = step
+        assert world.round() == {0: None, 1: None, 2: None, 3: None}
+        world.dogs[2].started = step
+    for _ in range(10):
+        assert world.round(dt=2.5) == {0: None, 1: None, 2: None, 3: None}
+
+
+def test_after_a_failed_collective_a_stopped_rank_is_named_at_once_not_after_the_watchdog_timeout():
+    """``timeout`` 8 s, ``watchdog_timeout`` 60 s: the collectives fail at 8 s and the cause is named then."""
+    world = World(timeout=60.0, collective_timeout=8.0)  # interval 0.8 s
+    world.round(dt=0.8)
+    world.states[1001] = "T"
+    for _ in range(10):  # 8 s: far under the watchdog timeout, nothing found
+        assert world.round([0, 2, 3], dt=0.8) == {0: None, 2: None, 3: None}
+    dog = world.dogs[0]  # its collective fails; it waits for the cause, its thresholds lowered to two intervals
+    world.during_sleep = dog.check_once  # (its thread's rounds)
+    failed_at = world.now
+    try:
+        dog.on_failure(RuntimeError(GLOO_TIMEOUT))
+        raise AssertionError("not ended")
+    except Exited as ended:
+        assert ended.args[0] == EXIT_CODE
+    # Named within a round; then rank 0, which hosts the store, holds it (2 rounds + 1 s at most) for the others.
+    assert world.now - failed_at <= dog.interval + 2 * dog.interval + 1
+    assert world.round([2, 3], dt=0.1) == {2: EXIT_CODE, 3: EXIT_CODE}
+    assert re.search(r"Stopping rank 0 \(exit code 75\): rank 1 \(pid 1001 on node0\) has sent no heartbeat for \d s"
+                     r" \(and rank 0's collective failed\): its process is stopped", world.out[0].getvalue())
+    assert (1001, signal.SIGKILL) in world.killed
+    assert "This rank's own error (a consequence): RuntimeError: [/pytorch" in world.out[0].getvalue()
+
+
+def test_after_a_failed_collective_a_stuck_rank_is_named_but_not_a_lag_that_began_with_the_failure():
+    world = World(timeout=60.0, collective_timeout=8.0)
+    world.round(dt=0.8)
+    for rank in (0, 1, 3):
+        world.dogs[rank].started = 3
+    for _ in range(10):
+        assert world.round(dt=0.8) == {0: None, 1: None, 2: None, 3: None}
+    world.dogs[1]._waiting, world.dogs[1]._failed_at = True, world.now  # rank 1's collective failed at 8 s
+    assert world.round([1], dt=0.8)[1] == EXIT_CODE
+    assert "rank 2 (pid 1002 on node0) is stuck at step 0 (others at step 3) for 8 s (and rank 1's collective failed)" \
+        in world.out[1].getvalue()
+
+    world = World(timeout=60.0, collective_timeout=8.0)
+    world.round(dt=0.8)
+    world.dogs[1]._waiting, world.dogs[1]._failed_at = True, world.now  # failed first; rank 2 falls behind after
+    world.dogs[1].started = 3
+    for _ in range(3):
+        assert world.round([1, 2], dt=0.8) == {1: None, 2: None}
+
+
+def test_a_failed_collective_with_no_cause_found_reports_itself_within_a_few_seconds():
+    world = World(timeout=120.0, collective_timeout=20.0)
+    world.round()
+    dog = world.dogs[1]
+    start = world.now
+    dog.on_failure(RuntimeError(GLOO_RESET))  # a consequence: it waits for a cause (none here)
+    assert world.now - start == dog.wait_for_cause <= 7.0  # seconds, not the 120 s watchdog timeout
+    verdict = world.round([0], dt=0.1)[0]
+    assert verdict["ranks"] == [1]  # then it names itself, with what it saw
+    assert ("rank 1's collective failed during step 1 (RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
+            "pair.cc:537] Read error") in verdict["reason"]
+    assert verdict["reason"].endswith("and no rank was found dead, stopped or stuck within 7 s")
+    world.round([2, 3], dt=0.1)  # (ranks not failing give it the grace: their own error may be coming)
+    assert world.round([0, 2, 3], dt=5.0) == {0: EXIT_CODE, 2: EXIT_CODE, 3: EXIT_CODE}
+
+
+def test_a_failed_collective_ends_with_the_cause_another_rank_found():
+    world = World(timeout=20.0)
+    world.round()
+    dog = world.dogs[3]
+    world.dogs[0].verdict = None
+    world.during_sleep = lambda: world.dogs[0]._publish({"ranks": [1], "by": 0, "reason": "rank 1 died"})
+    try:
+        dog.on_failure(RuntimeError(GLOO_RESET))
+        raise AssertionError("not ended")
+    except Exited as ended:
+        assert ended.args[0] == EXIT_CODE
+    assert "Stopping rank 3 (exit code 75): rank 1 died [found by rank 0]" in world.out[3].getvalue()
+
+
+def test_an_exception_is_published_with_its_step_and_the_others_end_after_the_grace():
     world = World()
     world.round()
     world.dogs[2].step = 4
-    world.dogs[2]._thread = object()  # on_failure acts only while running
     world.dogs[2].on_failure(ValueError("bad batch\nsecond line"))
-    results = world.round([0, 1, 3], dt=0.5)  # verdict seen: grace for a failure raised everywhere at once
+    results = world.round([0, 1, 3], dt=0.5)  # seen: the grace for an error raised everywhere at once
     assert all(verdict["ranks"] == [2] for verdict in results.values())
-    results = world.round([0, 1, 3], dt=5.0)
-    assert results == {0: EXIT_CODE, 1: EXIT_CODE, 3: EXIT_CODE}
+    assert world.round([0, 1, 3], dt=5.0) == {0: EXIT_CODE, 1: EXIT_CODE, 3: EXIT_CODE}
     assert "rank 2 raised ValueError during step 5: bad batch." in world.out[0].getvalue()
     assert "second line" not in world.out[0].getvalue()
 
 
-def test_a_rank_failing_by_itself_is_left_to_exit_then_ended_if_it_hangs():
+def test_a_rank_failing_with_its_own_error_is_left_to_exit_by_itself():
     world = World(timeout=20.0)
     world.round()
-    world.dogs[2]._thread = object()
     world.dogs[2].on_failure(ValueError("boom"))  # rank 2 publishes its error
-    world.dogs[1]._thread = object()
-    world.dogs[1].on_failure(RuntimeError("raised on every rank"))  # rank 1 fails by itself too
-    for _ in range(7):
-        assert world.round([1], dt=2.5)[1] != EXIT_CODE  # left to exit by itself
-    assert world.round([1], dt=5.0) == {1: EXIT_CODE}  # … within the bound, else ended
-    assert "this rank did not exit within 20 s of its error" in world.out[1].getvalue()
-
-
-def test_a_communication_error_waits_for_the_cause_then_reports_itself():
-    world = World(timeout=20.0)
-    world.round()
-    dog = world.dogs[1]
-    dog._thread = object()
-    start = world.now
-    dog.on_failure(RuntimeError(GLOO_RESET))  # a consequence: waits for a rank to be found (none here)
-    assert world.now - start >= 20.0 + 2 * dog.interval  # the whole bound
-    verdict = world.round([0], dt=0.1)[0]
-    assert verdict["ranks"] == [1]  # then it names itself, with what it saw
-    assert "rank 1's collective failed at step 1 and no rank was found dead or stopped (RuntimeError:" in verdict["reason"]
+    world.dogs[1].on_failure(RuntimeError("raised on every rank"))  # rank 1 fails by itself too, not a consequence
+    for _ in range(10):
+        assert world.round([1], dt=2.5)[1]["ranks"] == [2]  # never ended by the watchdog: exits with its own error
+    assert world.out[1].getvalue() == ""
 
 
 def test_a_silent_store_names_the_rank_hosting_it():
+    world = World(n=2, timeout=20.0)
+
     class DeadStore:
         def __getattr__(self, name):
             def fail(*args):
@@ -170,25 +274,35 @@ def test_a_silent_store_names_the_rank_hosting_it():
 
             return fail
 
-    out = io.StringIO()
-    ended = []
-    identities = [ProcessIdentity("a", "ns", 10), ProcessIdentity("a", "ns", 11)]
-    dog = Watchdog(DeadStore(), 1, identities, "run", 20.0, clock=lambda: now, exit=ended.append, out=out,
-                   state_of=lambda pid: "T", kill=lambda pid, sig: None, marks=Path(tempfile.mkdtemp()))
-    now = 0.0
-    dog._store_ok_at = 0.0
-    now = 19.0
-    assert dog.check_once() is None and not ended
-    now = 21.0
-    verdict = dog.check_once()
-    assert ended == [EXIT_CODE] and verdict["ranks"] == [0]
-    assert "the job's store (hosted by rank 0) has not answered for 21 s (watchdog timeout 20 s): its process is stopped" in out.getvalue()
+    world.states[1000] = "T"  # rank 0, which hosts the store, is stopped
+    world.dogs[1]._store.store = DeadStore()
+    world.now = 19.0
+    assert world.round([1], dt=0.0) == {1: None}
+    assert world.round([1], dt=2.0) == {1: EXIT_CODE}
+    assert ("Stopping rank 1 (exit code 75): the job's store (hosted by rank 0 (MASTER_ADDR)) has not answered for 21 s"
+            " (watchdog timeout 20 s): its process is stopped (SIGSTOP/SIGTSTP)") in world.out[1].getvalue()
+    assert world.killed == [(1000, signal.SIGKILL)]
+
+
+def test_the_rank_hosting_the_store_waits_for_every_rank_to_finish():
+    world = World(n=3)
+    world.round()
+    finished = []
+
+    def others_finish_one_by_one():
+        if len(finished) < 2:
+            finished.append(len(finished) + 1)
+            world.dogs[finished[-1]].stop(done=True)
+
+    world.during_sleep = others_finish_one_by_one
+    world.dogs[0].stop(done=True)  # returns once ranks 1 and 2 said they finished
+    assert finished == [1, 2] and all(out.getvalue() == "" for out in world.out.values())
 
 
 def test_communication_errors_are_told_from_causes():
     from torch.distributed import DistBackendError
 
-    assert is_communication_error(RuntimeError(GLOO_RESET))
+    assert is_communication_error(RuntimeError(GLOO_RESET)) and is_communication_error(RuntimeError(GLOO_TIMEOUT))
     assert is_communication_error(DistBackendError("NCCL watchdog timeout"))
     wrapped = RuntimeError("checkpoint failed")
     wrapped.__cause__ = RuntimeError(GLOO_RESET)
@@ -203,64 +317,44 @@ def test_communication_errors_are_told_from_causes():
     assert not is_communication_error(RuntimeError("DataLoader timed out after 60 seconds"))
 
 
-def test_process_states_and_intervals():
+def test_process_states():
     assert process_state(os.getpid()) in ("R", "S")
     assert process_state(2**22 + 12345) is None
-    assert interval_for(20.0) == 2.5 and interval_for(timedelta(minutes=2).total_seconds()) == 10.0
-    assert interval_for(1.0) == 0.2
 
 
-def test_torchrun_reads_the_verdict_from_its_error_file(tmp_path, monkeypatch):
-    """torchrun's failure summary ("Root Cause … traceback :") shows a worker's error file: ours holds the verdict."""
-    import json
-
-    from lightning_2d.parallel.watchdog import record_for_torchrun
+def test_torchruns_root_cause_names_the_failing_rank(tmp_path, monkeypatch):
+    """torchrun's failure summary ("Root Cause", read by torch's own ``ProcessFailure``) shows a worker's error file:
+    the one the watchdog writes names the failing rank, on the failing rank and on every rank it ends."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     record_for_torchrun("ignored outside torchrun")  # no TORCHELASTIC_ERROR_FILE: nothing written, no error
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
-    record_for_torchrun("rank 2 raised ValueError during step 3: boom")
-    data = json.loads((tmp_path / "error.json").read_text())["message"]
-    assert data["extraInfo"]["py_callstack"] == "RankFailure: rank 2 raised ValueError during step 3: boom"
+    for rank, error_file in ((2, tmp_path / "rank2.json"), (0, tmp_path / "rank0.json")):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        world = World() if rank == 2 else world
+        if rank == 2:
+            world.round()
+            world.dogs[2].step = 2
+            world.dogs[2].on_failure(ValueError("boom"))  # the failing rank's own file, with its traceback
+        else:
+            world.round([0], dt=0.1)
+            assert world.round([0], dt=5.0) == {0: EXIT_CODE}  # a rank the watchdog ends, after the grace
+        failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1 if rank == 2 else EXIT_CODE,
+                                 error_file=str(error_file))
+        summary = ChildFailedError("train.py", {rank: failure}).format_msg()
+        assert "Root Cause" in summary and "rank 2 raised ValueError during step 3: boom" in summary, summary
+    assert json.loads((tmp_path / "rank0.json").read_text())["message"]["message"].startswith(
+        "RuntimeError: Stopping rank 0 (exit code 75): rank 2 raised ValueError during step 3: boom")
 
 
-class Gone:
-    """A store whose host process has ended: every call fails at once."""
-
-    def __getattr__(self, name):
-        def fail(*args):
-            raise RuntimeError("Connection reset by peer")
-
-        return fail
-
-
-def test_with_the_store_gone_a_peer_ended_by_the_verdict_is_not_a_new_failure():
-    world = World()
-    world.round()
-    verdict = {"ranks": [1], "by": 0, "reason": "rank 1 (pid 1001 on node0) has sent no heartbeat for 25 s"}
-    for rank in (0, 2):  # ranks 0 and 2 read the verdict and ended (their marks on this host say so) …
-        try:
-            world.dogs[rank]._end(verdict)
-        except Exited:
-            pass
-    for dog in world.dogs:
-        dog._store.store = Gone()  # … and the store went away with rank 0
-    del world.states[1000], world.states[1002]
-    seen = world.round([3], dt=0.5)[3]  # rank 3 never read the verdict from the store
-    assert seen["reason"] == verdict["reason"]  # it takes theirs, not "rank 0 died" or "rank 2 died"
-    assert world.round([3], dt=5.0)[3] == EXIT_CODE
-    out = world.out[3].getvalue()
-    assert "Stopping rank 3 (exit code 75): rank 1 (pid 1001 on node0) has sent no heartbeat for 25 s" in out
-    assert "died" not in out
-
-
-def test_a_finished_store_host_going_away_is_the_end_of_the_run_not_a_failure():
-    world = World(n=2, timeout=20.0)
-    world.round()
-    world.dogs[0]._thread = None
-    world.dogs[0].stop(done=True)  # rank 0 (the store's host) finished; it waits for rank 1 at most 20 s
-    world.round([1])  # rank 1, still working, reads that its host is done
-    world.dogs[1]._store.store = Gone()
-    del world.states[1000]  # rank 0's process, and the store with it, are gone
-    for _ in range(12):  # 30 s without a store
-        assert world.round([1]) == {1: None}
-    assert world.out[1].getvalue() == ""
+def test_nccl_failure_handling_is_set_where_the_user_did_not(monkeypatch):
+    names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "7")
+    assert nccl_failure_env(None) == {}
+    added = nccl_failure_env(timedelta(minutes=3))
+    assert added == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
+                     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "180", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7"  # the user's own
+    assert all(os.environ[name] == value for name, value in added.items())
