@@ -118,10 +118,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
         model.init_weights(args.seed)
     model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards
-    pipeline = pipeline_of(model)
-    if pipeline is not None:
-        # Under pipeline parallelism the model's call runs the backward too: tell it the loss is divided below.
-        pipeline.grad_scale = 1.0 / args.accumulate
+    pipeline = pipeline_of(model)  # under pipeline parallelism: the model's stages, stepped below
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                                                           betas=(0.9, 0.95), foreach=True))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -151,11 +148,17 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
             batch = fabric.to_device(next(stream))
             # Gradients are reduce-scattered once, after the last micro-batch.
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-                # The summed cross-entropy from the fused head (no (batch, seq, vocab) logits), then
-                # divided by the global batch's target tokens.
-                loss_sum = model(batch["input_ids"], labels=batch["labels"])
-                loss, global_mean, _ = normalize_by_global_tokens(loss_sum, batch["labels"], mesh)
-                fabric.backward(loss / args.accumulate)
+                if pipeline is not None:
+                    # The schedule runs every micro-batch's forward and backward here: the gradients of
+                    # loss / accumulate, as fabric.backward below (no backward call of ours).
+                    _, global_mean, _ = pipeline.train_step(batch["input_ids"], batch["labels"],
+                                                            grad_scale=1.0 / args.accumulate)
+                else:
+                    # The summed cross-entropy from the fused head (no (batch, seq, vocab) logits), then
+                    # divided by the global batch's target tokens.
+                    loss_sum = model(batch["input_ids"], labels=batch["labels"])
+                    loss, global_mean, _ = normalize_by_global_tokens(loss_sum, batch["labels"], mesh)
+                    fabric.backward(loss / args.accumulate)
             step_loss += global_mean / args.accumulate
         grad_norm = fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
         optimizer.step()

@@ -19,6 +19,7 @@ from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
+from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
 
 
 def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -44,6 +45,19 @@ class CausalLMModule(L.LightningModule):
     and saves its hyperparameters (``learning_rate``, ``weight_decay``, ``betas``, ``eps``,
     ``fused``, ``warmup_steps``, ``max_steps``, ``min_lr_ratio``, ``init_seed``); it may override
     ``_loss`` (``LlamaLightningModule`` fuses the output projection into the loss).
+
+    **Under pipeline parallelism** the model is split into stages over the pipeline ranks, and this
+    module steps the pipeline itself, in ``training_step``: ``pipeline.train_step`` runs the forward and
+    backward of every micro-batch (the schedule interleaves them) with ``grad_scale = 1 /
+    accumulate_grad_batches`` (the division Lightning applies to the loss it differentiates), and
+    returns the loss without a graph. So, through Lightning's own hooks, ``backward`` does nothing for it
+    (and refuses a loss with a graph: a term added outside the pipeline would get no gradient), and the
+    gradients are zeroed right after each optimizer step instead of at the start of an accumulation window
+    (``optimizer_zero_grad`` runs after ``training_step``, which computed them). Everything else —
+    accumulation, ``gradient_clip_val`` (the global norm over every stage), logging, checkpoints,
+    validation (``pipeline.eval_step``) — is the Trainer's as usual. What changes meaning:
+    ``on_before_backward`` sees a loss whose backward already ran (once per batch, not per micro-batch),
+    ``on_after_backward`` sees the batch's gradients, and ``predict`` needs ``pipeline_parallel_size=1``.
     """
 
     def __init__(self) -> None:
@@ -62,23 +76,58 @@ class CausalLMModule(L.LightningModule):
         """Size of the model's vocabulary (every token id of the data must be below it)."""
         raise NotImplementedError
 
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The model's ``Pipeline`` under pipeline parallelism (``pipeline_of``), else ``None``."""
+        return pipeline_of(self.model) if isinstance(self.model, torch.nn.Module) else None
+
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return next_token_loss(self(batch["input_ids"]), batch["labels"], self.device_mesh)
 
+    def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pipeline = self.pipeline
+        if pipeline is not None:
+            return pipeline.eval_step(batch["input_ids"], batch["labels"])
+        return self._loss(batch)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, global_mean, global_tokens = self._loss(batch)
+        pipeline = self.pipeline
+        if pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
+            scale = 1.0 / self.trainer.accumulate_grad_batches
+            loss, global_mean, global_tokens = pipeline.train_step(batch["input_ids"], batch["labels"], grad_scale=scale)
+        else:
+            loss, global_mean, global_tokens = self._loss(batch)
         # Already reduced over the data-parallel group: no sync_dist needed.
         self.log("train_loss", global_mean, prog_bar=True)
         self.log("global_tokens", global_tokens)
         return loss
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.pipeline is None:
+            super().backward(loss, *args, **kwargs)
+        elif loss.requires_grad:
+            raise RuntimeError(
+                "Under pipeline parallelism the gradients are computed by pipeline.train_step in training_step;"
+                " the loss given to backward has a graph, so a term was added outside the pipeline and would get"
+                " no gradient. Return the loss of pipeline.train_step unchanged."
+            )
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if self.pipeline is None:  # under a pipeline the gradients are zeroed after each step (optimizer_step)
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.pipeline is not None:
+            optimizer.zero_grad()
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        _, global_mean, global_tokens = self._loss(batch)
+        _, global_mean, global_tokens = self._eval_loss(batch)
         self.val_loss.update(global_mean, weight=global_tokens)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        _, global_mean, global_tokens = self._loss(batch)
+        _, global_mean, global_tokens = self._eval_loss(batch)
         self.test_loss.update(global_mean, weight=global_tokens)
 
     def _log_loss_and_perplexity(self, metric: MeanMetric, prefix: str) -> None:

@@ -37,13 +37,8 @@ class FSDP2Precision(Precision):
 
     def __init__(self, precision: str) -> None:
         self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
-        #: Set by the strategy under pipeline parallelism (``parallel/pipeline.py``).
+        #: Set by the strategy under pipeline parallelism (``parallel/pipeline.py``): clipping spans its stages.
         self.pipeline: Optional[Pipeline] = None
-
-    @override
-    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        if not skip_pipelined_backward(tensor, self.pipeline):
-            super().backward(tensor, model, *args, **kwargs)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -60,18 +55,13 @@ class FabricFSDP2Precision(FabricPrecision):
 
     @override
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        if not skip_pipelined_backward(tensor, self.pipeline):
-            super().backward(tensor, model, *args, **kwargs)
-
-
-def skip_pipelined_backward(loss: torch.Tensor, pipeline: Optional[Pipeline]) -> bool:
-    """Under pipeline parallelism the model's call ran backward (the schedule did, micro-batch by
-    micro-batch): its loss comes back without a graph and the strategy's backward does nothing but check
-    that it was given that loss (``Pipeline.check_backward_loss``)."""
-    if pipeline is None:
-        return False
-    pipeline.check_backward_loss(loss)
-    return True
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "fabric.backward under pipeline parallelism: `pipeline_of(model).train_step(tokens, labels,"
+                " grad_scale=1 / accumulate)` already ran the forward and backward of every micro-batch, and"
+                " its loss has no graph. Drop the fabric.backward call (recipes/fabric_pretrain.py shows the loop)."
+            )
+        super().backward(tensor, model, *args, **kwargs)
 
 
 def fsdp2_precision(plugin: Any, fsdp2_class: type) -> Any:

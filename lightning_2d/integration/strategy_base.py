@@ -16,8 +16,8 @@ precision              ``integration.precision`` (a Lightning         swapped in
 step guard             ``integration.step_guard``                     ``backward``, ``optimizer_step``
 checkpoint IO          ``integration.checkpoint_io`` (a Lightning     ``setup_environment`` creates it; the
                        ``CheckpointIO``)                              strategies' save/load/remove delegate
-pipeline runner        ``integration.pipeline_runner``,               after parallelizing (``_attach_pipeline``)
-                       ``parallel.pipeline``
+pipeline               ``parallel.pipeline`` (stepped by the          after parallelizing (``_attach_pipeline``:
+                       LightningModule or the Fabric loop)            clipping spans the stages)
 watchdog               ``parallel.watchdog``                          ``setup_environment`` … ``teardown``,
                                                                       ``optimizer_step``, ``on_exception``
 =====================  =============================================  ===========================================
@@ -265,8 +265,8 @@ class ModelParallel2DBase(LightningStrategyMembers):
 
     # ---- model -------------------------------------------------------------------------------
     def _attach_pipeline(self, module: nn.Module) -> None:
-        """After parallelizing: under pipeline parallelism the precision plugin skips the backward (the
-        model's call ran it) and clips over every stage's gradients."""
+        """After parallelizing: under pipeline parallelism the precision plugin clips over every stage's
+        gradients (and Fabric's refuses ``fabric.backward``: ``Pipeline.train_step`` ran it)."""
         self._pipeline = pipeline_of(module)
         if self._pipeline is not None:
             self._precision_plugin_2d().pipeline = self._pipeline

@@ -7,7 +7,7 @@ FSDP shards × tensor parallel), then applies ``lightning_2d.parallel.paralleliz
 function the Fabric strategy calls) and materializes the meta-device model shard by shard with
 layout-independent values. What both strategies share lives in
 ``lightning_2d.integration.strategy_base`` (a strategy composed of parts: validation, precision, step guard,
-checkpoint IO, pipeline runner, watchdog); launching and the sampler are Lightning's.
+checkpoint IO, watchdog); launching and the sampler are Lightning's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing_extensions import override
 from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_of, trainer_precision_plugin
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher
-from lightning_2d.integration.pipeline_runner import TrainerPipelineRunner
 from lightning_2d.integration.precision import FSDP2Precision
 from lightning_2d.integration.strategy_base import ModelParallel2DBase
 from lightning_2d.integration.validation import model_context
@@ -67,8 +66,6 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """
 
     strategy_name = "model_parallel_2d"
-    #: The pipeline part (under pipeline parallelism, set in ``setup``).
-    pipeline_runner: Optional[TrainerPipelineRunner] = None
 
     # ---- what differs from Fabric -------------------------------------------------------------
     def _precision_plugin_2d(self) -> Any:
@@ -148,8 +145,6 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             known_init_hooks=registry.known_init_hooks,
         )
         self._attach_pipeline(module)
-        if self._pipeline is not None:
-            self.pipeline_runner = TrainerPipelineRunner(self._pipeline)
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 
@@ -159,23 +154,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    # ---- pipeline parallelism -----------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pipeline parallelism the model's call runs the backward too: ``TrainerPipelineRunner``."""
-        module, runner = self.lightning_module, self.pipeline_runner
-        if runner is None or module is None or not module.automatic_optimization:
-            return super().training_step(*args, **kwargs)
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        runner.before_training_step(batch_idx, module.trainer.accumulate_grad_batches, self.optimizers)
-        output = super().training_step(*args, **kwargs)
-        runner.after_training_step(module)
-        return output
-
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline_runner is not None:
-            self.pipeline_runner.before_backward()
         return self._guarded_backward(closure_loss, partial(super().backward, closure_loss, optimizer, *args, **kwargs))
 
     # ---- checkpoints --------------------------------------------------------------------------

@@ -119,9 +119,30 @@ def normalize_by_global_tokens(
         dist.all_reduce(stats, group=group)
         dp_size = dist.get_world_size(group)
     global_sum, global_tokens = stats.unbind()
-    # clamp: a global batch without targets gives a zero loss, not NaN
-    denominator = global_tokens.clamp(min=1.0)
-    return loss_sum * (dp_size / denominator), global_sum / denominator, global_tokens
+    return loss_sum * token_scale(global_tokens, dp_size), global_sum / global_tokens.clamp(min=1.0), global_tokens
+
+
+def token_scale(global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """The factor that turns one data-parallel rank's summed loss into the loss it differentiates: the
+    global-batch mean times ``dp_size`` (FSDP averages the gradients over the data-parallel ranks).
+
+    The one place the normalization is written: ``normalize_by_global_tokens`` and the pipeline's loss
+    function (``parallel/pipeline.py``, which applies it per micro-batch inside the schedule) use it.
+    A global batch without targets gives a zero loss, not NaN (the count is clamped to 1).
+    """
+    return dp_size / global_tokens.clamp(min=1.0)
+
+
+def count_global_tokens(labels: torch.Tensor, mesh: "DeviceMesh | None" = None) -> tuple[torch.Tensor, int]:
+    """The target tokens (``labels != -100``) of the global batch and the data-parallel size."""
+    import torch.distributed as dist
+
+    count = (labels != IGNORE_INDEX).sum().to(torch.float32).reshape(1)
+    group = _data_parallel_group(mesh)
+    if group is None:
+        return count.reshape(()), 1
+    dist.all_reduce(count, group=group)
+    return count.reshape(()), dist.get_world_size(group)
 
 
 def next_token_loss(

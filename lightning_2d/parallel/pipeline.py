@@ -16,26 +16,31 @@ dimension) does, on the meta-device model:
    TP/SP, activation checkpointing, compile and FSDP2 are applied to each view (the view is its
    FSDP root, so ``PipelineStage`` defers FSDP's gradient reduce-scatter to the last micro-batch)
    over the ``(data_parallel, tensor_parallel)`` sub-mesh of this pipeline rank.
-4. **Run**: the model's class is swapped for a subclass whose ``forward(tokens, labels=)`` runs one
-   schedule step (forward *and* backward of every micro-batch while gradients are enabled,
-   forward only under ``no_grad``) and returns the summed loss of this data-parallel rank's
-   batch, the same on every pipeline rank. The strategies then skip their own ``backward`` for it.
+4. **Run**: the ``Pipeline`` (``pipeline_of(model)``) is stepped explicitly, as torchtitan's training
+   step calls ``pp_schedule.step``: ``pipeline.train_step(tokens, labels, grad_scale=)`` runs the forward
+   *and* backward of every micro-batch and leaves the gradients in the parameters;
+   ``pipeline.eval_step(tokens, labels)`` runs the forwards only. Both return what
+   ``normalize_by_global_tokens`` returns without a pipeline, detached, on every pipeline rank. The
+   model object keeps its class; calling it raises (its blocks are spread over the pipeline ranks), so
+   nothing runs a backward behind a call that looks like a forward. Under the Trainer the library's
+   LightningModule steps it (``integration/module.py``); a Fabric loop calls ``train_step`` itself.
 
 Loss scaling: the last stage returns each micro-batch's *summed* cross-entropy; the schedule's loss
-function multiplies it by ``data_parallel_size / global target tokens`` (counted before the step),
-the same factor ``normalize_by_global_tokens`` applies without a pipeline, and the schedule is built
+function multiplies it by ``token_scale`` (``parallel/loss.py``: ``data_parallel_size / global target
+tokens``, counted before the step, the factor ``normalize_by_global_tokens`` applies without a pipeline)
+times the caller's ``grad_scale`` (``1 / n`` when accumulating over ``n`` batches); the schedule is built
 with ``scale_grads=False`` (its default divides the gradients by the micro-batch count once more).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX
 from lightning_2d.parallel.config import (
     PIPELINE_SCHEDULES,
     ParallelConfig,
@@ -44,6 +49,7 @@ from lightning_2d.parallel.config import (
     PipelineStages,
     raise_if_problems,
 )
+from lightning_2d.parallel.loss import count_global_tokens, normalize_by_global_tokens, token_scale
 from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import check_sequence_length
 
@@ -161,6 +167,8 @@ class Pipeline:
         config: The options (schedule, micro-batches, sequence parallelism, ``param_dtype``: the
             activations' dtype between stages).
         dim: Width of the hidden states sent between stages.
+        split: The number of blocks of every stage, in stage order.
+        check_inputs: Called with ``(tokens, labels)`` before a step (the model's own input checks).
     """
 
     def __init__(
@@ -170,8 +178,12 @@ class Pipeline:
         mesh: "DeviceMesh",
         config: ParallelConfig,
         dim: int,
+        split: Optional[list[int]] = None,
+        check_inputs: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
     ) -> None:
         self.stages = stages
+        self.split = list(split or [])
+        self.check_inputs = check_inputs
         self.stage_indices = stage_indices
         self.mesh = mesh
         self.config = config
@@ -186,12 +198,6 @@ class Pipeline:
         self._schedules: dict[tuple, Any] = {}
         self._scale = torch.ones(())
         self._raw_losses: list[torch.Tensor] = []
-        #: Multiplies the loss the gradients are computed of: the Trainer sets ``1 / accumulate_grad_batches``
-        #: (Lightning divides the loss it would differentiate by it); a Fabric loop that accumulates sets it.
-        self.grad_scale = 1.0
-        #: The loss whose gradients the last training step computed (``loss_sum × dp / tokens × grad_scale``);
-        #: what a strategy's ``backward`` is expected to be given.
-        self.last_objective: Optional[torch.Tensor] = None
         #: Wall time of this rank's forward/backward calls in the last step (``measure=True``): the bubble.
         self.busy_s = 0.0
         self.measure = False
@@ -273,20 +279,41 @@ class Pipeline:
 
                 setattr(stage, name, timed)
 
-    def run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool) -> torch.Tensor:
+    def train_step(
+        self, tokens: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One training step of this data-parallel rank's batch: the forward and backward of every micro-batch.
+
+        The gradients of ``grad_scale`` × the global-batch mean loss (× the data-parallel size, as without a
+        pipeline) are *added* to the parameters' gradients: zero them after each optimizer step, and pass
+        ``grad_scale=1 / n`` to accumulate over ``n`` batches. Nothing else runs a backward.
+
+        Returns:
+            ``(loss, global_mean, global_tokens)`` as ``normalize_by_global_tokens`` (``loss`` without the
+            ``grad_scale``), detached: the gradients are already computed.
+        """
+        total = self._run(tokens, labels, train=True, grad_scale=grad_scale)
+        return normalize_by_global_tokens(total, labels, self.mesh)
+
+    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forwards only (validation, test): ``(loss, global_mean, global_tokens)`` as ``train_step``."""
+        with torch.no_grad():
+            total = self._run(tokens, labels, train=False, grad_scale=1.0)
+        return normalize_by_global_tokens(total, labels, self.mesh)
+
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, grad_scale: float) -> torch.Tensor:
         """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank."""
         import torch.distributed as dist
 
+        if self.check_inputs is not None:
+            self.check_inputs(tokens, labels)
         batch_size, seq_len = tokens.shape
         microbatches = self.microbatches(batch_size, train)
         # Checked on every rank before any collective (the first stage's own check would leave the
         # other stages waiting for its activations).
         check_sequence_length(seq_len, self.sequence_shards)
-        # The gradient of the global-batch mean: each micro-batch's sum × dp / (target tokens of the global batch).
-        count = (labels != IGNORE_INDEX).sum().to(torch.float32).reshape(1)
-        dist.all_reduce(count, group=self.dp_group)
-        dp_size = dist.get_world_size(self.dp_group)
-        self._scale = (dp_size * self.grad_scale / count.clamp(min=1.0)).reshape(())
+        global_tokens, dp_size = count_global_tokens(labels, self.mesh)
+        self._scale = token_scale(global_tokens, dp_size) * grad_scale
         # The stages' buffers are sized by the micro-batch shape (static metadata, no shape inference
         # pass): one schedule per shape and mode, e.g. training, validation, a last smaller batch.
         key = (batch_size, seq_len, microbatches, train)
@@ -306,58 +333,31 @@ class Pipeline:
         total = torch.stack(self._raw_losses).sum() if self.has_last else torch.zeros((), device=tokens.device)
         total = total.to(tokens.device, torch.float32).contiguous()
         dist.broadcast(total, src=self.last_stage_rank, group=self.pp_group)
-        self.last_objective = total * self._scale if train else None
         return total
 
-    def check_backward_loss(self, loss: torch.Tensor) -> None:
-        """The loss given to ``backward`` must be the one the schedule differentiated (up to rounding):
-        any other scaling (``loss / accumulate`` without ``grad_scale``, an extra term) would silently
-        change the gradients, which were computed inside the model's call."""
-        expected, self.last_objective = self.last_objective, None
-        if loss.requires_grad:
-            raise RuntimeError(
-                "Under pipeline parallelism the model's call runs the backward itself (the schedule interleaves the"
-                " micro-batches' forwards and backwards) and returns the loss without a graph; this loss still needs"
-                " a gradient, so part of it was computed outside the model and its gradient would be lost. Return"
-                " the model's loss unchanged, or move the extra term into the model."
-            )
-        if expected is None:
-            return
-        value, target = float(loss.detach().float()), float(expected)
-        if abs(value - target) > 1e-4 * max(abs(target), 1e-12):
-            raise RuntimeError(
-                f"Under pipeline parallelism the gradients are computed inside the model's call, of the loss"
-                f" {target:.6g} (the global-batch mean × grad_scale {self.grad_scale:g}), but backward was given"
-                f" {value:.6g} (× {value / target if target else float('nan'):.4g}). Pass the normalized loss"
-                " unchanged; to accumulate gradients over n batches in a Fabric loop set"
-                " `lightning_2d.parallel.pipeline_of(model).grad_scale = 1 / n` (the Trainer does it itself)."
-            )
 
-
-class PipelinedModel:
-    """Mixed in front of the model's class by ``parallelize_pipeline``: calling the model runs the pipeline."""
-
-    _pipeline: Pipeline
-    #: Set by the strategy: the backward of the loss this returns already ran inside the call.
-    runs_backward_inside = True
-
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if labels is None:
-            raise RuntimeError(
-                "Under pipeline parallelism the model is called with labels and returns the summed loss: the"
-                " logits exist on the last stage only, one micro-batch at a time. Call model(tokens, labels=labels);"
-                " for logits (prediction, generation) load the checkpoint with pipeline_parallel_size=1."
-            )
-        self.check_inputs(tokens, labels)  # type: ignore[attr-defined]  # Transformer.check_inputs
-        return self._pipeline.run(tokens, labels, train=torch.is_grad_enabled())
+#: The pipeline of each pipelined model (the model is not changed but for its pruned blocks).
+_PIPELINES: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDictionary()
 
 
 def pipeline_of(module: nn.Module) -> Optional[Pipeline]:
-    """The ``Pipeline`` of a model (or of the first submodule) that runs one, else ``None``."""
+    """The ``Pipeline`` of a pipelined model (or of the first of its submodules that is one), else ``None``."""
     for sub in module.modules():
-        if isinstance(sub, PipelinedModel):
-            return sub._pipeline
+        pipeline = _PIPELINES.get(sub)
+        if pipeline is not None:
+            return pipeline
     return None
+
+
+def _refuse_call(module: nn.Module, args: Any, kwargs: Any) -> None:
+    raise RuntimeError(
+        f"This {type(module).__name__} is split into pipeline stages (pipeline_parallel_size > 1): this rank holds"
+        " some of its blocks only, so calling it cannot compute anything. Step the pipeline instead:"
+        " `pipeline = lightning_2d.parallel.pipeline_of(model)`, then `pipeline.train_step(tokens, labels,"
+        " grad_scale=1 / accumulate)` (forward and backward of every micro-batch; do not call backward) or"
+        " `pipeline.eval_step(tokens, labels)`. LlamaLightningModule does this under the Trainer. For logits"
+        " (prediction, generation) load the checkpoint with pipeline_parallel_size=1."
+    )
 
 
 def parallelize_pipeline(
@@ -367,7 +367,8 @@ def parallelize_pipeline(
     config: ParallelConfig,
     parallelize_stage: Callable[[nn.Module, ParallelPlan], None],
 ) -> Pipeline:
-    """Split ``model`` (meta device) into this rank's stages, parallelize each, and make calling it run them.
+    """Split ``model`` (meta device) into this rank's stages and parallelize each; returns the ``Pipeline``
+    that runs them (also ``pipeline_of(model)``).
 
     Args:
         model: The model, not yet parallelized, of a family whose plan has ``pipeline_stages``.
@@ -395,11 +396,10 @@ def parallelize_pipeline(
     family.prune(model, mine, first=0 in indices, last=num_stages - 1 in indices)
     for stage in stages:
         parallelize_stage(stage, stage_plan(stage, plan))
-    pipeline = Pipeline(stages, indices, mesh, config, dim=dim)
+    pipeline = Pipeline(stages, indices, mesh, config, dim=dim, split=[len(s) for s in split],
+                        check_inputs=getattr(model, "check_inputs", None))
     # The stages are not submodules of the model (their modules are): the model's parameters,
-    # state_dict and checkpoints keep the single-device names.
-    base = type(model)
-    model.__class__ = type(f"Pipelined{base.__name__}", (PipelinedModel, base), {})
-    model._pipeline = pipeline
-    model._pipeline_split = [len(s) for s in split]
+    # state_dict and checkpoints keep the single-device names. The model keeps its class.
+    _PIPELINES[model] = pipeline
+    model.register_forward_pre_hook(_refuse_call, with_kwargs=True)
     return pipeline

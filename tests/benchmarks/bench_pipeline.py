@@ -66,7 +66,7 @@ def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
-        model(tokens, labels=labels)
+        pipeline.train_step(tokens, labels)
         wall.append(time.perf_counter() - start)
         busy.append(pipeline.busy_s)
         optimizer.step()

@@ -94,7 +94,7 @@ def test_a_custom_parallelize_fn_is_still_accepted(fabric_jobs):
 
 def test_fabric_pipeline_with_accumulation_equals_the_single_device_loop(fabric_jobs):
     """2 pipeline stages (GPipe) × 2 tensor-parallel ranks, 2 accumulated micro-steps per step and clipping
-    to 0.5: the recipe's loop, unchanged but for ``grad_scale`` (the model's call runs the backward),
+    to 0.5: the recipe's loop (``pipeline.train_step(..., grad_scale=1 / accumulate)`` in place of the model and ``fabric.backward``),
     equals the single-device loop."""
     _, run = fabric_jobs
     ref = run("fabric_single", strategy="single").rank_output(0)

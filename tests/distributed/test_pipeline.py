@@ -107,3 +107,27 @@ def test_validation_runs_through_the_pipeline(jobs, name):
         value = run.rank_output(rank)["val_loss"]
         print(f"rank {rank}: validation loss {value:.6f}, single device {expected:.6f}")
         assert value == pytest.approx(expected, rel=LOSS_RTOL)
+
+
+def test_trainer_accumulation_under_a_pipeline_equals_one_double_batch(jobs):
+    """accumulate_grad_batches=2 under 2 pipeline stages (GPipe: one sequence per rank and micro-step) × 2 data-parallel
+    ranks, as the 2D accumulation test in
+    test_options.py: the LightningModule steps the pipeline with ``grad_scale = 1/2`` and zeroes the gradients
+    after each optimizer step (Lightning's own zero_grad, after the window's first ``training_step``, would drop
+    the gradients that step computed; never zeroing would carry them into the next step)."""
+    double = jobs.reference(even_labels=True)  # one device, the whole global batch per step (shared job)
+    accumulated = jobs.layout(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="GPipe",
+                              even_labels=True, accumulate=2)
+    ref = double.rank_output(0)
+    for rank in range(4):
+        out = accumulated.rank_output(rank)
+        micro = out["losses"]
+        assert len(micro) == 12  # two micro-batches per optimizer step
+        pairs = [(a + b) / 2 for a, b in zip(micro[::2], micro[1::2])]
+        assert worst_relative_error(pairs, ref["losses"]) <= LOSS_RTOL
+        assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    final, ref_final = load_weights(accumulated, "final"), load_weights(double, "final")
+    assert final.keys() == ref_final.keys()
+    for name, weight in final.items():
+        # As in test_options.py: micro-batch sums round differently, AdamW's normalized update amplifies it.
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=3e-5, msg=name)

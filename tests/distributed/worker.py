@@ -420,8 +420,8 @@ def fit(cfg: dict) -> None:
         result["compiled_blocks"] = [name for name, block in module.model.layers.items()
                                      if isinstance(block, OptimizedModule)]
         result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
-    if module.model.__class__.__name__.startswith("Pipelined"):
-        result["pipeline_split"] = module.model._pipeline_split
+    if module.pipeline is not None:
+        result["pipeline_split"] = module.pipeline.split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
     mesh = module.device_mesh
     if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined:

@@ -7,13 +7,16 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
 
+from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES, PipelineStageModule, block_costs_of
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import PP_DIM, ParallelDims, validate_parallel_dims
 from lightning_2d.parallel.pipeline import (
+    _PIPELINES,
     Pipeline,
     balanced_split,
     pipeline_split,
@@ -130,17 +133,42 @@ def test_the_pipeline_dimension_is_outermost_and_only_there_with_a_pipeline():
     assert (resolved.pp, resolved.dp, resolved.tp) == (8, 8, 8)
 
 
-def test_a_loss_rescaled_outside_the_pipeline_is_refused():
-    pipeline = Pipeline.__new__(Pipeline)
-    pipeline.grad_scale = 0.5
-    pipeline.last_objective = torch.tensor(2.0)
-    pipeline.check_backward_loss(torch.tensor(2.0))  # what was differentiated: fine
-    pipeline.last_objective = torch.tensor(2.0)
-    with pytest.raises(RuntimeError, match=r"of the loss 2 .*backward was given 4 \(× 2\).*grad_scale = 1 / n"):
-        pipeline.check_backward_loss(torch.tensor(4.0))
-    pipeline.last_objective = torch.tensor(2.0)
-    with pytest.raises(RuntimeError, match="this loss still needs a gradient"):
-        pipeline.check_backward_loss(torch.tensor(2.0, requires_grad=True) * 1)
+def test_a_loss_with_a_graph_is_refused_under_a_pipeline_and_fabric_backward_too():
+    """``pipeline.train_step`` ran the backward: a term added outside the pipeline (a loss that still has a graph)
+    would get no gradient, so the LightningModule's ``backward`` refuses it; Fabric's ``backward`` is refused."""
+    from lightning_2d.integration.precision import FabricFSDP2Precision
+
+    module = LlamaLightningModule("debug")
+    module.model = nn.Linear(2, 2)
+    marker = Pipeline.__new__(Pipeline)
+    _PIPELINES[module.model] = marker
+    assert module.pipeline is marker
+    module.backward(torch.tensor(2.0))  # the pipeline's loss: nothing to do
+    with pytest.raises(RuntimeError, match="a term was added outside the pipeline and would get no gradient"):
+        module.backward(torch.tensor(2.0, requires_grad=True) * 1)
+    plugin = FabricFSDP2Precision("32-true")
+    plugin.pipeline = marker
+    with pytest.raises(RuntimeError, match=r"fabric.backward under pipeline parallelism: .*train_step"):
+        plugin.backward(torch.tensor(2.0), module.model)
+
+
+def test_under_a_pipeline_gradients_are_zeroed_after_the_step_not_between_step_and_backward():
+    """Lightning calls ``optimizer_zero_grad`` after ``training_step`` (which computed the gradients under a
+    pipeline): the module zeroes them right after each optimizer step instead."""
+    module = LlamaLightningModule("debug")
+    module.model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(module.model.parameters(), lr=0.0)
+    for p in module.model.parameters():
+        p.grad = torch.ones_like(p)
+    module.optimizer_zero_grad(0, 0, opt)  # without a pipeline: Lightning's zeroing
+    assert all(p.grad is None for p in module.model.parameters())
+    _PIPELINES[module.model] = Pipeline.__new__(Pipeline)
+    for p in module.model.parameters():
+        p.grad = torch.ones_like(p)
+    module.optimizer_zero_grad(0, 0, opt)  # a pipeline's gradients survive it
+    assert all(p.grad is not None for p in module.model.parameters())
+    module.optimizer_step(0, 0, opt, None)
+    assert all(p.grad is None for p in module.model.parameters())  # zeroed after the update
 
 
 def test_an_older_torch_is_refused_for_a_pipeline_only(monkeypatch):

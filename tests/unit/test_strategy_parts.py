@@ -15,7 +15,6 @@ from lightning_2d import ModelParallel2DStrategy, ParallelConfigError
 from lightning_2d.checkpoint.files import CheckpointError, is_complete
 from lightning_2d.integration import strategy_base
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
-from lightning_2d.integration.pipeline_runner import TrainerPipelineRunner
 from lightning_2d.integration.precision import FSDP2Precision, fsdp2_precision
 from lightning_2d.integration.step_guard import NonFiniteLossError, StepGuard
 from lightning_2d.integration.validation import model_context
@@ -107,29 +106,6 @@ def test_stock_precision_plugins_give_way_to_fsdp2s_policy_and_custom_ones_stay(
 
     mine = Mine()
     assert fsdp2_precision(mine, FSDP2Precision) is mine
-
-
-# ---- pipeline runner -----------------------------------------------------------------------------
-class _Pipeline:
-    grad_scale = 1.0
-
-
-def test_the_pipeline_runner_holds_a_steps_gradients_across_lightnings_zero_grad():
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    runner = TrainerPipelineRunner(_Pipeline())  # type: ignore[arg-type]
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 5.0)  # left from the previous window
-    runner.before_training_step(batch_idx=4, accumulate_grad_batches=2, optimizers=[opt])
-    assert runner.pipeline.grad_scale == 0.5
-    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # zeroed at the window's start
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)  # what the schedule's backward computed
-    runner.after_training_step(model)
-    assert all(p.grad is None for p in model.parameters())  # hidden from Lightning's zero_grad
-    opt.zero_grad()
-    runner.before_backward()
-    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
 
 
 # ---- validation ----------------------------------------------------------------------------------

@@ -83,14 +83,7 @@ class _ShardedCheckpoint:
             raise ExportError(f"{path / DCP_METADATA_FILE} holds a {type(dcp_metadata).__name__}, not DCP's Metadata")
         if dcp_metadata.storage_meta is None:
             dcp_metadata.storage_meta = StorageMeta()
-        self.reader = FileSystemReader(str(path))
-
-        def read_metadata(*args: Any, **kwargs: Any) -> Metadata:
-            # Read once (above, safely), not once per tensor: a large job's `.metadata` lists every chunk.
-            dcp_metadata.storage_meta.load_id = self.reader.load_id
-            return dcp_metadata
-
-        self.reader.read_metadata = read_metadata  # type: ignore[method-assign]
+        self.reader = _metadata_once_reader(FileSystemReader, path, dcp_metadata)
         self.path = path
         if problems := shard_size_problems(path, dcp_metadata):
             raise ExportError(
@@ -451,3 +444,16 @@ def export_hf(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _metadata_once_reader(reader_class: type, path: Path, metadata: Any) -> Any:
+    """A DCP ``FileSystemReader`` of ``path`` whose ``read_metadata`` returns ``metadata``, read once (safely, by
+    the caller), not once per tensor: a large job's ``.metadata`` lists every chunk. A subclass, so that no
+    method is replaced on a live object."""
+
+    class MetadataOnceReader(reader_class):  # type: ignore[misc, valid-type]  # torch's class, imported lazily
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return MetadataOnceReader(str(path))

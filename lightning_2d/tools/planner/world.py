@@ -21,6 +21,7 @@ from lightning_2d._compat import fake_store
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
+from lightning_2d.parallel.pipeline import pipeline_of
 from lightning_2d.tools.planner.units import FSDPUnit, _units
 
 
@@ -106,7 +107,7 @@ def _shard(
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
         _parallelize(model, mesh, plan, config)
-        pipeline = getattr(model, "_pipeline", None)
+        pipeline = pipeline_of(model)
         if pipeline is None:
             units, stage_indices, split = _units(model, plan, dims, config.param_dtype), [], []
         else:
@@ -118,7 +119,7 @@ def _shard(
             for stage, index in zip(pipeline.stages, pipeline.stage_indices):
                 for unit in _units(stage, stage_plan(stage, plan), dims, config.param_dtype):
                     units.append(replace(unit, name=f"stage {index}: {unit.name}"))
-            stage_indices, split = list(pipeline.stage_indices), list(model._pipeline_split)
+            stage_indices, split = list(pipeline.stage_indices), list(pipeline.split)
         numel = param_bytes = 0
         for param in model.parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
