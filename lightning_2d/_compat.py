@@ -85,6 +85,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "a public fake backend, or run the planner on a real gloo world"),
     PrivateAPI("torch.utils", "_pytree", "only its logger's name, quieted while torchao imports",
                "drop the quieting"),
+    PrivateAPI("torch.distributed.pipelining", "ScheduleLoopedBFS._calculate_single_rank_operations",
+               "forward-only steps over stages placed in a V (pipeline.VForwardOnly: LoopedBFS's forwards on the V's"
+               " stages; the V schedules' own eval() fails in torch 2.13)",
+               "the V schedules' eval() once it skips their backward actions, or a forward-only order loaded"
+               " through a public schedule-IR API", kind="override"),
     PrivateAPI("torch.distributed.tensor.parallel", "ParallelStyle._apply",
                "our ParallelStyles (VocabParallelHead, SequenceShardInput): the method a custom style defines",
                "the public hook of ParallelStyle, if it is renamed", kind="override"),

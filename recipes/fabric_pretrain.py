@@ -31,6 +31,7 @@ from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.integration.module import warmup_cosine_schedule
 from lightning_2d.parallel import pipeline_of
+from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
@@ -45,7 +46,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="pipeline stages' ranks (the Llama's blocks split into stages); 1: no pipeline")
-    parser.add_argument("--pipeline-schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
+    parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(PIPELINE_SCHEDULES))
     parser.add_argument("--data-parallel-replicate-size", type=int, default=1,
                         help="HSDP: replica groups of the data-parallel ranks (FSDP shards inside each)")
     parser.add_argument("--precision", default="32-true")

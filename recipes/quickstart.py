@@ -17,6 +17,7 @@ import argparse
 import lightning as L
 
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, TextDataModule, ThroughputMonitor
+from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline ranks (1: no pipeline)")
-    parser.add_argument("--pipeline-schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"])
+    parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(PIPELINE_SCHEDULES))
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel replica")
     parser.add_argument("--seq-len", type=int, default=256)

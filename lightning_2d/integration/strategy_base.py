@@ -113,7 +113,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
         tensor_parallel_size: Size = ParallelConfig.tensor_parallel_size,
         data_parallel_replicate_size: int = ParallelConfig.data_parallel_replicate_size,
         pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
-        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = ParallelConfig.pipeline_schedule,
+        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] = ParallelConfig.pipeline_schedule,
         pipeline_microbatches: Optional[int] = ParallelConfig.pipeline_microbatches,
         pipeline_stages_per_rank: Optional[int] = ParallelConfig.pipeline_stages_per_rank,
         pipeline_layers_per_stage: Optional[list[int]] = ParallelConfig.pipeline_layers_per_stage,

@@ -17,6 +17,9 @@ numbers per chunk) supplies. This file is plain PyTorch; the collectives are pas
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -25,6 +28,28 @@ import torch
 from lightning_2d._compat import assert_async
 
 IGNORE_INDEX = -100
+
+#: Whether a backward of the loss computed now may run more than once (see ``replayable_backward``).
+_REPLAYABLE_BACKWARD = contextvars.ContextVar("lightning_2d_replayable_backward", default=False)
+
+
+@contextmanager
+def replayable_backward() -> Iterator[None]:
+    """Losses computed inside may be differentiated more than once through the same graph.
+
+    By default the backward scales the gradients stored in forward in place and drops them (no copy, freed
+    as soon as they are used). The zero-bubble pipeline schedules split each backward in two passes over a
+    retained graph (``torch.distributed.pipelining``'s ``stage_backward_input``, then ``stage_backward_weight``
+    from the nodes where the input and weight paths meet, which is this loss's node: it produces both the
+    hidden-state and the head-weight gradients): the second pass calls the backward again. Inside this
+    context the backward keeps the stored gradients and scales copies (they live until the graph is freed,
+    after the weight pass).
+    """
+    token = _REPLAYABLE_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _REPLAYABLE_BACKWARD.reset(token)
 
 
 @dataclass(frozen=True)
@@ -91,14 +116,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_weight += grad_logits.t() @ h
         ctx.grads = (grad_hidden, grad_weight, weight.dtype)
+        ctx.replayable = _REPLAYABLE_BACKWARD.get()
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
+        if ctx.grads is None:
+            raise RuntimeError(
+                "linear_cross_entropy's backward ran twice on one graph; compute the loss inside"
+                " lightning_2d.ops.linear_cross_entropy.replayable_backward() to differentiate it more than once"
+            )
         grad_hidden, grad_weight, weight_dtype = ctx.grads
-        ctx.grads = None
         if grad_hidden is None:
             raise RuntimeError("linear_cross_entropy was computed without gradients (with_grads=False)")
+        if ctx.replayable:  # a later pass calls this again: scale copies
+            return (grad_hidden * grad_total.to(grad_hidden.dtype), (grad_weight * grad_total).to(weight_dtype),
+                    None, None, None, None, None)
+        ctx.grads = None
         grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         grad_weight = grad_weight.mul_(grad_total).to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

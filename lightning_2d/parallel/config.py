@@ -24,8 +24,21 @@ NON_FINITE_POLICIES = ("raise", "skip", "off")
 #: The oldest torch the pipeline runs on: the release it is tested with. Before it ``torch.distributed.pipelining``
 #: lacked parts it relies on (schedules' ``eval()`` arrived in 2.9; static stage metadata and its warm-up vote later).
 PIPELINE_MIN_TORCH = "2.13"
-#: Pipeline schedules (``torch.distributed.pipelining``) → stages per rank they need: one, or several ("virtual").
-PIPELINE_SCHEDULES: dict[str, str] = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "multi"}
+#: Pipeline schedules (``torch.distributed.pipelining``) → the stages per rank they run and where they place them:
+#: ``"single"`` (one), ``"multi"`` (several, in a loop: stage ``s`` on rank ``s % pp``) or ``"v"`` (exactly two,
+#: in a V: rank ``r`` holds stages ``r`` and ``2·pp - 1 - r``).
+PIPELINE_SCHEDULES: dict[str, str] = {
+    "1F1B": "single",
+    "GPipe": "single",
+    "Interleaved1F1B": "multi",
+    "InterleavedZeroBubble": "multi",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
+#: The schedules that split each backward into its input-gradient and weight-gradient halves (``I`` and ``W``
+#: actions, torch's ``stage_backward_input``/``stage_backward_weight``) to fill the bubble.
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
 PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "32-true": (torch.float32, torch.float32),
@@ -88,6 +101,7 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 #: checks that each one names the option it is listed for).
 STATIC_CHECKS = "lightning_2d.parallel.config.ParallelConfig.static_problems"
 PIPELINE_CHECKS = "lightning_2d.parallel.config.ParallelConfig.pipeline_problems"
+ZERO_BUBBLE_CHECKS = "lightning_2d.parallel.config.ParallelConfig.zero_bubble_problems"
 MICROBATCH_CHECKS = "lightning_2d.parallel.config.ParallelConfig.microbatch_problems"
 BLOCK_COUNT_CHECKS = "lightning_2d.parallel.config.ParallelConfig.block_count_problems"
 FLOAT8_RECIPE_CHECKS = "lightning_2d.parallel.config.float8_recipe_problems"
@@ -127,12 +141,12 @@ class ParallelConfig:
     vocabulary and compute the cross-entropy on the shards (saves ``(tp-1)/tp`` of the logits memory). The
     model's loss must be computed inside ``lightning_2d.parallel.loss.loss_parallel_context()``;
     ``LlamaLightningModule`` does it. The fused Llama loss is always vocabulary-parallel."""
-    activation_checkpointing: Literal["none", "full", "selective"] = option("none", checks=(STATIC_CHECKS,))
+    activation_checkpointing: Literal["none", "full", "selective"] = option("none", checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
     """``"none"``, ``"full"`` (recompute each block) or ``"selective"`` (see ``selective_ac_option``)."""
-    selective_ac_option: Union[str, int] = option("op", checks=(STATIC_CHECKS,))
+    selective_ac_option: Union[str, int] = option("op", checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
     """For ``"selective"``: ``"op"`` (save matmul/attention outputs, recompute the rest) or an integer ``N``
     (fully checkpoint every N-th block)."""
-    compile: bool = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
+    compile: bool = option(False, checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS, HARDWARE_CHECKS))
     """``torch.compile`` each transformer block (after activation checkpointing, before FSDP)."""
     param_dtype: Optional[Union[str, torch.dtype]] = option(None, checks=(STATIC_CHECKS,), shown="from ``precision``")
     """Dtype FSDP2 all-gathers parameters in for compute (its ``MixedPrecisionPolicy``), e.g. ``"bfloat16"`` or
@@ -140,10 +154,10 @@ class ParallelConfig:
     ``32-true``)."""
     reduce_dtype: Optional[Union[str, torch.dtype]] = option(None, checks=(STATIC_CHECKS,))
     """Dtype of FSDP2's gradient reduce-scatter (its ``MixedPrecisionPolicy``); ``None`` means fp32."""
-    reshard_after_forward: Literal["default", "always", "never"] = option("default", checks=(STATIC_CHECKS,))
+    reshard_after_forward: Literal["default", "always", "never"] = option("default", checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
     """``"default"`` (free each unit's gathered parameters after its forward, except the output unit's — final
-    norm and head — which backward needs first), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer
-    all-gathers)."""
+    norm and head — which backward needs first; under a zero-bubble pipeline schedule none, as ``"never"``: its
+    split backward needs them), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers)."""
     float8: Union[bool, Literal["emulate"]] = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
     """Train the block projections in float8 (torchao's ``Float8Linear``; GPUs with CUDA compute capability
     >= 8.9, ``pip install "lightning-2d[float8]"``), with torchao's float8 tensor-parallel styles.
@@ -161,7 +175,7 @@ class ParallelConfig:
     """Overlap the sequence-parallel all-gathers and reduce-scatters with the matmuls (inductor's
     micro-pipelined TP over symmetric memory). Needs CUDA, NCCL, ``compile=True``, ``sequence_parallel=True``
     and ``tensor_parallel_size > 1``."""
-    reduce_every_micro_batch: bool = option(False, checks=(STATIC_CHECKS,))
+    reduce_every_micro_batch: bool = option(False, checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
     """With gradient accumulation, reduce-scatter the gradients after every micro-batch (least memory) instead
     of once, after the last micro-batch (the default: ``n - 1`` of ``n`` reduce-scatters saved, but between
     micro-batches each rank holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
@@ -183,19 +197,26 @@ class ParallelConfig:
     into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded
     on its own ``(data_parallel, tensor_parallel)`` sub-mesh. The outermost mesh dimension (across nodes).
     ``1`` (default): no pipeline."""
-    pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = option(
-        "1F1B", checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS)
-    )
-    """``"1F1B"`` (default), ``"GPipe"`` (all forwards, then all backwards: more activation memory) or
-    ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble)."""
+    pipeline_schedule: Literal[
+        "1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = option("1F1B", checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS, ZERO_BUBBLE_CHECKS))
+    """``"1F1B"`` (default), ``"GPipe"`` (all forwards, then all backwards: more activation memory),
+    ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble), or a zero-bubble schedule, which splits
+    each backward into its input and weight halves and runs weight halves in the bubble:
+    ``"InterleavedZeroBubble"`` (stages in a loop, like Interleaved1F1B), ``"ZBVZeroBubble"`` and
+    ``"DualPipeV"`` (2 stages per rank in a V: rank ``r`` holds stages ``r`` and ``2·pp - 1 - r``; DualPipeV needs
+    ``2 × pipeline_parallel_size`` micro-batches). The zero-bubble schedules keep every FSDP unit gathered from
+    forward to backward (``reshard_after_forward="default"``) and refuse ``compile``, per-op selective activation
+    checkpointing and ``reduce_every_micro_batch``."""
     pipeline_microbatches: Optional[int] = option(None, checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS))
     """Micro-batches each batch is split into (must divide the per-rank batch size; at least
     ``pipeline_parallel_size`` for the 1F1B schedules). ``None``: one sequence per micro-batch (the batch size).
     The idle fraction (bubble) of 1F1B/GPipe is about ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m``
     micro-batches."""
     pipeline_stages_per_rank: Optional[int] = option(None, checks=(PIPELINE_CHECKS,))
-    """Stages each pipeline rank holds: ``1`` for ``"1F1B"``/``"GPipe"``, at least 2 for ``"Interleaved1F1B"``
-    (``None``: 1, or 2 for the interleaved schedule)."""
+    """Stages each pipeline rank holds: ``1`` for ``"1F1B"``/``"GPipe"``, at least 2 for ``"Interleaved1F1B"`` and
+    ``"InterleavedZeroBubble"``, exactly 2 for ``"ZBVZeroBubble"``/``"DualPipeV"`` (``None``: 1, or 2 for the
+    others)."""
     pipeline_layers_per_stage: Optional[list[int]] = option(None, checks=(PIPELINE_CHECKS, BLOCK_COUNT_CHECKS))
     """Transformer blocks of each stage, in order (``[9, 8, 8, 7]``); ``None``: a balanced split by compute, the
     output head counted in the last stage."""
@@ -271,7 +292,32 @@ class ParallelConfig:
     def stages_per_rank(self) -> int:
         if self.pipeline_stages_per_rank is not None:
             return self.pipeline_stages_per_rank
-        return 2 if PIPELINE_SCHEDULES.get(self.pipeline_schedule) == "multi" else 1
+        return 2 if PIPELINE_SCHEDULES.get(self.pipeline_schedule) in ("multi", "v") else 1
+
+    @property
+    def zero_bubble(self) -> bool:
+        """Whether a pipeline runs a zero-bubble schedule (each backward split into an input and a weight pass)."""
+        return self.pipeline_parallel_size > 1 and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+
+    @property
+    def reshard_policy(self) -> str:
+        """The ``reshard_after_forward`` policy applied: ``"default"`` is ``"never"`` under a zero-bubble schedule.
+
+        Their input pass collects the weights to differentiate later from the stage's ``parameters()`` when
+        it starts; a unit resharded after forward shows its sharded parameters then, which are not in the
+        graph, and its weight gradients are silently never computed (measured: every block but the first
+        stage's lost them). Under a pipeline every unit stays gathered from its first backward to the end of
+        the step anyway (``PipelineStage``), so the peak is the same.
+        """
+        if self.reshard_after_forward == "default" and self.zero_bubble:
+            return "never"
+        return self.reshard_after_forward
+
+    @property
+    def pipeline_placement(self) -> str:
+        """Where the stages go: ``"v"`` for the V-shaped schedules (rank ``r`` holds stages ``r`` and
+        ``2·pp - 1 - r``), else ``"loop"`` (stage ``s`` on rank ``s % pp``)."""
+        return "v" if PIPELINE_SCHEDULES.get(self.pipeline_schedule) == "v" else "loop"
 
     def pipeline_problems(self) -> list[str]:
         """The pipeline options' own problems (no world size or model needed)."""
@@ -314,6 +360,14 @@ class ParallelConfig:
                     f"pipeline_schedule={self.pipeline_schedule!r} interleaves several stages per rank, but"
                     f" pipeline_stages_per_rank={per_rank}; use 2 or more (the default), or pipeline_schedule='1F1B'"
                 )
+            if kind == "v" and per_rank != 2:
+                problems.append(
+                    f"pipeline_schedule={self.pipeline_schedule!r} places exactly 2 stages on each rank, in a V (rank r"
+                    f" holds stages r and 2·pp - 1 - r), but pipeline_stages_per_rank={per_rank}; use 2 (the default),"
+                    " or pipeline_schedule='InterleavedZeroBubble' for another count"
+                )
+        if pp > 1 and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
+            problems += self.zero_bubble_problems()
         layers = self.pipeline_layers_per_stage
         if layers is not None:
             if not isinstance(layers, (list, tuple)) or not all(
@@ -330,6 +384,38 @@ class ParallelConfig:
                 )
         if pp > 1 and self.pipeline_microbatches is not None and isinstance(self.pipeline_microbatches, int):
             problems += self.microbatch_problems(self.pipeline_microbatches, batch_size=None)
+        return problems
+
+    def zero_bubble_problems(self) -> list[str]:
+        """What the zero-bubble schedules (each backward split into an input and a weight pass) cannot run with."""
+        name, problems = self.pipeline_schedule, []
+        if self.compile:
+            problems.append(
+                f"pipeline_schedule={name!r} splits each backward into its input and weight halves, which torch 2.13"
+                " does not support for compiled modules (the schedule raises on torch.compile'd stages); use"
+                " compile=False, or pipeline_schedule='Interleaved1F1B'"
+            )
+        if self.activation_checkpointing == "selective" and self.selective_ac_option == "op":
+            problems.append(
+                f"pipeline_schedule={name!r} runs a second backward pass (the weights') over each micro-batch's graph,"
+                " which per-op selective activation checkpointing refuses (torch: \"Trying to backward an extra"
+                " time ... under selective activation checkpoint\"); use activation_checkpointing='full' (or"
+                " selective_ac_option=N: every N-th block fully checkpointed), or pipeline_schedule='Interleaved1F1B'"
+            )
+        if self.reduce_every_micro_batch:
+            problems.append(
+                f"pipeline_schedule={name!r} with reduce_every_micro_batch=True: each micro-batch's input pass would"
+                " end in FSDP's reduce-scatter and reshard, before its weight pass computed the weight gradients"
+                " (torch fails looking the gathered weights up); use reduce_every_micro_batch=False, or"
+                " pipeline_schedule='Interleaved1F1B'"
+            )
+        if self.reshard_after_forward == "always":
+            problems.append(
+                f"pipeline_schedule={name!r} with reshard_after_forward='always': the split backward finds the weights"
+                " to differentiate among the stage's parameters before its first unit is gathered again, so the"
+                " resharded units' weight gradients would never be computed; use reshard_after_forward='default'"
+                " (which keeps them gathered under these schedules) or 'never'"
+            )
         return problems
 
     def block_count_problems(self, num_blocks: int) -> list[str]:
@@ -368,6 +454,21 @@ class ParallelConfig:
             problems.append(
                 f"pipeline_schedule='Interleaved1F1B' needs the micro-batch count ({microbatches}) to be a multiple"
                 f" of pipeline_parallel_size ({pp})"
+            )
+        rounds = max(1, microbatches // pp)
+        if self.pipeline_schedule == "InterleavedZeroBubble" and microbatches % rounds:
+            fits = [k for k in range(microbatches - 1, 0, -1) if k % max(1, k // pp) == 0][:1]
+            problems.append(
+                f"pipeline_schedule='InterleavedZeroBubble' runs the micro-batches in rounds of about"
+                f" pipeline_parallel_size ({pp}): {microbatches} micro-batches make {rounds} rounds, which must divide"
+                f" them; use a multiple of {pp}, or at most {pp} (e.g. {fits[0] if fits else pp})"
+            )
+        stages = self.num_pipeline_stages
+        if self.pipeline_schedule == "DualPipeV" and microbatches < stages:
+            problems.append(
+                f"pipeline_schedule='DualPipeV' needs at least as many micro-batches as stages ({stages}:"
+                f" 2 × pipeline_parallel_size {pp}), got {microbatches}; raise pipeline_microbatches (or the batch"
+                " size), or use 'ZBVZeroBubble'"
             )
         return problems
 

@@ -46,14 +46,14 @@ def apply_fully_shard(
         model: The model (already tensor-parallel, checkpoint-wrapped and compiled as configured).
         dp_mesh: The data-parallel sub-mesh.
         plan: Names the block container, ``input_units`` and ``output_unit``.
-        config: ``reshard_after_forward`` policy, and ``param_dtype`` (the dtype parameters are
+        config: ``reshard_after_forward`` policy (``ParallelConfig.reshard_policy``), and ``param_dtype`` (the dtype parameters are
             gathered in for compute) and ``reduce_dtype`` (gradients are reduce-scattered in), as
             resolved against the precision by ``ParallelConfig.resolve_dtypes``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    reshard = reshard_after_forward_by_unit(config.reshard_after_forward)
+    reshard = reshard_after_forward_by_unit(config.reshard_policy)
 
     def shard(module: nn.Module | list[nn.Module], kind: str) -> None:
         fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard[kind])

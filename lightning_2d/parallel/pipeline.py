@@ -6,7 +6,9 @@ dimension) does, on the meta-device model:
 1. **Split**: the blocks are cut into ``pipeline_parallel_size × stages_per_rank`` contiguous stages
    (``balanced_split``: by parameter count as a stand-in for compute, the output head counted in the
    last stage; or ``pipeline_layers_per_stage``). Stage ``s`` lives on pipeline rank
-   ``s % pipeline_parallel_size`` (loop placement, what the interleaved schedule expects).
+   ``s % pipeline_parallel_size`` (loop placement, what the interleaved schedules expect), or, under the
+   V-shaped schedules (``ZBVZeroBubble``, ``DualPipeV``), rank ``r`` holds stages ``r`` and ``2·pp - 1 - r``
+   (the first and the last stage on rank 0; the two middle ones on the last rank hand over locally).
 2. **Prune**: the model keeps only this rank's blocks (and the embedding / final norm and head if it
    holds the first / last stage). Names are unchanged (``layers.17.attention.wq.weight``), so the
    layout-independent init, ``state_dict`` and DCP checkpoints see the same names as on one
@@ -35,6 +37,7 @@ with ``scale_grads=False`` (its default divides the gradients by the micro-batch
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -43,12 +46,14 @@ from torch import nn
 
 from lightning_2d.parallel.config import (
     PIPELINE_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     ParallelConfig,
     ParallelConfigError,
     ParallelPlan,
     PipelineStages,
     raise_if_problems,
 )
+from lightning_2d.ops.linear_cross_entropy import replayable_backward
 from lightning_2d.parallel.loss import count_global_tokens, normalize_by_global_tokens, token_scale
 from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import check_sequence_length
@@ -100,9 +105,32 @@ def balanced_split(block_costs: list[float], num_stages: int, last_extra: float 
     return sizes[::-1]
 
 
-def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
-    """The stage indices pipeline rank ``pp_rank`` runs (loop placement: stage ``s`` on rank ``s % pp``)."""
+def stages_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, placement: str = "loop") -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` runs, in stage order.
+
+    Args:
+        pp_rank: The pipeline rank.
+        pp_size: Pipeline ranks.
+        stages_per_rank: Stages each rank holds.
+        placement: ``"loop"`` (stage ``s`` on rank ``s % pp``: 1F1B, GPipe, the interleaved schedules) or
+            ``"v"`` (two stages per rank, rank ``r`` holding stages ``r`` and ``2·pp - 1 - r``: ZBVZeroBubble,
+            DualPipeV; torch's ``generate_stage_to_rank_mapping(style="v")``). ``ParallelConfig.pipeline_placement``
+            says which a schedule uses.
+    """
+    if placement == "v":
+        if stages_per_rank != 2:
+            raise ValueError(f"the V placement holds 2 stages per rank, got stages_per_rank={stages_per_rank}")
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    if placement != "loop":
+        raise ValueError(f"placement={placement!r}; use 'loop' or 'v'")
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def rank_of_stage(stage: int, pp_size: int, placement: str = "loop") -> int:
+    """The pipeline rank holding ``stage`` (the inverse of ``stages_of_rank``)."""
+    if placement == "v":
+        return stage if stage < pp_size else 2 * pp_size - 1 - stage
+    return stage % pp_size
 
 
 def pipeline_split(model: nn.Module, config: ParallelConfig, stages: PipelineStages) -> list[list[str]]:
@@ -157,6 +185,61 @@ class _ReduceEveryMicroBatch(nn.Module):
 
 
 # ---- the runtime -----------------------------------------------------------------------------
+def _looped_bfs() -> type:
+    from torch.distributed.pipelining import ScheduleLoopedBFS
+
+    return ScheduleLoopedBFS
+
+
+class VForwardOnly(_looped_bfs()):  # type: ignore[misc]
+    """The forwards of every micro-batch over stages placed in a V (rank ``r``: stages ``r``, ``2·pp - 1 - r``).
+
+    ``ScheduleZBVZeroBubble.eval``/``ScheduleDualPipeV.eval`` run their whole order with the backward off, and
+    a backward action's local hand-over between the two middle stages (both on the last rank) asserts a
+    backward (torch 2.13: "can't steal_bwd_input if this stage doesn't have backward"). This is LoopedBFS's
+    order (every forward of the rank's first stage, then of its second) on the V's stages; torch infers the
+    stage-to-rank map from the actions and checks that each stage has its backwards, which ``eval`` must
+    skip: they are replaced by a no-op (their receives, empty without a backward, are dropped).
+    """
+
+    def __init__(self, stages: list[Any], n_microbatches: int, **kwargs: Any) -> None:
+        from torch.distributed.pipelining.schedules import FULL_BACKWARD
+
+        super().__init__(stages, n_microbatches, **kwargs)
+        self.register_custom_function(FULL_BACKWARD, self._skip_backward)
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+        pp = self.pp_group_size
+        v_stages = stages_of_rank(rank, pp, 2, "v")
+        ops = super()._calculate_single_rank_operations(rank)  # stages rank and rank + pp: local 0 and 1
+        return [None if op is None else op._replace(stage_index=v_stages[(op.stage_index - rank) // pp]) for op in ops]
+
+    def _skip_backward(self, action: Any, ctx: Any) -> None:
+        self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+
+def schedule_class(schedule: str, train: bool) -> type:
+    """The ``torch.distributed.pipelining`` class running ``pipeline_schedule=schedule``.
+
+    Forward only (``train=False``), every order computes the same: the fill-drain schedules take any
+    micro-batch count (GPipe for one stage per rank, LoopedBFS for a loop, ``VForwardOnly`` for a V: the V
+    classes' own ``eval`` fails in torch 2.13, running their backward actions' local hand-over).
+    """
+    from torch.distributed import pipelining
+
+    kind = PIPELINE_SCHEDULES[schedule]
+    if not train:
+        return {"single": pipelining.ScheduleGPipe, "multi": pipelining.ScheduleLoopedBFS, "v": VForwardOnly}[kind]
+    return {
+        "1F1B": pipelining.Schedule1F1B,
+        "GPipe": pipelining.ScheduleGPipe,
+        "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
+        "InterleavedZeroBubble": pipelining.ScheduleInterleavedZeroBubble,
+        "ZBVZeroBubble": pipelining.ScheduleZBVZeroBubble,
+        "DualPipeV": pipelining.ScheduleDualPipeV,
+    }[schedule]
+
+
 class Pipeline:
     """This rank's stages and the schedules that run them (one per batch shape and mode).
 
@@ -203,11 +286,18 @@ class Pipeline:
         self.measure = False
 
     @property
+    def schedules(self) -> dict[tuple, Any]:
+        """The schedules built so far, by ``(batch size, sequence length, micro-batches, training)``."""
+        return dict(self._schedules)
+
+    @property
     def last_stage_rank(self) -> int:
         """The global rank holding the last stage in this rank's pipeline."""
         import torch.distributed as dist
 
-        return dist.get_global_rank(self.pp_group, (self.num_stages - 1) % dist.get_world_size(self.pp_group))
+        pp = dist.get_world_size(self.pp_group)
+        last = rank_of_stage(self.num_stages - 1, pp, self.config.pipeline_placement)
+        return dist.get_global_rank(self.pp_group, last)
 
     def microbatches(self, batch_size: int, train: bool) -> int:
         """The micro-batch count for a batch: the configured one (or one sequence each), checked; in
@@ -248,26 +338,24 @@ class Pipeline:
                     group=self.pp_group,
                 )
             )
-        name = self.config.pipeline_schedule
         kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
-        single = PIPELINE_SCHEDULES[name] == "single"
-        if not train:
-            # Forward only, every order computes the same: the fill-drain schedules take any micro-batch count.
-            cls = pipelining.ScheduleGPipe if single else pipelining.ScheduleLoopedBFS
-        elif single:
-            cls = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe}[name]
-        else:
-            cls = pipelining.ScheduleInterleaved1F1B
+        cls = self.schedule_class(train)
+        single = PIPELINE_SCHEDULES[self.config.pipeline_schedule] == "single"
         schedule = cls(stages[0] if single else stages, **kwargs)
         if self.measure:
             self._instrument(stages)
         return schedule
 
+    def schedule_class(self, train: bool) -> type:
+        """The ``torch.distributed.pipelining`` schedule class a training (or forward-only) step runs."""
+        return schedule_class(self.config.pipeline_schedule, train)
+
     def _instrument(self, stages: list[Any]) -> None:
         import time
 
         for stage in stages:
-            for name in ("forward_one_chunk", "backward_one_chunk"):
+            # The zero-bubble schedules run the weight half of a backward apart (their ``W`` actions).
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 original = getattr(stage, name)
 
                 def timed(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
@@ -329,7 +417,10 @@ class Pipeline:
         target = labels if self.has_last else None
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
-        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        # The zero-bubble schedules run a second backward pass (the weights') over the retained graph.
+        replay = replayable_backward() if self.config.pipeline_schedule in ZERO_BUBBLE_SCHEDULES else nullcontext()
+        with replay:
+            run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack(self._raw_losses).sum() if self.has_last else torch.zeros((), device=tokens.device)
         total = total.to(tokens.device, torch.float32).contiguous()
         dist.broadcast(total, src=self.last_stage_rank, group=self.pp_group)
@@ -388,7 +479,7 @@ def parallelize_pipeline(
     pp_mesh = mesh[PP_DIM]
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     split = pipeline_split(model, config, family)
-    indices = stages_of_rank(pp_rank, pp_size, config.stages_per_rank)
+    indices = stages_of_rank(pp_rank, pp_size, config.stages_per_rank, config.pipeline_placement)
     num_stages = len(split)
     mine = {name for i in indices for name in split[i]}
     dim = family.hidden_size(model)

@@ -2,15 +2,17 @@
 
     .venv/bin/python tests/benchmarks/bench_pipeline.py [--stages 2] [--microbatches 2 4 8] [--steps 6]
 
-For each schedule (GPipe, 1F1B, Interleaved1F1B with 2 stages per rank) and micro-batch count, starts
+For each schedule (GPipe, 1F1B, and with 2 stages per rank Interleaved1F1B and the zero-bubble
+InterleavedZeroBubble, ZBVZeroBubble and DualPipeV) and micro-batch count the library accepts, starts
 ``--stages`` processes (one core each: ``OMP_NUM_THREADS=1``; keep ``--stages`` at most the number of
 cores, or waiting ranks compete with computing ones), builds a Llama with the library's own
 ``parallelize_model`` (the stages, FSDP2 over a 1-rank data-parallel mesh) and runs training steps
-through ``Pipeline.run``, the path both strategies take. Each rank times its stages' forward and
-backward calls (``Pipeline.measure``) and the whole step; the idle fraction is
+through ``Pipeline.train_step``, the path both strategies take. Each rank times its stages' forward and
+backward calls, the zero-bubble schedules' separate weight passes included (``Pipeline.measure``), and the whole
+step; the idle fraction is
 ``1 - busy / step time``, averaged over ranks and over the steps after the first. Printed next to
 the textbook bubble ``(p - 1) / (v·m + p - 1)`` (``p`` pipeline ranks, ``m`` micro-batches, ``v``
-stages per rank). What is not compute in the measured figure: the bubble, point-to-point transfers
+stages per rank; ~0 for the zero-bubble schedules, their ideal). What is not compute in the measured figure: the bubble, point-to-point transfers
 (a copy through loopback here) and the schedule's own Python.
 """
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(REPO))
 MODEL = {"dim": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 2048, "multiple_of": 64,
          "max_seq_len": 512}
 SEQ_LEN, MICRO_BATCH = 128, 1
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
@@ -106,15 +108,21 @@ def main() -> None:
     p = options.stages
     print(f"{p} pipeline ranks, {MODEL['n_layers']} blocks of dim {MODEL['dim']}, {SEQ_LEN} tokens per micro-batch,"
           f" CPU/gloo, one thread per rank")
-    print(f"{'schedule':<16} {'m':>3} {'measured idle':>14} {'textbook':>9} {'step':>9}")
+    print(f"{'schedule':<22} {'m':>3} {'measured idle':>14} {'textbook':>9} {'step':>9}")
+    from lightning_2d.parallel import ParallelConfig, ParallelConfigError
+    from lightning_2d.parallel.config import ZERO_BUBBLE_SCHEDULES
+
     for microbatches in options.microbatches:
         for schedule in SCHEDULES:
-            v = 2 if schedule == "Interleaved1F1B" else 1
-            if schedule != "GPipe" and microbatches < p or (v > 1 and microbatches % p):
+            try:  # the library's own rules for the micro-batch count
+                v = ParallelConfig(pipeline_parallel_size=p, pipeline_schedule=schedule,
+                                   pipeline_microbatches=microbatches).stages_per_rank
+            except ParallelConfigError:
                 continue
             figures = measure(p, schedule, microbatches, options.steps)
-            textbook = (p - 1) / (v * microbatches + p - 1)
-            print(f"{schedule:<16} {microbatches:>3} {figures['idle']:>13.1%} {textbook:>9.1%}"
+            # The zero-bubble schedules' ideal is no bubble, when a forward, an input and a weight pass take equal time.
+            textbook = "~0" if schedule in ZERO_BUBBLE_SCHEDULES else f"{(p - 1) / (v * microbatches + p - 1):.1%}"
+            print(f"{schedule:<22} {microbatches:>3} {figures['idle']:>13.1%} {textbook:>9}"
                   f" {figures['step_s'] * 1e3:>7.0f} ms", flush=True)
 
 

@@ -4,7 +4,9 @@ Real jobs: 4 CPU processes on gloo, 2 pipeline stages × 2 data-parallel ranks (
 interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (Interleaved1F1B, gradients clipped to the
 norm over every stage), 6 fp32 AdamW steps of the ``debug`` model against the single-device
 ``Trainer`` (the same reference the 2D layouts are held to), then validation through the pipeline.
-GPipe runs in the Fabric test and in ``test_checkpoints.py`` (checkpoints across pipeline layouts).
+GPipe runs in the Fabric test and in ``test_checkpoints.py`` (checkpoints across pipeline layouts). The
+zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run one 2-rank job each (pipeline 2,
+2 stages per rank, 4 micro-batches) against the same reference, and record the torch class that ran.
 """
 
 from __future__ import annotations
@@ -29,18 +31,37 @@ LAYOUTS = {
 }
 
 
+#: The zero-bubble schedules: one 2-rank job each (pipeline 2 × 2 stages per rank, 4 micro-batches of one
+#: sequence: DualPipeV needs as many micro-batches as stages), the torch class each must have run.
+ZERO_BUBBLE = {
+    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", [[0, 2], [1, 3]]),
+    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "VForwardOnly", [[0, 3], [1, 2]]),
+    "DualPipeV": ("ScheduleDualPipeV", "VForwardOnly", [[0, 3], [1, 2]]),
+}
+LAYOUTS.update({
+    f"pp2-{schedule}": ({"dp": 1, "tp": 1, "pipeline_parallel_size": 2, "pipeline_schedule": schedule,
+                         "val_samples": VAL_SAMPLES}, {})
+    for schedule in ZERO_BUBBLE
+})
+
+
 def run_layout(jobs, name):
     options, reference_options = LAYOUTS[name]
     options = dict(options)
     dp, tp = options.pop("dp"), options.pop("tp")
-    return jobs.layout(dp, tp, nprocs=4, **options), jobs.reference(**reference_options)
+    nprocs = dp * tp * options["pipeline_parallel_size"]
+    return jobs.layout(dp, tp, nprocs=nprocs, **options), jobs.reference(**reference_options)
+
+
+def ranks_of(run):
+    return range(len(run.returncodes))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_pipelined_training_equals_single_device(jobs, name):
     run, reference = run_layout(jobs, name)
     ref = reference.rank_output(0)
-    for rank in range(4):
+    for rank in ranks_of(run):
         out = run.rank_output(rank)
         error = worst_relative_error(out["losses"], ref["losses"])
         norm_error = worst_relative_error(out["grad_norms"], ref["grad_norms"])
@@ -103,10 +124,26 @@ def test_validation_runs_through_the_pipeline(jobs, name):
     labels = torch.stack([b["labels"] for b in batch])
     with torch.no_grad():
         expected = float(model(tokens, labels=labels) / (labels != -100).sum())
-    for rank in range(4):
+    for rank in ranks_of(run):
         value = run.rank_output(rank)["val_loss"]
         print(f"rank {rank}: validation loss {value:.6f}, single device {expected:.6f}")
         assert value == pytest.approx(expected, rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_zero_bubble_schedules_ran_with_their_placement(jobs, schedule):
+    """The parity above is the named schedule's: each rank built torch's class for training (and the forward-only
+    order of its placement for validation), and holds the stages of its placement (a V: rank 0 the first and
+    the last)."""
+    train_class, eval_class, stages = ZERO_BUBBLE[schedule]
+    run, _ = run_layout(jobs, f"pp2-{schedule}")
+    outputs = [run.rank_output(r) for r in range(2)]
+    assert [o["schedule_classes"] for o in outputs] == [{"train": train_class, "eval": eval_class}] * 2
+    assert [o["stage_indices"] for o in outputs] == stages
+    assert outputs[0]["pipeline_split"] == [1, 1, 1, 1]
+    embedding = [o["placements"].get("tok_embeddings.weight") is not None for o in outputs]
+    head = [o["placements"].get("output.weight") is not None for o in outputs]
+    assert embedding == [True, False] and head == ([False, True] if schedule == "InterleavedZeroBubble" else [True, False])
 
 
 def test_trainer_accumulation_under_a_pipeline_equals_one_double_batch(jobs):

@@ -423,6 +423,10 @@ def fit(cfg: dict) -> None:
     if module.pipeline is not None:
         result["pipeline_split"] = module.pipeline.split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
+        result["stage_indices"] = list(module.pipeline.stage_indices)
+        # What ran (a schedule silently replaced by another would still train equal to one device).
+        result["schedule_classes"] = {("train" if key[3] else "eval"): type(schedule).__name__
+                                      for key, schedule in module.pipeline.schedules.items()}
     mesh = module.device_mesh
     if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined:
         result.update(fsdp_layout(module.model, cfg["seq_len"]))

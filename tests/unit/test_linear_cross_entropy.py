@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_2d.models.llama.model import ModelArgs, Transformer
-from lightning_2d.ops.linear_cross_entropy import linear_cross_entropy
+from lightning_2d.ops.linear_cross_entropy import linear_cross_entropy, replayable_backward
 
 
 def _problem(dtype: torch.dtype, n: int = 150, dim: int = 32, vocab: int = 301):
@@ -62,6 +62,24 @@ def test_without_gradients_nothing_is_kept_and_the_value_is_the_same():
         loss = linear_cross_entropy(hidden, weight, labels, chunk_size=16)
     assert not loss.requires_grad
     torch.testing.assert_close(loss, _reference(hidden, weight, labels)[0], rtol=1e-6, atol=0)
+
+
+def test_a_replayable_loss_gives_the_same_gradients_on_every_pass():
+    """The zero-bubble pipeline schedules run the loss node's backward twice over a retained graph (input pass,
+    then weight pass): inside ``replayable_backward`` each pass gets the same gradients; outside, the second
+    pass is refused by name instead of returning gradients scaled twice or nothing."""
+    hidden, weight, labels = _problem(torch.float32)
+    expected = _reference(hidden, weight, labels)[1]
+    with replayable_backward():
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=64) * 0.5
+    for _ in range(2):
+        grads = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+        for got, want in zip(grads, expected):
+            assert relative_error(got, want * 0.5) < 1e-6
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=64)
+    torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice on one graph; compute the loss inside"):
+        torch.autograd.grad(loss, (hidden, weight))
 
 
 def test_bad_chunk_size_is_refused():

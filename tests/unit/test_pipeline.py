@@ -4,6 +4,7 @@ sizes and the loss check. Real schedules run in tests/distributed/test_pipeline.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,13 +14,16 @@ from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES, PipelineStageModule, block_costs_of
 from lightning_2d.models.llama.plan import llama_plan
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import PP_DIM, ParallelDims, validate_parallel_dims
 from lightning_2d.parallel.pipeline import (
     _PIPELINES,
     Pipeline,
+    VForwardOnly,
     balanced_split,
     pipeline_split,
+    rank_of_stage,
+    schedule_class,
     stage_plan,
     stages_of_rank,
 )
@@ -86,6 +90,90 @@ def test_stages_are_placed_in_a_loop_over_the_pipeline_ranks():
     assert stages_of_rank(0, 2, 1) == [0] and stages_of_rank(1, 2, 1) == [1]
     assert stages_of_rank(1, 4, 2) == [1, 5]  # Interleaved1F1B: rank r holds stages r, r + pp, …
     assert ParallelConfig(pipeline_parallel_size=4, pipeline_schedule="Interleaved1F1B").num_pipeline_stages == 8
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_v_schedules_place_two_stages_per_rank_in_a_v(pp):
+    """Rank r holds stages r and 2·pp - 1 - r (torch's generate_stage_to_rank_mapping(style="v")): rank 0 the
+    first and the last; the two middle stages share the last rank."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    config = ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule="ZBVZeroBubble", pipeline_microbatches=2 * pp)
+    assert (config.stages_per_rank, config.num_pipeline_stages, config.pipeline_placement) == (2, 2 * pp, "v")
+    torch_map = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+    for rank in range(pp):
+        stages = stages_of_rank(rank, pp, 2, config.pipeline_placement)
+        assert stages == [rank, 2 * pp - 1 - rank]
+        assert [torch_map[s] for s in stages] == [rank, rank] == [rank_of_stage(s, pp, "v") for s in stages]
+    loop = generate_stage_to_rank_mapping(pp, 2 * pp)
+    assert all(rank_of_stage(s, pp) == loop[s] for s in range(2 * pp))
+    izb = ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule="InterleavedZeroBubble")
+    assert (izb.stages_per_rank, izb.pipeline_placement) == (2, "loop")
+    with pytest.raises(ValueError, match="the V placement holds 2 stages per rank"):
+        stages_of_rank(0, pp, 3, "v")
+
+
+def test_each_schedule_runs_its_own_torch_class():
+    """Training runs the named schedule's class (a silent substitute would pass the parity tests); forward-only
+    steps run a fill-drain order placed as the training one."""
+    from torch.distributed import pipelining
+
+    expected = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe,
+                "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
+                "InterleavedZeroBubble": pipelining.ScheduleInterleavedZeroBubble,
+                "ZBVZeroBubble": pipelining.ScheduleZBVZeroBubble, "DualPipeV": pipelining.ScheduleDualPipeV}
+    assert set(expected) == set(PIPELINE_SCHEDULES)
+    for name, cls in expected.items():
+        assert schedule_class(name, train=True) is cls
+    assert [schedule_class(n, train=False) for n in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")] == [
+        pipelining.ScheduleGPipe, pipelining.ScheduleLoopedBFS, VForwardOnly, VForwardOnly]
+
+
+def test_zero_bubble_schedules_keep_the_units_gathered_under_the_default_policy():
+    """Their input pass collects the weights to differentiate from the stage's parameters: a unit resharded after
+    forward would show sharded parameters and lose its weight gradients (measured on gloo)."""
+    for name in ZERO_BUBBLE_SCHEDULES:
+        config = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule=name, pipeline_microbatches=4)
+        assert config.reshard_policy == "never"
+        assert replace(config, reshard_after_forward="never").reshard_policy == "never"
+    assert ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B").reshard_policy == "default"
+    assert ParallelConfig(pipeline_schedule="ZBVZeroBubble").reshard_policy == "default"  # no pipeline
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"pipeline_schedule": "ZBVZeroBubble", "pipeline_stages_per_rank": 3},
+     r"pipeline_schedule='ZBVZeroBubble' places exactly 2 stages on each rank, in a V .* pipeline_stages_per_rank=3;"
+     r" use 2"),
+    ({"pipeline_schedule": "DualPipeV", "pipeline_stages_per_rank": 1}, r"exactly 2 stages on each rank"),
+    ({"pipeline_schedule": "DualPipeV", "pipeline_microbatches": 3},
+     r"'DualPipeV' needs at least as many micro-batches as stages \(4: 2 × pipeline_parallel_size 2\), got 3"),
+    ({"pipeline_schedule": "InterleavedZeroBubble", "pipeline_microbatches": 5},
+     r"5 micro-batches make 2 rounds, which must divide them; use a multiple of 2, or at most 2 \(e\.g\. 4\)"),
+    ({"pipeline_schedule": "InterleavedZeroBubble", "pipeline_stages_per_rank": 1},
+     r"interleaves several stages per rank, but pipeline_stages_per_rank=1"),
+    ({"pipeline_schedule": "ZBVZeroBubble", "compile": True},
+     r"'ZBVZeroBubble' splits each backward .* not support for compiled modules .* use compile=False"),
+    ({"pipeline_schedule": "InterleavedZeroBubble", "activation_checkpointing": "selective"},
+     r"per-op selective activation checkpointing refuses .* use activation_checkpointing='full'"),
+    ({"pipeline_schedule": "DualPipeV", "reduce_every_micro_batch": True},
+     r"'DualPipeV' with reduce_every_micro_batch=True: each micro-batch's input pass would end in FSDP's"),
+    ({"pipeline_schedule": "ZBVZeroBubble", "reshard_after_forward": "always"},
+     r"reshard_after_forward='always': .* weight gradients would never be computed; use reshard_after_forward="),
+])
+def test_zero_bubble_combinations_torch_cannot_run_are_refused_with_the_reason(options, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        ParallelConfig(pipeline_parallel_size=2, **options)
+
+
+def test_zero_bubble_combinations_that_run_are_accepted():
+    for options in ({"pipeline_schedule": "ZBVZeroBubble", "pipeline_microbatches": 1},
+                    {"pipeline_schedule": "InterleavedZeroBubble", "pipeline_microbatches": 3},
+                    {"pipeline_schedule": "DualPipeV", "pipeline_microbatches": 4, "activation_checkpointing": "full"},
+                    {"pipeline_schedule": "ZBVZeroBubble", "activation_checkpointing": "selective",
+                     "selective_ac_option": 2}):
+        ParallelConfig(pipeline_parallel_size=2, **options)
+    # Without a pipeline the schedule is not used: nothing to refuse.
+    ParallelConfig(pipeline_schedule="DualPipeV", compile=True, reduce_every_micro_batch=True)
 
 
 def test_stage_modules_chained_compute_the_model_s_loss():

@@ -551,6 +551,75 @@ def test_interleaved_order_is_torchs(pp, per_rank, m):
         assert peak == min(warmup + 1, m * per_rank)
 
 
+def _torch_order(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int]]:
+    """torch's own action list for ``rank`` as ``schedule_order`` spells it (kind, local stage)."""
+    from types import SimpleNamespace
+
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    from lightning_2d.parallel.pipeline import stages_of_rank
+
+    cls = getattr(pipelining, f"Schedule{schedule}")
+    rounds = max(1, m // pp)
+    fake = SimpleNamespace(n_local_stages=2, pp_group_size=pp, microbatches_per_round=m // rounds,
+                           _n_microbatches=m, num_stages=2 * pp)
+    kinds = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "I", C.BACKWARD_WEIGHT: "W"}
+    stages = stages_of_rank(rank, pp, 2, "loop" if schedule == "InterleavedZeroBubble" else "v")
+    order = []
+    for action in cls._calculate_single_rank_operations(fake, rank):
+        if action is None:
+            continue
+        # DualPipeV's overlapped forward + backward: its runtime runs the sub-actions in order.
+        for a in action.sub_actions if action.computation_type == C.OVERLAP_F_B else (action,):
+            order.append((kinds[a.computation_type], stages.index(a.stage_index)))
+    return order
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_zero_bubble_orders_are_torchs(schedule, pp):
+    """``schedule_order`` against torch's ``_calculate_single_rank_operations`` for every micro-batch count each
+    schedule takes up to 12; every micro-batch of every local stage is forwarded and released (B, or I then W)."""
+    from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+
+    for m in range(1, 13):
+        try:
+            ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule=schedule, pipeline_microbatches=m)
+        except ParallelConfigError:
+            continue
+        for rank in range(pp):
+            order = planner.schedule_order(schedule, pp, 2, m, rank)
+            assert order == _torch_order(schedule, pp, m, rank), (m, rank)
+            for local in (0, 1):
+                kinds = [k for k, j in order if j == local]
+                assert kinds.count("F") == m == kinds.count("B") + kinds.count("W")
+                assert kinds.count("I") == kinds.count("W")
+
+
+def test_zero_bubble_in_flight_counts_until_the_weight_pass():
+    """The input pass retains the graph: a micro-batch is in flight until its W (or full B)."""
+    # ZBV, pp = 2, m = 4, rank 0: F0 F0 F0 F1 I1 W1 F1 I1 W1 (steady) F0 I0 W0 ...: 4 chunks in flight at most.
+    order = planner.schedule_order("ZBVZeroBubble", 2, 2, 4, 0)
+    assert order[:6] == [("F", 0), ("F", 0), ("F", 0), ("F", 1), ("I", 1), ("W", 1)]
+    flight = peak = 0
+    for kind, _ in order:
+        flight += {"F": 1, "I": 0, "W": -1, "B": -1}[kind]
+        peak = max(peak, flight)
+    assert (peak, flight) == (4, 0)
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_zero_bubble_pipelines_are_planned_with_their_placement(schedule):
+    report = _debug_pp(pipeline_schedule=schedule)
+    stages = [[0, 2], [1, 3]] if schedule == "InterleavedZeroBubble" else [[0, 3], [1, 2]]
+    assert [r["stages"] for r in report.pipeline] == stages
+    assert [r["embedding"] for r in report.pipeline] == [True, False]
+    assert [r["head"] for r in report.pipeline] == ([False, True] if schedule == "InterleavedZeroBubble" else [True, False])
+    assert all(r["in_flight"] >= 2 for r in report.pipeline)
+    assert f"pipeline: {schedule}, 4 stages (2 per rank)" in planner.format_report(report)
+
+
 def test_interleaved_pipeline_plans_two_stages_per_rank():
     report = _debug_pp(pipeline_schedule="Interleaved1F1B")
     assert [r["stages"] for r in report.pipeline] == [[0, 2], [1, 3]]

@@ -38,8 +38,8 @@ Not included: the CUDA context, NCCL and cuBLAS workspaces and allocator fragmen
 ``reserve`` (``--reserve-gib``) stands for.
 
 **Under pipeline parallelism** (``pipeline_parallel_size`` p > 1) the pipeline ranks hold different
-stages (the first the embedding, the last the final norm and head; the interleaved schedule several
-stages per rank), so every pipeline rank ``k`` is planned, played by global rank ``k·dp·tp``: the real
+stages (the first the embedding, the last the final norm and head; the interleaved schedules several
+stages per rank in a loop, ZBVZeroBubble and DualPipeV two in a V: rank 0 holds the first and the last), so every pipeline rank ``k`` is planned, played by global rank ``k·dp·tp``: the real
 ``parallelize_model`` prunes the model to its stages and shards each stage view as its own FSDP root.
 The report's per-device figures are the fullest pipeline rank's (it decides the verdict); ``pipeline``
 lists them all. Per pipeline rank:
@@ -59,7 +59,9 @@ lists them all. Per pipeline rank:
   the ``ActivationModel`` of its blocks (the fused loss only on the last stage). The rank's forwards
   and backwards are walked in the schedule's order: GPipe keeps all ``m`` micro-batches in flight,
   1F1B ``min(p - k, m)``, Interleaved1F1B its warm-up forwards + 1 stage-chunks (torch's
-  ``_get_warmup_ops``). At the peak one micro-batch is at its own peak and every other one in flight
+  ``_get_warmup_ops``); the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) keep
+  a micro-batch from its forward to its *weight* pass (the input pass retains the graph), in their own
+  orders (``schedule_order``, checked against torch's action lists). At the peak one micro-batch is at its own peak and every other one in flight
   keeps its saved tensors (on the last stage also the loss's hidden-state gradient and fp32 head-gradient
   accumulator) and, before the last stage, its stage output. Always there: the receive buffers that
   ``PipelineStage`` allocates for every micro-batch, activations on non-first stages and gradients on

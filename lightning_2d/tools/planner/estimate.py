@@ -352,7 +352,7 @@ def _plan_rank(
         if config.reduce_every_micro_batch:
             # Each micro-batch's backward reshards and reduce-scatters (the stage hidden from
             # PipelineStage's FSDP handling, lightning_2d.parallel.pipeline): FSDP's peaks as without a pipeline.
-            all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_after_forward))
+            all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_policy))
             accumulation = 0
         else:
             # PipelineStage runs each micro-batch's backward with set_reshard_after_backward(False) and
@@ -367,7 +367,7 @@ def _plan_rank(
             selective_ac_option=config.selective_ac_option,
         )
     else:
-        all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_after_forward))
+        all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_policy))
         accumulation = 0
         if accumulate_grad_batches > 1 and not config.reduce_every_micro_batch:
             # FSDP2 without gradient sync accumulates each unit's unsharded gradient in reduce_dtype.
