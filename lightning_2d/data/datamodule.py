@@ -59,6 +59,11 @@ class TextDataModule(L.LightningDataModule):
             A larger corpus without a cache raises ``DataError`` before anything is tokenized, with
             the command that prepares it with every local core (``lightning-2d prepare-data``, or
             ``prepare()``). ``None``: no limit.
+        document_mask: Keep the documents packed into a window apart: each batch carries ``position_ids`` (every
+            token's position in its document, restarting after each end-of-text token), from which the model
+            restarts its rotary positions at each document and attends only within it. ``False``: every token
+            attends to the earlier documents of its window too, with positions running on across them (the
+            cheaper, common pre-training default). Needs a tokenizer with an end-of-text token.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         cache_dir: Optional[str] = None,
         max_unprepared_mb: Optional[float] = DEFAULT_MAX_UNPREPARED_MB,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -95,6 +101,13 @@ class TextDataModule(L.LightningDataModule):
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
         self.max_unprepared_mb = max_unprepared_mb
         self.tokenizer = load_tokenizer(tokenizer, eos_token)  # fails here, before any process starts
+        if document_mask and self.tokenizer.eos_id is None:
+            raise DataError(
+                f"document_mask=True needs an end-of-text token to find where the packed documents start, but the"
+                f" tokenizer {tokenizer!r} has none; name it with eos_token=... (e.g. '<|end_of_text|>', '</s>'),"
+                " or set document_mask=False"
+            )
+        self.document_mask = document_mask
         self._sources: list[Path] | None = None
         self._folder: Path | None = None
         self._data_parallel: tuple[int, int] | None = None
@@ -216,8 +229,9 @@ class TextDataModule(L.LightningDataModule):
                 f"The corpus gives {windows} sequence(s) of {self.seq_len} tokens, too few for a training split and a"
                 f" validation split; add text, lower seq_len or set val_fraction=0"
             )
-        self.train_dataset = TokenWindows(self._folder, self.seq_len, 0, windows - n_val)
-        self.val_dataset = TokenWindows(self._folder, self.seq_len, windows - n_val, n_val) if n_val else None
+        eos_id = self.tokenizer.eos_id if self.document_mask else None
+        self.train_dataset = TokenWindows(self._folder, self.seq_len, 0, windows - n_val, eos_id=eos_id)
+        self.val_dataset = TokenWindows(self._folder, self.seq_len, windows - n_val, n_val, eos_id=eos_id) if n_val else None
 
     def set_data_parallel(self, num_replicas: int, rank: int) -> None:
         """Outside a Trainer (Fabric): this process's data-parallel replica, e.g.

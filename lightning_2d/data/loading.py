@@ -15,16 +15,35 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
+def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each token's position in its document: ``0`` at the window's start and after every ``eos_id``.
+
+    A packed window holds the end of one document, whole documents and the start of another, separated by
+    end-of-text tokens (the end-of-text token closes its document). With these positions the model restarts
+    rotary positions at each document and attends only within it (``document_causal_mask``).
+    """
+    length = input_ids.shape[-1]
+    index = torch.arange(length)
+    starts = torch.zeros(input_ids.shape, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = input_ids[..., :-1] == eos_id
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
+
+
 class TokenWindows(Dataset):
     """Windows ``[i·seq_len, i·seq_len + seq_len + 1)`` of a token file, as ``{"input_ids", "labels"}``.
 
-    The memory map is opened lazily in each process (DataLoader workers included).
+    With ``eos_id`` (document masking) each window also carries ``position_ids``: every token's position in
+    its document (``document_positions``). The memory map is opened lazily in each process (DataLoader
+    workers included).
     """
 
-    def __init__(self, folder: Path, seq_len: int, first: int, count: int) -> None:
+    def __init__(self, folder: Path, seq_len: int, first: int, count: int, eos_id: Optional[int] = None) -> None:
         meta = json.loads((folder / "meta.json").read_text())
         self.path, self.dtype = folder / "tokens.bin", np.dtype(meta["dtype"])
         self.seq_len, self.first, self.count = seq_len, first, count
+        self.eos_id = eos_id
         self._tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -35,7 +54,10 @@ class TokenWindows(Dataset):
             self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         start = (self.first + index) * self.seq_len
         window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        sample = {"input_ids": window[:-1], "labels": window[1:]}
+        if self.eos_id is not None:
+            sample["position_ids"] = document_positions(sample["input_ids"], self.eos_id)
+        return sample
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}

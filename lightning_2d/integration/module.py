@@ -37,6 +37,11 @@ def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: fl
     return factor
 
 
+def document_positions_of(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"position_ids": ...}`` when the batch carries each packed document's positions, else ``{}``."""
+    return {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+
+
 class CausalLMModule(L.LightningModule):
     """What every next-token LightningModule here shares: the loss normalized by the global batch's
     tokens, logging, loss/perplexity metrics, greedy prediction, AdamW with warm-up and cosine decay.
@@ -59,6 +64,10 @@ class CausalLMModule(L.LightningModule):
     ``on_before_backward`` sees a loss whose backward already ran (once per batch, not per micro-batch),
     ``on_after_backward`` sees the batch's gradients, and ``predict`` needs ``pipeline_parallel_size=1``.
     """
+
+    #: Whether the model takes each packed document's ``position_ids`` (``TextDataModule(document_mask=True)``);
+    #: the strategies refuse document masking before launch for a module that does not.
+    supports_document_mask = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,7 +92,7 @@ class CausalLMModule(L.LightningModule):
 
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return next_token_loss(self(batch["input_ids"]), batch["labels"], self.device_mesh)
+        return next_token_loss(self(batch["input_ids"], **document_positions_of(batch)), batch["labels"], self.device_mesh)
 
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pipeline = self.pipeline
@@ -149,7 +158,7 @@ class CausalLMModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """Greedy next-token ids ``(B, T)`` and each sequence's mean negative log-likelihood ``(B,)``."""
-        logits = self(batch["input_ids"])
+        logits = self(batch["input_ids"], **document_positions_of(batch))
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded under loss parallelism
             logits = logits.full_tensor()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
@@ -216,6 +225,8 @@ class LlamaLightningModule(CausalLMModule):
         loss_chunk_size: Tokens per chunk of the fused loss; the largest logits buffer is
             ``loss_chunk_size × vocab_size / tensor_parallel_size`` fp32 numbers.
     """
+
+    supports_document_mask = True
 
     def __init__(
         self,
@@ -297,15 +308,15 @@ class LlamaLightningModule(CausalLMModule):
             model.init_weights(seed)
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        return self.model(input_ids)
+        return self.model(input_ids, position_ids=position_ids)
 
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert self.model is not None, "call configure_model() first (the Trainer does)"
         if self.hparams.fused_loss:
-            loss_sum = self.model(batch["input_ids"], labels=batch["labels"])
+            loss_sum = self.model(batch["input_ids"], labels=batch["labels"], **document_positions_of(batch))
             return normalize_by_global_tokens(loss_sum, batch["labels"], self.device_mesh)
         return super()._loss(batch)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_2d.models.registry import resolve_plan
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan, raise_if_problems
 
 
 def model_context(
@@ -32,6 +32,7 @@ def model_context(
     ``before_launch``: a plan that cannot be resolved before the model is built (it reads the model) is left
     to the check in each process; a ``ParallelConfigError`` is raised in any case.
     """
+    raise_if_problems(document_mask_problems(module, datamodule, config))
     resolved = None
     if module is not None:
         try:
@@ -48,6 +49,26 @@ def model_context(
         "seq_len": _int_or_none(getattr(datamodule, "seq_len", None)),
         "batch_size": _int_or_none(getattr(datamodule, "batch_size", None)),
     }
+
+
+def document_mask_problems(module: Any, datamodule: Any, config: ParallelConfig) -> list[str]:
+    """What keeps a datamodule's document masking (``TextDataModule(document_mask=True)``) from working."""
+    if not getattr(datamodule, "document_mask", False):
+        return []
+    problems = []
+    if module is not None and not getattr(module, "supports_document_mask", False):
+        problems.append(
+            f"TextDataModule(document_mask=True) gives each packed document its own positions, but"
+            f" {type(module).__name__} cannot take them (its supports_document_mask is False; the Hugging Face"
+            " decoders do not yet). Use LlamaLightningModule, or document_mask=False"
+        )
+    if config.pipeline_parallel_size > 1:
+        problems.append(
+            f"TextDataModule(document_mask=True) with pipeline_parallel_size={config.pipeline_parallel_size}: the"
+            " pipeline's stages do not receive the documents' positions yet. Use pipeline_parallel_size=1, or"
+            " document_mask=False"
+        )
+    return problems
 
 
 def _int_or_none(value: Any) -> Optional[int]:

@@ -160,12 +160,49 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.devi
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (B, T, H, Dh)`` by ``rope: (T, Dh/2, 2)``."""
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (B, T, H, Dh)`` by ``rope: (T, Dh/2, 2)``, or by
+    ``rope: (B, T, Dh/2, 2)`` (each sequence's own positions: packed documents)."""
     pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2)
     real, imag = pairs.unbind(-1)
-    cos, sin = rope[:, None, :, 0], rope[:, None, :, 1]  # (T, 1, Dh/2) broadcast over B and H
+    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # ([B,] T, 1, Dh/2) broadcast over B and H
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, T, T)`` bool: query ``i`` sees key ``j`` iff ``j <= i`` and both are in the same document.
+
+    A document starts wherever ``position_ids`` is 0 (``lightning_2d.data.document_positions``). The dense
+    form, for ``scaled_dot_product_attention`` on any device; ``attend`` uses FlexAttention's block mask on
+    CUDA, which skips the masked blocks instead of computing them.
+    """
+    document = (position_ids == 0).cumsum(-1)  # (B, T): which document each token is in
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of ``(B, H, T, Dh)`` heads, within documents when ``position_ids`` is given."""
+    if position_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.is_cuda:
+        return _flex_document_attention(q, k, v, position_ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(position_ids))
+
+
+def _flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """FlexAttention with a block mask of the documents: blocks across documents are skipped, not computed."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    document = (position_ids == 0).cumsum(-1)
+
+    def same_document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) & (document[b, q_idx] == document[b, kv_idx])
+
+    batch, _, length, _ = q.shape
+    mask = create_block_mask(same_document_causal, batch, None, length, length, device=q.device)
+    return flex_attention(q, k, v, block_mask=mask)
 
 
 class RMSNorm(nn.Module):
@@ -198,7 +235,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds n_heads / tp of them.
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hq, Dh)
@@ -212,7 +249,7 @@ class Attention(nn.Module):
             xv = xv.repeat_interleave(n_rep, dim=2)
 
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, Dh)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
+        out = attend(q, k, v, position_ids)  # (B, H, T, Dh)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
 
 
@@ -240,8 +277,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # position_ids by keyword: the tensor-parallel plan's input layouts cover (x, rope) only.
+        if position_ids is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, position_ids=position_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -299,8 +340,10 @@ class Transformer(nn.Module):
         # Not persistent: derived from args, so checkpoints do not carry it.
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
-    def check_inputs(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        """Refuse a sequence longer than ``max_seq_len`` and labels of another shape or out of the vocabulary."""
+    def check_inputs(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> None:
+        """Refuse a sequence longer than ``max_seq_len``, and labels or positions of another shape or range."""
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
                 f"Sequence length {tokens.shape[1]} exceeds max_seq_len ({self.args.max_seq_len}); raise max_seq_len"
@@ -310,13 +353,27 @@ class Transformer(nn.Module):
             if labels.shape != tokens.shape:
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the tokens {tuple(tokens.shape)}")
             check_labels(labels, self.args.vocab_size)
+        if position_ids is not None and position_ids.shape != tokens.shape:
+            raise ValueError(
+                f"position_ids {tuple(position_ids.shape)} must have the shape of the tokens {tuple(tokens.shape)}"
+            )
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        self.check_inputs(tokens, labels)
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits, or with ``labels`` the summed loss; with ``position_ids`` (each token's position in its
+        document, ``lightning_2d.data.document_positions``) the packed documents are kept apart: rotary
+        positions restart at each document and attention stays within it."""
+        self.check_inputs(tokens, labels, position_ids)
         h = self.tok_embeddings(tokens)  # (B, T, dim)
-        rope = self.rope[: tokens.shape[1]]
-        for layer in self.layers.values():
-            h = layer(h, rope)
+        if position_ids is None:
+            rope = self.rope[: tokens.shape[1]]
+            for layer in self.layers.values():
+                h = layer(h, rope)
+        else:
+            rope = self.rope[position_ids]  # (B, T, Dh/2, 2): each document from position 0
+            for layer in self.layers.values():
+                h = layer(h, rope, position_ids=position_ids)
         h = self.norm(h)
         if labels is None:
             return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss
