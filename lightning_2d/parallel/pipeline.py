@@ -36,6 +36,8 @@ with ``scale_grads=False`` (its default divides the gradients by the micro-batch
 
 from __future__ import annotations
 
+import functools
+import time
 import weakref
 from contextlib import nullcontext
 from dataclasses import replace
@@ -184,6 +186,34 @@ class _ReduceEveryMicroBatch(nn.Module):
         return self.stage(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def timed_stage_class() -> type:
+    """``PipelineStage`` whose forward, backward and weight-gradient passes (the zero-bubble schedules' ``W``
+    actions) add their wall time to ``self.timer.busy_s``: the busy time of a step, for the bubble benchmark."""
+    from torch.distributed import pipelining
+
+    class TimedPipelineStage(pipelining.PipelineStage):
+        timer: Any = None
+
+        def _timed(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.timer.busy_s += time.perf_counter() - start
+
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    return TimedPipelineStage
+
+
 # ---- the runtime -----------------------------------------------------------------------------
 def _looped_bfs() -> type:
     from torch.distributed.pipelining import ScheduleLoopedBFS
@@ -325,10 +355,12 @@ class Pipeline:
                              requires_grad=True)
         tokens = torch.empty((mb, seq_len), dtype=torch.long, device="meta")
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+        # measure: each stage adds the wall time of its passes to ``busy_s`` (a subclass, not patched methods).
+        stage_class = timed_stage_class() if self.measure else pipelining.PipelineStage
         stages = []
         for module, index in zip(self.stages, self.stage_indices):
             stages.append(
-                pipelining.PipelineStage(
+                stage_class(
                     _ReduceEveryMicroBatch(module) if self.config.reduce_every_micro_batch else module,
                     index,
                     self.num_stages,
@@ -341,31 +373,14 @@ class Pipeline:
         kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
         cls = self.schedule_class(train)
         single = PIPELINE_SCHEDULES[self.config.pipeline_schedule] == "single"
-        schedule = cls(stages[0] if single else stages, **kwargs)
         if self.measure:
-            self._instrument(stages)
-        return schedule
+            for stage in stages:
+                stage.timer = self
+        return cls(stages[0] if single else stages, **kwargs)
 
     def schedule_class(self, train: bool) -> type:
         """The ``torch.distributed.pipelining`` schedule class a training (or forward-only) step runs."""
         return schedule_class(self.config.pipeline_schedule, train)
-
-    def _instrument(self, stages: list[Any]) -> None:
-        import time
-
-        for stage in stages:
-            # The zero-bubble schedules run the weight half of a backward apart (their ``W`` actions).
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                original = getattr(stage, name)
-
-                def timed(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                    start = time.perf_counter()
-                    try:
-                        return _original(*args, **kwargs)
-                    finally:
-                        self.busy_s += time.perf_counter() - start
-
-                setattr(stage, name, timed)
 
     def train_step(
         self, tokens: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0
