@@ -27,12 +27,16 @@ from lightning_2d.parallel.modules import canonical_name
 
 class SyntheticTokens(Dataset):
     """``n`` fixed random sequences; sample ``i`` ignores its first ``i % 5`` targets (uneven token
-    counts) unless ``even``."""
+    counts) unless ``even``. ``documents``: about one token in 8 is end-of-text (id 0), and each sample
+    carries its documents' ``position_ids``, as ``TextDataModule(document_mask=True)``."""
 
-    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0, even: bool = False) -> None:
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0, even: bool = False,
+                 documents: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
-        self.even = even
+        if documents:
+            self.tokens[torch.rand(self.tokens.shape, generator=g) < 0.125] = 0
+        self.even, self.documents = even, documents
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,7 +46,12 @@ class SyntheticTokens(Dataset):
         labels = seq[1:].clone()
         if not self.even:
             labels[: i % 5] = -100
-        return {"input_ids": seq[:-1], "labels": labels}
+        sample = {"input_ids": seq[:-1], "labels": labels}
+        if self.documents:
+            from lightning_2d.data.loading import document_positions
+
+            sample["position_ids"] = document_positions(sample["input_ids"], 0)
+        return sample
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -230,6 +239,24 @@ def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
             "head_loss_fn": model.output.linear_cross_entropy.__name__}
 
 
+class BlockPositions(L.Callback):
+    """Counts the training calls of the first block that received ``position_ids`` (document masking)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        layers = getattr(getattr(pl_module, "model", None), "layers", None)
+        if layers is None or "0" not in layers:
+            return
+
+        def seen(module, args, kwargs) -> None:
+            if module.training and kwargs.get("position_ids") is not None:
+                self.calls += 1
+
+        layers["0"].register_forward_pre_hook(seen, with_kwargs=True)
+
+
 class InjectNaN(L.Callback):
     """At optimizer step ``step`` (from 1), on rank ``rank`` only: a NaN in this rank's local gradient shard
     (after the reduce-scatter, so no other rank sees it) or in its loss (before backward)."""
@@ -348,7 +375,7 @@ def fit(cfg: dict) -> None:
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
-                           even=cfg.get("even_labels", False))
+                           even=cfg.get("even_labels", False), documents=cfg.get("documents", False))
     accumulate = cfg.get("accumulate", 1)
     if cfg["strategy"] == "single":
         # Lightning gives every parallel training loader a shuffling DistributedSampler (seeded
@@ -372,6 +399,8 @@ def fit(cfg: dict) -> None:
     if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not cfg.get("compile"):
         activations = ActivationLayouts()
         callbacks.append(activations)
+    positions = BlockPositions()
+    callbacks.append(positions)
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
@@ -402,6 +431,7 @@ def fit(cfg: dict) -> None:
         "grad_norms": recorder.grad_norms,
         "stepped_grad_norms": recorder.stepped_grad_norms,
         "placements": placements(module.model),
+        "blocks_given_positions": positions.calls,
     }
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
