@@ -97,14 +97,16 @@ class CausalLMModule(L.LightningModule):
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pipeline = self.pipeline
         if pipeline is not None:
-            return pipeline.eval_step(batch["input_ids"], batch["labels"])
+            return pipeline.eval_step(batch["input_ids"], batch["labels"], **document_positions_of(batch))
         return self._loss(batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         pipeline = self.pipeline
         if pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
             scale = 1.0 / self.trainer.accumulate_grad_batches
-            loss, global_mean, global_tokens = pipeline.train_step(batch["input_ids"], batch["labels"], grad_scale=scale)
+            loss, global_mean, global_tokens = pipeline.train_step(
+                batch["input_ids"], batch["labels"], grad_scale=scale, **document_positions_of(batch)
+            )
         else:
             loss, global_mean, global_tokens = self._loss(batch)
         # Already reduced over the data-parallel group: no sync_dist needed.

@@ -62,12 +62,6 @@ def document_mask_problems(module: Any, datamodule: Any, config: ParallelConfig)
             f" {type(module).__name__} cannot take them (its supports_document_mask is False; the Hugging Face"
             " decoders do not yet). Use LlamaLightningModule, or document_mask=False"
         )
-    if config.pipeline_parallel_size > 1:
-        problems.append(
-            f"TextDataModule(document_mask=True) with pipeline_parallel_size={config.pipeline_parallel_size}: the"
-            " pipeline's stages do not receive the documents' positions yet. Use pipeline_parallel_size=1, or"
-            " document_mask=False"
-        )
     return problems
 
 

@@ -281,7 +281,7 @@ class Pipeline:
             activations' dtype between stages).
         dim: Width of the hidden states sent between stages.
         split: The number of blocks of every stage, in stage order.
-        check_inputs: Called with ``(tokens, labels)`` before a step (the model's own input checks).
+        check_inputs: Called with ``(tokens, labels, position_ids)`` before a step (the model's own input checks).
     """
 
     def __init__(
@@ -292,7 +292,7 @@ class Pipeline:
         config: ParallelConfig,
         dim: int,
         split: Optional[list[int]] = None,
-        check_inputs: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+        check_inputs: Optional[Callable[..., None]] = None,
     ) -> None:
         self.stages = stages
         self.split = list(split or [])
@@ -383,33 +383,38 @@ class Pipeline:
         return schedule_class(self.config.pipeline_schedule, train)
 
     def train_step(
-        self, tokens: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0
+        self, tokens: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training step of this data-parallel rank's batch: the forward and backward of every micro-batch.
 
         The gradients of ``grad_scale`` × the global-batch mean loss (× the data-parallel size, as without a
         pipeline) are *added* to the parameters' gradients: zero them after each optimizer step, and pass
-        ``grad_scale=1 / n`` to accumulate over ``n`` batches. Nothing else runs a backward.
+        ``grad_scale=1 / n`` to accumulate over ``n`` batches. Nothing else runs a backward. ``position_ids``
+        (packed documents kept apart, ``TextDataModule(document_mask=True)``) reach every stage.
 
         Returns:
             ``(loss, global_mean, global_tokens)`` as ``normalize_by_global_tokens`` (``loss`` without the
             ``grad_scale``), detached: the gradients are already computed.
         """
-        total = self._run(tokens, labels, train=True, grad_scale=grad_scale)
+        total = self._run(tokens, labels, True, grad_scale, position_ids)
         return normalize_by_global_tokens(total, labels, self.mesh)
 
-    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def eval_step(
+        self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forwards only (validation, test): ``(loss, global_mean, global_tokens)`` as ``train_step``."""
         with torch.no_grad():
-            total = self._run(tokens, labels, train=False, grad_scale=1.0)
+            total = self._run(tokens, labels, False, 1.0, position_ids)
         return normalize_by_global_tokens(total, labels, self.mesh)
 
-    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, grad_scale: float) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, grad_scale: float,
+             position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank."""
         import torch.distributed as dist
 
         if self.check_inputs is not None:
-            self.check_inputs(tokens, labels)
+            self.check_inputs(tokens, labels, position_ids)
         batch_size, seq_len = tokens.shape
         microbatches = self.microbatches(batch_size, train)
         # Checked on every rank before any collective (the first stage's own check would leave the
@@ -429,6 +434,8 @@ class Pipeline:
         self.busy_s = 0.0
         args = (tokens,) if self.has_first else ()
         kwargs: dict[str, Any] = {"labels": labels} if self.has_last else {}
+        if position_ids is not None:  # step() gives keyword arguments (per micro-batch) to every stage of the rank
+            kwargs["position_ids"] = position_ids
         target = labels if self.has_last else None
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval

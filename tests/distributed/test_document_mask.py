@@ -1,10 +1,11 @@
-"""Document masking (packed documents kept apart) under FSDP × TP/SP equals one device.
+"""Document masking (packed documents kept apart) under FSDP × TP/SP and under pipeline parallelism equals one
+device.
 
-One real job: 4 CPU processes on gloo, 2 data-parallel × 2 tensor-parallel ranks with sequence parallelism,
-batches whose samples pack several documents (``position_ids`` restart after each end-of-text token), 6 fp32
-AdamW steps against the single-device ``Trainer`` on the same batches. The positions reach the blocks through
-the tensor-parallel plan (by keyword, beside the sequence-sharded hidden states); the packed-vs-separate
-equality itself is a unit test (tests/unit/test_document_mask.py).
+Two real jobs of 4 CPU processes on gloo, against the single-device ``Trainer`` on the same batches (samples
+packing several documents: ``position_ids`` restart after each end-of-text token), 6 fp32 AdamW steps: 2
+data-parallel × 2 tensor-parallel ranks with sequence parallelism (the positions reach the blocks by keyword,
+beside the sequence-sharded hidden states), and 2 pipeline stages × 2 data-parallel ranks (every stage receives
+them). The packed-vs-separate equality itself is a unit test (tests/unit/test_document_mask.py).
 """
 
 from __future__ import annotations
@@ -29,5 +30,25 @@ def test_document_masking_at_2x2_with_sequence_parallelism_equals_one_device(job
         print(f"rank {rank}: worst relative loss error {error:.2e}")
         assert error <= LOSS_RTOL, (out["losses"], ref["losses"])
     final, ref_final = load_weights(run, "final"), load_weights(reference, "final")
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_document_masking_under_pipeline_parallelism_equals_one_device(jobs):
+    """2 pipeline stages (1F1B) × 2 data-parallel ranks: every stage receives the positions (keyword arguments of
+    the schedule's step reach each stage), against the same single-device reference."""
+    reference = jobs.reference(documents=True)
+    run = jobs.layout(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B", documents=True)
+    ref = reference.rank_output(0)
+    for rank in range(4):
+        out = run.rank_output(rank)
+        if "0" in out["blocks"]:  # the ranks of the first stage hold block 0, whose calls are counted
+            assert out["blocks_given_positions"] >= len(out["losses"])
+        error = worst_relative_error(out["losses"], ref["losses"])
+        print(f"pipeline rank {rank}: worst relative loss error {error:.2e}")
+        assert error <= LOSS_RTOL, (out["losses"], ref["losses"])
+    assert sum("0" in run.rank_output(r)["blocks"] for r in range(4)) == 2
+    final, ref_final = load_weights(run, "final"), load_weights(reference, "final")
+    assert final.keys() == ref_final.keys()
     for name, weight in final.items():
         torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)

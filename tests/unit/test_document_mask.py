@@ -106,9 +106,8 @@ def test_document_masking_is_refused_before_launch_where_it_cannot_work():
     data = type("Data", (), {"document_mask": True, "seq_len": 16, "batch_size": 2})()
     with pytest.raises(ParallelConfigError, match=r"_NoPositions cannot take them .*Use LlamaLightningModule"):
         model_context(_NoPositions(), data, ParallelConfig(), None, before_launch=True)
-    with pytest.raises(ParallelConfigError, match=r"pipeline_parallel_size=2: the pipeline's stages do not receive"):
-        model_context(LlamaLightningModule("debug"), data, ParallelConfig(pipeline_parallel_size=2), None)
-    assert model_context(LlamaLightningModule("debug"), data, ParallelConfig(), None)["seq_len"] == 16
+    for config in (ParallelConfig(), ParallelConfig(pipeline_parallel_size=2)):  # the stages take positions too
+        assert model_context(LlamaLightningModule("debug"), data, config, None)["seq_len"] == 16
 
 
 def test_the_lightning_module_passes_the_positions_to_the_model():

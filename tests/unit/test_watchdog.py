@@ -299,6 +299,31 @@ def test_the_rank_hosting_the_store_waits_for_every_rank_to_finish():
     assert finished == [1, 2] and all(out.getvalue() == "" for out in world.out.values())
 
 
+def test_the_store_host_ending_waits_for_a_rank_still_waiting_for_the_cause():
+    """A rank whose collective failed waits for the cause ("failed"): the rank hosting the store must not take the
+    store away before that rank has read the verdict, or it would name the store's host instead (seen with a
+    collective timeout shorter than the watchdog's: rank 3 named rank 0)."""
+    world = World(n=4, timeout=10.0)
+    world.round()
+    world.states[1001] = "T"  # rank 1 stopped: its heartbeat is not renewed from here on
+    world.round([0, 2, 3], dt=1.0)
+    world.dogs[3]._state = "failed"  # rank 3's collective failed; it waits for the cause
+    world.dogs[2]._state = "ended"  # rank 2 has ended already
+    for r in (2, 3):
+        world.dogs[r]._call("set", world.dogs[r]._key(r), world.dogs[r]._beat())
+    read = []
+
+    def rank_3_reads_the_verdict_late():
+        if world.now > world.dogs[0]._seen_at + 1 and not read:
+            read.append(world.now)
+            world.dogs[3]._state = "ended"
+            world.dogs[3]._call("set", world.dogs[3]._key(3), world.dogs[3]._beat())
+
+    world.during_sleep = rank_3_reads_the_verdict_late
+    results = world.round([0], dt=11.0)  # rank 0 finds rank 1 silent, ends, waits before leaving
+    assert results == {0: EXIT_CODE} and read, "rank 0 left before rank 3 (still waiting for a cause) read the verdict"
+
+
 def test_communication_errors_are_told_from_causes():
     from torch.distributed import DistBackendError
 

@@ -31,8 +31,9 @@ class PipelineStageModule(nn.Module):
     final norm + head for the first / last stage), with the ``Transformer``'s attribute names so the
     parallel plan applies to it unchanged.
 
-    ``forward(x, labels=None)``: token ids (first stage) or hidden states ``(B, T_local, dim)`` in;
-    hidden states out, or for the last stage the summed cross-entropy of ``labels`` (0-dim fp32).
+    ``forward(x, labels=None, position_ids=None)``: token ids (first stage) or hidden states ``(B, T_local, dim)``
+    in; hidden states out, or for the last stage the summed cross-entropy of ``labels`` (0-dim fp32).
+    ``position_ids``: each packed document's positions (every stage gets them), as ``Transformer.forward``.
     """
 
     def __init__(self, model: nn.Module, block_names: list[str], first: bool, last: bool) -> None:
@@ -45,11 +46,18 @@ class PipelineStageModule(nn.Module):
         self._owner = [model]  # a list: not registered as a submodule (the model holds this stage)
         self.seq_len = 0  # the full sequence length of the running batch (set by the pipeline)
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T_local, dim)
-        rope = self._owner[0].rope[: self.seq_len]
-        for layer in self.layers.values():
-            h = layer(h, rope)
+        if position_ids is None:
+            rope = self._owner[0].rope[: self.seq_len]
+            for layer in self.layers.values():
+                h = layer(h, rope)
+        else:  # packed documents kept apart, as Transformer.forward
+            rope = self._owner[0].rope[position_ids]
+            for layer in self.layers.values():
+                h = layer(h, rope, position_ids=position_ids)
         if self.output is None:
             return h
         assert labels is not None, "the last stage computes the loss: it needs the labels"
