@@ -305,12 +305,14 @@ class Watchdog:
 
     def _leave(self) -> None:
         """Say "ended" (the others must not take this exit for a failure); the rank hosting the store then waits (two
-        rounds at most) until every other rank but the culprits has read the verdict (is neither "alive" nor "failed",
-        i.e. waiting for a cause), since its exit takes the store along."""
+        rounds at most) until every other rank has read the verdict (is neither "alive" nor "failed", i.e. waiting
+        for a cause) but culprits that raised, are stopped or gone, since its exit takes the store along."""
         with suppress(*_STORE_ERRORS):
             self._call("set", self._key(self.rank), self._beat())
-            culprits = set((self.verdict or {}).get("ranks", []))
-            keys = [self._key(r) for r in range(self.world_size) if r != self.rank and r not in culprits]
+            verdict = self.verdict or {}
+            skip = {r for r in verdict.get("ranks", []) if verdict.get("raised") or r not in self._local or self.state_of(
+                self.processes[r][2]) in (None, "Z", "X", "T", "t")}  # (one stuck elsewhere might miss the verdict)
+            keys = [self._key(r) for r in range(self.world_size) if r != self.rank and r not in skip]
             while self.store_host_rank == self.rank and keys and self.clock() < self._seen_at + 2 * self.interval + 1 and any(
                     beat.rsplit(b" ", 1)[-1] in (b"alive", b"failed") for beat in self._call("multi_get", keys)):
                 self.sleep(min(0.2, self.interval / 4))

@@ -324,6 +324,32 @@ def test_the_store_host_ending_waits_for_a_rank_still_waiting_for_the_cause():
     assert results == {0: EXIT_CODE} and read, "rank 0 left before rank 3 (still waiting for a cause) read the verdict"
 
 
+def test_the_store_host_ending_waits_for_a_stuck_culprit_to_read_the_verdict():
+    """A stuck rank is alive (its watchdog runs): it must read the verdict naming it, and end with it, before the rank
+    hosting the store leaves; else it reports the store's host as gone instead (seen once in the stuck-rank job)."""
+    world = World(n=4, timeout=10.0)
+    world.round()
+    for r in (1, 3):  # the others have ended already
+        world.dogs[r]._state = "ended"
+        world.dogs[r]._call("set", world.dogs[r]._key(r), world.dogs[r]._beat())
+    host = world.dogs[0]
+    host.verdict, host._seen_at = {"ranks": [2], "by": 1, "reason": "rank 2 is stuck"}, world.now
+    read = []
+
+    def the_stuck_rank_reads_the_verdict():
+        if world.now > host._seen_at + 1 and not read:
+            read.append(world.now)
+            world.dogs[2]._state = "ended"
+            world.dogs[2]._call("set", world.dogs[2]._key(2), world.dogs[2]._beat())
+
+    world.during_sleep = the_stuck_rank_reads_the_verdict
+    try:
+        host._end()
+    except Exited as ended:
+        assert ended.args[0] == EXIT_CODE
+    assert read, "the store's host left before the stuck rank read the verdict naming it"
+
+
 def test_communication_errors_are_told_from_causes():
     from torch.distributed import DistBackendError
 
