@@ -3,7 +3,9 @@
 2×2 CPU jobs (gloo) started by a launcher that does *not* kill the job when a rank fails (``kill_on_failure=False``):
 the ranks must end it themselves, within ``min(timeout, watchdog_timeout)`` + 5 s. The killed-rank case is the crash
 job of test_checkpoints.py (a rank SIGKILLed in the middle of a save; its resume loses only the steps after the last
-complete checkpoint). Exit times are printed (``-s``).
+complete checkpoint). Exit times are printed (``-s``). The four jobs of the bound tests spend most of their time
+waiting for a bound, so they are launched together (``bound_jobs``); each test reads its own job. (Not the
+Lightning-launcher job: its fresh interpreters, started beside them, miss the 20 s rendezvous on 2 cores.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,27 @@ pytestmark = pytest.mark.distributed
 
 LAYOUT = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "save_weights": False,
           "timeout_s": 20, "watchdog_timeout_s": 20}
+#: The jobs of the bound tests: a rank that raises, one stopped (the watchdog's bound, then the collectives' shorter
+#: one), one alive but stuck.
+BOUND_JOBS = {
+    "watchdog_raise": {**LAYOUT, "fail": {"step": 3, "rank": 3, "how": "raise"}},
+    "watchdog_sigstop": {**LAYOUT, "timeout_s": 60, "watchdog_timeout_s": 10,
+                         "fail": {"step": 3, "rank": 1, "how": "sigstop"}},
+    "watchdog_collective_timeout": {**LAYOUT, "timeout_s": 10, "watchdog_timeout_s": 60,
+                                    "fail": {"step": 3, "rank": 1, "how": "sigstop"}},
+    "watchdog_stuck": {**LAYOUT, "timeout_s": 60, "watchdog_timeout_s": 10, "fail": {"step": 3, "rank": 2, "how": "hang"}},
+}
+
+
+@pytest.fixture(scope="module")
+def bound_jobs(jobs):
+    """Every job of ``BOUND_JOBS``, launched at once (each is cached by ``jobs`` under its name)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(BOUND_JOBS)) as pool:
+        futures = {name: pool.submit(jobs.run, name, "fit", config, expect_ok=False, kill_on_failure=False)
+                   for name, config in BOUND_JOBS.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def seconds_after_failure(result) -> list[float]:
@@ -34,9 +57,8 @@ def seconds_after_failure(result) -> list[float]:
     return after
 
 
-def test_an_exception_on_one_rank_ends_every_other_rank_naming_it(jobs):
-    config = {**LAYOUT, "fail": {"step": 3, "rank": 3, "how": "raise"}}
-    result = jobs.run("watchdog_raise", "fit", config, expect_ok=False, kill_on_failure=False)
+def test_an_exception_on_one_rank_ends_every_other_rank_naming_it(bound_jobs):
+    result = bound_jobs["watchdog_raise"]
     assert not result.timed_out, result.describe()
     assert result.returncodes == [75, 75, 75, 1], result.describe()
     assert "ValueError: injected failure in step 3" in result.logs[3]
@@ -61,27 +83,24 @@ def stopped_rank_1(result, why: str) -> list[float]:
     return seconds_after_failure(result)
 
 
-def test_a_stopped_rank_is_named_and_the_job_ends_within_the_watchdog_timeout(jobs):
-    config = {**LAYOUT, "timeout_s": 60, "watchdog_timeout_s": 10, "fail": {"step": 3, "rank": 1, "how": "sigstop"}}
-    result = jobs.run("watchdog_sigstop", "fit", config, expect_ok=False, kill_on_failure=False)
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_watchdog_timeout(bound_jobs):
+    result = bound_jobs["watchdog_sigstop"]
     after = stopped_rank_1(result, r"\(watchdog timeout 10 s\)")
     assert 10 <= max(after) <= 10 + 5  # not before the bound, within it + 5 s
 
 
-def test_a_collective_timeout_shorter_than_the_watchdogs_is_never_extended(jobs):
+def test_a_collective_timeout_shorter_than_the_watchdogs_is_never_extended(bound_jobs):
     """``timeout`` 10 s, ``watchdog_timeout`` 60 s: the collectives fail at 10 s, and the rank that caused it is named
     then (silent since it stopped), not 60 s later."""
-    config = {**LAYOUT, "timeout_s": 10, "watchdog_timeout_s": 60, "fail": {"step": 3, "rank": 1, "how": "sigstop"}}
-    result = jobs.run("watchdog_collective_timeout", "fit", config, expect_ok=False, kill_on_failure=False)
+    result = bound_jobs["watchdog_collective_timeout"]
     after = stopped_rank_1(result, r"\(and rank \d's collective failed\)")
     assert 10 <= max(after) <= 10 + 5
 
 
-def test_a_rank_alive_but_stuck_is_named_and_the_job_ends_within_the_watchdog_timeout(jobs):
+def test_a_rank_alive_but_stuck_is_named_and_the_job_ends_within_the_watchdog_timeout(bound_jobs):
     """Rank 2 sleeps before its step 3 (a stuck data loader or callback would), its watchdog thread beating; the others
     wait in step 3's collectives. Its predecessor names it; every rank ends, the stuck one printing where it is."""
-    config = {**LAYOUT, "timeout_s": 60, "watchdog_timeout_s": 10, "fail": {"step": 3, "rank": 2, "how": "hang"}}
-    result = jobs.run("watchdog_stuck", "fit", config, expect_ok=False, kill_on_failure=False)
+    result = bound_jobs["watchdog_stuck"]
     assert not result.timed_out, result.describe()
     assert result.returncodes == [75, 75, 75, 75], result.describe()
     pid = json.loads((result.out_dir / "failed_at.json").read_text())["pid"]
