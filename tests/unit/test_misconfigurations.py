@@ -36,6 +36,17 @@ def fit_before_spawn(module: L.LightningModule, datamodule: L.LightningDataModul
     trainer(**strategy).fit(module, datamodule=datamodule)
 
 
+def tokenizer_without_eos(folder: Path) -> str:
+    """A Hugging Face ``tokenizer.json`` with no special tokens at all (so no end-of-text token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
 def hf(**config):
     from lightning_2d.hf import HFCausalLMModule
 
@@ -154,6 +165,9 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      DataError, r"seq_len must be a positive integer, got 0"),
     ("validation fraction 1.5", lambda _: TextDataModule(val_fraction=1.5),
      DataError, r"val_fraction must be in \[0, 1\), got 1\.5"),
+    ("document masking with a tokenizer without an end-of-text token",
+     lambda tmp: TextDataModule(tokenizer=tokenizer_without_eos(tmp), document_mask=True),
+     DataError, r"document_mask=True needs an end-of-text token .*has none; name it with eos_token=\.\.\."),
     ("explicit checkpoint that does not exist", lambda tmp: resolve_checkpoint(tmp / "epoch=0-step=9.ckpt", print),
      CheckpointError, r"epoch=0-step=9\.ckpt does not exist\. Not resuming from another checkpoint"),
     ("export of a file that is not a checkpoint", export_of,
