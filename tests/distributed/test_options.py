@@ -122,6 +122,17 @@ def test_compiled_blocks_match_single_device(jobs):
     assert eager["compiled_blocks"] == [] and eager["dynamo_unique_graphs"] == 0
 
 
+def assert_two_micro_batches_equal_the_double_batch(out: dict, ref: dict) -> dict:
+    """A rank's output under ``accumulate_grad_batches=2`` against one device's on the double batch: the mean of each
+    pair of micro-batch losses is the step's loss, and the clipped-to norms are equal. Returns ``out``."""
+    micro = out["losses"]
+    assert len(micro) == 12  # two micro-batches per optimizer step
+    pairs = [(a + b) / 2 for a, b in zip(micro[::2], micro[1::2])]
+    assert worst_relative_error(pairs, ref["losses"]) <= LOSS_RTOL
+    assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    return out
+
+
 def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_per_step(jobs):
     """accumulate_grad_batches=2: FSDP2 skips the first micro-batch's reduce-scatter (Lightning's own
     block_backward_sync only knows DDP). Every target counts (even labels), so the mean of the two
@@ -129,14 +140,9 @@ def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_
     double = jobs.reference(even_labels=True)  # one device, the whole global batch per step
     accumulated = jobs.layout(2, 2, even_labels=True, accumulate=2)
     every = jobs.layout(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True)
-    ref = double.rank_output(0)
     for rank in range(4):
-        out = accumulated.rank_output(rank)
+        out = assert_two_micro_batches_equal_the_double_batch(accumulated.rank_output(rank), double.rank_output(0))
         micro = out["losses"]
-        assert len(micro) == 12  # two micro-batches per optimizer step
-        pairs = [(a + b) / 2 for a, b in zip(micro[::2], micro[1::2])]
-        assert worst_relative_error(pairs, ref["losses"]) <= LOSS_RTOL
-        assert out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
         # One reduce-scatter per FSDP unit (embedding, 4 blocks, [norm, output]) and step, as without
         # accumulation: the first micro-batch's backward reduces nothing.
         assert out["reduce_scatters"] == 6 * 6
