@@ -32,7 +32,7 @@ def model_context(
     ``before_launch``: a plan that cannot be resolved before the model is built (it reads the model) is left
     to the check in each process; a ``ParallelConfigError`` is raised in any case.
     """
-    raise_if_problems(document_mask_problems(module, datamodule, config))
+    raise_if_problems(document_mask_problems(module, datamodule))
     resolved = None
     if module is not None:
         try:
@@ -51,7 +51,7 @@ def model_context(
     }
 
 
-def document_mask_problems(module: Any, datamodule: Any, config: ParallelConfig) -> list[str]:
+def document_mask_problems(module: Any, datamodule: Any) -> list[str]:
     """What keeps a datamodule's document masking (``TextDataModule(document_mask=True)``) from working."""
     if not getattr(datamodule, "document_mask", False):
         return []
