@@ -54,7 +54,7 @@ from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
-from lightning_2d.parallel.watchdog import Watchdog, nccl_failure_env, start_watchdog, stop_watchdog
+from lightning_2d.parallel.watchdog import Watchdog, nccl_failure_env, start_watchdog
 
 __all__ = [
     "FSDP2Precision", "FabricFSDP2Precision", "ModelParallel2DBase", "NonFiniteLossError", "check_first_loss",
@@ -333,7 +333,8 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def teardown(self) -> None:
         if self._checkpoint_part is not None:
             self._checkpoint_part.wait()
-        stop_watchdog(self._watchdog)  # finished: the other ranks stop watching this one
+        if self._watchdog is not None:
+            self._watchdog.stop(done=True)  # finished (unless it failed): the other ranks stop watching this one
         self._watchdog = None
         super().teardown()
         self._known_warnings.remove()

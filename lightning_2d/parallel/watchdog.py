@@ -1,12 +1,7 @@
 """Failure watchdog: a rank that dies, stops, hangs or raises ends the job within a bound, named on every rank.
 
-torch does part of it: torchrun ends a job whose worker exits and prints a "Root Cause" from the worker's error file
-(written here with torchelastic's ``ErrorHandler``); under NCCL, ``nccl_failure_env`` turns on torch's collective
-watchdog, heartbeat monitor and flight-recorder dumps. This module does the rest, on gloo and NCCL alike: it names the
-rank that *caused* a failure (every rank's collective fails), ends a job whose rank is stopped or stuck before the
-collective timeout, and kills a stopped rank on its host (nothing does under Lightning's launcher). The job ends within
-``min(timeout, watchdog_timeout)`` plus a few intervals; CONTRIBUTING.md ("A failed rank ends the job") has the rules.
-"""
+torch's own mechanisms first (torchrun's error files, ``nccl_failure_env``); this module names the rank that *caused*
+a failure, ends a job whose rank is stopped or stuck, on gloo and NCCL alike. CONTRIBUTING.md has the rules."""
 
 from __future__ import annotations
 
@@ -25,39 +20,33 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from lightning_2d._compat import default_store
 
 #: The exit code of a rank ended by the watchdog (``EX_TEMPFAIL``: resume from the last checkpoint).
 EXIT_CODE = 75
 DEFAULT_WATCHDOG_TIMEOUT = timedelta(minutes=2)
-#: gloo reports a dead or silent peer as a plain ``RuntimeError``: "[…/gloo/transport/tcp/pair.cc:537] Read error …:
-#: Connection reset by peer", "[…/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv …".
+#: gloo's plain ``RuntimeError`` for a dead or silent peer: "[…/gloo/transport/tcp/pair.cc:537] Read error …".
 _GLOO = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
 _STORE_ERRORS = (RuntimeError, TimeoutError)  # c10d's DistStoreError and DistNetworkError are RuntimeErrors
-
-
-def interval_for(bound: float) -> float:
-    """Seconds between two rounds: a tenth of the bound, between 0.2 s and 5 s."""
-    return min(5.0, max(0.2, bound / 10))
+_GONE, _STOPPED = (None, "Z", "X"), ("T", "t")  # process states (``/proc/PID/stat``; ``None``: no such process)
 
 
 def process_state(pid: int) -> Optional[str]:
     """``pid``'s state letter in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, …); ``None``: no such process."""
-    try:
+    with suppress(OSError):
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :][:1] or None  # the command name (field 2) may hold spaces and parentheses
+        return stat[stat.rfind(")") + 2 :][:1] or None  # the command name (field 2) may hold spaces and parentheses
+    return None
 
 
 def is_communication_error(exc: Optional[BaseException], _seen: Optional[set[int]] = None) -> bool:
     """Whether ``exc`` (or what it wraps) is a failed collective or store call: another rank's failure's consequence."""
-    from torch.distributed import DistError
-
     if exc is None or id(exc) in (_seen := _seen or set()):
         return False
     _seen.add(id(exc))
-    if isinstance(exc, (DistError, ConnectionError)) or type(exc) is RuntimeError and any(s in str(exc) for s in _GLOO):
+    if isinstance(exc, (dist.DistError, ConnectionError)) or type(exc) is RuntimeError and any(s in str(exc) for s in _GLOO):
         return True
     failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (error, traceback)}
     wrapped = [exc.__cause__, exc.__context__, *[f[0] for f in (failures or {}).values() if isinstance(f, tuple)]]
@@ -67,19 +56,17 @@ def is_communication_error(exc: Optional[BaseException], _seen: Optional[set[int
 def nccl_failure_env(watchdog_timeout: Optional[timedelta]) -> dict[str, str]:
     """Turn on torch's NCCL failure handling (README, "When a rank dies") for the process groups created afterwards,
     each variable only where the environment lacks it; returns what it set (nothing without a ``watchdog_timeout``)."""
-    if watchdog_timeout is None:
-        return {}
-    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
-              "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(60, int(watchdog_timeout.total_seconds()))),
-              "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    wanted = {} if watchdog_timeout is None else {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(60, int(watchdog_timeout.total_seconds()))),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
     added = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(added)
     return added
 
 
 def record_for_torchrun(message: str, cause: Optional[BaseException] = None) -> None:
-    """Write ``message`` (after ``cause``'s traceback) into this worker's torchrun error file (torchelastic's
-    ``ErrorHandler`` records the exception being handled); torchrun's "Root Cause" shows it. No-op outside torchrun."""
+    """Write ``message`` (after ``cause``'s traceback) into this worker's torchrun error file, for its "Root Cause"."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     try:
@@ -121,14 +108,10 @@ class _Store:
 
 
 class Watchdog:
-    """One rank's watchdog: ``start()`` it, set ``started``/``step`` (the optimizer step entered/completed) on the
-    training path, call ``on_failure(exc)`` when the main thread fails and ``stop()`` at the end.
-
-    Args: the job's ``store`` (its own connection: ``store.clone()``), this ``rank``, every rank's ``processes`` (host,
-    PID namespace, PID), a ``run_id`` for the keys, ``watchdog_timeout`` and ``collective_timeout`` (seconds: the job
-    ends within the shorter), ``store_host_rank`` (``None``: torchrun's agent hosts the store). The constructor writes
-    this rank's keys (start the watchdogs after a barrier). Tests replace ``clock``, ``sleep``, ``exit``, ``out``...
-    """
+    """One rank's watchdog (``start_watchdog`` makes it): set ``started``/``step`` (optimizer step entered/completed) on
+    the training path, call ``on_failure(exc)`` when the main thread fails and ``stop()`` at the end. ``processes``:
+    every rank's (host, PID namespace, PID); ``store_host_rank`` ``None``: torchrun's agent hosts the store. Tests
+    replace ``clock``, ``sleep``, ``exit``, ``out``, ``state_of`` and ``kill``."""
 
     def __init__(self, store: Any, rank: int, processes: list[tuple[str, str, int]], run_id: str,
                  watchdog_timeout: float, collective_timeout: Optional[float] = None,
@@ -136,7 +119,7 @@ class Watchdog:
         self.rank, self.processes, self.world_size = rank, processes, len(processes)
         self.watchdog_timeout, self.store_host_rank = float(watchdog_timeout), store_host_rank
         self.bound = min(self.watchdog_timeout, collective_timeout or float("inf"))  # neither timeout is extended
-        self.interval = interval_for(self.bound)
+        self.interval = min(5.0, max(0.2, self.bound / 10))  # seconds between two rounds
         self.grace, self.wait_for_cause = min(5.0, 2 * self.interval), 3 * self.interval + 1.0
         self.started = self.step = 0
         self.verdict: Optional[dict[str, Any]] = None
@@ -144,12 +127,11 @@ class Watchdog:
             time.monotonic, time.sleep, os._exit, None, process_state, os.kill)
         self._store, self._prefix = _Store(store), f"lightning_2d/watchdog/{run_id}"
         self._local = [r for r, p in enumerate(processes) if r != rank and p[:2] == processes[rank][:2]]
-        self._done: set[int] = set()
+        self._done: set[int] = set()  # ranks that finished: the ring skips them
         self._watched, self._count, self._since, self._behind_since = rank, -1, 0.0, None  # the watched successor
         self._beats, self._state, self._store_ok_at, self._seen_at, self._failed_at = 0, "alive", 0.0, 0.0, 0.0
         self._failure: Optional[BaseException] = None
-        self._waiting = False  # for the cause of this rank's failed collective
-        self._stopped, self._ending, self._thread = threading.Event(), threading.Lock(), None
+        self._waiting, self._stopped, self._ending, self._thread = False, threading.Event(), threading.Lock(), None
         self._call("set", self._key(rank), self._beat())  # every key a round reads exists: multi_get waits for one
         if rank == 0:
             self._call("set", self._key("verdict"), "")
@@ -162,20 +144,15 @@ class Watchdog:
         return self
 
     def stop(self, done: bool = True) -> None:
-        """End the thread; ``done``: this rank finished, unless it failed. The rank hosting the store then waits (the
-        bound at most) for every rank to finish, its thread still watching, since its exit takes the store along."""
+        """End the thread; ``done``: this rank finished, unless it failed (see ``_leave``)."""
         if done and self._failure is None and not self._stopped.is_set():
-            self._state, deadline = "done", self.clock() + self.bound
-            with suppress(*_STORE_ERRORS):
-                self._call("set", self._key(self.rank), self._beat())
-                self._call("add", self._key("done"), 1)
-                while self.store_host_rank == self.rank and self.clock() < deadline and int(
-                        self._call("add", self._key("done"), 0)) < self.world_size:
-                    self.sleep(min(0.2, self.interval))
+            self._leave("done")
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 2.0)
         self._store.calls.put(None)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
@@ -196,7 +173,7 @@ class Watchdog:
         self._beats += 1
         return f"{self._beats} {self.started} {self.step} {self._state}"
 
-    # ---- one round: heartbeat, verdict, findings -------------------------------------------------------------------
+    # ---- one round: heartbeat, verdict, finding, action ------------------------------------------------------------
     def check_once(self) -> Optional[dict[str, Any]]:
         """One round; acts on the verdict, and returns it."""
         now, beat = self.clock(), None
@@ -204,49 +181,45 @@ class Watchdog:
                           if r not in self._done), self.rank)
         if successor != self._watched:
             self._watched, self._count, self._since, self._behind_since = successor, -1, now, None
-        try:
+        with suppress(*_STORE_ERRORS):  # (a silent store is judged below)
             self._call("set", self._key(self.rank), self._beat())
             verdict, beat = self._call("multi_get", [self._key("verdict"), self._key(successor)])
             if verdict and self.verdict is None:
                 self.verdict, self._seen_at = json.loads(verdict), now
-        except _STORE_ERRORS:
-            pass  # judged by the store's silence
-        if self.verdict is None:
-            limit, why = (2 * self.interval, f"(and rank {self.rank}'s collective failed)") if self._waiting else (
-                self.watchdog_timeout, f"(watchdog timeout {self.watchdog_timeout:.0f} s)")
-            finding = None
-            if now - self._store_ok_at > limit:
-                host, where = self.store_host_rank, f"rank {self.store_host_rank} (MASTER_ADDR)"
-                finding = [] if host is None else [host], (
-                    f"the job's store (hosted by {where if host is not None else 'the torchrun agent'}) has not"
-                    f" answered for {now - self._store_ok_at:.0f} s {why}{self._describe(host)}")
-            elif beat and successor != self.rank:
-                finding = self._judge(beat.decode().split(), now, limit, why)
-            if finding is not None:
-                self.verdict = self._publish({"ranks": finding[0], "by": self.rank, "reason": finding[1]})
-                self._seen_at = now
-        if self.verdict is not None:
-            self._act(now)
+        if self.verdict is None and (found := self._judge(beat, now)):
+            self.verdict, self._seen_at = self._publish({"ranks": found[0], "by": self.rank, "reason": found[1]}), now
+        verdict = self.verdict or {}  # acted on unless this rank fails by itself, with its own error (its own exit);
+        if verdict and (self._failure is None or self._waiting) and (  # the grace: an error raised on every rank at
+                not verdict.get("raised") or self.rank in verdict["ranks"] or now - self._seen_at >= self.grace):
+            self._end()  # once is each rank's own to report
         return self.verdict
 
-    def _judge(self, beat: list[str], now: float, limit: float, why: str) -> Optional[tuple[list[int], str]]:
-        """The watched successor's heartbeat: its process gone (on this host), silent, or behind the step this rank
-        started for longer than ``limit``?"""
-        (count, started, step, state), r = beat, self._watched
+    def _judge(self, beat: Optional[bytes], now: float) -> Optional[tuple[list[int], str]]:
+        """The store silent, or the watched successor gone (on this host), silent or behind, longer than the limit?"""
+        limit, why = (2 * self.interval, f"(and rank {self.rank}'s collective failed)") if self._waiting else (
+            self.watchdog_timeout, f"(watchdog timeout {self.watchdog_timeout:.0f} s)")
+        if now - self._store_ok_at > limit:
+            host, where = self.store_host_rank, f"rank {self.store_host_rank} (MASTER_ADDR)"
+            return [] if host is None else [host], (
+                f"the job's store (hosted by {where if host is not None else 'the torchrun agent'}) has not answered"
+                f" for {now - self._store_ok_at:.0f} s {why}{self._describe(host)}")
+        if beat is None or (r := self._watched) == self.rank:
+            return None
+        count, started, step, state = beat.decode().split()
         if state in ("done", "ended"):
             self._done.add(r)  # the next round watches the next rank
             return None
         if int(count) != self._count:
             self._count, self._since = int(count), now
         self._behind_since = None if int(started) >= self.started else self._behind_since or now
-        who, behind = f"rank {r} (pid {self.processes[r][2]} on {self.processes[r][0]})", self._behind_since
+        who = f"rank {r} (pid {self.processes[r][2]} on {self.processes[r][0]})"
         steps = f"; its last heartbeat reported {step} completed step(s)"
-        if r in self._local and self.state_of(self.processes[r][2]) in (None, "Z", "X"):
+        if r in self._local and self.state_of(self.processes[r][2]) in _GONE:
             return [r], f"{who} died: its process is gone{steps}"
         if now - self._since > limit:
-            silent = f"{now - self._since:.0f} s {why}{self._describe(r)}"
-            return [r], f"{who} has sent no heartbeat for {silent}{steps}"
-        # Stuck: behind, its heartbeat fresh (else it is stopped); while waiting for a cause, behind since before.
+            return [r], f"{who} has sent no heartbeat for {now - self._since:.0f} s {why}{self._describe(r)}{steps}"
+        # Stuck: behind the step this rank started, its heartbeat fresh (else it is stopped).
+        behind = self._behind_since  # (while waiting for a cause: behind since before the collective failed)
         lag = 0.0 if behind is None or self._waiting and behind > self._failed_at - self.interval else now - behind
         if lag > limit and now - self._since <= 3 * self.interval:
             return [r], (f"{who} is stuck at step {started} (others at step {self.started}) for {lag:.0f} s {why}:"
@@ -259,8 +232,8 @@ class Watchdog:
         if rank not in self._local:
             return " (another host: stopped, dead or cut off)"
         state = self.state_of(self.processes[rank][2])
-        if state in (None, "Z", "X", "T", "t"):
-            return f": its process is {'stopped (SIGSTOP/SIGTSTP)' if state in ('T', 't') else 'gone'}"
+        if state in _GONE + _STOPPED:
+            return f": its process is {'stopped (SIGSTOP/SIGTSTP)' if state in _STOPPED else 'gone'}"
         return f": its process is alive (state {state}) but its watchdog does not run"
 
     def _publish(self, finding: dict[str, Any]) -> dict[str, Any]:
@@ -269,14 +242,6 @@ class Watchdog:
             held = self._call("compare_set", self._key("verdict"), "", json.dumps(finding))
             return json.loads(held) if held else finding
         return finding  # the store is gone: act on this rank's own finding
-
-    # ---- acting ----------------------------------------------------------------------------------------------------
-    def _act(self, now: float) -> None:
-        verdict = self.verdict or {}
-        if self._failure is not None and not self._waiting:
-            return  # failing by itself, with its own error: its own exit
-        if not verdict.get("raised") or self.rank in verdict["ranks"] or now - self._seen_at >= self.grace:
-            self._end()  # (the grace: an error raised on every rank at once is each rank's own to report)
 
     def _end(self) -> None:
         with self._ending:  # once, from whichever thread comes first; the other waits for the exit
@@ -293,27 +258,27 @@ class Watchdog:
                 with suppress(OSError, ValueError):  # (a stream without a file descriptor)
                     faulthandler.dump_traceback(self.out or sys.stderr, all_threads=True)
             record_for_torchrun(line.splitlines()[0])
-            for r in self._local:  # a stopped rank would hold its memory and devices forever
-                if r in culprits and self.state_of(self.processes[r][2]) in ("T", "t"):
-                    with suppress(OSError):
-                        self.kill(self.processes[r][2], signal.SIGKILL)
-                        self._print(f"killed the stopped rank {r} (pid {self.processes[r][2]})")
-            self._state = "ended"
-            self._leave()
+            for r in (r for r in culprits if r in self._local and self.state_of(self.processes[r][2]) in _STOPPED):
+                with suppress(OSError):  # a stopped rank would hold its memory and devices forever
+                    self.kill(self.processes[r][2], signal.SIGKILL)
+                    self._print(f"killed the stopped rank {r} (pid {self.processes[r][2]})")
+            self._leave("ended")
             self._stopped.set()
             self.exit(EXIT_CODE)
 
-    def _leave(self) -> None:
-        """Say "ended" (the others must not take this exit for a failure); the rank hosting the store then waits (two
-        rounds at most) until every other rank has read the verdict (is neither "alive" nor "failed", i.e. waiting
-        for a cause) but culprits that raised, are stopped or gone, since its exit takes the store along."""
+    def _leave(self, state: str) -> None:
+        """Write this rank's ``state`` ("done", "ended": no failure). The rank hosting the store (its exit takes it along)
+        then waits while another rank is "alive" or "failed" (waiting for a cause): the bound at most after finishing;
+        two rounds after a verdict, not for culprits that raised, are stopped, gone or elsewhere (need not read it)."""
+        self._state, finished = state, state == "done"
+        verdict = {} if finished else self.verdict or {}
+        skip = {r for r in verdict.get("ranks", []) if verdict.get("raised") or r not in self._local
+                or self.state_of(self.processes[r][2]) in _GONE + _STOPPED}
+        until = self.clock() + self.bound if finished else self._seen_at + 2 * self.interval + 1
+        keys = [self._key(r) for r in range(self.world_size) if r != self.rank and r not in skip]
         with suppress(*_STORE_ERRORS):
             self._call("set", self._key(self.rank), self._beat())
-            verdict = self.verdict or {}
-            skip = {r for r in verdict.get("ranks", []) if verdict.get("raised") or r not in self._local or self.state_of(
-                self.processes[r][2]) in (None, "Z", "X", "T", "t")}  # (one stuck elsewhere might miss the verdict)
-            keys = [self._key(r) for r in range(self.world_size) if r != self.rank and r not in skip]
-            while self.store_host_rank == self.rank and keys and self.clock() < self._seen_at + 2 * self.interval + 1 and any(
+            while self.store_host_rank == self.rank and keys and self.clock() < until and any(
                     beat.rsplit(b" ", 1)[-1] in (b"alive", b"failed") for beat in self._call("multi_get", keys)):
                 self.sleep(min(0.2, self.interval / 4))
 
@@ -328,8 +293,8 @@ class Watchdog:
         if self._failure is not None or self._stopped.is_set():
             return
         self._failure, self._failed_at, self._state = exc, self.clock(), "failed"
-        if is_communication_error(exc):
-            self._waiting = True
+        self._waiting = is_communication_error(exc)
+        if self._waiting:
             while self.verdict is None and self.clock() < self._failed_at + self.wait_for_cause:
                 self.sleep(min(0.2, self.interval / 4))
             reason = (f"rank {self.rank}'s collective failed during step {self.step + 1} ({_error(exc)}) and no rank"
@@ -337,14 +302,14 @@ class Watchdog:
         else:
             reason = f"rank {self.rank} raised {_error(exc).replace(':', f' during step {self.step + 1}:', 1)}"
         if self.verdict is None:
-            self.verdict = self._publish({"ranks": [self.rank], "by": self.rank, "reason": reason, "raised": True})
-            self._seen_at = self.clock()
+            finding = {"ranks": [self.rank], "by": self.rank, "reason": reason, "raised": True}
+            self.verdict, self._seen_at = self._publish(finding), self.clock()
         if self._waiting and self.rank not in self.verdict["ranks"]:
             self._end()  # a consequence: end with its cause
         self._waiting = False
         record_for_torchrun(reason, exc)
         if self.rank in self.verdict["ranks"]:
-            self._leave()
+            self._leave("failed")
 
 
 _ACTIVE: list[Watchdog] = []
@@ -356,7 +321,7 @@ def _at_exit() -> None:
     for dog in list(_ACTIVE):
         if getattr(sys, "last_value", None) is not None:
             dog.on_failure(sys.last_value)
-        stop_watchdog(dog)
+        dog.stop(done=True)
 
 
 def start_watchdog(watchdog_timeout: Optional[timedelta], rank: int, world_size: int,
@@ -364,8 +329,6 @@ def start_watchdog(watchdog_timeout: Optional[timedelta], rank: int, world_size:
     """Start this rank's watchdog on the default process group's store (collective: every rank calls it); ``None``
     without a ``watchdog_timeout`` or with one rank. The job ends within the shorter of ``watchdog_timeout`` and
     ``collective_timeout`` (the process groups' ``timeout``), plus a few intervals."""
-    import torch.distributed as dist
-
     if watchdog_timeout is None or world_size < 2:
         return None
     _RUNS[0] += 1  # every rank starts its watchdogs in the same order: the same run id on every rank
@@ -381,11 +344,3 @@ def start_watchdog(watchdog_timeout: Optional[timedelta], rank: int, world_size:
         atexit.register(_at_exit)
     _ACTIVE.append(dog.start())
     return dog
-
-
-def stop_watchdog(dog: Optional[Watchdog]) -> None:
-    """Stop ``dog`` at the end of a run (the strategy's teardown, or at exit): finished unless its rank failed."""
-    if dog is not None:
-        dog.stop(done=True)
-        if dog in _ACTIVE:
-            _ACTIVE.remove(dog)

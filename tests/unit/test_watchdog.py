@@ -16,7 +16,6 @@ import torch.distributed as dist
 from lightning_2d.parallel.watchdog import (
     EXIT_CODE,
     Watchdog,
-    interval_for,
     is_communication_error,
     nccl_failure_env,
     process_state,
@@ -79,7 +78,7 @@ def test_bound_and_interval_are_the_shorter_timeout_and_a_tenth_of_it():
     assert world.dogs[0].bound == 20.0 and world.dogs[0].interval == 2.0 and world.dogs[0].wait_for_cause == 7.0
     assert World(n=2, timeout=20.0).dogs[0].bound == 20.0  # no collective timeout
     assert World(n=2, timeout=60.0, collective_timeout=1800.0).dogs[0].interval == 5.0  # at most 5 s
-    assert interval_for(1.0) == 0.2
+    assert World(n=2, timeout=1.0).dogs[0].interval == 0.2  # at least 0.2 s
 
 
 def test_a_stopped_rank_is_named_by_its_predecessor_after_the_watchdog_timeout_and_killed():
