@@ -32,6 +32,7 @@ from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of
 from lightning_2d.integration.module import warmup_cosine_schedule
 from lightning_2d.parallel import pipeline_of
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
+from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
@@ -47,6 +48,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="pipeline stages' ranks (the Llama's blocks split into stages); 1: no pipeline")
     parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(PIPELINE_SCHEDULES))
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="ranks each sequence is split over (long context)")
     parser.add_argument("--data-parallel-replicate-size", type=int, default=1,
                         help="HSDP: replica groups of the data-parallel ranks (FSDP shards inside each)")
     parser.add_argument("--precision", default="32-true")
@@ -146,18 +149,20 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         start = time.perf_counter()
         step_loss = torch.zeros((), device=fabric.device)
         for micro in range(args.accumulate):
-            batch = fabric.to_device(next(stream))
+            full = fabric.to_device(next(stream))
+            batch = context_shard(full, mesh)  # under context parallelism: this rank's part of each sequence
+            positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
             # Gradients are reduce-scattered once, after the last micro-batch.
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
                 if pipeline is not None:
                     # The schedule runs every micro-batch's forward and backward here: the gradients of
                     # loss / accumulate, as fabric.backward below (no backward call of ours).
                     _, global_mean, _ = pipeline.train_step(batch["input_ids"], batch["labels"],
-                                                            grad_scale=1.0 / args.accumulate)
+                                                            grad_scale=1.0 / args.accumulate, **positions)
                 else:
                     # The summed cross-entropy from the fused head (no (batch, seq, vocab) logits), then
                     # divided by the global batch's target tokens.
-                    loss_sum = model(batch["input_ids"], labels=batch["labels"])
+                    loss_sum = model(batch["input_ids"], labels=batch["labels"], **positions)
                     loss, global_mean, _ = normalize_by_global_tokens(loss_sum, batch["labels"], mesh)
                     fabric.backward(loss / args.accumulate)
             step_loss += global_mean / args.accumulate
@@ -170,7 +175,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         history["grad_norm"].append(float(grad_norm))
         if state["step"] > 1:  # the first step includes start-up
             synchronize(fabric.device)
-            meter.update(batch["input_ids"].numel() * replicas["num_replicas"] * args.accumulate, time.perf_counter() - start)
+            meter.update(full["input_ids"].numel() * replicas["num_replicas"] * args.accumulate, time.perf_counter() - start)
         if on_step is not None:
             on_step(state["step"], model)
         if state["step"] % args.log_every == 0 and meter.steps:
@@ -195,6 +200,7 @@ def main() -> None:
             data_parallel_replicate_size=args.data_parallel_replicate_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             pipeline_schedule=args.pipeline_schedule,
+            context_parallel_size=args.context_parallel_size,
         ),
         precision=args.precision,
     )

@@ -2,6 +2,7 @@
 
     python recipes/quickstart.py                       # 4 CPU processes, (dp, tp) = (2, 2)
     python recipes/quickstart.py --pipeline-parallel-size 2 --tensor-parallel-size 1   # 2 stages × dp 2
+    python recipes/quickstart.py --context-parallel-size 2 --tensor-parallel-size 1    # sequences over 2 ranks × dp 2
     python recipes/quickstart.py --accelerator gpu --devices 8 --tensor-parallel-size 8 \
         --model llama3-8b --tokenizer /path/to/tokenizer.json --data "/data/*.jsonl" --seq-len 8192
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline ranks (1: no pipeline)")
     parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(PIPELINE_SCHEDULES))
+    parser.add_argument("--context-parallel-size", type=int, default=1, help="ranks each sequence is split over")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel replica")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -43,6 +45,7 @@ def main() -> None:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,  # the blocks split into stages
             pipeline_schedule=args.pipeline_schedule,
+            context_parallel_size=args.context_parallel_size,
         ),
         max_steps=args.max_steps,
         log_every_n_steps=10,

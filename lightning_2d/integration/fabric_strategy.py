@@ -105,6 +105,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
         timeout: Optional[timedelta] = StrategyOptions.timeout,
         watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
+        context_parallel_size: int = ParallelConfig.context_parallel_size,
         *,
         parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = PARALLELIZE_FN.default,
     ) -> None:

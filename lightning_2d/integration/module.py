@@ -18,6 +18,7 @@ from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
 
@@ -95,12 +96,14 @@ class CausalLMModule(L.LightningModule):
         return next_token_loss(self(batch["input_ids"], **document_positions_of(batch)), batch["labels"], self.device_mesh)
 
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch = context_shard(batch, self.device_mesh)
         pipeline = self.pipeline
         if pipeline is not None:
             return pipeline.eval_step(batch["input_ids"], batch["labels"], **document_positions_of(batch))
         return self._loss(batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        batch = context_shard(batch, self.device_mesh)  # under context parallelism: this rank's part of each sequence
         pipeline = self.pipeline
         if pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
             scale = 1.0 / self.trainer.accumulate_grad_batches
@@ -160,6 +163,11 @@ class CausalLMModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """Greedy next-token ids ``(B, T)`` and each sequence's mean negative log-likelihood ``(B,)``."""
+        if context_shard(batch, self.device_mesh) is not batch:
+            raise RuntimeError(
+                "predict under context parallelism would return each rank's slice of the sequences; predict with"
+                " context_parallel_size=1 (a checkpoint moves between layouts)"
+            )
         logits = self(batch["input_ids"], **document_positions_of(batch))
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded under loss parallelism
             logits = logits.full_tensor()

@@ -115,6 +115,7 @@ PARAMETER_ORDER = (
     "float8", "float8_recipe", "fsdp_float8_all_gather", "async_tensor_parallel",
     "plan", "init_seed", "save_distributed_checkpoint", "async_checkpoint", "non_finite",
     "process_group_backend", "timeout", "watchdog_timeout",
+    "context_parallel_size",  # last: a new option must not shift the positions of the others
 )
 
 

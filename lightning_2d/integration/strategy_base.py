@@ -138,6 +138,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
         process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
         timeout: Optional[timedelta] = StrategyOptions.timeout,
         watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
+        context_parallel_size: int = ParallelConfig.context_parallel_size,
     ) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
         parallel, options = split_options(locals())

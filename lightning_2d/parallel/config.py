@@ -122,11 +122,12 @@ class ParallelConfig:
 
     data_parallel_size: Size = option("auto", checks=(STATIC_CHECKS, LAYOUT_CHECKS))
     """Number of data-parallel ranks (replicas × FSDP shards; each sees different batches), or ``"auto"``: the
-    world size divided by ``tensor_parallel_size × pipeline_parallel_size`` (the number of nodes when both sizes
-    are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size`` of them."""
+    world size divided by ``tensor_parallel_size × context_parallel_size × pipeline_parallel_size`` (the number of
+    nodes when both sizes are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size`` of them."""
     tensor_parallel_size: Size = option("auto", checks=(STATIC_CHECKS, LAYOUT_CHECKS, HARDWARE_CHECKS))
     """Size of the tensor-parallel mesh dimension, or ``"auto"``: the world size divided by
-    ``data_parallel_size × pipeline_parallel_size`` (the devices of one node when both sizes are auto).
+    ``data_parallel_size × context_parallel_size × pipeline_parallel_size`` (the devices of one node when both sizes
+    are auto).
     Tensor-parallel groups are consecutive ranks, so they stay inside a node."""
     data_parallel_replicate_size: int = option(1, checks=(STATIC_CHECKS, LAYOUT_CHECKS))
     """HSDP: the data-parallel ranks form this many replica groups; FSDP shards parameters, gradients and
@@ -190,6 +191,12 @@ class ParallelConfig:
     ``"off"`` checks nothing per step (no extra gradient read or all-gather: benchmarks), as plain Lightning
     does. The first loss and the weights at every save are checked under every policy: a checkpoint is never
     saved from NaN/inf weights."""
+    context_parallel_size: int = option(1, checks=(STATIC_CHECKS, LAYOUT_CHECKS))
+    """Context parallelism: each sequence is split over this many ranks, each holding ``2`` of its ``2 ×
+    context_parallel_size`` chunks (one early, one late: the same causal-attention work on each), and every
+    attention layer all-gathers keys and values across them (``lightning_2d.parallel.context``). Divides the
+    activations by this size; FSDP shards over data-shard × context ranks. The sequence length must be a multiple of
+    ``2 × context_parallel_size`` (× ``tensor_parallel_size`` under sequence parallelism). ``1`` (default): off."""
     pipeline_parallel_size: int = option(
         1, checks=(PIPELINE_CHECKS, LAYOUT_CHECKS, PIPELINE_SPLIT_CHECKS, BLOCK_COUNT_CHECKS, MICROBATCH_CHECKS)
     )
@@ -233,9 +240,10 @@ class ParallelConfig:
             value = getattr(self, name)
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 problems.append(f"{name} must be a positive integer or 'auto', got {value!r}")
-        replicas = self.data_parallel_replicate_size
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            problems.append(f"data_parallel_replicate_size must be a positive integer, got {replicas!r}")
+        for name in ("data_parallel_replicate_size", "context_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
         if self.activation_checkpointing not in AC_MODES:
             problems.append(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not a mode; choose one of"
@@ -548,6 +556,10 @@ class ParallelPlan:
             (``lightning_2d.parallel.pipeline.PipelineStages``; ``llama_plan`` gives our Llama's), or
             ``None``: the model cannot be pipelined (refused before any process starts when
             ``pipeline_parallel_size > 1``).
+        attention: ``fnmatch`` pattern of the attention modules (``"layers.*.attention"``) whose
+            ``attend(q, k, v, position_ids)`` core context parallelism replaces, or ``None``: the model's
+            attention cannot be split over the sequence (refused before any process starts when
+            ``context_parallel_size > 1``).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -561,6 +573,7 @@ class ParallelPlan:
     blocks_use_randomness: Optional[bool] = None
     num_blocks: Optional[int] = None
     pipeline_stages: Optional["PipelineStages"] = None
+    attention: Optional[str] = None
 
     @property
     def supports_pipeline(self) -> bool:

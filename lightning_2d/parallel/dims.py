@@ -17,7 +17,17 @@ from lightning_2d.parallel.config import (
     ParallelPlan,
     raise_if_problems,
 )
-from lightning_2d.parallel.names import DP_DIM, DP_REPLICATE_DIM, DP_SHARD_DIM, MESH_DIMS, PP_DIM, TP_DIM  # noqa: F401 (re-exported)
+from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
+    CP_DIM,
+    DP_CP_DIM,
+    DP_DIM,
+    DP_REPLICATE_DIM,
+    DP_SHARD_CP_DIM,
+    DP_SHARD_DIM,
+    MESH_DIMS,
+    PP_DIM,
+    TP_DIM,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -34,18 +44,20 @@ def _fmt_choices(values: list[int]) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved mesh sizes: ``pp × dp_replicate × dp_shard × tp == world_size``.
+    """Resolved mesh sizes: ``pp × dp_replicate × dp_shard × cp × tp == world_size``.
 
     The one owner of the device mesh: both strategies (and the planner) call ``build_mesh``.
-    Rank ``r`` sits at ``(r // (dp·tp), (r // (dp_shard·tp)) % dp_replicate, (r // tp) % dp_shard, r % tp)``:
-    tensor-parallel groups are consecutive ranks (inside a node), then FSDP shard groups, then
-    replicas, then pipeline stages (outermost: their point-to-point traffic is the lightest).
+    Rank ``r`` sits at ``(pp, replicate, shard, context, tensor)`` in row-major order (the last varies fastest):
+    tensor-parallel groups are consecutive ranks (inside a node: the most traffic, every layer), then context
+    groups (keys and values every layer, smaller), then FSDP shard groups, then replicas, then pipeline stages
+    (outermost: their point-to-point traffic is the lightest). Dimensions of size 1 of pp and cp are left out.
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -54,16 +66,19 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
-        """The mesh's dimension names (``pipeline_parallel`` first, only when there is a pipeline)."""
-        return ((PP_DIM,) if self.pp > 1 else ()) + MESH_DIMS
+        """The mesh's dimension names (``pipeline_parallel`` first and ``context_parallel`` before
+        ``tensor_parallel``, each only when its size is above 1)."""
+        context = (CP_DIM,) if self.cp > 1 else ()
+        return ((PP_DIM,) if self.pp > 1 else ()) + (DP_REPLICATE_DIM, DP_SHARD_DIM) + context + (TP_DIM,)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return ((self.pp,) if self.pp > 1 else ()) + (self.dp_replicate, self.dp_shard, self.tp)
+        context = (self.cp,) if self.cp > 1 else ()
+        return ((self.pp,) if self.pp > 1 else ()) + (self.dp_replicate, self.dp_shard) + context + (self.tp,)
 
     @property
     def hsdp(self) -> bool:
@@ -83,17 +98,22 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims)
-        flat = flatten_mesh_dims(mesh, (DP_REPLICATE_DIM, DP_SHARD_DIM), DP_DIM)
+        flat = [flatten_mesh_dims(mesh, (DP_REPLICATE_DIM, DP_SHARD_DIM), DP_DIM)]
+        if self.cp > 1:
+            flat.append(flatten_mesh_dims(mesh, (DP_REPLICATE_DIM, DP_SHARD_DIM, CP_DIM), DP_CP_DIM))
+            flat.append(flatten_mesh_dims(mesh, (DP_SHARD_DIM, CP_DIM), DP_SHARD_CP_DIM))
         if timeout is not None:
-            set_group_timeouts([*mesh.get_all_groups(), flat.get_group()], timeout)
+            set_group_timeouts([*mesh.get_all_groups(), *(f.get_group() for f in flat)], timeout)
         return mesh
 
     def fsdp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
-        """What FSDP2 shards over: ``(replicate, shard)`` (HSDP) or the flattened data-parallel dimension."""
-        return mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)] if self.hsdp else mesh[DP_DIM]
+        """What FSDP2 shards over (``fsdp_mesh_of``)."""
+        return fsdp_mesh_of(mesh)
 
     def as_dict(self) -> dict[str, int]:
-        sizes = {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard, "tensor_parallel": self.tp}
+        sizes = {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard}
+        sizes.update({CP_DIM: self.cp} if self.cp > 1 else {})
+        sizes["tensor_parallel"] = self.tp
         return {PP_DIM: self.pp, **sizes} if self.pp > 1 else sizes
 
 
@@ -111,7 +131,8 @@ def group_timeouts(mesh: "DeviceMesh") -> dict[str, Optional[timedelta]]:
     import torch
 
     out: dict[str, Optional[timedelta]] = {}
-    for name in (*(mesh.mesh_dim_names or MESH_DIMS), DP_DIM):
+    names = mesh.mesh_dim_names or MESH_DIMS
+    for name in (*names, DP_DIM, *((DP_CP_DIM, DP_SHARD_CP_DIM) if CP_DIM in names else ())):
         group = mesh[name].get_group()
         try:
             out[name] = group_timeout(group, torch.device("cpu" if mesh.device_type == "cpu" else "cuda"))
@@ -121,11 +142,14 @@ def group_timeouts(mesh: "DeviceMesh") -> dict[str, Optional[timedelta]]:
 
 
 def fsdp_mesh_of(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The FSDP mesh of a mesh built by ``ParallelDims.build_mesh`` (or a 2D Lightning-style one)."""
+    """The FSDP mesh of a mesh built by ``ParallelDims.build_mesh`` (or a 2D Lightning-style one): the flattened
+    data-parallel dimension, ``(replicate, shard)`` under HSDP; with context parallelism its shards are data-shard
+    × context ranks (the parameters are the same on every context rank: they shard them too)."""
     names = mesh.mesh_dim_names or ()
+    shard = DP_SHARD_CP_DIM if CP_DIM in names else DP_SHARD_DIM
     if DP_REPLICATE_DIM in names and mesh[DP_REPLICATE_DIM].size() > 1:
-        return mesh[(DP_REPLICATE_DIM, DP_SHARD_DIM)]
-    return mesh[DP_DIM]
+        return mesh[(DP_REPLICATE_DIM, shard)]
+    return mesh[DP_SHARD_CP_DIM if CP_DIM in names else DP_DIM]
 
 
 def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_node: int) -> tuple[int, int]:
@@ -136,9 +160,9 @@ def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_n
     validation reports the mismatch).
     """
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
-    pp = config.pipeline_parallel_size if isinstance(config.pipeline_parallel_size, int) else 1
-    if pp > 1 and world_size % pp == 0:
-        world_size //= pp  # the ranks of one pipeline stage share data and tensor parallelism
+    for size in (config.pipeline_parallel_size, config.context_parallel_size):
+        if isinstance(size, int) and size > 1 and world_size % size == 0:
+            world_size //= size  # the ranks of one pipeline stage (or context group) share data and tensor parallelism
     if dp == "auto" and tp == "auto":
         tp = min(devices_per_node, world_size)
         dp = max(1, world_size // tp)
@@ -192,24 +216,35 @@ def validate_parallel_dims(
             f"data_parallel_replicate_size ({replicas}) must divide the data-parallel size ({dp}): FSDP shards"
             f" inside each of the replica groups; use one of {_fmt_choices(fits)}"
         )
-    pp = config.pipeline_parallel_size
+    pp, cp = config.pipeline_parallel_size, config.context_parallel_size
     if pp > 1 and world_size % pp:
         problems.append(
             f"pipeline_parallel_size ({pp}) must divide the world size ({world_size} = {num_nodes} node(s) ×"
             f" {devices_per_node} device(s)); use one of {_fmt_choices(_divisors(world_size))}"
         )
-    elif dp * tp * pp != world_size:
+    elif cp > 1 and (world_size // pp) % cp:
+        problems.append(
+            f"context_parallel_size ({cp}) must divide the world size{f' / pipeline_parallel_size ({pp})' if pp > 1 else ''}"
+            f" ({world_size // pp}; {num_nodes} node(s) × {devices_per_node} device(s)); use one of"
+            f" {_fmt_choices(_divisors(world_size // pp))}"
+        )
+    elif dp * tp * pp * cp != world_size:
         given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
-        per_stage = world_size // pp
+        per_stage = world_size // (pp * cp)
         pairs = ", ".join(f"({d}, {per_stage // d})" for d in _divisors(per_stage))
         names, sizes = "data_parallel_size × tensor_parallel_size", f"{dp} × {tp}"
+        if cp > 1:
+            names, sizes = f"context_parallel_size × {names}", f"{cp} × {sizes}"
         if pp > 1:
             names, sizes = f"pipeline_parallel_size × {names}", f"{pp} × {sizes}"
+        fixed = " and ".join(f"{n}={v}" for n, v in (("pipeline_parallel_size", pp), ("context_parallel_size", cp)) if v > 1)
         problems.append(
-            f"{names} ({sizes} = {pp * dp * tp}) must equal the world size ({world_size} = {num_nodes} node(s) ×"
+            f"{names} ({sizes} = {pp * cp * dp * tp}) must equal the world size ({world_size} = {num_nodes} node(s) ×"
             f" {devices_per_node} device(s)) [{given}]; valid (dp, tp) pairs"
-            f"{f' with pipeline_parallel_size={pp}' if pp > 1 else ''}: {pairs}"
+            f"{f' with {fixed}' if fixed else ''}: {pairs}"
         )
+    if cp > 1:
+        problems += context_parallel_problems(config, plan, seq_len, tp)
     if pp > 1:
         problems += pipeline_split_problems(config, plan, batch_size)
     if plan is not None and tp > 1:
@@ -254,7 +289,31 @@ def validate_parallel_dims(
             f" {', '.join(SUPPORTED_PRECISIONS)} (fp16 needs gradient scaling, which FSDP2 × TP does not offer here)"
         )
     raise_if_problems(problems)
-    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=pp)
+    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=pp, cp=cp)
+
+
+def context_parallel_problems(config: ParallelConfig, plan: ParallelPlan | None, seq_len: int | None, tp: int) -> list[str]:
+    """Context parallelism against the model's attention (when the plan is known) and the sequence length."""
+    problems: list[str] = []
+    cp = config.context_parallel_size
+    if plan is not None and plan.attention is None:
+        problems.append(
+            f"context_parallel_size={cp} splits every sequence over {cp} ranks, whose attention layers must exchange"
+            " keys and values; lightning_2d does it for its Llama Transformer (LlamaLightningModule), and this"
+            " model's plan names no attention modules it can replace (ParallelPlan.attention=None: e.g. a Hugging"
+            " Face decoder, whose attention implementation cannot take it). Use context_parallel_size=1, or"
+            " LlamaLightningModule"
+        )
+    sp = config.sequence_parallel and tp > 1 and (plan is None or plan.has_sequence_parallel)
+    unit = 2 * cp * (tp if sp else 1)
+    if seq_len is not None and seq_len % unit:
+        why = f"2 × context_parallel_size ({cp})" + (f" × tensor_parallel_size ({tp}, sequence parallelism)" if sp else "")
+        problems.append(
+            f"sequence length ({seq_len}) must be a multiple of {why} = {unit}: each context rank holds 2 of"
+            f" {2 * cp} equal chunks (load balance for causal attention); use a sequence length that is a multiple"
+            f" of {unit}, e.g. {max(unit, seq_len // unit * unit)}, or a smaller context_parallel_size"
+        )
+    return problems
 
 
 def pipeline_split_problems(config: ParallelConfig, plan: ParallelPlan | None, batch_size: int | None) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy
-from lightning_2d.parallel.names import DP_DIM
+from lightning_2d.parallel.names import CP_DIM, DP_CP_DIM, DP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,7 +49,10 @@ def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-
 
     if not dist.is_available() or not dist.is_initialized():
         return None
-    if mesh is not None and DP_DIM in (mesh.mesh_dim_names or ()):
+    names = mesh.mesh_dim_names or () if mesh is not None else ()
+    if mesh is not None and CP_DIM in names:  # context ranks hold different tokens of the same sequences
+        return mesh[DP_CP_DIM].get_group()
+    if mesh is not None and DP_DIM in names:
         return mesh[DP_DIM].get_group()
     return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
 

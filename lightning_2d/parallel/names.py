@@ -3,12 +3,18 @@
 ``data_parallel`` is the flattened ``replicate × shard`` dimension (the data-parallel group: sampler,
 loss normalization); with the ``tensor_parallel`` name it matches Lightning's, so
 ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` work in user code written for Lightning's
-``ModelParallelStrategy``. ``pipeline_parallel`` is the outermost dimension, present only when pp > 1.
+``ModelParallelStrategy``. ``pipeline_parallel`` is the outermost dimension, present only when pp > 1;
+``context_parallel`` sits between ``data_parallel_shard`` and ``tensor_parallel``, present only when cp > 1, with
+two flattened dimensions: ``data_context_parallel`` (replicate × shard × context: the ranks holding distinct
+tokens, over which the loss is normalized) and ``data_shard_context_parallel`` (shard × context: what FSDP shards
+over, as torchtitan's ``dp_shard_cp``).
 """
 
 DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
 DP_DIM = "data_parallel"
 PP_DIM = "pipeline_parallel"
+CP_DIM = "context_parallel"
+DP_CP_DIM, DP_SHARD_CP_DIM = "data_context_parallel", "data_shard_context_parallel"
 MESH_DIMS = (DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM)
 
-__all__ = ["DP_DIM", "DP_REPLICATE_DIM", "DP_SHARD_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM"]
+__all__ = ["CP_DIM", "DP_CP_DIM", "DP_SHARD_CP_DIM", "DP_DIM", "DP_REPLICATE_DIM", "DP_SHARD_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM"]

@@ -32,7 +32,7 @@ from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.dims import fsdp_mesh_of
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
-from lightning_2d.parallel.names import PP_DIM, TP_DIM
+from lightning_2d.parallel.names import CP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -128,8 +128,9 @@ def parallelize_model(
 ) -> None:
     """Apply (float8) → TP/SP → activation checkpointing → compile → FSDP2 to ``model`` in place.
 
-    With a ``pipeline_parallel`` mesh dimension the model is first split into this rank's stages
-    (``lightning_2d.parallel.pipeline``) and the steps are applied to each stage.
+    With a ``context_parallel`` mesh dimension the plan's attention modules first get the context-parallel
+    attention core (``lightning_2d.parallel.context``). With a ``pipeline_parallel`` one the model is then split
+    into this rank's stages (``lightning_2d.parallel.pipeline``) and the steps are applied to each stage.
 
     Args:
         model: The model, preferably on the meta device (then materialize it afterwards with
@@ -141,6 +142,12 @@ def parallelize_model(
             (``ParallelConfig.resolve_dtypes``).
         hooks: An object whose methods named like the steps override them (see the module docstring).
     """
+    if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1:
+        from lightning_2d.parallel.context import apply_context_parallel
+
+        if plan.attention is None:
+            raise ValueError("context parallelism needs the plan's attention modules (ParallelPlan.attention)")
+        apply_context_parallel(model, mesh[CP_DIM], plan.attention)
     if PP_DIM in (mesh.mesh_dim_names or ()) and mesh[PP_DIM].size() > 1:
         # Split into this rank's pipeline stages, then the steps below on each stage (its own FSDP root).
         from lightning_2d.parallel.pipeline import parallelize_pipeline

@@ -32,11 +32,14 @@ def setup(jobs, tmp_path_factory):
     (corpus / "text.txt").write_text(text)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": SEQ_LEN, "max_steps": 6}
 
-    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, pp=1, **extra):
+    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, pp=1, cp=1, **extra):
         config = {**base, "dp": dp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, **extra}
         if pp > 1:
             config["pipeline_parallel_size"] = pp
-        return jobs.run(name, "train", config, nprocs=dp * tp * pp, expect_ok=expect_ok, kill_on_failure=kill_on_failure)
+        if cp > 1:
+            config["context_parallel_size"] = cp
+        return jobs.run(name, "train", config, nprocs=dp * tp * pp * cp, expect_ok=expect_ok,
+                        kill_on_failure=kill_on_failure)
 
     ckpt_dir = root / "sharded"
     checkpoints = [
@@ -87,6 +90,31 @@ def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp, replicate
     for out in outputs(resumed, dp * tp):
         assert out["global_step"] == 6
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=0)
+
+
+def test_a_context_parallel_checkpoint_resumes_without_context_parallelism_and_at_context_4(setup):
+    """The (2, 2) checkpoint of step 2 resumed at context 2 × data 2, which saves at step 4; that checkpoint
+    resumed at context 4 and at (2, 2) without context parallelism. Each restores the saved weights bit for bit
+    and continues the uninterrupted run's losses."""
+    cp_dir = setup["root"] / "context"
+    cp2 = setup["run"]("cp2_dp2_from_2x2", 2, 1, cp=2, resume=str(setup["dir"] / "epoch=0-step=2.ckpt"),
+                       checkpoints=[{"dirpath": str(cp_dir), "every_n_train_steps": 2, "save_top_k": -1}],
+                       weights_at_steps=[4])
+    reference = setup["reference"].rank_output(0)["losses"]
+    for out in outputs(cp2, 4):
+        assert out["global_step"] == 6 and out["losses"] == pytest.approx(reference[2:], rel=1e-5, abs=0)
+    saved = load_weights(cp2, "weights_step4")
+    for name, weight in load_weights(setup["reference"], "weights_step4").items():
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    step4 = str(next(cp_dir.glob("*step=4*")))
+    for name, dp, tp, cp in (("cp4_from_cp2", 1, 1, 4), ("2x2_from_cp2", 2, 2, 1)):
+        resumed = setup["run"](name, dp, tp, cp=cp, resume=step4)
+        restored = load_weights(resumed, "initial")
+        assert restored.keys() == saved.keys()
+        for weight_name, weight in restored.items():
+            assert torch.equal(weight, saved[weight_name]), (name, weight_name)  # resharding is a copy
+        for out in outputs(resumed, 4):
+            assert out["global_step"] == 6 and out["losses"] == pytest.approx(reference[4:], rel=1e-5, abs=0)
 
 
 def test_checkpoints_move_into_and_across_pipeline_layouts(setup):

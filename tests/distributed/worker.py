@@ -317,6 +317,7 @@ def strategy_timeouts(cfg: dict) -> dict:
 
 
 STRATEGY_OPTIONS = (
+    "context_parallel_size",
     "activation_checkpointing",
     "selective_ac_option",
     "sequence_parallel",
@@ -458,8 +459,17 @@ def fit(cfg: dict) -> None:
         result["schedule_classes"] = {("train" if key[3] else "eval"): type(schedule).__name__
                                       for key, schedule in module.pipeline.schedules.items()}
     mesh = module.device_mesh
-    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined:
+    context = cfg.get("context_parallel_size", 1) > 1
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not context:
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
+    if context:  # which attention cores exchange keys and values, and what FSDP shards over
+        from lightning_2d.parallel.context import ContextParallelAttention
+
+        result["context_parallel_attention"] = sorted(
+            canonical_name(n) for n, m in module.model.named_modules()
+            if isinstance(getattr(m, "attend", None), ContextParallelAttention))
+        weight = next(p for p in module.model.parameters())
+        result["fsdp_mesh"] = [list(weight.device_mesh.mesh_dim_names), list(weight.device_mesh.shape)]
     if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
         seen = []
         layer = module.model.model.layers[1]
@@ -608,7 +618,8 @@ def train(cfg: dict) -> None:
     strategy = ModelParallel2DStrategy(
         data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
         data_parallel_replicate_size=cfg.get("replicate", 1),
-        **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule", "reduce_every_micro_batch") if k in cfg},
+        **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule", "reduce_every_micro_batch",
+                               "context_parallel_size") if k in cfg},
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
         **strategy_timeouts(cfg),

@@ -157,6 +157,16 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      lambda _: fit_before_spawn(LlamaLightningModule("debug"), TextDataModule(seq_len=32, batch_size=6),
                                 pipeline_parallel_size=2, pipeline_microbatches=4),
      ParallelConfigError, r"pipeline_microbatches \(4\) must divide the per-rank batch size \(6\); use one of 1, 2, 3, 6"),
+    ("context parallel size 0", lambda _: trainer(context_parallel_size=0),
+     ParallelConfigError, r"context_parallel_size must be a positive integer, got 0"),
+    ("context parallel size not dividing the world", lambda _: trainer(context_parallel_size=3),
+     ParallelConfigError, r"context_parallel_size \(3\) must divide the world size \(4; 1 node\(s\) × 4 device\(s\)\);"
+     r" use one of 1, 2 or 4"),
+    ("sequence length not a multiple of 2 × context × tensor, before spawn",
+     lambda _: fit_before_spawn(LlamaLightningModule("debug"), TextDataModule(seq_len=36, batch_size=2),
+                                context_parallel_size=2, tensor_parallel_size=2),
+     ParallelConfigError, r"sequence length \(36\) must be a multiple of 2 × context_parallel_size \(2\) ×"
+     r" tensor_parallel_size \(2, sequence parallelism\) = 8.*e\.g\. 32"),
     ("loss chunk 0", lambda _: LlamaLightningModule("debug", loss_chunk_size=0),
      ValueError, r"loss_chunk_size must be a positive number of tokens, got 0"),
     ("unknown preset", lambda _: LlamaLightningModule("llama9-1t"),
@@ -183,6 +193,9 @@ if _hf_available():
         ("HF decoder with document masking, before spawn",
          lambda _: fit_before_spawn(hf(), TextDataModule(seq_len=32, batch_size=2, document_mask=True), tensor_parallel_size=2),
          ParallelConfigError, r"HFCausalLMModule cannot take them"),
+        ("HF decoder under context parallelism, before spawn",
+         lambda _: fit_before_spawn(hf(), TextDataModule(seq_len=32, batch_size=2), context_parallel_size=2),
+         ParallelConfigError, r"context_parallel_size=2 splits every sequence over 2 ranks.*Hugging Face decoder"),
         ("HF model outside the family", lambda _: hf(model_type="gpt2"),
          ValueError, r"model_type 'gpt2' is not one of the Llama-family decoders"),
     ]

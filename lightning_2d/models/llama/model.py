@@ -183,7 +183,11 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of ``(B, H, T, Dh)`` heads, within documents when ``position_ids`` is given."""
+    """Causal attention of ``(B, H, T, Dh)`` query heads to ``(B, H_kv, T, Dh)`` key/value heads (each serving
+    ``H / H_kv`` consecutive query heads), within documents when ``position_ids`` is given."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     if position_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if q.is_cuda:
@@ -223,7 +227,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings.
+
+    ``attend(q, k, v, position_ids)`` is the attention core (``attend`` above); context parallelism replaces it on
+    the instance with one that exchanges keys and values across ranks (``lightning_2d.parallel.context``).
+    """
+
+    attend = staticmethod(attend)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -243,13 +253,8 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
         xq, xk = apply_rotary_emb(xq, rope), apply_rotary_emb(xk, rope)
 
-        n_rep = xq.shape[2] // xk.shape[2]
-        if n_rep > 1:  # every key/value head serves n_rep consecutive query heads
-            xk = xk.repeat_interleave(n_rep, dim=2)
-            xv = xv.repeat_interleave(n_rep, dim=2)
-
-        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, Dh)
-        out = attend(q, k, v, position_ids)  # (B, H, T, Dh)
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, Dh), (B, H_kv, T, Dh)
+        out = self.attend(q, k, v, position_ids)  # (B, H, T, Dh)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
 
 

@@ -85,4 +85,5 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         blocks_use_randomness=False,  # no dropout in Llama
         num_blocks=args.n_layers,
         pipeline_stages=LLAMA_PIPELINE_STAGES,
+        attention="layers.*.attention",
     )

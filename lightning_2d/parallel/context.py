@@ -1,0 +1,201 @@
+"""Context parallelism: each rank of the ``context_parallel`` mesh dimension holds a slice of every sequence.
+
+**Load balance.** A sequence of ``T`` tokens is cut into ``2 · cp`` chunks; context rank ``r`` holds chunks ``r``
+and ``2·cp - 1 - r`` (head-tail). Under causal attention a query's cost grows with its position, so every rank
+gets one early and one late chunk: the same work on each (a rank holding the last quarter would do 7/16 of it).
+
+**Exchange: all-gather of keys and values** (as Llama 3's training, "The Llama 3 Herd of Models" §3.3.2). Each
+attention layer all-gathers the ``(B, H_kv, T/cp, Dh)`` keys and values of the context group (autograd: the
+backward reduce-scatters their gradients to the ranks that computed them), and attends its local queries to all
+keys under a mask from the tokens' *global* indices. Why not a ring: with grouped-query attention the keys and
+values are ``H_kv / H`` of the queries (1/4 in Llama 3 8B), so gathering them costs less than passing query-sized
+partial results around a ring; any mask works (documents, not only causal), where torch's ring
+(``torch.distributed.tensor.experimental.context_parallel``) runs only CUDA SDPA kernels or FlexAttention and no
+masks; and it runs on gloo, so the CPU tests exercise the very code the GPU runs. The cost: the gathered keys and
+values of a layer, ``2 · B · H_kv · T · Dh`` elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the
+activations that CP divides by ``cp``).
+
+**Positions.** ``shard_sequence`` gives every rank its tokens, labels and ``position_ids`` (the global positions
+of its tokens, or each packed document's positions under ``document_mask``): the model's rotary embedding follows
+them unchanged, and the attention derives the documents from the gathered positions (a document starts where a
+position is 0). The loss, token counts and gradients then need nothing else: the loss group is data × context
+(``data_context_parallel``), and FSDP shards over data-shard × context, as torchtitan.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_indices(seq_len: int, cp: int) -> tuple[torch.Tensor, ...]:
+    chunk = seq_len // (2 * cp)
+    return tuple(
+        torch.cat([torch.arange(r * chunk, (r + 1) * chunk), torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
+        for r in range(cp)
+    )
+
+
+def local_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global indices of the tokens context rank ``rank`` holds: chunks ``rank`` and ``2·cp - 1 - rank`` of
+    ``2·cp`` (``seq_len`` must be a multiple of ``2·cp``)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 × context_parallel_size ({2 * cp})")
+    return _chunk_indices(seq_len, cp)[rank]
+
+
+def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
+    """The global index of each position of an all-gather over the context group (rank 0's tokens first)."""
+    return torch.cat(_chunk_indices(seq_len, cp))
+
+
+def shard_sequence(
+    batch: dict[str, torch.Tensor], cp: int, rank: int, keys: tuple[str, ...] = ("input_ids", "labels", "position_ids")
+) -> dict[str, torch.Tensor]:
+    """This context rank's slice of a batch of ``(B, T)`` tensors, with ``position_ids`` (the global positions of
+    its tokens, unless the batch carries its documents' positions). Other entries are kept as they are."""
+    seq_len = batch["input_ids"].shape[1]
+    index = local_indices(seq_len, cp, rank).to(batch["input_ids"].device)
+    out = dict(batch)
+    if "position_ids" not in batch:
+        out["position_ids"] = torch.arange(seq_len, device=index.device).expand_as(batch["input_ids"])
+    for key in keys:
+        if key in out:
+            out[key] = out[key].index_select(1, index)
+    return out
+
+
+class ContextParallelAttention:
+    """The attention core of one context-parallel layer: ``(q, k, v, position_ids) → out``, installed as the
+    model's ``Attention.attend`` by ``apply_context_parallel``. ``q: (B, H, T/cp, Dh)``, ``k``/``v``: ``(B, H_kv,
+    T/cp, Dh)``, ``position_ids``: ``(B, T/cp)`` from ``shard_sequence``; the output has ``q``'s shape."""
+
+    def __init__(self, group: "ProcessGroup", cp: int, rank: int) -> None:
+        self.group, self.cp, self.rank = group, cp, rank
+        self._layout: Optional[tuple[torch.Tensor, Any]] = None  # (position_ids, their mask)
+
+    def _gather(self, x: torch.Tensor, differentiable: bool) -> torch.Tensor:
+        """Every context rank's ``x`` concatenated along the sequence (dim 2 of heads, the last of positions), in
+        rank order; ``differentiable``: its backward sums each rank's gradient of the copy back to its owner."""
+        if differentiable:
+            return _GatherSequence.apply(x, self.group, self.cp, self.rank)
+        return torch.cat(_all_gather(x, self.group, self.cp), dim=-1)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        if position_ids is None:
+            raise ValueError("context parallelism needs each token's position_ids (lightning_2d.parallel.context.shard_sequence)")
+        local_len = q.shape[2]
+        seq_len = local_len * self.cp
+        keys, values = self._gather(k, True), self._gather(v, True)  # (B, H_kv, T, Dh), in gathered order
+        mask = self._mask(position_ids, seq_len, q)
+        if q.is_cuda:  # FlexAttention's block mask: the blocks no query may see are skipped, not computed
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)
+        # enable_gqa: the key/value heads are not repeated to the query heads (saved for backward at H_kv heads).
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def _mask(self, position_ids: torch.Tensor, seq_len: int, q: torch.Tensor) -> Any:
+        """The mask of this rank's queries against the gathered keys: ``(B, 1, T/cp, T)`` additive for SDPA, or a
+        FlexAttention block mask on CUDA. The layers of one forward share the positions: it is computed once (one
+        all-gather of integers) and kept while the same ``position_ids`` come (recomputation included)."""
+        if self._layout is not None and self._layout[0] is position_ids:
+            return self._layout[1]
+        mine, order, query_document, key_document = self.layout(position_ids, seq_len)
+        if q.is_cuda:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return (order[kv_idx] <= mine[q_idx]) & (key_document[b, kv_idx] == query_document[b, q_idx])
+
+            mask = create_block_mask(visible, q.shape[0], None, q.shape[2], seq_len, device=q.device)
+        else:  # additive, in the queries' dtype: SDPA would convert a boolean mask into a new one in every layer
+            visible = (order[None, :] <= mine[:, None]) & (query_document[:, :, None] == key_document[:, None, :])
+            mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None]
+        self._layout = (position_ids, mask)
+        return mask
+
+    def layout(self, position_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """The global indices of this rank's queries ``(T/cp,)`` and of the gathered keys ``(T,)``, and the document
+        of each ``(B, T/cp)``, ``(B, T)``: a query sees a key not later in the sequence, in its own document (one
+        starts where a position is 0)."""
+        device = position_ids.device
+        order = gathered_indices(seq_len, self.cp).to(device)
+        mine = local_indices(seq_len, self.cp, self.rank).to(device)
+        positions = torch.empty(position_ids.shape[0], seq_len, dtype=position_ids.dtype, device=device)
+        positions[:, order] = self._gather(position_ids, False)  # every rank's positions, in sequence order
+        document = (positions == 0).cumsum(-1)  # (B, T)
+        return mine, order, document[:, mine], document[:, order]
+
+
+def _all_gather(x: torch.Tensor, group: "ProcessGroup", size: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of ``(B, H, T/cp, Dh)`` over the context group along the sequence; backward: reduce-scatter.
+
+    Not ``torch.distributed.nn.functional.all_gather``: on gloo its backward scatters from each *group* rank
+    as if it were a global rank ("Global rank 0 is not part of group", torch 2.13), so it fails in any
+    subgroup. gloo has no reduce-scatter: there the gradient is all-reduced and each rank keeps its slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: "ProcessGroup", size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.rank = group, size, rank
+        return torch.cat(_all_gather(x, group, size), dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+        import torch.distributed as dist
+
+        chunks = [c.contiguous() for c in grad.chunk(ctx.size, dim=2)]
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(chunks[ctx.rank])
+            dist.reduce_scatter(out, chunks, group=ctx.group)
+            return out, None, None, None
+        total = torch.cat(chunks, dim=2)  # contiguous, rank after rank
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
+
+
+def apply_context_parallel(model: torch.nn.Module, cp_mesh: Any, attention: str) -> int:
+    """Install ``ContextParallelAttention`` as the ``attend`` of every module of ``model`` whose name matches
+    ``attention`` (``fnmatch`` pattern, e.g. ``"layers.*.attention"``); returns how many."""
+    from fnmatch import fnmatch
+
+    group, count = cp_mesh.get_group(), 0
+    core = ContextParallelAttention(group, cp_mesh.size(), cp_mesh.get_local_rank())
+    for name, module in model.named_modules():
+        if fnmatch(name, attention) and hasattr(module, "attend"):
+            module.attend = core
+            count += 1
+    if count == 0:
+        raise ValueError(
+            f"context parallelism found no attention module named like {attention!r} with an `attend` method in"
+            f" {type(model).__name__}; the model's plan must name them (ParallelPlan.attention)"
+        )
+    return count
+
+
+def context_shard(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
+    """``batch`` as this rank holds it under ``mesh``: its context rank's slice (``shard_sequence``) when the mesh
+    has a ``context_parallel`` dimension, else unchanged. What a training step calls first, under the Trainer
+    (``CausalLMModule``) and in a Fabric loop alike."""
+    from lightning_2d.parallel.names import CP_DIM
+
+    if mesh is None or CP_DIM not in (mesh.mesh_dim_names or ()):
+        return batch
+    cp_mesh = mesh[CP_DIM]
+    return shard_sequence(batch, cp_mesh.size(), cp_mesh.get_local_rank())
