@@ -213,6 +213,12 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
                 " Lightning and plain torch variants of --compare (neither has pipeline parallelism); drop --compare"
                 " (to measure lightning_2d alone) or the option"
             )
+        if args.compare and config.context_parallel_size > 1:
+            problems.append(
+                f"--context-parallel-size {config.context_parallel_size} has no counterpart in the hand-written"
+                " Lightning and plain torch variants of --compare (neither splits the sequence); drop --compare"
+                " (to measure lightning_2d alone) or the option"
+            )
         if args.compare and not config.sequence_parallel:
             # The hand-written variants always use the reference plan, sequence parallel included.
             _validate_layout(ParallelConfig(**{**options, "sequence_parallel": True}), args, model_args)

@@ -94,6 +94,8 @@ class ActivationModel:
     loss_chunk_size: Optional[int] = DEFAULT_LOSS_CHUNK_SIZE
     has_embedding: bool = True
     has_head: bool = True
+    cp: int = 1
+    seq_len: int = 0
 
     @classmethod
     def for_layout(
@@ -109,6 +111,7 @@ class ActivationModel:
         n_layers: Optional[int] = None,
         has_embedding: bool = True,
         has_head: bool = True,
+        cp: int = 1,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
@@ -124,9 +127,14 @@ class ActivationModel:
             n_layers: Blocks on this device (a pipeline stage's); ``None``: all of the model's.
             has_embedding: Whether the token embedding runs here (a pipeline's first stage).
             has_head: Whether the final norm, head and loss run here (a pipeline's last stage).
+            cp: Context-parallel size: each rank holds ``seq_len / cp`` tokens of every sequence, and each
+                attention layer keeps the keys and values of the whole sequence (gathered, at the key/value
+                heads: ``lightning_2d.parallel.context``).
         """
         return cls(
-            tokens=micro_batch_size * seq_len,
+            cp=cp,
+            seq_len=seq_len,
+            tokens=micro_batch_size * seq_len // cp,
             seq_shards=tp if sequence_parallel and tp > 1 else 1,
             tp=tp,
             dim=args.dim,
@@ -197,6 +205,14 @@ class ActivationModel:
         if mode != "none":
             raise ValueError(f"mode={mode!r}; use 'none', 'full' or 'selective_op'")
         norm = n // s * (d * (4 + a) + 4)  # fp32 input, normalized value, rsqrt
+        if self.cp > 1:  # local queries and output; the context group's keys and values, not repeated (GQA)
+            attention = 2 * n * self._attention_width * a + 2 * n * self.cp * self.kv_heads * self.head_dim * a
+            return {
+                "norms (fp32 input, normalized, rsqrt)": 2 * norm,
+                "attention/SwiGLU inputs (whole sequence)": 2 * n * d * a,
+                "attention q, output, gathered k, v, logsumexp": attention + n * self.heads * 4,
+                "SwiGLU w1, silu, w3, product": 4 * n * self.ffn_hidden * a,
+            }
         return {
             "norms (fp32 input, normalized, rsqrt)": 2 * norm,
             "attention/SwiGLU inputs (whole sequence)": 2 * n * d * a,
@@ -255,7 +271,10 @@ class ActivationModel:
         its shifted ids as well) and the labels where the loss runs (int64)."""
         n = self.tokens
         tokens = n * 8 * (2 if self.tp > 1 else 1) if self.has_embedding else 0
-        return tokens + (n * 8 if self.has_head else 0)
+        # Context parallelism: the positions (int64), their rows of the fp32 rotary table and the additive mask of
+        # the local queries against the whole sequence; each one tensor shared by the layers.
+        context = n * 8 + n * self.head_dim * 4 + n * self.seq_len * self.act_bytes if self.cp > 1 else 0
+        return tokens + (n * 8 if self.has_head else 0) + context
 
     def loss_saved(self) -> dict[str, int]:
         """Bytes the final norm and the fused loss keep for backward (where they run), and the inputs."""

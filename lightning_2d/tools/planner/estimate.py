@@ -160,8 +160,8 @@ def plan_run(
     assert args is not None
     resolved = config.resolve_dtypes(precision)
     notes: list[str] = []
-    # Pipeline rank k is played by global rank k·dp·tp (its FSDP and TP coordinates 0: the padded shards).
-    ranks = [k * dims.dp * dims.tp for k in range(dims.pp)]
+    # Pipeline rank k is played by global rank k·dp·cp·tp (its FSDP, context and TP coordinates 0: the padded shards).
+    ranks = [k * dims.dp * dims.cp * dims.tp for k in range(dims.pp)]
 
     try:
         shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank) for rank in ranks]
@@ -175,7 +175,7 @@ def plan_run(
     param_dtype = resolved.param_dtype
     activations = ActivationModel.for_layout(
         args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
-        micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size,
+        micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
     )
     microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
     plans = [
@@ -375,7 +375,7 @@ def _plan_rank(
         estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
     return _RankPlan(
         pp_rank=pp_rank,
-        global_rank=pp_rank * dims.dp * dims.tp,
+        global_rank=pp_rank * dims.dp * dims.cp * dims.tp,
         shard=shard,
         grad_bytes=shard.numel * stored.itemsize,
         optimizer_bytes=ADAMW_STATES * shard.numel * stored.itemsize,

@@ -168,7 +168,9 @@ def format_report(report: PlanReport) -> str:
         f" on {report.num_nodes} node(s) x {report.devices_per_node} device(s) = {report.world_size} ranks",
         "layout:   " + (f"pipeline_parallel {d['pipeline_parallel']} x " if pipeline else "")
         + f"data_parallel_replicate {d['data_parallel_replicate']} x data_parallel_shard"
-        f" {d['data_parallel_shard']} x tensor_parallel {tp}{sp}",
+        f" {d['data_parallel_shard']} x "
+        + (f"context_parallel {d['context_parallel']} x " if "context_parallel" in d else "")
+        + f"tensor_parallel {tp}{sp}",
         f"training: {report.precision} (params {stored}, compute {pd}, reduce {rd}), seq_len {report.seq_len},"
         f" micro batch {report.micro_batch_size}"
         + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")

@@ -55,7 +55,7 @@ def _suggestions(
     def activation(ac_mode: str, tp: int, micro: int, pp_size: int) -> int:
         model = ActivationModel.for_layout(
             args, tp=tp, sequence_parallel=config.sequence_parallel, seq_len=seq_len, micro_batch_size=micro,
-            act_dtype=config.param_dtype, loss_chunk_size=activations.loss_chunk_size,
+            act_dtype=config.param_dtype, loss_chunk_size=activations.loss_chunk_size, cp=activations.cp,
         )
         mode_option = option if ac_mode == ac else "op"
         if pipeline is None:
