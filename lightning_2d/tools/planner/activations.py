@@ -49,6 +49,11 @@ class ActivationModel:
       the (resident) rotary table;
     * SwiGLU: ``w1`` out, ``silu`` out, ``w3`` out and their product (``4 × a·N·F``).
 
+    Under context parallelism (``cp`` ranks per sequence) ``N`` is this rank's slice of the sequence; each block
+    keeps its queries and attention output (``2 × a·N·H·Dh``) but the gathered keys and values of the whole
+    sequence at the key/value heads (``2 × a·cp·N·H_kv·Dh``: not repeated, SDPA's ``enable_gqa``); the positions
+    and their rotary rows are kept once per forward. The mask is CUDA's FlexAttention block mask (negligible).
+
     Activation checkpointing keeps instead: ``full``: the block input (``a·N/s·D``); ``selective``
     per op: the block input and the outputs of torchtitan's save list (every other ``mm`` — ``wq``,
     ``wv``, ``w1``, ``w2`` —, SDPA, and the reduce-scatters under SP); ``selective`` N: every N-th
@@ -271,9 +276,11 @@ class ActivationModel:
         its shifted ids as well) and the labels where the loss runs (int64)."""
         n = self.tokens
         tokens = n * 8 * (2 if self.tp > 1 else 1) if self.has_embedding else 0
-        # Context parallelism: the positions (int64), their rows of the fp32 rotary table and the additive mask of
-        # the local queries against the whole sequence; each one tensor shared by the layers.
-        context = n * 8 + n * self.head_dim * 4 + n * self.seq_len * self.act_bytes if self.cp > 1 else 0
+        # Context parallelism: the positions (int64) and their rows of the fp32 rotary table, each one tensor shared
+        # by the layers. On CUDA the mask is a FlexAttention block mask (a few integers per 128 x 128 block); the
+        # dense additive mask of the CPU path (``n × seq_len`` in the activation dtype, also shared, and only
+        # partly resident: pages never written to stay zero pages) is not counted.
+        context = n * 8 + n * self.head_dim * 4 if self.cp > 1 else 0
         return tokens + (n * 8 if self.has_head else 0) + context
 
     def loss_saved(self) -> dict[str, int]:
