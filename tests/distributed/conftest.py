@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,16 @@ class Jobs:
         replicas = dp if dp != "auto" else nprocs // (tp if tp != "auto" else nprocs // num_nodes)
         config = {**PARITY, "strategy": "2d", "dp": dp, "tp": tp, "num_nodes": num_nodes, "data_replicas": replicas}
         return self.run(name, "fit", {**config, **extra}, nprocs=nprocs, num_nodes=num_nodes)
+
+
+    def layouts(self, name: str, runs: dict[str, tuple[int, int, dict]], nprocs: int) -> dict[str, JobResult]:
+        """Several ``layout`` runs (``{run: (dp, tp, extra)}``) of ``nprocs`` processes in one launch, one ``fit``
+        after another in the same processes: each run's result reads its own folder. What a launch costs on its
+        own (forking, the process group's connections) is paid once."""
+        configs = {run: {**PARITY, "strategy": "2d", "dp": dp, "tp": tp, "num_nodes": 1, "data_replicas": dp, **extra}
+                   for run, (dp, tp, extra) in runs.items()}
+        result = self.run(name, "fits", {"runs": configs}, nprocs=nprocs)
+        return {run: replace(result, out_dir=result.out_dir / run) for run in runs}
 
 
 @pytest.fixture(scope="session")

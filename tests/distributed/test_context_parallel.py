@@ -1,11 +1,9 @@
-"""Context parallelism equals one device: real jobs of 4 CPU processes on gloo, 6 fp32 AdamW steps against the
+"""Context parallelism equals one device: real jobs of CPU processes on gloo, 6 fp32 AdamW steps against the
 single-device ``Trainer`` on the same batches.
 
-Each job holds a different mix, so that together they cover every composition once: context 2 × data 2 (causal),
-context 2 × tensor 2 with sequence parallelism (packed documents: the mask and positions follow the load-balanced
-slices), context 4 (packed documents) and context 2 × pipeline 2 (causal). The attention of one rank's slice
-against every rank's keys is a unit test for context 2 and 4, with and without documents
-(tests/unit/test_context_parallel.py).
+Context 2 (2 processes) and 4, context 2 × data 2, × tensor 2 with sequence parallelism, × pipeline 2 (1F1B), each
+causal and with packed documents (the mask and positions follow the load-balanced slices). The attention of one
+rank's slice against every rank's keys is a unit test (tests/unit/test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -18,25 +16,43 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {  # name: (dp, tp, extra options, documents)
-    "cp2_dp2": (2, 1, {"context_parallel_size": 2}, False),
-    "cp2_tp2": (1, 2, {"context_parallel_size": 2}, True),
-    "cp4": (1, 1, {"context_parallel_size": 4}, True),
-    "cp2_pp2": (1, 1, {"context_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "1F1B"}, False),
+COMPOSITIONS = {  # name: (dp, tp, extra options)
+    "cp2": (1, 1, {"context_parallel_size": 2}),
+    "cp4": (1, 1, {"context_parallel_size": 4}),
+    "cp2_dp2": (2, 1, {"context_parallel_size": 2}),
+    "cp2_tp2": (1, 2, {"context_parallel_size": 2}),
+    "cp2_pp2": (1, 1, {"context_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "1F1B"}),
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_training_equals_one_device(jobs, name):
-    dp, tp, extra, documents = LAYOUTS[name]
+def _nprocs(dp: int, tp: int, extra: dict) -> int:
+    return dp * tp * extra["context_parallel_size"] * extra.get("pipeline_parallel_size", 1)
+
+
+@pytest.fixture(scope="module")
+def context_runs(jobs):
+    """Every (composition, masking) run; those of one process count share a launch (one fit after another)."""
+    runs = {}
+    for nprocs in sorted({_nprocs(*spec) for spec in COMPOSITIONS.values()}):
+        group = {f"{name}_{'documents' if documents else 'causal'}": (dp, tp, {**extra, "documents": documents})
+                 for name, (dp, tp, extra) in COMPOSITIONS.items() if _nprocs(dp, tp, extra) == nprocs
+                 for documents in (False, True)}
+        runs.update(jobs.layouts(f"context_parallel_{nprocs}procs", group, nprocs=nprocs))
+    return runs
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
+def test_context_parallel_training_equals_one_device(jobs, context_runs, name, documents):
+    dp, tp, extra = COMPOSITIONS[name]
     reference = jobs.reference(documents=True) if documents else jobs.reference()
-    run = jobs.layout(dp, tp, nprocs=4, documents=documents, **extra)
+    cp, nprocs = extra["context_parallel_size"], _nprocs(dp, tp, extra)
+    run = context_runs[f"{name}_{'documents' if documents else 'causal'}"]
     ref = reference.rank_output(0)
-    cp = extra["context_parallel_size"]
-    for rank in range(4):
+    for rank in range(nprocs):
         out = run.rank_output(rank)
         error = worst_relative_error(out["losses"], ref["losses"])
-        print(f"{name} rank {rank}: worst relative loss error {error:.2e}")
+        print(f"{name} ({'documents' if documents else 'causal'}) rank {rank}: worst relative loss error {error:.2e}")
         assert error <= LOSS_RTOL, (out["losses"], ref["losses"])
         assert "context_parallel" in out["mesh_dims"] and out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == cp
         # Every attention layer this rank holds exchanges keys and values (not the one-device core).

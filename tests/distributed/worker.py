@@ -460,7 +460,8 @@ def fit(cfg: dict) -> None:
                                       for key, schedule in module.pipeline.schedules.items()}
     mesh = module.device_mesh
     context = cfg.get("context_parallel_size", 1) > 1
-    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not context:
+    # Not under compile: its no-grad forward would compile the blocks twice more (grad mode is in the guards).
+    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not context and not cfg.get("compile"):
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
     if context:  # which attention cores exchange keys and values, and what FSDP shards over
         from lightning_2d.parallel.context import ContextParallelAttention
@@ -775,8 +776,22 @@ def fabric_hf(cfg: dict) -> None:
     (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
 
 
+def fits(cfg: dict) -> None:
+    """Several ``fit`` runs one after the other in the same processes and process group (one launch shared by
+    several jobs: ``Jobs.layouts``); each writes into its own folder. Lightning's environment deletes
+    ``WORLD_SIZE`` at teardown: the launch's cluster variables are put back before each run."""
+    cluster = {k: os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                                          "MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    for name, run in cfg["runs"].items():
+        os.environ.update(cluster)
+        out = Path(cfg["out_dir"]) / name
+        out.mkdir(exist_ok=True)
+        fit({**run, "out_dir": str(out)})
+
+
 SCENARIOS = {
     "fit": fit,
+    "fits": fits,
     "text": text,
     "train": train,
     "bench_checkpoint": bench_checkpoint,
