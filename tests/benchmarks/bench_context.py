@@ -20,11 +20,9 @@ one size (mask off vs on). Not a test: the numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,22 +41,17 @@ def rank_main(cp: int, seq_len: int, steps: int, documents: bool, out: Path) -> 
 
     from lightning_2d.data.loading import document_positions
     from lightning_2d.integration.callbacks import peak_memory_gib, reset_peak_memory
-    from lightning_2d.models.llama.model import ModelArgs, Transformer
-    from lightning_2d.models.llama.plan import llama_plan
-    from lightning_2d.parallel import ParallelConfig, ParallelDims, materialize_model, parallelize_model
+    from lightning_2d.parallel import ParallelConfig, ParallelDims
     from lightning_2d.parallel.context import context_shard
     from lightning_2d.parallel.loss import normalize_by_global_tokens
+    from tests.benchmarks.ranks import parallel_llama
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1, context_parallel_size=cp)
     config = config.resolve_dtypes("32-true")
-    mesh = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, cp=cp).build_mesh("cpu")
-    args = ModelArgs(**MODEL)
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize_model(model, mesh, llama_plan(args, config), config)
-    materialize_model(model, torch.device("cpu"), seed=0)
+    model, mesh = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, cp=cp))
+    args = model.args
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(2, args.vocab_size, (1, seq_len + 1), generator=generator)
@@ -88,22 +81,17 @@ def rank_main(cp: int, seq_len: int, steps: int, documents: bool, out: Path) -> 
         times.append(time.perf_counter() - start)
         if step == steps - 1:
             grown = (peak_memory_gib(cpu) - before) * 2**30
-    (out / f"rank{rank}.json").write_text(json.dumps({"times": times, "activations": grown}))
+    from tests.benchmarks.ranks import write_rank
+
+    write_rank(out, rank, {"times": times, "activations": grown})
     dist.destroy_process_group()
 
 
 def measure(cp: int, seq_len: int, steps: int, documents: bool) -> dict[str, float]:
-    from lightning_2d.tools.launch import launch_processes
+    from tests.benchmarks.ranks import run_ranks
 
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder)
-        result = launch_processes(
-            [sys.executable, __file__, "--rank-main", str(cp), str(seq_len), str(steps), str(int(documents)), folder],
-            out, nprocs=cp, timeout=1800, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
-        )
-        if not result.ok:
-            raise SystemExit(result.describe())
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(cp)]
+    ranks = run_ranks(__file__, [str(cp), str(seq_len), str(steps), str(int(documents))], nprocs=cp, timeout=1800,
+                      env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
     step = statistics.median(max(r["times"][i] for r in ranks) for i in range(1, steps))
     return {"activations": max(r["activations"] for r in ranks), "step_s": step}
 

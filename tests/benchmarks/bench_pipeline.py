@@ -19,11 +19,9 @@ stages per rank; ~0 for the zero-bubble schedules, their ideal). What is not com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,9 +40,8 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from lightning_2d.models.llama.model import ModelArgs, Transformer
-    from lightning_2d.models.llama.plan import llama_plan
-    from lightning_2d.parallel import ParallelConfig, ParallelDims, materialize_model, parallelize_model, pipeline_of
+    from lightning_2d.parallel import ParallelConfig, ParallelDims, pipeline_of
+    from tests.benchmarks.ranks import parallel_llama
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -52,12 +49,8 @@ def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
         data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=world, pipeline_schedule=schedule,
         pipeline_microbatches=microbatches,
     ).resolve_dtypes("32-true")
-    mesh = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=world).build_mesh("cpu")
-    args = ModelArgs(**MODEL)
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize_model(model, mesh, llama_plan(args, config), config)
-    materialize_model(model, torch.device("cpu"), seed=0)
+    model, _ = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=world))
+    args = model.args
     pipeline = pipeline_of(model)
     pipeline.measure = True
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -73,22 +66,16 @@ def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
         busy.append(pipeline.busy_s)
         optimizer.step()
         optimizer.zero_grad()
-    (out / f"rank{rank}.json").write_text(json.dumps({"busy": busy, "wall": wall}))
+    from tests.benchmarks.ranks import write_rank
+
+    write_rank(out, rank, {"busy": busy, "wall": wall})
     dist.destroy_process_group()
 
 
 def measure(stages: int, schedule: str, microbatches: int, steps: int) -> dict[str, float]:
-    from lightning_2d.tools.launch import launch_processes
+    from tests.benchmarks.ranks import run_ranks
 
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder)
-        result = launch_processes(
-            [sys.executable, __file__, "--rank-main", schedule, str(microbatches), str(steps), folder],
-            out, nprocs=stages, timeout=600, env={"OMP_NUM_THREADS": "1"},
-        )
-        if not result.ok:
-            raise SystemExit(result.describe())
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(stages)]
+    ranks = run_ranks(__file__, [schedule, str(microbatches), str(steps)], nprocs=stages, env={"OMP_NUM_THREADS": "1"})
     idle = [1 - b / w for r in ranks for b, w in zip(r["busy"][1:], r["wall"][1:])]
     step = statistics.median(max(r["wall"][i] for r in ranks) for i in range(1, steps))
     return {"idle": statistics.mean(idle), "step_s": step}

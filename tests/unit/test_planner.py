@@ -144,23 +144,28 @@ def test_per_block_saved_tensors_are_what_autograd_saves(dtype, tp, sequence_par
     batch, seq = 2, 64
     with planner.fake_world(tp) if tp > 1 else _nothing():
         model = _small_model(args, config, dtype, chunk=64)
-        resident = {_local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        tokens = torch.randint(0, args.vocab_size, (batch, seq))
-        x = model.tok_embeddings(tokens)
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = _local(t).untyped_storage()
-            if storage.data_ptr() not in resident and t.dtype.is_floating_point:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.layers["0"](x, model.rope[:seq])
+        x = model.tok_embeddings(torch.randint(0, args.vocab_size, (batch, seq)))
+        saved = _saved_bytes(model, lambda: model.layers["0"](x, model.rope[:seq]))
     expected = ActivationModel.for_layout(
         args, tp=tp, sequence_parallel=sequence_parallel, seq_len=seq, micro_batch_size=batch, act_dtype=dtype,
     ).block_saved("none")
-    assert sum(saved.values()) == sum(expected.values())
+    assert saved == sum(expected.values())
+
+
+def _saved_bytes(model: torch.nn.Module, forward: Any) -> int:
+    """Bytes of the floating-point storages ``forward()`` hands to autograd, each once, but the model's own."""
+    resident = {_local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in resident and t.dtype.is_floating_point:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())
 
 
 class _ShapedContext(ContextParallelAttention):
@@ -184,27 +189,17 @@ def test_per_block_saved_tensors_under_context_parallelism(dtype, cp, one_thread
     batch, seq = 2, 64
     model = _small_model(args, ParallelConfig(), dtype, chunk=64)
     model.layers["0"].attention.attend = _ShapedContext(cp)
-    resident = {_local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     part = shard_sequence({"input_ids": torch.randint(0, args.vocab_size, (batch, seq))}, cp, 0)
     x = model.tok_embeddings(part["input_ids"])
     rope = model.rope[part["position_ids"]]
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = _local(t).untyped_storage()
-        if storage.data_ptr() not in resident and t.dtype.is_floating_point:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, rope, position_ids=part["position_ids"])
+    saved = _saved_bytes(model, lambda: model.layers["0"](x, rope, position_ids=part["position_ids"]))
     estimate = ActivationModel.for_layout(
         args, tp=1, sequence_parallel=False, seq_len=seq, micro_batch_size=batch, act_dtype=dtype, cp=cp,
     )
     rope_rows = rope.untyped_storage().nbytes()
     assert rope_rows == batch * seq // cp * args.head_dim * rope.element_size()
     mask = batch * seq // cp * seq * dtype.itemsize  # in the queries' dtype, shared by the layers
-    assert sum(saved.values()) == sum(estimate.block_saved("none").values()) + rope_rows + mask
+    assert saved == sum(estimate.block_saved("none").values()) + rope_rows + mask
     plain = ActivationModel.for_layout(args, tp=1, sequence_parallel=False, seq_len=seq, micro_batch_size=batch,
                                        act_dtype=dtype)
     assert sum(estimate.block_saved("none").values()) < sum(plain.block_saved("none").values()) / cp * 1.5
