@@ -7,11 +7,12 @@ gets one early and one late chunk: the same work on each (a rank holding the las
 **Exchange: all-gather of keys and values** (as Llama 3's training, "The Llama 3 Herd of Models" §3.3.2). Each
 attention layer all-gathers the ``(B, H_kv, T/cp, Dh)`` keys and values of the context group (autograd: the
 backward reduce-scatters their gradients to the ranks that computed them), and attends its local queries to all
-keys under a mask from the tokens' *global* indices. Why not a ring: with grouped-query attention the keys and
-values are ``H_kv / H`` of the queries (1/4 in Llama 3 8B), so gathering them costs less than passing query-sized
-partial results around a ring; any mask works (documents, not only causal), where torch's ring
-(``torch.distributed.tensor.experimental.context_parallel``) runs only CUDA SDPA kernels or FlexAttention and no
-masks; and it runs on gloo, so the CPU tests exercise the very code the GPU runs. The cost: the gathered keys and
+keys under a mask from the tokens' *global* indices. A ring passing keys and values moves the same bytes (each
+rank receives every other rank's once, and their gradients go back once); with grouped-query attention they are
+``H_kv / H`` of the queries (1/4 in Llama 3 8B), small either way. The ring overlaps each transfer with attention
+and never holds all keys at once; the all-gather takes any mask in one attention call (documents, not only causal),
+where torch's ring (``torch.distributed.tensor.experimental.context_parallel``) runs only CUDA SDPA kernels or
+FlexAttention and no masks; and it runs on gloo, so the CPU tests exercise the very code the GPU runs. The cost: the gathered keys and
 values of a layer, ``2 · B · H_kv · T · Dh`` elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the
 activations that CP divides by ``cp``).
 
