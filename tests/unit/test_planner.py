@@ -744,3 +744,15 @@ def test_context_parallelism_divides_the_activations_and_shows_in_the_layout():
     assert len({r.params_per_device for r in reports.values()}) == 1
     text = planner.format_report(reports[4])
     assert "data_parallel_shard 1 x context_parallel 4 x tensor_parallel 2" in text, text
+
+
+def test_context_parallelism_composes_with_hsdp():
+    """(replicate 2, shard 2, context 2): FSDP shards each replica's parameters over shard × context = 4 ranks, as
+    plain FSDP over 4 data-parallel ranks does (the mesh is the real one, on a simulated world of 8)."""
+    config = ParallelConfig(tensor_parallel_size=1, data_parallel_replicate_size=2, context_parallel_size=2)
+    report = plan_run("debug", num_nodes=1, devices=8, seq_len=64, precision="32-true", config=config)
+    assert ("data_parallel_replicate 2 x data_parallel_shard 2 x context_parallel 2 x tensor_parallel 1"
+            in planner.format_report(report))
+    plain = plan_run("debug", num_nodes=1, devices=4, seq_len=64, precision="32-true",
+                     config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=4))
+    assert report.params_per_device == plain.params_per_device
