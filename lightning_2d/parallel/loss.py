@@ -49,10 +49,10 @@ def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-
 
     if not dist.is_available() or not dist.is_initialized():
         return None
-    names = mesh.mesh_dim_names or () if mesh is not None else ()
-    if mesh is not None and CP_DIM in names:  # context ranks hold different tokens of the same sequences
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if CP_DIM in names:  # context ranks hold different tokens of the same sequences
         return mesh[DP_CP_DIM].get_group()
-    if mesh is not None and DP_DIM in names:
+    if DP_DIM in names:
         return mesh[DP_DIM].get_group()
     return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
 
