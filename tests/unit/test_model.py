@@ -28,6 +28,9 @@ PUBLISHED = {
     "llama3-8b": (14336, 8.03e9),
     "llama3-70b": (28672, 70.6e9),
     "llama3-405b": (53248, 405.9e9),
+    "llama3.1-8b": (14336, 8.03e9),
+    "llama3.1-70b": (28672, 70.6e9),
+    "llama3.1-405b": (53248, 405.9e9),
 }
 
 
@@ -84,6 +87,15 @@ def test_rotary_embedding_equals_meta_complex_formulation():
     x_complex = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
     expected = torch.view_as_real(x_complex * freqs_cis[None, :, None, :]).flatten(3)
     torch.testing.assert_close(apply_rotary_emb(x, rope_table(head_dim, seqlen, theta)), expected)
+
+
+def test_llama31_presets_are_llama3_with_128k_scaled_rotary_positions():
+    for size in ("8b", "70b", "405b"):
+        llama3, llama31 = PRESETS[f"llama3-{size}"], PRESETS[f"llama3.1-{size}"]
+        assert llama31.max_seq_len == 131072 and llama31.rope_theta == 500000.0
+        assert llama31.rope_scaling == RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_max_position_embeddings=8192)
+        assert replace(llama31, max_seq_len=8192, rope_scaling=None) == llama3
 
 
 # Llama 3.1's own (head size 128, theta 500000, factor 8 from 8192), and small ones where each band is visible.
@@ -165,7 +177,7 @@ def test_rope_scaling_from_a_dict_and_its_refusals():
 
 def test_a_scaled_model_built_on_meta_allocates_no_table_and_materializes_the_eager_one():
     with torch.device("meta"):
-        big = Transformer(ModelArgs.from_name("llama3-405b", n_layers=1, max_seq_len=131072, rope_scaling=RopeScaling()))
+        big = Transformer(ModelArgs.from_name("llama3.1-405b", n_layers=1))
     assert big.rope.is_meta and big.rope.shape == (131072, 64, 2)
     args = ModelArgs.from_name("debug", max_seq_len=256, rope_scaling=RopeScaling(original_max_position_embeddings=32))
     eager = Transformer(args)

@@ -247,6 +247,14 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_dim_multiplier=1.2, rope_theta=500000.0, max_seq_len=8192,
     ),
 }
+# Llama 3.1: the Llama 3 shapes, 128K tokens of context through the scaled rotary frequencies. The rotary table
+# is then 131072 rows (64 MiB in fp32 at head size 128); the planner builds it on the meta device.
+_LLAMA31_SCALING = RopeScaling(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+PRESETS["llama3.1-8b"] = replace(PRESETS["llama3-8b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
+PRESETS["llama3.1-70b"] = replace(PRESETS["llama3-70b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
+PRESETS["llama3.1-405b"] = replace(PRESETS["llama3-405b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
 
 
 def rope_frequencies(
