@@ -506,6 +506,17 @@ def transformers_frequencies(directory) -> torch.Tensor:
     return LlamaRotaryEmbedding(transformers.AutoConfig.from_pretrained(directory)).inv_freq
 
 
+def test_an_export_with_a_scaling_given_in_python_writes_it_or_names_the_disagreement(trained, without_args, tmp_path):
+    scaling = RopeScaling(original_max_position_embeddings=32)
+    export_hf(without_args, tmp_path / "out", model="debug", model_overrides={"n_layers": 2, "rope_scaling": scaling})
+    assert model_args_from_hf(tmp_path / "out").rope_scaling == scaling
+    with pytest.raises(ExportError, match=r"--model debug with --model-overrides '\{\"n_layers\": 2, \"rope_scaling\": "
+                                          r"\{\"rope_type\": \"llama3\", .*disagrees with the model args stored in .*"
+                                          r"full\.ckpt: rope_scaling: RopeScaling\(.*\) vs None \(given vs stored\)"):
+        export_hf(trained["full"], tmp_path / "refused", model="debug",
+                  model_overrides={"n_layers": 2, "rope_scaling": scaling})
+
+
 @pytest.mark.parametrize("type_key", ["rope_type", "type"])
 def test_older_config_files_with_rope_scaling_import_as_transformers_reads_them(scaled_hf, tmp_path, type_key):
     """Files written before transformers 5 (Meta's Llama 3.1 ones among them): ``rope_scaling`` with ``rope_type``
