@@ -4,7 +4,7 @@ from lightning_2d.data import TextDataModule
 from lightning_2d.integration.callbacks import ThroughputMonitor
 from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
-from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
 
 __version__ = "0.1.0"
@@ -16,6 +16,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelPlan",
+    "RopeScaling",
     "TextDataModule",
     "ThroughputMonitor",
     "Transformer",

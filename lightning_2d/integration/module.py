@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
-from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
@@ -260,6 +260,10 @@ class LlamaLightningModule(CausalLMModule):
             raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size}")
         self.save_hyperparameters()
         overrides = model_overrides or {}
+        if any(isinstance(value, RopeScaling) for value in overrides.values()):  # plain data, as "model" below
+            self.hparams["model_overrides"] = {
+                key: asdict(value) if isinstance(value, RopeScaling) else value for key, value in overrides.items()
+            }
         if model is None and init_from is not None:
             self.model_args = ModelArgs(**{**asdict(model_args_from_hf(Path(init_from))), **overrides})
         elif isinstance(model, (ModelArgs, dict)):

@@ -67,6 +67,25 @@ def test_vocabulary_mismatch_fails_before_training(tmp_path, corpus):
         cli_main(["fit", *common(tmp_path, corpus), "--model.model_overrides={vocab_size: 128}"])
 
 
+def test_rope_scaling_from_yaml_from_an_override_and_from_a_preset(tmp_path, monkeypatch):
+    from lightning_2d import RopeScaling
+
+    monkeypatch.setattr(sys, "argv", ["lightning-2d"])
+    base = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"]
+    config = tmp_path / "scaled.yaml"
+    config.write_text(
+        "model:\n  model:\n    dim: 64\n    n_layers: 1\n    n_heads: 4\n    vocab_size: 256\n"
+        "    rope_scaling:\n      rope_type: llama3\n      factor: 8.0\n      original_max_position_embeddings: 32\n"
+    )
+    from_yaml = cli_main([f"--config={config}", *base], run=False).model
+    assert from_yaml.model_args.rope_scaling == RopeScaling(factor=8.0, original_max_position_embeddings=32)
+    overridden = cli_main([*base, "--model.model=debug",
+                           "--model.model_overrides={rope_scaling: {rope_type: llama3, factor: 4.0}}"], run=False).model
+    assert overridden.model_args.rope_scaling == RopeScaling(factor=4.0)
+    preset = cli_main([*base, "--model.model=llama3.1-8b"], run=False).model
+    assert preset.model_args.rope_scaling == RopeScaling() and preset.model_args.max_seq_len == 131072
+
+
 def test_bad_strategy_option_fails_at_parse_time(tmp_path, corpus, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli_main([*common(tmp_path, corpus), "--trainer.strategy=lightning_2d.ModelParallel2DStrategy",

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
 import torch
 import transformers  # test-only dependency (the test extra)
 
-from lightning_2d import LlamaLightningModule, ModelArgs, Transformer
+from lightning_2d import LlamaLightningModule, ModelArgs, RopeScaling, Transformer
 from lightning_2d.hf import ExportError, export_hf, hf_to_meta, meta_to_hf, model_args_from_hf
 
 ARGS = ModelArgs.from_name("debug", n_layers=2, rope_theta=500000.0)
@@ -438,3 +438,153 @@ def test_a_failed_export_leaves_the_output_folder_as_it_was(trained, tmp_path, m
         export_hf(trained["full"], tmp_path / "out", max_shard_bytes=60_000)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "out"]  # no staging folder left
+
+
+# ---- Llama 3.1's rotary scaling (rope_type "llama3"), both ways -------------------------------------
+# Scaled from 32 positions, tested at 96: each band of frequencies is present at head size 16 (wavelengths
+# 6.3 kept, 19.9 interpolated, 62.8 and longer divided by the factor).
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=32)
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The largest absolute difference over the largest absolute logit."""
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def scaled_hf(tmp_path_factory):
+    """A tiny Llama with Llama 3.1's rotary scaling made and saved by transformers, and its fp32 logits."""
+    root = tmp_path_factory.mktemp("llama31")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-5, rope_parameters=dict(LLAMA31_ROPE),
+        initializer_range=0.1,  # attention far from uniform, so the rotary angles show in the logits
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(root / "hf")
+    tokens = torch.randint(0, 128, (2, 96))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    return root / "hf", tokens, logits
+
+
+def test_a_scaled_model_imports_with_the_logits_of_transformers(scaled_hf):
+    directory, tokens, theirs = scaled_hf
+    module = LlamaLightningModule(init_from=str(directory))
+    assert module.model_args.rope_scaling == LLAMA31_SCALING and module.model_args.rope_theta == 10000.0
+    module.configure_model()
+    unscaled = Transformer(replace(module.model_args, rope_scaling=None))
+    unscaled.load_state_dict(module.model.state_dict())
+    with torch.no_grad():
+        ours, ignored = module.model(tokens), unscaled(tokens)
+    assert relative_error(ours, theirs) <= 1e-5
+    assert relative_error(ignored, theirs) > 1e-2  # the same weights without the scaling: far off
+
+
+def test_the_model_refuses_a_directory_whose_scaling_differs(scaled_hf):
+    directory, _, _ = scaled_hf
+    with pytest.raises(ValueError, match=r"does not match .*config\.json: rope_scaling: None vs "
+                                         r"RopeScaling\(rope_type='llama3', factor=8\.0"):
+        LlamaLightningModule(init_from=str(directory), model_overrides={"rope_scaling": None}).configure_model()
+
+
+def write_config(source, target, **changes):
+    """``target/config.json``: ``source``'s with fields changed (``None``: removed)."""
+    target.mkdir()
+    config = {**json.loads((source / "config.json").read_text()), **changes}
+    (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return target
+
+
+def transformers_frequencies(directory) -> torch.Tensor:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(transformers.AutoConfig.from_pretrained(directory)).inv_freq
+
+
+def test_an_export_with_a_scaling_given_in_python_writes_it_or_names_the_disagreement(trained, without_args, tmp_path):
+    scaling = RopeScaling(original_max_position_embeddings=32)
+    export_hf(without_args, tmp_path / "out", model="debug", model_overrides={"n_layers": 2, "rope_scaling": scaling})
+    assert model_args_from_hf(tmp_path / "out").rope_scaling == scaling
+    with pytest.raises(ExportError, match=r"--model debug with --model-overrides '\{\"n_layers\": 2, \"rope_scaling\": "
+                                          r"\{\"rope_type\": \"llama3\", .*disagrees with the model args stored in .*"
+                                          r"full\.ckpt: rope_scaling: RopeScaling\(.*\) vs None \(given vs stored\)"):
+        export_hf(trained["full"], tmp_path / "refused", model="debug",
+                  model_overrides={"n_layers": 2, "rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("type_key", ["rope_type", "type"])
+def test_older_config_files_with_rope_scaling_import_as_transformers_reads_them(scaled_hf, tmp_path, type_key):
+    """Files written before transformers 5 (Meta's Llama 3.1 ones among them): ``rope_scaling`` with ``rope_type``
+    (or, older, ``type``), the base period at the top level."""
+    directory, _, _ = scaled_hf
+    legacy = {k: v for k, v in LLAMA31_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    legacy[type_key] = "llama3"
+    older = write_config(directory, tmp_path / "older", rope_parameters=None, rope_scaling=legacy, rope_theta=10000.0)
+    assert model_args_from_hf(older) == model_args_from_hf(directory)
+    assert model_args_from_hf(older).rope_scaling == LLAMA31_SCALING
+    torch.testing.assert_close(transformers_frequencies(older), transformers_frequencies(directory), rtol=0, atol=0)
+
+
+def test_the_original_length_defaults_as_in_transformers(scaled_hf, tmp_path):
+    from lightning_2d.models.llama.model import rope_frequencies
+
+    directory, _, _ = scaled_hf
+    without = {k: v for k, v in LLAMA31_ROPE.items() if k != "original_max_position_embeddings"}
+    cases = {  # none given: max_position_embeddings; a top-level one wins over rope_parameters'
+        "no_original": ({"rope_parameters": without}, 128),
+        "top_level_original": ({"original_max_position_embeddings": 64}, 64),
+    }
+    for name, (changes, original) in cases.items():
+        args = model_args_from_hf(write_config(directory, tmp_path / name, **changes))
+        assert args.rope_scaling.original_max_position_embeddings == original, name
+        ours = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+        torch.testing.assert_close(ours, transformers_frequencies(tmp_path / name), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"rope_parameters": {**LLAMA31_ROPE, "rope_type": "yarn"}},
+     r"uses the rotary scaling rope_type 'yarn', which this model does not implement; supported: 'default' \(no "
+     r"scaling\) and 'llama3'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_type 'linear', which this model does not implement"),
+    ({"rope_parameters": {k: v for k, v in LLAMA31_ROPE.items() if k != "high_freq_factor"}},
+     r"rope_type 'llama3' needs factor, low_freq_factor and high_freq_factor; missing: high_freq_factor"),
+    ({"rope_parameters": {**LLAMA31_ROPE, "factor": 0.5}},
+     r"has a rotary scaling this model cannot read: rope_scaling\.factor must be a number of at least 1, got 0\.5"),
+])
+def test_other_rotary_scalings_are_refused_naming_the_value(scaled_hf, tmp_path, changes, message):
+    directory, _, _ = scaled_hf
+    with pytest.raises(ValueError, match=message):
+        model_args_from_hf(write_config(directory, tmp_path / "refused", **changes))
+
+
+def test_a_scaled_model_exports_a_config_transformers_reads_to_the_same_rotary_scaling(scaled_hf, tmp_path):
+    directory, tokens, theirs = scaled_hf
+    module = LlamaLightningModule(init_from=str(directory))
+    module.configure_model()
+    checkpoint = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in module.model.state_dict().items()},
+                "model_args": asdict(module.model_args)}, checkpoint)
+    export_hf(checkpoint, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    # Both ways: rope_parameters (transformers 5) and rope_scaling + rope_theta (Meta's 3.1 files, transformers 4).
+    assert config["rope_parameters"] == LLAMA31_ROPE
+    assert config["rope_scaling"] == {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_theta"}
+    assert config["rope_theta"] == 10000.0
+    assert model_args_from_hf(tmp_path / "out") == module.model_args
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert {k: exported.config.rope_parameters[k] for k in LLAMA31_ROPE} == LLAMA31_ROPE
+    with torch.no_grad():
+        assert relative_error(exported(tokens).logits, theirs) <= 1e-5
+    # Either half alone reads the same (transformers 5 takes rope_scaling first when both are there).
+    for dropped in ("rope_scaling", "rope_parameters"):
+        half = tmp_path / f"without_{dropped}"
+        half.mkdir()
+        (half / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != dropped}))
+        loaded = transformers.AutoConfig.from_pretrained(half).rope_parameters
+        assert {k: loaded[k] for k in LLAMA31_ROPE} == LLAMA31_ROPE, dropped
+        assert model_args_from_hf(half) == module.model_args, dropped

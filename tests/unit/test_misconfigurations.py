@@ -7,6 +7,7 @@ real processes (a NaN on one rank, a damaged checkpoint at 2×2) live in tests/d
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from datetime import timedelta
@@ -59,6 +60,14 @@ def plan_with_sp_styles() -> ParallelPlan:
     from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
     return ParallelPlan(tensor_parallel={"fc": ColwiseParallel(), "norm": SequenceParallel()})
+
+
+def llama_directory(folder: Path, **config) -> str:
+    """A Hugging Face Llama directory (its ``config.json``: what ``init_from`` reads first) with fields changed."""
+    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+    (folder / "config.json").write_text(json.dumps({**base, **config}))
+    return str(folder)
 
 
 def export_of(tmp_path: Path) -> None:
@@ -171,6 +180,14 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      ValueError, r"loss_chunk_size must be a positive number of tokens, got 0"),
     ("unknown preset", lambda _: LlamaLightningModule("llama9-1t"),
      ValueError, r"llama9-1t"),
+    ("a rotary scaling override out of range",
+     lambda _: LlamaLightningModule("debug", model_overrides={"rope_scaling": {"rope_type": "llama3", "factor": 0.5}}),
+     ValueError, r"rope_scaling\.factor must be a number of at least 1, got 0\.5"),
+    ("init_from a Llama with another rotary scaling",
+     lambda tmp: LlamaLightningModule(init_from=llama_directory(tmp, rope_parameters={
+         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
+     ValueError, r"uses the rotary scaling rope_type 'yarn', which this model does not implement; supported: 'default'"
+     r" \(no scaling\) and 'llama3'"),
     ("data seq_len 0", lambda _: TextDataModule(seq_len=0),
      DataError, r"seq_len must be a positive integer, got 0"),
     ("validation fraction 1.5", lambda _: TextDataModule(val_fraction=1.5),

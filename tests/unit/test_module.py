@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import lightning as L
 import pytest
@@ -74,3 +75,19 @@ def test_model_args_and_overrides():
     other = LlamaLightningModule("debug", init_seed=5)
     other.configure_model()
     assert torch.equal(module.model.output.weight, other.model.output.weight)
+
+
+def test_rope_scaling_given_as_an_object_is_kept_as_plain_data_in_the_hyper_parameters(tmp_path):
+    """Checkpoints load weights-only: a RopeScaling in model / model_overrides is stored as its dict."""
+    from lightning_2d import RopeScaling
+    from lightning_2d.hf import checkpoint_model_args
+
+    scaling = RopeScaling(original_max_position_embeddings=32)
+    by_override = LlamaLightningModule("debug", model_overrides={"rope_scaling": scaling, "n_layers": 1})
+    by_args = LlamaLightningModule(ModelArgs.from_name("debug", rope_scaling=scaling))
+    assert by_override.hparams["model_overrides"] == {"rope_scaling": asdict(scaling), "n_layers": 1}
+    for module in (by_override, by_args):
+        assert module.model_args.rope_scaling == scaling
+        torch.save(dict(module.hparams), tmp_path / "hparams.pt")
+        hparams = torch.load(tmp_path / "hparams.pt", weights_only=True)  # would refuse a pickled RopeScaling
+        assert checkpoint_model_args({"hyper_parameters": hparams}) == module.model_args

@@ -80,6 +80,26 @@ def test_parameters_per_device_are_the_model_over_fsdp_shards_times_tp(model, no
     assert report.optimizer_bytes == 8 * report.params_per_device
 
 
+def test_a_llama31_preset_is_planned_with_its_128k_rotary_table_counted_never_allocated(monkeypatch):
+    import lightning_2d.models.llama.model as model_module
+
+    devices = []
+    real_rope_table = model_module.rope_table
+
+    def recording_rope_table(*args: Any, **kwargs: Any) -> torch.Tensor:
+        table = real_rope_table(*args, **kwargs)
+        devices.append(table.device.type)
+        return table
+
+    monkeypatch.setattr(model_module, "rope_table", recording_rope_table)  # where Transformer looks it up
+    args = planner.build_parser().parse_args(["--model", "llama3.1-8b"])  # a --model choice like the others
+    report = plan_run(args.model, num_nodes=1, devices=8, config=ParallelConfig(tensor_parallel_size=8))
+    assert devices and set(devices) == {"meta"}
+    assert report.buffer_bytes == 131072 * 64 * 2 * 4  # (max_seq_len, head_dim / 2, cos/sin) fp32, on each device
+    llama3 = plan_run("llama3-8b", num_nodes=1, devices=8, config=ParallelConfig(tensor_parallel_size=8))
+    assert report.params_per_device == llama3.params_per_device
+
+
 def test_bf16_true_stores_shards_gradients_and_states_in_bf16():
     report = plan_run("debug", num_nodes=1, devices=4, precision="bf16-true",
                       config=ParallelConfig(tensor_parallel_size=2))

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
@@ -186,7 +186,11 @@ def _describe_model(model: Union[str, ModelArgs, Mapping[str, Any], None], overr
         described = "the model args stored in the checkpoint"
     else:
         described = f"--model {model}" if isinstance(model, str) else "the given model args"
-    return f"{described} with --model-overrides '{json.dumps(dict(overrides))}'" if overrides else described
+    if not overrides:
+        return described
+    # A RopeScaling given in Python is written as the JSON the command line takes.
+    shown = json.dumps(dict(overrides), default=lambda value: asdict(value) if is_dataclass(value) else str(value))
+    return f"{described} with --model-overrides '{shown}'"
 
 
 def _model_args(model: Union[str, ModelArgs, Mapping[str, Any]], overrides: Mapping[str, Any]) -> ModelArgs:

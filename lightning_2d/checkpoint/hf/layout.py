@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.models.llama.model import ModelArgs, RopeScaling, rope_scaling_problems
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,9 +61,29 @@ def hf_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of a ``LlamaForCausalLM`` with these shapes."""
+def _hf_rope_scaling(scaling: RopeScaling) -> dict[str, Any]:
+    """A ``RopeScaling`` as Hugging Face writes it (the keys of ``rope_scaling``, Meta's Llama 3.1 ``config.json``)."""
     return {
+        "rope_type": scaling.rope_type,
+        "factor": float(scaling.factor),
+        "low_freq_factor": float(scaling.low_freq_factor),
+        "high_freq_factor": float(scaling.high_freq_factor),
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of a ``LlamaForCausalLM`` with these shapes.
+
+    The rotary embedding is written both ways: ``rope_parameters`` (transformers 5) and, with a scaling,
+    ``rope_scaling`` + ``rope_theta`` as in Meta's Llama 3.1 files (what transformers 4 and other readers take;
+    transformers 5 reads ``rope_scaling`` too, before ``rope_parameters``, so the two must agree).
+    """
+    scaling = _hf_rope_scaling(args.rope_scaling) if args.rope_scaling is not None else None
+    rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta} if scaling is None else {
+        **scaling, "rope_theta": args.rope_theta
+    }
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -75,7 +95,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": rope_parameters,
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -85,6 +105,42 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling_from_hf(config: dict[str, Any], config_path: Path) -> tuple[float, Optional[RopeScaling]]:
+    """``(rope_theta, rope_scaling)`` of a Hugging Face ``config.json``, read as transformers reads it: the legacy
+    ``rope_scaling`` (with ``type`` or ``rope_type``, and a top-level ``rope_theta``) before ``rope_parameters``."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    legacy_type = params.pop("type", "default")  # older files: "type"; "rope_type" wins where both are
+    rope_type = params.pop("rope_type", legacy_type)
+    supported = "'default' (no scaling) and 'llama3' (Llama 3.1's)"
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"{config_path} uses the rotary scaling rope_type {rope_type!r}, which this model does not implement;"
+            f" supported: {supported}"
+        )
+    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in params]
+    if missing:
+        raise ValueError(
+            f"{config_path}: the rotary scaling rope_type 'llama3' needs factor, low_freq_factor and high_freq_factor;"
+            f" missing: {', '.join(missing)}"
+        )
+    # transformers' defaults: a top-level original_max_position_embeddings wins, else max_position_embeddings.
+    original = config.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    fields = {
+        "rope_type": rope_type, "factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+        "high_freq_factor": params["high_freq_factor"],
+        "original_max_position_embeddings": original if original is not None else config.get("max_position_embeddings"),
+    }
+    if problems := rope_scaling_problems(fields):
+        raise ValueError(f"{config_path} has a rotary scaling this model cannot read: " + "; ".join(problems))
+    return theta, RopeScaling(**fields)
 
 
 def model_args_from_hf(directory: Path) -> ModelArgs:
@@ -95,12 +151,7 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
     config = json.loads(config_path.read_text())
     if config.get("model_type") != "llama":
         raise ValueError(f"{config_path} describes a {config.get('model_type')!r} model, not 'llama'")
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
-        raise ValueError(
-            f"{config_path} uses rotary scaling ({rope.get('rope_type') or config.get('rope_scaling')}), which this"
-            " model does not implement"
-        )
+    rope_theta, rope_scaling = _rope_scaling_from_hf(config, config_path)
     if config.get("tie_word_embeddings"):
         raise ValueError(f"{config_path} ties the embedding and output weights, which this model does not")
     n_heads = config["num_attention_heads"]
@@ -112,8 +163,9 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
         vocab_size=config["vocab_size"],
         hidden_dim=config["intermediate_size"],
         norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         max_seq_len=config.get("max_position_embeddings", 4096),
+        rope_scaling=rope_scaling,
     )
 
 
@@ -123,6 +175,6 @@ def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
         "dim": (a.dim, b.dim), "n_layers": (a.n_layers, b.n_layers), "n_heads": (a.n_heads, b.n_heads),
         "n_kv_heads": (a.kv_heads, b.kv_heads), "vocab_size": (a.vocab_size, b.vocab_size),
         "ffn_hidden_dim": (a.ffn_hidden_dim, b.ffn_hidden_dim), "rope_theta": (a.rope_theta, b.rope_theta),
-        "norm_eps": (a.norm_eps, b.norm_eps),
+        "norm_eps": (a.norm_eps, b.norm_eps), "rope_scaling": (a.rope_scaling, b.rope_scaling),
     }
     return [f"{k}: {x} vs {y}" for k, (x, y) in checks.items() if x != y]

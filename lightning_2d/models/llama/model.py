@@ -13,6 +13,7 @@ sharded.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -22,6 +23,92 @@ from torch import nn
 
 from lightning_2d.ops.init import InitSpec, SeededInit
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
+
+
+#: The rotary scalings ``rope_table`` implements (``RopeScaling.rope_type``).
+ROPE_SCALING_TYPES = ("llama3",)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Meta's ``apply_scaling``; ``rope_type: "llama3"`` in Hugging Face).
+
+    Rotary frequencies whose wavelength is longer than ``original_max_position_embeddings / low_freq_factor``
+    positions are divided by ``factor``, those shorter than ``original_max_position_embeddings / high_freq_factor``
+    are kept, and those between are interpolated smoothly: a model pre-trained at the original length then reads
+    sequences ``factor`` times longer. The defaults are Llama 3.1's.
+
+    Args:
+        rope_type: The kind of scaling; ``"llama3"`` only (``ROPE_SCALING_TYPES``).
+        factor: What the low frequencies are divided by (at least 1).
+        low_freq_factor: Frequencies with wavelengths over ``original_max_position_embeddings / low_freq_factor``
+            are divided by ``factor`` (positive).
+        high_freq_factor: Frequencies with wavelengths under ``original_max_position_embeddings / high_freq_factor``
+            are kept (greater than ``low_freq_factor``).
+        original_max_position_embeddings: The context length of pre-training before the scaling (positive).
+    """
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if problems := rope_scaling_problems({f.name: getattr(self, f.name) for f in fields(self)}):
+            raise ValueError("Invalid rope_scaling:\n  - " + "\n  - ".join(problems))
+
+    def scale(self, freqs: torch.Tensor) -> torch.Tensor:
+        """The scaled rotary frequencies (radians per position), elementwise: no data-dependent control flow,
+        so on the meta device nothing is computed. The same operations, in the same order, as Hugging Face's
+        ``_compute_llama3_parameters`` (so the same fp32 values)."""
+        low_freq_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_freq_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        scaled = torch.where(wavelen > low_freq_wavelen, freqs / self.factor, freqs)
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        between = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(between, smoothed, scaled)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rope_scaling_problems(values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the fields of a ``RopeScaling`` given as a dict (empty: nothing), each problem naming
+    the field, its value and what is accepted; a missing field takes its default."""
+    known = [f.name for f in fields(RopeScaling)]
+    problems = [
+        f"rope_scaling has no field {key!r}; its fields are {', '.join(known)}" for key in values if key not in known
+    ]
+    rope_type = values.get("rope_type", RopeScaling.rope_type)
+    if rope_type not in ROPE_SCALING_TYPES:
+        problems.append(
+            f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
+            + ", ".join(repr(t) for t in ROPE_SCALING_TYPES) + " (or rope_scaling None: no scaling)"
+        )
+    factor = values.get("factor", RopeScaling.factor)
+    if not (_is_number(factor) and factor >= 1):
+        problems.append(f"rope_scaling.factor must be a number of at least 1, got {factor!r}")
+    low = values.get("low_freq_factor", RopeScaling.low_freq_factor)
+    high = values.get("high_freq_factor", RopeScaling.high_freq_factor)
+    if not (_is_number(low) and low > 0):
+        problems.append(f"rope_scaling.low_freq_factor must be a positive number, got {low!r}")
+    if not _is_number(high):
+        problems.append(f"rope_scaling.high_freq_factor must be a number, got {high!r}")
+    elif _is_number(low) and high <= low:
+        problems.append(
+            f"rope_scaling.high_freq_factor ({high!r}) must be greater than low_freq_factor ({low!r}): the"
+            " frequencies between the two wavelengths are interpolated"
+        )
+    original = values.get("original_max_position_embeddings", RopeScaling.original_max_position_embeddings)
+    if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
+        problems.append(f"rope_scaling.original_max_position_embeddings must be a positive integer, got {original!r}")
+    return problems
 
 
 @dataclass
@@ -43,6 +130,9 @@ class ModelArgs:
             (``0.02 / sqrt(2 · (layer_id + 1))``, as torchtitan) instead of by the model depth.
         hidden_dim: The SwiGLU hidden size itself, instead of deriving it from ``multiple_of`` and
             ``ffn_dim_multiplier`` (for imported models).
+        rope_scaling: Scaling of the rotary frequencies (Llama 3.1's): a ``RopeScaling`` or the dict of its
+            fields (``{"rope_type": "llama3", "factor": 8.0, ...}``, as from yaml or JSON, kept as a
+            ``RopeScaling``); ``None``: no scaling.
     """
 
     dim: int = 4096
@@ -57,6 +147,7 @@ class ModelArgs:
     max_seq_len: int = 4096
     depth_init: bool = True
     hidden_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -72,6 +163,16 @@ class ModelArgs:
                 problems.append(f"the head size dim / n_heads ({self.head_dim}) must be even for rotary embeddings")
             if self.kv_heads > 0 and self.n_heads % self.kv_heads:
                 problems.append(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
+        if isinstance(self.rope_scaling, Mapping):
+            # A dict from yaml/JSON, or asdict() of these args (checkpoints store them so).
+            if scaling_problems := rope_scaling_problems(self.rope_scaling):
+                problems.extend(scaling_problems)
+            else:
+                self.rope_scaling = RopeScaling(**self.rope_scaling)
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            problems.append(
+                f"rope_scaling must be None, a RopeScaling or the dict of its fields, got {self.rope_scaling!r}"
+            )
         if problems:
             raise ValueError("Invalid ModelArgs:\n  - " + "\n  - ".join(problems))
 
@@ -146,15 +247,39 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_dim_multiplier=1.2, rope_theta=500000.0, max_seq_len=8192,
     ),
 }
+# Llama 3.1: the Llama 3 shapes, 128K tokens of context through the scaled rotary frequencies. The rotary table
+# is then 131072 rows (64 MiB in fp32 at head size 128); the planner builds it on the meta device.
+_LLAMA31_SCALING = RopeScaling(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+PRESETS["llama3.1-8b"] = replace(PRESETS["llama3-8b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
+PRESETS["llama3.1-70b"] = replace(PRESETS["llama3-70b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
+PRESETS["llama3.1-405b"] = replace(PRESETS["llama3-405b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """The rotary frequencies (radians per position) of the ``head_dim // 2`` pairs, in fp32, scaled if
+    ``scaling`` is given (Hugging Face's ``inv_freq``)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    return freqs if scaling is None else scaling.scale(freqs)
+
+
+def rope_table(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: RopeScaling | None = None,
+) -> torch.Tensor:
     """Cosines and sines of the rotary angles: ``(max_seq_len, head_dim // 2, 2)`` in fp32.
 
     Equal to Meta's complex ``freqs_cis`` (stored as real pairs so that dtype conversions of the
-    module never drop its imaginary part).
+    module never drop its imaginary part), with Llama 3.1's frequency scaling if ``scaling`` is given.
+    Built on the meta device (``device`` or the default device), it allocates nothing.
     """
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = rope_frequencies(head_dim, theta, scaling, device=device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
@@ -343,7 +468,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = VocabProjection(args.dim, args.vocab_size, loss_chunk_size)
         # Not persistent: derived from args, so checkpoints do not carry it.
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta,
+                                                scaling=args.rope_scaling), persistent=False)
 
     def check_inputs(
         self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
@@ -405,7 +531,10 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device | None = None) -> None:
         """(Re)compute the rotary table in fp32, e.g. after ``to_empty``."""
         device = device if device is not None else self.rope.device
-        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
+        args = self.args
+        self.rope = rope_table(
+            args.head_dim, args.max_seq_len, args.rope_theta, device=device, scaling=args.rope_scaling
+        )
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
