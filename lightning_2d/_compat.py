@@ -53,6 +53,12 @@ class PrivateAPI:
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     # ---- torch -------------------------------------------------------------------------------------
+    PrivateAPI("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu",
+               "one block of the context-parallel ring (its output and log-sum-exp, merged across blocks)",
+               "a public SDPA that returns the log-sum-exp, or FlexAttention with return_lse on CPU"),
+    PrivateAPI("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
+               "the gradients of one ring block given the merged output and log-sum-exp",
+               "as above"),
     PrivateAPI("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
                "the block range of a DTensor shard for the layout-independent init and the vocabulary-parallel loss",
                "DTensor's public offset API if one appears; else compute it from the placements (Shard/_StridedShard)"),
@@ -189,6 +195,25 @@ def default_store() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def cpu_flash_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", mask: "torch.Tensor",
+                        scale: float) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """CPU SDPA's flash kernel: the output and each query's log-sum-exp ``(B, H, T)`` (fp32); grouped-query
+    key/value heads as they are; an additive ``mask``. A row the mask hides entirely gets 0 for both."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def cpu_flash_attention_backward(grad: "torch.Tensor", q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
+                                 out: "torch.Tensor", lse: "torch.Tensor", mask: "torch.Tensor",
+                                 scale: float) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """The gradients of ``q``, ``k``, ``v`` through ``cpu_flash_attention``, given the (final) output and log-sum-exp."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
 
 
 def assert_async(condition: "torch.Tensor", message: str) -> None:

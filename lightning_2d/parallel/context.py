@@ -4,17 +4,24 @@
 and ``2·cp - 1 - r`` (head-tail). Under causal attention a query's cost grows with its position, so every rank
 gets one early and one late chunk: the same work on each (a rank holding the last quarter would do 7/16 of it).
 
-**Exchange: all-gather of keys and values** (as Llama 3's training, "The Llama 3 Herd of Models" §3.3.2). Each
-attention layer all-gathers the ``(B, H_kv, T/cp, Dh)`` keys and values of the context group (autograd: the
-backward reduce-scatters their gradients to the ranks that computed them), and attends its local queries to all
-keys under a mask from the tokens' *global* indices. A ring passing keys and values moves the same bytes (each
-rank receives every other rank's once, and their gradients go back once); with grouped-query attention they are
-``H_kv / H`` of the queries (1/4 in Llama 3 8B), small either way. The ring overlaps each transfer with attention
-and never holds all keys at once; the all-gather takes any mask in one attention call (documents, not only causal),
-where torch's ring (``torch.distributed.tensor.experimental.context_parallel``) runs only CUDA SDPA kernels or
-FlexAttention and no masks; and it runs on gloo, so the CPU tests exercise the very code the GPU runs. The cost: the gathered keys and
-values of a layer, ``2 · B · H_kv · T · Dh`` elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the
-activations that CP divides by ``cp``).
+**Exchange: all-gather of keys and values** (as Llama 3's training, "The Llama 3 Herd of Models" §3.3.2), picked by
+measurement against a ring. Each attention layer all-gathers the ``(B, H_kv, T/cp, Dh)`` keys and values of the
+context group (autograd: the backward reduce-scatters their gradients to the ranks that computed them), and
+attends its local queries to all keys under a mask from the tokens' *global* indices: any mask (documents, not only
+causal) in one attention call, on gloo as on NCCL, so the CPU tests exercise the very code the GPU runs (on CUDA the
+mask is a FlexAttention block mask). The cost: the gathered keys and values of a layer, ``2 · B · H_kv · T · Dh``
+elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the activations that CP divides by ``cp``).
+
+The alternative, ``exchange="ring"`` (``_RingAttention``): each rank passes its key/value block to the next while it
+attends to the one it holds, ``cp`` blocks merged by their log-sum-exp (online softmax), the gradients sent back
+round the ring; it moves the same bytes (with grouped-query attention ``H_kv / H`` of the queries, 1/4 in Llama 3
+8B) and never holds the whole sequence's keys. Measured side by side (``tests/benchmarks/bench_context.py
+--exchanges all_gather ring``, CPU, seq 8192): the same activations within 5 % (the gathered keys are small), and
+step times within the noise of 2 shared cores (three runs: the ring −14 % to +45 %), while the ring needs ``cp``
+masked block calls and ``cp - 1`` dependent transfers per layer, each way. torch's
+own ring (``torch.distributed.tensor.experimental.context_parallel``) runs only CUDA SDPA kernels or FlexAttention
+and takes no masks. The ring stays for that comparison (and as the design to revisit if keys ever dominate), tested
+against the all-gather in every context-parallel job; the strategies install the all-gather.
 
 **Positions.** ``shard_sequence`` gives every rank its tokens, labels and ``position_ids`` (the global positions
 of its tokens, or each packed document's positions under ``document_mask``): the model's rotary embedding follows
@@ -26,13 +33,17 @@ position is 0). The loss, token counts and gradients then need nothing else: the
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+
+#: How the context group exchanges keys and values (``ContextParallelAttention(exchange=...)``).
+EXCHANGES = ("all_gather", "ring")
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,8 +89,10 @@ class ContextParallelAttention:
     model's ``Attention.attend`` by ``apply_context_parallel``. ``q: (B, H, T/cp, Dh)``, ``k``/``v``: ``(B, H_kv,
     T/cp, Dh)``, ``position_ids``: ``(B, T/cp)`` from ``shard_sequence``; the output has ``q``'s shape."""
 
-    def __init__(self, group: "ProcessGroup", cp: int, rank: int) -> None:
-        self.group, self.cp, self.rank = group, cp, rank
+    def __init__(self, group: "ProcessGroup", cp: int, rank: int, exchange: str = "all_gather") -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"context-parallel exchange {exchange!r} is not one of {EXCHANGES}")
+        self.group, self.cp, self.rank, self.exchange = group, cp, rank, exchange
         self._layout: Optional[tuple[torch.Tensor, Any]] = None  # (position_ids, their mask)
 
     def _gather(self, x: torch.Tensor, differentiable: bool) -> torch.Tensor:
@@ -94,6 +107,11 @@ class ContextParallelAttention:
             raise ValueError("context parallelism needs each token's position_ids (lightning_2d.parallel.context.shard_sequence)")
         local_len = q.shape[2]
         seq_len = local_len * self.cp
+        if self.exchange == "ring":
+            if q.is_cuda:
+                raise NotImplementedError("the ring exchange runs CPU SDPA kernels; on CUDA use exchange='all_gather'")
+            mask = self._mask(position_ids, seq_len, q)
+            return _RingAttention.apply(q, k, v, *self._ring_blocks(mask), self)
         keys, values = self._gather(k, True), self._gather(v, True)  # (B, H_kv, T, Dh), in gathered order
         mask = self._mask(position_ids, seq_len, q)
         if q.is_cuda:  # FlexAttention's block mask: the blocks no query may see are skipped, not computed
@@ -124,6 +142,34 @@ class ContextParallelAttention:
         self._layout = (position_ids, mask)
         return mask
 
+    def _ring_blocks(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The additive mask cut into the ``cp`` blocks of the ring, ``(cp, B, 1, T/cp, T/cp)`` (block ``j``: the
+        keys rank ``j`` holds), and which rows of each block see any key, ``(cp, B, 1, T/cp, 1)``; kept with the
+        mask."""
+        if len(self._layout) == 2:
+            blocks = torch.stack(mask.chunk(self.cp, dim=-1))  # the gathered order is rank after rank
+            self._layout = (self._layout[0], None, blocks, (blocks > float("-inf")).any(-1, keepdim=True))
+        return self._layout[2], self._layout[3]
+
+    def shift(self, x: torch.Tensor, tag: int = 0) -> Callable[[], torch.Tensor]:
+        """Start sending ``x`` to the next context rank and receiving the previous one's (a ring step); the
+        returned call waits for both and gives what was received (compute in between overlaps the transfer).
+        Transfers in flight together carry different ``tag``s."""
+        import torch.distributed as dist
+
+        received = torch.empty_like(x)
+        peer = functools.partial(dist.get_global_rank, self.group)
+        ops = [dist.P2POp(dist.isend, x.contiguous(), peer((self.rank + 1) % self.cp), self.group, tag),
+               dist.P2POp(dist.irecv, received, peer((self.rank - 1) % self.cp), self.group, tag)]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            return received
+
+        return wait
+
     def layout(self, position_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
         """The global indices of this rank's queries ``(T/cp,)`` and of the gathered keys ``(T,)``, and the document
         of each ``(B, T/cp)``, ``(B, T)``: a query sees a key not later in the sequence, in its own document (one
@@ -143,6 +189,60 @@ def _all_gather(x: torch.Tensor, group: "ProcessGroup", size: int) -> list[torch
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return parts
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries to every rank's keys, the keys and values passed round the context group
+    (each rank sends its block to the next and attends to the one it receives, ``cp`` blocks in all), the blocks'
+    outputs merged by their log-sum-exp (online softmax). Backward passes the keys and values round again with
+    their gradients, which arrive back at their owner after ``cp`` steps. Saves only the local ``q, k, v``, the
+    output and its log-sum-exp: no rank ever holds the whole sequence's keys. CPU SDPA kernels (``_compat``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor,
+                core: ContextParallelAttention) -> torch.Tensor:
+        from lightning_2d._compat import cpu_flash_attention
+
+        scale = q.shape[-1] ** -0.5
+        kv = torch.stack([k, v])
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for step in range(core.cp):
+            source = (core.rank - step) % core.cp
+            arriving = core.shift(kv) if step < core.cp - 1 else None  # the next block, sent while this one runs
+            block_out, block_lse = cpu_flash_attention(q, kv[0], kv[1], blocks[source], scale)
+            block_lse = block_lse.masked_fill(~rows[source].squeeze(-1), float("-inf"))  # rows that saw no key
+            merged = torch.logaddexp(lse, block_lse)
+            safe = merged.masked_fill(merged == float("-inf"), 0.0)
+            out = out * (lse - safe).exp()[..., None] + block_out.float() * (block_lse - safe).exp()[..., None]
+            lse = merged
+            if arriving is not None:
+                kv = arriving()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, blocks)
+        ctx.core, ctx.scale = core, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        from lightning_2d._compat import cpu_flash_attention_backward
+
+        q, k, v, out, lse, blocks = ctx.saved_tensors
+        core = ctx.core
+        grad = grad.contiguous()
+        kv = torch.stack([k, v])
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with the block it belongs to
+        for step in range(core.cp):
+            source = (core.rank - step) % core.cp
+            arriving = core.shift(kv) if step < core.cp - 1 else None
+            dq, dk, dv = cpu_flash_attention_backward(grad, q, kv[0], kv[1], out, lse, blocks[source], ctx.scale)
+            grad_q += dq
+            grad_kv += torch.stack([dk, dv])
+            grad_kv = core.shift(grad_kv, tag=1)()  # after cp shifts, each block's gradient is back at its owner
+            if arriving is not None:
+                kv = arriving()
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -171,13 +271,13 @@ class _GatherSequence(torch.autograd.Function):
         return total.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
 
 
-def apply_context_parallel(model: torch.nn.Module, cp_mesh: Any, attention: str) -> int:
+def apply_context_parallel(model: torch.nn.Module, cp_mesh: Any, attention: str, exchange: str = "all_gather") -> int:
     """Install ``ContextParallelAttention`` as the ``attend`` of every module of ``model`` whose name matches
     ``attention`` (``fnmatch`` pattern, e.g. ``"layers.*.attention"``); returns how many."""
     from fnmatch import fnmatch
 
     group, count = cp_mesh.get_group(), 0
-    core = ContextParallelAttention(group, cp_mesh.size(), cp_mesh.get_local_rank())
+    core = ContextParallelAttention(group, cp_mesh.size(), cp_mesh.get_local_rank(), exchange)
     for name, module in model.named_modules():
         if fnmatch(name, attention) and hasattr(module, "attend"):
             module.attend = core

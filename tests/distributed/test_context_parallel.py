@@ -58,6 +58,8 @@ def test_context_parallel_training_equals_one_device(jobs, context_runs, name, d
         # Every attention layer this rank holds exchanges keys and values (not the one-device core).
         held = {name.split(".")[1] for name in out["placements"] if name.startswith("layers.")}
         assert held and out["context_parallel_attention"] == sorted(f"layers.{b}.attention" for b in held), out
+        # The ring (the measured alternative) over this layout's real context group agrees with the all-gather.
+        assert out["ring_vs_all_gather"] <= 1e-5, out["ring_vs_all_gather"]
         # FSDP shards over data-shard × context ranks: the parameters are split over dp · cp ranks.
         sizes = dict(zip(*out["fsdp_mesh"]))
         assert sizes["data_shard_context_parallel"] == dp * cp and sizes.get("tensor_parallel", 1) == tp, sizes

@@ -471,6 +471,7 @@ def fit(cfg: dict) -> None:
             if isinstance(getattr(m, "attend", None), ContextParallelAttention))
         weight = next(p for p in module.model.parameters())
         result["fsdp_mesh"] = [list(weight.device_mesh.mesh_dim_names), list(weight.device_mesh.shape)]
+        result["ring_vs_all_gather"] = exchange_disagreement(mesh["context_parallel"])
     if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
         seen = []
         layer = module.model.model.layers[1]
@@ -774,6 +775,29 @@ def fabric_hf(cfg: dict) -> None:
         losses.append(float(global_mean))
     result = {"losses": losses}
     (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
+
+
+def exchange_disagreement(cp_mesh) -> float:
+    """The largest difference between the ring and the all-gather exchanges over this job's real context group:
+    outputs and the gradients of this rank's queries, keys and values, for packed documents (the library uses
+    the all-gather; the ring is the measured alternative, ``tests/benchmarks/bench_context.py --exchanges``)."""
+    from lightning_2d.data.loading import document_positions
+    from lightning_2d.parallel.context import EXCHANGES, ContextParallelAttention, local_indices
+
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    generator = torch.Generator().manual_seed(0)  # the same whole sequence on every rank; each takes its slice
+    batch, length = 2, 8 * cp
+    q, k, v, grad = (torch.randn(batch, heads, length, 8, generator=generator) for heads in (4, 2, 2, 4))
+    tokens = torch.zeros(batch, length, dtype=torch.long)
+    tokens[:, [2, 5, length // 2]] = 1
+    positions, mine = document_positions(tokens, eos_id=1), local_indices(length, cp, rank)
+    results = []
+    for exchange in EXCHANGES:
+        held = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+        out = ContextParallelAttention(cp_mesh.get_group(), cp, rank, exchange)(*held, positions[:, mine])
+        out.backward(grad[:, :, mine])
+        results.append([out.detach(), *(t.grad for t in held)])
+    return max(float((a - b).abs().max()) for a, b in zip(*results))
 
 
 def fits(cfg: dict) -> None:

@@ -75,3 +75,98 @@ def test_without_positions_the_context_parallel_core_refuses():
     core = SimulatedRank(2, 0, {})
     with pytest.raises(ValueError, match="context parallelism needs each token's position_ids"):
         core(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), None)
+
+
+class ThreadRank(ContextParallelAttention):
+    """One context rank of ``cp`` run as threads of this process: the exchanges meet on a shared board (all-gather:
+    every rank's tensor; ring shift: the previous rank's), so the whole group runs forward and backward for real."""
+
+    def __init__(self, cp: int, rank: int, board: dict, exchange: str) -> None:
+        super().__init__(group=None, cp=cp, rank=rank, exchange=exchange)  # type: ignore[arg-type]
+        self.board = board
+
+    def _meet(self, x: torch.Tensor) -> list[torch.Tensor]:
+        slots, barrier = self.board["slots"], self.board["barrier"]
+        slots[self.rank] = x
+        barrier.wait()
+        seen = list(slots)
+        barrier.wait()
+        return seen
+
+    def _gather(self, x: torch.Tensor, differentiable: bool) -> torch.Tensor:
+        if differentiable:  # the gradient of each rank's copy summed back to its owner: the sum over the ranks
+            return _ThreadGather.apply(x, self)
+        return torch.cat(self._meet(x), dim=-1)
+
+    def shift(self, x: torch.Tensor, tag: int = 0):  # noqa: ANN201
+        received = self._meet(x)[(self.rank - 1) % self.cp].clone()
+        return lambda: received
+
+
+class _ThreadGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, core):  # noqa: ANN001, ANN205
+        ctx.core = core
+        return torch.cat(core._meet(x), dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        core = ctx.core
+        total = torch.stack(core._meet(grad)).sum(0)
+        return total.chunk(core.cp, dim=2)[core.rank].clone(), None
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "ring"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_each_exchange_gives_the_whole_sequences_attention_and_gradients(exchange, cp, documents):
+    """Every rank of the group at once (threads), forward and backward: the outputs and the gradients of the
+    queries, keys and values each rank holds equal those of one attention over the whole sequence. The ring merges
+    ``cp`` blocks by their log-sum-exp and sends each key block's gradient back round the ring to its owner."""
+    import threading
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 32, 8
+    q, k, v = (torch.randn(batch, h, length, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    if documents:
+        tokens = torch.zeros(batch, length, dtype=torch.long)
+        tokens[:, [3, 9, 10, 20]] = 1  # documents of 4, 6, 1, 10 and 11 tokens
+        positions = document_positions(tokens, eos_id=1)
+        reference = attend(q, k, v, positions)
+    else:
+        positions = torch.arange(length).expand(batch, length)
+        reference = attend(q, k, v, None)
+    grad = torch.randn_like(reference)
+    expected = torch.autograd.grad(reference, (q, k, v), grad)
+    board = {"slots": [None] * cp, "barrier": threading.Barrier(cp, timeout=60)}
+    results, failures = {}, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            s = local_indices(length, cp, rank)
+            mine = [t.detach()[:, :, s].clone().requires_grad_() for t in (q, k, v)]
+            out = ThreadRank(cp, rank, board, exchange)(*mine, positions[:, s])
+            out.backward(grad[:, :, s])
+            results[rank] = (s, out.detach(), *(t.grad for t in mine))
+        except BaseException as error:  # a failing rank must not leave the others waiting at the barrier
+            board["barrier"].abort()
+            failures.append(error)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    got = [torch.empty_like(t) for t in (reference, q, k, v)]
+    for s, *tensors in results.values():
+        for whole, part in zip(got, tensors):
+            whole[:, :, s] = part
+    for name, value, want in zip(("output", "dq", "dk", "dv"), got, (reference.detach(), *expected)):
+        torch.testing.assert_close(value, want, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_an_unknown_exchange_is_refused():
+    with pytest.raises(ValueError, match=r"exchange 'tree' is not one of \('all_gather', 'ring'\)"):
+        ContextParallelAttention(group=None, cp=2, rank=0, exchange="tree")  # type: ignore[arg-type]
