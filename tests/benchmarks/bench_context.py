@@ -31,18 +31,20 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from lightning_2d.parallel.context import EXCHANGES  # noqa: E402
+
 #: The debug model widened so that attention matters: 8 query heads of 64, 2 key/value heads.
 MODEL = {"dim": 512, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 1024, "multiple_of": 256,
          "max_seq_len": 16384}
 
 
-def rank_main(cp: int, seq_len: int, steps: int, documents: bool, out: Path) -> None:
+def rank_main(cp: int, seq_len: int, steps: int, documents: bool, exchange: str, out: Path) -> None:
     import torch.distributed as dist
 
     from lightning_2d.data.loading import document_positions
     from lightning_2d.integration.callbacks import peak_memory_gib, reset_peak_memory
     from lightning_2d.parallel import ParallelConfig, ParallelDims
-    from lightning_2d.parallel.context import context_shard
+    from lightning_2d.parallel.context import ContextParallelAttention, context_shard
     from lightning_2d.parallel.loss import normalize_by_global_tokens
     from tests.benchmarks.ranks import parallel_llama
 
@@ -51,6 +53,9 @@ def rank_main(cp: int, seq_len: int, steps: int, documents: bool, out: Path) -> 
     config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1, context_parallel_size=cp)
     config = config.resolve_dtypes("32-true")
     model, mesh = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, cp=cp))
+    for module in model.modules():  # the exchange measured (parallelize_model installs the default)
+        if isinstance(getattr(module, "attend", None), ContextParallelAttention):
+            module.attend.exchange = exchange
     args = model.args
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     generator = torch.Generator().manual_seed(0)
@@ -87,10 +92,10 @@ def rank_main(cp: int, seq_len: int, steps: int, documents: bool, out: Path) -> 
     dist.destroy_process_group()
 
 
-def measure(cp: int, seq_len: int, steps: int, documents: bool) -> dict[str, float]:
+def measure(cp: int, seq_len: int, steps: int, documents: bool, exchange: str = "all_gather") -> dict[str, float]:
     from tests.benchmarks.ranks import run_ranks
 
-    ranks = run_ranks(__file__, [str(cp), str(seq_len), str(steps), str(int(documents))], nprocs=cp, timeout=1800,
+    ranks = run_ranks(__file__, [str(cp), str(seq_len), str(steps), str(int(documents)), exchange], nprocs=cp, timeout=1800,
                       env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
     step = statistics.median(max(r["times"][i] for r in ranks) for i in range(1, steps))
     return {"activations": max(r["activations"] for r in ranks), "step_s": step}
@@ -117,24 +122,27 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=3, help="steps per run (the first is not timed)")
-    parser.add_argument("--rank-main", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--exchanges", nargs="+", default=["all_gather"], choices=EXCHANGES,
+                        help="the context-parallel exchanges to measure side by side (C > 1)")
+    parser.add_argument("--rank-main", nargs=6, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.rank_main:
-        cp, seq_len, steps, documents, out = options.rank_main
-        rank_main(int(cp), int(seq_len), int(steps), documents == "1", Path(out))
+        cp, seq_len, steps, documents, exchange, out = options.rank_main
+        rank_main(int(cp), int(seq_len), int(steps), documents == "1", exchange, Path(out))
         return
     print(f"seq {options.seq_len}, 1 sequence per step, model {MODEL}, fp32, CPU/gloo, one thread per rank")
-    print(f"{'context':>7} {'activations':>12} {'vs C1':>6} {'planned':>9} {'plan/meas':>9} {'CPU mask':>9}"
+    print(f"{'context':>7} {'exchange':>10} {'activations':>12} {'vs C1':>6} {'planned':>9} {'plan/meas':>9} {'CPU mask':>9}"
           f" {'step (causal)':>14} {'step (documents)':>17}")
     first = None
-    for cp in options.sizes:
-        causal = measure(cp, options.seq_len, options.steps, documents=False)
-        documents = measure(cp, options.seq_len, options.steps, documents=True)
+    runs = [(cp, exchange) for cp in options.sizes for exchange in (options.exchanges if cp > 1 else ["all_gather"])]
+    for cp, exchange in runs:
+        causal = measure(cp, options.seq_len, options.steps, documents=False, exchange=exchange)
+        documents = measure(cp, options.seq_len, options.steps, documents=True, exchange=exchange)
         plan, mask = planned(cp, options.seq_len), dense_mask_bytes(cp, options.seq_len)
         first = first or causal["activations"]
-        print(f"{cp:>7} {causal['activations'] / 2**30:>10.2f} G {causal['activations'] / first:>5.2f}x"
-              f" {plan / 2**30:>7.2f} G {plan / causal['activations']:>9.2f} {mask / 2**30:>7.2f} G"
-              f" {causal['step_s']:>12.2f} s {documents['step_s']:>15.2f} s", flush=True)
+        print(f"{cp:>7} {exchange if cp > 1 else '-':>10} {causal['activations'] / 2**30:>10.2f} G"
+              f" {causal['activations'] / first:>5.2f}x {plan / 2**30:>7.2f} G {plan / causal['activations']:>9.2f}"
+              f" {mask / 2**30:>7.2f} G {causal['step_s']:>12.2f} s {documents['step_s']:>15.2f} s", flush=True)
 
 
 if __name__ == "__main__":
