@@ -562,6 +562,21 @@ def test_other_rotary_scalings_are_refused_naming_the_value(scaled_hf, tmp_path,
         model_args_from_hf(write_config(directory, tmp_path / "refused", **changes))
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"attention_bias": True}, r"attention_bias is True \(needs False\)"),
+    ({"mlp_bias": True}, r"mlp_bias is True \(needs False\)"),
+    ({"hidden_act": "gelu"}, r"hidden_act is 'gelu' \(needs 'silu'\)"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor is 0\.5 \(needs 1\.0\)"),
+    ({"head_dim": 4}, r"head_dim is 4 \(needs \d+\)"),
+])
+def test_a_llama_layout_the_native_model_cannot_compute_is_refused_naming_the_field(scaled_hf, tmp_path, changes, message):
+    """Fields the native model does not implement would load the weights and compute another function."""
+    directory, _, _ = scaled_hf
+    with pytest.raises(ValueError, match=r"describes a Llama this model cannot represent: " + message
+                       + r".*Hugging Face path instead"):
+        model_args_from_hf(write_config(directory, tmp_path / "refused", **changes))
+
+
 def test_a_scaled_model_exports_a_config_transformers_reads_to_the_same_rotary_scaling(scaled_hf, tmp_path):
     directory, tokens, theirs = scaled_hf
     module = LlamaLightningModule(init_from=str(directory))

@@ -152,6 +152,11 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
     if config.get("model_type") != "llama":
         raise ValueError(f"{config_path} describes a {config.get('model_type')!r} model, not 'llama'")
     rope_theta, rope_scaling = _rope_scaling_from_hf(config, config_path)
+    if problems := _unrepresentable(config):
+        raise ValueError(
+            f"{config_path} describes a Llama this model cannot represent: " + "; ".join(problems)
+            + ". Load it with the Hugging Face path instead (lightning_2d.hf.HFCausalLMModule)"
+        )
     if config.get("tie_word_embeddings"):
         raise ValueError(f"{config_path} ties the embedding and output weights, which this model does not")
     n_heads = config["num_attention_heads"]
@@ -167,6 +172,22 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
         max_seq_len=config.get("max_position_embeddings", 4096),
         rope_scaling=rope_scaling,
     )
+
+
+def _unrepresentable(config: dict[str, Any]) -> list[str]:
+    """The fields of a Llama ``config.json`` whose values the native model does not implement (each named with its
+    value and the one it needs): importing them anyway would load the weights and compute something else."""
+    n_heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
+    needed = {
+        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (config.get("attention_bias", False), False),
+        "mlp_bias": (config.get("mlp_bias", False), False),
+        "partial_rotary_factor": (config.get("partial_rotary_factor", 1.0), 1.0),
+    }
+    if n_heads and dim and config.get("head_dim") is not None:
+        needed["head_dim"] = (config["head_dim"], dim // n_heads)
+    return [f"{name} is {value!r} (needs {want!r})" for name, (value, want) in needed.items()
+            if value is not None and value != want]
 
 
 def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
