@@ -63,13 +63,6 @@ def hf_config_problems(hf_config: Any) -> list[str]:
             f" ({', '.join(HF_DECODER_TYPES)}); pass your own ParallelPlan to the strategy (or define"
             " parallel_plan(config) on your LightningModule)"
         )
-    if getattr(hf_config, "tie_word_embeddings", False):
-        problems.append(
-            "tie_word_embeddings=True: the input embedding and lm_head share one weight, which tensor"
-            " parallelism and FSDP shard as two modules; set tie_word_embeddings=False in the config (with"
-            " init_from, the saved embedding is then read into lm_head as well when the checkpoint has no"
-            " lm_head.weight)"
-        )
     return problems
 
 
@@ -145,6 +138,9 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         input_units=("model.embed_tokens",),
         output_unit=("model.norm", "lm_head"),
         blocks_use_randomness=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0.0,
+        # Tied: one weight for both (both styles shard it over the vocabulary); kept by parallelize_model.
+        tied_weights=(("model.embed_tokens.weight", "lm_head.weight"),)
+        if getattr(hf_config, "tie_word_embeddings", False) else (),
     )
 
 

@@ -560,6 +560,10 @@ class ParallelPlan:
             ``attend(q, k, v, position_ids)`` core context parallelism replaces, or ``None``: the model's
             attention cannot be split over the sequence (refused before any process starts when
             ``context_parallel_size > 1``).
+        tied_weights: Groups of parameter names that are one parameter (``(("tok_embeddings.weight",
+            "output.weight"),)`` for tied embeddings), so that what cannot keep a tie (pipeline stages) is refused
+            before any process starts; ``parallelize_model`` keeps every tie it finds in the model itself
+            (``lightning_2d.parallel.ties``).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -574,6 +578,7 @@ class ParallelPlan:
     num_blocks: Optional[int] = None
     pipeline_stages: Optional["PipelineStages"] = None
     attention: Optional[str] = None
+    tied_weights: tuple[tuple[str, ...], ...] = ()
 
     @property
     def supports_pipeline(self) -> bool:

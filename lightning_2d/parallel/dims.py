@@ -326,6 +326,10 @@ def pipeline_split_problems(config: ParallelConfig, plan: ParallelPlan | None, b
             " can be split (ParallelPlan.supports_pipeline=False: e.g. a Hugging Face decoder). Use"
             " pipeline_parallel_size=1, or LlamaLightningModule"
         ]
+    if plan is not None and plan.tied_weights:
+        from lightning_2d.parallel.ties import tied_pipeline_message
+
+        problems.append(tied_pipeline_message(plan.tied_weights))
     if plan is not None and plan.num_blocks is not None:
         problems += config.block_count_problems(plan.num_blocks)
     if batch_size is not None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
+from lightning_2d.parallel.ties import holds_shared_outside
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +41,8 @@ def apply_fully_shard(
     Each unit's parameters are all-gathered only while it runs (and, for the output unit under the
     default policy, until its backward), and its all-gather overlaps the previous unit's compute.
     Parameters already tensor-parallel become 2D DTensors over ``(data_parallel, tensor_parallel)``.
-    What no unit holds stays in the root unit.
+    What no unit holds stays in the root unit, and so does a unit holding a tied parameter also used outside it
+    (``lightning_2d.parallel.ties``: the shared embedding/head weight is gathered once for both uses).
 
     Args:
         model: The model (already tensor-parallel, checkpoint-wrapped and compiled as configured).
@@ -56,11 +58,13 @@ def apply_fully_shard(
     reshard = reshard_after_forward_by_unit(config.reshard_policy)
 
     def shard(module: nn.Module | list[nn.Module], kind: str) -> None:
+        if kind != "root" and holds_shared_outside(module, model):
+            return  # a tied weight used outside this unit too (embedding = head): the root unit holds it
         fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard[kind])
 
     for module in get_named_submodules(model, plan.input_units, "input_units"):
         shard(module, "input")
-        if _only_embeddings(module):
+        if _only_embeddings(module) and hasattr(module, "set_unshard_in_backward"):
             # An embedding's backward reads the token ids, not its weight: no all-gather in backward.
             module.set_unshard_in_backward(False)
     for block in get_submodule_container(model, plan.blocks).children():

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_2d.ops.init import SeededInit
 from lightning_2d.parallel.modules import canonical_name
+from lightning_2d.parallel.ties import retie, shared_parameters
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -120,7 +121,9 @@ def materialize_model(
     # `to_empty` must run on the root (FSDP2 re-registers its sharded parameters there) and gives every
     # tensor new storage: keep the values of those that were real.
     kept = {name: _local(t).detach().clone() for name, (_, t) in before.items() if name not in was_meta}
+    ties = shared_parameters(model)
     model.to_empty(device=device)
+    retie(model, ties)  # `to_empty` gives each module its own new parameter: a tie would come out as two
     tensors = _named_tensors(model)
     for name, value in kept.items():
         _local(tensors[name][1]).copy_(value)

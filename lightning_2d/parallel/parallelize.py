@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
+from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.dims import fsdp_mesh_of
 from lightning_2d.parallel.fsdp import apply_fully_shard
@@ -149,6 +150,8 @@ def parallelize_model(
             raise ValueError("context parallelism needs the plan's attention modules (ParallelPlan.attention)")
         apply_context_parallel(model, mesh[CP_DIM], plan.attention)
     if PP_DIM in (mesh.mesh_dim_names or ()) and mesh[PP_DIM].size() > 1:
+        if ties := shared_parameters(model):
+            raise ValueError(tied_pipeline_message(ties))
         # Split into this rank's pipeline stages, then the steps below on each stage (its own FSDP root).
         from lightning_2d.parallel.pipeline import parallelize_pipeline
 
@@ -163,6 +166,7 @@ def _parallelize_one(model: nn.Module, mesh: "DeviceMesh", plan: ParallelPlan, c
     tp_mesh, dp_mesh = mesh[TP_DIM], fsdp_mesh_of(mesh)  # dp_mesh: (replicate, shard) under HSDP
     # One dict of styles from here on: the plan's sequence-parallel overlay merged in when the option is on.
     plan = replace(plan, tensor_parallel=plan.tensor_parallel_styles(config.sequence_parallel))
+    ties = shared_parameters(model)  # before the styles give each name its own DTensor
     if config.float8:
         # A module swap on the meta model, before anything wraps the Linears (torchtitan's order);
         # the block projections then take torchao's float8 tensor-parallel styles.
@@ -182,6 +186,7 @@ def _parallelize_one(model: nn.Module, mesh: "DeviceMesh", plan: ParallelPlan, c
         plan = replace(plan, tensor_parallel=float8_tensor_parallel_plan(plan.tensor_parallel, model))
     if tp_mesh.size() > 1 and plan.tensor_parallel:
         _step(hooks, "apply_tensor_parallel")(model, tp_mesh, plan, config)
+        retie(model, ties)
         if config.async_tensor_parallel:
             from lightning_2d.parallel.float8 import enable_async_tensor_parallel
 

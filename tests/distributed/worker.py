@@ -339,6 +339,19 @@ STRATEGY_OPTIONS = (
 )
 
 
+def tied_parameters(model: torch.nn.Module) -> list[dict]:
+    """Each parameter the trained model holds under several names: the names, and its layout (a tie broken by the
+    parallel steps would show two parameters, each under one name)."""
+    from lightning_2d.parallel.ties import shared_parameters
+
+    ties = []
+    for group in shared_parameters(model):
+        param = model.get_parameter(group[0])
+        layout = [repr(p) for p in param.placements] if hasattr(param, "placements") else []
+        ties.append({"names": [canonical_name(n) for n in group], "placements": layout})
+    return ties
+
+
 def fit(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
     # Started by Lightning's own launcher (no cluster environment): rank 0 is this process, the others its children.
@@ -433,6 +446,7 @@ def fit(cfg: dict) -> None:
         "stepped_grad_norms": recorder.stepped_grad_norms,
         "placements": placements(module.model),
         "blocks_given_positions": positions.calls,
+        "tied_parameters": tied_parameters(module.model),
     }
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])

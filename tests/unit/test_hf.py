@@ -603,3 +603,40 @@ def test_a_scaled_model_exports_a_config_transformers_reads_to_the_same_rotary_s
         loaded = transformers.AutoConfig.from_pretrained(half).rope_parameters
         assert {k: loaded[k] for k in LLAMA31_ROPE} == LLAMA31_ROPE, dropped
         assert model_args_from_hf(half) == module.model_args, dropped
+
+
+def test_a_tied_llama_exports_one_tensor_transformers_ties_and_imports_back(tmp_path):
+    """Llama 3.2-style tied embeddings: the export writes the shared weight once with tie_word_embeddings=true,
+    transformers' logits equal ours, and init_from reads it back into one tied parameter."""
+    from safetensors import safe_open
+
+    args = replace(ARGS, tie_word_embeddings=True)
+    model = Transformer(args)
+    model.init_weights(3)
+    assert model.output.weight is model.tok_embeddings.weight
+    checkpoint = tmp_path / "tied.ckpt"
+    state = model.state_dict()  # both names, as a DCP checkpoint of the trained model has them
+    assert state["output.weight"].data_ptr() == state["tok_embeddings.weight"].data_ptr()
+    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "model_args": asdict(args)}, checkpoint)
+    export_hf(checkpoint, tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    tokens = torch.randint(0, args.vocab_size, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+    from lightning_2d.checkpoint.hf.layout import same_shapes
+
+    assert model_args_from_hf(tmp_path / "hf").tie_word_embeddings and same_shapes(model_args_from_hf(tmp_path / "hf"), args) == []
+    module = LlamaLightningModule(init_from=str(tmp_path / "hf"))
+    module.configure_model()
+    assert module.model.output.weight is module.model.tok_embeddings.weight
+    assert torch.equal(module.model.tok_embeddings.weight, model.tok_embeddings.weight)
+    # An untied model refuses the tied directory, naming the field.
+    from lightning_2d.hf import HFWeights
+
+    with pytest.raises(ValueError, match="tie_word_embeddings: False vs True"):
+        HFWeights(tmp_path / "hf", ARGS)

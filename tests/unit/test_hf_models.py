@@ -78,13 +78,19 @@ def test_the_plan_applies_to_every_named_module_of_the_family(model_type):
     assert problems == []
 
 
+def test_a_tied_decoder_declares_its_tie_and_an_untied_one_none():
+    """Tied embeddings (Llama 3.2, Qwen2.5 small, SmolLM): one weight in the embedding and lm_head, declared so that
+    a pipeline is refused before any process starts; parallelize_model keeps the tie (tests/unit/test_ties.py)."""
+    tied = meta_model(tie_word_embeddings=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert hf_decoder_plan(tied.config, ParallelConfig()).tied_weights == (("model.embed_tokens.weight", "lm_head.weight"),)
+    assert hf_decoder_plan(meta_model().config, ParallelConfig()).tied_weights == ()
+    HFCausalLMModule({**LLAMA, "tie_word_embeddings": True})  # accepted at construction
+
+
 def test_models_the_plan_would_shard_wrongly_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
-        hf_decoder_plan(meta_model(tie_word_embeddings=True).config, ParallelConfig())
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of .*llama, mistral, qwen2"):
         hf_decoder_plan(transformers.GPT2Config(), ParallelConfig())
-    with pytest.raises(ValueError, match="tie_word_embeddings"):  # at construction, before any process starts
-        HFCausalLMModule({**LLAMA, "tie_word_embeddings": True})
     model = meta_model()
     with torch.device("meta"):
         model.model.layers[0].self_attn.q_norm = nn.LayerNorm(8)  # as Qwen3: a per-head norm TP would split

@@ -31,6 +31,7 @@ from lightning_2d.checkpoint.hf.layout import (
     meta_to_hf,
     rotary_heads,
     same_shapes,
+    tied_aliases,
 )
 from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
@@ -284,9 +285,10 @@ def check_weight_shapes(args: ModelArgs, weights: Sequence[WeightInfo], checkpoi
         checkpoint: The checkpoint (for messages).
         source: Where ``args`` come from (for messages).
     """
+    aliases = tied_aliases(args)  # a tied head: the embedding's weight, whether the checkpoint names it or not
     with torch.device("meta"):  # shapes only: nothing allocated, whatever the model size
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    found = {w.name: tuple(w.shape) for w in weights}
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items() if k not in aliases}
+    found = {w.name: tuple(w.shape) for w in weights if w.name not in aliases}
     problems = [f"{name}: stored {list(found[name])}, expected {list(shape)}"
                 for name, shape in expected.items() if name in found and found[name] != shape]
     problems += [f"{name}: missing" for name in expected if name not in found]
@@ -406,6 +408,8 @@ def export_hf(
 
         config = {**native_config, "torch_dtype": str(out_dtype).removeprefix("torch."),
                   "dtype": str(out_dtype).removeprefix("torch.")}
+        if native_config.get("tie_word_embeddings"):  # one tensor in the files, as transformers saves it
+            source.weights = [w for w in source.weights if w.name != "lm_head.weight"]
     else:
         args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
         check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
@@ -415,6 +419,8 @@ def export_hf(
             return to_hf_tensor(name, tensor, args, dtype)
 
         config = hf_config(args, out_dtype)
+        # Tied: one tensor in the files (transformers ties lm_head to embed_tokens on load).
+        source.weights = [w for w in source.weights if w.name not in tied_aliases(args)]
     shards = plan_shards(source.weights, dtype, max_shard_bytes)
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]

@@ -100,7 +100,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "initializer_range": 0.02,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),
@@ -157,8 +157,6 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
             f"{config_path} describes a Llama this model cannot represent: " + "; ".join(problems)
             + ". Load it with the Hugging Face path instead (lightning_2d.hf.HFCausalLMModule)"
         )
-    if config.get("tie_word_embeddings"):
-        raise ValueError(f"{config_path} ties the embedding and output weights, which this model does not")
     n_heads = config["num_attention_heads"]
     return ModelArgs(
         dim=config["hidden_size"],
@@ -171,6 +169,7 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
         rope_theta=rope_theta,
         max_seq_len=config.get("max_position_embeddings", 4096),
         rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
 
 
@@ -190,6 +189,12 @@ def _unrepresentable(config: dict[str, Any]) -> list[str]:
             if value is not None and value != want]
 
 
+def tied_aliases(args: ModelArgs) -> frozenset[str]:
+    """Our names that are another name's weight under ``args`` (the head's, when tied): a checkpoint may hold them
+    (DCP saves every name), a Hugging Face directory does not (``tie_word_embeddings``: one tensor)."""
+    return frozenset({"output.weight"}) if args.tie_word_embeddings else frozenset()
+
+
 def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
     """Fields (those that shape the weights or their meaning) where ``a`` and ``b`` differ."""
     checks = {
@@ -197,5 +202,6 @@ def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
         "n_kv_heads": (a.kv_heads, b.kv_heads), "vocab_size": (a.vocab_size, b.vocab_size),
         "ffn_hidden_dim": (a.ffn_hidden_dim, b.ffn_hidden_dim), "rope_theta": (a.rope_theta, b.rope_theta),
         "norm_eps": (a.norm_eps, b.norm_eps), "rope_scaling": (a.rope_scaling, b.rope_scaling),
+        "tie_word_embeddings": (a.tie_word_embeddings, b.tie_word_embeddings),
     }
     return [f"{k}: {x} vs {y}" for k, (x, y) in checks.items() if x != y]

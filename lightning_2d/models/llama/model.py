@@ -133,6 +133,8 @@ class ModelArgs:
         rope_scaling: Scaling of the rotary frequencies (Llama 3.1's): a ``RopeScaling`` or the dict of its
             fields (``{"rope_type": "llama3", "factor": 8.0, ...}``, as from yaml or JSON, kept as a
             ``RopeScaling``); ``None``: no scaling.
+        tie_word_embeddings: One weight serves the token embedding and the output head (Llama 3.2 1B/3B): the
+            ``output.weight`` *is* ``tok_embeddings.weight``, its gradient the sum of both uses.
     """
 
     dim: int = 4096
@@ -148,6 +150,7 @@ class ModelArgs:
     depth_init: bool = True
     hidden_dim: int | None = None
     rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -209,8 +212,10 @@ class ModelArgs:
         """Number of parameters of a ``Transformer`` with these args."""
         d, kv_dim, h = self.dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
         per_layer = d * (d + 2 * kv_dim + d) + 3 * d * h + 2 * d
-        total = self.vocab_size * d * 2 + self.n_layers * per_layer + d
-        return total - self.vocab_size * d if exclude_embedding else total
+        embedding = self.vocab_size * d
+        total = embedding * (1 if self.tie_word_embeddings else 2) + self.n_layers * per_layer + d
+        # A tied weight is also the output head's matmul: it stays in the count without the embedding.
+        return total - embedding if exclude_embedding and not self.tie_word_embeddings else total
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), torchtitan's convention.
@@ -255,6 +260,16 @@ _LLAMA31_SCALING = RopeScaling(
 PRESETS["llama3.1-8b"] = replace(PRESETS["llama3-8b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
 PRESETS["llama3.1-70b"] = replace(PRESETS["llama3-70b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
 PRESETS["llama3.1-405b"] = replace(PRESETS["llama3-405b"], max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
+# Llama 3.2's small models: tied embeddings, the rotary scaling of 3.1 with factor 32.
+_LLAMA32_SCALING = replace(_LLAMA31_SCALING, factor=32.0)
+PRESETS["llama3.2-1b"] = ModelArgs(
+    dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.5,
+    rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA32_SCALING, tie_word_embeddings=True,
+)
+PRESETS["llama3.2-3b"] = ModelArgs(
+    dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.0,
+    rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA32_SCALING, tie_word_embeddings=True,
+)
 
 
 def rope_frequencies(
@@ -467,6 +482,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = VocabProjection(args.dim, args.vocab_size, loss_chunk_size)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight  # one Parameter, two modules
         # Not persistent: derived from args, so checkpoints do not carry it.
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta,
                                                 scaling=args.rope_scaling), persistent=False)
@@ -525,6 +542,8 @@ class Transformer(nn.Module):
                 specs[prefix + name + ".weight"] = InitSpec("constant", value=1.0)
         specs["norm.weight"] = InitSpec("constant", value=1.0)
         specs["output.weight"] = InitSpec("trunc_normal", std=args.dim**-0.5)
+        if args.tie_word_embeddings:  # the shared weight starts as the head would: logits of the untied scale
+            specs["tok_embeddings.weight"] = specs.pop("output.weight")
         return specs
 
     @torch.no_grad()

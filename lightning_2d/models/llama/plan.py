@@ -86,4 +86,5 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         num_blocks=args.n_layers,
         pipeline_stages=LLAMA_PIPELINE_STAGES,
         attention="layers.*.attention",
+        tied_weights=(("tok_embeddings.weight", "output.weight"),) if args.tie_word_embeddings else (),
     )

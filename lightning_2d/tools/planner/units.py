@@ -77,6 +77,7 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
 
     from lightning_2d.parallel.fsdp import _only_embeddings
     from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
+    from lightning_2d.parallel.ties import holds_shared_outside
 
     def sizes(modules: list[nn.Module], exclude: set[int]) -> tuple[int, int, int]:
         sharded = unsharded = gathered = 0
@@ -108,6 +109,8 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     groups.append(("+".join(plan.output_unit), "output", output))
     groups.append(("(root)", "root", [model]))
     for name, kind, modules in groups:
+        if kind != "root" and modules and holds_shared_outside(modules, model):
+            continue  # holds a tied weight (embedding = head): apply_fully_shard leaves it to the root unit
         if not all(isinstance(m, FSDPModule) for m in modules):
             raise RuntimeError(
                 f"{name} is not an FSDP unit after parallelize_model; the planner assumes apply_fully_shard's units"
