@@ -53,6 +53,10 @@ class PrivateAPI:
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     # ---- torch -------------------------------------------------------------------------------------
+    PrivateAPI("torch.distributed._functional_collectives", "AsyncCollectiveTensor",
+               "recognize a block input still waiting on its collective (the embedding's reduce-scatter under"
+               " sequence parallelism), so the compiled blocks all see plain tensors and share one graph",
+               "a public type test if one appears; else keep the clone for every tensor subclass input"),
     PrivateAPI("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu",
                "one block of the context-parallel ring (its output and log-sum-exp, merged across blocks)",
                "a public SDPA that returns the log-sum-exp, or FlexAttention with return_lse on CPU"),
@@ -214,6 +218,14 @@ def cpu_flash_attention_backward(grad: "torch.Tensor", q: "torch.Tensor", k: "to
 
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def is_async_collective_tensor(x: Any) -> bool:
+    """Whether ``x`` is the result of a functional collective not yet waited on (what a tensor-parallel style
+    with ``use_local_output`` returns right after an asynchronous redistribute)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return isinstance(x, AsyncCollectiveTensor)
 
 
 def assert_async(condition: "torch.Tensor", message: str) -> None:

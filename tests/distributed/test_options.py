@@ -117,7 +117,9 @@ def test_compiled_blocks_match_single_device(jobs):
     for rank in range(4):
         out = compiled.rank_output(rank)
         assert out["compiled_blocks"] == ["0", "1", "2", "3"], (rank, out["compiled_blocks"])
-        assert out["dynamo_unique_graphs"] >= 1, (rank, out["dynamo_unique_graphs"])  # 2 with torch 2.13
+        # One graph for all 4 blocks: the first block's input (the embedding's output, still waiting on its
+        # reduce-scatter under sequence parallelism) is made plain like the others' (compile.py:_plain_inputs).
+        assert out["dynamo_unique_graphs"] == 1, (rank, out["dynamo_unique_graphs"])
     eager = jobs.layout(2, 2, gradient_clip_val=CLIP, fused_loss=False).rank_output(0)  # a job of the tests above
     assert eager["compiled_blocks"] == [] and eager["dynamo_unique_graphs"] == 0
 
