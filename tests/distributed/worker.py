@@ -339,6 +339,19 @@ STRATEGY_OPTIONS = (
 )
 
 
+def transformers_loss(directory: str, batch: dict) -> float:
+    """The mean next-token cross-entropy of ``batch`` (labels already shifted, -100 ignored) under the Hugging Face
+    model ``transformers`` itself loads from ``directory``: what the first step of a run started from those files
+    must score."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    return float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100))
+
+
 def tied_parameters(model: torch.nn.Module) -> list[dict]:
     """Each parameter the trained model holds under several names: the names, and its layout (a tie broken by the
     parallel steps would show two parameters, each under one name)."""
@@ -366,13 +379,15 @@ def fit(cfg: dict) -> None:
             plans.known_init_hooks = lambda model: None
 
         module = HFCausalLMModule(
-            cfg["hf_config"], learning_rate=cfg.get("lr", 1e-3), warmup_steps=2, max_steps=cfg["steps"],
+            cfg["hf_config"], init_from=cfg.get("init_from"), learning_rate=cfg.get("lr", 1e-3), warmup_steps=2,
+            max_steps=cfg["steps"],
             init_seed=cfg.get("init_seed"), attn_implementation=cfg.get("attn_implementation", "sdpa"),
         )
         vocab_size = module.vocab_size
     else:
         module = LlamaLightningModule(
-            "debug",
+            None if cfg.get("init_from") else "debug",
+            init_from=cfg.get("init_from"),
             model_overrides=cfg.get("model_overrides"),
             learning_rate=cfg.get("lr", 1e-3),
             warmup_steps=2,
@@ -450,6 +465,8 @@ def fit(cfg: dict) -> None:
     }
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if cfg.get("transformers_first_loss"):  # transformers' own loss of the init_from files on the first batch
+        result["transformers_first_loss"] = transformers_loss(cfg["init_from"], next(iter(loader)))
     if activations is not None:
         result["activations"] = activations.seen
     if cfg["strategy"] == "2d" and "hf_config" not in cfg:  # which blocks activation checkpointing wrapped
