@@ -1,7 +1,7 @@
 """Tied embeddings (one weight for the token embedding and the output head) through the parallel steps, on the
 planner's fake world (one process standing in for 4 ranks): the tie survives tensor parallelism as one DTensor
 sharded over the vocabulary, FSDP2 manages it in the root unit, and a pipeline refuses it. The training parity of a
-tied model at 2×2 against one device is in tests/distributed/test_ties.py."""
+tied model at 2×2 against one device is in tests/distributed/test_downloaded_checkpoints.py."""
 
 from __future__ import annotations
 
