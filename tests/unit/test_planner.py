@@ -299,6 +299,28 @@ def test_activation_peak_matches_the_live_tensors_of_a_step(tp, sequence_paralle
             assert estimate == pytest.approx(measured, rel=0.03), (ac, option)
 
 
+def test_per_op_selective_checkpointing_keeps_every_other_matmul_with_or_without_a_bias():
+    """A Linear with a bias (Qwen2's q/k/v projections) is an ``addmm``: saved and counted as a matmul, so a biased
+    block keeps what an unbiased one does (what ``ActivationModel`` counts for ``selective_op``)."""
+    from torch import nn
+
+    from lightning_2d.parallel.config import ParallelPlan
+
+    kept = {}
+    for bias in (False, True):
+        model = nn.Module()
+        model.layers = nn.ModuleDict({"0": nn.Sequential(*(nn.Linear(64, 64, bias=bias) for _ in range(4)))})
+        config = ParallelConfig(activation_checkpointing="selective", selective_ac_option="op")
+        apply_activation_checkpointing(model, ParallelPlan(blocks="layers"), config)
+        x = torch.randn(32, 64, requires_grad=True)
+        tracker = LiveTensors(ignore=[x, *model.parameters()])
+        with tracker:
+            out = model.layers["0"](x)
+        kept[bias] = tracker.live - out.untyped_storage().nbytes()
+        out.sum().backward()
+    assert kept[True] == kept[False] == 2 * 32 * 64 * 4  # the 1st and 3rd matmuls' outputs (the 4th is the output)
+
+
 MEASURE = textwrap.dedent(
     """
     import gc, json, sys
