@@ -961,6 +961,24 @@ def test_the_cli_plans_a_config_json(tmp_path, capsys):
     assert "missing.json does not exist" in err and "Traceback" not in err
 
 
+def test_the_readme_hugging_face_table_is_what_the_planner_prints(tmp_path):
+    """README "A Hugging Face config": llama3.1-8b (preset) and Qwen2.5-7B (config.json) at 32k tokens on 8 devices
+    with TP 2, with and without full activation checkpointing."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    rows = re.findall(r"^\| (llama3\.1-8b|Qwen2\.5-7B `config\.json`) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|"
+                      r" ([\d.]+) \| (fits, [\d.]+ headroom|does not fit) \|", readme, re.M)
+    assert [r[:2] for r in rows] == [("llama3.1-8b", "none"), ("llama3.1-8b", "full"),
+                                     ("Qwen2.5-7B `config.json`", "none"), ("Qwen2.5-7B `config.json`", "full")]
+    qwen = str(_write_config(tmp_path, QWEN25_7B))
+    for model, ac, *figures, verdict in rows:
+        report = plan_run(qwen if model.startswith("Qwen") else model, num_nodes=1, devices=8, seq_len=32768,
+                          config=ParallelConfig(tensor_parallel_size=2, activation_checkpointing=ac))
+        got = [report.param_bytes + report.grad_bytes + report.optimizer_bytes,
+               report.all_gather_bytes + report.reduce_scatter_bytes, report.activation_bytes, report.total_bytes]
+        assert [f"{b / GIB:.2f}" for b in got] == figures, (model, ac)
+        assert verdict == (f"fits, {report.headroom_bytes / GIB:.1f} headroom" if report.fits else "does not fit")
+
+
 # ---- the activation model of a Hugging Face decoder ------------------------------------------------
 def _hf_small_model(model_type: str, dtype: torch.dtype, config: ParallelConfig, **extra: Any) -> torch.nn.Module:
     """The transformers model (SDPA), tensor-parallelized with the built-in plan inside a fake world when tp > 1,
