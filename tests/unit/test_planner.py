@@ -944,6 +944,16 @@ def test_a_config_gets_the_sequence_checks_with_its_own_field_names(tmp_path):
     assert report.total_params == _transformers_numel({**_hf_fields("qwen2"), "num_hidden_layers": 3})
 
 
+def test_sliding_window_layers_are_planned_with_a_note_of_what_is_not_counted():
+    fields = _hf_fields("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    config = ParallelConfig(tensor_parallel_size=2)
+    report = plan_run(fields, num_nodes=1, devices=2, seq_len=256, config=config)
+    assert any(n.startswith("1 of 2 layers attend within a sliding window of 64 tokens: estimated as causal")
+               for n in report.notes), report.notes
+    # A window as long as the sequence is no window: transformers builds no mask, and there is nothing to note.
+    assert not any("sliding" in n for n in plan_run(fields, num_nodes=1, devices=2, seq_len=64, config=config).notes)
+
+
 def test_the_cli_plans_a_config_json(tmp_path, capsys):
     fields = _hf_fields("qwen3", tie_word_embeddings=True)
     directory = _write_config(tmp_path, fields)

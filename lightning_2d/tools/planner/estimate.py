@@ -314,10 +314,12 @@ def _hf_notes(args: HFDecoderArgs, seq_len: int, micro_batch_size: int) -> list[
         + "), and the loss as HFCausalLMModule computes it: the logits of the whole sequence"
         " and F.cross_entropy (no fused loss)"
     ]
-    if sliding := args.sliding_layers:
+    window = getattr(args.config, "sliding_window", None)
+    if (sliding := args.sliding_layers) and window is not None and window < seq_len:  # else the mask is skipped
         mask = micro_batch_size * seq_len * seq_len
         notes.append(
-            f"{sliding} of {args.n_layers} layers attend within a sliding window: estimated as causal layers; under"
+            f"{sliding} of {args.n_layers} layers attend within a sliding window of {window} tokens: estimated as"
+            " causal layers; under"
             f" SDPA they also keep the boolean mask transformers builds ({mask / 2**30:.2f} GiB per micro-batch, one"
             " for all of them) and their keys and values repeated to the query heads, which is not counted"
         )
