@@ -1,8 +1,8 @@
 """Hugging Face, in one place: decoders from ``transformers`` under the 2D strategies, and our Llama's
 checkpoints to and from Hugging Face directories.
 
-- ``HFCausalLMModule`` trains a ``LlamaForCausalLM``/``MistralForCausalLM``/``Qwen2ForCausalLM``
-  (``hf_decoder_plan``, ``HFDecoderInit``: ``lightning_2d.models.hf_decoders``);
+- ``HFCausalLMModule`` trains a ``LlamaForCausalLM``/``MistralForCausalLM``/``Qwen2ForCausalLM``/
+  ``Qwen3ForCausalLM`` (``hf_decoder_plan``, ``HFDecoderInit``: ``lightning_2d.models.hf_decoders``);
 - ``export_hf`` writes a Lightning checkpoint of the Llama as a Hugging Face directory and
   ``HFWeights``/``model_args_from_hf`` read one back (``lightning_2d.checkpoint.hf``).
 

@@ -4,8 +4,8 @@
     python recipes/hf_llama.py --init-from DIR --accelerator gpu --devices 8 --tensor-parallel-size 8 \\
         --tokenizer DIR/tokenizer.json --data my_corpus/ --seq-len 4096
 
-``HFCausalLMModule`` builds ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM``)
-from its config on the meta device; the strategy applies the built-in plan (sequence parallelism
+``HFCausalLMModule`` builds ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``) from its config on the meta device; the strategy applies the built-in plan (sequence parallelism
 when ``sequence_parallel=True``), then each rank allocates only its shards: initialized from the
 seed (the same weights at every layout and on one device) or read block by block from
 ``--init-from`` (a directory with ``config.json`` and safetensors, e.g. a downloaded checkpoint).

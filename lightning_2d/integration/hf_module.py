@@ -1,5 +1,6 @@
 """``HFCausalLMModule``: a LightningModule training a Hugging Face Llama-family decoder
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) under the 2D strategies.
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) under the 2D
+strategies.
 
 The models' plan and layout-independent initialization live in ``lightning_2d.models.hf_decoders``;
 the public names are re-exported by ``lightning_2d.hf``. ``transformers`` is imported only when used.
@@ -39,7 +40,7 @@ class HFCausalLMModule(CausalLMModule):
 
     Args:
         config: A ``PretrainedConfig``, a dict with ``model_type`` (``"llama"``, ``"mistral"``,
-            ``"qwen2"``) and the fields to set, or a model directory / ``config.json``; ``None``:
+            ``"qwen2"``, ``"qwen3"``) and the fields to set, or a model directory / ``config.json``; ``None``:
             ``init_from``'s config.
         config_overrides: Fields to change (``{"num_hidden_layers": 2}``).
         init_from: A Hugging Face model directory (``config.json`` + ``model.safetensors`` or shards)

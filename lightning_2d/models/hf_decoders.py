@@ -1,5 +1,5 @@
-"""Hugging Face Llama-family decoders (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``)
-under the 2D strategies: their parallel plan and their layout-independent initialization
+"""Hugging Face Llama-family decoders (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``) under the 2D strategies: their parallel plan and their layout-independent initialization
 (``lightning_2d.integration.hf_module.HFCausalLMModule`` trains one). Public names are re-exported by
 ``lightning_2d.hf``.
 
@@ -8,6 +8,7 @@ These models share one module layout::
     model.embed_tokens                               vocabulary-parallel embedding
     model.layers.N.input_layernorm / post_attention_layernorm     RMSNorm (sequence-parallel)
     model.layers.N.self_attn.{q,k,v}_proj (+ bias)   column-wise: n_heads / tp heads per rank
+    model.layers.N.self_attn.{q,k}_norm              Qwen3 only: RMSNorm of each head (HeadShardedNorm)
     model.layers.N.self_attn.o_proj                  row-wise
     model.layers.N.mlp.{gate,up}_proj / down_proj    column-wise / row-wise
     model.norm, lm_head                              final norm, vocabulary-parallel head
@@ -22,6 +23,13 @@ embedding's output stays whole (an all-reduce instead of a reduce-scatter) and t
 takes its slice (``SequenceShardInput``: no communication forward, an all-gather backward). The
 extra cost is one activation-sized all-gather per step; every decoder layer runs exactly as under
 torchtitan's plan, and a model called as ``model(input_ids)`` is correct with no extra arguments.
+
+Qwen3 normalizes each query and key head (``q_norm``/``k_norm``, one weight of ``head_dim`` shared by
+all heads) right after the projections, so each rank normalizes its own heads; the weight is a
+``Replicate()`` DTensor over the tensor-parallel ranks whose gradient is summed over them
+(``HeadShardedNorm``). Its sliding-window layers (``use_sliding_window``/``layer_types``, as Mistral's
+and Qwen2's ``sliding_window``) need nothing of the plan: the model builds each layer kind's mask from
+the whole sequence before the first layer, and every rank attends over the whole sequence.
 
 ``transformers`` is imported only when one of these is used.
 """
@@ -42,15 +50,19 @@ from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import canonical_name
 
 #: ``model_type`` values whose ``*ForCausalLM`` has the layout above.
-HF_DECODER_TYPES = ("llama", "mistral", "qwen2")
+HF_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-#: Every parameter the built-in plan knows how to shard (names relative to the ``*ForCausalLM``).
+#: Every parameter of the Llama layout the built-in plan knows how to shard (names relative to the ``*ForCausalLM``).
 _KNOWN_PARAMETER = re.compile(
     r"(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
     r"|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight"
     r"|model\.layers\.\d+\.self_attn\.[qkvo]_proj\.(weight|bias)"
     r"|model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias))"
 )
+#: The model types whose attention normalizes each query and key head (``HeadShardedNorm`` in the plan).
+_PER_HEAD_NORM_TYPES = ("qwen3",)
+#: Their norms' parameters, known only for those types: on another model a ``q_norm`` is not one the plan knows.
+_PER_HEAD_NORM_PARAMETER = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight")
 
 
 def hf_config_problems(hf_config: Any) -> list[str]:
@@ -66,11 +78,19 @@ def hf_config_problems(hf_config: Any) -> list[str]:
     return problems
 
 
+def _is_known_parameter(name: str, model_type: Any) -> bool:
+    if _KNOWN_PARAMETER.fullmatch(name):
+        return True
+    return model_type in _PER_HEAD_NORM_TYPES and _PER_HEAD_NORM_PARAMETER.fullmatch(name) is not None
+
+
 def check_hf_decoder(model: nn.Module) -> None:
-    """Refuse a model whose parameters the built-in plan would not shard correctly (e.g. Qwen3's
-    per-head ``q_norm``, whose gradient would then differ between tensor-parallel ranks)."""
+    """Refuse a model whose parameters the built-in plan would not shard correctly: any parameter outside
+    its family's layout (a per-head ``q_norm`` on a Llama, a norm with a bias on a Qwen3 …), which the plan
+    would leave unsharded and, under tensor parallelism, with a gradient differing between ranks."""
     problems = hf_config_problems(model.config)
-    unknown = [n for n, _ in model.named_parameters() if not _KNOWN_PARAMETER.fullmatch(canonical_name(n))]
+    model_type = getattr(model.config, "model_type", None)
+    unknown = [n for n, _ in model.named_parameters() if not _is_known_parameter(canonical_name(n), model_type)]
     if unknown:
         problems.append(
             f"{type(model).__name__} has parameters outside the Llama layout the built-in plan shards"
@@ -97,7 +117,7 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         SequenceParallel,
     )
 
-    from lightning_2d.parallel.styles import SequenceShardInput
+    from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput
 
     if problems := hf_config_problems(hf_config):
         raise ValueError("The built-in Hugging Face decoder plan does not apply:\n  - " + "\n  - ".join(problems))
@@ -115,6 +135,11 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         styles[f"{block}.{name}"] = ColwiseParallel()
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         styles[f"{block}.{name}"] = RowwiseParallel(output_layouts=between)
+    if hf_config.model_type in _PER_HEAD_NORM_TYPES:
+        # On the projections' local heads, with or without SP (the attention sees the whole sequence):
+        # a replicated weight whose gradient is summed over the TP ranks.
+        styles[f"{block}.self_attn.q_norm"] = HeadShardedNorm()
+        styles[f"{block}.self_attn.k_norm"] = HeadShardedNorm()
     if sp:
         styles["model.layers.0"] = SequenceShardInput("hidden_states")
         styles[f"{block}.input_layernorm"] = SequenceParallel()

@@ -18,7 +18,7 @@ def is_hf_model(model: Any) -> bool:
 
 def known_plan(owner: Any, config: ParallelConfig) -> ParallelPlan | None:
     """The plan of a model this library knows (a bare ``Transformer``; a Hugging Face Llama-family
-    decoder such as ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), else ``None``."""
+    decoder such as ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``), else ``None``."""
     if isinstance(owner, Transformer):
         return llama_plan(owner.args, config)
     if is_hf_model(owner):

@@ -25,10 +25,12 @@ def _ops(*names: str) -> set[Any]:
 
 
 #: Outputs kept by per-op selective AC (torchtitan's list): matmuls (float8 ones are
-#: ``_scaled_mm``) and attention are expensive to recompute, a reduce-scatter's output costs
-#: communication. Everything else is recomputed.
+#: ``_scaled_mm``; a Linear with a bias, as Qwen2's q/k/v projections, is an ``addmm``) and attention
+#: are expensive to recompute, a reduce-scatter's output costs communication. Everything else is
+#: recomputed.
 SELECTIVE_AC_SAVE_LIST = _ops(
     "aten.mm.default",
+    "aten.addmm.default",
     "aten._scaled_mm.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_flash_attention.default",
@@ -41,19 +43,21 @@ SELECTIVE_AC_SAVE_LIST = _ops(
 def _selective_op_context_fn() -> Callable[[], Any]:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    mm = torch.ops.aten.mm.default
+    # With and without a bias: torchtitan's models have none, but the q/k/v projections of a Qwen2 would
+    # otherwise be neither saved nor counted (its block then kept wo and w3 instead of wq, wv, w1, w2).
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
     def context_fn() -> Any:
         counts: dict[str, int] = defaultdict(int)
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             key = "recompute" if ctx.is_recompute else "forward"
-            if func == mm:
+            if func in matmuls:
                 counts[key] += 1
             # Save every other matmul: halves what the block keeps for a partial recompute of
             # the projections (as torchtitan does). Count in forward and recompute alike so both
             # passes take the same decisions.
-            save = func in SELECTIVE_AC_SAVE_LIST and not (func == mm and counts[key] % 2 == 0)
+            save = func in SELECTIVE_AC_SAVE_LIST and not (func in matmuls and counts[key] % 2 == 0)
             return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)

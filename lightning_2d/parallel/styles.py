@@ -1,6 +1,7 @@
 """Parallel styles of our own, next to torch's ``ColwiseParallel``/``RowwiseParallel``/``SequenceParallel``:
-an output head that also computes its fused loss on vocabulary shards, and entering sequence parallelism
-at a block instead of the embedding; ``is_sequence_parallel_style`` tells a plan's sequence-parallel entries."""
+an output head that also computes its fused loss on vocabulary shards, entering sequence parallelism at a
+block instead of the embedding, and a norm applied to each attention head of this rank's heads (Qwen3's
+``q_norm``/``k_norm``); ``is_sequence_parallel_style`` tells a plan's sequence-parallel entries."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -45,10 +46,11 @@ def is_sequence_parallel_style(style: "ParallelStyle", sequence_dim: int = 1) ->
     """Whether ``style`` shards activations along the sequence: ``SequenceParallel``, or a style with
     a ``Shard(sequence_dim)`` input/output layout (row-wise outputs, ``PrepareModuleInput`` …)."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
 
-    if isinstance(style, (SequenceParallel, SequenceShardInput)):
+    if isinstance(style, SequenceShardInput):
         return True
+    if isinstance(style, SequenceParallel):  # sharded along its own dim: HeadShardedNorm's is the heads'
+        return any(isinstance(p, Shard) and p.dim == sequence_dim for p in style.sequence_sharding)
     layouts: list[Any] = []
     for attr in ("input_layouts", "output_layouts", "desired_input_layouts", "desired_output_layouts"):
         value = getattr(style, attr, None)
@@ -104,3 +106,28 @@ class SequenceShardInput(ParallelStyle):
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         return module
+
+
+class HeadShardedNorm(SequenceParallel):
+    """A norm applied to each attention head, on this rank's heads: Qwen3's ``self_attn.q_norm``/``k_norm``
+    (an RMSNorm over ``head_dim``, between ``q_proj``/``k_proj`` and the rotary embedding).
+
+    The projections before it are column-wise sharded by heads, so its input ``(batch, seq, heads, head_dim)``
+    holds ``heads / tp`` heads on each rank. Its weight, shared by every head, becomes a ``Replicate()``
+    DTensor over the tensor-parallel mesh; the input is taken as ``Shard(heads_dim)`` of the whole
+    ``(batch, seq, heads, head_dim)`` activation (no communication), and the output is handed on as this
+    rank's plain tensor, as the projection's was. The weight's gradient is then a sum over the local heads,
+    a ``Partial()`` DTensor: reduced over the tensor-parallel ranks (every rank's heads contribute) when it
+    meets the ``Replicate()`` parameter (FSDP2 redistributes it before its reduce-scatter). A plain tensor
+    weight would instead keep each rank's own heads' share, and the ranks' weights would drift apart.
+
+    torch's ``SequenceParallel(sequence_dim=2)`` (what torchtitan's Qwen3 plan uses) with a local output; a
+    class of its own so that a plan reads what it does and ``is_sequence_parallel_style`` does not take the
+    heads for the sequence: it applies with and without sequence parallelism.
+
+    Args:
+        heads_dim: The heads dimension of the norm's input (``2`` in ``(batch, seq, heads, head_dim)``).
+    """
+
+    def __init__(self, heads_dim: int = 2) -> None:
+        super().__init__(sequence_dim=heads_dim, use_local_output=True)

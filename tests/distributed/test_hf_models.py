@@ -18,23 +18,34 @@ LLAMA = {
 }
 #: Qwen2: the same layout plus q/k/v biases (column-wise sharded with their weights).
 QWEN2 = {**LLAMA, "model_type": "qwen2"}
+#: Qwen3: a per-head RMSNorm of q and k (weights of head_dim, shared by every head), no biases; head_dim a field.
+QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 16}
+#: Qwen3 with its options: a sliding window (8 of the 32 tokens) on layer 1 and q/k/v/o biases.
+QWEN3_SLIDING = {**QWEN3, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "attention_bias": True}
+
+#: Each model trained on one device once (the reference of its variants).
+CONFIGS = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_sliding": QWEN3_SLIDING}
 
 VARIANTS = {
-    # name: (hf config, strategy options)
-    "llama_sp_loss_parallel": (LLAMA, {"sequence_parallel": True, "loss_parallel": True}),
-    "llama_no_sp": (LLAMA, {"sequence_parallel": False, "save_checkpoint": True}),
-    "qwen2_sp_ac": (QWEN2, {"sequence_parallel": True, "activation_checkpointing": "full"}),
+    # name: (CONFIGS key, strategy options)
+    "llama_sp_loss_parallel": ("llama", {"sequence_parallel": True, "loss_parallel": True}),
+    "llama_no_sp": ("llama", {"sequence_parallel": False, "save_checkpoint": True}),
+    "qwen2_sp_ac": ("qwen2", {"sequence_parallel": True, "activation_checkpointing": "full"}),
+    # The per-head norms' weights are replicated over TP and their gradients summed over the TP ranks (each holds
+    # half of the heads): were they not, the final q_norm/k_norm weights and the gradient norms would differ.
+    "qwen3_sp": ("qwen3", {"sequence_parallel": True}),
+    "qwen3_sliding_no_sp": ("qwen3_sliding", {"sequence_parallel": False}),
 }
 
 
-def reference(jobs, hf_config):
-    name = f"hf_reference_{hf_config['model_type']}"
-    return jobs.run(name, "fit", {**PARITY, "strategy": "single", "hf_config": hf_config}, nprocs=1)
+def reference(jobs, model):
+    config = {**PARITY, "strategy": "single", "hf_config": CONFIGS[model]}
+    return jobs.run(f"hf_reference_{model}", "fit", config, nprocs=1)
 
 
 def parallel(jobs, variant):
-    hf_config, options = VARIANTS[variant]
-    config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": hf_config, **options}
+    model, options = VARIANTS[variant]
+    config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": CONFIGS[model], **options}
     return jobs.run(f"hf_{variant}", "fit", config)
 
 
@@ -47,20 +58,27 @@ def relative_error(a: list[float], b: list[float]) -> float:
 def test_hf_decoder_built_on_meta_trains_as_on_one_device(jobs, variant):
     ref = reference(jobs, VARIANTS[variant][0])
     result = parallel(jobs, variant)
-    ref_losses = ref.rank_output(0)["losses"]
+    ref_losses, ref_norms = ref.rank_output(0)["losses"], ref.rank_output(0)["grad_norms"]
+    errors = [relative_error(result.rank_output(rank)["losses"], ref_losses) for rank in range(4)]
+    norm_errors = [relative_error(result.rank_output(rank)["grad_norms"], ref_norms) for rank in range(4)]
+    print(f"\n{variant}: worst relative loss error per rank {['%.1e' % e for e in errors]},"
+          f" gradient norm {['%.1e' % e for e in norm_errors]}")
     for rank in range(4):
-        assert relative_error(result.rank_output(rank)["losses"], ref_losses) <= 1e-5, (variant, rank)
+        assert errors[rank] <= 1e-5, (variant, rank)
+        assert norm_errors[rank] <= 1e-5, (variant, rank)  # before clipping: every parameter's gradient counts
     # The seeded init is layout-independent: the meta-built shards start from the reference's weights.
     start, ref_start = load_weights(result, "initial"), load_weights(ref, "initial")
     assert start.keys() == ref_start.keys()
     for name in ref_start:
         torch.testing.assert_close(start[name], ref_start[name], rtol=0, atol=0, msg=name)
     final, ref_final = load_weights(result, "final"), load_weights(ref, "final")
-    moved = 0.0
+    moved = {}
     for name in ref_final:
         torch.testing.assert_close(final[name], ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
-        moved = max(moved, float((ref_final[name] - ref_start[name]).abs().max()))
-    assert moved > 1e-3  # the weights did train
+        moved[name] = float((ref_final[name] - ref_start[name]).abs().max())
+    assert max(moved.values()) > 1e-3  # the weights did train
+    if CONFIGS[VARIANTS[variant][0]]["model_type"] == "qwen3":  # and the per-head norms with them
+        assert min(m for name, m in moved.items() if "_norm" in name and "self_attn" in name) > 1e-3
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -87,14 +105,20 @@ def test_hf_decoder_layout_follows_the_sequence_parallel_option(jobs, variant):
         # positional and keyword input alike.
         assert "bad_seq_len_error" in result and "bad_seq_len_error_kw" in result, sorted(result)
         assert (result["bad_seq_len_error"], result["bad_seq_len_error_kw"]) == (None, None)
-    if VARIANTS[variant][0]["model_type"] == "qwen2":
+    hf_config = CONFIGS[VARIANTS[variant][0]]
+    if hf_config["model_type"] == "qwen2" or hf_config.get("attention_bias"):
         assert placements["model.layers.0.self_attn.q_proj.bias"]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+    if hf_config["model_type"] == "qwen3":  # with and without SP: replicated over TP, sharded by FSDP
+        for norm in ("q_norm", "k_norm"):
+            weight = placements[f"model.layers.1.self_attn.{norm}.weight"]
+            assert weight["mesh_dims"] == ["data_parallel", "tensor_parallel"]
+            assert (weight["placements"], weight["shape"]) == (["Shard(dim=0)", "Replicate()"], [16])
 
 
 def test_a_bare_hf_model_given_to_fabric_setup_trains_as_on_one_device(jobs):
     """No plan, no hooks: the Fabric strategy recognizes the transformers model, applies the built-in
     plan with sequence parallelism and its seeded init; a hand-written loop matches the Trainer reference."""
-    ref = reference(jobs, LLAMA).rank_output(0)["losses"]
+    ref = reference(jobs, "llama").rank_output(0)["losses"]
     config = {**PARITY, "dp": 2, "tp": 2, "hf_config": LLAMA, "sequence_parallel": True}
     result = jobs.run("hf_fabric_llama_sp", "fabric_hf", config)
     for rank in range(4):

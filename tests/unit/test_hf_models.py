@@ -55,27 +55,80 @@ def test_the_plan_has_sequence_parallel_styles_only_when_the_option_is_on():
     assert known_plan(meta_model(), ParallelConfig()).module == ""  # a bare model given to Fabric
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
-def test_the_plan_applies_to_every_named_module_of_the_family(model_type):
+#: Qwen3's own fields: head_dim is a field of its own (its default, 128, is not hidden_size / heads).
+QWEN3 = {"model_type": "qwen3", "head_dim": 8}
+
+
+def family(model_type: str) -> dict:
+    return QWEN3 if model_type == "qwen3" else {"model_type": model_type}
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_plan_applies_to_every_named_module_of_the_family(model_type, sequence_parallel):
     """In a fake 2×2 world: every plan entry resolves to a module (torch only warns on a typo), the
     projections become DTensors over both mesh dims, and nothing is left on the meta device unplanned."""
+    from torch.distributed.tensor import Replicate, Shard
+
     from lightning_2d.parallel import ParallelDims, parallelize_model
     from lightning_2d.tools.planner import fake_world
 
-    model = meta_model(model_type=model_type)
-    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2).resolve_dtypes("32-true")
+    model = meta_model(**family(model_type))
+    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=sequence_parallel)
+    config = config.resolve_dtypes("32-true")
+    plan = hf_decoder_plan(model.config, config, module="")
+    validate_parallel_dims(config, world_size=4, devices_per_node=4, plan=plan, seq_len=64)  # SP off: no SP style
     with fake_world(4), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mesh = ParallelDims(1, 2, 2).build_mesh("cpu")
-        parallelize_model(model, mesh, hf_decoder_plan(model.config, config, module=""), config)
+        parallelize_model(model, mesh, plan, config)
         q = model.model.layers[1].self_attn.q_proj.weight
         assert q.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
         assert q.to_local().shape == (32 // 4, 32)  # rows: 2 of 4 heads (TP), then half of those (FSDP)
         if model_type == "qwen2":
             assert model.model.layers[0].self_attn.k_proj.bias.to_local().shape == (16 // 4,)
+        if model_type == "qwen3":
+            # Each rank normalizes its own heads with the one weight all heads share: replicated over TP (its
+            # gradient then summed over the TP ranks), sharded by FSDP over data parallelism; with or without SP.
+            for norm in ("q_norm", "k_norm"):
+                weight = model.model.layers[1].self_attn.get_submodule(norm).weight
+                assert weight.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
+                assert weight.placements == (Shard(0), Replicate()), repr(weight.placements)
+                assert weight.shape == (8,) and weight.to_local().shape == (8 // 2,)
+        else:
+            assert not hasattr(model.model.layers[1].self_attn, "q_norm")
     # torch only warns about a plan key that matches no module; we also warn if SP would do nothing.
     problems = [str(w.message) for w in caught if "could not be resolved" in str(w.message) or "no effect" in str(w.message)]
     assert problems == []
+
+
+def test_qwen3s_per_head_norms_are_planned_with_and_without_sequence_parallelism():
+    """The norms run on the projections' local heads (dim 2 of ``(batch, seq, heads, head_dim)``), the same under
+    both settings; not a sequence-parallel style (so refused by no validation with SP off). Llama has none."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from lightning_2d.parallel.styles import HeadShardedNorm
+
+    config = meta_model(**QWEN3).config
+    for sp in (True, False):
+        styles = hf_decoder_plan(config, ParallelConfig(sequence_parallel=sp)).tensor_parallel_styles(sp)
+        for norm in ("q_norm", "k_norm"):
+            style = styles[f"model.layers.*.self_attn.{norm}"]
+            assert isinstance(style, HeadShardedNorm) and style.use_local_output
+            assert repr(style.sequence_sharding) == "(Shard(dim=2),)"
+            assert not is_sequence_parallel_style(style)
+    assert not is_sequence_parallel_style(SequenceParallel(sequence_dim=2))  # torch's own, along another dim
+    assert "model.layers.*.self_attn.q_norm" not in hf_decoder_plan(meta_model().config, ParallelConfig()).tensor_parallel
+
+
+def test_a_qwen3_config_loads_with_its_fields_and_sliding_windows():
+    """Qwen3's sliding-window layers (``use_sliding_window`` + ``max_window_layers`` → ``layer_types``) are built,
+    masked and run as on one device by the plan (trained at 2×2 in tests/distributed/test_hf_models.py)."""
+    module = HFCausalLMModule({**LLAMA, **QWEN3, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})
+    config = module.hf_config
+    assert (config.head_dim, config.attention_bias, config.layer_types) == (8, False, ["full_attention", "sliding_attention"])
+    model = module.build_model()
+    assert model.model.layers[1].self_attn.sliding_window == 8 and model.model.layers[0].self_attn.sliding_window is None
 
 
 def test_a_tied_decoder_declares_its_tie_and_an_untied_one_none():
@@ -89,13 +142,21 @@ def test_a_tied_decoder_declares_its_tie_and_an_untied_one_none():
 
 
 def test_models_the_plan_would_shard_wrongly_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of .*llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of .*llama, mistral, qwen2, qwen3\)"):
         hf_decoder_plan(transformers.GPT2Config(), ParallelConfig())
+    # A per-head norm is planned for Qwen3 only: on a Llama it is a parameter the plan does not know.
     model = meta_model()
     with torch.device("meta"):
-        model.model.layers[0].self_attn.q_norm = nn.LayerNorm(8)  # as Qwen3: a per-head norm TP would split
+        model.model.layers[0].self_attn.q_norm = nn.LayerNorm(8)
     with pytest.raises(ValueError, match=r"outside the Llama layout.*model\.layers\.0\.self_attn\.q_norm\.weight"):
         check_hf_decoder(model)
+    # On a Qwen3, its RMSNorm weights are known, but a norm with a bias is not (the plan shards weights only).
+    qwen3 = meta_model(**QWEN3)
+    check_hf_decoder(qwen3)
+    with torch.device("meta"):
+        qwen3.model.layers[1].self_attn.k_norm = nn.LayerNorm(8)
+    with pytest.raises(ValueError, match=r"outside the Llama layout.*\(model\.layers\.1\.self_attn\.k_norm\.bias\)"):
+        check_hf_decoder(qwen3)
 
 
 # ---- the sequence-parallel overlay of any plan ---------------------------------------------------

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import subprocess
+import re
 import sys
 import textwrap
 import weakref
@@ -297,6 +298,28 @@ def test_activation_peak_matches_the_live_tensors_of_a_step(tp, sequence_paralle
             )
             estimate = model.estimate(ac, option).peak - 16 * batch * seq  # tokens and labels exist before
             assert estimate == pytest.approx(measured, rel=0.03), (ac, option)
+
+
+def test_per_op_selective_checkpointing_keeps_every_other_matmul_with_or_without_a_bias():
+    """A Linear with a bias (Qwen2's q/k/v projections) is an ``addmm``: saved and counted as a matmul, so a biased
+    block keeps what an unbiased one does (what ``ActivationModel`` counts for ``selective_op``)."""
+    from torch import nn
+
+    from lightning_2d.parallel.config import ParallelPlan
+
+    kept = {}
+    for bias in (False, True):
+        model = nn.Module()
+        model.layers = nn.ModuleDict({"0": nn.Sequential(*(nn.Linear(64, 64, bias=bias) for _ in range(4)))})
+        config = ParallelConfig(activation_checkpointing="selective", selective_ac_option="op")
+        apply_activation_checkpointing(model, ParallelPlan(blocks="layers"), config)
+        x = torch.randn(32, 64, requires_grad=True)
+        tracker = LiveTensors(ignore=[x, *model.parameters()])
+        with tracker:
+            out = model.layers["0"](x)
+        kept[bias] = tracker.live - out.untyped_storage().nbytes()
+        out.sum().backward()
+    assert kept[True] == kept[False] == 2 * 32 * 64 * 4  # the 1st and 3rd matmuls' outputs (the 4th is the output)
 
 
 MEASURE = textwrap.dedent(
@@ -776,3 +799,293 @@ def test_context_parallelism_composes_with_hsdp():
     plain = plan_run("debug", num_nodes=1, devices=4, seq_len=64, precision="32-true",
                      config=ParallelConfig(tensor_parallel_size=1, data_parallel_size=4))
     assert report.params_per_device == plain.params_per_device
+
+
+# ---- a Hugging Face config ------------------------------------------------------------------------
+#: A small Llama-family decoder: grouped-query attention, SwiGLU, head_dim 8 = hidden / heads.
+HF_SMALL = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False,
+}
+#: Qwen2.5-7B's config.json (the fields that shape the model; q/k/v biases are Qwen2's own).
+QWEN25_7B = {
+    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "use_sliding_window": False,
+}
+
+
+def _hf_fields(model_type: str, **extra: Any) -> dict[str, Any]:
+    # Qwen3's head_dim is a field of its own (default 128): the same 8 as the others unless given.
+    return {**HF_SMALL, "model_type": model_type, **({"head_dim": 8} if model_type == "qwen3" else {}), **extra}
+
+
+def _write_config(directory: Any, fields: dict[str, Any]) -> Any:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(fields))
+    return directory
+
+
+def _transformers_numel(fields: dict[str, Any]) -> int:
+    """The parameters of the model transformers builds from ``fields`` (on the meta device; a tie once)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_2d.hf import load_hf_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(fields))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {}), ("qwen2", {}),
+     ("qwen3", {}), ("qwen3", {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": True})],
+)
+def test_a_hugging_face_config_is_planned_as_the_model_transformers_builds(tmp_path, model_type, extra):
+    """A config.json (or the directory holding it) is planned with the model's own parameters: Qwen2's biases,
+    Qwen3's per-head norms and head_dim, a tied head counted once, exactly as transformers counts them."""
+    fields = _hf_fields(model_type, **extra)
+    directory = _write_config(tmp_path / "model", fields)
+    report = plan_run(str(directory), num_nodes=1, devices=4, precision="32-true",
+                      config=ParallelConfig(tensor_parallel_size=2))
+    assert report.total_params == _transformers_numel(fields)
+    assert report.model == str(directory / "config.json") and report.model_args == fields
+    assert report.seq_len == 256  # max_position_embeddings
+    assert report.dims["tensor_parallel"] == 2 and report.params_per_device < report.total_params / 3
+    assert any(note.startswith(f"{model_type} from ") for note in report.notes)
+    assert plan_run(str(directory / "config.json"), num_nodes=1, devices=4, precision="32-true",
+                    config=ParallelConfig(tensor_parallel_size=2)).total_params == report.total_params
+
+
+def test_biases_and_per_head_norms_are_sharded_as_the_plan_lays_them_out():
+    """Against a Llama of the same shape: Qwen2's q/k/v biases are split over TP (by heads) and FSDP, Qwen3's
+    per-head norm weights replicated over TP and split by FSDP only (2 × 2 ranks, no padding)."""
+    config = ParallelConfig(tensor_parallel_size=2)
+    plans = {t: plan_run(_hf_fields(t), num_nodes=1, devices=4, precision="32-true", config=config)
+             for t in ("llama", "qwen2", "qwen3")}
+    layers, heads, kv_heads, head_dim, dp, tp = 2, 8, 2, 8, 2, 2
+    biases = layers * (heads + 2 * kv_heads) * head_dim
+    norms = layers * 2 * head_dim
+    assert plans["qwen2"].total_params - plans["llama"].total_params == biases
+    assert plans["qwen3"].total_params - plans["llama"].total_params == norms
+    assert plans["qwen2"].params_per_device - plans["llama"].params_per_device == biases // (dp * tp)
+    assert plans["qwen3"].params_per_device - plans["llama"].params_per_device == norms // dp
+
+
+def test_a_llama_config_json_plans_the_states_of_the_preset_it_describes(tmp_path):
+    """The config.json that `lightning-2d export` writes for llama3-8b, planned as the transformers model: the same
+    parameters, shards and FSDP buffers as the preset; more activations (the logits, unfused loss)."""
+    pytest.importorskip("transformers")
+    from lightning_2d.checkpoint.hf.layout import hf_config
+
+    directory = _write_config(tmp_path, hf_config(ModelArgs.from_name("llama3-8b"), torch.bfloat16))
+    kwargs = dict(num_nodes=1, devices=8, seq_len=8192, config=ParallelConfig(tensor_parallel_size=2))
+    hf, native = plan_run(str(directory), **kwargs), plan_run("llama3-8b", **kwargs)
+    assert hf.total_params == native.total_params
+    for name in ("params_per_device", "param_bytes", "grad_bytes", "optimizer_bytes", "all_gather_bytes",
+                 "reduce_scatter_bytes"):
+        assert getattr(hf, name) == getattr(native, name), name
+    assert hf.activation_bytes > native.activation_bytes
+    assert hf.activation_phase == "backward of the loss" and native.activation_phase == "forward (fused loss)"
+
+
+def test_qwen25_7b_plans_at_tp_2_and_4_and_tp_8_names_both_head_counts(tmp_path):
+    """28 query heads, 4 key/value heads: tensor parallelism 2 and 4 divide both, 8 neither."""
+    directory = _write_config(tmp_path, QWEN25_7B)
+    base = dict(num_nodes=1, devices=8, seq_len=32768)
+    report = plan_run(str(directory), **base, config=ParallelConfig(tensor_parallel_size=2))
+    assert report.total_params == 7_615_616_512  # Qwen2.5-7B's published count
+    assert plan_run(str(directory), **base, config=ParallelConfig(tensor_parallel_size=4)).dims["tensor_parallel"] == 4
+    with pytest.raises(ParallelConfigError) as err:
+        plan_run(str(directory), **base, config=ParallelConfig(tensor_parallel_size=8))
+    assert "tensor_parallel_size (8) must divide num_attention_heads (28); try 1, 2 or 4" in str(err.value)
+    assert "tensor_parallel_size (8) must divide num_key_value_heads (4); try 1, 2 or 4" in str(err.value)
+    # Without loss parallelism every TP rank holds the whole vocabulary's logits: the planner says what it saves.
+    assert any(s.startswith("--loss-parallel") for s in report.suggestions)
+
+
+def test_a_model_the_planner_cannot_plan_is_refused_naming_it_before_anything_is_built(tmp_path, monkeypatch):
+    import lightning_2d.models.hf_decoders as hf_decoders
+
+    def built(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a config was built for a model the planner refuses")
+
+    monkeypatch.setattr(hf_decoders, "load_hf_config", built)  # where read_model looks it up
+    known = r"model_type llama, mistral, qwen2, qwen3"
+    cases = {
+        "gpt2.json": (json.dumps({**HF_SMALL, "model_type": "gpt2"}), rf"has model_type 'gpt2'; .*{known}$"),
+        "untyped.json": (json.dumps(HF_SMALL), rf"has no model_type; .*{known}$"),
+        "model.safetensors": ("\x00\x01binary", r"is not a JSON config \(.*\); give a preset \(debug, llama2-7b"),
+        "list.json": ("[1, 2]", r"holds a JSON list, not a config's object of fields"),
+    }
+    for name, (text, pattern) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ParallelConfigError) as err:
+            plan_run(str(tmp_path / name))
+        assert err.value.problems[0].startswith(f"model: {tmp_path / name}"), err.value.problems
+        assert re.search(pattern, err.value.problems[0]), err.value.problems[0]
+        assert len(err.value.problems) == 1  # no second problem made up from the missing model (seq_len 0 …)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ParallelConfigError, match=r"model: .*empty holds no config\.json; give a preset"):
+        plan_run(str(tmp_path / "empty"))
+    with pytest.raises(ParallelConfigError, match=r"model: 'llama9' is not a preset name nor a path; give a preset \("):
+        plan_run("llama9")
+
+
+def test_a_config_gets_the_sequence_checks_with_its_own_field_names(tmp_path):
+    directory = _write_config(tmp_path, _hf_fields("qwen2"))
+    pattern = r"seq_len \(512\) exceeds the model's max_position_embeddings \(256\).*'\{\"max_position_embeddings\": 512\}'"
+    with pytest.raises(ParallelConfigError, match=pattern):
+        plan_run(str(directory), num_nodes=1, devices=2, seq_len=512)
+    report = plan_run(str(directory), num_nodes=1, devices=2, seq_len=512,
+                      model_overrides={"max_position_embeddings": 512, "num_hidden_layers": 3})
+    assert report.model.endswith("config.json (overridden: max_position_embeddings, num_hidden_layers)")
+    assert report.model_args["num_hidden_layers"] == 3
+    assert report.total_params == _transformers_numel({**_hf_fields("qwen2"), "num_hidden_layers": 3})
+
+
+def test_sliding_window_layers_are_planned_with_a_note_of_what_is_not_counted():
+    fields = _hf_fields("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    config = ParallelConfig(tensor_parallel_size=2)
+    report = plan_run(fields, num_nodes=1, devices=2, seq_len=256, config=config)
+    assert any(n.startswith("1 of 2 layers attend within a sliding window of 64 tokens: estimated as causal")
+               for n in report.notes), report.notes
+    # A window as long as the sequence is no window: transformers builds no mask, and there is nothing to note.
+    assert not any("sliding" in n for n in plan_run(fields, num_nodes=1, devices=2, seq_len=64, config=config).notes)
+
+
+def test_the_cli_plans_a_config_json(tmp_path, capsys):
+    fields = _hf_fields("qwen3", tie_word_embeddings=True)
+    directory = _write_config(tmp_path, fields)
+    planner.main(["--model", str(directory), "--devices", "4", "--tensor-parallel-size", "2", "--seq-len", "128",
+                  "--precision", "32-true", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == str(directory / "config.json") and report["model_args"]["model_type"] == "qwen3"
+    assert report["total_params"] == _transformers_numel(fields) and report["dims"]["tensor_parallel"] == 2
+    planner.main(["--model", str(directory / "config.json"), "--devices", "4", "--tensor-parallel-size", "2"])
+    assert "qwen3 from" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        planner.main(["--model", str(tmp_path / "missing.json")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "missing.json does not exist" in err and "Traceback" not in err
+
+
+def test_the_readme_hugging_face_table_is_what_the_planner_prints(tmp_path):
+    """README "A Hugging Face config": llama3.1-8b (preset) and Qwen2.5-7B (config.json) at 32k tokens on 8 devices
+    with TP 2, with and without full activation checkpointing."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    rows = re.findall(r"^\| (llama3\.1-8b|Qwen2\.5-7B `config\.json`) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|"
+                      r" ([\d.]+) \| (fits, [\d.]+ headroom|does not fit) \|", readme, re.M)
+    assert [r[:2] for r in rows] == [("llama3.1-8b", "none"), ("llama3.1-8b", "full"),
+                                     ("Qwen2.5-7B `config.json`", "none"), ("Qwen2.5-7B `config.json`", "full")]
+    qwen = str(_write_config(tmp_path, QWEN25_7B))
+    for model, ac, *figures, verdict in rows:
+        report = plan_run(qwen if model.startswith("Qwen") else model, num_nodes=1, devices=8, seq_len=32768,
+                          config=ParallelConfig(tensor_parallel_size=2, activation_checkpointing=ac))
+        got = [report.param_bytes + report.grad_bytes + report.optimizer_bytes,
+               report.all_gather_bytes + report.reduce_scatter_bytes, report.activation_bytes, report.total_bytes]
+        assert [f"{b / GIB:.2f}" for b in got] == figures, (model, ac)
+        assert verdict == (f"fits, {report.headroom_bytes / GIB:.1f} headroom" if report.fits else "does not fit")
+
+
+# ---- the activation model of a Hugging Face decoder ------------------------------------------------
+def _hf_small_model(model_type: str, dtype: torch.dtype, config: ParallelConfig, **extra: Any) -> torch.nn.Module:
+    """The transformers model (SDPA), tensor-parallelized with the built-in plan inside a fake world when tp > 1,
+    checkpointed as configured."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_2d.hf import hf_decoder_plan, load_hf_config
+
+    hf_config = load_hf_config(_hf_fields(model_type, **extra))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    model = model.to(dtype)
+    plan = hf_decoder_plan(hf_config, config, module="")
+    tp = config.tensor_parallel_size
+    if tp != "auto" and tp > 1:
+        from lightning_2d.parallel.dims import ParallelDims
+        from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
+
+        styles = replace(plan, tensor_parallel=plan.tensor_parallel_styles(config.sequence_parallel))
+        apply_tensor_parallel(model, ParallelDims(1, 1, tp).build_mesh("cpu")["tensor_parallel"], styles, config)
+    apply_activation_checkpointing(model, plan, config)
+    return model
+
+
+def _hf_shape(model_type: str, **extra: Any) -> Any:
+    from lightning_2d.tools.planner.models import HFDecoderArgs, read_model
+
+    args = read_model(_hf_fields(model_type, **extra), None, [])
+    assert isinstance(args, HFDecoderArgs)
+    return args
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(("tp", "sequence_parallel", "dtype"),
+                         [(1, False, torch.float32), (2, True, torch.bfloat16), (2, False, torch.bfloat16)])
+def test_hf_block_saved_tensors_are_what_autograd_saves(model_type, tp, sequence_parallel, dtype, one_thread):
+    """A decoder layer keeps what ``ActivationModel`` counts for its architecture (keys and values at their own
+    heads; Qwen3's per-head norms), plus the rotary cos/sin rows of the forward (counted once, with the inputs)."""
+    config = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel)
+    batch, seq = 2, 64
+    with planner.fake_world(tp) if tp > 1 else _nothing():
+        model = _hf_small_model(model_type, dtype, config)
+        x = model.model.embed_tokens(torch.randint(0, HF_SMALL["vocab_size"], (batch, seq)))
+        positions = torch.arange(seq)[None]
+        cos, sin = model.model.rotary_emb(x, positions)
+        layer = model.model.layers[0]
+        saved = _saved_bytes(model, lambda: layer(x, attention_mask=None, position_embeddings=(cos, sin),
+                                                  position_ids=positions))
+    estimate = ActivationModel.for_layout(
+        _hf_shape(model_type), tp=tp, sequence_parallel=sequence_parallel, seq_len=seq, micro_batch_size=batch,
+        act_dtype=dtype,
+    )
+    rotary = cos.untyped_storage().nbytes() + sin.untyped_storage().nbytes()
+    assert rotary == 2 * seq * 8 * dtype.itemsize  # (1, T, head_dim) each, for every layer of the forward
+    assert saved == sum(estimate.block_saved("none").values()) + rotary
+
+
+def _hf_tracked_peak(model: torch.nn.Module, vocab: int, batch: int, seq: int) -> int:
+    """A training step as ``HFCausalLMModule`` takes it (logits, then the cross-entropy sum), live tensors tracked."""
+    import torch.nn.functional as F
+
+    from lightning_2d.parallel.loss import loss_parallel_context
+
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    tracker = LiveTensors(ignore=[*model.parameters(), *model.buffers()])
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: tracker.forget(p.grad))
+    with tracker:
+        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+        with loss_parallel_context(logits):  # the backward too, as the strategies run it
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+            del logits
+            loss.backward()
+    return tracker.peak
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tp", "sequence_parallel", "loss_parallel", "dtype"),
+    [("llama", 1, False, False, torch.float32), ("qwen3", 2, True, False, torch.bfloat16),
+     ("qwen2", 2, False, False, torch.bfloat16), ("qwen3", 2, True, True, torch.bfloat16)],
+)
+def test_hf_activation_peak_matches_the_live_tensors_of_a_step(model_type, tp, sequence_parallel, loss_parallel, dtype,
+                                                              one_thread):
+    """Forward + backward of a transformers model under each checkpointing mode, with a vocabulary large enough for
+    the loss to hold the peak (its logits, log-softmax and their gradients) and one small enough for the blocks to."""
+    batch, seq = 2, 256
+    gc.collect()
+    with planner.fake_world(tp) if tp > 1 else _nothing():
+        for vocab in (4096, 128):
+            for ac, option in (("none", "op"), ("full", "op"), ("selective", "op")):
+                config = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
+                                        loss_parallel=loss_parallel, activation_checkpointing=ac,
+                                        selective_ac_option=option)
+                model = _hf_small_model(model_type, dtype, config, vocab_size=vocab, num_hidden_layers=3)
+                measured = _hf_tracked_peak(model, vocab, batch, seq)
+                estimate = ActivationModel.for_layout(
+                    _hf_shape(model_type, vocab_size=vocab, num_hidden_layers=3), tp=tp,
+                    sequence_parallel=sequence_parallel, seq_len=seq, micro_batch_size=batch, act_dtype=dtype,
+                    loss_parallel=loss_parallel,
+                ).estimate(ac, option)
+                # tokens and labels exist before
+                assert estimate.peak - 16 * batch * seq == pytest.approx(measured, rel=0.03), (vocab, ac, estimate.phase)

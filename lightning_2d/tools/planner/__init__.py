@@ -6,6 +6,10 @@
     lightning-2d plan --model llama3-405b --num-nodes 64 --devices 8 --tensor-parallel-size 8 \\
         --pipeline-parallel-size 8 --pipeline-microbatches 16 --activation-checkpointing full --seq-len 8192
 
+``--model`` is a ``ModelArgs`` preset or a Hugging Face Llama-family ``config.json`` (or its directory):
+that model is built by ``transformers`` on the meta device and planned with the built-in plan, as
+``HFCausalLMModule`` trains it (``models``; its activations: ``activations.Architecture``).
+
 One process plays rank 0 (under a pipeline, one rank of each pipeline rank) of a world of
 ``num_nodes × devices`` ranks: a *fake* process group (no communication,
 ``torch.testing._internal.distributed.fake_pg``) lets the real code run. The layout is resolved and
@@ -74,7 +78,8 @@ micro-batches in flight, not for the whole batch each rank loads (a few MiB).
 
 The Python API: ``plan_run(...) -> PlanReport`` (``report.as_dict()``, ``format_report(report)``).
 
-The package, one module per job: ``activations`` (the activation model of one micro-batch), ``schedules``
+The package, one module per job: ``models`` (a preset or a Hugging Face config: its plan, its meta-device
+model), ``activations`` (the activation model of one micro-batch), ``schedules``
 (the pipeline schedules' order and micro-batches in flight), ``units`` (FSDP units and the all-gather
 peak), ``world`` (the fake world: the real code on a meta model, its shards measured), ``estimate``
 (``plan_run``: validation, per-rank estimate, verdict), ``suggestions`` (what would make it fit),

@@ -1,7 +1,8 @@
-"""The activation model: what autograd keeps for one micro-batch of the Llama ``Transformer`` on one device.
+"""The activation model: what autograd keeps for one micro-batch of the Llama ``Transformer`` (or of a
+Hugging Face Llama-family decoder, ``Architecture``) on one device.
 
 ``ActivationModel`` counts, tensor by tensor, what the real forward saves for backward (and allocates while
-it runs) per block, for the head and the fused loss, under each activation-checkpointing mode, and finds the
+it runs) per block, for the head and the loss, under each activation-checkpointing mode, and finds the
 peak over a forward and a backward (``ActivationModel.estimate`` → ``ActivationEstimate``). Checked against
 autograd's saved tensors and measured CPU peaks in ``tests/unit/test_planner.py``; a pipeline stage's estimate
 (``schedules.pipeline_activation_estimate``) is built from it.
@@ -11,11 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-from lightning_2d.models.llama.model import ModelArgs
 
 DEFAULT_LOSS_CHUNK_SIZE = 1024  # LlamaLightningModule's and Transformer's default
 #: Activation bytes → peak of ``RMSNorm``'s backward per input element, beyond its saved tensors
@@ -23,6 +23,69 @@ DEFAULT_LOSS_CHUNK_SIZE = 1024  # LlamaLightningModule's and Transformer's defau
 #: ``rsqrt(mean(x²))`` holds about four fp32 tensors the input's size at once, and in bf16 a
 #: low-precision one more.
 NORM_BACKWARD_BYTES = {4: 16, 2: 18}
+
+
+class ModelShape(Protocol):
+    """The shape fields the activation model reads: ``ModelArgs``' names (also ``planner.models.HFDecoderArgs``')."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def ffn_hidden_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How a model family computes what ``ActivationModel`` counts; the defaults are our Llama ``Transformer``'s.
+
+    A Hugging Face Llama-family decoder (``hf_architecture``) has the same blocks — two RMSNorms computed in
+    fp32, the q/k/v/o projections, rotary embedding, SDPA, SwiGLU — so the per-block formula is the same but for
+    the points below (each checked against autograd's saved tensors and the live tensors of a step on CPU, in
+    ``tests/unit/test_planner.py``).
+
+    Args:
+        fused_loss: The head computes the loss chunk by chunk (``VocabProjection``). ``False``: the head
+            returns the logits of the whole sequence (``(N, V)``, or ``(N, V / tp)`` under ``loss_parallel``) in
+            the activation dtype and ``F.cross_entropy`` keeps its log-softmax (as ``HFCausalLMModule``); its
+            backward holds that, the incoming gradient and its own output at once.
+        repeat_kv: SDPA gets keys and values repeated to the query heads. ``False``: at their own heads
+            (``transformers``' SDPA passes ``enable_gqa=True`` when there is no mask, i.e. causal attention
+            without padding or sliding window).
+        head_norms: An RMSNorm of each query and key head (Qwen3's ``q_norm``/``k_norm``): each keeps the
+            projection's output in fp32, its normalized value and ``rsqrt`` (``n·(H + H_kv)·Dh·(4 + a)`` and
+            ``4·n·(H + H_kv)`` bytes per block).
+        rotary_per_forward: The rotary ``cos``/``sin`` rows are computed in each forward (``(1, T, Dh)`` each, in
+            the activation dtype) and saved by every layer: counted once with the inputs. ``False``: rows of a
+            resident table.
+        first_block_slices: Under sequence parallelism the first block takes its slice of the whole sequence
+            itself (``SequenceShardInput``): checkpointed, it keeps the whole input (``a·N·D``), not the slice.
+    """
+
+    fused_loss: bool = True
+    repeat_kv: bool = True
+    head_norms: bool = False
+    rotary_per_forward: bool = False
+    first_block_slices: bool = False
+
+
+#: Our Llama ``Transformer``.
+NATIVE = Architecture()
+
+
+def hf_architecture(model_type: str) -> Architecture:
+    """A Hugging Face Llama-family decoder's (``model_type`` in ``HF_DECODER_TYPES``) under SDPA attention."""
+    return Architecture(fused_loss=False, repeat_kv=False, head_norms=model_type == "qwen3", rotary_per_forward=True,
+                        first_block_slices=True)
 
 
 @dataclass(frozen=True)
@@ -54,6 +117,10 @@ class ActivationModel:
     sequence at the key/value heads (``2 × a·cp·N·H_kv·Dh``: not repeated, SDPA's ``enable_gqa``); the positions
     and their rotary rows are kept once per forward. The mask is CUDA's FlexAttention block mask (negligible).
 
+    A Hugging Face decoder (``architecture``, see ``Architecture``) differs in three places: SDPA keeps the keys
+    and values at their own heads (``a·N·(2·H + 2·H_kv)·Dh``), a Qwen3 block also keeps its per-head norms, and
+    the head returns the logits, whose cross-entropy keeps its log-softmax (``a·N·V``, see the head below).
+
     Activation checkpointing keeps instead: ``full``: the block input (``a·N/s·D``); ``selective``
     per op: the block input and the outputs of torchtitan's save list (every other ``mm`` — ``wq``,
     ``wv``, ``w1``, ``w2`` —, SDPA, and the reduce-scatters under SP); ``selective`` N: every N-th
@@ -65,6 +132,12 @@ class ActivationModel:
     an fp32 accumulator of the head's gradient (``4·V·D``, ``V`` = vocabulary / tp) for backward,
     and allocates per chunk fp32 logits, their low-precision copy and, in bf16, the chunk's
     weight-gradient product. Logits of the whole sequence never exist.
+
+    Without the fused loss (a Hugging Face decoder) the head keeps its input (``a·N·D``, the whole sequence)
+    and the loss the log-softmax of the logits (``a·N·V'``, ``V'`` the vocabulary, or ``V / tp`` under
+    ``loss_parallel``); the forward's peak has the logits too, and the loss's backward the incoming gradient
+    and, unless ``loss_parallel`` (whose backward works in place), the log-softmax's gradient: up to
+    ``3 · a·N·V'`` for the loss alone.
 
     Args:
         tokens: Tokens per micro-batch (``micro_batch_size × seq_len``).
@@ -83,6 +156,9 @@ class ActivationModel:
             a pipeline, on the first stage with one.
         has_head: Whether the final norm, the output head and the fused loss run here: always without a
             pipeline, on the last stage with one. Without them the peak is in the blocks' backward.
+        architecture: How the model computes it (``NATIVE``: our ``Transformer``; ``hf_architecture``).
+        loss_parallel: Without the fused loss: the logits stay vocabulary-sharded for the loss (the
+            strategy's ``loss_parallel``); else they are gathered whole on every tensor-parallel rank.
     """
 
     tokens: int
@@ -101,11 +177,13 @@ class ActivationModel:
     has_head: bool = True
     cp: int = 1
     seq_len: int = 0
+    architecture: Architecture = NATIVE
+    loss_parallel: bool = False
 
     @classmethod
     def for_layout(
         cls,
-        args: ModelArgs,
+        args: ModelShape,
         *,
         tp: int,
         sequence_parallel: bool,
@@ -117,11 +195,13 @@ class ActivationModel:
         has_embedding: bool = True,
         has_head: bool = True,
         cp: int = 1,
+        loss_parallel: bool = False,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
         Args:
-            args: The model's shape.
+            args: The model's shape: ``ModelArgs`` (our ``Transformer``: ``NATIVE``), or a shape with an
+                ``architecture`` (``planner.models.HFDecoderArgs``).
             tp: Tensor-parallel size (must divide the head counts, the SwiGLU width and the vocabulary
                 as validated; uneven splits are rounded up).
             sequence_parallel: Whether the residual stream is sharded along the sequence (only with ``tp > 1``).
@@ -135,8 +215,11 @@ class ActivationModel:
             cp: Context-parallel size: each rank holds ``seq_len / cp`` tokens of every sequence, and each
                 attention layer keeps the keys and values of the whole sequence (gathered, at the key/value
                 heads: ``lightning_2d.parallel.context``).
+            loss_parallel: The strategy's ``loss_parallel`` (matters only without the fused loss).
         """
         return cls(
+            architecture=getattr(args, "architecture", NATIVE),
+            loss_parallel=loss_parallel and tp > 1,
             cp=cp,
             seq_len=seq_len,
             tokens=micro_batch_size * seq_len // cp,
@@ -218,13 +301,20 @@ class ActivationModel:
                 "attention q, output, gathered k, v, logsumexp": attention + n * self.heads * 4,
                 "SwiGLU w1, silu, w3, product": 4 * n * self.ffn_hidden * a,
             }
-        return {
+        if self.architecture.repeat_kv:  # q, k, v (k and v repeated to the query heads), SDPA output
+            qkvo = 4 * n * self._attention_width * a
+        else:  # k and v at their own heads (SDPA's enable_gqa)
+            qkvo = 2 * n * (self.heads + self.kv_heads) * self.head_dim * a
+        saved = {
             "norms (fp32 input, normalized, rsqrt)": 2 * norm,
             "attention/SwiGLU inputs (whole sequence)": 2 * n * d * a,
-            # q, k, v (k and v repeated to the query heads), SDPA output; logsumexp in fp32
-            "attention q, k, v, output, logsumexp": 4 * n * self._attention_width * a + n * self.heads * 4,
+            "attention q, k, v, output, logsumexp": qkvo + n * self.heads * 4,  # logsumexp in fp32
             "SwiGLU w1, silu, w3, product": 4 * n * self.ffn_hidden * a,
         }
+        if self.architecture.head_norms:  # each of the rank's q and k heads over the whole sequence
+            rows = n * (self.heads + self.kv_heads)
+            saved["q/k head norms (fp32 input, normalized, rsqrt)"] = rows * (self.head_dim * (4 + a) + 4)
+        return saved
 
     def recompute_extra(self, mode: str) -> int:
         """Bytes a checkpointed block adds while its backward runs: its recomputed forward, less what it kept.
@@ -281,13 +371,22 @@ class ActivationModel:
         # dense additive mask of the CPU path (``n × seq_len`` in the activation dtype, also shared, and only
         # partly resident: pages never written to stay zero pages) is not counted.
         context = n * 8 + n * self.head_dim * 4 if self.cp > 1 else 0
-        return tokens + (n * 8 if self.has_head else 0) + context
+        # A Hugging Face decoder's cos and sin rows, (1, T, Dh) each, computed once per forward for every layer.
+        rotary = 2 * self.seq_len * self.head_dim * self.act_bytes if self.architecture.rotary_per_forward else 0
+        return tokens + (n * 8 if self.has_head else 0) + context + rotary
 
     def loss_saved(self) -> dict[str, int]:
         """Bytes the final norm and the fused loss keep for backward (where they run), and the inputs."""
         n, a, d, s = self.tokens, self.act_bytes, self.dim, self.seq_shards
         if not self.has_head:
             return {"tokens, labels": self.inputs_saved()}
+        if not self.architecture.fused_loss:
+            return {
+                "final norm": n // s * (d * (4 + a) + 4),
+                "head input (whole sequence)": n * d * a,
+                "loss: log-softmax of the logits": n * self._loss_vocab * a,
+                "tokens, labels": self.inputs_saved(),
+            }
         return {
             "final norm": n // s * (d * (4 + a) + 4),
             "loss: hidden-state gradient": n * d * a,
@@ -295,9 +394,23 @@ class ActivationModel:
             "tokens, labels": self.inputs_saved(),
         }
 
+    @property
+    def _loss_vocab(self) -> int:
+        """Vocabulary columns of the logits the unfused loss sees: this rank's under ``loss_parallel``, else all."""
+        return self.vocab if self.loss_parallel or self.tp == 1 else self.vocab * self.tp
+
+    def loss_backward_transient(self) -> int:
+        """Without the fused loss: extra bytes while the loss's backward runs, next to its saved log-softmax —
+        the incoming gradient and (a plain tensor's ``log_softmax`` backward) the outgoing one."""
+        return (1 if self.loss_parallel else 2) * self.tokens * self._loss_vocab * self.act_bytes
+
     def loss_forward_transient(self) -> int:
-        """Extra bytes while the fused loss runs its chunks (the forward's peak)."""
+        """Extra bytes while the loss runs (the forward's peak): the fused loss's chunks, or the logits."""
         n, a, d, v = self.tokens, self.act_bytes, self.dim, self.vocab
+        if not self.architecture.fused_loss:
+            # The logits next to their log-softmax (under TP without loss_parallel, gathered whole; this rank's
+            # slice is freed by then).
+            return n * self._loss_vocab * a
         chunk = n if self.loss_chunk_size is None else min(self.loss_chunk_size, n)
         several = n > chunk
         hidden = n * d * a  # the head's input: the final norm output, all-gathered under SP
@@ -328,9 +441,10 @@ class ActivationModel:
     def estimate(self, activation_checkpointing: str = "none", selective_ac_option: Any = "op") -> ActivationEstimate:
         """The peak of activation memory over one micro-batch's forward and backward.
 
-        The candidates: the fused loss at the end of forward (every block's saved tensors alive),
-        the final norm's backward (both only ``has_head``), and each block's backward (recomputation
-        included) while the blocks before it still hold theirs.
+        The candidates: the fused loss at the end of forward (every block's saved tensors alive) — without
+        the fused loss, the loss's forward and its backward —, the final norm's backward (all only
+        ``has_head``), and each block's backward (recomputation included) while the blocks before it still
+        hold theirs.
 
         Args:
             activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
@@ -338,12 +452,21 @@ class ActivationModel:
         """
         modes = self.block_modes(activation_checkpointing, selective_ac_option)
         per_block = [sum(self.block_saved(m).values()) for m in modes]
+        if self.architecture.first_block_slices and self.has_embedding and modes and modes[0] != "none":
+            # The checkpoint runs the slicing pre-hook inside: it keeps the whole sequence, not the slice.
+            per_block[0] += self.tokens * self.dim * self.act_bytes - self._residual
         blocks = sum(per_block)
         loss = self.loss_saved()
         inputs = loss["tokens, labels"]
         # (phase, blocks' saved, head/loss/inputs, transient) at each candidate moment
-        if self.has_head:
+        if self.has_head and not self.architecture.fused_loss:
+            moments = [
+                ("forward (logits, loss)", blocks, sum(loss.values()), self.loss_forward_transient()),
+                ("backward of the loss", blocks, sum(loss.values()), self.loss_backward_transient()),
+            ]
+        elif self.has_head:
             moments = [("forward (fused loss)", blocks, sum(loss.values()), self.loss_forward_transient())]
+        if self.has_head:
             # The final norm's backward: the loss's buffers have become the head's gradient (FSDP's) and
             # the incoming gradient; RMSNorm's backward temporaries on top.
             rows = self.tokens // self.seq_shards

@@ -11,6 +11,7 @@ import sys
 from dataclasses import fields
 from typing import Any, Optional
 
+from lightning_2d.models.hf_decoders import HF_DECODER_TYPES
 from lightning_2d.models.llama.model import PRESETS
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig, ParallelConfigError
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE
@@ -32,7 +33,7 @@ def _json_object(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}; write e.g. '{{\"n_layers\": 2}}'") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object of ModelArgs fields, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a JSON object of ModelArgs (or config) fields, got {text!r}")
     return value
 
 
@@ -45,10 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         " AdamW state, FSDP buffers and activations, with a verdict against the device memory.",
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--model", choices=list(PRESETS), default="llama3-8b",
-                       help="a ModelArgs preset (default: llama3-8b)")
+    model.add_argument("--model", default="llama3-8b", metavar="PRESET_OR_CONFIG",
+                       help=f"a ModelArgs preset ({', '.join(PRESETS)}; default: llama3-8b), or a Hugging Face"
+                       f" config.json of a Llama-family decoder (model_type {', '.join(HF_DECODER_TYPES)}) or a"
+                       " directory holding one: planned as HFCausalLMModule trains it")
     model.add_argument("--model-overrides", type=_json_object, default=None, metavar="JSON",
-                       help="ModelArgs fields to change, as JSON: '{\"n_layers\": 2}'")
+                       help="ModelArgs fields to change, as JSON: '{\"n_layers\": 2}' (a config's:"
+                       " '{\"num_hidden_layers\": 2}')")
     world = parser.add_argument_group("world")
     world.add_argument("--num-nodes", type=int, default=1)
     world.add_argument("--devices", type=int, default=8, help="devices (processes) per node (default: 8)")
@@ -60,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("training step")
     run.add_argument("--precision", choices=SUPPORTED_PRECISIONS, default="bf16-mixed", help="(default: bf16-mixed)")
     run.add_argument("--seq-len", type=int, default=None,
-                     help="tokens per sequence (default: the model's max_seq_len)")
+                     help="tokens per sequence (default: the model's max_seq_len, a config's max_position_embeddings)")
     run.add_argument("--micro-batch-size", type=int, default=1,
                      help="sequences per device and micro-batch (default: 1)")
     run.add_argument("--accumulate-grad-batches", type=int, default=1,

@@ -10,15 +10,23 @@ once), each planned rank is built in the simulated world (``world._shard``), and
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional, Union
 
 import torch
 
-from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
+from lightning_2d.tools.planner.models import (
+    HFDecoderArgs,
+    PlannedArgs,
+    max_seq_len_field,
+    model_fields,
+    plan_of,
+    read_model,
+)
 from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
 from lightning_2d.tools.planner.suggestions import _suggestions
@@ -37,24 +45,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _model_args(model: str, overrides: Optional[dict[str, Any]], problems: list[str]) -> Optional[ModelArgs]:
-    try:
-        return ModelArgs.from_name(model, **(overrides or {}))
-    except (ValueError, TypeError) as err:
-        lines = [line.strip().removeprefix("- ") for line in str(err).splitlines()[1:]] or [str(err)]
-        problems.extend(f"model: {line}" for line in lines if line)
-        return None
-
-
-def _run_problems(args: Optional[ModelArgs], seq_len: int, micro_batch_size: int, device_memory_gib: float,
+def _run_problems(args: Optional[PlannedArgs], seq_len: Optional[int], micro_batch_size: int, device_memory_gib: float,
                   reserve_gib: float, loss_chunk_size: Optional[int]) -> list[str]:
     problems = []
-    if seq_len < 1:
+    if seq_len is None:  # neither given nor known: the model's problem is reported instead
+        pass
+    elif seq_len < 1:
         problems.append(f"seq_len must be a positive number of tokens, got {seq_len}")
     elif args is not None and seq_len > args.max_seq_len:
+        name = max_seq_len_field(args)
         problems.append(
-            f"seq_len ({seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}); use a shorter sequence or"
-            f" raise it with --model-overrides '{{\"max_seq_len\": {seq_len}}}'"
+            f"seq_len ({seq_len}) exceeds the model's {name} ({args.max_seq_len}); use a shorter sequence or"
+            f" raise it with --model-overrides '{{\"{name}\": {seq_len}}}'"
         )
     if micro_batch_size < 1:
         problems.append(f"micro_batch_size must be a positive number of sequences, got {micro_batch_size}")
@@ -69,17 +71,15 @@ def _run_problems(args: Optional[ModelArgs], seq_len: int, micro_batch_size: int
 
 def _validate(
     config: ParallelConfig,
-    args: Optional[ModelArgs],
+    args: Optional[PlannedArgs],
     problems: list[str],
     *,
     num_nodes: int,
     devices: int,
     precision: str,
-    seq_len: int,
+    seq_len: Optional[int],
 ) -> ParallelDims:
     """``validate_parallel_dims`` for the target (CUDA) world, merged with the planner's own problems."""
-    from lightning_2d.models.llama.plan import llama_plan
-
     if num_nodes < 1 or devices < 1:
         problems.append(f"num_nodes ({num_nodes}) and devices ({devices}) must be positive integers")
         raise ParallelConfigError(problems)
@@ -88,7 +88,7 @@ def _validate(
             config,
             world_size=num_nodes * devices,
             devices_per_node=devices,
-            plan=llama_plan(args, config) if args is not None else None,
+            plan=plan_of(args, config) if args is not None else None,
             precision=precision,
             seq_len=seq_len,
             num_nodes=num_nodes,
@@ -103,7 +103,7 @@ def _validate(
 
 
 def plan_run(
-    model: str = "llama3-8b",
+    model: Union[str, Mapping[str, Any]] = "llama3-8b",
     *,
     num_nodes: int = 1,
     devices: int = 8,
@@ -121,23 +121,30 @@ def plan_run(
 
     Runs the real validation, mesh and ``parallelize_model`` for rank 0 of a simulated world of
     ``num_nodes × devices`` ranks (a fake process group, torn down before returning, also on error),
-    on a meta-device Llama, then adds the activation model (``ActivationModel``). Under pipeline
+    on a meta-device Llama — or the Hugging Face decoder of a ``config.json``, built by ``transformers`` and
+    parallelized with the built-in plan as ``HFCausalLMModule`` trains it —, then adds the activation model
+    (``ActivationModel``; for a Hugging Face decoder the same per-block formula with its family's differences,
+    ``activations.Architecture``, and its unfused loss). Under pipeline
     parallelism it does so for one rank of every pipeline rank (global rank ``k·dp·tp``), whose stages
     differ, adds the schedule's micro-batches in flight (``pipeline_activation_estimate``) and reports
     the fullest one.
 
     Args:
-        model: A ``ModelArgs`` preset (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``debug``, ...).
+        model: A ``ModelArgs`` preset (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``debug``, ...), or a
+            Hugging Face Llama-family decoder (``model_type`` in ``HF_DECODER_TYPES``): the path of its
+            ``config.json``, a directory holding one, or the config's fields as a mapping. An unknown name, a
+            file that is not a JSON config or another ``model_type`` is a problem, found before anything is built.
         num_nodes: Nodes of the target cluster.
         devices: Devices (processes) per node.
         config: The strategy's options (``ParallelConfig()``: both sizes ``"auto"``).
         precision: Trainer precision: ``32-true``, ``bf16-mixed`` (default) or ``bf16-true``.
-        seq_len: Tokens per sequence; ``None``: the model's ``max_seq_len``.
+        seq_len: Tokens per sequence; ``None``: the model's ``max_seq_len`` (a config's ``max_position_embeddings``).
         micro_batch_size: Sequences per device and micro-batch (also per pipeline micro-batch).
         accumulate_grad_batches: Micro-batches per optimizer step (the Trainer's option). Above 1, FSDP
             keeps every unit's unsharded gradients between micro-batches unless
             ``config.reduce_every_micro_batch`` (under a pipeline the schedule reduces after every batch).
-        model_overrides: ``ModelArgs`` fields to change (``{"n_layers": 2}``).
+        model_overrides: ``ModelArgs`` fields to change (``{"n_layers": 2}``), or the config's
+            (``{"num_hidden_layers": 2}``).
         loss_chunk_size: Tokens per chunk of the fused loss (``LlamaLightningModule``'s ``loss_chunk_size``).
         device_memory_gib: Memory of one device in GiB (default 80: H100/A100 80GB; an H200 has 141 GB = 131 GiB).
         reserve_gib: GiB set aside for what the estimate does not see (CUDA context, NCCL, fragmentation).
@@ -151,13 +158,14 @@ def plan_run(
     start = time.perf_counter()
     config = config if config is not None else ParallelConfig()
     problems: list[str] = []
-    args = _model_args(model, model_overrides, problems)
-    seq_len = seq_len if seq_len is not None else (args.max_seq_len if args is not None else 0)
+    args = read_model(model, model_overrides, problems)
+    if seq_len is None and args is not None:
+        seq_len = args.max_seq_len
     problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size)
     if accumulate_grad_batches < 1:
         problems.append(f"accumulate_grad_batches must be a positive integer, got {accumulate_grad_batches}")
     dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len)
-    assert args is not None
+    assert args is not None and seq_len is not None
     resolved = config.resolve_dtypes(precision)
     notes: list[str] = []
     # Pipeline rank k is played by global rank k·dp·cp·tp (its FSDP, context and TP coordinates 0: the padded shards).
@@ -176,6 +184,7 @@ def plan_run(
     activations = ActivationModel.for_layout(
         args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
         micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
+        loss_parallel=resolved.loss_parallel,
     )
     microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
     plans = [
@@ -191,6 +200,8 @@ def plan_run(
         notes.append("float8: activations are estimated as in bf16 (torchao keeps the high-precision inputs)")
     if dims.pp > 1:
         notes += _pipeline_notes(resolved, microbatches, accumulate_grad_batches)
+    if isinstance(args, HFDecoderArgs):
+        notes += _hf_notes(args, seq_len, micro_batch_size)
 
     reserve = int(reserve_gib * GIB)
     memory = int(device_memory_gib * GIB)
@@ -207,10 +218,12 @@ def plan_run(
             "in_flight": estimate.in_flight,
         }
     parts |= {"last_block_saved": estimate.block_saved, "block_modes": _count_modes(estimate.block_modes)}
+    name = args.name if isinstance(args, HFDecoderArgs) else str(model)
     report = PlanReport(
-        model=model if not model_overrides else f"{model} (overridden: {', '.join(sorted(model_overrides))})",
-        model_args=asdict(args),
-        total_params=args.num_params(),
+        model=name if not model_overrides else f"{name} (overridden: {', '.join(sorted(model_overrides))})",
+        model_args=model_fields(args),
+        # A Hugging Face decoder: the model transformers built, counted (biases, per-head norms, a tie once).
+        total_params=shards[0].model_numel if isinstance(args, HFDecoderArgs) else args.num_params(),
         num_nodes=num_nodes,
         devices_per_node=devices,
         world_size=dims.world_size,
@@ -289,6 +302,28 @@ class _RankPlan:
             "activation_bytes": self.activations.peak,
             "total_bytes": self.total,
         }
+
+
+def _hf_notes(args: HFDecoderArgs, seq_len: int, micro_batch_size: int) -> list[str]:
+    """What the estimate of a Hugging Face decoder assumes (see ``activations.Architecture``)."""
+    notes = [
+        f"{args.model_type} from {args.name}: parameters and shards are the transformers model's under the built-in"
+        " plan; activations follow the Llama per-block formula with its differences (SDPA without a mask keeps keys"
+        " and values at their own heads"
+        + (", per-head q/k norms" if args.architecture.head_norms else "")
+        + "), and the loss as HFCausalLMModule computes it: the logits of the whole sequence"
+        " and F.cross_entropy (no fused loss)"
+    ]
+    window = getattr(args.config, "sliding_window", None)
+    if (sliding := args.sliding_layers) and window is not None and window < seq_len:  # else the mask is skipped
+        mask = micro_batch_size * seq_len * seq_len
+        notes.append(
+            f"{sliding} of {args.n_layers} layers attend within a sliding window of {window} tokens: estimated as"
+            " causal layers; under"
+            f" SDPA they also keep the boolean mask transformers builds ({mask / 2**30:.2f} GiB per micro-batch, one"
+            " for all of them) and their keys and values repeated to the query heads, which is not counted"
+        )
+    return notes
 
 
 def _pipeline_microbatches(config: ParallelConfig) -> int:

@@ -15,13 +15,14 @@ from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.tools.planner.activations import ActivationModel
+from lightning_2d.tools.planner.models import PlannedArgs
 from lightning_2d.tools.planner.report import GIB, PlanReport
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
 
 
 def _suggestions(
     report: PlanReport,
-    args: ModelArgs,
+    args: PlannedArgs,
     dims: ParallelDims,
     config: ParallelConfig,
     activations: ActivationModel,
@@ -52,10 +53,11 @@ def _suggestions(
         return config.pipeline_microbatches or size * per_rank
 
     @functools.lru_cache(maxsize=None)  # fewest_nodes asks for the same activations over and over
-    def activation(ac_mode: str, tp: int, micro: int, pp_size: int) -> int:
+    def activation(ac_mode: str, tp: int, micro: int, pp_size: int, loss_parallel: bool = config.loss_parallel) -> int:
         model = ActivationModel.for_layout(
             args, tp=tp, sequence_parallel=config.sequence_parallel, seq_len=seq_len, micro_batch_size=micro,
             act_dtype=config.param_dtype, loss_chunk_size=activations.loss_chunk_size, cp=activations.cp,
+            loss_parallel=loss_parallel,
         )
         mode_option = option if ac_mode == ac else "op"
         if pipeline is None:
@@ -63,6 +65,7 @@ def _suggestions(
         split, rank, m = pipeline
         ranks = [rank]
         if pp_size != pp:  # another split: its fullest rank
+            assert isinstance(args, ModelArgs)  # only our Llama splits into stages
             split, ranks = _balanced_split_of(args, pp_size * per_rank), list(range(pp_size))
             m = microbatches_for(pp_size)
         return max(
@@ -74,7 +77,7 @@ def _suggestions(
         )
 
     def need(ac_mode: str = ac, tp: int = dims.tp, n_nodes: int = nodes, micro: int = micro_batch_size,
-             replicas: int = dims.dp_replicate, pp_size: int = pp) -> float:
+             replicas: int = dims.dp_replicate, pp_size: int = pp, loss_parallel: bool = config.loss_parallel) -> float:
         # states ∝ (model / pp) / (dp_shard × tp) = model × replicas / world, whatever the pipeline
         shards_before = nodes * devices // dims.dp_replicate
         shards_after = n_nodes * devices // replicas
@@ -82,7 +85,8 @@ def _suggestions(
         # reduce-scatter buffer is one unit's (a block's) whatever the pipeline.
         staged = report.all_gather_bytes + accumulation
         scaled_buffers = (staged * pp / pp_size + report.reduce_scatter_bytes) * dims.tp / tp
-        return states * shards_before / shards_after + scaled_buffers + activation(ac_mode, tp, micro, pp_size) + fixed
+        activations_needed = activation(ac_mode, tp, micro, pp_size, loss_parallel)
+        return states * shards_before / shards_after + scaled_buffers + activations_needed + fixed
 
     def fits(total: float) -> str:
         return f"needs ~{total / GIB:.1f} GiB" + (" (fits)" if total <= memory else "")
@@ -106,6 +110,9 @@ def _suggestions(
         freed = accumulation + report.all_gather_bytes - 2 * report.reduce_scatter_bytes * pd // (pd + rd)
         out.append(f"--reduce-every-micro-batch (reshard and reduce-scatter after each pipeline micro-batch): "
                    f"{fits(need() - freed)}")
+    if not activations.architecture.fused_loss and dims.tp > 1 and not config.loss_parallel:
+        # The logits (and their gradients) of the whole vocabulary on every tensor-parallel rank otherwise.
+        out.append(f"--loss-parallel (the loss on vocabulary-sharded logits): {fits(need(loss_parallel=True))}")
     if ac != "full":
         out.append(f"--activation-checkpointing full: {fits(need('full'))}")
     valid_tps = [

@@ -1,9 +1,9 @@
 """The simulated world: the real mesh and ``parallelize_model`` run for one rank of N on a meta-device model.
 
-``fake_world`` sets up a fake process group of N ranks in this process; ``_shard`` builds the Llama on the
-meta device inside it, parallelizes it with the library's own code (under a pipeline, pruned to the rank's
-stages) and measures what the rank holds: its local shards, buffers and FSDP units (``_Shards``). Nothing is
-allocated.
+``fake_world`` sets up a fake process group of N ranks in this process; ``_shard`` builds the model (our Llama,
+or a Hugging Face decoder from its config: ``models.build_meta``) on the meta device inside it, parallelizes it
+with the library's own code (under a pipeline, pruned to the rank's stages) and measures what the rank holds:
+its local shards, buffers and FSDP units (``_Shards``). Nothing is allocated.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Optional
 import torch
 
 from lightning_2d._compat import fake_store
-from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.pipeline import pipeline_of
+from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of
 from lightning_2d.tools.planner.units import FSDPUnit, _units
 
 
@@ -50,7 +50,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _parallelize(model: Transformer, mesh: Any, plan: Any, config: ParallelConfig) -> None:
+def _parallelize(model: torch.nn.Module, mesh: Any, plan: Any, config: ParallelConfig) -> None:
     """The real ``parallelize_model``; compile and float8 fall back to being validated only if they
     cannot be set up on the meta device."""
     from lightning_2d.parallel.parallelize import parallelize_model
@@ -77,33 +77,32 @@ class _Shards:
     buffer_bytes: int
     stage_indices: list[int]  # the pipeline stages it runs ([] without a pipeline)
     split: list[int]  # blocks of every stage of the pipeline ([] without a pipeline)
+    model_numel: int = 0  # parameters of the whole model as built, before any parallelization (a tie once)
 
 
 def _shard(
-    args: ModelArgs, dims: ParallelDims, config: ParallelConfig, precision: str, loss_chunk_size: Optional[int],
+    args: PlannedArgs, dims: ParallelDims, config: ParallelConfig, precision: str, loss_chunk_size: Optional[int],
     rank: int = 0,
 ) -> _Shards:
     """Build, parallelize and measure the meta model in a fake world, as ``rank``.
 
     Args:
-        args: The model's shape.
+        args: The model: ``ModelArgs``, or a Hugging Face decoder's config (``models.HFDecoderArgs``).
         dims: The mesh sizes.
         config: The options, dtypes resolved.
         precision: Trainer precision (``bf16-true`` stores the shards in bf16).
         loss_chunk_size: The fused loss's chunk.
         rank: The global rank to play (under a pipeline: its stages, the model pruned to them).
     """
-    from lightning_2d.models.llama.plan import llama_plan
-
-    plan = llama_plan(args, config)
+    plan = plan_of(args, config)
     with fake_world(dims.world_size, rank), warnings.catch_warnings():
         # DeviceMesh warns that slicing a flattened dim is deprecated (fsdp_mesh_of): the library's
         # concern, not the planner user's.
         warnings.simplefilter("ignore", UserWarning)
         # The mesh only needs shapes: "cpu" works with the fake backend on any machine.
         mesh = dims.build_mesh("cpu")
-        with torch.device("meta"):
-            model = Transformer(args, loss_chunk_size=loss_chunk_size)
+        model = build_meta(args, loss_chunk_size)
+        model_numel = sum(p.numel() for p in model.parameters())
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
         _parallelize(model, mesh, plan, config)
@@ -130,4 +129,4 @@ def _shard(
         # some later, unrelated allocation (the API may be called many times in one process).
         del model, mesh, pipeline
         gc.collect()
-    return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split)
+    return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel)
