@@ -6,7 +6,8 @@ parallelism, trained 6 fp32 AdamW steps, and exported back.
   scaling matters), through the Hugging Face path (``HFCausalLMModule``) and through our own Llama.
 - Llama 3.1-style: untied, the same rotary scaling, through our own Llama (``LlamaLightningModule``): imported,
   trained, exported.
-- Qwen2.5-style: tied, q/k/v biases. SmolLM-style: tied, the plain Llama layout.
+- Qwen2.5-style: tied, q/k/v biases. SmolLM-style: tied, the plain Llama layout. Qwen3-style: per-head q/k
+  norms (their weights perturbed away from 1 before saving, so a wrong load or an unsummed gradient shows).
 
 For each: the first step's loss equals ``transformers``' own loss of the same files on the same batch (the weights
 really are loaded and sharded right), the 6 steps equal the same module on one device, and the trained checkpoint
@@ -36,6 +37,8 @@ FAMILIES = {  # name: (model_type, config fields, through our own Llama)
     "llama31_native": ("llama", {"tie_word_embeddings": False, "rope_parameters": LLAMA31_ROPE}, True),
     "qwen25": ("qwen2", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, False),
     "smollm": ("llama", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, False),
+    "qwen3": ("qwen3", {"tie_word_embeddings": False, "head_dim": 16,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, False),
 }
 
 
