@@ -216,6 +216,10 @@ class Watchdog:
         steps = f"; its last heartbeat reported {step} completed step(s)"
         if r in self._local and self.state_of(self.processes[r][2]) in _GONE:
             return [r], f"{who} died: its process is gone{steps}"
+        # Silence or a lag may be waiting on a rank that died (a save or a collective with it): a dead rank on this
+        # host is the cause, whichever rank watches it (the race seen: rank 3 named stuck while rank 1 was dead).
+        if (now - self._since > limit or self._behind_since is not None) and (dead := self._dead_local(r)) is not None:
+            return [dead], f"rank {dead} (pid {self.processes[dead][2]} on {self.processes[dead][0]}) died: its process is gone"
         if now - self._since > limit:
             return [r], f"{who} has sent no heartbeat for {now - self._since:.0f} s {why}{self._describe(r)}{steps}"
         # Stuck: behind the step this rank started, its heartbeat fresh (else it is stopped).
@@ -224,6 +228,18 @@ class Watchdog:
         if lag > limit and now - self._since <= 3 * self.interval:
             return [r], (f"{who} is stuck at step {started} (others at step {self.started}) for {lag:.0f} s {why}:"
                          " alive (its heartbeat beats) but not progressing")
+        return None
+
+    def _dead_local(self, watched: int) -> Optional[int]:
+        """A rank on this host, other than this one and the watched one, whose process is gone without having
+        finished (its last heartbeat not "done"/"ended"); ``None``: none (or the store cannot tell)."""
+        gone = [d for d in self._local if d != watched and d not in self._done
+                and self.state_of(self.processes[d][2]) in _GONE]
+        if gone:
+            with suppress(*_STORE_ERRORS):
+                for d, beat in zip(gone, self._call("multi_get", [self._key(d) for d in gone])):
+                    if not beat or beat.decode().split()[3] not in ("done", "ended"):
+                        return d
         return None
 
     def _describe(self, rank: Optional[int]) -> str:

@@ -211,6 +211,35 @@ def test_after_a_failed_collective_a_stuck_rank_is_named_but_not_a_lag_that_bega
         assert world.round([1, 2], dt=0.8) == {1: None, 2: None}
 
 
+def test_a_dead_rank_is_named_rather_than_a_rank_stuck_waiting_on_it():
+    """Rank 1 dies during a save; rank 3, slower, is still behind at step 3 (blocked with the dead rank). Rank 2,
+    whose collective failed, watches rank 3: the dead rank on its host is the cause, not rank 3's lag (a race seen
+    in CI: rank 2 named rank 3 stuck before rank 0 found rank 1 dead). A rank that finished is not taken for dead."""
+    world = World(timeout=60.0, collective_timeout=8.0)
+    world.round(dt=0.8)
+    for rank in (0, 1, 2):
+        world.dogs[rank].started = 4
+    world.dogs[3].started = 3
+    for _ in range(3):
+        world.round(dt=0.8)
+    world.states[1001] = "X"  # killed
+    world.dogs[2]._waiting, world.dogs[2]._failed_at = True, world.now
+    assert world.round([2], dt=0.8)[2] == EXIT_CODE
+    assert re.search(r"Stopping rank 2 \(exit code 75\): rank 1 \(pid 1001 on node0\) died: its process is gone",
+                     world.out[2].getvalue()), world.out[2].getvalue()
+
+    world = World(timeout=60.0, collective_timeout=8.0)  # the same lag, but rank 1 finished and exited
+    world.round(dt=0.8)
+    for rank in (0, 1, 2):
+        world.dogs[rank].started = 4
+    world.dogs[3].started = 3
+    world.dogs[1]._state = "done"
+    world.round([1], dt=0.8)
+    world.states[1001] = "X"
+    for _ in range(3):
+        assert world.round([0, 2], dt=0.8) == {0: None, 2: None}
+
+
 def test_a_failed_collective_with_no_cause_found_reports_itself_within_a_few_seconds():
     world = World(timeout=120.0, collective_timeout=20.0)
     world.round()
