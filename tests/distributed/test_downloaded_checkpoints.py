@@ -68,16 +68,24 @@ def _run(name: str, directory, single: bool) -> dict:
     return {**run, "strategy": "2d", "dp": 2, "tp": 2, "num_nodes": 1, "data_replicas": 2}
 
 
+#: A tied Llama 3.2-style checkpoint under context 2 × tensor 2 (sequence parallel), in the same launch.
+CONTEXT_RUN = "llama32_native_cp2"
+
+
 @pytest.fixture(scope="module")
 def runs(jobs, directories):
-    parallel = jobs.run("downloaded_2x2", "fits", {"runs": {n: _run(n, d, False) for n, d in directories.items()}},
-                        nprocs=4)
+    parallel_runs = {n: _run(n, d, False) for n, d in directories.items()}
+    parallel_runs[CONTEXT_RUN] = {**parallel_runs["llama32_native"], "dp": 1, "data_replicas": 1,
+                                  "context_parallel_size": 2, "save_checkpoint": False}
+    parallel = jobs.run("downloaded_2x2", "fits", {"runs": parallel_runs}, nprocs=4)
     single = jobs.run("downloaded_single", "fits", {"runs": {n: _run(n, d, True) for n, d in directories.items()}},
                       nprocs=1)
     from dataclasses import replace
 
-    return {n: (replace(parallel, out_dir=parallel.out_dir / n), replace(single, out_dir=single.out_dir / n))
-            for n in directories}
+    out = {n: (replace(parallel, out_dir=parallel.out_dir / n), replace(single, out_dir=single.out_dir / n))
+           for n in directories}
+    out[CONTEXT_RUN] = (replace(parallel, out_dir=parallel.out_dir / CONTEXT_RUN), out["llama32_native"][1])
+    return out
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -136,3 +144,17 @@ def test_a_downloaded_checkpoint_loads_trains_at_2x2_and_exports_as_transformers
         expected = model(tokens).logits
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, expected.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_checkpoint_trains_under_context_parallelism_as_on_one_device(runs):
+    """Context 2 × tensor 2 on the Llama 3.2-style directory: the tie and the sequence split together."""
+    parallel, single = runs[CONTEXT_RUN]
+    ref = single.rank_output(0)
+    for rank in range(4):
+        out = parallel.rank_output(rank)
+        assert worst_relative_error(out["losses"], ref["losses"]) <= LOSS_RTOL, (rank, out["losses"], ref["losses"])
+        assert out["tied_parameters"][0]["names"] == ["tok_embeddings.weight", "output.weight"]
+        assert out["mesh_dims"].count("context_parallel") == 1
+    trained, ref_trained = load_weights(parallel, "final"), load_weights(single, "final")
+    for weight_name, weight in ref_trained.items():
+        torch.testing.assert_close(trained[weight_name], weight, rtol=0, atol=5e-5, msg=weight_name)
