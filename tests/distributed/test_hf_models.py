@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -39,14 +41,18 @@ VARIANTS = {
 
 
 def reference(jobs, model):
-    config = {**PARITY, "strategy": "single", "hf_config": CONFIGS[model]}
-    return jobs.run(f"hf_reference_{model}", "fit", config, nprocs=1)
+    """``model`` trained on one device; every model's reference runs in one launch (one fit after another)."""
+    runs = {name: {**PARITY, "strategy": "single", "hf_config": config} for name, config in CONFIGS.items()}
+    result = jobs.run("hf_references", "fits", {"runs": runs}, nprocs=1)
+    return replace(result, out_dir=result.out_dir / model)
 
 
 def parallel(jobs, variant):
-    model, options = VARIANTS[variant]
-    config = {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "data_replicas": 2, "hf_config": CONFIGS[model], **options}
-    return jobs.run(f"hf_{variant}", "fit", config)
+    """``variant`` trained at 2×2; every variant runs in one launch of 4 processes."""
+    runs = {name: {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "num_nodes": 1, "data_replicas": 2,
+                   "hf_config": CONFIGS[model], **options} for name, (model, options) in VARIANTS.items()}
+    result = jobs.run("hf_variants", "fits", {"runs": runs}, nprocs=4)
+    return replace(result, out_dir=result.out_dir / variant)
 
 
 def relative_error(a: list[float], b: list[float]) -> float:
