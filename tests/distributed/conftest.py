@@ -51,18 +51,45 @@ class Jobs:
             assert result.ok, f"job {name} failed:\n{result.describe()}"
         return result
 
-    def reference(self, **extra) -> JobResult:
-        """Single-device training with a plain Trainer: what every layout must reproduce."""
+    @staticmethod
+    def reference_job(**extra) -> tuple[str, dict, int, int]:
+        """``(name, config, nprocs, num_nodes)`` of ``reference(**extra)``."""
         name = "reference" + "".join(f"_{k}-{v}" for k, v in sorted(extra.items()))
-        return self.run(name, "fit", {**PARITY, "strategy": "single", **extra}, nprocs=1)
+        return name, {**PARITY, "strategy": "single", **extra}, 1, 1
 
-    def layout(self, dp: int, tp: int, nprocs: int | None = None, num_nodes: int = 1, **extra) -> JobResult:
-        """Train under ``ModelParallel2DStrategy(dp, tp, **extra)``; ``dp``/``tp`` may be ``"auto"``."""
+    @staticmethod
+    def layout_job(dp: int, tp: int, nprocs: int | None = None, num_nodes: int = 1, **extra) -> tuple[str, dict, int, int]:
+        """``(name, config, nprocs, num_nodes)`` of ``layout(dp, tp, nprocs, num_nodes, **extra)``."""
         name = f"dp{dp}_tp{tp}_nodes{num_nodes}" + "".join(f"_{k}-{v}" for k, v in sorted(extra.items()))
         nprocs = nprocs or dp * tp
         replicas = dp if dp != "auto" else nprocs // (tp if tp != "auto" else nprocs // num_nodes)
         config = {**PARITY, "strategy": "2d", "dp": dp, "tp": tp, "num_nodes": num_nodes, "data_replicas": replicas}
-        return self.run(name, "fit", {**config, **extra}, nprocs=nprocs, num_nodes=num_nodes)
+        return name, {**config, **extra}, nprocs, num_nodes
+
+    def reference(self, **extra) -> JobResult:
+        """Single-device training with a plain Trainer: what every layout must reproduce."""
+        name, config, nprocs, _ = self.reference_job(**extra)
+        return self.run(name, "fit", config, nprocs=nprocs)
+
+    def layout(self, dp: int, tp: int, nprocs: int | None = None, num_nodes: int = 1, **extra) -> JobResult:
+        """Train under ``ModelParallel2DStrategy(dp, tp, **extra)``; ``dp``/``tp`` may be ``"auto"``."""
+        name, config, nprocs, num_nodes = self.layout_job(dp, tp, nprocs, num_nodes, **extra)
+        return self.run(name, "fit", config, nprocs=nprocs, num_nodes=num_nodes)
+
+    def share(self, name: str, jobs: list[tuple[str, dict, int, int]]) -> None:
+        """Run the single-node ``jobs`` (``reference_job``/``layout_job`` tuples) not run yet, those of one process
+        count in one launch (``fits``: one fit after another in the same processes); each is then cached under its
+        own name, so ``reference``/``layout`` return it as if launched alone. Not for jobs whose outputs depend on
+        what ran before them in the process (torch.compile's graph counters)."""
+        pending: dict[int, dict[str, dict]] = {}
+        for job, config, nprocs, num_nodes in jobs:
+            assert num_nodes == 1, f"{job}: a shared launch is one node"
+            if job not in self._cache:
+                pending.setdefault(nprocs, {})[job] = config
+        for nprocs, runs in pending.items():
+            shared = self.run(f"{name}_{nprocs}procs", "fits", {"runs": runs}, nprocs=nprocs)
+            for job, config in runs.items():
+                self._cache[job] = (job_spec("fit", config, nprocs, 1, True), replace(shared, out_dir=shared.out_dir / job))
 
 
     def layouts(self, name: str, runs: dict[str, tuple[int, int, dict]], nprocs: int) -> dict[str, JobResult]:

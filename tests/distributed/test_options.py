@@ -26,6 +26,21 @@ OPTIONS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_launches(jobs):
+    """This module's jobs, but the compile one (dynamo's graph counters are per process), in one launch per process
+    count: one fit after another in the same processes (``Jobs.share``); the tests then read them as usual."""
+    jobs.share("options", [
+        jobs.reference_job(), jobs.reference_job(gradient_clip_val=CLIP), jobs.reference_job(even_labels=True),
+        jobs.layout_job(1, 1, float8="emulate"),
+        *(jobs.layout_job(2, 2, gradient_clip_val=CLIP, **options) for options in OPTIONS.values()),
+        *(jobs.layout_job(2, 2, precision=precision) for precision in ("bf16-mixed", "bf16-true")),
+        jobs.layout_job(2, 2, even_labels=True, accumulate=2),
+        jobs.layout_job(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True),
+        jobs.layout_job(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False),
+    ])
+
+
 def test_clipping_is_active_in_these_runs(jobs):
     out = jobs.reference(gradient_clip_val=CLIP).rank_output(0)
     # Every step's gradient norm exceeds the threshold, so every step is clipped to it.

@@ -17,6 +17,12 @@ LAYOUTS = [(2, 2), (4, 1), (1, 4)]
 LOSS_RTOL = 1e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_launches(jobs):
+    """The reference and the three layouts in one launch per process count (``Jobs.share``)."""
+    jobs.share("parity", [jobs.reference_job(), *(jobs.layout_job(dp, tp) for dp, tp in LAYOUTS)])
+
+
 def worst_relative_error(losses: list[float], reference: list[float]) -> float:
     assert len(losses) == len(reference) == 6
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
