@@ -76,6 +76,10 @@ class HFCausalLMModule(CausalLMModule):
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
         self.model: Optional[nn.Module] = None
+        if init_from is not None:  # names and shapes against the files now (on the meta device), before any process
+            self.model = self.build_model()
+            self.weights_source()
+            self.model = None
 
     @property
     def vocab_size(self) -> int:

@@ -273,6 +273,8 @@ class LlamaLightningModule(CausalLMModule):
         else:
             self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
+        if init_from is not None:  # names and shapes against the files now, before any process starts
+            self.weights_source()
 
     @property
     def vocab_size(self) -> int:

@@ -640,3 +640,28 @@ def test_a_tied_llama_exports_one_tensor_transformers_ties_and_imports_back(tmp_
 
     with pytest.raises(ValueError, match="tie_word_embeddings: False vs True"):
         HFWeights(tmp_path / "hf", ARGS)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "hugging-face"])
+def test_a_checkpoint_whose_tensors_do_not_match_its_config_is_refused_at_construction(tmp_path, native):
+    """A tensor missing or of another shape than config.json says: refused when the module is built (before any
+    process starts), naming each tensor, the stored and the expected shapes."""
+    from safetensors.torch import load_file, save_file
+
+    from lightning_2d.hf import HFCausalLMModule
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ok")
+    make = (lambda d: LlamaLightningModule(init_from=str(d))) if native else (lambda d: HFCausalLMModule(init_from=str(d)))
+    make(tmp_path / "ok")  # the files as written: accepted
+    tensors = load_file(tmp_path / "ok" / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:8]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"does not hold the model's weights \(2 problem\(s\)\):"
+                                         r"(.|\n)*model\.layers\.0\.self_attn\.k_proj\.weight: stored \(8, 32\), the"
+                                         r" model's is \(16, 32\)(.|\n)*model\.layers\.1\.mlp\.up_proj\.weight: missing"):
+        make(tmp_path / "bad")

@@ -56,6 +56,20 @@ def hf(**config):
     return HFCausalLMModule({**base, **config})
 
 
+def mismatched_weights(folder: Path) -> str:
+    """A Llama directory whose safetensors lack a tensor its config.json implies."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    return str(folder)
+
+
 def plan_with_sp_styles() -> ParallelPlan:
     from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
@@ -162,6 +176,9 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("block counts not adding up, before spawn",
      lambda _: fit_before_spawn(LlamaLightningModule("debug"), pipeline_parallel_size=2, pipeline_layers_per_stage=[3, 3]),
      ParallelConfigError, r"pipeline_layers_per_stage \[3, 3\] adds up to 6 blocks but the model has 4"),
+    ("init_from a directory whose tensors do not match its config.json",
+     lambda tmp: LlamaLightningModule(init_from=mismatched_weights(tmp)),
+     ValueError, r"does not hold the model's weights \(1 problem\(s\)\):\n  - model\.layers\.0\.mlp\.up_proj\.weight: missing"),
     ("a tied model under a pipeline",
      lambda _: fit_before_spawn(LlamaLightningModule("debug", model_overrides={"tie_word_embeddings": True}),
                                 pipeline_parallel_size=2),

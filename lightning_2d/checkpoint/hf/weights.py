@@ -22,7 +22,7 @@ from lightning_2d.checkpoint.hf.layout import (
     rotary_heads,
     same_shapes,
 )
-from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.models.llama.model import ModelArgs, Transformer
 
 
 class SafetensorsWeights:
@@ -120,11 +120,14 @@ class HFWeights(SafetensorsWeights):
     """
 
     def __init__(self, directory: Path, args: ModelArgs) -> None:
-        super().__init__(directory)
         self.args = args
-        loaded = model_args_from_hf(self.directory)
+        loaded = model_args_from_hf(Path(directory))
         if mismatch := same_shapes(args, loaded):
             raise ValueError(f"The model does not match {directory}/config.json: " + "; ".join(mismatch))
+        # Every tensor the model reads is there, at its shape (a tied head reads the embedding's).
+        with torch.device("meta"):
+            expected = {name: tuple(param.shape) for name, param in Transformer(args).named_parameters()}
+        super().__init__(directory, expected)
 
     def key(self, name: str) -> str:
         return hf_name(name)
