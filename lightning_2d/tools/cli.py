@@ -93,8 +93,24 @@ TOOLS = {
 }
 
 
+def version_line() -> str:
+    """``lightning-2d VERSION (torch X, lightning Y, Python Z)``: what a bug report needs first."""
+    import platform
+
+    import lightning
+    import torch
+
+    from lightning_2d import __version__
+
+    return (f"lightning-2d {__version__} (torch {torch.__version__}, lightning {lightning.__version__},"
+            f" Python {platform.python_version()})")
+
+
 def main() -> None:
     """The ``lightning-2d`` console script."""
+    if len(sys.argv) == 2 and sys.argv[1] in ("--version", "-V"):
+        print(version_line())
+        return
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
         import importlib
 

@@ -122,3 +122,20 @@ def test_strategy_help_shows_every_option_with_its_docstring_type_and_default(mo
         help_text = entries[opt.name]
         assert "".join(opt.doc.split()) in help_text, f"{opt.name}: its docstring is not its help"
         assert "(type:" in help_text and "default:" in help_text, f"{opt.name}: no type or default in its help"
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_names_the_library_torch_lightning_and_python(flag, monkeypatch, capsys):
+    import platform
+
+    import lightning
+    import torch
+
+    from lightning_2d import __version__
+    from lightning_2d.tools.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-2d", flag])
+    main()
+    assert capsys.readouterr().out.strip() == (
+        f"lightning-2d {__version__} (torch {torch.__version__}, lightning {lightning.__version__},"
+        f" Python {platform.python_version()})")
