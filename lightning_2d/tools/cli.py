@@ -96,13 +96,12 @@ TOOLS = {
 def version_line() -> str:
     """``lightning-2d VERSION (torch X, lightning Y, Python Z)``: what a bug report needs first."""
     import platform
+    from importlib.metadata import version
 
     import lightning
     import torch
 
-    from lightning_2d import __version__
-
-    return (f"lightning-2d {__version__} (torch {torch.__version__}, lightning {lightning.__version__},"
+    return (f"lightning-2d {version('lightning-2d')} (torch {torch.__version__}, lightning {lightning.__version__},"
             f" Python {platform.python_version()})")
 
 
