@@ -110,8 +110,8 @@ class ContextParallelAttention:
         if self.exchange == "ring":
             if q.is_cuda:
                 raise NotImplementedError("the ring exchange runs CPU SDPA kernels; on CUDA use exchange='all_gather'")
-            mask = self._mask(position_ids, seq_len, q)
-            return _RingAttention.apply(q, k, v, *self._ring_blocks(mask), self)
+            blocks, rows = self._mask(position_ids, seq_len, q)
+            return _RingAttention.apply(q, k, v, blocks, rows, self)
         keys, values = self._gather(k, True), self._gather(v, True)  # (B, H_kv, T, Dh), in gathered order
         mask = self._mask(position_ids, seq_len, q)
         if q.is_cuda:  # FlexAttention's block mask: the blocks no query may see are skipped, not computed
@@ -123,8 +123,10 @@ class ContextParallelAttention:
 
     def _mask(self, position_ids: torch.Tensor, seq_len: int, q: torch.Tensor) -> Any:
         """The mask of this rank's queries against the gathered keys: ``(B, 1, T/cp, T)`` additive for SDPA, or a
-        FlexAttention block mask on CUDA. The layers of one forward share the positions: it is computed once (one
-        all-gather of integers) and kept while the same ``position_ids`` come (recomputation included)."""
+        FlexAttention block mask on CUDA; for the ring, that additive mask cut into its ``cp`` blocks, ``(cp, B, 1,
+        T/cp, T/cp)`` (block ``j``: the keys rank ``j`` holds), with which rows of each block see any key, ``(cp, B,
+        1, T/cp, 1)``. The layers of one forward share the positions: it is computed once (one all-gather of
+        integers) and kept while the same ``position_ids`` come (recomputation included)."""
         if self._layout is not None and self._layout[0] is position_ids:
             return self._layout[1]
         mine, order, query_document, key_document = self.layout(position_ids, seq_len)
@@ -139,17 +141,11 @@ class ContextParallelAttention:
             visible = (order[None, :] <= mine[:, None]) & (query_document[:, :, None] == key_document[:, None, :])
             mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None]
+            if self.exchange == "ring":  # the gathered order is rank after rank
+                blocks = torch.stack(mask.chunk(self.cp, dim=-1))
+                mask = (blocks, (blocks > float("-inf")).any(-1, keepdim=True))
         self._layout = (position_ids, mask)
         return mask
-
-    def _ring_blocks(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The additive mask cut into the ``cp`` blocks of the ring, ``(cp, B, 1, T/cp, T/cp)`` (block ``j``: the
-        keys rank ``j`` holds), and which rows of each block see any key, ``(cp, B, 1, T/cp, 1)``; kept with the
-        mask."""
-        if len(self._layout) == 2:
-            blocks = torch.stack(mask.chunk(self.cp, dim=-1))  # the gathered order is rank after rank
-            self._layout = (self._layout[0], None, blocks, (blocks > float("-inf")).any(-1, keepdim=True))
-        return self._layout[2], self._layout[3]
 
     def shift(self, x: torch.Tensor, tag: int = 0) -> Callable[[], torch.Tensor]:
         """Start sending ``x`` to the next context rank and receiving the previous one's (a ring step); the
