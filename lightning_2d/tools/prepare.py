@@ -3,7 +3,7 @@
     lightning-2d prepare-data --config recipes/debug_cpu.yaml
     lightning-2d prepare-data --config recipes/llama3_8b_1node.yaml \\
         --data.paths='["/data/corpus/*.jsonl"]' --data.tokenizer=/models/Meta-Llama-3-8B/tokenizer.json
-    lightning-2d prepare-data --data.paths=/data/books --num-workers 32
+    lightning-2d prepare-data --data.paths=/data/books --processes 32
 
 The recipe is parsed by the same LightningCLI parser as ``lightning-2d fit`` (the same files,
 defaults and ``--data.*`` overrides; other sections are parsed and ignored, nothing but the data
@@ -15,63 +15,57 @@ The Python equivalent is ``TextDataModule(...).prepare(num_workers=...)``.
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 import time
-import warnings
-from pathlib import Path
-from typing import Any, Optional
-
-import yaml
+from typing import Optional
 
 from lightning_2d.data import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
+from lightning_2d.tools.recipe import RecipeError, fit_config, recipe_help, split_argv
 
 DESCRIPTION = (
     "Tokenize the corpus of a recipe's `data` section (TextDataModule) into the token cache that training"
-    " then memory-maps, with a pool of processes (--num-workers, default every core this process may use)."
+    " then memory-maps, with a pool of processes (--processes, default every core this process may use)."
     " Takes the same --config files and --data.* options as `lightning-2d fit`; the other sections are"
     " read and ignored. Streams every file in pieces: memory stays about workers x 1 MB."
 )
 
 
-def _flatten_class_path(config: Any, source: str) -> Any:
-    """``data: {class_path: ..., init_args: {...}}`` → ``data: {...}`` (the form ``fit`` takes)."""
-    if not isinstance(config, dict) or not isinstance(config.get("data"), dict) or "class_path" not in config["data"]:
-        return config
-    import importlib
-
-    data = config["data"]
-    module, _, name = str(data["class_path"]).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module or "lightning_2d"), name)
-    except (ImportError, AttributeError) as err:
-        raise DataError(f"{source}: data.class_path {data['class_path']!r} does not import ({err})") from None
-    if not (isinstance(cls, type) and issubclass(cls, TextDataModule)):
-        raise DataError(
-            f"{source}: data.class_path is {data['class_path']!r}; prepare-data builds the cache of a TextDataModule"
-        )
-    return {**config, "data": dict(data.get("init_args") or {})}
+#: The ``data`` options that decide the token cache (the others, seq_len, batch_size …, are training's).
+CACHE_OPTIONS = ("paths", "tokenizer", "eos_token", "text_field", "cache_dir")
 
 
-def _normalized_args(argv: list[str]) -> list[str]:
-    """``argv`` with every ``--config`` file whose data section uses ``class_path`` given as its flattened text."""
-    out, i = [], 0
-    while i < len(argv):
-        option = argv[i]
-        name, has_value, value = option.partition("=")
-        if name in ("-c", "--config"):
-            if not has_value and i + 1 < len(argv):
-                i, value = i + 1, argv[i + 1]
-            path = Path(value)
-            if path.is_file():
-                loaded = yaml.safe_load(path.read_text())
-                flattened = _flatten_class_path(loaded, str(path))
-                if flattened is not loaded:
-                    value = yaml.safe_dump(flattened, sort_keys=False)
-            out.append(f"{name}={value}")
-        else:
-            out.append(option)
-        i += 1
-    return out
+def _data_options(group: argparse._ArgumentGroup) -> None:
+    """One help line per ``TextDataModule`` argument (``--data.NAME``), from its signature and docstring."""
+    import inspect
+
+    from docstring_parser import parse
+
+    docs = {p.arg_name: " ".join(p.description.split()) for p in parse(TextDataModule.__doc__ or "").params}
+    for name, parameter in inspect.signature(TextDataModule).parameters.items():
+        if name not in CACHE_OPTIONS:
+            continue
+        text = re.sub(r"``(.*?)``", r"\1", docs.get(name, ""))
+        group.add_argument(f"--data.{name}", metavar="VALUE", dest=f"data_{name}",
+                           help=f"{text} (default: {parameter.default})".replace("%", "%%"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``prepare-data``'s own option and, for ``--help``, the recipe's options it reads (parsed by
+    ``fit``'s parser, ``lightning_2d.tools.recipe``)."""
+    parser = argparse.ArgumentParser(prog="lightning-2d prepare-data", description=DESCRIPTION)
+    parser.add_argument(
+        "--processes", "--num-workers", dest="processes", type=int, default=None, metavar="N",
+        help="tokenizing processes (default: every core this process may use); not --data.num_workers, the"
+        " DataLoader's workers during training",
+    )
+    group = parser.add_argument_group("recipe", recipe_help("the data section"))
+    group.add_argument("-c", "--config", metavar="RECIPE.yaml", action="append", help="a `lightning-2d fit` recipe")
+    _data_options(parser.add_argument_group(
+        "data", "The options of the recipe's data section (TextDataModule) that decide the cache; the others are"
+        " parsed as fit parses them and ignored."))
+    return parser
 
 
 def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
@@ -80,38 +74,16 @@ def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
     Args:
         argv: The options after ``lightning-2d prepare-data``.
     """
-    from lightning.pytorch.cli import LightningArgumentParser
-
-    from lightning_2d.tools.cli import MODEL_AND_DATA, Lightning2DCLI
-
-    class DataOnlyCLI(Lightning2DCLI):
-        """``lightning-2d fit``'s parser (no subcommand); instantiates the data module only."""
-
-        def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-            super().add_arguments_to_parser(parser)
-            parser.add_argument(
-                "--num-workers", type=Optional[int], default=None,
-                help="tokenizing processes (default: every core this process may use); not data.num_workers,"
-                " the DataLoader's",
-            )
-            # A `fit` recipe may name a checkpoint to resume from; accepted here and ignored.
-            parser.add_argument("--ckpt_path", type=Optional[str], default=None, help="ignored")
-
-        def instantiate_classes(self) -> None:
-            self.datamodule = TextDataModule(**self.config["data"].as_dict())
-
-    with warnings.catch_warnings():
-        # LightningCLI warns when `args` is given while sys.argv has options (ours: prepare-data ...).
-        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
-        cli = DataOnlyCLI(
-            # Last: a recipe's seed_everything would seed (and log) for nothing here.
-            **MODEL_AND_DATA, args=[*_normalized_args(argv), "--seed_everything=false"], run=False,
-            parser_kwargs={"prog": "lightning-2d prepare-data", "description": DESCRIPTION},
-        )
-    workers = cli.config["num_workers"]
-    if workers is not None and workers < 1:
-        raise DataError(f"--num-workers must be at least 1, got {workers}")
-    return cli.datamodule, workers or default_num_workers()
+    own, recipe = split_argv(argv)
+    args = build_parser().parse_args(own)
+    if args.processes is not None and args.processes < 1:
+        raise DataError(f"--processes/--num-workers must be at least 1, got {args.processes}")
+    try:
+        config = fit_config(recipe, prog="lightning-2d prepare-data")
+    except RecipeError as err:
+        raise DataError(str(err)) from None
+    data = TextDataModule(**config["data"].as_dict())
+    return data, args.processes or default_num_workers()
 
 
 def _mb(n: float) -> str:
@@ -165,7 +137,7 @@ def summary(report: CacheReport) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> CacheReport:
-    """``lightning-2d prepare-data [--config RECIPE.yaml ...] [--data.* ...] [--num-workers N]``.
+    """``lightning-2d prepare-data [--config RECIPE.yaml ...] [--data.* ...] [--processes N]``.
 
     Args:
         argv: Options (default ``sys.argv[1:]``).

@@ -9,11 +9,12 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
 from lightning_2d.models.llama.model import PRESETS
-from lightning_2d.parallel.config import SUPPORTED_PRECISIONS
+from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig
 from lightning_2d.tools.benchmark.options import add_strategy_options, option_flag
 from lightning_2d.tools.benchmark.processes import (
     BenchmarkJobError,
@@ -24,6 +25,15 @@ from lightning_2d.tools.benchmark.processes import (
 )
 from lightning_2d.tools.benchmark.report import format_report, summarize
 from lightning_2d.tools.benchmark.settings import VARIANTS, BenchmarkConfigError, settings_from_args
+from lightning_2d.tools.recipe import RecipeError, RecipeRun, add_recipe_options, given_options, read_run, split_argv
+
+#: What ``benchmark`` reads from a recipe.
+RECIPE_KEYS = ("trainer.accelerator, trainer.devices, trainer.num_nodes, trainer.precision, trainer.strategy (every"
+               " option), model (LlamaLightningModule: its model, model_overrides, init_from, fused_loss,"
+               " loss_chunk_size), data.seq_len and data.batch_size (per data-parallel replica)")
+
+#: The parser's own flags that share a name with a recipe's top-level key.
+OWN_FLAGS = ("--model",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         " hand-written (lightning) and a plain torch loop (plain), and prints the step-time ratios.",
     )
     parser.add_argument("--compare", action="store_true", help="run the three variants side by side")
+    add_recipe_options(parser, RECIPE_KEYS)
     model = parser.add_argument_group(
         "model", "default: PyTorch's 2D example (dim 256, 2 layers, 16 heads, vocab 32000)"
     )
@@ -68,10 +79,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def apply_recipe(args: argparse.Namespace, given: set[str], run: RecipeRun) -> None:
+    """The recipe's run as the defaults of ``args``: a flag given on the command line keeps its value."""
+    if not run.is_llama:
+        raise RecipeError(f"the recipe's model is {run.module_class}; the benchmark trains LlamaLightningModule"
+                          " (its model: a preset or ModelArgs fields)")
+    if "model" not in given:
+        args.recipe_model = run.model
+    devices = run.devices if "devices" not in given else args.devices
+    if devices is None:
+        raise RecipeError("trainer.devices is 'auto' (every device of the machine); add --trainer.devices=N")
+    accelerator = {"cuda": "gpu"}.get(run.accelerator, run.accelerator)
+    if accelerator not in ("auto", "cpu", "gpu"):
+        raise RecipeError(f"trainer.accelerator is {run.accelerator!r}; the benchmark runs on cpu or gpu")
+    recipe = {"seq_len": run.seq_len, "accelerator": accelerator, "devices": devices, "num_nodes": run.num_nodes,
+              "precision": run.precision, "fused_loss": run.fused_loss}
+    if run.loss_chunk_size is not None:
+        recipe["loss_chunk_size"] = run.loss_chunk_size
+    for name, value in recipe.items():
+        if name not in given:
+            setattr(args, name, value)
+    if "global_batch_size" not in given:
+        args.batch_size_per_replica = run.batch_size
+    # The strategy's layout and training options (ParallelConfig's fields, as written); its checkpoint and
+    # watchdog options do not apply to a benchmark.
+    layout = {f.name for f in fields(ParallelConfig)}
+    args.recipe_strategy_options = {k: v for k, v in run.strategy_options.items() if k in layout}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """``lightning-2d benchmark`` / ``python -m lightning_2d.tools.benchmark``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, recipe = split_argv(sys.argv[1:] if argv is None else list(argv), own=OWN_FLAGS)
+    args, given = given_options(parser, own)
+    if recipe:
+        try:
+            apply_recipe(args, given, read_run(recipe, prog="lightning-2d benchmark"))
+        except RecipeError as err:
+            parser.error(str(err))
     if args.worker is not None:
         if args.settings is None or args.out is None:
             parser.error("--worker needs --settings and --out")

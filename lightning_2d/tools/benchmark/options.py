@@ -108,6 +108,8 @@ def add_strategy_options(
 
 
 def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``ParallelConfig`` fields given on the command line, on top of ``STRATEGY_DEFAULTS``."""
+    """The ``ParallelConfig`` fields given on the command line, on top of ``STRATEGY_DEFAULTS`` (or of the recipe's
+    strategy options, ``recipe_strategy_options``)."""
     given = {f.name: getattr(args, f.name) for f in fields(ParallelConfig) if getattr(args, f.name, None) is not None}
-    return {**STRATEGY_DEFAULTS, **given}
+    recipe = getattr(args, "recipe_strategy_options", None)  # a recipe's strategy init_args replace the defaults
+    return {**(STRATEGY_DEFAULTS if recipe is None else recipe), **given}

@@ -119,6 +119,8 @@ def _model_args(args: argparse.Namespace, problems: list[str]) -> Optional[Model
     try:
         if args.model is not None:
             return ModelArgs.from_name(args.model, **overrides)
+        if getattr(args, "recipe_model", None) is not None:  # a recipe's model (lightning_2d.tools.recipe)
+            return ModelArgs(**{**asdict(args.recipe_model), **overrides})
         return ModelArgs(**{**asdict(REFERENCE_MODEL), **overrides})
     except ValueError as err:
         # "Invalid ModelArgs:\n  - a\n  - b" → one problem per line
@@ -227,6 +229,9 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         if dp and extra:  # only the reference plan's check got here
             extra = [f"under --compare the lightning and plain variants use sequence parallelism: {p}" for p in extra]
         problems.extend(extra)
+    per_replica = getattr(args, "batch_size_per_replica", None)
+    if dp and per_replica is not None:  # a recipe's data.batch_size: sequences per data-parallel replica
+        args.global_batch_size = per_replica * dp
     if dp and args.global_batch_size % dp:
         fits = [b for b in (args.global_batch_size // dp * dp, (args.global_batch_size // dp + 1) * dp) if b > 0]
         problems.append(

@@ -1,6 +1,13 @@
 """``lightning-2d plan``'s command line: the parser (model, world, training step, one flag per
-``ParallelConfig`` field) and ``main``, which prints the table or the JSON report, or every problem of the
-layout without a traceback.
+``ParallelConfig`` field, and a ``fit`` recipe with its dotted overrides) and ``main``, which prints the table or
+the JSON report, or every problem of the layout without a traceback.
+
+    lightning-2d plan --config recipes/llama3_8b_1node.yaml                 # the run `fit` would launch
+    lightning-2d plan --config recipes/llama3_8b_1node.yaml --trainer.num_nodes=2 --device-memory-gib 131
+    lightning-2d plan --model llama3-70b --num-nodes 4 --devices 8 --tensor-parallel-size 8   # no recipe
+
+With a recipe, the model, world, precision, gradient accumulation, sequence length, micro-batch and strategy
+come from it (``lightning_2d.tools.recipe``); a kebab-case flag given as well replaces the recipe's value.
 """
 
 from __future__ import annotations
@@ -17,6 +24,15 @@ from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig, P
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE
 from lightning_2d.tools.planner.estimate import DEFAULT_DEVICE_MEMORY_GIB, DEFAULT_RESERVE_GIB, plan_run
 from lightning_2d.tools.planner.report import format_report
+from lightning_2d.tools.recipe import RecipeError, RecipeRun, add_recipe_options, given_options, read_run, split_argv
+
+#: What ``plan`` reads from a recipe.
+RECIPE_KEYS = ("trainer.devices, trainer.num_nodes, trainer.precision, trainer.accumulate_grad_batches,"
+               " trainer.strategy (every option), model (its model, model_overrides, init_from, config,"
+               " fused_loss, loss_chunk_size), data.seq_len and data.batch_size (the micro-batch)")
+
+#: The parser's own flags that share a name with a recipe's top-level key.
+OWN_FLAGS = ("--model",)
 
 
 def add_parallel_config_options(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``lightning-2d plan`` parser."""
     parser = argparse.ArgumentParser(
         prog="lightning-2d plan",
-        description="Check a 2D layout with the real validation and parallelization on a simulated world (one"
-        " process, no GPU) and estimate the memory of one training step per device: parameters, gradients,"
-        " AdamW state, FSDP buffers and activations, with a verdict against the device memory.",
+        description="Check the layout of a training run with the real validation and parallelization on a simulated"
+        " world (one process, no GPU) and estimate the memory of one training step per device: parameters,"
+        " gradients, AdamW state, FSDP buffers and activations, with a verdict against the device memory. The run"
+        " is a `lightning-2d fit` recipe (--config, plus fit's dotted overrides), or the flags below, which also"
+        " replace a recipe's values.",
     )
+    add_recipe_options(parser, RECIPE_KEYS)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="llama3-8b", metavar="PRESET_OR_CONFIG",
                        help=f"a ModelArgs preset ({', '.join(PRESETS)}; default: llama3-8b), or a Hugging Face"
@@ -77,27 +96,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun]) -> dict[str, Any]:
+    """``plan_run``'s arguments: the recipe's run (if any), with the flags given on the command line on top."""
+    flags = {f.name: getattr(args, f.name) for f in fields(ParallelConfig) if getattr(args, f.name) is not None}
+    own = {name: getattr(args, name) for name in ("model", "model_overrides", "num_nodes", "devices", "precision",
+                                                 "seq_len", "micro_batch_size", "accumulate_grad_batches",
+                                                 "loss_chunk_size")}
+    if run is None:
+        return {**own, "config": ParallelConfig(**flags), "model_name": None}
+    from dataclasses import replace
+
+    devices = args.devices if "devices" in given else run.devices
+    if devices is None:
+        raise RecipeError("trainer.devices is 'auto' (every device of the machine), which the planner cannot know;"
+                          " add --trainer.devices=N (or --devices N)")
+    from_recipe = {
+        "model": run.model, "model_name": run.model_name, "num_nodes": run.num_nodes, "devices": devices,
+        "precision": run.precision, "seq_len": run.seq_len, "micro_batch_size": run.batch_size,
+        "accumulate_grad_batches": run.accumulate_grad_batches, "loss_chunk_size": run.loss_chunk_size,
+        "model_overrides": None,
+    }
+    config = replace(run.config, **flags) if flags else run.config
+    if config.pipeline_parallel_size > 1 and "micro_batch_size" not in given:
+        # The pipeline splits each data.batch_size batch into pipeline_microbatches (default: one sequence each).
+        count = config.pipeline_microbatches or run.batch_size
+        if problems := config.microbatch_problems(count, run.batch_size, schedule_checks=False):
+            raise ParallelConfigError(problems)
+        from_recipe["micro_batch_size"] = run.batch_size // count
+        config = replace(config, pipeline_microbatches=count)
+    chosen = {**from_recipe, **{name: value for name, value in own.items() if name in given}}
+    if "model" in given:
+        chosen["model_name"] = None
+    return {**chosen, "config": config}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """``lightning-2d plan`` / ``python -m lightning_2d.tools.planner``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    given = {f.name: getattr(args, f.name) for f in fields(ParallelConfig) if getattr(args, f.name) is not None}
+    own, recipe = split_argv(sys.argv[1:] if argv is None else list(argv), own=OWN_FLAGS)
+    args, given = given_options(parser, own)
     try:
+        run = read_run(recipe, prog="lightning-2d plan") if recipe else None
+        inputs = _inputs(args, given, run)  # ParallelConfig's own checks raise ParallelConfigError too
         report = plan_run(
-            args.model,
-            num_nodes=args.num_nodes,
-            devices=args.devices,
-            config=ParallelConfig(**given),  # its own checks raise ParallelConfigError too
-            precision=args.precision,
-            seq_len=args.seq_len,
-            micro_batch_size=args.micro_batch_size,
-            accumulate_grad_batches=args.accumulate_grad_batches,
-            model_overrides=args.model_overrides,
-            loss_chunk_size=args.loss_chunk_size,
+            **inputs,
             device_memory_gib=args.device_memory_gib,
             reserve_gib=args.reserve_gib,
         )
-    except ParallelConfigError as err:
+    except (ParallelConfigError, RecipeError) as err:
         # The message lists every problem with its fix; a traceback would only bury it.
         print(f"lightning-2d plan: {err}", file=sys.stderr)
         raise SystemExit(2) from None

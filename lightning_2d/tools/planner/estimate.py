@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
@@ -103,8 +104,9 @@ def _validate(
 
 
 def plan_run(
-    model: Union[str, Mapping[str, Any]] = "llama3-8b",
+    model: Union[str, Mapping[str, Any], ModelArgs] = "llama3-8b",
     *,
+    model_name: Optional[str] = None,
     num_nodes: int = 1,
     devices: int = 8,
     config: Optional[ParallelConfig] = None,
@@ -134,6 +136,8 @@ def plan_run(
             Hugging Face Llama-family decoder (``model_type`` in ``HF_DECODER_TYPES``): the path of its
             ``config.json``, a directory holding one, or the config's fields as a mapping. An unknown name, a
             file that is not a JSON config or another ``model_type`` is a problem, found before anything is built.
+            Or ``ModelArgs`` themselves (as a recipe's ``LlamaLightningModule`` resolved them).
+        model_name: The report's name of the model (default: the preset, the config's path).
         num_nodes: Nodes of the target cluster.
         devices: Devices (processes) per node.
         config: The strategy's options (``ParallelConfig()``: both sizes ``"auto"``).
@@ -218,7 +222,7 @@ def plan_run(
             "in_flight": estimate.in_flight,
         }
     parts |= {"last_block_saved": estimate.block_saved, "block_modes": _count_modes(estimate.block_modes)}
-    name = args.name if isinstance(args, HFDecoderArgs) else str(model)
+    name = model_name or (args.name if isinstance(args, HFDecoderArgs) else str(model))
     report = PlanReport(
         model=name if not model_overrides else f"{name} (overridden: {', '.join(sorted(model_overrides))})",
         model_args=model_fields(args),

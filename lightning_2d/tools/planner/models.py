@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -133,6 +133,13 @@ def read_model(model: Union[str, Mapping[str, Any]], overrides: Optional[Mapping
     """
     if isinstance(model, Mapping):
         return _hf_args(dict(model), "the given config", overrides, problems)
+    if isinstance(model, ModelArgs):  # as a LightningModule built it (a recipe's model: lightning_2d.tools.recipe)
+        try:
+            return replace(model, **(overrides or {}))
+        except (ValueError, TypeError) as err:
+            lines = [line.strip().removeprefix("- ") for line in str(err).splitlines()[1:]] or [str(err)]
+            problems.extend(f"model: {line}" for line in lines if line)
+            return None
     if model in PRESETS:
         try:
             return ModelArgs.from_name(model, **(overrides or {}))
