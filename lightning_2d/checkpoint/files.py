@@ -34,6 +34,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from lightning_2d.errors import Lightning2DError
+
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 DCP_METADATA_FILE = ".metadata"
 DCP_SHARD_SUFFIX = ".distcp"
@@ -308,7 +310,7 @@ def incomplete_checkpoints(folder: Path) -> list[Path]:
     return [p for p in checkpoints_in(folder) if not is_complete(p)]
 
 
-class CheckpointError(FileNotFoundError):
+class CheckpointError(Lightning2DError, FileNotFoundError):
     """The checkpoint asked for cannot be loaded (missing, interrupted, damaged); names it and the way on."""
 
 
