@@ -367,6 +367,39 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool 
     return fallback
 
 
+#: ``ckpt_path`` values Lightning's Trainer turns into a path itself (``Trainer.fit(ckpt_path=...)``), as it does
+#: any ``"registry:…"``: not paths to check.
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+
+
+def may_fall_back(path: Any) -> bool:
+    """Whether another checkpoint may stand in for ``path``: only a "last" one (``ckpt_path="last"`` resolves to
+    ``last*.ckpt``), never one named explicitly."""
+    return Path(str(path)).name.startswith("last")
+
+
+def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
+    """What loading will check, done before any process starts: a local ``ckpt_path`` must be a complete and
+    intact checkpoint (``resolve_checkpoint``, with the same fall-back rule as the strategies' loading).
+
+    Args:
+        ckpt_path: A Trainer's ``ckpt_path``; ``None``, Lightning's names (``LIGHTNING_CKPT_NAMES``,
+            ``registry:…``) and remote URLs are left to Lightning (returns ``None``).
+
+    Returns:
+        The checkpoint that will be loaded.
+
+    Raises:
+        CheckpointError: missing, interrupted or damaged, naming the file and the way on.
+    """
+    if ckpt_path is None:
+        return None
+    text = str(ckpt_path)
+    if text in LIGHTNING_CKPT_NAMES or text.startswith("registry") or "://" in text:
+        return None
+    return resolve_checkpoint(Path(text), warn=lambda _: None, fall_back=may_fall_back(text))  # the ranks warn
+
+
 def remove_path(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
