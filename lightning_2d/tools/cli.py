@@ -9,7 +9,7 @@ The model is any ``CausalLMModule``: a recipe's ``model:`` section without ``cla
 decoder (``recipes/hf_llama_cpu.yaml``).
 
 Subcommands (``COMMANDS``, listed by ``lightning-2d --help``): ``fit``, ``validate``, ``test``, ``predict``
-(LightningCLI's; a ``ThroughputMonitor`` is always on, ``--throughput.*`` configures it), and ours (``TOOLS``):
+(LightningCLI's; a ``TokenThroughputMonitor`` is always on, ``--throughput.*`` configures it), and ours (``TOOLS``):
 ``plan`` (dry run on a simulated world, ``lightning_2d.tools.planner``), ``benchmark [--compare]``
 (``lightning_2d.tools.benchmark``), ``prepare-data --config RECIPE`` (tokenize the corpus before training,
 ``lightning_2d.tools.prepare``) and ``export CHECKPOINT OUT_DIR`` (Hugging Face Llama directory,
@@ -34,13 +34,13 @@ import lightning_2d.integration.trainer_strategy  # noqa: F401  (registers the "
 from lightning_2d.checkpoint import check_ckpt_path
 from lightning_2d.data import TextDataModule
 from lightning_2d.errors import Lightning2DError
-from lightning_2d.integration.callbacks import ThroughputMonitor
+from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import CausalLMModule
 
 
 class Lightning2DCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ThroughputMonitor, "throughput")
+        parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
         # Recipes written for the Llama module keep working without a class_path.
         parser.set_defaults({"model": {"class_path": "lightning_2d.LlamaLightningModule"}})
 
@@ -114,7 +114,7 @@ COMMANDS = {
     "test": "the test loop over a checkpoint (--ckpt_path)",
     "predict": "next-token predictions and losses over a checkpoint (--ckpt_path)",
     "plan": "check a layout and estimate its per-device memory on a simulated world, without GPUs",
-    "benchmark": "time a model and layout: step time, tokens/s, MFU, memory (--compare: against Lightning's and torch's)",
+    "benchmark": "time a model and layout: step time, tokens/s, MFU, memory (--compare: beside Lightning's, torch's)",
     "prepare-data": "tokenize a recipe's corpus into the token cache with every local core, before training",
     "export": "write a Hugging Face Llama directory (safetensors + config.json) from a checkpoint",
 }
