@@ -177,9 +177,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(help_text(), file=sys.stdout if args else sys.stderr)
-        if not args:
-            raise SystemExit(2)  # no command: a usage error, as argparse's
-        return
+        raise SystemExit(0 if args else 2)  # as argparse: help exits 0, no command is a usage error
     if len(args) == 1 and args[0] in ("--version", "-V"):
         print(version_line())
         return

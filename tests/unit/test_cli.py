@@ -149,14 +149,10 @@ def test_help_lists_every_subcommand_one_line_each(argv, capsys):
     from lightning_2d.tools.cli import COMMANDS, TOOLS, main
 
     assert set(COMMANDS) == set(LightningCLI.subcommands()) | set(TOOLS)
-    if argv:
+    with pytest.raises(SystemExit) as exit_:
         main(argv)
-        text = capsys.readouterr().out
-    else:
-        with pytest.raises(SystemExit) as exit_:
-            main(argv)
-        assert exit_.value.code == 2  # no command: a usage error
-        text = capsys.readouterr().err
+    assert exit_.value.code == (0 if argv else 2)  # as argparse: no command is a usage error
+    text = capsys.readouterr().out if argv else capsys.readouterr().err
     lines = text.splitlines()
     for name in ["fit", "validate", "test", "predict", "plan", "benchmark", "prepare-data", "export"]:
         assert sum(line.startswith(f"  {name} ") for line in lines) == 1, name
