@@ -1,7 +1,10 @@
-"""lightning_2d: 2D parallel training (FSDP2 × tensor/sequence parallel) as a Lightning strategy."""
+"""lightning_2d: FSDP2/HSDP × tensor/sequence × pipeline × context parallel training as a Lightning strategy."""
 
+from typing import Any
+
+import lightning_2d.integration.fabric_strategy  # noqa: F401  (registers "model_parallel_2d" for Fabric too)
 from lightning_2d.data import TextDataModule
-from lightning_2d.integration.callbacks import ThroughputMonitor
+from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
@@ -18,6 +21,22 @@ __all__ = [
     "ParallelPlan",
     "RopeScaling",
     "TextDataModule",
-    "ThroughputMonitor",
+    "TokenThroughputMonitor",
     "Transformer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # 0.1.0's name, which shadowed Lightning's own `lightning.pytorch.callbacks.ThroughputMonitor` (another class,
+    # other arguments): still importable, with a warning, until 0.3.
+    if name == "ThroughputMonitor":
+        import warnings
+
+        warnings.warn(
+            "lightning_2d.ThroughputMonitor is renamed TokenThroughputMonitor (the old name is Lightning's own"
+            " lightning.pytorch.callbacks.ThroughputMonitor, another class); it will be removed in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return TokenThroughputMonitor
+    raise AttributeError(f"module 'lightning_2d' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import argparse
 
 import lightning as L
 
-from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, TextDataModule, ThroughputMonitor
+from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, TextDataModule, TokenThroughputMonitor
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 
 
@@ -49,7 +49,7 @@ def main() -> None:
         ),
         max_steps=args.max_steps,
         log_every_n_steps=10,
-        callbacks=[ThroughputMonitor()],
+        callbacks=[TokenThroughputMonitor()],
         logger=False,
         enable_checkpointing=False,
     )

@@ -4,6 +4,7 @@ from Hugging Face directories (``hf``). Above the model families and the paralle
 
 from lightning_2d.checkpoint.files import (
     CheckpointError,
+    check_ckpt_path,
     checkpoints_in,
     incomplete_checkpoints,
     is_checkpoint,
@@ -14,6 +15,7 @@ from lightning_2d.checkpoint.files import (
 
 __all__ = [
     "CheckpointError",
+    "check_ckpt_path",
     "checkpoints_in",
     "incomplete_checkpoints",
     "is_checkpoint",

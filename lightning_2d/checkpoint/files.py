@@ -34,6 +34,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from lightning_2d.errors import Lightning2DError
+
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 DCP_METADATA_FILE = ".metadata"
 DCP_SHARD_SUFFIX = ".distcp"
@@ -308,7 +310,7 @@ def incomplete_checkpoints(folder: Path) -> list[Path]:
     return [p for p in checkpoints_in(folder) if not is_complete(p)]
 
 
-class CheckpointError(FileNotFoundError):
+class CheckpointError(Lightning2DError, FileNotFoundError):
     """The checkpoint asked for cannot be loaded (missing, interrupted, damaged); names it and the way on."""
 
 
@@ -363,6 +365,39 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool 
         )
     warn(f"Checkpoint {path} {reason}; resuming from the newest complete checkpoint instead: {fallback}")
     return fallback
+
+
+#: ``ckpt_path`` values Lightning's Trainer turns into a path itself (``Trainer.fit(ckpt_path=...)``), as it does
+#: any ``"registry:…"``: not paths to check.
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+
+
+def may_fall_back(path: Any) -> bool:
+    """Whether another checkpoint may stand in for ``path``: only a "last" one (``ckpt_path="last"`` resolves to
+    ``last*.ckpt``), never one named explicitly."""
+    return Path(str(path)).name.startswith("last")
+
+
+def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
+    """What loading will check, done before any process starts: a local ``ckpt_path`` must be a complete and
+    intact checkpoint (``resolve_checkpoint``, with the same fall-back rule as the strategies' loading).
+
+    Args:
+        ckpt_path: A Trainer's ``ckpt_path``; ``None``, Lightning's names (``LIGHTNING_CKPT_NAMES``,
+            ``registry:…``) and remote URLs are left to Lightning (returns ``None``).
+
+    Returns:
+        The checkpoint that will be loaded.
+
+    Raises:
+        CheckpointError: missing, interrupted or damaged, naming the file and the way on.
+    """
+    if ckpt_path is None:
+        return None
+    text = str(ckpt_path)
+    if text in LIGHTNING_CKPT_NAMES or text.startswith("registry") or "://" in text:
+        return None
+    return resolve_checkpoint(Path(text), warn=lambda _: None, fall_back=may_fall_back(text))  # the ranks warn
 
 
 def remove_path(path: Path) -> None:

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from lightning_2d.errors import Lightning2DError
 from lightning_2d.models.llama.model import ModelArgs
 
 
-class ExportError(ValueError):
+class ExportError(Lightning2DError, ValueError):
     """A checkpoint that cannot be exported as asked; the message names the problem and the fix."""
 
 

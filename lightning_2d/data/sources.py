@@ -11,9 +11,14 @@ from glob import glob
 from pathlib import Path
 from typing import Union
 
+from lightning_2d.errors import Lightning2DError
 
-class DataError(ValueError):
+class DataError(Lightning2DError, ValueError):
     """Bad data input: names the file or value and what to do."""
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    """A data input file (a tokenizer) that does not exist."""
 
 
 def stdlib_sources() -> list[Path]:

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from lightning_2d.data.sources import DataError, DataFileNotFoundError
+
 #: End-of-text tokens tried, in order, when a Hugging Face tokenizer does not say which is its EOS.
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
 
@@ -66,13 +68,13 @@ class HuggingFaceTokenizer:
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as err:
-            raise ValueError(f"Could not load the Hugging Face tokenizer {path}: {err}") from err
+            raise DataError(f"Could not load the Hugging Face tokenizer {path}: {err}") from err
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eos_token,) if eos_token else EOS_CANDIDATES
         ids = [self._tok.token_to_id(t) for t in candidates]
         self.eos_id = next((i for i in ids if i is not None), None)
         if eos_token and self.eos_id is None:
-            raise ValueError(f"eos_token {eos_token!r} is not in the vocabulary of {path}")
+            raise DataError(f"eos_token {eos_token!r} is not in the vocabulary of {path}")
         self.fingerprint = f"hf-{_file_digest(path)}-eos{self.eos_id}"
 
     def __getstate__(self) -> dict[str, Any]:
@@ -105,7 +107,7 @@ class SentencePieceTokenizer:
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as err:
-            raise ValueError(f"Could not load the SentencePiece model {path}: {err}") from err
+            raise DataError(f"Could not load the SentencePiece model {path}: {err}") from err
         self.vocab_size = self._sp.get_piece_size()
         eos = self._sp.eos_id()
         self.eos_id = eos if eos >= 0 else None
@@ -132,7 +134,7 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
+        raise DataFileNotFoundError(
             f"Tokenizer {spec!r} is neither 'byte' nor an existing file; give a Hugging Face tokenizer.json"
             " or a SentencePiece .model path"
         )
@@ -140,7 +142,7 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
         return HuggingFaceTokenizer(path, eos_token)
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
-    raise ValueError(
+    raise DataError(
         f"Tokenizer file {path} has an unknown kind ({path.suffix!r}); use a Hugging Face tokenizer.json or a"
         " SentencePiece .model"
     )

@@ -1,4 +1,4 @@
-"""Live throughput, MFU and memory: ``ThroughputMonitor`` (Trainer) and ``ThroughputMeter`` (any loop).
+"""Live throughput, MFU and memory: ``TokenThroughputMonitor`` (Trainer) and ``ThroughputMeter`` (any loop).
 
 What is measured, per window of ``log_every_n_steps`` training steps:
 
@@ -227,14 +227,14 @@ def compute_dtype_of(source: Union[L.Trainer, L.Fabric, str]) -> torch.dtype:
     if precision not in PRECISION_COMPUTE_DTYPES:
         raise ValueError(
             f"Cannot tell the compute dtype of precision {precision!r} (known: {', '.join(PRECISION_COMPUTE_DTYPES)});"
-            " pass it explicitly, e.g. ThroughputMonitor(dtype='bfloat16') or"
+            " pass it explicitly, e.g. TokenThroughputMonitor(dtype='bfloat16') or"
             " ThroughputMeter(..., dtype=torch.bfloat16)"
         )
     return PRECISION_COMPUTE_DTYPES[precision]
 
 
 class ThroughputMeter:
-    """Windowed throughput arithmetic, shared by ``ThroughputMonitor`` (Trainer) and Fabric loops.
+    """Windowed throughput arithmetic, shared by ``TokenThroughputMonitor`` (Trainer) and Fabric loops.
 
     Time each step with ``synchronize(device)`` before reading the clock (at least at the start and
     end of each window), ``update`` once per step, ``compute`` once per window, then ``reset``.
@@ -304,13 +304,15 @@ class ThroughputMeter:
         return metrics
 
 
-class ThroughputMonitor(L.Callback):
+class TokenThroughputMonitor(L.Callback):
     """Logs tokens/s, step time, TFLOP/s per device, MFU and peak memory every ``log_every_n_steps``.
 
     Shown in the progress bar (tokens/s, MFU) and sent to the Trainer's loggers under ``perf/``.
     The LightningModule's ``flops_per_token(seq_len)`` (``LlamaLightningModule`` has it) enables
     TFLOP/s and MFU. The device is synchronized at window boundaries only (see the module
-    docstring); time spent in validation during ``fit`` is left out.
+    docstring); time spent in validation during ``fit`` is left out. Not Lightning's
+    ``lightning.pytorch.callbacks.ThroughputMonitor`` (samples, from a ``batch_size_fn``): this one counts
+    tokens once per data-parallel replica and needs no arguments.
 
     Args:
         log_every_n_steps: Averaging window; ``None`` uses the Trainer's ``log_every_n_steps``.

@@ -28,6 +28,7 @@ from lightning_2d.checkpoint.files import (
     METADATA_FILE,
     CheckpointError,
     make_writer,
+    may_fall_back,
     remove_path,
     resolve_on_rank_zero,
     restore_random_state,
@@ -100,8 +101,7 @@ class DistributedCheckpointIO(CheckpointIO):
         """``path`` if complete and intact, else an error naming it; only a "last" checkpoint
         (``ckpt_path="last"`` resolves to ``last*.ckpt``) falls back to the newest complete one."""
         self.wait()
-        fall_back = Path(str(path)).name.startswith("last")
-        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn, fall_back=fall_back)
+        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn, fall_back=may_fall_back(path))
 
     @override
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
 from lightning_2d.integration.options import StrategyOptions, option_values, takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
-from lightning_2d.integration.strategy_base import ModelParallel2DBase
+from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, Size
@@ -238,3 +238,13 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         saved = remainder.pop("lightning_2d", None) if isinstance(remainder, dict) else None
         self.distributed_checkpoint_io.restore_random_state(resolved, saved)
         return remainder
+
+
+if STRATEGY_NAME not in STRATEGY_REGISTRY:
+    # The name for `Fabric(strategy="model_parallel_2d")` (default options, the plan resolved from the model);
+    # one registered by someone else is left alone.
+    STRATEGY_REGISTRY.register(
+        STRATEGY_NAME,
+        ModelParallel2DStrategy,
+        description="FSDP2/HSDP × tensor/sequence × pipeline × context parallelism, applied by lightning_2d",
+    )

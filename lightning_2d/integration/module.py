@@ -337,5 +337,5 @@ class LlamaLightningModule(CausalLMModule):
         return super()._loss(batch)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len`` (for throughput/MFU, see ``ThroughputMonitor``)."""
+        """Training FLOPs per token at ``seq_len`` (for throughput/MFU, see ``TokenThroughputMonitor``)."""
         return self.model_args.flops_per_token(seq_len)

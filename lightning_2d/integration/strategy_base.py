@@ -91,6 +91,10 @@ else:
     LightningStrategyMembers = object
 
 
+#: The name both strategies are registered under: ``Trainer(strategy=...)``, ``Fabric(strategy=...)``.
+STRATEGY_NAME = "model_parallel_2d"
+
+
 class ModelParallel2DBase(LightningStrategyMembers):
     """Mixin in front of Lightning's ``ModelParallelStrategy`` (Trainer or Fabric); see the module docstring.
 

@@ -29,7 +29,7 @@ from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher
 from lightning_2d.integration.precision import FSDP2Precision
-from lightning_2d.integration.strategy_base import ModelParallel2DBase
+from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
 from lightning_2d.integration.validation import model_context
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
@@ -65,7 +65,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     Lightning's strategy (``device_mesh["data_parallel"]``, ``["tensor_parallel"]``) works unchanged.
     """
 
-    strategy_name = "model_parallel_2d"
+    strategy_name = STRATEGY_NAME
 
     # ---- what differs from Fabric -------------------------------------------------------------
     def _precision_plugin_2d(self) -> Any:
@@ -197,5 +197,5 @@ if ModelParallel2DStrategy.strategy_name not in StrategyRegistry:
     StrategyRegistry.register(
         ModelParallel2DStrategy.strategy_name,
         ModelParallel2DStrategy,
-        description="2D parallelism (FSDP2 × TP/SP) applied by lightning_2d",
+        description="FSDP2/HSDP × tensor/sequence × pipeline × context parallelism, applied by lightning_2d",
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Union
 
 import torch
 
+from lightning_2d.errors import Lightning2DError
 from lightning_2d.parallel.options import documented, option
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ SUPPORTED_DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")
 Size = Union[Literal["auto"], int]
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(Lightning2DError, ValueError):
     """A misconfiguration found before any process group or allocation; lists every problem."""
 
     def __init__(self, problems: list[str]) -> None:

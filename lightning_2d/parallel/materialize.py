@@ -9,6 +9,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_2d.errors import Lightning2DError
 from lightning_2d.ops.init import SeededInit
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.ties import retie, shared_parameters
@@ -48,7 +49,7 @@ class WeightSource(Protocol):
     ) -> None: ...
 
 
-class MaterializationError(RuntimeError):
+class MaterializationError(Lightning2DError, RuntimeError):
     """A meta-device model left tensors without values after materialization; names each and the fix."""
 
 

@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_2d._compat import default_store
@@ -53,13 +54,33 @@ def is_communication_error(exc: Optional[BaseException], _seen: Optional[set[int
     return any(is_communication_error(e, _seen) for e in wrapped)
 
 
-def nccl_failure_env(watchdog_timeout: Optional[timedelta]) -> dict[str, str]:
+#: The flight recorder's ring buffer of recent collectives and its dump file, each as (torch >= 2.9's name, the
+#: older one). torch 2.9 renamed them; it still reads the old names, with a deprecation warning, and the new one wins
+#: where both are set. ``TORCH_NCCL_DUMP_ON_TIMEOUT`` kept its name.
+FLIGHT_RECORDER_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FLIGHT_RECORDER_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FLIGHT_RECORDER_RENAMED_IN = "2.9"
+
+
+def nccl_failure_env(watchdog_timeout: Optional[timedelta], torch_version: Optional[str] = None) -> dict[str, str]:
     """Turn on torch's NCCL failure handling (README, "When a rank dies") for the process groups created afterwards,
-    each variable only where the environment lacks it; returns what it set (nothing without a ``watchdog_timeout``)."""
-    wanted = {} if watchdog_timeout is None else {
+    each variable only where the environment lacks it; returns what it set (nothing without a ``watchdog_timeout``).
+
+    Args:
+        watchdog_timeout: The strategy's; NCCL's heartbeat monitor aborts a hung rank after it (60 s at least).
+        torch_version: Which names the flight recorder reads (``FLIGHT_RECORDER_BUFFER``); default: this torch's.
+    """
+    if watchdog_timeout is None:
+        return {}
+    from torch.torch_version import TorchVersion
+
+    renamed = TorchVersion(torch_version or torch.__version__) >= FLIGHT_RECORDER_RENAMED_IN
+    wanted = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(60, int(watchdog_timeout.total_seconds()))),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+    }
+    if not any(name in os.environ for name in FLIGHT_RECORDER_BUFFER):  # the user's size, under either name, stays
+        wanted[FLIGHT_RECORDER_BUFFER[0 if renamed else 1]] = "2000"
     added = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(added)
     return added

@@ -545,14 +545,14 @@ def text(cfg: dict) -> None:
     (Resuming the data position is tested with the checkpoints, in test_checkpoints.py.)
     """
     from lightning_2d import TextDataModule
-    from lightning_2d.integration.callbacks import ThroughputMonitor
+    from lightning_2d.integration.callbacks import TokenThroughputMonitor
 
     out_dir = Path(cfg["out_dir"])
     L.seed_everything(7, verbose=False)
     data = TextDataModule(cfg["corpus"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
                           cache_dir=cfg["cache_dir"], val_fraction=0.0)
     module = LlamaLightningModule("debug", warmup_steps=2, max_steps=6)
-    recorder, monitor = Recorder(out_dir, save_weights=False), ThroughputMonitor(log_every_n_steps=1)
+    recorder, monitor = Recorder(out_dir, save_weights=False), TokenThroughputMonitor(log_every_n_steps=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
         strategy=ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"]),

@@ -3,7 +3,7 @@
 Speed is measured, not asserted: the figure goes to the report (and ``run.sh``'s summary shows it
 against the issue's 45 % target, torchtitan's convention: ``6·N + 12·L·H·Dh·T`` FLOPs per token,
 N without the embedding, against the dense bf16 peak). What is asserted is that the run trains and
-that ``ThroughputMonitor``'s own figure agrees with this synchronized measurement.
+that ``TokenThroughputMonitor``'s own figure agrees with this synchronized measurement.
 
 Layout: ``(data_parallel, tensor_parallel) = (N, 1)``, FSDP over all N GPUs (one with one H200),
 micro batch ``$LIGHTNING_2D_GPU_MFU_MICRO_BATCH`` (default 8) × 2,048 tokens per GPU, no
@@ -21,7 +21,7 @@ from tests.gpu.lane import MFU_TARGET_PERCENT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]  # jobs of launched processes
 
-#: ThroughputMonitor times the same steps from host timestamps: without a device sync at the window's
+#: TokenThroughputMonitor times the same steps from host timestamps: without a device sync at the window's
 #: ends the host may run a step or two ahead, a few % over 20 steps. A wrong token count (per rank
 #: instead of per replica) or FLOP formula is off by a factor, far outside this.
 MONITOR_RTOL = 0.2
@@ -62,13 +62,13 @@ def test_mfu_of_a_1b_llama(mfu_job, lane, report):
     if lane.on_cuda and t["peak_tflops"] is not None:
         assert 0 < t["mfu_percent"] < 100, t
     monitored = t["monitor"].get("perf/tokens_per_sec")
-    assert monitored is not None, f"ThroughputMonitor reported no perf/tokens_per_sec: {t['monitor']}"
+    assert monitored is not None, f"TokenThroughputMonitor reported no perf/tokens_per_sec: {t['monitor']}"
     ratio = monitored / t["tokens_per_sec"]
     report.check("monitor_vs_synchronized_tokens_per_sec", ratio, f"1 ± {MONITOR_RTOL}")
     assert abs(ratio - 1) <= MONITOR_RTOL, (
-        f"ThroughputMonitor {monitored:.0f} tokens/s vs synchronized {t['tokens_per_sec']:.0f}")
+        f"TokenThroughputMonitor {monitored:.0f} tokens/s vs synchronized {t['tokens_per_sec']:.0f}")
     if lane.on_cuda and t["mfu_percent"] is not None:
-        assert "perf/mfu_percent" in t["monitor"], f"ThroughputMonitor reported no MFU on {t['device_name']}"
+        assert "perf/mfu_percent" in t["monitor"], f"TokenThroughputMonitor reported no MFU on {t['device_name']}"
         mfu_ratio = t["monitor"]["perf/mfu_percent"] / t["mfu_percent"]
         report.check("monitor_vs_synchronized_mfu", mfu_ratio, f"1 ± {MONITOR_RTOL}")
         assert abs(mfu_ratio - 1) <= MONITOR_RTOL, (t["monitor"], t["mfu_percent"])

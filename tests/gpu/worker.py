@@ -18,7 +18,7 @@ A run's config (all JSON):
 - ``corpus``, ``cache_dir``: ``TextDataModule`` input (byte tokens of real text).
 - ``checkpoint``: ``ModelCheckpoint`` keyword arguments; ``resume``: a checkpoint path for ``ckpt_path``.
 - ``measure``: ``{"warmup": W, "window": K}``: time steps ``W+1 .. W+K`` with the device synchronized
-  at both ends, and attach ``ThroughputMonitor`` over the same window.
+  at both ends, and attach ``TokenThroughputMonitor`` over the same window.
 - ``grad_norms``: record the global gradient norm of every step (one all-reduce per step).
 """
 
@@ -40,7 +40,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_2d import LlamaLightningModule, ModelArgs, ModelParallel2DStrategy, TextDataModule  # noqa: E402
-from lightning_2d.integration.callbacks import ThroughputMonitor  # noqa: E402
+from lightning_2d.integration.callbacks import TokenThroughputMonitor  # noqa: E402
 from lightning_2d.parallel.grad_norm import total_grad_norm  # noqa: E402
 from tests.gpu.lane import PARENT_PID_ENV, dense_bf16_peak_tflops  # noqa: E402
 
@@ -150,7 +150,7 @@ def fit_one(run: dict[str, Any]) -> dict[str, Any]:
     if run.get("measure"):
         warmup, window = run["measure"]["warmup"], run["measure"]["window"]
         timer = WindowTimer(warmup, window)
-        monitor = ThroughputMonitor(log_every_n_steps=window, skip_first_steps=warmup)
+        monitor = TokenThroughputMonitor(log_every_n_steps=window, skip_first_steps=warmup)
         callbacks += [timer, monitor]
     if run.get("checkpoint"):
         callbacks.append(ModelCheckpoint(**run["checkpoint"]))
@@ -207,13 +207,13 @@ def throughput(
     run: dict[str, Any],
     args: ModelArgs,
     timer: WindowTimer,
-    monitor: ThroughputMonitor,
+    monitor: TokenThroughputMonitor,
     world_size: int,
     dp: int,
     device: torch.device,
 ) -> dict[str, Any]:
     """Tokens/s, TFLOP/s per device and MFU of the timed window (torchtitan's FLOP convention:
-    ``ModelArgs.flops_per_token``), with ``ThroughputMonitor``'s own figures beside them."""
+    ``ModelArgs.flops_per_token``), with ``TokenThroughputMonitor``'s own figures beside them."""
     if timer.seconds is None:
         raise RuntimeError(
             f"run {run['name']}: the timed window (steps {timer.warmup + 1}..{timer.warmup + timer.window}) did not"

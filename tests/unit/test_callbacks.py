@@ -21,7 +21,7 @@ from lightning_2d import (
     ModelArgs,
     ModelParallel2DStrategy,
     TextDataModule,
-    ThroughputMonitor,
+    TokenThroughputMonitor,
 )
 from lightning_2d.data import stdlib_sources
 from lightning_2d.fabric import ModelParallel2DStrategy as FabricModelParallel2DStrategy
@@ -227,7 +227,7 @@ def test_compute_dtype_of_trainer_and_fabric():
 
 
 def test_compute_dtype_of_rejects_what_it_cannot_tell():
-    with pytest.raises(ValueError, match=r"precision 'transformer-engine'.*ThroughputMonitor\(dtype='bfloat16'\)"):
+    with pytest.raises(ValueError, match=r"precision 'transformer-engine'.*TokenThroughputMonitor\(dtype='bfloat16'\)"):
         compute_dtype_of("transformer-engine")
     with pytest.raises(TypeError, match="got int"):
         compute_dtype_of(16)
@@ -251,7 +251,7 @@ class FakeCUDAQueue:
         self.host = max(self.host, self.gpu_done)
 
 
-def drive(monitor: ThroughputMonitor, queue: FakeCUDAQueue, steps: int, validate_after: int = 0) -> list[dict]:
+def drive(monitor: TokenThroughputMonitor, queue: FakeCUDAQueue, steps: int, validate_after: int = 0) -> list[dict]:
     """Runs ``steps`` training steps of 1 GPU-second through the monitor's hooks; returns the logged metrics."""
     logged: list[dict] = []
     trainer = SimpleNamespace(
@@ -276,7 +276,7 @@ def drive(monitor: ThroughputMonitor, queue: FakeCUDAQueue, steps: int, validate
 
 def test_monitor_times_gpu_work_not_kernel_queueing(fake_gpu, monkeypatch):
     queue = FakeCUDAQueue(monkeypatch)
-    logged = drive(ThroughputMonitor(log_every_n_steps=2, skip_first_steps=1, dtype="bfloat16"), queue, steps=6)
+    logged = drive(TokenThroughputMonitor(log_every_n_steps=2, skip_first_steps=1, dtype="bfloat16"), queue, steps=6)
     # Windows: steps 2-3 and 4-5 (step 1 skipped, step 6 opens a window that never closes).
     assert len(logged) == 2
     for metrics in logged:
@@ -289,7 +289,7 @@ def test_monitor_times_gpu_work_not_kernel_queueing(fake_gpu, monkeypatch):
 
 def test_monitor_leaves_validation_time_out(fake_gpu, monkeypatch):
     queue = FakeCUDAQueue(monkeypatch)
-    logged = drive(ThroughputMonitor(log_every_n_steps=2, skip_first_steps=0, dtype="bfloat16"), queue, steps=4,
+    logged = drive(TokenThroughputMonitor(log_every_n_steps=2, skip_first_steps=0, dtype="bfloat16"), queue, steps=4,
                    validate_after=3)
     assert [m["perf/step_time_s"] for m in logged] == pytest.approx([1.0, 1.0])  # not 4.5 for steps 3-4
 
@@ -298,9 +298,9 @@ def test_monitor_refuses_an_unknown_precision_at_setup():
     trainer = L.Trainer(accelerator="cpu", logger=False)
     trainer.strategy.precision_plugin.precision = "transformer-engine"
     with pytest.raises(ValueError, match="Cannot tell the compute dtype"):
-        ThroughputMonitor().setup(trainer, None, "fit")
+        TokenThroughputMonitor().setup(trainer, None, "fit")
     with pytest.raises(ValueError, match="skip_first_steps must be a non-negative integer, got -1"):
-        ThroughputMonitor(skip_first_steps=-1)
+        TokenThroughputMonitor(skip_first_steps=-1)
 
 
 def test_monitor_logs_to_csv_and_tensorboard(tmp_path, monkeypatch):
@@ -311,7 +311,7 @@ def test_monitor_logs_to_csv_and_tensorboard(tmp_path, monkeypatch):
     for path in stdlib_sources()[:10]:
         shutil.copy(path, corpus / path.name)
     loggers = [L.pytorch.loggers.CSVLogger(tmp_path, name="csv"), L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb")]
-    monitor = ThroughputMonitor(log_every_n_steps=2)
+    monitor = TokenThroughputMonitor(log_every_n_steps=2)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=6, logger=loggers, callbacks=[monitor], log_every_n_steps=1,
         enable_checkpointing=False, enable_model_summary=False,
@@ -341,3 +341,15 @@ def test_cpu_peak_memory_counts_from_the_last_reset():
     reset_peak_memory(cpu)
     after = peak_memory_gib(cpu)
     assert before - after > 0.2  # the freed 256 MiB no longer counts
+
+
+def test_the_old_name_is_a_deprecated_alias_not_lightning_s_class():
+    import lightning.pytorch.callbacks
+
+    import lightning_2d
+
+    assert "ThroughputMonitor" not in lightning_2d.__all__  # `import *` no longer shadows Lightning's
+    with pytest.warns(DeprecationWarning, match="renamed TokenThroughputMonitor"):
+        from lightning_2d import ThroughputMonitor
+    assert ThroughputMonitor is TokenThroughputMonitor
+    assert ThroughputMonitor is not lightning.pytorch.callbacks.ThroughputMonitor

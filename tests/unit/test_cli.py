@@ -139,3 +139,97 @@ def test_version_names_the_library_torch_lightning_and_python(flag, monkeypatch,
     assert capsys.readouterr().out.strip() == (
         f"lightning-2d {__version__} (torch {torch.__version__}, lightning {lightning.__version__},"
         f" Python {platform.python_version()})")
+
+
+# ---- lightning-2d --help, and errors as one message -----------------------------------------------------------
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "no arguments"])
+def test_help_lists_every_subcommand_one_line_each(argv, capsys):
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_2d.tools.cli import COMMANDS, TOOLS, main
+
+    assert set(COMMANDS) == set(LightningCLI.subcommands()) | set(TOOLS)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == (0 if argv else 2)  # as argparse: no command is a usage error
+    text = capsys.readouterr().out if argv else capsys.readouterr().err
+    lines = text.splitlines()
+    for name in ["fit", "validate", "test", "predict", "plan", "benchmark", "prepare-data", "export"]:
+        assert sum(line.startswith(f"  {name} ") for line in lines) == 1, name
+    assert any(line.lstrip().startswith("-V, --version") for line in lines)
+    assert "`lightning-2d COMMAND --help`" in text and "LIGHTNING_2D_TRACEBACK=1" in text
+
+
+@pytest.fixture
+def debug_recipe_run(tmp_path, monkeypatch):
+    """``lightning-2d fit --config recipes/debug_cpu.yaml ARGS`` in this process; starting it fails the test."""
+    import functools
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+
+    from lightning_2d.tools.cli import main
+
+    @functools.wraps(pl.Trainer.fit)  # LightningCLI reads fit's parameters (ckpt_path) from its signature
+    def launched(*args, **kwargs):
+        raise AssertionError("Trainer.fit was called: the job would have started its processes")
+
+    monkeypatch.setattr(pl.Trainer, "fit", launched)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_2D_TRACEBACK", raising=False)
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "debug_cpu.yaml"
+
+    def run(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["lightning-2d"])  # the arguments are given to main
+        main(["fit", f"--config={recipe}", *args])
+
+    return run
+
+
+def test_a_bad_ckpt_path_is_one_message_before_any_process_starts(debug_recipe_run, tmp_path, capsys, monkeypatch):
+    from lightning_2d.checkpoint import CheckpointError
+
+    mistyped = tmp_path / "ckpts" / "epoch=0-step=9.ckpt"
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(b"PK\x03\x04 cut short")  # the start of a torch.save archive, nothing after
+    for path, reason in ((mistyped, "does not exist"), (truncated, "is damaged (not a readable torch archive")):
+        with pytest.raises(SystemExit) as exit_:
+            debug_recipe_run(f"--ckpt_path={path}")
+        assert exit_.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"lightning-2d fit: error: Checkpoint {path} {reason}"), err
+        assert "Traceback" not in err and err.count("\n") == 1
+    monkeypatch.setenv("LIGHTNING_2D_TRACEBACK", "1")  # the traceback, for a bug report
+    with pytest.raises(CheckpointError, match="does not exist"):
+        debug_recipe_run(f"--ckpt_path={mistyped}")
+
+
+def test_ckpt_paths_checked_before_launch(tmp_path):
+    from lightning_2d.checkpoint import CheckpointError, check_ckpt_path
+
+    for name in (None, "last", "best", "hpc", "registry:org/model:v1", "s3://bucket/run/last.ckpt"):
+        assert check_ckpt_path(name) is None  # Lightning resolves these itself
+    interrupted = tmp_path / "epoch=0-step=6.ckpt"
+    interrupted.mkdir()
+    (interrupted / "__0_0.distcp").write_bytes(b"shard")  # a save that never wrote its metadata
+    with pytest.raises(CheckpointError, match=r"step=6\.ckpt is incomplete \(an interrupted save\)"):
+        check_ckpt_path(str(interrupted))
+
+
+def test_a_tool_s_error_is_one_message_and_the_variable_shows_its_traceback(tmp_path, monkeypatch, capsys):
+    from lightning_2d.tools.cli import main
+
+    (tmp_path / "a_null.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
+    argv = ["prepare-data", f"--data.paths={tmp_path / 'a_null.jsonl'}", f"--data.cache_dir={tmp_path / 'cache'}",
+            "--num-workers=1"]
+    monkeypatch.setattr(sys, "argv", ["lightning-2d"])  # the arguments are given to main
+    monkeypatch.delenv("LIGHTNING_2D_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-2d prepare-data: error: 1 problem(s) in the corpus (nothing was cached):")
+    assert "a_null.jsonl:2: field 'text' holds null (null), not a string" in err and "Traceback" not in err
+    monkeypatch.setenv("LIGHTNING_2D_TRACEBACK", "1")
+    with pytest.raises(DataError, match=r"a_null\.jsonl:2: field 'text' holds null"):
+        main(argv)

@@ -23,3 +23,10 @@ def test_bf16_mixed_uses_fsdp2_casting_not_autocast():
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ModelParallel2DStrategy(), precision="bf16-mixed")
     assert isinstance(fabric.strategy.precision, FabricFSDP2Precision)
     assert fabric.strategy.precision.precision == "bf16-mixed"
+
+
+def test_the_strategy_by_name():
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy="model_parallel_2d")
+    assert isinstance(fabric.strategy, ModelParallel2DStrategy)
+    config = fabric.strategy.parallel_config
+    assert (config.data_parallel_size, config.tensor_parallel_size) == ("auto", "auto")  # the defaults

@@ -49,9 +49,12 @@ def test_the_known_warnings_are_silenced_between_install_and_remove_only():
 def test_the_strategy_name_of_someone_else_is_not_taken():
     code = (
         "from lightning.pytorch.strategies import StrategyRegistry, DDPStrategy\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDP\n"
         "StrategyRegistry.register('model_parallel_2d', DDPStrategy)\n"
+        "STRATEGY_REGISTRY.register('model_parallel_2d', FabricDDP)\n"
         "import lightning_2d\n"
         "assert StrategyRegistry['model_parallel_2d']['strategy'] is DDPStrategy\n"
+        "assert STRATEGY_REGISTRY['model_parallel_2d']['strategy'] is FabricDDP\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

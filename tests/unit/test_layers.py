@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_2d"
 #: Bottom to top. A module may import its own layer (no circles) and any layer below; ``checkpoint`` and
 #: ``data`` are peers that do not import each other. The top holds the public front doors.
 LAYERS: list[tuple[str, ...]] = [
-    ("_compat",),
+    ("_compat", "errors"),
     ("ops",),
     ("parallel",),
     ("models",),

@@ -11,6 +11,7 @@ import re
 import signal
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from lightning_2d.parallel.watchdog import (
@@ -425,10 +426,12 @@ def test_torchruns_root_cause_names_the_failing_rank(tmp_path, monkeypatch):
         "RuntimeError: Stopping rank 0 (exit code 75): rank 2 raised ValueError during step 3: boom")
 
 
+NCCL_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+              "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+
+
 def test_nccl_failure_handling_is_set_where_the_user_did_not(monkeypatch):
-    names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
-    for name in names:
+    for name in NCCL_NAMES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "7")
     assert nccl_failure_env(None) == {}
@@ -436,4 +439,16 @@ def test_nccl_failure_handling_is_set_where_the_user_did_not(monkeypatch):
     assert added == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
                      "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "180", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7"  # the user's own
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ  # its new name would win over the user's old one
     assert all(os.environ[name] == value for name, value in added.items())
+
+
+@pytest.mark.parametrize(("version", "buffer"), [("2.13.0", "TORCH_FR_BUFFER_SIZE"), ("2.9.0", "TORCH_FR_BUFFER_SIZE"),
+                                                 ("2.8.1", "TORCH_NCCL_TRACE_BUFFER_SIZE")])
+def test_the_flight_recorder_is_turned_on_under_the_name_torch_reads(version, buffer, monkeypatch):
+    for name in NCCL_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    added = nccl_failure_env(timedelta(seconds=10), torch_version=version)
+    assert added[buffer] == "2000" and added["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert added["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60"  # not below a minute
+    assert {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(added) == {buffer}  # one name, no warning

@@ -21,12 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_2d.errors import Lightning2DError
 from lightning_2d.ops.init import InitSpec, SeededInit
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
 
 
 #: The rotary scalings ``rope_table`` implements (``RopeScaling.rope_type``).
 ROPE_SCALING_TYPES = ("llama3",)
+
+
+class ModelArgsError(Lightning2DError, ValueError):
+    """Model hyper-parameters that cannot build a model (an unknown preset or field, a bad rotary scaling); lists
+    every problem."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if problems := rope_scaling_problems({f.name: getattr(self, f.name) for f in fields(self)}):
-            raise ValueError("Invalid rope_scaling:\n  - " + "\n  - ".join(problems))
+            raise ModelArgsError("Invalid rope_scaling:\n  - " + "\n  - ".join(problems))
 
     def scale(self, freqs: torch.Tensor) -> torch.Tensor:
         """The scaled rotary frequencies (radians per position), elementwise: no data-dependent control flow,
@@ -177,7 +183,7 @@ class ModelArgs:
                 f"rope_scaling must be None, a RopeScaling or the dict of its fields, got {self.rope_scaling!r}"
             )
         if problems:
-            raise ValueError("Invalid ModelArgs:\n  - " + "\n  - ".join(problems))
+            raise ModelArgsError("Invalid ModelArgs:\n  - " + "\n  - ".join(problems))
 
     @property
     def kv_heads(self) -> int:
@@ -202,10 +208,10 @@ class ModelArgs:
     def from_name(cls, name: str, **overrides: Any) -> ModelArgs:
         """A published configuration by name (see ``PRESETS``), with fields optionally overridden."""
         if name not in PRESETS:
-            raise ValueError(f"Unknown model name {name!r}. Known names: {', '.join(PRESETS)}")
+            raise ModelArgsError(f"Unknown model name {name!r}. Known names: {', '.join(PRESETS)}")
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"Unknown ModelArgs fields {sorted(unknown)}; fields are {[f.name for f in fields(cls)]}")
+            raise ModelArgsError(f"Unknown ModelArgs fields {sorted(unknown)}; fields are {[f.name for f in fields(cls)]}")
         return replace(PRESETS[name], **overrides)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from lightning_2d.errors import Lightning2DError
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.tools.benchmark.options import option_flag, strategy_options
@@ -26,7 +27,7 @@ OURS = "lightning_2d"
 REFERENCE_MODEL = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
 
 
-class BenchmarkConfigError(ValueError):
+class BenchmarkConfigError(Lightning2DError, ValueError):
     """Impossible benchmark settings, found before any process starts; lists every problem."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -1,0 +1,17 @@
+"""The base of the library's own errors: an input it refuses (a configuration, a file, a checkpoint).
+
+Every such error's message names the value and the fix, so the ``lightning-2d`` command prints it as one line
+(``lightning-2d fit: error: …``, exit code 1) instead of a traceback; ``LIGHTNING_2D_TRACEBACK=1`` shows the
+traceback. Each subclass also keeps the builtin base it had (``ValueError``, ``FileNotFoundError``), so code
+catching those still does.
+"""
+
+from __future__ import annotations
+
+
+class Lightning2DError(Exception):
+    """An input the library refuses, with a message that says what is wrong and what to do.
+
+    Subclasses: ``ParallelConfigError``, ``ModelArgsError``, ``MaterializationError``, ``DataError``,
+    ``CheckpointError``, ``ExportError``, ``BenchmarkConfigError``.
+    """
