@@ -113,8 +113,8 @@ COMMANDS = {
     "validate": "the validation loop over a checkpoint (--ckpt_path)",
     "test": "the test loop over a checkpoint (--ckpt_path)",
     "predict": "next-token predictions and losses over a checkpoint (--ckpt_path)",
-    "plan": "check a layout and estimate its per-device memory on a simulated world, without GPUs",
-    "benchmark": "time a model and layout: step time, tokens/s, MFU, memory (--compare: beside Lightning's, torch's)",
+    "plan": "check a recipe's layout and estimate its memory per device on a simulated world, without GPUs",
+    "benchmark": "time a recipe's run: step time, tokens/s, MFU, memory (--compare: beside Lightning's, torch's)",
     "prepare-data": "tokenize a recipe's corpus into the token cache with every local core, before training",
     "export": "write a Hugging Face Llama directory (safetensors + config.json) from a checkpoint",
 }
@@ -140,7 +140,7 @@ options:
 
 `lightning-2d COMMAND --help` shows a command's options (e.g. `lightning-2d fit --help`).
 A refused input (a configuration, data, a checkpoint) prints `lightning-2d COMMAND: error: ...` and exits
-with 1 (options that do not parse: 2); {TRACEBACK_VARIABLE}=1 shows the traceback instead."""
+with 1 (options that do not parse, and layouts `plan` refuses: 2); {TRACEBACK_VARIABLE}=1 shows the traceback instead."""
 
 
 def version_line() -> str:

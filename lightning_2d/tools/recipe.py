@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import yaml
 
+from lightning_2d.errors import Lightning2DError
+
 #: The top-level keys of a ``fit`` recipe; ``--KEY...`` options of these go to ``fit``'s parser.
 RECIPE_KEYS = ("config", "trainer", "model", "data", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler",
                "throughput")
@@ -36,7 +38,7 @@ RECIPE_HELP = (
 )
 
 
-class RecipeError(ValueError):
+class RecipeError(Lightning2DError, ValueError):
     """A recipe (or an override) that ``fit`` would refuse, or that this tool cannot use; one message."""
 
 
