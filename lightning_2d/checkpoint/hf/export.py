@@ -400,6 +400,7 @@ def export_hf(
     source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)
     if not source.weights:
         raise ExportError(f"{checkpoint} holds no model weights (expected keys under '{STATE_DICT_PREFIX}')")
+    tokenizer_spec, eos_token, where = resolve_export_tokenizer(tokenizer, source.metadata)
     # The last weight's dtype (all weights share one in our checkpoints).
     out_dtype = dtype or source.weights[-1].dtype
     native_config = (source.metadata or {}).get("hf_config")
@@ -430,7 +431,6 @@ def export_hf(
         config = hf_config(args, out_dtype)
         # Tied: one tensor in the files (transformers ties lm_head to embed_tokens on load).
         source.weights = [w for w in source.weights if w.name not in tied_aliases(args)]
-    tokenizer_spec, eos_token, where = resolve_export_tokenizer(tokenizer, source.metadata)
     shards = plan_shards(source.weights, dtype, max_shard_bytes)
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
