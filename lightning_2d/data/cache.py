@@ -1,7 +1,8 @@
 """The token cache: a corpus tokenized once into a flat token file on disk, built by one process at a time.
 
 ``prepare_token_cache`` finds the cache of a corpus (keyed by the sources' paths, sizes and mtimes, the
-tokenizer, the text field, the piece size and whether documents start with the BOS token) or builds it: the tokens of the pieces (``pieces``) are
+tokenizer, the text field, the piece size and whether documents start with the BOS token) or builds it: the
+tokens of the pieces (``pieces``) are
 appended in corpus order to a temporary file, which is synced and renamed, and ``meta.json``, written last,
 marks the cache complete. Processes of one machine building the same cache take turns on a file lock.
 """

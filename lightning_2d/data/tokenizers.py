@@ -221,9 +221,11 @@ class TiktokenTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_ordinary: special tokens' text in a document is text, as add_special_tokens=False elsewhere.
-        if all(len(t) <= self.MAX_RUN_CHARS for t in texts):
-            return self._enc.encode_ordinary_batch(texts)
-        return [[i for part in self._enc.encode_ordinary_batch(self._substrings(t)) for i in part] for t in texts]
+        # One text at a time, not encode_ordinary_batch: that starts a pool of 8 threads per call, and the cache
+        # builder already runs one tokenizing process per core.
+        encode = self._enc.encode_ordinary
+        return [encode(t) if len(t) <= self.MAX_RUN_CHARS else [i for part in self._substrings(t) for i in encode(part)]
+                for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)

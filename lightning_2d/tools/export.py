@@ -46,8 +46,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="fields of ModelArgs to change, e.g. '{\"n_layers\": 2}'")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="the tokenizer to write with the weights: a tokenizer.json, a tokenizer.model"
-                        " (SentencePiece or Meta's tiktoken), a model folder, or 'byte'; default: the one the checkpoint"
-                        " records (the data module's --data.tokenizer, else the init_from folder's)")
+                        " (SentencePiece or Meta's tiktoken), a model folder, or 'byte'; default: the one the"
+                        " checkpoint records (the data module's --data.tokenizer, else the init_from folder's)")
     parser.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
                         help="a type the checkpoint may hold besides tensors and plain data (only for a file you"
                         " trust: building it runs its code); repeatable")

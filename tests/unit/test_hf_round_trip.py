@@ -44,7 +44,8 @@ def tiktoken_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiktoken")
     merges = [b"he", b"ll", b"hell", b"hello", b"de", b"def", b"  ", b"    ", b" w", b"or", b" wor", b"ld", b" world"]
     tokens = [bytes([i]) for i in range(256)] + merges
-    (folder / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    lines = [f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)]
+    (folder / "tokenizer.model").write_text("".join(lines))
     return folder
 
 
@@ -75,10 +76,11 @@ def test_a_tiktoken_tokenizer_model_is_read_with_llama3s_special_tokens(tiktoken
     assert load_tokenizer(str(tiktoken_folder), eos_token="<|eot_id|>").eos_id == ranks + 9
     # Meta's cuts of a long run of one kind (tiktoken's regex would crawl or overflow): every character kept.
     long = "x" * 60_000 + " hello" + " " * 30_000 + "world"
-    assert tok.decode(tok.encode_batch([long])[0]) == long and [len(p) for p in tok._substrings(long)][:2] == [25_000] * 2
+    assert tok.decode(tok.encode_batch([long])[0]) == long
+    assert [len(p) for p in tok._substrings(long)][:2] == [25_000] * 2
     assert tok.encode_batch(["a" * 25_000 + " hello"])[0][-2:] == [space, *tok.encode_batch(["hello"])[0]]
     monkeypatch.setitem(sys.modules, "tiktoken", None)
-    with pytest.raises(ImportError, match=r"tiktoken BPE file .*pip install 'lightning-2d\[tiktoken\]'.*tokenizer\.json"):
+    with pytest.raises(ImportError, match=r"tiktoken BPE file .*'lightning-2d\[tiktoken\]'.*tokenizer\.json"):
         load_tokenizer(str(tiktoken_folder))
 
 
@@ -105,7 +107,8 @@ def test_add_bos_starts_every_document_with_bos_and_is_another_cache(hf_folder, 
     assert [tok.decode(d[1:-1]) for d in documents] == [TEXTS[2] * 4, *TEXTS]
 
     data = TextDataModule(str(corpus), tokenizer=str(hf_folder), add_bos=True, cache_dir=str(tmp_path / "dm"))
-    assert data.cache_folder != TextDataModule(str(corpus), tokenizer=str(hf_folder), cache_dir=str(tmp_path / "dm")).cache_folder
+    without = TextDataModule(str(corpus), tokenizer=str(hf_folder), cache_dir=str(tmp_path / "dm"))
+    assert data.cache_folder != without.cache_folder
     # Document masking: the BOS is its document's first token (position 0), the EOS its last.
     windows = TokenWindows(with_bos, 8, 0, (len(stream) - 1) // 8, eos_id=tok.eos_id)
     for i in range(len(windows)):
@@ -130,7 +133,8 @@ def fitted(hf_folder, tmp_path_factory):
     (root / "corpus.txt").write_text("".join(TEXTS) * 8)
     data = TextDataModule(str(root / "corpus.txt"), tokenizer=str(hf_folder), seq_len=16, batch_size=2,
                           val_fraction=0.0, cache_dir=str(root / "cache"))
-    module = LlamaLightningModule("debug", model_overrides={"n_layers": 1, "vocab_size": VOCAB}, warmup_steps=1, max_steps=1)
+    module = LlamaLightningModule("debug", model_overrides={"n_layers": 1, "vocab_size": VOCAB}, warmup_steps=1,
+                                  max_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
     trainer.fit(module, datamodule=data)
@@ -194,3 +198,16 @@ def test_export_says_when_it_writes_no_tokenizer(fitted, hf_folder, tmp_path, ca
         export_hf(tmp_path / "bare.ckpt", tmp_path / "bare")
     with pytest.raises(ExportError, match=r"--tokenizer .*missing: no such file or folder"):
         export_hf(tmp_path / "bare.ckpt", tmp_path / "bare", tokenizer=tmp_path / "missing")
+
+
+def test_where_the_export_finds_the_tokenizer(hf_folder, tmp_path):
+    from lightning_2d.checkpoint.hf.tokenizer import recorded_tokenizer
+
+    data = {"tokenizer": "byte", "eos_token": None}
+    started = {"init_from": str(hf_folder)}
+    # The data module's tokenizer is what training used; an init_from folder (a fine-tune) otherwise.
+    assert recorded_tokenizer({"datamodule_hyper_parameters": data, "hyper_parameters": started})[::2] == (
+        "byte", "the data module's tokenizer")
+    assert recorded_tokenizer({"hyper_parameters": started}) == (str(hf_folder), None, "init_from")
+    assert recorded_tokenizer({"hyper_parameters": {"init_from": str(tmp_path)}}) == (None, None, "")  # no tokenizer
+    assert recorded_tokenizer({}) == (None, None, "")

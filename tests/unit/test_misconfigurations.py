@@ -50,12 +50,13 @@ def tokenizer_without_eos(folder: Path) -> str:
 
 
 def tiktoken_without_the_package(folder: Path) -> object:
-    """Meta's Llama 3 ``tokenizer.model`` format (lines of ``base64-token rank``) while ``tiktoken`` is not installed."""
+    """Meta's Llama 3 ``tokenizer.model`` format (``base64-token rank`` lines) while ``tiktoken`` is not installed."""
     import base64
     import sys
     from unittest import mock
 
-    (folder / "tokenizer.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    lines = [f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)]
+    (folder / "tokenizer.model").write_text("".join(lines))
     with mock.patch.dict(sys.modules, {"tiktoken": None}):
         return TextDataModule(tokenizer=str(folder))
 

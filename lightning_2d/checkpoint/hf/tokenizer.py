@@ -145,7 +145,8 @@ def write_tokenizer(
             " eos_token_id 0"))
     path = Path(spec).expanduser()
     if not path.exists():
-        return TokenizerExport(None, message=f"no tokenizer written: {where} is {spec}, which does not exist here; {fix}")
+        return TokenizerExport(None, message=f"no tokenizer written: {where} is {spec}, which does not exist here;"
+                                             f" {fix}")
     main = model_folder_tokenizer(path) if path.is_dir() else path
     if main is None:
         return TokenizerExport(None, message=f"no tokenizer written: {where} {spec} holds none of"
@@ -170,8 +171,9 @@ def write_tokenizer(
         written.append(name)
     bos_name, eos_name, bos_id, eos_id = _special_tokens(out_dir, eos_token)
     if "tokenizer_config.json" not in written:
+        fast = (out_dir / "tokenizer.json").is_file()
         config: dict[str, Any] = {
-            "tokenizer_class": "PreTrainedTokenizerFast" if (out_dir / "tokenizer.json").is_file() else "LlamaTokenizer",
+            "tokenizer_class": "PreTrainedTokenizerFast" if fast else "LlamaTokenizer",
             "model_max_length": max_length,
             "clean_up_tokenization_spaces": False,
         }
@@ -230,7 +232,7 @@ def _vocabulary(out_dir: Path) -> dict[str, int]:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte → printable character map (the byte-level BPE's alphabet in a ``tokenizer.json``)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -264,9 +266,16 @@ def _tiktoken_to_tokenizer_json(path: Path, out: Path) -> None:
         splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
         merges += [(rank, ranks[left], ranks[right], left, right) for left, right in splits]
     merges.sort()
-    tok = Tokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()},
-                               merges=[(text(left), text(right)) for *_, left, right in merges],
-                               fuse_unk=False, byte_fallback=False, ignore_merges=True))
+    try:  # ignore_merges: a word that is a token is that token, as in tiktoken (tokenizers >= 0.19)
+        bpe = models.BPE(vocab={text(t): r for t, r in ranks.items()},
+                         merges=[(text(left), text(right)) for *_, left, right in merges],
+                         fuse_unk=False, byte_fallback=False, ignore_merges=True)
+    except TypeError as err:
+        raise ExportError(
+            f"Converting the tiktoken tokenizer {path} needs tokenizers >= 0.19 (BPE's ignore_merges): pip install -U"
+            " tokenizers"
+        ) from err
+    tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),

@@ -23,7 +23,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 #: Llama 3's pre-tokenizer split (Meta's ``llama/tokenizer.py``, the same in 3.0-3.3).
 LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
 #: Special tokens Meta's tokenizer reserves after the BPE ranks (ids ``len(ranks) + i``).
 LLAMA3_NUM_RESERVED_SPECIAL_TOKENS = 256
