@@ -102,9 +102,10 @@ class HuggingFaceTokenizer:
         self.eos_id = next((i for i in ids if i is not None), None)
         if eos_token and self.eos_id is None:
             raise ValueError(f"eos_token {eos_token!r} is not in the vocabulary of {path}")
-        # The BOS: as the folder's tokenizer_config.json names it, else a usual name. Not part of the
+        # The BOS: as the model folder's tokenizer_config.json names it, else a usual name. Not part of the
         # fingerprint: only add_bos puts it in the cache, and that is part of the cache key.
-        bos_names = [name for name in (_configured_token(path.parent, "bos_token"),) if name] + list(BOS_CANDIDATES)
+        configured = _configured_token(path.parent, "bos_token") if path.name == "tokenizer.json" else None
+        bos_names = [name for name in (configured,) if name] + list(BOS_CANDIDATES)
         self.bos_id = next((i for i in map(self._tok.token_to_id, bos_names) if i is not None), None)
         self.fingerprint = f"hf-{_file_digest(path)}-eos{self.eos_id}"
 

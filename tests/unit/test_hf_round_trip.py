@@ -18,7 +18,7 @@ from lightning_2d.data.tokenizers import TiktokenTokenizer, load_tokenizer
 from lightning_2d.hf import ExportError, export_hf
 
 TEXTS = ["def f(x):\n    return x + 1\n", "hello world, hello there\n", "print('hello world')\n" * 3]
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+BOS, EOS = "<|doc|>", "<|end_of_text|>"  # BOS: a name only tokenizer_config.json gives
 VOCAB = 320  # the model's: the tokenizer's 300 ids fit
 
 
