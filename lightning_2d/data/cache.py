@@ -1,7 +1,8 @@
 """The token cache: a corpus tokenized once into a flat token file on disk, built by one process at a time.
 
 ``prepare_token_cache`` finds the cache of a corpus (keyed by the sources' paths, sizes and mtimes, the
-tokenizer, the text field and the piece size) or builds it: the tokens of the pieces (``pieces``) are
+tokenizer, the text field, the piece size and whether documents start with the BOS token) or builds it: the
+tokens of the pieces (``pieces``) are
 appended in corpus order to a temporary file, which is synced and renamed, and ``meta.json``, written last,
 marks the cache complete. Processes of one machine building the same cache take turns on a file lock.
 """
@@ -42,9 +43,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
-def cache_key(sources: list[Path], tokenizer: Tokenizer, text_field: str, chunk_bytes: int = CHUNK_BYTES) -> str:
-    """The cache folder's name: the sources (path, size, mtime), the tokenizer, the text field and the piece size."""
-    h = hashlib.sha256(f"v{CACHE_FORMAT}|{tokenizer.fingerprint}|{text_field}|chunk{chunk_bytes}".encode())
+def cache_key(
+    sources: list[Path], tokenizer: Tokenizer, text_field: str, chunk_bytes: int = CHUNK_BYTES, add_bos: bool = False
+) -> str:
+    """The cache folder's name: the sources (path, size, mtime), the tokenizer, the text field, the piece size
+    and, with ``add_bos``, the beginning-of-text token (a cache without it keeps its earlier key)."""
+    bos = f"|bos{getattr(tokenizer, 'bos_id', None)}" if add_bos else ""
+    h = hashlib.sha256(f"v{CACHE_FORMAT}|{tokenizer.fingerprint}|{text_field}|chunk{chunk_bytes}{bos}".encode())
     for path in sources:
         stat = _stat(path)
         h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -53,10 +58,10 @@ def cache_key(sources: list[Path], tokenizer: Tokenizer, text_field: str, chunk_
 
 def cache_folder(
     sources: list[Path], tokenizer: Tokenizer, cache_dir: Union[str, Path], text_field: str = "text",
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int = CHUNK_BYTES, add_bos: bool = False,
 ) -> Path:
     """Where the cache of this corpus lives (complete once its ``meta.json`` exists)."""
-    return Path(cache_dir).expanduser() / cache_key(sources, tokenizer, text_field, chunk_bytes)
+    return Path(cache_dir).expanduser() / cache_key(sources, tokenizer, text_field, chunk_bytes, add_bos)
 
 
 @dataclass
@@ -204,6 +209,7 @@ def prepare_token_cache(
     chunk_bytes: int = CHUNK_BYTES,
     progress: Optional[Callable[[int, int, int], None]] = None,
     log: Optional[Callable[[str], None]] = None,
+    add_bos: bool = False,
 ) -> CacheReport:
     """Tokenize ``sources`` into ``cache_dir/<key>/tokens.bin`` unless that cache is complete.
 
@@ -226,6 +232,7 @@ def prepare_token_cache(
         chunk_bytes: Piece size (part of the cache key).
         progress: Called after each task with (bytes done, bytes in all, tokens so far).
         log: Called with a line of text for events worth telling (waiting for another builder).
+        add_bos: Start each document with the tokenizer's beginning-of-text token (part of the cache key).
 
     Returns:
         A ``CacheReport`` (``built=False`` when the cache already existed).
@@ -234,28 +241,31 @@ def prepare_token_cache(
         raise DataError(f"chunk_bytes must be at least 16, got {chunk_bytes}")
     if num_workers < 1:
         raise DataError(f"num_workers must be at least 1, got {num_workers}")
-    folder = cache_folder(sources, tokenizer, cache_dir, text_field, chunk_bytes)
+    if add_bos and getattr(tokenizer, "bos_id", None) is None:
+        raise DataError(f"add_bos=True, but the tokenizer ({tokenizer.fingerprint}) has no beginning-of-text token")
+    folder = cache_folder(sources, tokenizer, cache_dir, text_field, chunk_bytes, add_bos)
     meta = _read_meta(folder)
     if meta is None:
         folder.mkdir(parents=True, exist_ok=True)
         with _exclusive(folder / ".lock", log or (lambda message: None)):
             meta = _read_meta(folder)  # another process may have finished it while this one waited
             if meta is None:
-                return _build(folder, sources, tokenizer, text_field, strict, num_workers, chunk_bytes, progress)
+                return _build(folder, sources, tokenizer, text_field, strict, num_workers, chunk_bytes, progress,
+                              add_bos)
     return CacheReport(folder, False, meta["num_sources"], meta.get("num_bytes", 0), meta["num_tokens"],
                        meta["num_documents"])
 
 
 def _build(
     folder: Path, sources: list[Path], tokenizer: Tokenizer, text_field: str, strict: bool, num_workers: int,
-    chunk_bytes: int, progress: Optional[Callable[[int, int, int], None]],
+    chunk_bytes: int, progress: Optional[Callable[[int, int, int], None]], add_bos: bool = False,
 ) -> CacheReport:
     started = time.perf_counter()
     _remove_dead_partials(folder)
     tasks = group_tasks(plan_pieces(sources, text_field, chunk_bytes), chunk_bytes)
     total = corpus_bytes(sources)
     dtype = token_dtype(tokenizer.vocab_size)
-    tokenize = PieceTokenizer(tokenizer, text_field, dtype, chunk_bytes)
+    tokenize = PieceTokenizer(tokenizer, text_field, dtype, chunk_bytes, add_bos)
     partial = folder / _partial_name()
     done = 0
     try:
@@ -291,6 +301,7 @@ def _build(
         "dtype": dtype.name,
         "vocab_size": tokenizer.vocab_size,
         "tokenizer": tokenizer.fingerprint,
+        "bos_id": getattr(tokenizer, "bos_id", None) if add_bos else None,
         "text_field": text_field,
         "chunk_bytes": chunk_bytes,
         "num_bytes": total,
@@ -315,6 +326,8 @@ def build_token_cache(
     strict: bool = True,
     num_workers: int = 1,
     chunk_bytes: int = CHUNK_BYTES,
+    add_bos: bool = False,
 ) -> Path:
     """``prepare_token_cache`` returning only the cache folder (see there for the arguments)."""
-    return prepare_token_cache(sources, tokenizer, cache_dir, text_field, strict, num_workers, chunk_bytes).folder
+    return prepare_token_cache(sources, tokenizer, cache_dir, text_field, strict, num_workers, chunk_bytes,
+                               add_bos=add_bos).folder

@@ -26,6 +26,7 @@ from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader, 
 from lightning_2d.data.pieces import default_num_workers
 from lightning_2d.data.sources import DataError, corpus_bytes, resolve_sources
 from lightning_2d.data.tokenizers import load_tokenizer
+from lightning_2d.models.llama.tokenizer import BOS_CANDIDATES
 
 #: Default of ``TextDataModule(max_unprepared_mb=...)``: larger corpora without a cache are refused
 #: when training starts (tokenizing them inline would keep every other rank waiting).
@@ -41,9 +42,10 @@ class TextDataModule(L.LightningDataModule):
             ``.jsonl``, ``.ndjson``, ``.parquet`` and ``.py`` files, not hidden ones, ``__pycache__`` or
             metadata such as a dataset card ``README.md`` (``FOLDER_SUFFIXES``); name other files or a glob.
             ``None``: the Python standard library's source files (no download).
-        tokenizer: ``"byte"`` (UTF-8 bytes, vocabulary 256), a Hugging Face ``tokenizer.json``, or a
-            SentencePiece ``.model``.
-        eos_token: End-of-text token of a Hugging Face tokenizer, when it is not a common one.
+        tokenizer: ``"byte"`` (UTF-8 bytes, vocabulary 256), a Hugging Face ``tokenizer.json``, a SentencePiece
+            ``.model``, Meta's tiktoken ``tokenizer.model`` (Llama 3; needs ``pip install 'lightning-2d[tiktoken]'``),
+            or a model folder (its ``tokenizer.json``, else its ``tokenizer.model``: what ``init_from`` takes).
+        eos_token: End-of-text token of a Hugging Face or tiktoken tokenizer, when it is not a common one.
         text_field: Field/column holding the text in JSONL/Parquet files.
         seq_len: Tokens per training sequence.
         batch_size: Sequences per batch on each data-parallel replica.
@@ -64,6 +66,10 @@ class TextDataModule(L.LightningDataModule):
             restarts its rotary positions at each document and attends only within it. ``False``: every token
             attends to the earlier documents of its window too, with positions running on across them (the
             cheaper, common pre-training default). Needs a tokenizer with an end-of-text token.
+        add_bos: Start every document with the tokenizer's beginning-of-text token (``<|begin_of_text|>``,
+            ``<s>``), as Llama 3 and Llama 2 were pre-trained; the cache is then another one. With
+            ``document_mask`` the token is its document's first (position 0). Needs a tokenizer with one (not
+            ``"byte"``).
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: Optional[str] = None,
         max_unprepared_mb: Optional[float] = DEFAULT_MAX_UNPREPARED_MB,
         document_mask: bool = False,
+        add_bos: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -107,7 +114,13 @@ class TextDataModule(L.LightningDataModule):
                 f" tokenizer {tokenizer!r} has none; name it with eos_token=... (e.g. '<|end_of_text|>', '</s>'),"
                 " or set document_mask=False"
             )
-        self.document_mask = document_mask
+        if add_bos and getattr(self.tokenizer, "bos_id", None) is None:
+            raise DataError(
+                f"add_bos=True needs a beginning-of-text token, but the tokenizer {tokenizer!r} has none (looked for"
+                f" the tokenizer_config.json's bos_token and {', '.join(BOS_CANDIDATES)}); use a tokenizer that has"
+                " one, or set add_bos=False"
+            )
+        self.document_mask, self.add_bos = document_mask, add_bos
         self._sources: list[Path] | None = None
         self._folder: Path | None = None
         self._data_parallel: tuple[int, int] | None = None
@@ -156,12 +169,13 @@ class TextDataModule(L.LightningDataModule):
         """
         workers = default_num_workers() if num_workers is None else num_workers
         return prepare_token_cache(self.sources, self.tokenizer, self.cache_dir, self.text_field,
-                                   strict=self.paths is not None, num_workers=workers, progress=progress, log=log)
+                                   strict=self.paths is not None, num_workers=workers, progress=progress, log=log,
+                                   add_bos=self.add_bos)
 
     @property
     def cache_folder(self) -> Path:
         """This corpus's cache folder (complete once ``meta.json`` exists in it)."""
-        return cache_folder(self.sources, self.tokenizer, self.cache_dir, self.text_field)
+        return cache_folder(self.sources, self.tokenizer, self.cache_dir, self.text_field, add_bos=self.add_bos)
 
     def check_prepared(self) -> bool:
         """Whether the cache is complete; raise ``DataError`` when it is not and training may not build it.
@@ -194,7 +208,7 @@ class TextDataModule(L.LightningDataModule):
         if not self.check_prepared():
             # A small corpus: tokenized here, in this process, as before prepare-data existed.
             return prepare_token_cache(self.sources, self.tokenizer, self.cache_dir, self.text_field,
-                                       strict=self.paths is not None).folder
+                                       strict=self.paths is not None, add_bos=self.add_bos).folder
         return self.cache_folder
 
     def prepare_data(self) -> None:
@@ -299,7 +313,7 @@ class TextDataModule(L.LightningDataModule):
 
 # ---- the commands that prepare a data module's cache (for messages) ---------------------------
 #: The data module's arguments that decide its cache (the others do not change the tokens).
-_CACHE_ARGS = ("paths", "tokenizer", "eos_token", "text_field", "cache_dir")
+_CACHE_ARGS = ("paths", "tokenizer", "eos_token", "text_field", "cache_dir", "add_bos")
 _TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 

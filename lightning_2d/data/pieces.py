@@ -203,17 +203,26 @@ class PieceTokenizer:
         text_field: JSONL field / Parquet column holding the text.
         dtype: Token dtype of the cache.
         chunk_bytes: Nominal piece size (a long text line is cut at a character after this many bytes).
+        add_bos: Start each document with the tokenizer's beginning-of-text token (a text file's first
+            piece, every JSONL/Parquet record).
     """
 
-    def __init__(self, tokenizer: Tokenizer, text_field: str, dtype: np.dtype, chunk_bytes: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, text_field: str, dtype: np.dtype, chunk_bytes: int, add_bos: bool = False
+    ) -> None:
         self.tokenizer, self.text_field, self.dtype, self.chunk_bytes = tokenizer, text_field, dtype, chunk_bytes
         eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
         self.eos = np.asarray(eos, dtype=dtype)
+        bos_id = getattr(tokenizer, "bos_id", None)
+        if add_bos and bos_id is None:
+            raise DataError(f"add_bos=True, but the tokenizer ({tokenizer.fingerprint}) has no beginning-of-text token")
+        self.bos = np.asarray([bos_id] if add_bos else [], dtype=dtype)
 
     def __call__(self, task: list[Piece]) -> list[PieceTokens]:
         results: list[PieceTokens] = []
         texts: list[str] = []
-        owners: list[tuple[int, bool]] = []  # per text: (index in results, whether a document ends with it)
+        # per text: (index in results, whether a document begins with it, whether one ends with it)
+        owners: list[tuple[int, bool, bool]] = []
         for piece in task:
             try:
                 if piece.kind == "parquet":  # tokenized batch by batch: a row group can be large
@@ -224,13 +233,16 @@ class PieceTokenizer:
             except _PieceError as err:
                 results.append(PieceTokens(self.eos[:0], error=str(err), skippable=err.skippable))
                 continue
-            owners.extend((len(results), ends) for _ in docs)
+            begins = piece.kind != "text" or piece.start == 0  # a text file is one document, from its first piece
+            owners.extend((len(results), begins, ends) for _ in docs)
             texts.extend(docs)
             results.append(PieceTokens(self.eos[:0], documents=len(docs) if ends else 0, bytes_read=bytes_read,
                                        blank=blank))
         # One encode_batch call for the whole task: a Hugging Face tokenizer amortizes its call overhead.
         parts: list[list[np.ndarray]] = [[] for _ in results]
-        for (owner, ends), ids in zip(owners, self._encode(texts)):
+        for (owner, begins, ends), ids in zip(owners, self._encode(texts)):
+            if begins and self.bos.size:
+                parts[owner].append(self.bos)
             parts[owner].append(ids)
             if ends:
                 parts[owner].append(self.eos)
@@ -323,7 +335,7 @@ class PieceTokenizer:
                 break
             texts = [str(t) for t in batch.column(0).to_pylist() if t is not None]
             for ids in self._encode(texts):
-                arrays += [ids, self.eos]
+                arrays += [self.bos, ids, self.eos]
             documents += len(texts)
         tokens = np.concatenate(arrays).astype(self.dtype, copy=False) if arrays else self.eos[:0]
         return PieceTokens(tokens, documents=documents, bytes_read=bytes_read)

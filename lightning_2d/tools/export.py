@@ -1,4 +1,5 @@
-"""``lightning-2d export CHECKPOINT OUT_DIR``: a Lightning checkpoint of the Llama as a Hugging Face directory.
+"""``lightning-2d export CHECKPOINT OUT_DIR``: a Lightning checkpoint as a Hugging Face directory (weights, config,
+tokenizer, generation config) that ``from_pretrained``, ``AutoTokenizer`` and ``pipeline()`` load as it is.
 
 The conversion itself is ``lightning_2d.checkpoint.hf.export_hf``; this is its command line.
 """
@@ -30,8 +31,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-2d export",
         description="Write model.safetensors + config.json (Hugging Face Llama layout) from a sharded or"
-        " full LlamaLightningModule checkpoint, one output file in memory at a time. Needs no GPU and no"
-        " process group.",
+        " full LlamaLightningModule or HFCausalLMModule checkpoint, one output file in memory at a time, with the"
+        " tokenizer's files and generation_config.json. Needs no GPU and no process group.",
     )
     parser.add_argument("checkpoint", help="checkpoint folder (sharded) or file (full)")
     parser.add_argument("out_dir")
@@ -43,6 +44,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                         " its model args; one that does must agree")
     parser.add_argument("--model-overrides", default=None, metavar="JSON",
                         help="fields of ModelArgs to change, e.g. '{\"n_layers\": 2}'")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="the tokenizer to write with the weights: a tokenizer.json, a tokenizer.model"
+                        " (SentencePiece or Meta's tiktoken), a model folder, or 'byte'; default: the one the"
+                        " checkpoint records (the data module's --data.tokenizer, else the init_from folder's)")
     parser.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
                         help="a type the checkpoint may hold besides tensors and plain data (only for a file you"
                         " trust: building it runs its code); repeatable")
@@ -58,12 +63,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not isinstance(overrides, dict):
             parser.error(f"--model-overrides must be a JSON object of ModelArgs fields, got {args.model_overrides!r}")
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
+    notes: list[str] = []
     try:
         out = export_hf(
             Path(args.checkpoint), Path(args.out_dir), dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
-            model=args.model, model_overrides=overrides, allow_globals=args.allow_global,
+            model=args.model, model_overrides=overrides, allow_globals=args.allow_global, tokenizer=args.tokenizer,
+            log=lambda line: notes.append(line),
         )
     except (ExportError, FileNotFoundError) as err:
         print(f"lightning-2d export: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    print(f"Wrote {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+    print(f"Wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    for note in notes:
+        print(f"  {note}")

@@ -24,6 +24,7 @@ from lightning_2d import (
     TextDataModule,
 )
 from lightning_2d.checkpoint.files import CheckpointError, resolve_checkpoint
+from lightning_2d.checkpoint.safe_load import ExportError
 from lightning_2d.data import DataError
 
 
@@ -46,6 +47,27 @@ def tokenizer_without_eos(folder: Path) -> str:
     path = folder / "tokenizer.json"
     tok.save(str(path))
     return str(path)
+
+
+def tiktoken_without_the_package(folder: Path) -> object:
+    """Meta's Llama 3 ``tokenizer.model`` format (``base64-token rank`` lines) while ``tiktoken`` is not installed."""
+    import base64
+    import sys
+    from unittest import mock
+
+    lines = [f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)]
+    (folder / "tokenizer.model").write_text("".join(lines))
+    with mock.patch.dict(sys.modules, {"tiktoken": None}):
+        return TextDataModule(tokenizer=str(folder))
+
+
+def export_with_a_missing_tokenizer(folder: Path) -> None:
+    import torch
+
+    from lightning_2d.hf import export_hf
+
+    torch.save({"state_dict": {"model.w": torch.zeros(1)}}, folder / "model.ckpt")
+    export_hf(folder / "model.ckpt", folder / "out", model="debug", tokenizer=folder / "tokenizer.json")
 
 
 def hf(**config):
@@ -217,6 +239,15 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("document masking with a tokenizer without an end-of-text token",
      lambda tmp: TextDataModule(tokenizer=tokenizer_without_eos(tmp), document_mask=True),
      DataError, r"document_mask=True needs an end-of-text token .*has none; name it with eos_token=\.\.\."),
+    ("a beginning-of-text token asked of a tokenizer without one", lambda _: TextDataModule(add_bos=True),
+     DataError, r"add_bos=True needs a beginning-of-text token, but the tokenizer 'byte' has none .*set add_bos=False"),
+    ("a tokenizer folder without a tokenizer", lambda tmp: TextDataModule(tokenizer=str(tmp)),
+     FileNotFoundError, r"Tokenizer folder '.*' has none of tokenizer\.json, tokenizer\.model; give a model folder"),
+    ("Meta's tiktoken tokenizer.model without tiktoken", tiktoken_without_the_package,
+     ImportError, r"is a tiktoken BPE file .*pip install 'lightning-2d\[tiktoken\]' \(or give the model's Hugging Face"
+     r" tokenizer\.json instead\)"),
+    ("export with a tokenizer that does not exist", export_with_a_missing_tokenizer,
+     ExportError, r"--tokenizer .*tokenizer\.json: no such file or folder; give a tokenizer file or a model folder"),
     ("explicit checkpoint that does not exist", lambda tmp: resolve_checkpoint(tmp / "epoch=0-step=9.ckpt", print),
      CheckpointError, r"epoch=0-step=9\.ckpt does not exist\. Not resuming from another checkpoint"),
     ("export of a file that is not a checkpoint", export_of,

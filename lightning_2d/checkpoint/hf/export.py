@@ -16,7 +16,7 @@ import pickle
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
@@ -33,6 +33,7 @@ from lightning_2d.checkpoint.hf.layout import (
     same_shapes,
     tied_aliases,
 )
+from lightning_2d.checkpoint.hf.tokenizer import HF_TOKENIZER_FILES, resolve_export_tokenizer, write_tokenizer
 from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
@@ -355,8 +356,11 @@ def export_hf(
     model: Union[str, ModelArgs, Mapping[str, Any], None] = None,
     model_overrides: Optional[Mapping[str, Any]] = None,
     allow_globals: Sequence[str] = (),
+    tokenizer: Union[str, Path, None] = None,
+    log: Optional[Callable[[str], None]] = None,
 ) -> Path:
-    """Write ``out_dir/model.safetensors`` (or shards + index) and ``config.json`` from a Lightning checkpoint.
+    """Write ``out_dir/model.safetensors`` (or shards + index), ``config.json`` and the tokenizer's files with
+    ``generation_config.json`` from a Lightning checkpoint.
 
     Streams: the output files are planned from the checkpoint's metadata (DCP's ``.metadata``, or
     the memory-mapped full file), then each is read, converted, written and freed before the next
@@ -379,10 +383,15 @@ def export_hf(
         model_overrides: Fields to change in ``model`` (or in the stored model args).
         allow_globals: ``module.Name`` of types the checkpoint may hold besides the ones known safe
             (see ``load_checkpoint_file``); only for a file you trust.
+        tokenizer: ``"byte"``, a tokenizer file or a model folder whose tokenizer files are copied (see
+            ``lightning_2d.checkpoint.hf.tokenizer``); ``None``: the one the checkpoint records (the data
+            module's ``tokenizer``, else an ``init_from`` folder's).
+        log: Called with a line saying what was written of the tokenizer, or why nothing (no tokenizer
+            recorded or found, the byte tokenizer). ``None``: those two cases are warnings.
 
     Raises:
         ExportError: Model args missing, disagreeing or not fitting the weights; a checkpoint that a
-            weights-only load refuses. Nothing is written then.
+            weights-only load refuses; a ``tokenizer`` that does not exist. Nothing is written then.
         FileNotFoundError: Not a complete checkpoint.
     """
     from safetensors.torch import save_file
@@ -391,6 +400,7 @@ def export_hf(
     source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)
     if not source.weights:
         raise ExportError(f"{checkpoint} holds no model weights (expected keys under '{STATE_DICT_PREFIX}')")
+    tokenizer_spec, eos_token, where = resolve_export_tokenizer(tokenizer, source.metadata)
     # The last weight's dtype (all weights share one in our checkpoints).
     out_dtype = dtype or source.weights[-1].dtype
     native_config = (source.metadata or {}).get("hf_config")
@@ -442,6 +452,10 @@ def export_hf(
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        written = write_tokenizer(tokenizer_spec, eos_token, where, staging,
+                                  int(config.get("max_position_embeddings") or 0) or 2048)
+        config.update({k: v for k, v in (("bos_token_id", written.bos_id), ("eos_token_id", written.eos_id))
+                       if v is not None and k not in config})
         (staging / "config.json").write_text(json.dumps(config, indent=1))
         out_dir.mkdir(exist_ok=True)
         # Files of an earlier export to the same folder would be read instead of ours or beside them
@@ -449,10 +463,20 @@ def export_hf(
         for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
             if stale.is_file() and stale.name not in files:
                 stale.unlink()
+        # The same for the tokenizer: an earlier export's files would be read with this one's.
+        for name in [*HF_TOKENIZER_FILES, "original/tokenizer.model"]:
+            if (out_dir / name).is_file() and not (staging / name).exists():
+                (out_dir / name).unlink()
         for staged in staging.iterdir():
+            if staged.is_dir():  # original/ (a tiktoken tokenizer.model): replaced as a whole
+                shutil.rmtree(out_dir / staged.name, ignore_errors=True)
             os.replace(staged, out_dir / staged.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if log is not None:
+        log(written.message)
+    elif not written.complete:
+        warnings.warn(f"{out_dir}: {written.message}", stacklevel=2)
     return out_dir
 
 
