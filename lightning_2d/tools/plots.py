@@ -34,7 +34,6 @@ from lightning_2d.parallel.names import CP_DIM, DP_REPLICATE_DIM, DP_SHARD_DIM, 
 from lightning_2d.tools.planner.report import GIB, PlanReport
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 INSTALL_HINT = "pip install 'lightning-2d[plot]'"
@@ -157,7 +156,8 @@ def plot_memory(report: PlanReport, path: Union[str, Path]) -> Path:
                     f" {_layout_text(report.dims)} — {report.verdict}", fontsize=11)
     schedule = ""
     if report.pipeline:
-        schedule = f", {report.parallel_config['pipeline_schedule']} × {report.pipeline[0]['microbatches']} micro-batches"
+        config, microbatches = report.parallel_config, report.pipeline[0]["microbatches"]
+        schedule = f", {config['pipeline_schedule']} × {microbatches} micro-batches"
     ac = report.parallel_config["activation_checkpointing"]
     ax.set_title(f"{report.precision}, seq_len {report.seq_len}, micro batch {report.micro_batch_size}{schedule},"
                  f" AC {ac}; numbers: estimated peak (GiB)", fontsize=9)
@@ -247,8 +247,8 @@ def plot_mesh(layout: Union[PlanReport, ParallelDims], path: Union[str, Path], *
 
     fontsize = 8 if cols <= 8 else 6.5 if cols <= 12 else 5
     for node in range(rows):  # a node: a labelled box around its row
-        ax.add_patch(FancyBboxPatch((0.0, node + 0.03), cols, 0.94, boxstyle="round,pad=0.0,rounding_size=0.06",
-                                    facecolor="#F4F4F4", edgecolor="#666666", linewidth=1.0))
+        ax.add_patch(FancyBboxPatch((0.0, node + 0.03), cols, 0.94, facecolor="#F4F4F4", edgecolor="#666666",
+                                    linewidth=1.0, boxstyle="round,pad=0.0,rounding_size=0.06"))
         ax.text(-0.06, node + 0.5, f"node {node}", rotation=90, ha="center", va="center", fontsize=9)
     replicas = dims.dp_replicate
     for p in shown:

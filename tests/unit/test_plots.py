@@ -5,6 +5,7 @@ they draw checked against the library, and the missing-extra error."""
 from __future__ import annotations
 
 import builtins
+import importlib
 import struct
 import sys
 import warnings
@@ -173,6 +174,7 @@ def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path, pip
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    importlib.reload(plots)  # the module itself imports without matplotlib (only drawing needs it)
     with pytest.raises(plots.PlotsUnavailable, match=r"pip install 'lightning-2d\[plot\]'"):
         plots.plot_memory(pipeline_plan, tmp_path / "memory.png")
     assert not (tmp_path / "memory.png").exists()
@@ -183,3 +185,17 @@ def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path, pip
         main(["--model", "debug", "--devices", "2", "--seq-len", "64", "--plot", str(tmp_path / "m.png")])
     assert exit_info.value.code == 2
     assert "lightning-2d[plot]" in capsys.readouterr().err
+
+
+def test_the_picture_script_plans_with_flags_the_planner_accepts():
+    """``docs/make_pictures.sh`` regenerates the README's pictures: its ``plan`` commands parse (a renamed flag
+    fails here, not after minutes of benchmark and fits)."""
+    import shlex
+
+    from lightning_2d.tools.planner.cli import build_parser
+
+    script = (Path(__file__).resolve().parents[2] / "docs" / "make_pictures.sh").read_text().replace("\\\n", " ")
+    commands = [shlex.split(line.split(">")[0])[2:] for line in script.splitlines() if line.startswith('"$L2D" plan')]
+    assert len(commands) == 2
+    parsed = [build_parser().parse_args(c) for c in commands]
+    assert parsed[0].plot == "docs/plan_memory.png" and parsed[1].plot_mesh == "docs/mesh.png"
