@@ -189,27 +189,34 @@ class _ReduceEveryMicroBatch(nn.Module):
 @functools.lru_cache(maxsize=None)
 def timed_stage_class() -> type:
     """``PipelineStage`` whose forward, backward and weight-gradient passes (the zero-bubble schedules' ``W``
-    actions) add their wall time to ``self.timer.busy_s``: the busy time of a step, for the bubble benchmark."""
+    actions) add their wall time to ``self.timer.busy_s`` and append ``(kind, stage, micro-batch, start, end)``
+    to ``self.timer.actions`` (``time.perf_counter`` seconds; kind ``F`` forward, ``B`` full backward, ``I``
+    input-gradient pass, ``W`` weight-gradient pass): the busy time and timeline of a step, for the bubble
+    benchmark."""
     from torch.distributed import pipelining
 
     class TimedPipelineStage(pipelining.PipelineStage):
         timer: Any = None
 
-        def _timed(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def _timed(self, kind: str, chunk: int, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                return method(chunk, *args, **kwargs)
             finally:
-                self.timer.busy_s += time.perf_counter() - start
+                end = time.perf_counter()
+                self.timer.busy_s += end - start
+                self.timer.actions.append((kind, self.stage_index, chunk, start, end))
 
-        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return self._timed(super().forward_one_chunk, *args, **kwargs)
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return self._timed("F", fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
 
-        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return self._timed(super().backward_one_chunk, *args, **kwargs)
+        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            # torch's signature: (bwd_chunk_id, loss=None, full_backward=True, last_backward=False)
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            return self._timed("B" if full else "I", bwd_chunk_id, super().backward_one_chunk, *args, **kwargs)
 
-        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, *args, **kwargs)
 
     return TimedPipelineStage
 
@@ -313,6 +320,8 @@ class Pipeline:
         self._raw_losses: list[torch.Tensor] = []
         #: Wall time of this rank's forward/backward calls in the last step (``measure=True``): the bubble.
         self.busy_s = 0.0
+        #: ``(kind, stage, micro-batch, start, end)`` of each of those calls in the last step (``timed_stage_class``).
+        self.actions: list[tuple[str, int, int, float, float]] = []
         self.measure = False
 
     @property
@@ -431,7 +440,7 @@ class Pipeline:
         for stage in self.stages:
             stage.seq_len = seq_len
         self._raw_losses = []
-        self.busy_s = 0.0
+        self.busy_s, self.actions = 0.0, []
         args = (tokens,) if self.has_first else ()
         kwargs: dict[str, Any] = {"labels": labels} if self.has_last else {}
         if position_ids is not None:  # step() gives keyword arguments (per micro-batch) to every stage of the rank

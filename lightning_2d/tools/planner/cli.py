@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--loss-chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE,
                      help="tokens per chunk of the fused loss (default: 1024, LlamaLightningModule's)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the per-device memory, a stacked bar per pipeline"
+                        " rank (needs the plot extra: pip install 'lightning-2d[plot]')")
+    parser.add_argument("--plot-mesh", metavar="PNG", help="also draw which global rank holds which mesh coordinates,"
+                        " ranks grouped by node (needs the plot extra)")
     add_parallel_config_options(parser)
     return parser
 
@@ -148,3 +152,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"lightning-2d plan: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report), flush=True)
+    if args.plot or args.plot_mesh:
+        from lightning_2d.tools.plots import PlotsUnavailable, plot_memory, plot_mesh
+
+        try:
+            for path, plot in ((args.plot, plot_memory), (args.plot_mesh, plot_mesh)):
+                if path:
+                    print(f"wrote {plot(report, path)}", file=sys.stderr)
+        except PlotsUnavailable as err:
+            print(f"lightning-2d plan: {err}", file=sys.stderr)
+            raise SystemExit(2) from None

@@ -61,7 +61,8 @@ class PlanReport:
             ``global_rank`` (the rank planned), ``stages`` (indices), ``blocks`` (per stage),
             ``embedding`` / ``head`` (whether it holds them), ``params_per_device``, ``microbatches``,
             ``in_flight`` (micro-batches or stage-chunks in flight at its activation peak), and the
-            ``param``, ``all_gather``, ``accumulation``, ``activation`` and ``total`` bytes.
+            ``param``, ``grad``, ``optimizer``, ``buffer``, ``all_gather``, ``reduce_scatter``, ``accumulation``,
+            ``activation`` and ``total`` bytes (the parts add up to the total).
     """
 
     model: str
