@@ -10,9 +10,7 @@ export OMP_NUM_THREADS=1
 RUNS=$(mktemp -d)  # the fits' CSV logs and output (fresh, so each log is version_0)
 
 # Memory per device: the 405B pipeline recipe's plan (README, "Memory under a pipeline"), a bar per pipeline rank.
-"$L2D" plan --model llama3-405b --num-nodes 64 --devices 8 --tensor-parallel-size 8 --pipeline-parallel-size 8 \
-    --pipeline-schedule Interleaved1F1B --pipeline-microbatches 32 --activation-checkpointing full --seq-len 8192 \
-    --micro-batch-size 1 --precision bf16-mixed --plot docs/plan_memory.png > "$RUNS/plan_memory.txt"
+"$L2D" plan --config recipes/llama3_405b_pipeline.yaml --plot docs/plan_memory.png > "$RUNS/plan_memory.txt"
 
 # The mesh: 4 nodes x 8 GPUs as 2 pipeline ranks x 2 replicas x 2 shards x 4 tensor-parallel ranks.
 "$L2D" plan --model llama3-70b --num-nodes 4 --devices 8 --pipeline-parallel-size 2 --data-parallel-replicate-size 2 \

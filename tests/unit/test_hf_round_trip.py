@@ -14,7 +14,7 @@ import torch
 
 from lightning_2d.data import DataError, TextDataModule, TokenWindows, build_token_cache, resolve_sources
 from lightning_2d.data.cache import cache_folder
-from lightning_2d.data.tokenizers import TiktokenTokenizer, load_tokenizer
+from lightning_2d.data.tokenizers import ByteTokenizer, TiktokenTokenizer, load_tokenizer
 from lightning_2d.hf import ExportError, export_hf
 
 TEXTS = ["def f(x):\n    return x + 1\n", "hello world, hello there\n", "print('hello world')\n" * 3]
@@ -186,10 +186,11 @@ def test_export_says_when_it_writes_no_tokenizer(fitted, hf_folder, tmp_path, ca
 
     main([str(fitted), str(tmp_path / "hf")])
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    (tmp_path / "hf" / "special_tokens_map.json").write_text("{}")  # as an earlier export may have left it
     main([str(fitted), str(tmp_path / "hf"), "--tokenizer", "byte"])  # into the same folder
     out = capsys.readouterr().out
-    assert "no tokenizer files written: the model was trained on the byte tokenizer (--tokenizer" in out
-    assert not (tmp_path / "hf" / "tokenizer.json").exists()  # the earlier export's tokenizer is gone
+    assert "tokenizer from --tokenizer byte: tokenizer.json, tokenizer_config.json, generation_config.json" in out
+    assert not (tmp_path / "hf" / "special_tokens_map.json").exists()  # the earlier export's tokenizer is gone
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": 0}
     checkpoint = torch.load(fitted, weights_only=True)
     del checkpoint["datamodule_hyper_parameters"]
@@ -198,6 +199,23 @@ def test_export_says_when_it_writes_no_tokenizer(fitted, hf_folder, tmp_path, ca
         export_hf(tmp_path / "bare.ckpt", tmp_path / "bare")
     with pytest.raises(ExportError, match=r"--tokenizer .*missing: no such file or folder"):
         export_hf(tmp_path / "bare.ckpt", tmp_path / "bare", tokenizer=tmp_path / "missing")
+
+
+def test_the_byte_tokenizer_exports_as_a_tokenizer_json_of_the_same_ids(fitted, tmp_path):
+    """The main job (recipes/debug_cpu.yaml) trains on bytes: its export loads in AutoTokenizer and pipeline()."""
+    import transformers
+
+    out = export_hf(fitted, tmp_path / "hf", tokenizer="byte", log=lambda line: None)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    texts = ["def f(x):\n    return x  # plain", "Ünïcode wörld ✓ 😀", "  two  spaces\ttab\r\n"]
+    for text in texts:
+        ids = tok(text).input_ids
+        assert ids == list(text.encode("utf-8")) == ByteTokenizer().encode_batch([text])[0], text
+        assert tok.decode(ids) == text
+    assert tok.eos_token_id == ByteTokenizer.eos_id == 0 and tok.decode([104, 105, 0], skip_special_tokens=True) == "hi"
+    generate = transformers.pipeline("text-generation", model=str(out), device="cpu")
+    ids = generate("def ", max_new_tokens=3, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    assert ids[:4] == list(b"def ") and 4 < len(ids) <= 7
 
 
 def test_where_the_export_finds_the_tokenizer(hf_folder, tmp_path):

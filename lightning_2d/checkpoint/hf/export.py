@@ -387,7 +387,7 @@ def export_hf(
             ``lightning_2d.checkpoint.hf.tokenizer``); ``None``: the one the checkpoint records (the data
             module's ``tokenizer``, else an ``init_from`` folder's).
         log: Called with a line saying what was written of the tokenizer, or why nothing (no tokenizer
-            recorded or found, the byte tokenizer). ``None``: those two cases are warnings.
+            recorded or found). ``None``: that case is a warning.
 
     Raises:
         ExportError: Model args missing, disagreeing or not fitting the weights; a checkpoint that a

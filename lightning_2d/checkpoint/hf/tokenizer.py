@@ -137,12 +137,17 @@ def write_tokenizer(
             "no tokenizer written: the checkpoint records none (no data module tokenizer, no init_from folder"
             f" with one); {fix}"))
     if spec == "byte":
-        # transformers has no byte tokenizer class: the ids are the UTF-8 bytes, NUL (0) ends a document.
+        # ByteTokenizer's ids as a byte-level tokenizer.json: byte b is id b, id 0 (NUL, absent from text) the
+        # end-of-text token, so AutoTokenizer and pipeline() read and write what the model was trained on.
+        _byte_tokenizer_json(out_dir / "tokenizer.json")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                  "clean_up_tokenization_spaces": False, "eos_token": BYTE_EOS}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
         (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=1))
-        return TokenizerExport("byte", ["generation_config.json"], eos_id=0, message=(
-            f"no tokenizer files written: the model was trained on the byte tokenizer ({where}: UTF-8 bytes as"
-            " ids 0-255, 0 ends a document), which AutoTokenizer cannot load; generation_config.json has"
-            " eos_token_id 0"))
+        written = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+        return TokenizerExport("byte", written, eos_id=0, complete=True, message=(
+            f"tokenizer from {where} byte: " + ", ".join(written) + f" (UTF-8 bytes as ids 1-255, {BYTE_EOS} = 0"
+            " ends a document, as in training)"))
     path = Path(spec).expanduser()
     if not path.exists():
         return TokenizerExport(None, message=f"no tokenizer written: {where} is {spec}, which does not exist here;"
@@ -241,6 +246,26 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return chars
+
+
+#: The end-of-text token of the exported byte tokenizer (id 0: the byte NUL, which never occurs in text).
+BYTE_EOS = "<|endoftext|>"
+
+
+def _byte_tokenizer_json(out: Path) -> None:
+    """``ByteTokenizer`` as a ``tokenizer.json``: a byte-level BPE without merges whose vocabulary maps byte ``b``'s
+    character to id ``b`` (1-255) and ``BYTE_EOS`` to 0, so encoding any text gives its UTF-8 bytes."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError as err:
+        raise ExportError("Writing the byte tokenizer as a tokenizer.json needs the `tokenizers` package:"
+                          " pip install 'lightning-2d[hf]'") from err
+    chars = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={BYTE_EOS: 0, **{chars[b]: b for b in range(1, 256)}}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_EOS, special=True, normalized=False)])
+    tok.save(str(out))
 
 
 def _tiktoken_to_tokenizer_json(path: Path, out: Path) -> None:
