@@ -52,8 +52,15 @@ def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     if CP_DIM in names:  # context ranks hold different tokens of the same sequences
         return mesh[DP_CP_DIM].get_group()
-    if DP_DIM in names:
-        return mesh[DP_DIM].get_group()
+    if mesh is not None:
+        # Lightning's 2D mesh names `data_parallel` as a dimension; ours (ParallelDims.build_mesh) flattens it from
+        # (replicate, shard), so it is no mesh_dim_name but reachable by name. Not the world: the tensor- and
+        # pipeline-parallel ranks of a replica hold the same tokens (counting them would log tp·pp times the
+        # global tokens and all-reduce across every rank, nodes included).
+        try:
+            return mesh[DP_DIM].get_group()
+        except KeyError:
+            pass
     return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
 
 
