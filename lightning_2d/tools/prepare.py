@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from lightning_2d.data import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
-from lightning_2d.tools.recipe import RecipeError, fit_config, recipe_help, split_argv
+from lightning_2d.tools.recipe import RecipeError, add_recipe_options, fit_config, split_argv
 
 DESCRIPTION = (
     "Tokenize the corpus of a recipe's `data` section (TextDataModule) into the token cache that training"
@@ -60,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizing processes (default: every core this process may use); not --data.num_workers, the"
         " DataLoader's workers during training",
     )
-    group = parser.add_argument_group("recipe", recipe_help("the data section"))
-    group.add_argument("-c", "--config", metavar="RECIPE.yaml", action="append", help="a `lightning-2d fit` recipe")
+    add_recipe_options(parser, "the data section")
     _data_options(parser.add_argument_group(
         "data", "The options of the recipe's data section (TextDataModule) that decide the cache; the others are"
         " parsed as fit parses them and ignored."))

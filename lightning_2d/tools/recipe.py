@@ -187,7 +187,6 @@ class RecipeRun:
     """What ``lightning-2d fit`` would launch, read from a recipe (``read_run``).
 
     Args:
-        sources: The recipe files (and inline configs) in order.
         module_class: The LightningModule's ``class_path``.
         model: The model the module builds: ``ModelArgs`` (``LlamaLightningModule``) or a Hugging Face config's
             fields (``HFCausalLMModule``).
@@ -204,7 +203,6 @@ class RecipeRun:
         data: The ``data`` section (``TextDataModule``'s arguments).
     """
 
-    sources: tuple[str, ...]
     module_class: str
     model: Any
     model_name: str
@@ -262,7 +260,7 @@ def _strategy(value: Any) -> tuple[Any, dict[str, Any]]:
         raise RecipeError(f"trainer.strategy: {err}") from None
 
 
-def run_of(config: Any, sources: tuple[str, ...] = ()) -> RecipeRun:
+def run_of(config: Any) -> RecipeRun:
     """``RecipeRun`` of a parsed recipe (``fit_config``): the module and the strategy are built, nothing else."""
     from lightning_2d.integration.hf_module import HFCausalLMModule
     from lightning_2d.integration.module import LlamaLightningModule
@@ -286,7 +284,6 @@ def run_of(config: Any, sources: tuple[str, ...] = ()) -> RecipeRun:
     strategy, options = _strategy(trainer["strategy"])
     data = config["data"]
     return RecipeRun(
-        sources=sources,
         module_class=spec["class_path"],
         model=model,
         model_name=name,
@@ -305,8 +302,7 @@ def run_of(config: Any, sources: tuple[str, ...] = ()) -> RecipeRun:
 
 def read_run(recipe_argv: list[str], prog: str) -> RecipeRun:
     """``RecipeRun`` of ``--config`` files and dotted options (``split_argv``'s second list)."""
-    sources = tuple(o.partition("=")[2] for o in recipe_argv if o.partition("=")[0] in ("-c", "--config"))
-    return run_of(fit_config(recipe_argv, prog), sources)
+    return run_of(fit_config(recipe_argv, prog))
 
 
 def given_options(parser: Any, argv: list[str]) -> tuple[Any, set[str]]:
@@ -326,19 +322,13 @@ def given_options(parser: Any, argv: list[str]) -> tuple[Any, set[str]]:
     return namespace, given
 
 
-def recipe_help(keys: str) -> str:
-    return RECIPE_HELP.format(keys=keys).replace("%", "%%")
-
-
 def add_recipe_options(parser: Any, keys: str) -> None:
-    """The ``--config`` option and the recipe's help group of a tool's argparse parser (the options themselves are
-    taken out by ``split_argv`` before argparse sees them)."""
-    group = parser.add_argument_group("recipe", recipe_help(keys))
+    """The recipe's help group of a tool's argparse parser, with ``--config`` (which ``split_argv`` takes out, with
+    the dotted options, before argparse sees the rest)."""
+    group = parser.add_argument_group("recipe", RECIPE_HELP.format(keys=keys).replace("%", "%%"))
     group.add_argument("-c", "--config", metavar="RECIPE.yaml", action="append", help="a `lightning-2d fit` recipe")
-    group.add_argument("--SECTION.KEY", metavar="VALUE", dest="_recipe_override", default=None,
-                       help="any `lightning-2d fit` option, e.g. --trainer.devices=4")
 
 
 __all__ = ["RecipeError", "RecipeRun", "add_recipe_options", "fit_config", "given_options", "normalized_args",
-           "read_run", "recipe_help", "run_of", "split_argv"]
+           "read_run", "run_of", "split_argv"]
 
