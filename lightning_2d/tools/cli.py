@@ -74,7 +74,7 @@ class Lightning2DCLI(LightningCLI):
         self._check_before_launch()
 
 
-#: What every ``lightning-2d`` parser builds (``fit`` … and ``prepare-data``): any ``CausalLMModule``
+#: What every ``lightning-2d`` parser builds (``fit`` …, and the recipe the tools read, ``tools/recipe.py``): any ``CausalLMModule``
 #: (``LlamaLightningModule`` when a recipe gives no ``class_path``) and a ``TextDataModule``.
 MODEL_AND_DATA = {"model_class": CausalLMModule, "datamodule_class": TextDataModule, "subclass_mode_model": True}
 
