@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
-from lightning_2d.integration.options import StrategyOptions, option_values, takes_options
+from lightning_2d.integration.options import takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
 from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
 from lightning_2d.models import registry
@@ -72,46 +72,14 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     ``parallelize_fn``: see ``__init__``.
     """
 
-    # The Trainer strategy's parameters (``ModelParallel2DBase.__init__``), then Fabric's own, keyword-only.
+    # The Trainer strategy's parameters (generated from the options' fields), then Fabric's own, keyword-only.
     @takes_options("The options of the Trainer strategy, plus Fabric's ``parallelize_fn``.", extra=(PARALLELIZE_FN,))
     def __init__(
-        self,
-        data_parallel_size: Size = ParallelConfig.data_parallel_size,
-        tensor_parallel_size: Size = ParallelConfig.tensor_parallel_size,
-        data_parallel_replicate_size: int = ParallelConfig.data_parallel_replicate_size,
-        pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
-        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] = ParallelConfig.pipeline_schedule,
-        pipeline_microbatches: Optional[int] = ParallelConfig.pipeline_microbatches,
-        pipeline_stages_per_rank: Optional[int] = ParallelConfig.pipeline_stages_per_rank,
-        pipeline_layers_per_stage: Optional[list[int]] = ParallelConfig.pipeline_layers_per_stage,
-        sequence_parallel: bool = ParallelConfig.sequence_parallel,
-        loss_parallel: bool = ParallelConfig.loss_parallel,
-        activation_checkpointing: Literal["none", "full", "selective"] = ParallelConfig.activation_checkpointing,
-        selective_ac_option: Union[str, int] = ParallelConfig.selective_ac_option,
-        compile: bool = ParallelConfig.compile,
-        param_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.param_dtype,
-        reduce_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.reduce_dtype,
-        reshard_after_forward: Literal["default", "always", "never"] = ParallelConfig.reshard_after_forward,
-        reduce_every_micro_batch: bool = ParallelConfig.reduce_every_micro_batch,
-        float8: Union[bool, Literal["emulate"]] = ParallelConfig.float8,
-        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = ParallelConfig.float8_recipe,
-        fsdp_float8_all_gather: bool = ParallelConfig.fsdp_float8_all_gather,
-        async_tensor_parallel: bool = ParallelConfig.async_tensor_parallel,
-        plan: Optional[ParallelPlan] = StrategyOptions.plan,
-        init_seed: Optional[int] = StrategyOptions.init_seed,
-        save_distributed_checkpoint: bool = StrategyOptions.save_distributed_checkpoint,
-        async_checkpoint: bool = StrategyOptions.async_checkpoint,
-        non_finite: Literal["raise", "skip", "off"] = ParallelConfig.non_finite,
-        process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
-        timeout: Optional[timedelta] = StrategyOptions.timeout,
-        watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
-        context_parallel_size: int = ParallelConfig.context_parallel_size,
-        *,
-        parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = PARALLELIZE_FN.default,
+        self, options: dict[str, Any], *, parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]]
     ) -> None:
         self._user_parallelize_fn = parallelize_fn
         self._setup_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
-        super().__init__(**option_values(locals()))
+        super().__init__(**options)
         self._backward_sync_control = _GradientSyncControl(self.parallel_config)
 
     # ---- what differs from the Trainer --------------------------------------------------------

@@ -1,24 +1,27 @@
 """The strategies' options, each written once: ``ParallelConfig``'s fields (the parallel layout) and
 ``StrategyOptions``' (the plan, the seed, checkpoints, the process group and the watchdog).
 
-The Trainer and Fabric strategies' constructors list every option as a parameter, its default read from the
-field (``compile: bool = ParallelConfig.compile``), so that IDEs and type checkers see the real signature;
-tests/unit/test_options.py checks that each parameter agrees with its field. From the fields come the
-constructors' docstring (``takes_options``; what LightningCLI/jsonargparse shows for ``--help``), the split of
-a call's arguments into the two dataclasses (``split_options``), and the README's "Strategy options" table
+Each field holds the option's name, type, default, docstring and place among the strategies' parameters
+(``option(position=)``). From the fields come the strategies' constructors (``takes_options`` generates each
+``__init__``: its signature, with the fields' annotations and defaults in the positional order of 0.1.0, and its
+docstring, which is what ``inspect``, LightningCLI/jsonargparse and ``help()`` read), the split of a call's
+arguments into the two dataclasses (``split_options``), and the README's "Strategy options" table
 (``lightning_2d.tools.options_table``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_2d.parallel.config import LAYOUT_CHECKS, ParallelConfig, ParallelPlan, raise_if_problems
+from lightning_2d.parallel.checks import check, checks_reading, run_checks
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
+from lightning_2d.parallel.dims import validate_parallel_dims  # noqa: F401 - registers the layout checks
 from lightning_2d.parallel.options import Option, args_section, documented, markdown, option, options_of
 from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT
 
@@ -26,9 +29,6 @@ from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT
 PROCESS_GROUP_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
 #: The shortest ``watchdog_timeout`` accepted.
 MIN_WATCHDOG_TIMEOUT_S = 5
-PROCESS_GROUP_CHECKS = "lightning_2d.integration.options.process_group_problems"
-
-Init = TypeVar("Init", bound=Callable[..., None])
 
 
 @documented
@@ -39,26 +39,26 @@ class StrategyOptions:
     Each field's docstring is the option's documentation everywhere, as for ``ParallelConfig``.
     """
 
-    plan: Optional[ParallelPlan] = option(None, checks=(LAYOUT_CHECKS,), shown="from the module")
+    plan: Optional[ParallelPlan] = option(None, position=21, shown="from the module")
     """Module names to parallelize (a ``ParallelPlan``), for a model that does not provide
     ``parallel_plan(config)``; ``None``: the LightningModule's (or the model's) plan."""
-    init_seed: Optional[int] = None
+    init_seed: Optional[int] = option(None, position=22)
     """Seed of the layout-independent initialization of a meta-device model; ``None``: the
     model's/LightningModule's ``init_seed`` attribute if it has one, else the run's seed (``seed_everything``)
     broadcast from rank 0."""
-    save_distributed_checkpoint: bool = True
+    save_distributed_checkpoint: bool = option(True, position=23)
     """Save one shard per rank (``True``: DCP, resumable at any layout) or a single full file assembled on
     rank 0."""
-    async_checkpoint: bool = False
+    async_checkpoint: bool = option(False, position=24)
     """Write sharded checkpoints in a background thread after copying them to CPU memory, so training
     continues during the write."""
-    process_group_backend: Optional[str] = option(None, checks=(PROCESS_GROUP_CHECKS,))
+    process_group_backend: Optional[str] = option(None, position=26)
     """``"nccl"``, ``"gloo"`` (or a mapping such as ``"cpu:gloo,cuda:nccl"``); ``None``: the device's
     default."""
-    timeout: Optional[timedelta] = option(default_pg_timeout, checks=(PROCESS_GROUP_CHECKS,))
+    timeout: Optional[timedelta] = option(default_pg_timeout, position=27)
     """How long a rank waits in a collective for a stalled peer before it fails: a ``datetime.timedelta`` set
     on every process group the strategy creates (the mesh's data- and tensor-parallel groups included)."""
-    watchdog_timeout: Optional[timedelta] = option(DEFAULT_WATCHDOG_TIMEOUT, checks=(PROCESS_GROUP_CHECKS,))
+    watchdog_timeout: Optional[timedelta] = option(DEFAULT_WATCHDOG_TIMEOUT, position=28)
     """The failure watchdog's bound (``lightning_2d.parallel.watchdog``): a rank whose process died ends the
     job within seconds; one silent (stopped, dead on another host) or stuck (alive, not starting the step the
     others started) for this long is named, every rank exiting with code 75; an exception on one rank ends the
@@ -67,21 +67,29 @@ class StrategyOptions:
 
     def __post_init__(self) -> None:
         # A typo fails at construction, with every problem listed.
-        raise_if_problems(process_group_problems(self.process_group_backend, self.timeout, self.watchdog_timeout))
+        raise_if_problems(run_checks(vars(self)))
 
 
-def process_group_problems(backend: Any, timeout: Any, watchdog_timeout: Any = None) -> list[str]:
-    """Problems with ``process_group_backend``/``timeout``/``watchdog_timeout``, found at construction
-    instead of at spawn."""
+@check
+def process_group_backend_option(process_group_backend: Any) -> list[str]:
+    """``process_group_backend`` is a ``torch.distributed`` backend (found at construction instead of at spawn)."""
+    backend = process_group_backend
+    if backend is None:
+        return []
+    parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
+    if not isinstance(backend, str) or any(p not in PROCESS_GROUP_BACKENDS for p in parts):
+        return [
+            f"process_group_backend={backend!r} is not a torch.distributed backend; use one of"
+            f" {', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)} (or 'cpu:gloo,cuda:nccl'), or None for the"
+            " device's default"
+        ]
+    return []
+
+
+@check
+def timeout_options(timeout: Any, watchdog_timeout: Any) -> list[str]:
+    """``timeout``/``watchdog_timeout`` are ``timedelta``s (a number has no unit), in range."""
     problems = []
-    if backend is not None:
-        parts = [p.split(":")[-1] for p in backend.split(",")] if isinstance(backend, str) else [backend]
-        if not isinstance(backend, str) or any(p not in PROCESS_GROUP_BACKENDS for p in parts):
-            problems.append(
-                f"process_group_backend={backend!r} is not a torch.distributed backend; use one of"
-                f" {', '.join(repr(b) for b in PROCESS_GROUP_BACKENDS)} (or 'cpu:gloo,cuda:nccl'), or None for the"
-                " device's default"
-            )
     if timeout is not None and not isinstance(timeout, timedelta):
         problems.append(
             f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=10)), not"
@@ -103,60 +111,71 @@ def process_group_problems(backend: Any, timeout: Any, watchdog_timeout: Any = N
     return problems
 
 
-#: The strategies' parameters in their positional order (that of 0.1.0, which ``--print_config`` shows too):
-#: every field of ``ParallelConfig`` and ``StrategyOptions`` once; a new option is placed here by hand, and as a
-#: parameter at the same place in both strategies' ``__init__`` (``ModelParallel2DBase``'s and Fabric's).
-PARAMETER_ORDER = (
-    "data_parallel_size", "tensor_parallel_size", "data_parallel_replicate_size",
-    "pipeline_parallel_size", "pipeline_schedule", "pipeline_microbatches", "pipeline_stages_per_rank",
-    "pipeline_layers_per_stage",
-    "sequence_parallel", "loss_parallel", "activation_checkpointing", "selective_ac_option", "compile",
-    "param_dtype", "reduce_dtype", "reshard_after_forward", "reduce_every_micro_batch",
-    "float8", "float8_recipe", "fsdp_float8_all_gather", "async_tensor_parallel",
-    "plan", "init_seed", "save_distributed_checkpoint", "async_checkpoint", "non_finite",
-    "process_group_backend", "timeout", "watchdog_timeout",
-    "context_parallel_size",  # last: a new option must not shift the positions of the others
-)
-
-
-def strategy_options() -> list[Option]:
-    """Every option of the strategies, in ``PARAMETER_ORDER``."""
-    declared = {opt.name: opt for cls in (ParallelConfig, StrategyOptions) for opt in options_of(cls)}
-    missing, unknown = sorted(set(declared) - set(PARAMETER_ORDER)), sorted(set(PARAMETER_ORDER) - set(declared))
-    if missing or unknown or len(PARAMETER_ORDER) != len(set(PARAMETER_ORDER)):
+def strategy_options(classes: Sequence[type] = ()) -> list[Option]:
+    """Every option of the strategies (the fields of ``classes``: ``ParallelConfig`` and ``StrategyOptions``), in
+    their ``position`` order, which must number them ``0, 1, …`` once each; each with the registered checks that
+    read it."""
+    declared = [opt for cls in (classes or (ParallelConfig, StrategyOptions)) for opt in options_of(cls)]
+    unplaced = sorted(o.name for o in declared if o.position is None)
+    positions = sorted(o.position for o in declared if o.position is not None)
+    if unplaced or positions != list(range(len(declared))):
+        taken = {p for p in positions if positions.count(p) > 1}
         raise TypeError(
-            f"PARAMETER_ORDER in {__name__} must list every option of ParallelConfig and StrategyOptions once:"
-            f" missing {missing}, not an option {unknown}"
+            "every strategy option needs its own place in the strategies' signature, option(position=N) numbering"
+            f" them 0 … {len(declared) - 1}: without a position {unplaced}, positions taken twice {sorted(taken)}"
+            f" (a new option takes position {len(declared) - 1 if unplaced else len(declared)})"
         )
-    return [declared[name] for name in PARAMETER_ORDER]
+    ordered = sorted(declared, key=lambda o: o.position)  # type: ignore[arg-type, return-value]
+    return [replace(o, checks=checks_reading(o.name)) for o in ordered]
 
 
 OPTIONS: tuple[Option, ...] = tuple(strategy_options())
+#: The strategies' parameters in their positional order (that of 0.1.0, which ``--print_config`` shows too).
+PARAMETER_ORDER: tuple[str, ...] = tuple(o.name for o in OPTIONS)
 
 
-def takes_options(intro: str, extra: Sequence[Option] = ()) -> Callable[[Init], Init]:
-    """Decorate a strategy's ``__init__``, written with every option as a parameter: its docstring becomes
-    ``intro`` and an ``Args:`` section with each option's field docstring, then ``extra``'s (a strategy's own
-    arguments: Fabric's ``parallelize_fn``), which is what ``help()`` and jsonargparse's ``--help`` show.
+def takes_options(intro: str, extra: Sequence[Option] = ()) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Generate a strategy's ``__init__`` from the options' fields: decorate the constructor's body
+    ``body(self, options, **extra)``, which receives every option's value by name (``options``, in
+    ``PARAMETER_ORDER``) and ``extra``'s arguments (a strategy's own: Fabric's ``parallelize_fn``).
 
-    The signature is the function's own (no ``__signature__``), so IDEs and type checkers see the same one as
-    ``inspect`` and jsonargparse; tests/unit/test_options.py checks that it agrees with the fields.
+    The ``__init__`` made is a real function, as ``dataclasses`` makes one: every option a parameter in
+    ``PARAMETER_ORDER`` (the positional order of 0.1.0) with its field's annotation and default, then ``extra``
+    keyword-only; its docstring is ``intro`` and an ``Args:`` section with each option's field docstring. So
+    ``inspect.signature`` (and through it LightningCLI/jsonargparse: ``--help``, ``--print_config``, recipes),
+    ``help()`` and Python's own argument errors all see the options as parameters, written nowhere else.
+    Static type checkers see ``__init__(...)``: any arguments (tests/unit/test_options.py checks the runtime one).
     """
 
-    def document(init: Init) -> Init:
+    def generate(body: Callable[..., None]) -> Callable[..., None]:
+        params = [inspect.Parameter(o.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=o.default,
+                                    annotation=o.annotation) for o in OPTIONS]
+        params += [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                                     annotation=o.annotation) for o in extra]
+        signature = ", ".join(["self", *(f"{p.name}=_defaults[{i}]" for i, p in enumerate(params[:len(OPTIONS)]))])
+        if extra:
+            signature += ", *, " + ", ".join(f"{o.name}=_defaults[{len(OPTIONS) + i}]" for i, o in enumerate(extra))
+        given = ", ".join(f"{o.name!r}: {o.name}" for o in OPTIONS)
+        forwarded = "".join(f", {o.name}={o.name}" for o in extra)
+        source = f"def __init__({signature}) -> None:\n    _body(self, {{{given}}}{forwarded})\n"
+        namespace: dict[str, Any] = {"_body": body, "_defaults": [p.default for p in params]}
+        exec(compile(source, f"<{body.__qualname__} generated by takes_options>", "exec"), namespace)  # noqa: S102
+        init = namespace["__init__"]
+        init.__qualname__, init.__module__ = body.__qualname__, body.__module__
+        init.__annotations__ = {**{p.name: p.annotation for p in params}, "return": None}
         init.__doc__ = f"{intro}\n\n{args_section([*OPTIONS, *extra])}\n"
         return init
 
-    return document
+    return generate
 
 
 def option_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The options among a constructor's arguments (its ``locals()``), by name, in ``PARAMETER_ORDER``."""
+    """The options among a constructor's arguments, by name, in ``PARAMETER_ORDER``."""
     return {name: arguments[name] for name in PARAMETER_ORDER if name in arguments}
 
 
 def split_options(arguments: Mapping[str, Any]) -> tuple[ParallelConfig, StrategyOptions]:
-    """A strategy constructor's arguments (its ``locals()``) as its two option dataclasses; each validates its
+    """A strategy constructor's arguments (its options, by name) as its two option dataclasses; each validates its
     values."""
     given = option_values(arguments)
     # StrategyOptions first: its process-group problems are reported before the layout's, as since 0.1.0.

@@ -99,8 +99,8 @@ class ModelParallel2DBase(LightningStrategyMembers):
     """Mixin in front of Lightning's ``ModelParallelStrategy`` (Trainer or Fabric); see the module docstring.
 
     Its constructor takes the options of ``ParallelConfig`` and ``StrategyOptions``
-    (``lightning_2d.integration.options``) as explicit parameters whose defaults are the fields'; its docstring is
-    built from the fields' docstrings.
+    (``lightning_2d.integration.options``) as parameters generated from the fields (names, annotations, defaults,
+    positional order and docstring).
     """
 
     #: Tells a LightningModule to build its model on the meta device in ``configure_model``.
@@ -108,51 +108,19 @@ class ModelParallel2DBase(LightningStrategyMembers):
     #: The precision plugin that replaces Lightning's stock ones (the Trainer's or Fabric's kind).
     fsdp2_precision_class: type = FSDP2Precision
 
-    # Every option, in ``PARAMETER_ORDER``, with its field's type and default (read from the field, so that IDEs and
-    # type checkers see the real signature); tests/unit/test_options.py names any parameter that differs from its field.
+    # Generated from the options' fields (``takes_options``): every option a parameter, in their positional order,
+    # with the field's annotation and default; this body receives their values by name.
     @takes_options("The strategy's options (the fields of ``ParallelConfig`` and ``StrategyOptions``).")
-    def __init__(
-        self,
-        data_parallel_size: Size = ParallelConfig.data_parallel_size,
-        tensor_parallel_size: Size = ParallelConfig.tensor_parallel_size,
-        data_parallel_replicate_size: int = ParallelConfig.data_parallel_replicate_size,
-        pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
-        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] = ParallelConfig.pipeline_schedule,
-        pipeline_microbatches: Optional[int] = ParallelConfig.pipeline_microbatches,
-        pipeline_stages_per_rank: Optional[int] = ParallelConfig.pipeline_stages_per_rank,
-        pipeline_layers_per_stage: Optional[list[int]] = ParallelConfig.pipeline_layers_per_stage,
-        sequence_parallel: bool = ParallelConfig.sequence_parallel,
-        loss_parallel: bool = ParallelConfig.loss_parallel,
-        activation_checkpointing: Literal["none", "full", "selective"] = ParallelConfig.activation_checkpointing,
-        selective_ac_option: Union[str, int] = ParallelConfig.selective_ac_option,
-        compile: bool = ParallelConfig.compile,
-        param_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.param_dtype,
-        reduce_dtype: Optional[Union[str, torch.dtype]] = ParallelConfig.reduce_dtype,
-        reshard_after_forward: Literal["default", "always", "never"] = ParallelConfig.reshard_after_forward,
-        reduce_every_micro_batch: bool = ParallelConfig.reduce_every_micro_batch,
-        float8: Union[bool, Literal["emulate"]] = ParallelConfig.float8,
-        float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = ParallelConfig.float8_recipe,
-        fsdp_float8_all_gather: bool = ParallelConfig.fsdp_float8_all_gather,
-        async_tensor_parallel: bool = ParallelConfig.async_tensor_parallel,
-        plan: Optional[ParallelPlan] = StrategyOptions.plan,
-        init_seed: Optional[int] = StrategyOptions.init_seed,
-        save_distributed_checkpoint: bool = StrategyOptions.save_distributed_checkpoint,
-        async_checkpoint: bool = StrategyOptions.async_checkpoint,
-        non_finite: Literal["raise", "skip", "off"] = ParallelConfig.non_finite,
-        process_group_backend: Optional[str] = StrategyOptions.process_group_backend,
-        timeout: Optional[timedelta] = StrategyOptions.timeout,
-        watchdog_timeout: Optional[timedelta] = StrategyOptions.watchdog_timeout,
-        context_parallel_size: int = ParallelConfig.context_parallel_size,
-    ) -> None:
+    def __init__(self, options: dict[str, Any]) -> None:
         # Validate the options first: a typo fails here, at construction, with every problem listed.
-        parallel, options = split_options(locals())
-        self.parallel_config, self.strategy_options = parallel, options
+        parallel, strategy = split_options(options)
+        self.parallel_config, self.strategy_options = parallel, strategy
         # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
         super().__init__(
             **self._lightning_strategy_kwargs(),
-            save_distributed_checkpoint=options.save_distributed_checkpoint,
-            process_group_backend=options.process_group_backend,
-            timeout=options.timeout,
+            save_distributed_checkpoint=strategy.save_distributed_checkpoint,
+            process_group_backend=strategy.process_group_backend,
+            timeout=strategy.timeout,
         )
         self.parallel_dims: Optional[ParallelDims] = None
         #: The parts (see the module docstring); the checkpoint IO is created with the process group.

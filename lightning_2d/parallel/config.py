@@ -1,7 +1,8 @@
 """What to parallelize and how: the options (``ParallelConfig``) and the model's names (``ParallelPlan``).
 
 Both are plain data, so a test (or a user) can inspect the plan that will be applied before any
-process group exists. ``ParallelConfig.validate`` collects every problem and raises once.
+process group exists. Constructing a ``ParallelConfig`` runs the options' own checks (``parallel/checks.py``,
+registered below the class) and raises once, listing every problem.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Union
 import torch
 
 from lightning_2d.errors import Lightning2DError
+from lightning_2d.parallel.checks import check, run_checks
 from lightning_2d.parallel.options import documented, option
+from lightning_2d.parallel.schedules import SCHEDULES, Schedule, ScheduleName, schedule_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,20 +28,10 @@ NON_FINITE_POLICIES = ("raise", "skip", "off")
 #: The oldest torch the pipeline runs on: the release it is tested with. Before it ``torch.distributed.pipelining``
 #: lacked parts it relies on (schedules' ``eval()`` arrived in 2.9; static stage metadata and its warm-up vote later).
 PIPELINE_MIN_TORCH = "2.13"
-#: Pipeline schedules (``torch.distributed.pipelining``) → the stages per rank they run and where they place them:
-#: ``"single"`` (one), ``"multi"`` (several, in a loop: stage ``s`` on rank ``s % pp``) or ``"v"`` (exactly two,
-#: in a V: rank ``r`` holds stages ``r`` and ``2·pp - 1 - r``).
-PIPELINE_SCHEDULES: dict[str, str] = {
-    "1F1B": "single",
-    "GPipe": "single",
-    "Interleaved1F1B": "multi",
-    "InterleavedZeroBubble": "multi",
-    "ZBVZeroBubble": "v",
-    "DualPipeV": "v",
-}
-#: The schedules that split each backward into its input-gradient and weight-gradient halves (``I`` and ``W``
-#: actions, torch's ``stage_backward_input``/``stage_backward_weight``) to fill the bubble.
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: Derived from the schedules' table (``parallel/schedules.py``), for the readers of these names: schedule → the
+#: stages each rank runs (``Schedule.stages``), and the zero-bubble ones.
+PIPELINE_SCHEDULES: dict[str, str] = {s.name: s.stages for s in SCHEDULES.values()}
+ZERO_BUBBLE_SCHEDULES = tuple(s.name for s in SCHEDULES.values() if s.zero_bubble)
 
 #: Trainer/Fabric precision → (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy.
 PRECISION_TO_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
@@ -98,19 +91,6 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPE_NAMES[value]
 
 
-#: The functions that report the options' problems, named in each field's ``option(checks=...)`` (a unit test
-#: checks that each one names the option it is listed for).
-STATIC_CHECKS = "lightning_2d.parallel.config.ParallelConfig.static_problems"
-PIPELINE_CHECKS = "lightning_2d.parallel.config.ParallelConfig.pipeline_problems"
-ZERO_BUBBLE_CHECKS = "lightning_2d.parallel.config.ParallelConfig.zero_bubble_problems"
-MICROBATCH_CHECKS = "lightning_2d.parallel.config.ParallelConfig.microbatch_problems"
-BLOCK_COUNT_CHECKS = "lightning_2d.parallel.config.ParallelConfig.block_count_problems"
-FLOAT8_RECIPE_CHECKS = "lightning_2d.parallel.config.float8_recipe_problems"
-LAYOUT_CHECKS = "lightning_2d.parallel.dims.validate_parallel_dims"
-PIPELINE_SPLIT_CHECKS = "lightning_2d.parallel.dims.pipeline_split_problems"
-HARDWARE_CHECKS = "lightning_2d.parallel.float8.float8_problems"
-
-
 @documented
 @dataclass
 class ParallelConfig:
@@ -121,63 +101,61 @@ class ParallelConfig:
     strategy-only options of ``lightning_2d.integration.options.StrategyOptions``).
     """
 
-    data_parallel_size: Size = option("auto", checks=(STATIC_CHECKS, LAYOUT_CHECKS))
+    data_parallel_size: Size = option("auto", position=0)
     """Number of data-parallel ranks (replicas × FSDP shards; each sees different batches), or ``"auto"``: the
     world size divided by ``tensor_parallel_size × context_parallel_size × pipeline_parallel_size`` (the number of
     nodes when both sizes are auto). FSDP shards over ``data_parallel_size / data_parallel_replicate_size`` of them."""
-    tensor_parallel_size: Size = option("auto", checks=(STATIC_CHECKS, LAYOUT_CHECKS, HARDWARE_CHECKS))
+    tensor_parallel_size: Size = option("auto", position=1)
     """Size of the tensor-parallel mesh dimension, or ``"auto"``: the world size divided by
     ``data_parallel_size × context_parallel_size × pipeline_parallel_size`` (the devices of one node when both sizes
     are auto).
     Tensor-parallel groups are consecutive ranks, so they stay inside a node."""
-    data_parallel_replicate_size: int = option(1, checks=(STATIC_CHECKS, LAYOUT_CHECKS))
+    data_parallel_replicate_size: int = option(1, position=2)
     """HSDP: the data-parallel ranks form this many replica groups; FSDP shards parameters, gradients and
     optimizer state inside each group of ``data_parallel_size / data_parallel_replicate_size`` ranks (typically
     one node's, so its all-gathers stay on NVLink) and gradients are all-reduced across the groups. ``1``
     (default): plain FSDP over all data-parallel ranks."""
-    sequence_parallel: bool = option(True, checks=(STATIC_CHECKS, LAYOUT_CHECKS, HARDWARE_CHECKS))
+    sequence_parallel: bool = option(True, position=8)
     """Shard norms and residual activations along the sequence between the tensor-parallel regions (Megatron
     SP). Needs the sequence length divisible by the tensor-parallel size."""
-    loss_parallel: bool = option(False, checks=(STATIC_CHECKS,))
+    loss_parallel: bool = option(False, position=9)
     """For models that return logits (``fused_loss=False``, or your own): keep the logits sharded over the
     vocabulary and compute the cross-entropy on the shards (saves ``(tp-1)/tp`` of the logits memory). The
     model's loss must be computed inside ``lightning_2d.parallel.loss.loss_parallel_context()``;
     ``LlamaLightningModule`` does it. The fused Llama loss is always vocabulary-parallel."""
-    activation_checkpointing: Literal["none", "full", "selective"] = option("none", checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
+    activation_checkpointing: Literal["none", "full", "selective"] = option("none", position=10)
     """``"none"``, ``"full"`` (recompute each block) or ``"selective"`` (see ``selective_ac_option``)."""
-    selective_ac_option: Union[str, int] = option("op", checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
+    selective_ac_option: Union[str, int] = option("op", position=11)
     """For ``"selective"``: ``"op"`` (save matmul/attention outputs, recompute the rest) or an integer ``N``
     (fully checkpoint every N-th block)."""
-    compile: bool = option(False, checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS, HARDWARE_CHECKS))
+    compile: bool = option(False, position=12)
     """``torch.compile`` each transformer block (after activation checkpointing, before FSDP)."""
-    param_dtype: Optional[Union[str, torch.dtype]] = option(None, checks=(STATIC_CHECKS,), shown="from ``precision``")
+    param_dtype: Optional[Union[str, torch.dtype]] = option(None, position=13, shown="from ``precision``")
     """Dtype FSDP2 all-gathers parameters in for compute (its ``MixedPrecisionPolicy``), e.g. ``"bfloat16"`` or
     ``"float32"``; ``None`` derives it from the precision (bf16 for ``bf16-mixed``/``bf16-true``, fp32 for
     ``32-true``)."""
-    reduce_dtype: Optional[Union[str, torch.dtype]] = option(None, checks=(STATIC_CHECKS,))
+    reduce_dtype: Optional[Union[str, torch.dtype]] = option(None, position=14)
     """Dtype of FSDP2's gradient reduce-scatter (its ``MixedPrecisionPolicy``); ``None`` means fp32."""
-    reshard_after_forward: Literal["default", "always", "never"] = option("default", checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
+    reshard_after_forward: Literal["default", "always", "never"] = option("default", position=15)
     """``"default"`` (free each unit's gathered parameters after its forward, except the output unit's — final
     norm and head — which backward needs first; under a zero-bubble pipeline schedule none, as ``"never"``: its
     split backward needs them), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers)."""
-    float8: Union[bool, Literal["emulate"]] = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
+    float8: Union[bool, Literal["emulate"]] = option(False, position=17)
     """Train the block projections in float8 (torchao's ``Float8Linear``; GPUs with CUDA compute capability
     >= 8.9, ``pip install "lightning-2d[float8]"``), with torchao's float8 tensor-parallel styles.
     ``"emulate"``: the same float8 rounding computed in high precision on any device (tests, debugging; slower
     than not converting)."""
-    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = option(
-        "tensorwise", checks=(FLOAT8_RECIPE_CHECKS,)
-    )
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = option("tensorwise", position=18)
     """torchao's scaling recipe: ``"tensorwise"`` (fastest), ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (more
     accurate)."""
-    fsdp_float8_all_gather: bool = option(False, checks=(STATIC_CHECKS, FLOAT8_RECIPE_CHECKS))
+    fsdp_float8_all_gather: bool = option(False, position=19)
     """FSDP2 all-gathers the float8 weights in float8 (half the bytes of bf16; ``"tensorwise"`` only); their
     scales are computed after each optimizer step."""
-    async_tensor_parallel: bool = option(False, checks=(STATIC_CHECKS, HARDWARE_CHECKS))
+    async_tensor_parallel: bool = option(False, position=20)
     """Overlap the sequence-parallel all-gathers and reduce-scatters with the matmuls (inductor's
     micro-pipelined TP over symmetric memory). Needs CUDA, NCCL, ``compile=True``, ``sequence_parallel=True``
     and ``tensor_parallel_size > 1``."""
-    reduce_every_micro_batch: bool = option(False, checks=(STATIC_CHECKS, ZERO_BUBBLE_CHECKS))
+    reduce_every_micro_batch: bool = option(False, position=16)
     """With gradient accumulation, reduce-scatter the gradients after every micro-batch (least memory) instead
     of once, after the last micro-batch (the default: ``n - 1`` of ``n`` reduce-scatters saved, but between
     micro-batches each rank holds its unsharded gradients, ``4 × parameters / tensor_parallel_size`` bytes).
@@ -185,29 +163,25 @@ class ParallelConfig:
     rank's stages stays gathered and keeps its unsharded gradient from its first backward to the end of the
     step (torch's ``PipelineStage``); with this option each micro-batch's backward reshards and
     reduce-scatters (an all-gather and a reduce-scatter per unit and micro-batch)."""
-    non_finite: Literal["raise", "skip", "off"] = option("raise", checks=(STATIC_CHECKS,))
+    non_finite: Literal["raise", "skip", "off"] = option("raise", position=25)
     """What a step whose loss or gradients are NaN/inf on any rank does, decided by all ranks together before
     the update (``lightning_2d.parallel.guard``): ``"raise"`` stops every rank naming the step and the ranks;
     ``"skip"`` drops that step's gradients everywhere (weights and optimizer state unchanged) and goes on;
     ``"off"`` checks nothing per step (no extra gradient read or all-gather: benchmarks), as plain Lightning
     does. The first loss and the weights at every save are checked under every policy: a checkpoint is never
     saved from NaN/inf weights."""
-    context_parallel_size: int = option(1, checks=(STATIC_CHECKS, LAYOUT_CHECKS))
+    context_parallel_size: int = option(1, position=29)
     """Context parallelism: each sequence is split over this many ranks, each holding ``2`` of its ``2 ×
     context_parallel_size`` chunks (one early, one late: the same causal-attention work on each), and every
     attention layer all-gathers keys and values across them (``lightning_2d.parallel.context``). Divides the
     activations by this size; FSDP shards over data-shard × context ranks. The sequence length must be a multiple of
     ``2 × context_parallel_size`` (× ``tensor_parallel_size`` under sequence parallelism). ``1`` (default): off."""
-    pipeline_parallel_size: int = option(
-        1, checks=(PIPELINE_CHECKS, LAYOUT_CHECKS, PIPELINE_SPLIT_CHECKS, BLOCK_COUNT_CHECKS, MICROBATCH_CHECKS)
-    )
+    pipeline_parallel_size: int = option(1, position=3)
     """Number of pipeline stages' ranks (``torch.distributed.pipelining``): the transformer blocks are split
     into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded
     on its own ``(data_parallel, tensor_parallel)`` sub-mesh. The outermost mesh dimension (across nodes).
     ``1`` (default): no pipeline."""
-    pipeline_schedule: Literal[
-        "1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
-    ] = option("1F1B", checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS, ZERO_BUBBLE_CHECKS))
+    pipeline_schedule: ScheduleName = option("1F1B", position=4)
     """``"1F1B"`` (default), ``"GPipe"`` (all forwards, then all backwards: more activation memory),
     ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble), or a zero-bubble schedule, which splits
     each backward into its input and weight halves and runs weight halves in the bubble:
@@ -216,81 +190,34 @@ class ParallelConfig:
     ``2 × pipeline_parallel_size`` micro-batches). The zero-bubble schedules keep every FSDP unit gathered from
     forward to backward (``reshard_after_forward="default"``) and refuse ``compile``, per-op selective activation
     checkpointing and ``reduce_every_micro_batch``."""
-    pipeline_microbatches: Optional[int] = option(None, checks=(PIPELINE_CHECKS, MICROBATCH_CHECKS))
+    pipeline_microbatches: Optional[int] = option(None, position=5)
     """Micro-batches each batch is split into (must divide the per-rank batch size; at least
     ``pipeline_parallel_size`` for the 1F1B schedules). ``None``: one sequence per micro-batch (the batch size).
     The idle fraction (bubble) of 1F1B/GPipe is about ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m``
     micro-batches."""
-    pipeline_stages_per_rank: Optional[int] = option(None, checks=(PIPELINE_CHECKS,))
+    pipeline_stages_per_rank: Optional[int] = option(None, position=6)
     """Stages each pipeline rank holds: ``1`` for ``"1F1B"``/``"GPipe"``, at least 2 for ``"Interleaved1F1B"`` and
     ``"InterleavedZeroBubble"``, exactly 2 for ``"ZBVZeroBubble"``/``"DualPipeV"`` (``None``: 1, or 2 for the
     others)."""
-    pipeline_layers_per_stage: Optional[list[int]] = option(None, checks=(PIPELINE_CHECKS, BLOCK_COUNT_CHECKS))
+    pipeline_layers_per_stage: Optional[list[int]] = option(None, position=7)
     """Transformer blocks of each stage, in order (``[9, 8, 8, 7]``); ``None``: a balanced split by compute, the
     output head counted in the last stage."""
 
     def __post_init__(self) -> None:
-        raise_if_problems(self.static_problems())
+        if self.activation_checkpointing == "selective" and _is_digits(self.selective_ac_option):
+            self.selective_ac_option = int(self.selective_ac_option)  # "2" from a command line: every 2nd block
+        raise_if_problems(self.problems())
         self.param_dtype = _dtype(self.param_dtype)
         self.reduce_dtype = _dtype(self.reduce_dtype)
 
-    def static_problems(self) -> list[str]:
-        """Problems visible without knowing the world size or the model."""
-        problems = []
-        for name in ("data_parallel_size", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                problems.append(f"{name} must be a positive integer or 'auto', got {value!r}")
-        for name in ("data_parallel_replicate_size", "context_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be a positive integer, got {value!r}")
-        if self.activation_checkpointing not in AC_MODES:
-            problems.append(
-                f"activation_checkpointing={self.activation_checkpointing!r} is not a mode; choose one of"
-                f" {', '.join(repr(m) for m in AC_MODES)}"
-            )
-        if self.activation_checkpointing == "selective":
-            option = self.selective_ac_option
-            is_int = isinstance(option, int) and not isinstance(option, bool)
-            if isinstance(option, str) and option.isdigit():
-                option, is_int = int(option), True
-                self.selective_ac_option = option
-            if not (option == "op" or (is_int and option >= 1)):
-                problems.append(
-                    f"selective_ac_option={self.selective_ac_option!r} is invalid; use 'op' (per-op selective"
-                    " checkpointing) or a positive integer N (checkpoint every N-th block)"
-                )
-        if self.reshard_after_forward not in RESHARD_POLICIES:
-            problems.append(
-                f"reshard_after_forward={self.reshard_after_forward!r} is not a policy; choose one of"
-                f" {', '.join(repr(p) for p in RESHARD_POLICIES)}"
-            )
-        for name in ("sequence_parallel", "loss_parallel", "compile", "fsdp_float8_all_gather", "async_tensor_parallel",
-                     "reduce_every_micro_batch"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                problems.append(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, torch.dtype) and value not in DTYPE_NAMES:
-                problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPE_NAMES)}")
-            elif value is not None and _dtype(value) not in SUPPORTED_DTYPES:
-                problems.append(
-                    f"{name}={value!r} is not supported: float16 needs a gradient scaler, which FSDP2 × TP does not"
-                    " offer here (as precision='16-mixed'); use 'bfloat16' (same memory, no scaling) or 'float32'"
-                )
-        if self.float8 not in (True, False, "emulate"):
-            problems.append(f"float8={self.float8!r} is invalid; use True, False or 'emulate' (no float8 hardware needed)")
-        problems += float8_recipe_problems(self.float8_recipe, self.fsdp_float8_all_gather, "float8_recipe")
-        if self.non_finite not in NON_FINITE_POLICIES:
-            problems.append(
-                f"non_finite={self.non_finite!r} is not a policy; choose 'raise' (stop, naming the step and"
-                " ranks), 'skip' (drop the step's gradients on every rank and go on) or 'off' (no per-step check)"
-            )
-        if self.fsdp_float8_all_gather and not self.float8:
-            problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")
-        return problems + self.pipeline_problems()
+    def problems(self) -> list[str]:
+        """The options' own problems (no world size or model needed): every registered check that needs no input."""
+        return run_checks(vars(self))
+
+    @property
+    def schedule(self) -> Schedule:
+        """The ``pipeline_schedule``'s facts (``parallel/schedules.py``)."""
+        return SCHEDULES[self.pipeline_schedule]
 
     @property
     def num_pipeline_stages(self) -> int:
@@ -299,14 +226,12 @@ class ParallelConfig:
 
     @property
     def stages_per_rank(self) -> int:
-        if self.pipeline_stages_per_rank is not None:
-            return self.pipeline_stages_per_rank
-        return 2 if PIPELINE_SCHEDULES.get(self.pipeline_schedule) in ("multi", "v") else 1
+        return stages_per_rank(self.pipeline_schedule, self.pipeline_stages_per_rank)
 
     @property
     def zero_bubble(self) -> bool:
         """Whether a pipeline runs a zero-bubble schedule (each backward split into an input and a weight pass)."""
-        return self.pipeline_parallel_size > 1 and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+        return self.pipeline_parallel_size > 1 and self.schedule.zero_bubble
 
     @property
     def reshard_policy(self) -> str:
@@ -326,165 +251,353 @@ class ParallelConfig:
     def pipeline_placement(self) -> str:
         """Where the stages go: ``"v"`` for the V-shaped schedules (rank ``r`` holds stages ``r`` and
         ``2·pp - 1 - r``), else ``"loop"`` (stage ``s`` on rank ``s % pp``)."""
-        return "v" if PIPELINE_SCHEDULES.get(self.pipeline_schedule) == "v" else "loop"
-
-    def pipeline_problems(self) -> list[str]:
-        """The pipeline options' own problems (no world size or model needed)."""
-        problems: list[str] = []
-
-        def positive(name: str, value: Any) -> bool:
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            if not ok:
-                problems.append(f"{name} must be a positive integer, got {value!r}")
-            return ok
-
-        pp = self.pipeline_parallel_size
-        if not positive("pipeline_parallel_size", pp):
-            return problems
-        if pp > 1 and torch.__version__ < PIPELINE_MIN_TORCH:
-            problems.append(
-                f"pipeline_parallel_size={pp} needs torch >= {PIPELINE_MIN_TORCH} (the release lightning_2d's pipeline is"
-                f" tested with; torch.distributed.pipelining changed before it), found {torch.__version__}; upgrade"
-                " torch or use pipeline_parallel_size=1"
-            )
-        kind = PIPELINE_SCHEDULES.get(self.pipeline_schedule)
-        if kind is None:
-            problems.append(
-                f"pipeline_schedule={self.pipeline_schedule!r} is not a schedule; choose one of"
-                f" {', '.join(map(repr, PIPELINE_SCHEDULES))}"
-            )
-            return problems
-        if self.pipeline_microbatches is not None:
-            positive("pipeline_microbatches", self.pipeline_microbatches)
-        if self.pipeline_stages_per_rank is not None and positive("pipeline_stages_per_rank", self.pipeline_stages_per_rank):
-            per_rank = self.pipeline_stages_per_rank
-            if kind == "single" and per_rank != 1:
-                problems.append(
-                    f"pipeline_schedule={self.pipeline_schedule!r} runs one stage per rank, but"
-                    f" pipeline_stages_per_rank={per_rank}; use pipeline_schedule='Interleaved1F1B' for several"
-                    " stages per rank, or pipeline_stages_per_rank=1"
-                )
-            if kind == "multi" and per_rank < 2:
-                problems.append(
-                    f"pipeline_schedule={self.pipeline_schedule!r} interleaves several stages per rank, but"
-                    f" pipeline_stages_per_rank={per_rank}; use 2 or more (the default), or pipeline_schedule='1F1B'"
-                )
-            if kind == "v" and per_rank != 2:
-                problems.append(
-                    f"pipeline_schedule={self.pipeline_schedule!r} places exactly 2 stages on each rank, in a V (rank r"
-                    f" holds stages r and 2·pp - 1 - r), but pipeline_stages_per_rank={per_rank}; use 2 (the default),"
-                    " or pipeline_schedule='InterleavedZeroBubble' for another count"
-                )
-        if pp > 1 and self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
-            problems += self.zero_bubble_problems()
-        layers = self.pipeline_layers_per_stage
-        if layers is not None:
-            if not isinstance(layers, (list, tuple)) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers
-            ):
-                problems.append(
-                    f"pipeline_layers_per_stage must be a list of positive block counts, one per stage, got {layers!r}"
-                )
-            elif len(layers) != self.num_pipeline_stages:
-                problems.append(
-                    f"pipeline_layers_per_stage has {len(layers)} entries but the pipeline has"
-                    f" {self.num_pipeline_stages} stages (pipeline_parallel_size {pp} × {self.stages_per_rank} per"
-                    " rank); give one block count per stage"
-                )
-        if pp > 1 and self.pipeline_microbatches is not None and isinstance(self.pipeline_microbatches, int):
-            problems += self.microbatch_problems(self.pipeline_microbatches, batch_size=None)
-        return problems
-
-    def zero_bubble_problems(self) -> list[str]:
-        """What the zero-bubble schedules (each backward split into an input and a weight pass) cannot run with."""
-        name, problems = self.pipeline_schedule, []
-        if self.compile:
-            problems.append(
-                f"pipeline_schedule={name!r} splits each backward into its input and weight halves, which torch 2.13"
-                " does not support for compiled modules (the schedule raises on torch.compile'd stages); use"
-                " compile=False, or pipeline_schedule='Interleaved1F1B'"
-            )
-        if self.activation_checkpointing == "selective" and self.selective_ac_option == "op":
-            problems.append(
-                f"pipeline_schedule={name!r} runs a second backward pass (the weights') over each micro-batch's graph,"
-                " which per-op selective activation checkpointing refuses (torch: \"Trying to backward an extra"
-                " time ... under selective activation checkpoint\"); use activation_checkpointing='full' (or"
-                " selective_ac_option=N: every N-th block fully checkpointed), or pipeline_schedule='Interleaved1F1B'"
-            )
-        if self.reduce_every_micro_batch:
-            problems.append(
-                f"pipeline_schedule={name!r} with reduce_every_micro_batch=True: each micro-batch's input pass would"
-                " end in FSDP's reduce-scatter and reshard, before its weight pass computed the weight gradients"
-                " (torch fails looking the gathered weights up); use reduce_every_micro_batch=False, or"
-                " pipeline_schedule='Interleaved1F1B'"
-            )
-        if self.reshard_after_forward == "always":
-            problems.append(
-                f"pipeline_schedule={name!r} with reshard_after_forward='always': the split backward finds the weights"
-                " to differentiate among the stage's parameters before its first unit is gathered again, so the"
-                " resharded units' weight gradients would never be computed; use reshard_after_forward='default'"
-                " (which keeps them gathered under these schedules) or 'never'"
-            )
-        return problems
+        return self.schedule.placement
 
     def block_count_problems(self, num_blocks: int) -> list[str]:
         """The pipeline's stages against the model's ``num_blocks`` transformer blocks."""
-        stages, layers = self.num_pipeline_stages, self.pipeline_layers_per_stage
-        if num_blocks < stages:
-            return [
-                f"the model has {num_blocks} transformer blocks, fewer than the {stages} pipeline stages"
-                f" (pipeline_parallel_size {self.pipeline_parallel_size} × {self.stages_per_rank} per rank): every"
-                " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
-            ]
-        if isinstance(layers, (list, tuple)) and sum(layers) != num_blocks:
-            return [
-                f"pipeline_layers_per_stage {list(layers)} adds up to {sum(layers)} blocks but the model has"
-                f" {num_blocks}; the counts must add up to the model's blocks"
-            ]
-        return []
+        return block_count_problems(
+            self.pipeline_parallel_size, self.pipeline_schedule, self.pipeline_stages_per_rank,
+            self.pipeline_layers_per_stage, num_blocks,
+        )
 
     def microbatch_problems(self, microbatches: int, batch_size: Optional[int], schedule_checks: bool = True) -> list[str]:
         """What the schedule needs of the micro-batch count (and the batch size, when known)."""
-        pp, problems = self.pipeline_parallel_size, []
-        if batch_size is not None and batch_size % microbatches:
-            fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
-            problems.append(
-                f"pipeline_microbatches ({microbatches}) must divide the per-rank batch size ({batch_size}); use one"
-                f" of {', '.join(map(str, fits))} or change the batch size"
-            )
-        if not schedule_checks:
-            return problems
-        if self.pipeline_schedule in ("1F1B", "Interleaved1F1B") and microbatches < pp:
-            problems.append(
-                f"pipeline_schedule={self.pipeline_schedule!r} needs at least pipeline_parallel_size ({pp})"
-                f" micro-batches, got {microbatches}; raise pipeline_microbatches (or the batch size), or use 'GPipe'"
-            )
-        if self.pipeline_schedule == "Interleaved1F1B" and microbatches >= pp and microbatches % pp:
-            problems.append(
-                f"pipeline_schedule='Interleaved1F1B' needs the micro-batch count ({microbatches}) to be a multiple"
-                f" of pipeline_parallel_size ({pp})"
-            )
-        rounds = max(1, microbatches // pp)
-        if self.pipeline_schedule == "InterleavedZeroBubble" and microbatches % rounds:
-            fits = [k for k in range(microbatches - 1, 0, -1) if k % max(1, k // pp) == 0][:1]
-            problems.append(
-                f"pipeline_schedule='InterleavedZeroBubble' runs the micro-batches in rounds of about"
-                f" pipeline_parallel_size ({pp}): {microbatches} micro-batches make {rounds} rounds, which must divide"
-                f" them; use a multiple of {pp}, or at most {pp} (e.g. {fits[0] if fits else pp})"
-            )
-        stages = self.num_pipeline_stages
-        if self.pipeline_schedule == "DualPipeV" and microbatches < stages:
-            problems.append(
-                f"pipeline_schedule='DualPipeV' needs at least as many micro-batches as stages ({stages}:"
-                f" 2 × pipeline_parallel_size {pp}), got {microbatches}; raise pipeline_microbatches (or the batch"
-                " size), or use 'ZBVZeroBubble'"
-            )
-        return problems
+        return microbatch_problems(
+            self.pipeline_parallel_size, self.pipeline_schedule, self.pipeline_stages_per_rank, microbatches,
+            batch_size, schedule_checks,
+        )
 
     def resolve_dtypes(self, precision: str) -> ParallelConfig:
         """A copy whose ``param_dtype``/``reduce_dtype`` are filled in from the Trainer/Fabric ``precision``."""
         param_dtype, reduce_dtype = PRECISION_TO_DTYPES[str(precision)]
         return replace(self, param_dtype=self.param_dtype or param_dtype, reduce_dtype=self.reduce_dtype or reduce_dtype)
+
+
+def _is_digits(value: Any) -> bool:
+    return isinstance(value, str) and value.isdigit()
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def stages_per_rank(pipeline_schedule: str, pipeline_stages_per_rank: Optional[int]) -> int:
+    """The stages each rank holds: ``pipeline_stages_per_rank``, or the schedule's default (1, or 2)."""
+    if pipeline_stages_per_rank is not None:
+        return pipeline_stages_per_rank
+    schedule = schedule_of(pipeline_schedule)
+    return schedule.default_stages_per_rank if schedule is not None else 1
+
+
+# ---- the options' own checks (``parallel/checks.py``): each reads the options its parameters name ---------------
+@check
+def size_options(
+    data_parallel_size: Any, tensor_parallel_size: Any, data_parallel_replicate_size: Any, context_parallel_size: Any
+) -> list[str]:
+    """The mesh sizes are positive integers (``data_parallel_size``/``tensor_parallel_size``: or ``"auto"``)."""
+    problems = []
+    for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if value != "auto" and not _is_positive_int(value):
+            problems.append(f"{name} must be a positive integer or 'auto', got {value!r}")
+    for name, value in (("data_parallel_replicate_size", data_parallel_replicate_size),
+                        ("context_parallel_size", context_parallel_size)):
+        if not _is_positive_int(value):
+            problems.append(f"{name} must be a positive integer, got {value!r}")
+    return problems
+
+
+@check
+def activation_checkpointing_options(activation_checkpointing: Any, selective_ac_option: Any) -> list[str]:
+    """``activation_checkpointing`` is a mode; under ``"selective"``, ``selective_ac_option`` is ``"op"`` or N."""
+    if activation_checkpointing not in AC_MODES:
+        return [
+            f"activation_checkpointing={activation_checkpointing!r} is not a mode; choose one of"
+            f" {', '.join(repr(m) for m in AC_MODES)}"
+        ]
+    is_int = isinstance(selective_ac_option, int) and not isinstance(selective_ac_option, bool)
+    if activation_checkpointing == "selective" and not (selective_ac_option == "op" or (is_int and selective_ac_option >= 1)):
+        return [
+            f"selective_ac_option={selective_ac_option!r} is invalid; use 'op' (per-op selective"
+            " checkpointing) or a positive integer N (checkpoint every N-th block)"
+        ]
+    return []
+
+
+@check
+def reshard_option(reshard_after_forward: Any) -> list[str]:
+    """``reshard_after_forward`` is a policy."""
+    if reshard_after_forward not in RESHARD_POLICIES:
+        return [
+            f"reshard_after_forward={reshard_after_forward!r} is not a policy; choose one of"
+            f" {', '.join(repr(p) for p in RESHARD_POLICIES)}"
+        ]
+    return []
+
+
+@check
+def boolean_options(
+    sequence_parallel: Any, loss_parallel: Any, compile: Any, fsdp_float8_all_gather: Any,
+    async_tensor_parallel: Any, reduce_every_micro_batch: Any,
+) -> list[str]:
+    """The on/off options are booleans."""
+    values = dict(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, compile=compile,
+                  fsdp_float8_all_gather=fsdp_float8_all_gather, async_tensor_parallel=async_tensor_parallel,
+                  reduce_every_micro_batch=reduce_every_micro_batch)
+    return [
+        f"{name} must be True or False, got {value!r} ({type(value).__name__})"
+        for name, value in values.items() if not isinstance(value, bool)
+    ]
+
+
+@check
+def dtype_options(param_dtype: Any, reduce_dtype: Any) -> list[str]:
+    """``param_dtype``/``reduce_dtype`` name a dtype FSDP2 × TP can use here."""
+    problems = []
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and not isinstance(value, torch.dtype) and value not in DTYPE_NAMES:
+            problems.append(f"{name}={value!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPE_NAMES)}")
+        elif value is not None and _dtype(value) not in SUPPORTED_DTYPES:
+            problems.append(
+                f"{name}={value!r} is not supported: float16 needs a gradient scaler, which FSDP2 × TP does not"
+                " offer here (as precision='16-mixed'); use 'bfloat16' (same memory, no scaling) or 'float32'"
+            )
+    return problems
+
+
+@check
+def float8_options(float8: Any, float8_recipe: Any, fsdp_float8_all_gather: Any) -> list[str]:
+    """``float8`` is a mode, ``float8_recipe`` torchao's, and ``fsdp_float8_all_gather`` needs both."""
+    problems = []
+    if float8 not in (True, False, "emulate"):
+        problems.append(f"float8={float8!r} is invalid; use True, False or 'emulate' (no float8 hardware needed)")
+    problems += float8_recipe_problems(float8_recipe, fsdp_float8_all_gather, "float8_recipe")
+    if fsdp_float8_all_gather and not float8:
+        problems.append("fsdp_float8_all_gather=True needs float8=True; set both or neither")
+    return problems
+
+
+@check
+def non_finite_option(non_finite: Any) -> list[str]:
+    """``non_finite`` is a policy."""
+    if non_finite not in NON_FINITE_POLICIES:
+        return [
+            f"non_finite={non_finite!r} is not a policy; choose 'raise' (stop, naming the step and"
+            " ranks), 'skip' (drop the step's gradients on every rank and go on) or 'off' (no per-step check)"
+        ]
+    return []
+
+
+def _pipeline_is_valid(pipeline_parallel_size: Any, pipeline_schedule: Any) -> bool:
+    """Whether the pipeline's size and schedule are valid (``pipeline_options`` reports them otherwise)."""
+    return _is_positive_int(pipeline_parallel_size) and schedule_of(pipeline_schedule) is not None
+
+
+@check
+def pipeline_options(pipeline_parallel_size: Any, pipeline_schedule: Any) -> list[str]:
+    """``pipeline_parallel_size`` is positive (and runs on this torch), ``pipeline_schedule`` is a schedule."""
+    pp = pipeline_parallel_size
+    if not _is_positive_int(pp):
+        return [f"pipeline_parallel_size must be a positive integer, got {pp!r}"]
+    problems = []
+    if pp > 1 and torch.__version__ < PIPELINE_MIN_TORCH:
+        problems.append(
+            f"pipeline_parallel_size={pp} needs torch >= {PIPELINE_MIN_TORCH} (the release lightning_2d's pipeline is"
+            f" tested with; torch.distributed.pipelining changed before it), found {torch.__version__}; upgrade"
+            " torch or use pipeline_parallel_size=1"
+        )
+    if schedule_of(pipeline_schedule) is None:
+        problems.append(
+            f"pipeline_schedule={pipeline_schedule!r} is not a schedule; choose one of {', '.join(map(repr, SCHEDULES))}"
+        )
+    return problems
+
+
+@check
+def pipeline_counts(
+    pipeline_parallel_size: Any, pipeline_schedule: Any, pipeline_microbatches: Any, pipeline_stages_per_rank: Any
+) -> list[str]:
+    """``pipeline_microbatches`` and ``pipeline_stages_per_rank`` are positive (when given)."""
+    if not _pipeline_is_valid(pipeline_parallel_size, pipeline_schedule):
+        return []
+    return [
+        f"{name} must be a positive integer, got {value!r}"
+        for name, value in (("pipeline_microbatches", pipeline_microbatches),
+                            ("pipeline_stages_per_rank", pipeline_stages_per_rank))
+        if value is not None and not _is_positive_int(value)
+    ]
+
+
+@check
+def stages_per_rank_option(pipeline_parallel_size: Any, pipeline_schedule: Any, pipeline_stages_per_rank: Any) -> list[str]:
+    """``pipeline_stages_per_rank`` is what the schedule runs (``Schedule.stages``)."""
+    per_rank, name = pipeline_stages_per_rank, pipeline_schedule
+    if not _pipeline_is_valid(pipeline_parallel_size, name) or per_rank is None or not _is_positive_int(per_rank):
+        return []
+    stages = SCHEDULES[name].stages
+    if stages == "single" and per_rank != 1:
+        return [
+            f"pipeline_schedule={name!r} runs one stage per rank, but pipeline_stages_per_rank={per_rank}; use"
+            " pipeline_schedule='Interleaved1F1B' for several stages per rank, or pipeline_stages_per_rank=1"
+        ]
+    if stages == "multi" and per_rank < 2:
+        return [
+            f"pipeline_schedule={name!r} interleaves several stages per rank, but pipeline_stages_per_rank={per_rank};"
+            " use 2 or more (the default), or pipeline_schedule='1F1B'"
+        ]
+    if stages == "v" and per_rank != 2:
+        return [
+            f"pipeline_schedule={name!r} places exactly 2 stages on each rank, in a V (rank r holds stages r and"
+            f" 2·pp - 1 - r), but pipeline_stages_per_rank={per_rank}; use 2 (the default), or"
+            " pipeline_schedule='InterleavedZeroBubble' for another count"
+        ]
+    return []
+
+
+@check
+def zero_bubble_options(
+    pipeline_parallel_size: Any, pipeline_schedule: Any, compile: Any, activation_checkpointing: Any,
+    selective_ac_option: Any, reduce_every_micro_batch: Any, reshard_after_forward: Any,
+) -> list[str]:
+    """What the zero-bubble schedules (each backward split into an input and a weight pass) cannot run with."""
+    if not _pipeline_is_valid(pipeline_parallel_size, pipeline_schedule) or pipeline_parallel_size == 1:
+        return []
+    name, problems = pipeline_schedule, []
+    if not SCHEDULES[name].zero_bubble:
+        return []
+    if compile:
+        problems.append(
+            f"pipeline_schedule={name!r} splits each backward into its input and weight halves, which torch 2.13"
+            " does not support for compiled modules (the schedule raises on torch.compile'd stages); use"
+            " compile=False, or pipeline_schedule='Interleaved1F1B'"
+        )
+    if activation_checkpointing == "selective" and selective_ac_option == "op":
+        problems.append(
+            f"pipeline_schedule={name!r} runs a second backward pass (the weights') over each micro-batch's graph,"
+            " which per-op selective activation checkpointing refuses (torch: \"Trying to backward an extra"
+            " time ... under selective activation checkpoint\"); use activation_checkpointing='full' (or"
+            " selective_ac_option=N: every N-th block fully checkpointed), or pipeline_schedule='Interleaved1F1B'"
+        )
+    problems += _zero_bubble_sharding_problems(name, reduce_every_micro_batch, reshard_after_forward)
+    return problems
+
+
+def _zero_bubble_sharding_problems(name: str, reduce_every_micro_batch: Any, reshard_after_forward: Any) -> list[str]:
+    """The FSDP settings a split backward cannot run with (``zero_bubble_options``)."""
+    problems = []
+    if reduce_every_micro_batch:
+        problems.append(
+            f"pipeline_schedule={name!r} with reduce_every_micro_batch=True: each micro-batch's input pass would"
+            " end in FSDP's reduce-scatter and reshard, before its weight pass computed the weight gradients"
+            " (torch fails looking the gathered weights up); use reduce_every_micro_batch=False, or"
+            " pipeline_schedule='Interleaved1F1B'"
+        )
+    if reshard_after_forward == "always":
+        problems.append(
+            f"pipeline_schedule={name!r} with reshard_after_forward='always': the split backward finds the weights"
+            " to differentiate among the stage's parameters before its first unit is gathered again, so the"
+            " resharded units' weight gradients would never be computed; use reshard_after_forward='default'"
+            " (which keeps them gathered under these schedules) or 'never'"
+        )
+    return problems
+
+
+@check
+def layers_per_stage_option(
+    pipeline_parallel_size: Any, pipeline_schedule: Any, pipeline_stages_per_rank: Any, pipeline_layers_per_stage: Any
+) -> list[str]:
+    """``pipeline_layers_per_stage`` gives one positive block count per stage."""
+    layers, pp = pipeline_layers_per_stage, pipeline_parallel_size
+    if layers is None or not _pipeline_is_valid(pp, pipeline_schedule):
+        return []
+    if not isinstance(layers, (list, tuple)) or not all(_is_positive_int(n) for n in layers):
+        return [f"pipeline_layers_per_stage must be a list of positive block counts, one per stage, got {layers!r}"]
+    per_rank = stages_per_rank(pipeline_schedule, pipeline_stages_per_rank)
+    if len(layers) != pp * per_rank:
+        return [
+            f"pipeline_layers_per_stage has {len(layers)} entries but the pipeline has {pp * per_rank} stages"
+            f" (pipeline_parallel_size {pp} × {per_rank} per rank); give one block count per stage"
+        ]
+    return []
+
+
+@check
+def microbatches_option(
+    pipeline_parallel_size: Any, pipeline_schedule: Any, pipeline_stages_per_rank: Any, pipeline_microbatches: Any
+) -> list[str]:
+    """A given ``pipeline_microbatches`` is a count the schedule runs (``microbatch_problems``)."""
+    pp, given = pipeline_parallel_size, pipeline_microbatches
+    if not _pipeline_is_valid(pp, pipeline_schedule) or pp == 1 or not isinstance(given, int):
+        return []
+    return microbatch_problems(pp, pipeline_schedule, pipeline_stages_per_rank, given, batch_size=None)
+
+
+def block_count_problems(
+    pipeline_parallel_size: int, pipeline_schedule: str, pipeline_stages_per_rank: Optional[int],
+    pipeline_layers_per_stage: Optional[list[int]], num_blocks: int,
+) -> list[str]:
+    """The pipeline's stages against the model's ``num_blocks`` transformer blocks."""
+    per_rank = stages_per_rank(pipeline_schedule, pipeline_stages_per_rank)
+    stages, layers = pipeline_parallel_size * per_rank, pipeline_layers_per_stage
+    if num_blocks < stages:
+        return [
+            f"the model has {num_blocks} transformer blocks, fewer than the {stages} pipeline stages"
+            f" (pipeline_parallel_size {pipeline_parallel_size} × {per_rank} per rank): every"
+            " stage needs at least one block; use a smaller pipeline_parallel_size or fewer stages per rank"
+        ]
+    if isinstance(layers, (list, tuple)) and sum(layers) != num_blocks:
+        return [
+            f"pipeline_layers_per_stage {list(layers)} adds up to {sum(layers)} blocks but the model has"
+            f" {num_blocks}; the counts must add up to the model's blocks"
+        ]
+    return []
+
+
+def microbatch_problems(
+    pipeline_parallel_size: int, pipeline_schedule: str, pipeline_stages_per_rank: Optional[int], microbatches: int,
+    batch_size: Optional[int], schedule_checks: bool = True,
+) -> list[str]:
+    """What the schedule needs of the micro-batch count (and the batch size, when known)."""
+    problems = []
+    if batch_size is not None and batch_size % microbatches:
+        fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+        problems.append(
+            f"pipeline_microbatches ({microbatches}) must divide the per-rank batch size ({batch_size}); use one"
+            f" of {', '.join(map(str, fits))} or change the batch size"
+        )
+    if schedule_checks:
+        stages = pipeline_parallel_size * stages_per_rank(pipeline_schedule, pipeline_stages_per_rank)
+        problems += _schedule_microbatch_problems(pipeline_schedule, pipeline_parallel_size, stages, microbatches)
+    return problems
+
+
+def _schedule_microbatch_problems(name: str, pp: int, stages: int, microbatches: int) -> list[str]:
+    """The schedule's own rules on the micro-batch count (``Schedule.min_microbatches`` and the interleaved ones')."""
+    problems, least = [], SCHEDULES[name].min_microbatches
+    if least == "pipeline_parallel_size" and microbatches < pp:
+        problems.append(
+            f"pipeline_schedule={name!r} needs at least pipeline_parallel_size ({pp}) micro-batches, got"
+            f" {microbatches}; raise pipeline_microbatches (or the batch size), or use 'GPipe'"
+        )
+    if name == "Interleaved1F1B" and microbatches >= pp and microbatches % pp:
+        problems.append(
+            f"pipeline_schedule='Interleaved1F1B' needs the micro-batch count ({microbatches}) to be a multiple"
+            f" of pipeline_parallel_size ({pp})"
+        )
+    rounds = max(1, microbatches // pp)
+    if name == "InterleavedZeroBubble" and microbatches % rounds:
+        fits = [k for k in range(microbatches - 1, 0, -1) if k % max(1, k // pp) == 0][:1]
+        problems.append(
+            f"pipeline_schedule='InterleavedZeroBubble' runs the micro-batches in rounds of about"
+            f" pipeline_parallel_size ({pp}): {microbatches} micro-batches make {rounds} rounds, which must divide"
+            f" them; use a multiple of {pp}, or at most {pp} (e.g. {fits[0] if fits else pp})"
+        )
+    if least == "stages" and microbatches < stages:
+        problems.append(
+            f"pipeline_schedule={name!r} needs at least as many micro-batches as stages ({stages}:"
+            f" 2 × pipeline_parallel_size {pp}), got {microbatches}; raise pipeline_microbatches (or the batch"
+            " size), or use 'ZBVZeroBubble'"
+        )
+    return problems
 
 
 class PipelineStages(Protocol):

@@ -1,7 +1,9 @@
 """Mesh sizes: resolve ``"auto"``, check them against the world and the model, build the mesh.
 
 Everything but ``build_device_mesh`` runs before the process group exists, so a bad layout is
-reported in one message instead of a hang or a deep traceback from a collective.
+reported in one message instead of a hang or a deep traceback from a collective. ``validate_parallel_dims`` runs
+the registered checks (``parallel/checks.py``): the options' own (``parallel/config.py``) and, below it, those
+needing the world, the model, the batch or the hardware.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_2d._compat import flatten_mesh_dims, group_timeout, set_group_timeout
+from lightning_2d.parallel.checks import check, run_checks
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
     ParallelConfig,
     ParallelPlan,
+    block_count_problems,
+    microbatch_problems,
     raise_if_problems,
 )
 from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
@@ -186,7 +191,7 @@ def validate_parallel_dims(
     device_type: str | None = None,
     device_index: int | None = None,
 ) -> ParallelDims:
-    """Resolve the mesh sizes and check every constraint at once.
+    """Resolve the mesh sizes and run every check whose inputs are known (``parallel/checks.py``), at once.
 
     Args:
         config: The strategy's options.
@@ -205,138 +210,215 @@ def validate_parallel_dims(
     Raises:
         ParallelConfigError: listing every problem, with the values and a fix.
     """
-    problems = config.static_problems()
-    raise_if_problems(problems)
+    options = vars(config)
+    raise_if_problems(run_checks(options))  # the options' own: the sizes must be valid to be resolved
     dp, tp = resolve_parallel_dims(config, world_size, devices_per_node)
+    known = dict(
+        world_size=world_size, devices_per_node=devices_per_node, num_nodes=num_nodes, dp=dp, tp=tp, plan=plan,
+        precision=precision, seq_len=seq_len, batch_size=batch_size, device_type=device_type,
+        device_index=device_index,
+    )
+    raise_if_problems(run_checks(options, known))
     replicas = config.data_parallel_replicate_size
-
-    if dp % replicas:
-        fits = [d for d in _divisors(dp)]
-        problems.append(
-            f"data_parallel_replicate_size ({replicas}) must divide the data-parallel size ({dp}): FSDP shards"
-            f" inside each of the replica groups; use one of {_fmt_choices(fits)}"
-        )
-    pp, cp = config.pipeline_parallel_size, config.context_parallel_size
-    if pp > 1 and world_size % pp:
-        problems.append(
-            f"pipeline_parallel_size ({pp}) must divide the world size ({world_size} = {num_nodes} node(s) ×"
-            f" {devices_per_node} device(s)); use one of {_fmt_choices(_divisors(world_size))}"
-        )
-    elif cp > 1 and (world_size // pp) % cp:
-        problems.append(
-            f"context_parallel_size ({cp}) must divide the world size{f' / pipeline_parallel_size ({pp})' if pp > 1 else ''}"
-            f" ({world_size // pp}; {num_nodes} node(s) × {devices_per_node} device(s)); use one of"
-            f" {_fmt_choices(_divisors(world_size // pp))}"
-        )
-    elif dp * tp * pp * cp != world_size:
-        given = f"data_parallel_size={config.data_parallel_size!r} → {dp}, tensor_parallel_size={config.tensor_parallel_size!r} → {tp}"
-        per_stage = world_size // (pp * cp)
-        pairs = ", ".join(f"({d}, {per_stage // d})" for d in _divisors(per_stage))
-        names, sizes = "data_parallel_size × tensor_parallel_size", f"{dp} × {tp}"
-        if cp > 1:
-            names, sizes = f"context_parallel_size × {names}", f"{cp} × {sizes}"
-        if pp > 1:
-            names, sizes = f"pipeline_parallel_size × {names}", f"{pp} × {sizes}"
-        fixed = " and ".join(f"{n}={v}" for n, v in (("pipeline_parallel_size", pp), ("context_parallel_size", cp)) if v > 1)
-        problems.append(
-            f"{names} ({sizes} = {pp * cp * dp * tp}) must equal the world size ({world_size} = {num_nodes} node(s) ×"
-            f" {devices_per_node} device(s)) [{given}]; valid (dp, tp) pairs"
-            f"{f' with {fixed}' if fixed else ''}: {pairs}"
-        )
-    if cp > 1:
-        problems += context_parallel_problems(config, plan, seq_len, tp)
-    if pp > 1:
-        problems += pipeline_split_problems(config, plan, batch_size)
-    if plan is not None and tp > 1:
-        if not plan.tensor_parallel:
-            problems.append(
-                f"tensor_parallel_size is {tp} but the model's parallel plan has no tensor-parallel entries;"
-                " pass plan=ParallelPlan(tensor_parallel={...}) or use tensor_parallel_size=1"
-            )
-        if not config.sequence_parallel and (sp_entries := plan.sequence_parallel_entries()):
-            problems.append(
-                f"sequence_parallel=False, but the plan's tensor_parallel holds sequence-parallel styles"
-                f" ({', '.join(sp_entries[:4])}{', …' if len(sp_entries) > 4 else ''}), which shard activations"
-                " along the sequence anyway; move them to ParallelPlan(sequence_parallel={...}) so the option"
-                " switches them, or use sequence_parallel=True"
-            )
-        for name, size in plan.tp_divides.items():
-            if size % tp:
-                fits = [d for d in _divisors(size) if d <= max(world_size, 1) and world_size % d == 0] or [1]
-                problems.append(f"tensor_parallel_size ({tp}) must divide {name} ({size}); try {_fmt_choices(fits)}")
-    applies_sp = plan is None or plan.has_sequence_parallel
-    if config.sequence_parallel and applies_sp and tp > 1 and seq_len is not None and seq_len % tp:
-        problems.append(
-            f"sequence length ({seq_len}) must be divisible by tensor_parallel_size ({tp}) under sequence"
-            f" parallelism; use a sequence length that is a multiple of {tp} or sequence_parallel=False"
-        )
-    if device_type is not None:
-        from lightning_2d.parallel.float8 import float8_problems
-
-        problems += float8_problems(
-            float8=bool(config.float8),
-            emulate=config.float8 == "emulate",
-            async_tensor_parallel=config.async_tensor_parallel,
-            compile=config.compile,
-            tensor_parallel_size=tp,
-            sequence_parallel=config.sequence_parallel,
-            device_type=device_type,
-            device_index=device_index,
-        )
-    if precision is not None and str(precision) not in SUPPORTED_PRECISIONS:
-        problems.append(
-            f"precision={precision!r} is not supported by the 2D strategy; choose one of"
-            f" {', '.join(SUPPORTED_PRECISIONS)} (fp16 needs gradient scaling, which FSDP2 × TP does not offer here)"
-        )
-    raise_if_problems(problems)
-    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=pp, cp=cp)
+    return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=config.pipeline_parallel_size,
+                        cp=config.context_parallel_size)
 
 
-def context_parallel_problems(config: ParallelConfig, plan: ParallelPlan | None, seq_len: int | None, tp: int) -> list[str]:
-    """Context parallelism against the model's attention (when the plan is known) and the sequence length."""
-    problems: list[str] = []
-    cp = config.context_parallel_size
-    if plan is not None and plan.attention is None:
-        problems.append(
-            f"context_parallel_size={cp} splits every sequence over {cp} ranks, whose attention layers must exchange"
-            " keys and values; lightning_2d does it for its Llama Transformer (LlamaLightningModule), and this"
-            " model's plan names no attention modules it can replace (ParallelPlan.attention=None: e.g. a Hugging"
-            " Face decoder, whose attention implementation cannot take it). Use context_parallel_size=1, or"
-            " LlamaLightningModule"
-        )
-    sp = config.sequence_parallel and tp > 1 and (plan is None or plan.has_sequence_parallel)
-    unit = 2 * cp * (tp if sp else 1)
-    if seq_len is not None and seq_len % unit:
-        why = f"2 × context_parallel_size ({cp})" + (f" × tensor_parallel_size ({tp}, sequence parallelism)" if sp else "")
-        problems.append(
-            f"sequence length ({seq_len}) must be a multiple of {why} = {unit}: each context rank holds 2 of"
-            f" {2 * cp} equal chunks (load balance for causal attention); use a sequence length that is a multiple"
-            f" of {unit}, e.g. {max(unit, seq_len // unit * unit)}, or a smaller context_parallel_size"
-        )
-    return problems
-
-
-def pipeline_split_problems(config: ParallelConfig, plan: ParallelPlan | None, batch_size: int | None) -> list[str]:
-    """The pipeline against the model's block count (when the plan knows it) and the batch size (when known)."""
-    problems: list[str] = []
-    if plan is not None and not plan.supports_pipeline:
+# ---- the checks that need the world, the model or the hardware (``parallel/checks.py``), in report order ----------
+@check
+def replica_groups(data_parallel_replicate_size: int, dp: int) -> list[str]:
+    """``data_parallel_replicate_size`` divides the resolved ``data_parallel_size``."""
+    if dp % data_parallel_replicate_size:
         return [
-            f"pipeline_parallel_size={config.pipeline_parallel_size} splits a model into stages by its blocks, which"
+            f"data_parallel_replicate_size ({data_parallel_replicate_size}) must divide the data-parallel size ({dp}):"
+            f" FSDP shards inside each of the replica groups; use one of {_fmt_choices(_divisors(dp))}"
+        ]
+    return []
+
+
+@check
+def world_size_factors(
+    data_parallel_size: Any, tensor_parallel_size: Any, pipeline_parallel_size: int, context_parallel_size: int,
+    dp: int, tp: int, world_size: int, devices_per_node: int, num_nodes: int,
+) -> list[str]:
+    """``pipeline_parallel_size × context_parallel_size × data_parallel_size × tensor_parallel_size`` is the world
+    (the first factor that does not fit is named)."""
+    pp, cp = pipeline_parallel_size, context_parallel_size
+    world = f"{num_nodes} node(s) × {devices_per_node} device(s)"
+    if pp > 1 and world_size % pp:
+        return [
+            f"pipeline_parallel_size ({pp}) must divide the world size ({world_size} = {world}); use one of"
+            f" {_fmt_choices(_divisors(world_size))}"
+        ]
+    if cp > 1 and (world_size // pp) % cp:
+        return [
+            f"context_parallel_size ({cp}) must divide the world size{f' / pipeline_parallel_size ({pp})' if pp > 1 else ''}"
+            f" ({world_size // pp}; {world}); use one of {_fmt_choices(_divisors(world_size // pp))}"
+        ]
+    if dp * tp * pp * cp == world_size:
+        return []
+    given = f"data_parallel_size={data_parallel_size!r} → {dp}, tensor_parallel_size={tensor_parallel_size!r} → {tp}"
+    return [_world_product_message(pp, cp, dp, tp, world_size, world, given)]
+
+
+def _world_product_message(pp: int, cp: int, dp: int, tp: int, world_size: int, world: str, given: str) -> str:
+    """``world_size_factors``' message when the sizes' product is not the world: the sizes and the valid pairs."""
+    per_stage = world_size // (pp * cp)
+    pairs = ", ".join(f"({d}, {per_stage // d})" for d in _divisors(per_stage))
+    names, sizes = "data_parallel_size × tensor_parallel_size", f"{dp} × {tp}"
+    if cp > 1:
+        names, sizes = f"context_parallel_size × {names}", f"{cp} × {sizes}"
+    if pp > 1:
+        names, sizes = f"pipeline_parallel_size × {names}", f"{pp} × {sizes}"
+    fixed = " and ".join(f"{n}={v}" for n, v in (("pipeline_parallel_size", pp), ("context_parallel_size", cp)) if v > 1)
+    return (
+        f"{names} ({sizes} = {pp * cp * dp * tp}) must equal the world size ({world_size} = {world}) [{given}];"
+        f" valid (dp, tp) pairs{f' with {fixed}' if fixed else ''}: {pairs}"
+    )
+
+
+@check
+def context_parallel_attention(context_parallel_size: int, plan: ParallelPlan) -> list[str]:
+    """``context_parallel_size > 1`` needs a plan naming the attention modules it replaces."""
+    cp = context_parallel_size
+    if cp == 1 or plan.attention is not None:
+        return []
+    return [
+        f"context_parallel_size={cp} splits every sequence over {cp} ranks, whose attention layers must exchange"
+        " keys and values; lightning_2d does it for its Llama Transformer (LlamaLightningModule), and this"
+        " model's plan names no attention modules it can replace (ParallelPlan.attention=None: e.g. a Hugging"
+        " Face decoder, whose attention implementation cannot take it). Use context_parallel_size=1, or"
+        " LlamaLightningModule"
+    ]
+
+
+@check
+def context_parallel_seq_len(
+    context_parallel_size: int, sequence_parallel: bool, tp: int, seq_len: int, plan: ParallelPlan | None = None
+) -> list[str]:
+    """The sequence splits into ``2 × context_parallel_size`` equal chunks (× ``tensor_parallel_size`` under SP)."""
+    cp = context_parallel_size
+    sp = sequence_parallel and tp > 1 and (plan is None or plan.has_sequence_parallel)
+    unit = 2 * cp * (tp if sp else 1)
+    if cp == 1 or seq_len % unit == 0:
+        return []
+    why = f"2 × context_parallel_size ({cp})" + (f" × tensor_parallel_size ({tp}, sequence parallelism)" if sp else "")
+    return [
+        f"sequence length ({seq_len}) must be a multiple of {why} = {unit}: each context rank holds 2 of"
+        f" {2 * cp} equal chunks (load balance for causal attention); use a sequence length that is a multiple"
+        f" of {unit}, e.g. {max(unit, seq_len // unit * unit)}, or a smaller context_parallel_size"
+    ]
+
+
+@check
+def pipeline_split_problems(
+    pipeline_parallel_size: int, pipeline_schedule: str, pipeline_stages_per_rank: int | None,
+    pipeline_layers_per_stage: list[int] | None, plan: ParallelPlan,
+) -> list[str]:
+    """The pipeline against the model: its plan says it splits, keeps no tie across stages, has enough blocks."""
+    if pipeline_parallel_size == 1:
+        return []
+    if not plan.supports_pipeline:
+        return [
+            f"pipeline_parallel_size={pipeline_parallel_size} splits a model into stages by its blocks, which"
             " lightning_2d does for its Llama Transformer (LlamaLightningModule); this model's plan does not say it"
             " can be split (ParallelPlan.supports_pipeline=False: e.g. a Hugging Face decoder). Use"
             " pipeline_parallel_size=1, or LlamaLightningModule"
         ]
-    if plan is not None and plan.tied_weights:
+    problems: list[str] = []
+    if plan.tied_weights:
         from lightning_2d.parallel.ties import tied_pipeline_message
 
         problems.append(tied_pipeline_message(plan.tied_weights))
-    if plan is not None and plan.num_blocks is not None:
-        problems += config.block_count_problems(plan.num_blocks)
-    if batch_size is not None:
-        # A given count's schedule needs were checked with the options; the batch size's own count here.
-        given = config.pipeline_microbatches
-        problems += config.microbatch_problems(given or batch_size, batch_size, schedule_checks=given is None)
+    if plan.num_blocks is not None:
+        problems += block_count_problems(
+            pipeline_parallel_size, pipeline_schedule, pipeline_stages_per_rank, pipeline_layers_per_stage,
+            plan.num_blocks,
+        )
     return problems
+
+
+@check
+def pipeline_batch(
+    pipeline_parallel_size: int, pipeline_schedule: str, pipeline_stages_per_rank: int | None,
+    pipeline_microbatches: int | None, batch_size: int, plan: ParallelPlan | None = None,
+) -> list[str]:
+    """The per-rank batch splits into ``pipeline_microbatches`` (``None``: as many as its sequences, which the
+    schedule must then run; a given count's own needs are checked with the options). Not for a model that cannot
+    be pipelined (``pipeline_split_problems`` says so)."""
+    if pipeline_parallel_size == 1 or (plan is not None and not plan.supports_pipeline):
+        return []
+    given = pipeline_microbatches
+    return microbatch_problems(
+        pipeline_parallel_size, pipeline_schedule, pipeline_stages_per_rank, given or batch_size, batch_size,
+        schedule_checks=given is None,
+    )
+
+
+@check
+def tensor_parallel_plan(sequence_parallel: bool, tp: int, plan: ParallelPlan, world_size: int) -> list[str]:
+    """``tensor_parallel_size > 1`` needs plan entries; its size divides the plan's ``tp_divides``; sequence-parallel
+    styles stay in the plan's overlay under ``sequence_parallel=False``."""
+    if tp == 1:
+        return []
+    problems = []
+    if not plan.tensor_parallel:
+        problems.append(
+            f"tensor_parallel_size is {tp} but the model's parallel plan has no tensor-parallel entries;"
+            " pass plan=ParallelPlan(tensor_parallel={...}) or use tensor_parallel_size=1"
+        )
+    if not sequence_parallel and (sp_entries := plan.sequence_parallel_entries()):
+        problems.append(
+            f"sequence_parallel=False, but the plan's tensor_parallel holds sequence-parallel styles"
+            f" ({', '.join(sp_entries[:4])}{', …' if len(sp_entries) > 4 else ''}), which shard activations"
+            " along the sequence anyway; move them to ParallelPlan(sequence_parallel={...}) so the option"
+            " switches them, or use sequence_parallel=True"
+        )
+    for name, size in plan.tp_divides.items():
+        if size % tp:
+            fits = [d for d in _divisors(size) if d <= max(world_size, 1) and world_size % d == 0] or [1]
+            problems.append(f"tensor_parallel_size ({tp}) must divide {name} ({size}); try {_fmt_choices(fits)}")
+    return problems
+
+
+@check
+def sequence_parallel_seq_len(sequence_parallel: bool, tp: int, seq_len: int, plan: ParallelPlan | None = None) -> list[str]:
+    """Under sequence parallelism (when the plan has a sequence-parallel form) ``tensor_parallel_size`` divides the
+    sequence length."""
+    applies = sequence_parallel and (plan is None or plan.has_sequence_parallel)
+    if not applies or tp == 1 or seq_len % tp == 0:
+        return []
+    return [
+        f"sequence length ({seq_len}) must be divisible by tensor_parallel_size ({tp}) under sequence"
+        f" parallelism; use a sequence length that is a multiple of {tp} or sequence_parallel=False"
+    ]
+
+
+@check
+def float8_hardware(
+    float8: Any, async_tensor_parallel: bool, compile: bool, sequence_parallel: bool, tp: int, device_type: str,
+    device_index: int | None = None,
+) -> list[str]:
+    """``float8``/``async_tensor_parallel`` on this hardware (``float8_problems``), with the resolved
+    ``tensor_parallel_size``."""
+    from lightning_2d.parallel.float8 import float8_problems  # torchao and CUDA are only touched when needed
+
+    return float8_problems(
+        float8=bool(float8), emulate=float8 == "emulate", async_tensor_parallel=async_tensor_parallel,
+        compile=compile, tensor_parallel_size=tp, sequence_parallel=sequence_parallel, device_type=device_type,
+        device_index=device_index,
+    )
+
+
+@check
+def supported_precision(precision: str) -> list[str]:
+    """The Trainer's/Fabric's precision is one FSDP2 × TP runs here."""
+    if str(precision) in SUPPORTED_PRECISIONS:
+        return []
+    return [
+        f"precision={precision!r} is not supported by the 2D strategy; choose one of"
+        f" {', '.join(SUPPORTED_PRECISIONS)} (fp16 needs gradient scaling, which FSDP2 × TP does not offer here)"
+    ]
 
 
 def cuda_index(device: "torch.device") -> int | None:

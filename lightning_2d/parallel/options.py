@@ -1,16 +1,19 @@
 """Options written once: dataclass fields whose docstrings are the documentation everywhere else.
 
 An option is a field of an options dataclass (``ParallelConfig``, the strategies' ``StrategyOptions``)
-with its type, its default and, right below it, its docstring (one paragraph, reST inline markup)::
+with its type, its default, its place in the strategies' signature and, right below it, its docstring (one
+paragraph, reST inline markup)::
 
-    sequence_parallel: bool = option(True, checks=(STATIC_CHECKS,))
+    sequence_parallel: bool = option(True, position=8)
     \"\"\"Shard norms and residual activations along the sequence ...\"\"\"
 
-``option()`` records which validation functions report the option's problems (``checks``, dotted names)
-and, where the README shows something else than the default's value, what it shows (``shown``).
-``options_of(cls)`` reads it all back as ``Option`` records: the strategies build their constructor's
-signature and docstring from them (what LightningCLI/jsonargparse reads for ``--help`` and
-``--print_config``), and a unit test compares the README's table with them.
+``option()`` records the option's ``position`` among the strategies' parameters (the positional order of
+0.1.0: fields of two dataclasses interleave there) and, where the README shows something else than the
+default's value, what it shows (``shown``). ``options_of(cls)`` reads it all back as ``Option`` records: the
+strategies' constructors are generated from them (``lightning_2d.integration.options.takes_options``: signature,
+annotations, defaults and docstring, what LightningCLI/jsonargparse reads for ``--help`` and ``--print_config``),
+and a unit test compares the README's table with them. Which checks report an option's problems is not written
+here but read from the checks' registry (``Option.checks``, ``lightning_2d.parallel.checks``).
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ class Option:
     default: Any
     #: What it means: the field's docstring as one paragraph, with the source's reST inline markup.
     doc: str
-    #: The functions that report its problems, as dotted names (``lightning_2d.parallel.dims.validate_parallel_dims``);
-    #: empty when any value is accepted.
-    checks: tuple[str, ...] = ()
+    #: Its place among the strategies' parameters (``None``: not a strategy parameter).
+    position: Optional[int] = None
     #: How the README shows the default when not as its value (e.g. "from the module"), else ``None``.
     shown: Optional[str] = None
+    #: The registered checks that report its problems, as dotted names (``lightning_2d.parallel.dims.replica_groups``),
+    #: filled in from the checks' registry (``lightning_2d.parallel.checks.checks_reading``) by
+    #: ``lightning_2d.integration.options.strategy_options``; empty when any value is accepted.
+    checks: tuple[str, ...] = ()
 
     @property
     def shown_default(self) -> str:
@@ -50,15 +56,16 @@ class Option:
         return markdown(self.shown) if self.shown is not None else show_value(self.default)
 
 
-def option(default: Any, *, checks: Sequence[str] = (), shown: Optional[str] = None) -> Any:
+def option(default: Any, *, position: int, shown: Optional[str] = None) -> Any:
     """A dataclass field that is an option (its docstring goes right below it).
 
     Args:
         default: The default value (immutable: options are plain values).
-        checks: Dotted names of the functions that report the option's problems.
+        position: Its place among the strategies' parameters, from 0 (a new option takes the next free one,
+            so that positional calls written for an older version keep working).
         shown: How the README shows the default, when not as its value (reST inline markup).
     """
-    return field(default=default, metadata={"checks": tuple(checks), "shown": shown})
+    return field(default=default, metadata={"position": position, "shown": shown})
 
 
 @lru_cache(maxsize=None)
@@ -84,7 +91,7 @@ def attribute_docstrings(cls: type) -> dict[str, str]:
 
 
 def options_of(cls: type) -> list[Option]:
-    """The options a dataclass declares, in field order: type, default, docstring and checks of each."""
+    """The options a dataclass declares, in field order: type, default, docstring and position of each."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docstrings(cls)
     found = []
@@ -93,7 +100,7 @@ def options_of(cls: type) -> list[Option]:
             raise TypeError(f"{cls.__name__}.{f.name} has no default: every option has one")
         found.append(Option(
             name=f.name, annotation=hints[f.name], default=f.default, doc=docs.get(f.name, ""),
-            checks=tuple(f.metadata.get("checks", ())), shown=f.metadata.get("shown"),
+            position=f.metadata.get("position"), shown=f.metadata.get("shown"),
         ))
     return found
 

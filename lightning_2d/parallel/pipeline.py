@@ -47,8 +47,6 @@ import torch
 from torch import nn
 
 from lightning_2d.parallel.config import (
-    PIPELINE_SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
     ParallelConfig,
     ParallelConfigError,
     ParallelPlan,
@@ -58,6 +56,7 @@ from lightning_2d.parallel.config import (
 from lightning_2d.ops.linear_cross_entropy import replayable_backward
 from lightning_2d.parallel.loss import count_global_tokens, normalize_by_global_tokens, token_scale
 from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
+from lightning_2d.parallel.schedules import SCHEDULES
 from lightning_2d.parallel.tensor_parallel import check_sequence_length
 
 if TYPE_CHECKING:
@@ -264,17 +263,10 @@ def schedule_class(schedule: str, train: bool) -> type:
     """
     from torch.distributed import pipelining
 
-    kind = PIPELINE_SCHEDULES[schedule]
-    if not train:
-        return {"single": pipelining.ScheduleGPipe, "multi": pipelining.ScheduleLoopedBFS, "v": VForwardOnly}[kind]
-    return {
-        "1F1B": pipelining.Schedule1F1B,
-        "GPipe": pipelining.ScheduleGPipe,
-        "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
-        "InterleavedZeroBubble": pipelining.ScheduleInterleavedZeroBubble,
-        "ZBVZeroBubble": pipelining.ScheduleZBVZeroBubble,
-        "DualPipeV": pipelining.ScheduleDualPipeV,
-    }[schedule]
+    facts = SCHEDULES[schedule]
+    if not train and facts.forward_only_class == VForwardOnly.__name__:
+        return VForwardOnly
+    return getattr(pipelining, facts.torch_class if train else facts.forward_only_class)
 
 
 class Pipeline:
@@ -381,7 +373,7 @@ class Pipeline:
             )
         kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
         cls = self.schedule_class(train)
-        single = PIPELINE_SCHEDULES[self.config.pipeline_schedule] == "single"
+        single = SCHEDULES[self.config.pipeline_schedule].stages == "single"
         if self.measure:
             for stage in stages:
                 stage.timer = self
@@ -449,7 +441,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
         # The zero-bubble schedules run a second backward pass (the weights') over the retained graph.
-        replay = replayable_backward() if self.config.pipeline_schedule in ZERO_BUBBLE_SCHEDULES else nullcontext()
+        replay = replayable_backward() if SCHEDULES[self.config.pipeline_schedule].zero_bubble else nullcontext()
         with replay:
             run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack(self._raw_losses).sum() if self.has_last else torch.zeros((), device=tokens.device)

@@ -1,8 +1,8 @@
-"""Every strategy option is written once (a field of ``ParallelConfig`` or ``StrategyOptions`` with its docstring)
-and everything else agrees with it: the Trainer and Fabric strategies' signatures (written out in their
-``__init__`` so that IDEs and type checkers see them, and compared here parameter by parameter with the fields)
-and docstrings (what LightningCLI/jsonargparse reads), and the README's "Strategy options" table. A failure names
-the option that drifted and how."""
+"""Every strategy option is written once (a field of ``ParallelConfig`` or ``StrategyOptions`` with its docstring
+and its position) and everything else agrees with it: the Trainer and Fabric strategies' signatures (generated from
+the fields, and compared here parameter by parameter with them) and docstrings (what LightningCLI/jsonargparse
+reads), the README's "Strategy options" table, and the checks listed for it (read from the checks' registry). A
+failure names the option that drifted and how."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import importlib
 import inspect
 import re
 import typing
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import docstring_parser
@@ -18,8 +20,10 @@ import pytest
 import lightning_2d
 import lightning_2d.fabric
 from lightning_2d.integration import options as options_module
-from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER, options_table
-from lightning_2d.parallel.options import Option, markdown
+from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER, StrategyOptions, options_table
+from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.options import Option, markdown, option, options_of
+from lightning_2d.parallel.schedules import ScheduleName
 from lightning_2d.tools.options_table import README_HEADING, table_span
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -127,8 +131,7 @@ def test_the_option_agrees_with_its_one_source(name):
     problems = drift(name)
     assert not problems, (
         f"strategy option {name!r} drifted:\n  - " + "\n  - ".join(problems)
-        + "\nEdit its field (ParallelConfig or StrategyOptions) and its parameter in ModelParallel2DBase.__init__"
-        " and the Fabric strategy's __init__ (lightning_2d/integration/), then regenerate the README's table:"
+        + "\nEdit its field (ParallelConfig or StrategyOptions), then regenerate the README's table:"
         " python -m lightning_2d.tools.options_table --write README.md"
     )
 
@@ -152,8 +155,8 @@ def test_the_signatures_keep_the_positional_order():
 
 
 def test_the_signatures_are_the_source_s_own():
-    """What ``inspect`` (and so jsonargparse) reads is the ``def``'s signature, the one static tools see: no
-    ``__signature__`` replaces it."""
+    """What ``inspect`` (and so jsonargparse) reads is the generated ``__init__``'s own signature (a real function,
+    as ``dataclasses`` makes one): no ``__signature__`` replaces it."""
     for cls in (TRAINER, FABRIC):
         assert not hasattr(cls.__init__, "__signature__"), f"{cls.__qualname__}.__init__ has a __signature__ override"
         own = inspect.signature(cls.__init__, follow_wrapped=False)
@@ -172,7 +175,49 @@ def test_arguments_reach_the_option_dataclasses_and_bad_calls_fail_as_python_wou
         TRAINER(2, data_parallel_size=2)
 
 
-def test_a_new_field_without_a_place_in_the_order_is_refused(monkeypatch):
-    monkeypatch.setattr(options_module, "PARAMETER_ORDER", PARAMETER_ORDER[:-1])
-    with pytest.raises(TypeError, match=r"missing \['context_parallel_size'\]"):
-        options_module.strategy_options()
+def test_a_new_field_without_a_place_in_the_order_is_refused():
+    @dataclass
+    class NewOptions:
+        unplaced: int = 1
+        twice: int = option(2, position=29)  # context_parallel_size's
+
+    with pytest.raises(TypeError, match=r"without a position \['unplaced'\], positions taken twice \[29\]"):
+        options_module.strategy_options((ParallelConfig, StrategyOptions, NewOptions))
+    drop = dataclass(type("Shorter", (), {"__annotations__": {"x": int}, "x": option(0, position=31)}))
+    with pytest.raises(TypeError, match=r"numbering them 0 … 30"):  # 30 taken by none: a gap
+        options_module.strategy_options((ParallelConfig, StrategyOptions, drop))
+
+
+def test_the_generated_signature_is_the_fields():
+    """Each strategy's ``__init__`` is generated from the fields: the same names in ``position`` order, the same
+    default objects, the fields' annotations (resolved), every option positional-or-keyword; nothing hand-written
+    in between can drift."""
+    fields_in_order = sorted(
+        (opt for cls in (ParallelConfig, StrategyOptions) for opt in options_of(cls)), key=lambda o: o.position
+    )
+    assert [o.position for o in fields_in_order] == list(range(len(fields_in_order)))
+    hints = {**typing.get_type_hints(ParallelConfig), **typing.get_type_hints(StrategyOptions)}
+    defaults = {f.name: f.default for cls in (ParallelConfig, StrategyOptions) for f in dataclass_fields(cls)}
+    for cls in (TRAINER, FABRIC):
+        params = list(inspect.signature(cls).parameters.values())[: len(fields_in_order)]
+        assert [p.name for p in params] == [o.name for o in fields_in_order] == list(PARAMETER_ORDER)
+        for param in params:
+            assert param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, param
+            assert param.default is defaults[param.name], param
+            assert param.annotation == hints[param.name], param
+        assert typing.get_type_hints(cls.__init__)["pipeline_schedule"] is ScheduleName
+
+
+def test_jsonargparse_reads_the_generated_signature():
+    """What LightningCLI builds its ``--trainer.strategy`` options from: the generated parameters with their types
+    (a value outside the ``Literal`` is refused) and defaults, and their docstrings as help."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(TRAINER, "strategy")
+    config = parser.parse_args(["--strategy.pipeline_schedule=ZBVZeroBubble", "--strategy.tensor_parallel_size=2"])
+    assert config.strategy.pipeline_schedule == "ZBVZeroBubble" and config.strategy.tensor_parallel_size == 2
+    assert config.strategy.data_parallel_size == "auto" and config.strategy.context_parallel_size == 1
+    with pytest.raises(Exception, match="pipeline_schedule"):
+        parser.parse_args(["--strategy.pipeline_schedule=ZB"])
+    assert "keep the logits sharded over the vocabulary" in normalized(parser.format_help())

@@ -62,10 +62,9 @@ def schedule_order(
         return _zbv_order(pp, m, pp_rank)
     if schedule == "DualPipeV":
         return _dualpipev_order(pp, m, pp_rank)
-    raise ValueError(
-        f"schedule={schedule!r}; use 'GPipe', '1F1B', 'Interleaved1F1B', 'InterleavedZeroBubble', 'ZBVZeroBubble'"
-        " or 'DualPipeV'"
-    )
+    from lightning_2d.parallel.schedules import SCHEDULES
+
+    raise ValueError(f"schedule={schedule!r}; use {', '.join(map(repr, SCHEDULES))}")
 
 
 def _interleaved_order(pp: int, n: int, m: int, rank: int, zero_bubble: bool) -> list[tuple[str, int]]:
@@ -225,12 +224,12 @@ def pipeline_activation_estimate(
         The peak; ``saved_by_blocks``, ``head_and_loss`` and ``stage_outputs`` sum over the micro-batches
         in flight, ``transient`` is the processed one's, ``receive_buffers`` the rank's.
     """
-    from lightning_2d.parallel.config import PIPELINE_SCHEDULES
     from lightning_2d.parallel.pipeline import stages_of_rank
+    from lightning_2d.parallel.schedules import SCHEDULES
 
     num_stages = len(split)
     per_rank = num_stages // pp
-    placement = "v" if PIPELINE_SCHEDULES.get(schedule) == "v" else "loop"
+    placement = SCHEDULES[schedule].placement
     residual = base.residual_bytes
     kept: list[tuple[int, int, int]] = []  # per local stage, one micro-batch between forward and backward
     active: list[tuple[int, int, int, int]] = []  # per local stage, one micro-batch at its own peak

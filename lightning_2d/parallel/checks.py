@@ -1,0 +1,111 @@
+"""Validation as a registry of checks: each a small function whose parameters say what it needs.
+
+A check is registered with ``@check``; its parameters are the options it reads (fields of ``ParallelConfig``
+or the strategies' ``StrategyOptions``, by name) and the inputs it needs (``INPUTS``: the world, the model's
+plan, the sequence length, the device …). A parameter without a default is required: the check runs only once
+it is known; one with a default is used when known. It returns its problems, each naming the values and the
+fix. ``run_checks`` runs every check whose options and inputs are known, in registration order:
+
+- with no inputs (``known=None``): the options' own problems, when an options dataclass is constructed;
+- with inputs: the rest, wherever ``validate_parallel_dims`` runs (the Trainer's/Fabric's construction, the
+  launcher, each rank's ``setup_environment``, Fabric's ``setup_module``, the planner), every problem at once.
+
+Because a check can read nothing but its parameters, the options' metadata (which checks report an option's
+problems: ``Option.checks``, the README's and the tests' view) is derived from the registry
+(``checks_reading``) and cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+ProblemsFunction = Callable[..., list[str]]
+
+#: What a check may need besides the options, and what it is.
+INPUTS: dict[str, str] = {
+    "world_size": "the number of processes",
+    "devices_per_node": "processes per node",
+    "num_nodes": "the number of nodes",
+    "dp": "the data-parallel size, resolved from data_parallel_size and the world",
+    "tp": "the tensor-parallel size, resolved from tensor_parallel_size and the world",
+    "plan": "the model's ParallelPlan (the plan option, or the module's)",
+    "precision": "the Trainer's/Fabric's precision",
+    "seq_len": "the training sequence length",
+    "batch_size": "the per-rank batch size",
+    "device_type": "the accelerator's device type",
+    "device_index": "this process's CUDA device (initializes CUDA: each rank, after forking)",
+}
+#: The options an input is made of, for the options' metadata (a check reading ``tp`` reads ``tensor_parallel_size``).
+INPUT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "dp": ("data_parallel_size",), "tp": ("tensor_parallel_size",), "plan": ("plan",),
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One registered check: its function and, read from its parameters, the options and inputs it needs."""
+
+    function: ProblemsFunction
+    options: tuple[str, ...]
+    required: tuple[str, ...]
+    optional: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The function's dotted name (``lightning_2d.parallel.dims.replica_groups``)."""
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every option whose value it reads, directly or through an input."""
+        derived = [o for i in (*self.required, *self.optional) for o in INPUT_OPTIONS.get(i, ())]
+        return tuple(dict.fromkeys([*self.options, *derived]))
+
+    def runs_with(self, values: Mapping[str, Any], known: Mapping[str, Any]) -> bool:
+        """Whether every option it reads is in ``values`` and every input it requires is known."""
+        return all(o in values for o in self.options) and all(known.get(i) is not None for i in self.required)
+
+    def __call__(self, values: Mapping[str, Any], known: Mapping[str, Any]) -> list[str]:
+        given = {o: values[o] for o in self.options}
+        given.update({i: known[i] for i in (*self.required, *self.optional) if known.get(i) is not None})
+        return list(self.function(**given))
+
+
+CHECKS: list[Check] = []
+
+
+def check(function: ProblemsFunction) -> ProblemsFunction:
+    """Register ``function`` as a check (a decorator); its parameters name the options and inputs it needs."""
+    options, required, optional = [], [], []
+    for param in inspect.signature(function).parameters.values():
+        if param.name not in INPUTS:
+            options.append(param.name)
+        elif param.default is inspect.Parameter.empty:
+            required.append(param.name)
+        else:
+            optional.append(param.name)
+    if any(c.function.__qualname__ == function.__qualname__ and c.function.__module__ == function.__module__
+           for c in CHECKS):
+        raise TypeError(f"check {function.__module__}.{function.__qualname__} is registered twice")
+    CHECKS.append(Check(function, tuple(options), tuple(required), tuple(optional)))
+    return function
+
+
+def run_checks(values: Mapping[str, Any], known: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """The problems of every check that can run: with ``known=None`` those needing no input (the options' own),
+    else those needing at least one input, all of them known (``None``: unknown)."""
+    problems: list[str] = []
+    for registered in CHECKS:
+        if (known is None) != bool(registered.required):
+            if registered.runs_with(values, known or {}):
+                problems += registered(values, known or {})
+    return problems
+
+
+def checks_reading(option: str) -> tuple[str, ...]:
+    """The dotted names of the registered checks that read ``option`` (its ``Option.checks``; the checks of
+    ``parallel/config.py``, ``parallel/dims.py`` and the strategies' options register when those are imported)."""
+    return tuple(c.name for c in CHECKS if option in c.reads)
