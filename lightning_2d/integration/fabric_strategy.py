@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from functools import partial
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
@@ -33,7 +32,7 @@ from lightning_2d.integration.precision import FabricFSDP2Precision
 from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, Size
+from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import check_finite_weights

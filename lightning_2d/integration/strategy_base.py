@@ -28,9 +28,8 @@ Fabric's ``setup_module`` and ``fabric.save`` state.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -45,10 +44,10 @@ from lightning_2d._compat import (
 )
 from lightning_2d.checkpoint.files import layout_of
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
-from lightning_2d.integration.options import StrategyOptions, split_options, takes_options
+from lightning_2d.integration.options import split_options, takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision, FSDP2Precision, fsdp2_precision
 from lightning_2d.integration.step_guard import NonFiniteLossError, StepGuard, check_first_loss
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan, Size
+from lightning_2d.parallel.config import ParallelPlan
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.known_warnings import KnownWarnings
