@@ -10,6 +10,7 @@ part                   module                                         where the 
 =====================  =============================================  ===========================================
 layout and validation  ``parallel.dims`` (``validate_parallel_dims``,  ``validate``: construction, the launcher,
                        ``ParallelDims.build_mesh``),                  ``setup_environment`` (then the mesh)
+                       ``parallel.checks`` (the checks' registry),
                        ``integration.validation``
 precision              ``integration.precision`` (a Lightning         swapped in at construction
                        precision plugin)

@@ -1,8 +1,9 @@
 """The layout-validation part of the 2D strategies: what the layout is checked against, found once.
 
-``ParallelDims``' ``validate_parallel_dims`` is the one function that checks a layout (every problem
-listed, the same messages wherever it runs). The strategies call it through ``ModelParallel2DBase.validate``
-as soon as each thing it checks is known, always before a process group exists for what it checks:
+``validate_parallel_dims`` (``parallel/dims.py``) is the one entry that checks a layout: it runs every registered
+check (``parallel/checks.py``) whose inputs are known, every problem listed, the same messages wherever it runs.
+The strategies call it through ``ModelParallel2DBase.validate`` as soon as each thing it checks is known, always
+before a process group exists for what it checks:
 
 - in the launching process, when the Trainer/Fabric is constructed (the world, the precision, the
   hardware), and when the Trainer's launcher starts ``fit``/``validate``/``test``/``predict`` (the
