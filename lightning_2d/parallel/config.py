@@ -315,7 +315,8 @@ def activation_checkpointing_options(activation_checkpointing: Any, selective_ac
             f" {', '.join(repr(m) for m in AC_MODES)}"
         ]
     is_int = isinstance(selective_ac_option, int) and not isinstance(selective_ac_option, bool)
-    if activation_checkpointing == "selective" and not (selective_ac_option == "op" or (is_int and selective_ac_option >= 1)):
+    valid = selective_ac_option == "op" or (is_int and selective_ac_option >= 1)
+    if activation_checkpointing == "selective" and not valid:
         return [
             f"selective_ac_option={selective_ac_option!r} is invalid; use 'op' (per-op selective"
             " checkpointing) or a positive integer N (checkpoint every N-th block)"
@@ -407,7 +408,8 @@ def pipeline_options(pipeline_parallel_size: Any, pipeline_schedule: Any) -> lis
         )
     if schedule_of(pipeline_schedule) is None:
         problems.append(
-            f"pipeline_schedule={pipeline_schedule!r} is not a schedule; choose one of {', '.join(map(repr, SCHEDULES))}"
+            f"pipeline_schedule={pipeline_schedule!r} is not a schedule; choose one of"
+            f" {', '.join(map(repr, SCHEDULES))}"
         )
     return problems
 
@@ -428,7 +430,9 @@ def pipeline_counts(
 
 
 @check
-def stages_per_rank_option(pipeline_parallel_size: Any, pipeline_schedule: Any, pipeline_stages_per_rank: Any) -> list[str]:
+def stages_per_rank_option(
+    pipeline_parallel_size: Any, pipeline_schedule: Any, pipeline_stages_per_rank: Any
+) -> list[str]:
     """``pipeline_stages_per_rank`` is what the schedule runs (``Schedule.stages``)."""
     per_rank, name = pipeline_stages_per_rank, pipeline_schedule
     if not _pipeline_is_valid(pipeline_parallel_size, name) or per_rank is None or not _is_positive_int(per_rank):

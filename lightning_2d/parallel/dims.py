@@ -382,7 +382,9 @@ def tensor_parallel_plan(sequence_parallel: bool, tp: int, plan: ParallelPlan, w
 
 
 @check
-def sequence_parallel_seq_len(sequence_parallel: bool, tp: int, seq_len: int, plan: ParallelPlan | None = None) -> list[str]:
+def sequence_parallel_seq_len(
+    sequence_parallel: bool, tp: int, seq_len: int, plan: ParallelPlan | None = None
+) -> list[str]:
     """Under sequence parallelism (when the plan has a sequence-parallel form) ``tensor_parallel_size`` divides the
     sequence length."""
     applies = sequence_parallel and (plan is None or plan.has_sequence_parallel)

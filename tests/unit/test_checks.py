@@ -38,7 +38,8 @@ def test_each_check_reads_exactly_what_it_declares(registered):
     """A check's parameters are its declaration: each names an option (a field) or an input, and each is read (a
     parameter left unused would list the check for an option it never looks at); the body reaches no option but
     through its parameters. And it is small."""
-    assert set(registered.options) <= OPTION_NAMES, f"{registered.name}: not options {set(registered.options) - OPTION_NAMES}"
+    unknown = set(registered.options) - OPTION_NAMES
+    assert not unknown, f"{registered.name}: {unknown} are neither options nor inputs (a typo would never run)"
     assert set(registered.required) | set(registered.optional) <= set(INPUTS)
     loaded, on_config = body_names(registered.function)
     unread = [p for p in (*registered.options, *registered.required, *registered.optional) if p not in loaded]
@@ -67,7 +68,8 @@ def test_a_check_runs_once_its_inputs_are_known():
     # ... with them, each runs, and every problem is reported at once.
     with pytest.raises(ParallelConfigError) as error:
         validate_parallel_dims(config, world_size=2, devices_per_node=2, plan=plan, seq_len=7, precision="16-mixed")
-    assert [p.split(" ")[0] for p in error.value.problems] == ["tensor_parallel_size", "sequence", "precision='16-mixed'"]
+    found = [p.split(" ")[0] for p in error.value.problems]
+    assert found == ["tensor_parallel_size", "sequence", "precision='16-mixed'"]
 
 
 def test_a_check_declares_by_its_parameters(monkeypatch):
