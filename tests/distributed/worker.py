@@ -825,7 +825,8 @@ def exchange_disagreement(cp_mesh) -> float:
     results = []
     for exchange in EXCHANGES:
         held = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        out = ContextParallelAttention(cp_mesh.get_group(), cp, rank, exchange)(*held, positions[:, mine])
+        core = ContextParallelAttention(cp_mesh.get_group(), cp, rank, exchange)
+        out = core(*held, core.mask(positions[:, mine], q.dtype))
         out.backward(grad[:, :, mine])
         results.append([out.detach(), *(t.grad for t in held)])
     return max(float((a - b).abs().max()) for a, b in zip(*results))

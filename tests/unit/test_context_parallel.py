@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_2d.data.loading import document_positions
-from lightning_2d.models.llama.model import attend
+from lightning_2d.ops.attention import attend, document_causal_mask
 from lightning_2d.parallel.context import ContextParallelAttention, gathered_indices, local_indices, shard_sequence
 
 
@@ -59,7 +59,7 @@ def test_one_ranks_queries_against_every_ranks_keys_equal_the_whole_sequences_at
         tokens = torch.zeros(batch, length, dtype=torch.long)
         tokens[:, ends] = 1
         positions = document_positions(tokens, eos_id=1)
-        reference = attend(q, k, v, positions)
+        reference = attend(q, k, v, document_causal_mask(positions))
     else:
         positions = torch.arange(length).expand(batch, length)
         reference = attend(q, k, v, None)
@@ -67,7 +67,7 @@ def test_one_ranks_queries_against_every_ranks_keys_equal_the_whole_sequences_at
     held = {"k": [k[:, :, s] for s in slices], "v": [v[:, :, s] for s in slices], "pos": [positions[:, s] for s in slices]}
     for rank, s in enumerate(slices):
         core = SimulatedRank(cp, rank, held)
-        out = core(q[:, :, s], held["k"][rank], held["v"][rank], held["pos"][rank])
+        out = core(q[:, :, s], held["k"][rank], held["v"][rank], core.mask(held["pos"][rank], q.dtype))
         torch.testing.assert_close(out, reference[:, :, s], rtol=1e-6, atol=1e-6)
 
 
@@ -75,14 +75,16 @@ def test_without_positions_the_context_parallel_core_refuses():
     core = SimulatedRank(2, 0, {})
     with pytest.raises(ValueError, match="context parallelism needs each token's position_ids"):
         core(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), None)
+    with pytest.raises(ValueError, match="context parallelism needs each token's position_ids"):
+        core.mask(None)
 
 
 class ThreadRank(ContextParallelAttention):
     """One context rank of ``cp`` run as threads of this process: the exchanges meet on a shared board (all-gather:
     every rank's tensor; ring shift: the previous rank's), so the whole group runs forward and backward for real."""
 
-    def __init__(self, cp: int, rank: int, board: dict, exchange: str) -> None:
-        super().__init__(group=None, cp=cp, rank=rank, exchange=exchange)  # type: ignore[arg-type]
+    def __init__(self, cp: int, rank: int, board: dict, exchange: str, flex: bool | None = None) -> None:
+        super().__init__(group=None, cp=cp, rank=rank, exchange=exchange, flex=flex)  # type: ignore[arg-type]
         self.board = board
 
     def _meet(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -132,7 +134,7 @@ def test_each_exchange_gives_the_whole_sequences_attention_and_gradients(exchang
         tokens = torch.zeros(batch, length, dtype=torch.long)
         tokens[:, [3, 9, 10, 20]] = 1  # documents of 4, 6, 1, 10 and 11 tokens
         positions = document_positions(tokens, eos_id=1)
-        reference = attend(q, k, v, positions)
+        reference = attend(q, k, v, document_causal_mask(positions))
     else:
         positions = torch.arange(length).expand(batch, length)
         reference = attend(q, k, v, None)
@@ -145,7 +147,8 @@ def test_each_exchange_gives_the_whole_sequences_attention_and_gradients(exchang
         try:
             s = local_indices(length, cp, rank)
             mine = [t.detach()[:, :, s].clone().requires_grad_() for t in (q, k, v)]
-            out = ThreadRank(cp, rank, board, exchange)(*mine, positions[:, s])
+            core = ThreadRank(cp, rank, board, exchange)
+            out = core(*mine, core.mask(positions[:, s], q.dtype))
             out.backward(grad[:, :, s])
             results[rank] = (s, out.detach(), *(t.grad for t in mine))
         except BaseException as error:  # a failing rank must not leave the others waiting at the barrier
