@@ -173,3 +173,99 @@ def test_each_exchange_gives_the_whole_sequences_attention_and_gradients(exchang
 def test_an_unknown_exchange_is_refused():
     with pytest.raises(ValueError, match=r"exchange 'tree' is not one of \('all_gather', 'ring'\)"):
         ContextParallelAttention(group=None, cp=2, rank=0, exchange="tree")  # type: ignore[arg-type]
+
+
+def run_thread_ranks(cp: int, rank_main) -> dict:  # noqa: ANN001
+    """``rank_main(rank, board)`` for every rank of ``cp`` at once, as threads meeting on one board
+    (``ThreadRank``); their results by rank. A failing rank aborts the board so the others do not wait."""
+    import threading
+
+    board = {"slots": [None] * cp, "barrier": threading.Barrier(cp, timeout=120)}
+    results, failures = {}, []
+
+    def main(rank: int) -> None:
+        try:
+            results[rank] = rank_main(rank, board)
+        except BaseException as error:
+            board["barrier"].abort()
+            failures.append(error)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return results
+
+
+def blocks_of(mask: torch.Tensor, size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per ``size × size`` block of a ``(B, Q, K)`` boolean mask: whether any / every query sees its key."""
+    tiles = mask.unflatten(1, (-1, size)).unflatten(3, (-1, size))  # (B, Q/size, size, K/size, size)
+    return tiles.any(4).any(2), tiles.all(4).all(2)
+
+
+def check_block_mask(block_mask, dense: torch.Tensor) -> None:  # noqa: ANN001
+    """``block_mask``'s block tables (what the CUDA kernel reads to skip or fully compute a block) against the dense
+    ``(B, Q, K)`` mask: the blocks it visits are those with any visible key, its full blocks those with all."""
+    some, every = blocks_of(dense)
+    assert torch.equal(block_mask.to_dense()[:, 0].bool(), some)
+    assert torch.equal(block_mask.full_kv_num_blocks[:, 0], every.sum(-1).int())
+    assert torch.equal(block_mask.kv_num_blocks[:, 0] + block_mask.full_kv_num_blocks[:, 0], some.sum(-1).int())
+
+
+#: torch warns on every eager FlexAttention call; on CPU eager is what runs (ops.attention: compiled on CUDA only).
+EAGER_FLEX = "ignore:flex_attention called without torch.compile"
+
+
+@pytest.mark.filterwarnings(EAGER_FLEX)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp, documents):
+    """The CUDA code path on CPU (``flex=True``: block masks, FlexAttention; forward only, torch has no FlexAttention
+    backward on CPU): every rank's queries of its load-balanced slices (head-tail chunks), against the gathered keys
+    at their own heads (grouped-query attention, H 4 / H_kv 2), equal the whole sequence's attention, the dense
+    all-gather and the ring on the same ranks; its block tables are the dense mask's, and skip blocks."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 256 * cp, 16  # chunks of 128 tokens: FlexAttention's blocks
+    q, k, v = torch.randn(batch, heads, length, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    if documents:
+        tokens = torch.zeros(batch, length, dtype=torch.long)
+        tokens[0, [50, 130, 131, 300, 400]] = 1  # documents across and inside 128-token blocks
+        tokens[1, [255, 260]] = 1
+        positions = document_positions(tokens, eos_id=1)
+    else:
+        positions = torch.arange(length).expand(batch, length)
+    whole = document_causal_mask(positions)
+    reference = attend(q, k, v, whole)
+
+    def rank_main(rank: int, board: dict) -> dict:
+        mine = local_indices(length, cp, rank)
+        held, pos = [t[:, :, mine] for t in (q, k, v)], positions[:, mine]
+        outs = {}
+        with torch.no_grad():
+            for name, exchange, flex in (("flex", "all_gather", True), ("dense", "all_gather", False),
+                                         ("ring", "ring", False)):
+                core = ThreadRank(cp, rank, board, exchange, flex=flex)
+                mask = core.mask(pos, q.dtype)
+                if flex:
+                    check_block_mask(mask, whole[:, 0][:, mine][:, :, gathered_indices(length, cp)])
+                    outs["skipped"] = int(mask.to_dense().numel() - mask.to_dense().sum())
+                outs[name] = core(*held, mask)
+        outs["reference"] = reference[:, :, mine]
+        return outs
+
+    results = run_thread_ranks(cp, rank_main)
+    worst = {other: max(float((r["flex"] - r[other]).abs().max()) for r in results.values())
+             for other in ("reference", "dense", "ring")}
+    print(f"\nflex context-parallel forward (cp {cp}, {'documents' if documents else 'causal'}): max |flex - x| {worst}")
+    for r in results.values():
+        for other in ("reference", "dense", "ring"):
+            torch.testing.assert_close(r["flex"], r[other], rtol=1e-5, atol=2e-6, msg=other)
+    assert sum(r["skipped"] for r in results.values()) > 0  # blocks no query sees are not visited
+
+
+def test_the_ring_takes_no_block_mask():
+    with pytest.raises(ValueError, match="the ring exchange .* takes no FlexAttention block mask"):
+        ContextParallelAttention(group=None, cp=2, rank=0, exchange="ring", flex=True)  # type: ignore[arg-type]
