@@ -19,7 +19,7 @@ from lightning_2d.models.llama.model import PRESETS, Transformer
 from lightning_2d.models.llama.pipeline import PipelineStageModule
 from lightning_2d.ops import attention as ops_attention
 from lightning_2d.ops.attention import attend, attention_mask, document_block_mask, document_causal_mask
-from tests.unit.test_context_parallel import EAGER_FLEX, check_block_mask
+from tests.unit.test_context_parallel import EAGER_FLEX, check_block_mask, count_masks
 
 
 def _documents(batch: int, length: int, ends: list[list[int]]) -> torch.Tensor:
@@ -53,28 +53,6 @@ def test_the_block_mask_path_equals_the_dense_path(heads, kv_heads):
     torch.testing.assert_close(flex, reference, rtol=1e-5, atol=2e-6)
 
 
-def _counted(model: Any) -> tuple[list, list]:
-    """Record every mask the model builds and the mask every layer's attention core receives."""
-    builds, seen = [], []
-    builder = model.build_attention_mask
-
-    def build(position_ids: torch.Tensor, dtype: Any = None) -> Any:
-        mask = builder(position_ids, dtype)
-        builds.append(mask)
-        return mask
-
-    model.build_attention_mask = build
-    for layer in model.layers.values():
-        core = layer.attention.attend
-
-        def attend_recording(q, k, v, mask, core=core):  # noqa: ANN001, ANN202
-            seen.append(mask)
-            return core(q, k, v, mask)
-
-        layer.attention.attend = attend_recording
-    return builds, seen
-
-
 @pytest.mark.filterwarnings(EAGER_FLEX)
 @pytest.mark.parametrize("flex", [False, True], ids=["dense", "block"])
 def test_the_model_builds_one_mask_per_forward_for_all_its_layers(flex):
@@ -88,7 +66,7 @@ def test_the_model_builds_one_mask_per_forward_for_all_its_layers(flex):
     with torch.no_grad():
         reference = model(tokens, position_ids=positions)
     model.build_attention_mask = functools.partial(attention_mask, flex=flex)
-    builds, seen = _counted(model)
+    builds, seen = count_masks(model)
     for step in range(2):
         with torch.no_grad():
             logits = model(tokens, position_ids=positions)
@@ -112,7 +90,7 @@ def test_each_pipeline_stage_builds_one_mask_per_micro_batch():
     labels = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     positions = _documents(2, 32, [[5, 20], [9]])
     expected = model(tokens, labels=labels, position_ids=positions)
-    builds, seen = _counted(model)
+    builds, seen = count_masks(model)
     first = PipelineStageModule(model, ["0", "1"], first=True, last=False)
     last = PipelineStageModule(model, ["2", "3"], first=False, last=True)
     for stage in (first, last):

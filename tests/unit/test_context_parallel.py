@@ -4,12 +4,21 @@ itself (an autograd all-gather over the context group) runs for real in tests/di
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from lightning_2d.data.loading import document_positions
-from lightning_2d.ops.attention import attend, document_causal_mask
-from lightning_2d.parallel.context import ContextParallelAttention, gathered_indices, local_indices, shard_sequence
+from lightning_2d.ops.attention import attend, document_causal_mask, is_block_mask
+from lightning_2d.models.llama.model import PRESETS, Transformer
+from lightning_2d.parallel.context import (
+    ContextParallelAttention,
+    gathered_indices,
+    install_context_parallel,
+    local_indices,
+    shard_sequence,
+)
 
 
 def test_each_rank_holds_one_early_and_one_late_chunk_and_together_every_token_once():
@@ -220,8 +229,7 @@ EAGER_FLEX = "ignore:flex_attention called without torch.compile"
 
 
 @pytest.mark.filterwarnings(EAGER_FLEX)
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("cp, documents", [(2, False), (2, True), (4, True)], ids=["causal-2", "documents-2", "documents-4"])
 def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp, documents):
     """The CUDA code path on CPU (``flex=True``: block masks, FlexAttention; forward only, torch has no FlexAttention
     backward on CPU): every rank's queries of its load-balanced slices (head-tail chunks), against the gathered keys
@@ -269,3 +277,71 @@ def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp,
 def test_the_ring_takes_no_block_mask():
     with pytest.raises(ValueError, match="the ring exchange .* takes no FlexAttention block mask"):
         ContextParallelAttention(group=None, cp=2, rank=0, exchange="ring", flex=True)  # type: ignore[arg-type]
+
+
+def count_masks(model: Any) -> tuple[list, list]:
+    """Record every mask the model builds and the mask every layer's attention core receives."""
+    builds, seen = [], []
+    builder = model.build_attention_mask
+
+    def build(position_ids: torch.Tensor, dtype: Any = None) -> Any:
+        mask = builder(position_ids, dtype)
+        builds.append(mask)
+        return mask
+
+    model.build_attention_mask = build
+    for layer in model.layers.values():
+        core = layer.attention.attend
+
+        def attend_recording(q, k, v, mask, core=core):  # noqa: ANN001, ANN202
+            seen.append(mask)
+            return core(q, k, v, mask)
+
+        layer.attention.attend = attend_recording
+    return builds, seen
+
+
+@pytest.mark.filterwarnings(EAGER_FLEX)
+@pytest.mark.parametrize("flex", [False, True], ids=["dense", "block"])
+def test_a_context_parallel_model_builds_one_mask_per_forward_for_all_its_layers(flex):
+    """A 4-layer model with packed documents on 2 context ranks (threads): ``install_context_parallel`` makes the core's
+    ``mask`` the model's builder, so each rank gathers the positions and builds its mask once per forward (dense, or
+    CUDA's block mask, forced), the same object in every layer; each rank's logits equal the whole model's at its
+    tokens."""
+    import copy
+
+    args, cp, length = PRESETS["debug"], 2, 128
+    model = Transformer(args)
+    model.init_weights(0)
+    tokens = torch.randint(2, args.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
+    tokens[0, [30, 70, 71]] = 1
+    tokens[1, [100]] = 1
+    positions = document_positions(tokens, eos_id=1)
+    with torch.no_grad():
+        reference = model(tokens, position_ids=positions)
+
+    def rank_main(rank: int, board: dict) -> tuple:
+        replica = copy.deepcopy(model)
+        core = ThreadRank(cp, rank, board, "all_gather", flex=flex)
+        assert install_context_parallel(replica, core, "layers.*.attention") == args.n_layers
+        assert replica.build_attention_mask == core.mask
+        builds, seen = count_masks(replica)
+        part = shard_sequence({"input_ids": tokens, "position_ids": positions}, cp, rank)
+        with torch.no_grad():
+            logits = [replica(part["input_ids"], position_ids=part["position_ids"]) for _ in range(2)]
+        return logits[-1], builds, seen
+
+    for rank, (logits, builds, seen) in run_thread_ranks(cp, rank_main).items():
+        assert len(builds) == 2, f"rank {rank}: {len(builds)} masks built in 2 forwards of {args.n_layers} layers"
+        assert len(seen) == 2 * args.n_layers and all(m is builds[1] for m in seen[args.n_layers:])
+        assert is_block_mask(builds[1]) == flex
+        torch.testing.assert_close(logits, reference[:, local_indices(length, cp, rank)], rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_builds_no_mask_is_refused():
+    class OnlyAttention(torch.nn.Module):
+        attend = staticmethod(attend)
+
+    model = torch.nn.Sequential(OnlyAttention())
+    with pytest.raises(ValueError, match="no module of Sequential with a `build_attention_mask`"):
+        install_context_parallel(model, ContextParallelAttention(None, 2, 0), "0")  # type: ignore[arg-type]
