@@ -9,10 +9,13 @@ CPU tests run the CUDA code path's forward (torch 2.13 has no FlexAttention back
 
 FlexAttention is compiled once for the process (``compiled_flex_attention``, as torchtitan's ``FlexAttentionWrapper``
 keeps one ``torch.compile(flex_attention)``): uncompiled, on CUDA it is an unfused reference implementation that
-materializes the whole ``(T, T)`` score matrix (torch warns so) -- what long sequences cannot afford. Every caller
-(``attend``, ``lightning_2d.parallel.context``) goes through ``flex_attention_for``, so no path of ours runs it
-uncompiled on CUDA. On other devices it runs eagerly: compiling it on CPU costs about 80 s (measured, 2 cores) for a
-forward that only the tests run.
+materializes the whole ``(T, T)`` score matrix (torch warns so) -- what long sequences cannot afford. So is
+``create_block_mask`` (``compiled_create_block_mask``, as torchtitan): eager, it evaluates the mask function on the
+whole ``(B, T_q, T_kv)`` grid at once (a boolean tensor: 1 GiB per sequence of 32k tokens) before reducing it to
+blocks. Every caller (``attention_mask``, ``attend``, ``lightning_2d.parallel.context``) goes through
+``flex_attention_for`` / ``create_block_mask_for``, so no path of ours runs either uncompiled on CUDA. On other devices
+they run eagerly: compiling FlexAttention on CPU costs about 80 s (measured, 2 cores) for a forward that only the tests
+run.
 """
 
 from __future__ import annotations
@@ -32,30 +35,45 @@ AttentionMask = Optional[Union[torch.Tensor, "BlockMask"]]
 #: The device types on which FlexAttention runs compiled (``flex_attention_for``).
 COMPILED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
-_compiled_flex: Optional[Callable[..., torch.Tensor]] = None
-_compiled_flex_lock = threading.Lock()  # ranks simulated as threads (the unit tests) may race to create it
+#: The process's compiled callables by name (``flex_attention``, ``create_block_mask``), created on first use.
+_compiled: dict[str, Callable[..., Any]] = {}
+_compiled_lock = threading.Lock()  # ranks simulated as threads (the unit tests) may race to create them
+
+
+def _eager(name: str) -> Callable[..., Any]:
+    from torch.nn.attention import flex_attention as module
+
+    return getattr(module, name)
+
+
+def _compiled_once(name: str) -> Callable[..., Any]:
+    with _compiled_lock:
+        if name not in _compiled:
+            _compiled[name] = torch.compile(_eager(name))
+        return _compiled[name]
 
 
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """``torch.compile(flex_attention)``, created on first use and then the same object for the process: one
     compiled callable whose graphs (one per input shape and mask kind) every layer and every path share."""
-    global _compiled_flex
-    with _compiled_flex_lock:
-        if _compiled_flex is None:
-            from torch.nn.attention.flex_attention import flex_attention
+    return _compiled_once("flex_attention")
 
-            _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex
+
+def compiled_create_block_mask() -> Callable[..., "BlockMask"]:
+    """``torch.compile(create_block_mask)``, once for the process: the block tables computed block by block,
+    without the whole boolean mask the eager function materializes first."""
+    return _compiled_once("create_block_mask")
 
 
 def flex_attention_for(device: torch.device) -> Callable[..., torch.Tensor]:
     """The FlexAttention callable to run on ``device``: the process's compiled one on CUDA
     (``COMPILED_DEVICE_TYPES``), the eager one elsewhere (forward only on CPU, for the tests)."""
-    if device.type in COMPILED_DEVICE_TYPES:
-        return compiled_flex_attention()
-    from torch.nn.attention.flex_attention import flex_attention
+    return compiled_flex_attention() if device.type in COMPILED_DEVICE_TYPES else _eager("flex_attention")
 
-    return flex_attention
+
+def create_block_mask_for(device: torch.device) -> Callable[..., "BlockMask"]:
+    """``create_block_mask`` to build a block mask on ``device`` with: compiled once on CUDA, eager elsewhere."""
+    return compiled_create_block_mask() if device.type in COMPILED_DEVICE_TYPES else _eager("create_block_mask")
 
 
 def is_block_mask(mask: Any) -> bool:
@@ -88,15 +106,14 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 def document_block_mask(position_ids: torch.Tensor) -> "BlockMask":
     """``document_causal_mask`` as a FlexAttention ``BlockMask`` (one head dimension shared by all heads): per
     128 × 128 block, whether it is empty, full or partial, so FlexAttention skips the blocks across documents."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     document = document_ids(position_ids)
 
     def same_document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (kv_idx <= q_idx) & (document[b, q_idx] == document[b, kv_idx])
 
     batch, length = position_ids.shape
-    return create_block_mask(same_document_causal, batch, None, length, length, device=position_ids.device)
+    create = create_block_mask_for(position_ids.device)
+    return create(same_document_causal, batch, None, length, length, device=position_ids.device)
 
 
 def attention_mask(

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.ops.attention import AttentionMask, flex_attention_for, is_block_mask
+from lightning_2d.ops.attention import AttentionMask, create_block_mask_for, flex_attention_for, is_block_mask
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -150,12 +150,10 @@ class ContextParallelAttention:
         seq_len = local_len * self.cp
         mine, order, query_document, key_document = self.layout(position_ids, seq_len)
         if position_ids.is_cuda if self.flex is None else self.flex:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return (order[kv_idx] <= mine[q_idx]) & (key_document[b, kv_idx] == query_document[b, q_idx])
 
-            return create_block_mask(visible, position_ids.shape[0], None, local_len, seq_len,
+            return create_block_mask_for(position_ids.device)(visible, position_ids.shape[0], None, local_len, seq_len,
                                      device=position_ids.device)
         visible = (order[None, :] <= mine[:, None]) & (query_document[:, :, None] == key_document[:, None, :])
         dtype = dtype if dtype is not None else torch.get_default_dtype()

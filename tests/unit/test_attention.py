@@ -105,25 +105,26 @@ def test_each_pipeline_stage_builds_one_mask_per_micro_batch():
 @pytest.mark.filterwarnings(EAGER_FLEX)
 def test_flex_attention_is_compiled_once_for_the_process_and_used_by_every_layer(monkeypatch):
     """With the device type compiled (CPU here, standing in for CUDA: compiling for real costs ~80 s on CPU), two
-    forwards of a 4-layer model and a second model compile FlexAttention once, and every layer calls that one
-    compiled callable. ``torch.compile`` is counted (it returns eager FlexAttention, which runs on CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    forwards of a 4-layer model and a second model compile FlexAttention and ``create_block_mask`` once each, every
+    layer calls that one compiled FlexAttention and each forward builds its mask with the compiled builder.
+    ``torch.compile`` is counted (it returns the eager functions, which run on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled, calls = [], []
     real_compile = torch.compile
 
     def fake_compile(fn: Any, **kwargs: Any) -> Any:
-        if fn is not flex_attention:  # FlexAttention's eager path compiles its own helpers
+        if fn not in (flex_attention, create_block_mask):  # FlexAttention's eager path compiles its own helpers
             return real_compile(fn, **kwargs)
 
         def compiled_fn(*args: Any, **kw: Any) -> Any:
-            calls.append(kw["block_mask"])
+            calls.append(fn.__name__)
             return fn(*args, **kw)
 
         compiled.append(fn)
         return compiled_fn
 
-    monkeypatch.setattr(ops_attention, "_compiled_flex", None)
+    monkeypatch.setattr(ops_attention, "_compiled", {})
     monkeypatch.setattr(ops_attention, "COMPILED_DEVICE_TYPES", ("cpu", "cuda"))
     monkeypatch.setattr(torch, "compile", fake_compile)
     args = PRESETS["debug"]
@@ -136,10 +137,12 @@ def test_flex_attention_is_compiled_once_for_the_process_and_used_by_every_layer
         with torch.no_grad():
             model(tokens, position_ids=positions)
             model(tokens, position_ids=positions)
-    assert compiled == [flex_attention]
-    assert len(calls) == 4 * args.n_layers and ops_attention.compiled_flex_attention() is ops_attention._compiled_flex
-    assert ops_attention.flex_attention_for(torch.device("cpu")) is ops_attention._compiled_flex
-    assert ops_attention.flex_attention_for(torch.device("cuda")) is ops_attention._compiled_flex
+    assert compiled == [create_block_mask, flex_attention]
+    assert calls == (["create_block_mask"] + ["flex_attention"] * args.n_layers) * 4
+    flex = ops_attention.compiled_flex_attention()
+    assert ops_attention.flex_attention_for(torch.device("cpu")) is flex
+    assert ops_attention.flex_attention_for(torch.device("cuda")) is flex
+    assert ops_attention.create_block_mask_for(torch.device("cuda")) is ops_attention.compiled_create_block_mask()
     monkeypatch.setattr(ops_attention, "COMPILED_DEVICE_TYPES", ("cuda",))  # the default: eager elsewhere
     assert ops_attention.flex_attention_for(torch.device("cpu")) is flex_attention
 
