@@ -9,8 +9,8 @@ measurement against a ring. Each attention layer all-gathers the ``(B, H_kv, T/c
 context group (autograd: the backward reduce-scatters their gradients to the ranks that computed them), and
 attends its local queries to all keys under a mask from the tokens' *global* indices: any mask (documents, not only
 causal) in one attention call, on gloo as on NCCL, so the CPU tests exercise the very code the GPU runs (on CUDA the
-mask is a FlexAttention block mask, attended through the process's compiled FlexAttention, ``ops.attention``). The cost: the gathered keys and values of a layer, ``2 · B · H_kv · T · Dh``
-elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the activations that CP divides by ``cp``).
+mask is a FlexAttention block mask, attended through the process's compiled FlexAttention, ``ops.attention``). The
+cost: the gathered keys and values of a layer, ``2 · B · H_kv · T · Dh`` elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the activations that CP divides by ``cp``).
 
 The alternative, ``exchange="ring"`` (``_RingAttention``): each rank passes its key/value block to the next while it
 attends to the one it holds, ``cp`` blocks merged by their log-sum-exp (online softmax), the gradients sent back
@@ -28,8 +28,8 @@ positions of its tokens, or each packed document's positions under ``document_ma
 follows them unchanged. The mask is built once per forward (per micro-batch under a pipeline) by the model's
 ``build_attention_mask``, which ``apply_context_parallel`` replaces with ``ContextParallelAttention.mask``: one
 all-gather of the positions, the documents derived from them (a document starts where a position is 0), and every
-layer's core attends under that one mask. The loss, token counts and gradients then need nothing else: the loss group is data × context
-(``data_context_parallel``), and FSDP shards over data-shard × context, as torchtitan.
+layer's core attends under that one mask. The loss, token counts and gradients then need nothing else: the loss group
+is data × context (``data_context_parallel``), and FSDP shards over data-shard × context, as torchtitan.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def test_the_model_builds_one_mask_per_forward_for_all_its_layers(flex):
         assert len(builds) == step + 1, f"{len(builds)} masks built in {step + 1} forwards of {args.n_layers} layers"
         assert len(seen) == args.n_layers * (step + 1) and all(m is builds[-1] for m in seen[-args.n_layers:])
     assert ops_attention.is_block_mask(builds[-1]) == flex
-    print(f"\nmodel, {'block' if flex else 'dense'} mask: max |logits - dense| {float((logits - reference).abs().max()):.2e}")
+    difference = float((logits - reference).abs().max())
+    print(f"\nmodel, {'block' if flex else 'dense'} mask: max |logits - dense| {difference:.2e}")
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # without documents: no mask, plain causal attention
         model(tokens)

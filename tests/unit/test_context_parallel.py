@@ -229,7 +229,8 @@ EAGER_FLEX = "ignore:flex_attention called without torch.compile"
 
 
 @pytest.mark.filterwarnings(EAGER_FLEX)
-@pytest.mark.parametrize("cp, documents", [(2, False), (2, True), (4, True)], ids=["causal-2", "documents-2", "documents-4"])
+@pytest.mark.parametrize("cp, documents", [(2, False), (2, True), (4, True)],
+                         ids=["causal-2", "documents-2", "documents-4"])
 def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp, documents):
     """The CUDA code path on CPU (``flex=True``: block masks, FlexAttention; forward only, torch has no FlexAttention
     backward on CPU): every rank's queries of its load-balanced slices (head-tail chunks), against the gathered keys
@@ -237,7 +238,7 @@ def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp,
     all-gather and the ring on the same ranks; its block tables are the dense mask's, and skip blocks."""
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 256 * cp, 16  # chunks of 128 tokens: FlexAttention's blocks
-    q, k, v = torch.randn(batch, heads, length, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    q, k, v = (torch.randn(batch, h, length, dim) for h in (heads, kv_heads, kv_heads))
     if documents:
         tokens = torch.zeros(batch, length, dtype=torch.long)
         tokens[0, [50, 130, 131, 300, 400]] = 1  # documents across and inside 128-token blocks
@@ -267,7 +268,8 @@ def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp,
     results = run_thread_ranks(cp, rank_main)
     worst = {other: max(float((r["flex"] - r[other]).abs().max()) for r in results.values())
              for other in ("reference", "dense", "ring")}
-    print(f"\nflex context-parallel forward (cp {cp}, {'documents' if documents else 'causal'}): max |flex - x| {worst}")
+    kind = "documents" if documents else "causal"
+    print(f"\nflex context-parallel forward (cp {cp}, {kind}): max |flex - x| {worst}")
     for r in results.values():
         for other in ("reference", "dense", "ring"):
             torch.testing.assert_close(r["flex"], r[other], rtol=1e-5, atol=2e-6, msg=other)
