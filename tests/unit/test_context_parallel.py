@@ -237,7 +237,9 @@ def test_the_flex_block_mask_path_gives_the_dense_paths_and_the_rings_output(cp,
     at their own heads (grouped-query attention, H 4 / H_kv 2), equal the whole sequence's attention, the dense
     all-gather and the ring on the same ranks; its block tables are the dense mask's, and skip blocks."""
     torch.manual_seed(0)
-    batch, heads, kv_heads, length, dim = 2, 4, 2, 256 * cp, 16  # chunks of 128 tokens: FlexAttention's blocks
+    # 512 tokens: at cp 2 chunks of 128 (FlexAttention's block), so causal blocks are skipped; at cp 4 each query
+    # block holds an early and a late chunk, and blocks are skipped across documents.
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 512, 16
     q, k, v = (torch.randn(batch, h, length, dim) for h in (heads, kv_heads, kv_heads))
     if documents:
         tokens = torch.zeros(batch, length, dtype=torch.long)
