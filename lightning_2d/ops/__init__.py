@@ -1,2 +1,3 @@
-"""Pure torch building blocks, below everything else: the fused output projection + cross-entropy and
-the seeded, layout-independent parameter initialization. No ``torch.distributed``, no model family."""
+"""Pure torch building blocks, below everything else: the fused output projection + cross-entropy, the
+seeded, layout-independent parameter initialization and the attention core with its masks (FlexAttention compiled
+once per process on CUDA). No ``torch.distributed``, no model family."""

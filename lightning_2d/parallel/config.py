@@ -675,9 +675,9 @@ class ParallelPlan:
             ``None``: the model cannot be pipelined (refused before any process starts when
             ``pipeline_parallel_size > 1``).
         attention: ``fnmatch`` pattern of the attention modules (``"layers.*.attention"``) whose
-            ``attend(q, k, v, position_ids)`` core context parallelism replaces, or ``None``: the model's
-            attention cannot be split over the sequence (refused before any process starts when
-            ``context_parallel_size > 1``).
+            ``attend(q, k, v, mask)`` core context parallelism replaces (with the model's ``build_attention_mask``),
+            or ``None``: the model's attention cannot be split over the sequence (refused before any process starts
+            when ``context_parallel_size > 1``).
         tied_weights: Groups of parameter names that are one parameter (``(("tok_embeddings.weight",
             "output.weight"),)`` for tied embeddings), so that what cannot keep a tie (pipeline stages) is refused
             before any process starts; ``parallelize_model`` keeps every tie it finds in the model itself

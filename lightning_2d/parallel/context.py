@@ -9,8 +9,8 @@ measurement against a ring. Each attention layer all-gathers the ``(B, H_kv, T/c
 context group (autograd: the backward reduce-scatters their gradients to the ranks that computed them), and
 attends its local queries to all keys under a mask from the tokens' *global* indices: any mask (documents, not only
 causal) in one attention call, on gloo as on NCCL, so the CPU tests exercise the very code the GPU runs (on CUDA the
-mask is a FlexAttention block mask). The cost: the gathered keys and values of a layer, ``2 · B · H_kv · T · Dh``
-elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the activations that CP divides by ``cp``).
+mask is a FlexAttention block mask, attended through the process's compiled FlexAttention, ``ops.attention``). The
+cost: the gathered keys and values of a layer, ``2 · B · H_kv · T · Dh`` elements, live until its backward (``≈ 1/(2·cp·H/H_kv)`` of the activations that CP divides by ``cp``).
 
 The alternative, ``exchange="ring"`` (``_RingAttention``): each rank passes its key/value block to the next while it
 attends to the one it holds, ``cp`` blocks merged by their log-sum-exp (online softmax), the gradients sent back
@@ -23,11 +23,13 @@ own ring (``torch.distributed.tensor.experimental.context_parallel``) runs only 
 and takes no masks. The ring stays for that comparison (and as the design to revisit if keys ever dominate), tested
 against the all-gather in every context-parallel job; the strategies install the all-gather.
 
-**Positions.** ``shard_sequence`` gives every rank its tokens, labels and ``position_ids`` (the global positions
-of its tokens, or each packed document's positions under ``document_mask``): the model's rotary embedding follows
-them unchanged, and the attention derives the documents from the gathered positions (a document starts where a
-position is 0). The loss, token counts and gradients then need nothing else: the loss group is data × context
-(``data_context_parallel``), and FSDP shards over data-shard × context, as torchtitan.
+**Positions and the mask.** ``shard_sequence`` gives every rank its tokens, labels and ``position_ids`` (the global
+positions of its tokens, or each packed document's positions under ``document_mask``): the model's rotary embedding
+follows them unchanged. The mask is built once per forward (per micro-batch under a pipeline) by the model's
+``build_attention_mask``, which ``apply_context_parallel`` replaces with ``ContextParallelAttention.mask``: one
+all-gather of the positions, the documents derived from them (a document starts where a position is 0), and every
+layer's core attends under that one mask. The loss, token counts and gradients then need nothing else: the loss group
+is data × context (``data_context_parallel``), and FSDP shards over data-shard × context, as torchtitan.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from lightning_2d.ops.attention import AttentionMask, create_block_mask_for, flex_attention_for, is_block_mask
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -85,15 +89,29 @@ def shard_sequence(
 
 
 class ContextParallelAttention:
-    """The attention core of one context-parallel layer: ``(q, k, v, position_ids) → out``, installed as the
-    model's ``Attention.attend`` by ``apply_context_parallel``. ``q: (B, H, T/cp, Dh)``, ``k``/``v``: ``(B, H_kv,
-    T/cp, Dh)``, ``position_ids``: ``(B, T/cp)`` from ``shard_sequence``; the output has ``q``'s shape."""
+    """The attention of one context-parallel rank, in two parts that ``apply_context_parallel`` installs in a model:
+    ``mask(position_ids, dtype)`` (the model's ``build_attention_mask``: once per forward) and ``__call__(q, k, v,
+    mask)`` (every layer's ``Attention.attend``). ``q: (B, H, T/cp, Dh)``, ``k``/``v``: ``(B, H_kv, T/cp, Dh)``,
+    ``position_ids``: ``(B, T/cp)`` from ``shard_sequence``; the output has ``q``'s shape.
 
-    def __init__(self, group: "ProcessGroup", cp: int, rank: int, exchange: str = "all_gather") -> None:
+    Args:
+        group: The context-parallel process group.
+        cp: Its size.
+        rank: This rank's index in it.
+        exchange: ``"all_gather"`` (what the strategies install) or ``"ring"`` (``_RingAttention``, CPU kernels).
+        flex: Build FlexAttention block masks (``True``) or dense additive ones (``False``); ``None``: block masks on
+            CUDA. The ring takes dense masks only.
+    """
+
+    def __init__(
+        self, group: "ProcessGroup", cp: int, rank: int, exchange: str = "all_gather", flex: Optional[bool] = None
+    ) -> None:
         if exchange not in EXCHANGES:
             raise ValueError(f"context-parallel exchange {exchange!r} is not one of {EXCHANGES}")
-        self.group, self.cp, self.rank, self.exchange = group, cp, rank, exchange
-        self._layout: Optional[tuple[torch.Tensor, Any]] = None  # (position_ids, their mask)
+        if exchange == "ring" and flex:
+            raise ValueError("the ring exchange attends block by block with CPU SDPA kernels: it takes no FlexAttention"
+                             " block mask (flex=True); use exchange='all_gather'")
+        self.group, self.cp, self.rank, self.exchange, self.flex = group, cp, rank, exchange, flex
 
     def _gather(self, x: torch.Tensor, differentiable: bool) -> torch.Tensor:
         """Every context rank's ``x`` concatenated along the sequence (dim 2 of heads, the last of positions), in
@@ -102,49 +120,48 @@ class ContextParallelAttention:
             return _GatherSequence.apply(x, self.group, self.cp, self.rank)
         return torch.cat(_all_gather(x, self.group, self.cp), dim=-1)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        if position_ids is None:
-            raise ValueError("context parallelism needs each token's position_ids (lightning_2d.parallel.context.shard_sequence)")
-        local_len = q.shape[2]
-        seq_len = local_len * self.cp
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        if mask is None:
+            raise ValueError("context parallelism needs each token's position_ids (lightning_2d.parallel.context."
+                             "shard_sequence), from which the model builds the mask (ContextParallelAttention.mask)")
         if self.exchange == "ring":
             if q.is_cuda:
                 raise NotImplementedError("the ring exchange runs CPU SDPA kernels; on CUDA use exchange='all_gather'")
-            blocks, rows = self._mask(position_ids, seq_len, q)
+            blocks, rows = mask
             return _RingAttention.apply(q, k, v, blocks, rows, self)
         keys, values = self._gather(k, True), self._gather(v, True)  # (B, H_kv, T, Dh), in gathered order
-        mask = self._mask(position_ids, seq_len, q)
-        if q.is_cuda:  # FlexAttention's block mask: the blocks no query may see are skipped, not computed
-            from torch.nn.attention.flex_attention import flex_attention
-
-            return flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)
+        if is_block_mask(mask):  # FlexAttention, compiled on CUDA: the blocks no query may see are skipped
+            return flex_attention_for(q.device)(q, keys, values, block_mask=mask, enable_gqa=True)
+        if mask.dtype != q.dtype:  # built in the activations' dtype; only an autocast region computes q in another
+            mask = mask.to(q.dtype)
         # enable_gqa: the key/value heads are not repeated to the query heads (saved for backward at H_kv heads).
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
-    def _mask(self, position_ids: torch.Tensor, seq_len: int, q: torch.Tensor) -> Any:
-        """The mask of this rank's queries against the gathered keys: ``(B, 1, T/cp, T)`` additive for SDPA, or a
-        FlexAttention block mask on CUDA; for the ring, that additive mask cut into its ``cp`` blocks, ``(cp, B, 1,
-        T/cp, T/cp)`` (block ``j``: the keys rank ``j`` holds), with which rows of each block see any key, ``(cp, B,
-        1, T/cp, 1)``. The layers of one forward share the positions: it is computed once (one all-gather of
-        integers) and kept while the same ``position_ids`` come (recomputation included)."""
-        if self._layout is not None and self._layout[0] is position_ids:
-            return self._layout[1]
+    def mask(self, position_ids: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> AttentionMask:
+        """The mask of this rank's queries against the gathered keys, for every layer of one forward (one all-gather
+        of integers): a FlexAttention block mask (``flex``; default on CUDA), or ``(B, 1, T/cp, T)`` additive in
+        ``dtype`` (the activations': SDPA would convert a boolean mask into a new one in every layer); for the ring,
+        that additive mask cut into its ``cp`` blocks, ``(cp, B, 1, T/cp, T/cp)`` (block ``j``: the keys rank ``j``
+        holds), with which rows of each block see any key, ``(cp, B, 1, T/cp, 1)``."""
+        if position_ids is None:
+            raise ValueError("context parallelism needs each token's position_ids (lightning_2d.parallel.context."
+                             "shard_sequence)")
+        local_len = position_ids.shape[-1]
+        seq_len = local_len * self.cp
         mine, order, query_document, key_document = self.layout(position_ids, seq_len)
-        if q.is_cuda:
-            from torch.nn.attention.flex_attention import create_block_mask
-
+        if position_ids.is_cuda if self.flex is None else self.flex:
             def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return (order[kv_idx] <= mine[q_idx]) & (key_document[b, kv_idx] == query_document[b, q_idx])
 
-            mask = create_block_mask(visible, q.shape[0], None, q.shape[2], seq_len, device=q.device)
-        else:  # additive, in the queries' dtype: SDPA would convert a boolean mask into a new one in every layer
-            visible = (order[None, :] <= mine[:, None]) & (query_document[:, :, None] == key_document[:, None, :])
-            mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-            mask = mask[:, None]
-            if self.exchange == "ring":  # the gathered order is rank after rank
-                blocks = torch.stack(mask.chunk(self.cp, dim=-1))
-                mask = (blocks, (blocks > float("-inf")).any(-1, keepdim=True))
-        self._layout = (position_ids, mask)
+            return create_block_mask_for(position_ids.device)(visible, position_ids.shape[0], None, local_len, seq_len,
+                                     device=position_ids.device)
+        visible = (order[None, :] <= mine[:, None]) & (query_document[:, :, None] == key_document[:, None, :])
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        mask = torch.zeros(visible.shape, dtype=dtype, device=position_ids.device).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None]
+        if self.exchange == "ring":  # the gathered order is rank after rank
+            blocks = torch.stack(mask.chunk(self.cp, dim=-1))
+            return blocks, (blocks > float("-inf")).any(-1, keepdim=True)
         return mask
 
     def shift(self, x: torch.Tensor, tag: int = 0) -> Callable[[], torch.Tensor]:
@@ -268,12 +285,20 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def apply_context_parallel(model: torch.nn.Module, cp_mesh: Any, attention: str, exchange: str = "all_gather") -> int:
-    """Install ``ContextParallelAttention`` as the ``attend`` of every module of ``model`` whose name matches
-    ``attention`` (``fnmatch`` pattern, e.g. ``"layers.*.attention"``); returns how many."""
+    """Install the context-parallel attention of this rank of ``cp_mesh`` in ``model`` (``install_context_parallel``);
+    returns how many attention modules got it."""
+    core = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), exchange)
+    return install_context_parallel(model, core, attention)
+
+
+def install_context_parallel(model: torch.nn.Module, core: ContextParallelAttention, attention: str) -> int:
+    """Make ``core`` the ``attend`` of every module of ``model`` whose name matches ``attention`` (``fnmatch``
+    pattern, e.g. ``"layers.*.attention"``) and ``core.mask`` the ``build_attention_mask`` of every module that builds
+    the masks (the model: once per forward, or per micro-batch in a pipeline stage); returns how many attention
+    modules."""
     from fnmatch import fnmatch
 
-    group, count = cp_mesh.get_group(), 0
-    core = ContextParallelAttention(group, cp_mesh.size(), cp_mesh.get_local_rank(), exchange)
+    count = 0
     for name, module in model.named_modules():
         if fnmatch(name, attention) and hasattr(module, "attend"):
             module.attend = core
@@ -283,6 +308,15 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: Any, attention: str,
             f"context parallelism found no attention module named like {attention!r} with an `attend` method in"
             f" {type(model).__name__}; the model's plan must name them (ParallelPlan.attention)"
         )
+    builders = [module for module in model.modules() if hasattr(module, "build_attention_mask")]
+    if not builders:
+        raise ValueError(
+            f"context parallelism found no module of {type(model).__name__} with a `build_attention_mask`: the model"
+            " must build each batch's attention mask with it once per forward (as lightning_2d.Transformer does) and"
+            " pass it to its attention modules' `attend`"
+        )
+    for module in builders:
+        module.build_attention_mask = core.mask
     return count
 
 

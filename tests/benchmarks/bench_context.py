@@ -10,9 +10,9 @@ each rank on its load-balanced slice (``context_shard``) — the path ``CausalLM
 step, ``MALLOC_MMAP_THRESHOLD_`` so freed tensors leave the resident set; gradients and optimizer state already
 allocated by a first step); printed as the largest over the ranks, beside the planner's estimate for the same
 layout (``lightning-2d plan --context-parallel-size C``, which counts CUDA's FlexAttention block mask), the
-median step time and the size of the CPU path's dense additive mask. That mask is not in the step's growth: it is
-kept from one forward to the next (built once per forward, replaced by the next one's), a buffer of
-``T/C × T`` floats on CPU only. With ``C`` processes on fewer
+median step time and the size of the CPU path's dense additive mask (``T/C × T`` floats, CPU only: built once per
+forward, shared by the layers, freed after the backward, so part of the step's growth; the README's table was
+measured when the mask was kept from one forward to the next, outside that growth). With ``C`` processes on fewer
 cores the step times of C 4 compete for cores: compare the memory column across sizes, the time columns within
 one size (mask off vs on). Not a test: the numbers depend on the machine.
 """

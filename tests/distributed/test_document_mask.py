@@ -3,9 +3,9 @@ device.
 
 Two real jobs of 4 CPU processes on gloo, against the single-device ``Trainer`` on the same batches (samples
 packing several documents: ``position_ids`` restart after each end-of-text token), 6 fp32 AdamW steps: 2
-data-parallel × 2 tensor-parallel ranks with sequence parallelism (the positions reach the blocks by keyword,
-beside the sequence-sharded hidden states), and 2 pipeline stages × 2 data-parallel ranks (every stage receives
-them). The packed-vs-separate equality itself is a unit test (tests/unit/test_document_mask.py).
+data-parallel × 2 tensor-parallel ranks with sequence parallelism (the mask built from the positions reaches the
+blocks by keyword, beside the sequence-sharded hidden states), and 2 pipeline stages × 2 data-parallel ranks (every
+stage receives the positions and builds the mask). The packed-vs-separate equality itself is a unit test (tests/unit/test_document_mask.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ pytestmark = pytest.mark.distributed
 def test_document_masking_at_2x2_with_sequence_parallelism_equals_one_device(jobs):
     reference, run = jobs.reference(documents=True), jobs.layout(2, 2, documents=True)
     ref = reference.rank_output(0)
-    assert ref["blocks_given_positions"] >= len(ref["losses"]) > 0  # the reference masked too
+    assert ref["blocks_given_masks"] >= len(ref["losses"]) > 0  # the reference masked too
     for rank in range(4):
         out = run.rank_output(rank)
-        assert out["blocks_given_positions"] >= len(out["losses"])  # every step's blocks got the positions
+        assert out["blocks_given_masks"] >= len(out["losses"])  # every step's blocks got the documents' mask
         error = worst_relative_error(out["losses"], ref["losses"])
         print(f"rank {rank}: worst relative loss error {error:.2e}")
         assert error <= LOSS_RTOL, (out["losses"], ref["losses"])
@@ -43,7 +43,7 @@ def test_document_masking_under_pipeline_parallelism_equals_one_device(jobs):
     for rank in range(4):
         out = run.rank_output(rank)
         if "0" in out["blocks"]:  # the ranks of the first stage hold block 0, whose calls are counted
-            assert out["blocks_given_positions"] >= len(out["losses"])
+            assert out["blocks_given_masks"] >= len(out["losses"])
         error = worst_relative_error(out["losses"], ref["losses"])
         print(f"pipeline rank {rank}: worst relative loss error {error:.2e}")
         assert error <= LOSS_RTOL, (out["losses"], ref["losses"])

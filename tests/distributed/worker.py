@@ -240,7 +240,8 @@ def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
 
 
 class BlockPositions(L.Callback):
-    """Counts the training calls of the first block that received ``position_ids`` (document masking)."""
+    """Counts the training calls of the first block that received the attention mask (document masking: built once
+    per forward, or per pipeline micro-batch, from ``position_ids`` and passed to every block as ``mask``)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -251,7 +252,7 @@ class BlockPositions(L.Callback):
             return
 
         def seen(module, args, kwargs) -> None:
-            if module.training and kwargs.get("position_ids") is not None:
+            if module.training and kwargs.get("mask") is not None:
                 self.calls += 1
 
         layers["0"].register_forward_pre_hook(seen, with_kwargs=True)
@@ -460,7 +461,7 @@ def fit(cfg: dict) -> None:
         "grad_norms": recorder.grad_norms,
         "stepped_grad_norms": recorder.stepped_grad_norms,
         "placements": placements(module.model),
-        "blocks_given_positions": positions.calls,
+        "blocks_given_masks": positions.calls,
         "tied_parameters": tied_parameters(module.model),
     }
     if val_loader is not None:
@@ -825,7 +826,8 @@ def exchange_disagreement(cp_mesh) -> float:
     results = []
     for exchange in EXCHANGES:
         held = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        out = ContextParallelAttention(cp_mesh.get_group(), cp, rank, exchange)(*held, positions[:, mine])
+        core = ContextParallelAttention(cp_mesh.get_group(), cp, rank, exchange)
+        out = core(*held, core.mask(positions[:, mine], q.dtype))
         out.backward(grad[:, :, mine])
         results.append([out.detach(), *(t.grad for t in held)])
     return max(float((a - b).abs().max()) for a, b in zip(*results))

@@ -193,8 +193,8 @@ class _ShapedContext(ContextParallelAttention):
     """The context-parallel core of rank 0 of ``cp``, in one process: its "all-gathers" repeat the local tensor
     ``cp`` times, so every shape (and every saved tensor's size) is a real rank's; only the values are not."""
 
-    def __init__(self, cp: int) -> None:
-        super().__init__(group=None, cp=cp, rank=0)  # type: ignore[arg-type]
+    def __init__(self, cp: int, flex: bool | None = None) -> None:
+        super().__init__(group=None, cp=cp, rank=0, flex=flex)  # type: ignore[arg-type]
 
     def _gather(self, x: torch.Tensor, differentiable: bool) -> torch.Tensor:
         return torch.cat([x] * self.cp, dim=2 if differentiable else -1)
@@ -209,11 +209,11 @@ def test_per_block_saved_tensors_under_context_parallelism(dtype, cp, one_thread
     args = ModelArgs(**SMALL)
     batch, seq = 2, 64
     model = _small_model(args, ParallelConfig(), dtype, chunk=64)
-    model.layers["0"].attention.attend = _ShapedContext(cp)
+    core = model.layers["0"].attention.attend = _ShapedContext(cp)
     part = shard_sequence({"input_ids": torch.randint(0, args.vocab_size, (batch, seq))}, cp, 0)
     x = model.tok_embeddings(part["input_ids"])
     rope = model.rope[part["position_ids"]]
-    saved = _saved_bytes(model, lambda: model.layers["0"](x, rope, position_ids=part["position_ids"]))
+    saved = _saved_bytes(model, lambda: model.layers["0"](x, rope, mask=core.mask(part["position_ids"], x.dtype)))
     estimate = ActivationModel.for_layout(
         args, tp=1, sequence_parallel=False, seq_len=seq, micro_batch_size=batch, act_dtype=dtype, cp=cp,
     )
@@ -224,6 +224,43 @@ def test_per_block_saved_tensors_under_context_parallelism(dtype, cp, one_thread
     plain = ActivationModel.for_layout(args, tp=1, sequence_parallel=False, seq_len=seq, micro_batch_size=batch,
                                        act_dtype=dtype)
     assert sum(estimate.block_saved("none").values()) < sum(plain.block_saved("none").values()) / cp * 1.5
+
+
+def _block_mask_bytes(mask) -> int:  # noqa: ANN001
+    """Bytes of a FlexAttention ``BlockMask``'s tables and of the tensors its mask function reads (its closure)."""
+    tables = [getattr(mask, name) for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")]
+    read = [cell.cell_contents for cell in mask.mask_mod.__closure__ or ()]
+    return sum(t.untyped_storage().nbytes() for t in tables + read if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_block_mask_is_counted_as_built_once_per_micro_batch(cp):
+    """With packed documents (or context parallelism) a micro-batch builds one FlexAttention block mask for all its
+    layers: ``attention_mask_bytes`` is the size of the block mask the library builds (its tables and what its mask
+    function reads, built here on CPU by the CUDA path's code, ``flex=True``), counted once with the inputs, not per
+    layer."""
+    from lightning_2d.data.loading import document_positions
+    from lightning_2d.ops.attention import attention_mask
+
+    args = ModelArgs(**SMALL)
+    batch, seq = 2, 1024
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    tokens[:, [100, 700]] = 1
+    part = shard_sequence({"input_ids": tokens, "position_ids": document_positions(tokens, eos_id=1)}, cp, 0)
+    if cp == 1:
+        built = attention_mask(part["position_ids"], flex=True)
+    else:
+        built = _ShapedContext(cp, flex=True).mask(part["position_ids"], torch.bfloat16)
+    layout = dict(tp=1, sequence_parallel=False, seq_len=seq, micro_batch_size=batch, act_dtype=torch.bfloat16, cp=cp)
+    with_mask = ActivationModel.for_layout(args, document_mask=True, **layout)
+    assert with_mask.attention_mask_bytes() == _block_mask_bytes(built)
+    without = ActivationModel.for_layout(args, document_mask=False, **layout)
+    assert with_mask.inputs_saved() - without.inputs_saved() == (_block_mask_bytes(built) if cp == 1 else 0)
+    assert (with_mask.estimate().peak - without.estimate().peak) == (_block_mask_bytes(built) if cp == 1 else 0)
+    # Context parallelism builds its mask with or without documents; causal attention on one rank builds none.
+    assert without.attention_mask_bytes() == (0 if cp == 1 else _block_mask_bytes(built))
 
 
 class _nothing:

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_2d.errors import Lightning2DError
+# document_causal_mask: re-exported, where it was defined before the attention core moved to ops.
+from lightning_2d.ops.attention import AttentionMask, attend, attention_mask, document_causal_mask  # noqa: F401
 from lightning_2d.ops.init import InitSpec, SeededInit
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
 
@@ -315,46 +317,6 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """``(B, 1, T, T)`` bool: query ``i`` sees key ``j`` iff ``j <= i`` and both are in the same document.
-
-    A document starts wherever ``position_ids`` is 0 (``lightning_2d.data.document_positions``). The dense
-    form, for ``scaled_dot_product_attention`` on any device; ``attend`` uses FlexAttention's block mask on
-    CUDA, which skips the masked blocks instead of computing them.
-    """
-    document = (position_ids == 0).cumsum(-1)  # (B, T): which document each token is in
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of ``(B, H, T, Dh)`` query heads to ``(B, H_kv, T, Dh)`` key/value heads (each serving
-    ``H / H_kv`` consecutive query heads), within documents when ``position_ids`` is given."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    if position_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if q.is_cuda:
-        return _flex_document_attention(q, k, v, position_ids)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(position_ids))
-
-
-def _flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """FlexAttention with a block mask of the documents: blocks across documents are skipped, not computed."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    document = (position_ids == 0).cumsum(-1)
-
-    def same_document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return (kv_idx <= q_idx) & (document[b, q_idx] == document[b, kv_idx])
-
-    batch, _, length, _ = q.shape
-    mask = create_block_mask(same_document_causal, batch, None, length, length, device=q.device)
-    return flex_attention(q, k, v, block_mask=mask)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in fp32 whatever the parameter dtype."""
 
@@ -375,8 +337,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings.
 
-    ``attend(q, k, v, position_ids)`` is the attention core (``attend`` above); context parallelism replaces it on
-    the instance with one that exchanges keys and values across ranks (``lightning_2d.parallel.context``).
+    ``attend(q, k, v, mask)`` is the attention core (``lightning_2d.ops.attention.attend``), ``mask`` what the model's
+    ``build_attention_mask`` built once for the batch; context parallelism replaces both on the instances with ones
+    that exchange keys and values across ranks (``lightning_2d.parallel.context``).
     """
 
     attend = staticmethod(attend)
@@ -391,7 +354,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds n_heads / tp of them.
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hq, Dh)
@@ -400,7 +363,7 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, rope), apply_rotary_emb(xk, rope)
 
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, Dh), (B, H_kv, T, Dh)
-        out = self.attend(q, k, v, position_ids)  # (B, H, T, Dh)
+        out = self.attend(q, k, v, mask)  # (B, H, T, Dh)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
 
 
@@ -428,12 +391,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # position_ids by keyword: the tensor-parallel plan's input layouts cover (x, rope) only.
-        if position_ids is None:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+        # The mask by keyword: the tensor-parallel plan's input layouts cover (x, rope) only.
+        if mask is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, position_ids=position_ids)
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -474,10 +437,17 @@ class Transformer(nn.Module):
     with ``to_empty(device=...)`` followed by ``init_weights(seed)``, or let the parallel strategy do
     the materialization shard by shard (same values, see ``lightning_2d.ops.init``).
 
+    With ``position_ids`` the forward builds the attention mask once (``build_attention_mask(position_ids, dtype)``,
+    a replaceable attribute like ``Attention.attend``: context parallelism installs its own) and every layer uses it.
+
     Args:
         args: The shape.
         loss_chunk_size: Tokens per chunk of the fused output-projection + cross-entropy.
     """
+
+    #: ``(position_ids, dtype) -> mask`` of one batch for every layer's ``attend`` (``ops.attention.attention_mask``:
+    #: a FlexAttention block mask on CUDA, the dense mask elsewhere).
+    build_attention_mask = staticmethod(attention_mask)
 
     def __init__(self, args: ModelArgs, loss_chunk_size: int | None = 1024) -> None:
         super().__init__()
@@ -526,8 +496,9 @@ class Transformer(nn.Module):
                 h = layer(h, rope)
         else:
             rope = self.rope[position_ids]  # (B, T, Dh/2, 2): each document from position 0
+            mask = self.build_attention_mask(position_ids, h.dtype)  # once: every layer attends under it
             for layer in self.layers.values():
-                h = layer(h, rope, position_ids=position_ids)
+                h = layer(h, rope, mask=mask)
         h = self.norm(h)
         if labels is None:
             return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss

@@ -33,7 +33,8 @@ class PipelineStageModule(nn.Module):
 
     ``forward(x, labels=None, position_ids=None)``: token ids (first stage) or hidden states ``(B, T_local, dim)``
     in; hidden states out, or for the last stage the summed cross-entropy of ``labels`` (0-dim fp32).
-    ``position_ids``: each packed document's positions (every stage gets them), as ``Transformer.forward``.
+    ``position_ids``: each packed document's positions (every stage gets them), as ``Transformer.forward``: the
+    stage builds their attention mask once per call (one micro-batch) with the model's ``build_attention_mask``.
     """
 
     def __init__(self, model: nn.Module, block_names: list[str], first: bool, last: bool) -> None:
@@ -54,10 +55,12 @@ class PipelineStageModule(nn.Module):
             rope = self._owner[0].rope[: self.seq_len]
             for layer in self.layers.values():
                 h = layer(h, rope)
-        else:  # packed documents kept apart, as Transformer.forward
-            rope = self._owner[0].rope[position_ids]
+        else:  # packed documents kept apart, as Transformer.forward: one mask per micro-batch for the stage's layers
+            owner = self._owner[0]
+            rope = owner.rope[position_ids]
+            mask = owner.build_attention_mask(position_ids, h.dtype)  # the model's (context parallelism's) builder
             for layer in self.layers.values():
-                h = layer(h, rope, position_ids=position_ids)
+                h = layer(h, rope, mask=mask)
         if self.output is None:
             return h
         assert labels is not None, "the last stage computes the loss: it needs the labels"

@@ -18,6 +18,9 @@ import torch
 
 
 DEFAULT_LOSS_CHUNK_SIZE = 1024  # LlamaLightningModule's and Transformer's default
+#: FlexAttention's block size (``torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE``, torch 2.13): the
+#: block mask holds its tables per 128 query rows × 128 keys.
+FLEX_BLOCK_SIZE = 128
 #: Activation bytes → peak of ``RMSNorm``'s backward per input element, beyond its saved tensors
 #: (measured with a live-tensor tracker on CPU, torch 2.13): its fp32 chain rule through
 #: ``rsqrt(mean(x²))`` holds about four fp32 tensors the input's size at once, and in bf16 a
@@ -115,7 +118,10 @@ class ActivationModel:
     Under context parallelism (``cp`` ranks per sequence) ``N`` is this rank's slice of the sequence; each block
     keeps its queries and attention output (``2 × a·N·H·Dh``) but the gathered keys and values of the whole
     sequence at the key/value heads (``2 × a·cp·N·H_kv·Dh``: not repeated, SDPA's ``enable_gqa``); the positions
-    and their rotary rows are kept once per forward. The mask is CUDA's FlexAttention block mask (negligible).
+    and their rotary rows are kept once per forward.
+
+    With packed documents (``document_mask``) or context parallelism the micro-batch builds one attention mask that
+    every layer uses, counted once with the inputs (``attention_mask_bytes``): CUDA's FlexAttention block mask.
 
     A Hugging Face decoder (``architecture``, see ``Architecture``) differs in three places: SDPA keeps the keys
     and values at their own heads (``a·N·(2·H + 2·H_kv)·Dh``), a Qwen3 block also keeps its per-head norms, and
@@ -157,6 +163,8 @@ class ActivationModel:
         has_head: Whether the final norm, the output head and the fused loss run here: always without a
             pipeline, on the last stage with one. Without them the peak is in the blocks' backward.
         architecture: How the model computes it (``NATIVE``: our ``Transformer``; ``hf_architecture``).
+        document_mask: Packed documents kept apart (``TextDataModule(document_mask=True)``): the micro-batch builds a
+            block mask of its documents. Context parallelism builds one in any case.
         loss_parallel: Without the fused loss: the logits stay vocabulary-sharded for the loss (the
             strategy's ``loss_parallel``); else they are gathered whole on every tensor-parallel rank.
     """
@@ -179,6 +187,7 @@ class ActivationModel:
     seq_len: int = 0
     architecture: Architecture = NATIVE
     loss_parallel: bool = False
+    document_mask: bool = False
 
     @classmethod
     def for_layout(
@@ -196,6 +205,7 @@ class ActivationModel:
         has_head: bool = True,
         cp: int = 1,
         loss_parallel: bool = False,
+        document_mask: bool = False,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
@@ -216,8 +226,10 @@ class ActivationModel:
                 attention layer keeps the keys and values of the whole sequence (gathered, at the key/value
                 heads: ``lightning_2d.parallel.context``).
             loss_parallel: The strategy's ``loss_parallel`` (matters only without the fused loss).
+            document_mask: Whether the batches carry packed documents' positions (a block mask per micro-batch).
         """
         return cls(
+            document_mask=document_mask,
             architecture=getattr(args, "architecture", NATIVE),
             loss_parallel=loss_parallel and tp > 1,
             cp=cp,
@@ -367,13 +379,32 @@ class ActivationModel:
         n = self.tokens
         tokens = n * 8 * (2 if self.tp > 1 else 1) if self.has_embedding else 0
         # Context parallelism: the positions (int64) and their rows of the fp32 rotary table, each one tensor shared
-        # by the layers. On CUDA the mask is a FlexAttention block mask (a few integers per 128 x 128 block); the
-        # dense additive mask of the CPU path (``n × seq_len`` in the activation dtype, also shared, and only
-        # partly resident: pages never written to stay zero pages) is not counted.
+        # by the layers.
         context = n * 8 + n * self.head_dim * 4 if self.cp > 1 else 0
         # A Hugging Face decoder's cos and sin rows, (1, T, Dh) each, computed once per forward for every layer.
         rotary = 2 * self.seq_len * self.head_dim * self.act_bytes if self.architecture.rotary_per_forward else 0
-        return tokens + (n * 8 if self.has_head else 0) + context + rotary
+        return tokens + (n * 8 if self.has_head else 0) + context + rotary + self.attention_mask_bytes()
+
+    def attention_mask_bytes(self) -> int:
+        """Bytes of the one attention mask a micro-batch builds for all its layers (``Transformer.forward``, a
+        pipeline stage per micro-batch): CUDA's FlexAttention ``BlockMask`` (one head dimension shared by the heads),
+        per sequence the int32 count and indices of the partial and of the full key blocks of each 128-row query
+        block (``(B, 1, Q/128)`` and ``(B, 1, Q/128, K/128)`` each) and their transposes for the backward, plus the
+        document ids its mask function reads (int64). ``Q`` is this rank's queries, ``K`` the whole sequence under
+        context parallelism. 0 without documents and context parallelism (causal attention builds no mask).
+
+        The dense mask of the CPU path (``(B, 1, Q, K)``: bool, or additive in the activation dtype under context
+        parallelism) is not counted: the planner plans GPUs."""
+        if (self.cp == 1 and not self.document_mask) or not self.seq_len:
+            return 0
+        queries = self.seq_len // self.cp
+        batch = self.tokens // queries
+        q_blocks, kv_blocks = -(-queries // FLEX_BLOCK_SIZE), -(-self.seq_len // FLEX_BLOCK_SIZE)
+        tables = 4 * (4 * batch * q_blocks * kv_blocks + 2 * batch * (q_blocks + kv_blocks))
+        if self.cp == 1:
+            return tables + 8 * batch * self.seq_len  # each token's document
+        # The global index of this rank's queries and of the gathered keys, and the document of each (B, Q), (B, K).
+        return tables + 8 * (queries + self.seq_len) * (1 + batch)
 
     def loss_saved(self) -> dict[str, int]:
         """Bytes the final norm and the fused loss keep for backward (where they run), and the inputs."""

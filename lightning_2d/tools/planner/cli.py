@@ -118,7 +118,7 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
         "model": run.model, "model_name": run.model_name, "num_nodes": run.num_nodes, "devices": devices,
         "precision": run.precision, "seq_len": run.seq_len, "micro_batch_size": run.batch_size,
         "accumulate_grad_batches": run.accumulate_grad_batches, "loss_chunk_size": run.loss_chunk_size,
-        "model_overrides": None,
+        "model_overrides": None, "document_mask": bool(run.data.get("document_mask", False)),
     }
     config = replace(run.config, **flags) if flags else run.config
     if config.pipeline_parallel_size > 1 and "micro_batch_size" not in given:

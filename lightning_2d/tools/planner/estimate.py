@@ -118,6 +118,7 @@ def plan_run(
     loss_chunk_size: Optional[int] = DEFAULT_LOSS_CHUNK_SIZE,
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
+    document_mask: bool = False,
 ) -> PlanReport:
     """Check a layout and estimate its per-device memory for one training step, without GPUs.
 
@@ -152,6 +153,8 @@ def plan_run(
         loss_chunk_size: Tokens per chunk of the fused loss (``LlamaLightningModule``'s ``loss_chunk_size``).
         device_memory_gib: Memory of one device in GiB (default 80: H100/A100 80GB; an H200 has 141 GB = 131 GiB).
         reserve_gib: GiB set aside for what the estimate does not see (CUDA context, NCCL, fragmentation).
+        document_mask: The batches keep packed documents apart (``TextDataModule(document_mask=True)``): each
+            micro-batch builds a FlexAttention block mask for its layers (counted; context parallelism builds one too).
 
     Returns:
         The report (``as_dict()`` for JSON, ``format_report`` for the table).
@@ -188,7 +191,7 @@ def plan_run(
     activations = ActivationModel.for_layout(
         args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
         micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
-        loss_parallel=resolved.loss_parallel,
+        loss_parallel=resolved.loss_parallel, document_mask=document_mask,
     )
     microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
     plans = [
