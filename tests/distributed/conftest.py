@@ -21,6 +21,13 @@ def job_spec(scenario: str, config: dict, nprocs: int, num_nodes: int, kill_on_f
                        "kill_on_failure": kill_on_failure}, sort_keys=True)
 
 
+def shared_timeout(runs: int) -> float:
+    """The limit of a launch of ``runs`` fits one after another: the launcher's 300 s for one job, and 60 s more per
+    further fit (a 4-rank fit of the parity model takes 10-20 s on 2 free cores), so that a long shared launch on a
+    busy machine is not killed for its length alone."""
+    return 300.0 + 60.0 * max(0, runs - 1)
+
+
 class Jobs:
     def __init__(self, root: Path, launcher: Callable[..., JobResult] = launch) -> None:
         self.root = root
@@ -29,18 +36,20 @@ class Jobs:
 
     def run(
         self, name: str, scenario: str, config: dict, nprocs: int = 4, num_nodes: int = 1, expect_ok: bool = True,
-        kill_on_failure: bool = True,
+        kill_on_failure: bool = True, timeout: float | None = None,
     ) -> JobResult:
         """Launch job ``name`` once per session; a later call with the same name gets the same launch.
 
         The cache is keyed by the name (the job's folder), so a name reused with another scenario, config,
         size or launcher policy is an error: otherwise a test would read another job's output, depending on
-        which test ran first. ``expect_ok`` is checked on every call, not only the launching one.
+        which test ran first. ``expect_ok`` is checked on every call, not only the launching one. ``timeout``:
+        the launch's limit in seconds (``None``: the launcher's default).
         """
         spec = job_spec(scenario, config, nprocs, num_nodes, kill_on_failure)
         if name not in self._cache:
+            limit = {} if timeout is None else {"timeout": timeout}
             result = self._launch(scenario, config, self.root / name, nprocs=nprocs, num_nodes=num_nodes,
-                                  kill_on_failure=kill_on_failure)
+                                  kill_on_failure=kill_on_failure, **limit)
             self._cache[name] = (spec, result)
         cached_spec, result = self._cache[name]
         assert cached_spec == spec, (
@@ -87,7 +96,8 @@ class Jobs:
             if job not in self._cache:
                 pending.setdefault(nprocs, {})[job] = config
         for nprocs, runs in pending.items():
-            shared = self.run(f"{name}_{nprocs}procs", "fits", {"runs": runs}, nprocs=nprocs)
+            shared = self.run(f"{name}_{nprocs}procs", "fits", {"runs": runs}, nprocs=nprocs,
+                              timeout=shared_timeout(len(runs)))
             for job, config in runs.items():
                 self._cache[job] = (job_spec("fit", config, nprocs, 1, True), replace(shared, out_dir=shared.out_dir / job))
 
@@ -98,7 +108,7 @@ class Jobs:
         own (forking, the process group's connections) is paid once."""
         configs = {run: {**PARITY, "strategy": "2d", "dp": dp, "tp": tp, "num_nodes": 1, "data_replicas": dp, **extra}
                    for run, (dp, tp, extra) in runs.items()}
-        result = self.run(name, "fits", {"runs": configs}, nprocs=nprocs)
+        result = self.run(name, "fits", {"runs": configs}, nprocs=nprocs, timeout=shared_timeout(len(configs)))
         return {run: replace(result, out_dir=result.out_dir / run) for run in runs}
 
 

@@ -19,6 +19,13 @@ LAYOUTS = [(4, 1, 2), (2, 2, 2)]
 IDS = ["2x2x1", "2x1x2"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_launches(jobs):
+    """The two HSDP layouts (and the reference, unless an earlier module ran it) in one launch per process count."""
+    jobs.share("hsdp", [jobs.reference_job(), *(jobs.layout_job(dp, tp, data_parallel_replicate_size=replicate)
+                                                for dp, tp, replicate in LAYOUTS)])
+
+
 def hsdp(jobs, dp: int, tp: int, replicate: int):
     return jobs.layout(dp, tp, data_parallel_replicate_size=replicate)
 

@@ -189,3 +189,37 @@ def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):
     assert error <= 1e-4
     # float8 really ran: its rounding moves the losses away from fp32's (yet not far).
     assert 1e-6 < worst_relative_error(single["losses"], fp32) <= 1e-2
+
+
+#: The debug model's block projections, each with the (data_parallel, tensor_parallel) placements of the Llama plan
+#: at 2×2 (as in test_parity.py::test_plan_structure_at_2x2): column-wise ones FSDP-sharded over a TP dim-0 shard.
+BLOCK_PROJECTIONS = {
+    **{name: ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+       for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")},
+    **{name: ["Shard(dim=0)", "Shard(dim=1)"] for name in ("attention.wo", "feed_forward.w2")},  # row-wise
+}
+
+
+def test_float8_converted_the_block_projections_and_kept_their_placements(jobs):
+    """What the float8 job above ran (its losses alone would pass with the conversion skipped, within 1e-2 of
+    fp32): every block projection is torchao's ``Float8Linear`` on every rank, its weight laid out as the plan
+    says and, under ``fsdp_float8_all_gather``, wrapped for the float8 all-gather; the head stays a plain
+    ``VocabProjection`` (high precision), column-wise. At (1, 1) the same modules are converted, unwrapped (one
+    data-parallel rank: nothing to all-gather)."""
+    run = jobs.layout(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False)
+    expected = {f"layers.{i}.{name}" for i in range(4) for name in BLOCK_PROJECTIONS}
+    for rank in range(4):
+        linears = run.rank_output(rank)["linears"]
+        assert {name for name, m in linears.items() if m["float8"]} == expected, rank
+        assert linears.keys() == expected | {"output"}, rank
+        for name in expected:
+            got = linears[name]
+            assert got["class"] == "Float8Linear", (rank, name, got)
+            assert got["placements"] == BLOCK_PROJECTIONS[name.split(".", 2)[2]], (rank, name, got)
+            assert got["local_type"] == "WeightWithDynamicFloat8CastTensor", (rank, name, got)
+        head = linears["output"]
+        assert not head["float8"] and "VocabProjection" in head["class"], (rank, head)
+        assert head["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"] and head["local_type"] == "Tensor"
+    single = jobs.layout(1, 1, float8="emulate").rank_output(0)["linears"]
+    assert {name for name, m in single.items() if m["float8"]} == expected
+    assert {single[name]["local_type"] for name in expected} == {"Tensor"}

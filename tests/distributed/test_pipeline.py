@@ -6,7 +6,9 @@ norm over every stage), 6 fp32 AdamW steps of the ``debug`` model against the si
 ``Trainer`` (the same reference the 2D layouts are held to), then validation through the pipeline.
 GPipe runs in the Fabric test and in ``test_checkpoints.py`` (checkpoints across pipeline layouts). The
 zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run one 2-rank job each (pipeline 2,
-2 stages per rank, 4 micro-batches) against the same reference, and record the torch class that ran.
+2 stages per rank, 4 micro-batches) against the same reference, and record the torch class that ran; the V ones
+also at pipeline 2 × data 2 (FSDP sharding each stage) and pipeline 2 × tensor 2 (sequence parallel).
+Every job of this module runs in one launch per process count (``Jobs.share``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from lightning_2d.models.llama.model import PRESETS, Transformer
-from tests.distributed.conftest import PARITY, load_weights
+from tests.distributed.conftest import PARITY, Jobs, load_weights
 from tests.distributed.test_options import CLIP, assert_two_micro_batches_equal_the_double_batch
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
@@ -43,11 +45,41 @@ LAYOUTS.update({
                          "val_samples": VAL_SAMPLES}, {})
     for schedule in ZERO_BUBBLE
 })
+#: The V schedules with each stage FSDP-sharded over 2 data-parallel ranks, and tensor/sequence parallel over 2.
+#: DualPipeV needs m >= 2·pp = 4 micro-batches of at least one sequence: at dp 2 that is a global batch of 8 (its
+#: own reference); ZBVZeroBubble runs m = 2 there (fewer than the 2·pp − 1 its order is built for).
+ZERO_BUBBLE_ND = {
+    f"pp2x{axis}2-{schedule}": ({"dp": 2 if axis == "dp" else 1, "tp": 2 if axis == "tp" else 1,
+                                 "pipeline_parallel_size": 2, "pipeline_schedule": schedule, "val_samples": VAL_SAMPLES,
+                                 **batch}, batch)
+    for axis in ("dp", "tp") for schedule in ("ZBVZeroBubble", "DualPipeV")
+    for batch in [{"global_batch": 8} if (axis, schedule) == ("dp", "DualPipeV") else {}]
+}
+LAYOUTS.update(ZERO_BUBBLE_ND)
+ACCUMULATION = {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe", "even_labels": True, "accumulate": 2}
+
+
+def layout_jobs(name):
+    """``(layout_job, reference_job)`` tuples of ``LAYOUTS[name]`` (``Jobs.layout_job``/``reference_job``)."""
+    options, reference_options = LAYOUTS[name]
+    options = dict(options)
+    dp, tp = options.pop("dp"), options.pop("tp")
+    nprocs = dp * tp * options["pipeline_parallel_size"]
+    return Jobs.layout_job(dp, tp, nprocs=nprocs, **options), Jobs.reference_job(**reference_options)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_launches(jobs):
+    """This module's jobs in one launch per process count (4, 2 and the references' 1), one fit after another in
+    the same processes (``Jobs.share``); the tests then read each as if launched alone."""
+    jobs.share("pipeline", [
+        *(job for name in LAYOUTS for job in layout_jobs(name)),
+        Jobs.reference_job(even_labels=True), Jobs.layout_job(2, 1, nprocs=4, **ACCUMULATION),
+    ])
 
 
 def run_layout(jobs, name):
-    options, reference_options = LAYOUTS[name]
-    options = dict(options)
+    options, reference_options = dict(LAYOUTS[name][0]), LAYOUTS[name][1]
     dp, tp = options.pop("dp"), options.pop("tp")
     nprocs = dp * tp * options["pipeline_parallel_size"]
     return jobs.layout(dp, tp, nprocs=nprocs, **options), jobs.reference(**reference_options)
@@ -146,6 +178,40 @@ def test_zero_bubble_schedules_ran_with_their_placement(jobs, schedule):
     assert embedding == [True, False] and head == ([False, True] if schedule == "InterleavedZeroBubble" else [True, False])
 
 
+@pytest.mark.parametrize("name", ZERO_BUBBLE_ND)
+def test_v_schedules_ran_sharded_over_data_or_tensor_parallel_ranks(jobs, name):
+    """The parity above is the named V schedule's over a sharded stage: each of the 4 ranks built torch's class,
+    holds the stages of a V (pipeline rank 0, ranks 0-1: stages 0 and 3), and its blocks' weights are sharded over
+    the other axis (FSDP over the 2 data-parallel ranks, or the Llama plan's column-/row-wise tensor parallelism
+    with sequence parallelism: the norms replicated over tensor-parallel ranks)."""
+    schedule = name.split("-", 1)[1]
+    train_class, eval_class, stages = ZERO_BUBBLE[schedule]
+    run, _ = run_layout(jobs, name)
+    outputs = [run.rank_output(r) for r in range(4)]
+    assert [o["schedule_classes"] for o in outputs] == [{"train": train_class, "eval": eval_class}] * 4
+    assert [o["stage_indices"] for o in outputs] == [stages[0], stages[0], stages[1], stages[1]]
+    assert outputs[0]["pipeline_split"] == [1, 1, 1, 1]
+    assert [o["blocks"] for o in outputs] == [["0", "3"]] * 2 + [["1", "2"]] * 2
+    # A V: pipeline rank 0 holds the first stage (embedding) and the last (head).
+    assert [("tok_embeddings.weight" in o["placements"], "output.weight" in o["placements"]) for o in outputs] == (
+        [(True, True)] * 2 + [(False, False)] * 2)
+    data_parallel = name.startswith("pp2xdp2")
+    assert [o["sequence_shards"] for o in outputs] == [1 if data_parallel else 2] * 4
+    for out in outputs:
+        block = int(out["blocks"][0])
+        wq, wo = (out["placements"][f"layers.{block}.attention.{w}.weight"] for w in ("wq", "wo"))
+        norm = out["placements"][f"layers.{block}.attention_norm.weight"]
+        if data_parallel:  # FSDP: every weight's rows split over the 2 data-parallel ranks, no tensor parallelism
+            assert wq["mesh_dims"] == wo["mesh_dims"] == norm["mesh_dims"] == ["data_parallel"], (wq, wo, norm)
+            assert wq["placements"] == wo["placements"] == norm["placements"] == ["Shard(dim=0)"], (wq, wo, norm)
+            assert (wq["local_shape"], wo["local_shape"], norm["local_shape"]) == ([64, 128], [64, 128], [64])
+        else:  # column-/row-wise tensor parallel, FSDP over one data-parallel rank (no split there)
+            assert wq["mesh_dims"] == ["data_parallel", "tensor_parallel"], wq
+            assert wq["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"] and wq["local_shape"] == [64, 128]
+            assert wo["placements"] == ["Shard(dim=0)", "Shard(dim=1)"] and wo["local_shape"] == [128, 64], wo
+            assert norm["placements"] == ["Shard(dim=0)", "Replicate()"] and norm["local_shape"] == [128], norm
+
+
 def test_trainer_accumulation_under_a_pipeline_equals_one_double_batch(jobs):
     """accumulate_grad_batches=2 under 2 pipeline stages (GPipe: one sequence per rank and micro-step) × 2 data-parallel
     ranks, as the 2D accumulation test in
@@ -153,8 +219,7 @@ def test_trainer_accumulation_under_a_pipeline_equals_one_double_batch(jobs):
     after each optimizer step (Lightning's own zero_grad, after the window's first ``training_step``, would drop
     the gradients that step computed; never zeroing would carry them into the next step)."""
     double = jobs.reference(even_labels=True)  # one device, the whole global batch per step (shared job)
-    accumulated = jobs.layout(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="GPipe",
-                              even_labels=True, accumulate=2)
+    accumulated = jobs.layout(2, 1, nprocs=4, **ACCUMULATION)
     for rank in range(4):
         assert_two_micro_batches_equal_the_double_batch(accumulated.rank_output(rank), double.rank_output(0))
     final, ref_final = load_weights(accumulated, "final"), load_weights(double, "final")

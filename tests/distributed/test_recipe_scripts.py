@@ -6,11 +6,15 @@ import csv
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.launcher import REPO
 
@@ -95,16 +99,50 @@ def test_hf_recipe_trains_a_transformers_llama_without_a_plan():
     assert loss < math.log(256) - 0.5  # learned something in 12 steps (uniform over bytes: 5.55)
 
 
-def test_debug_recipe_trains_on_the_standard_library_with_live_throughput(tmp_path):
-    """The README's main job, shortened: `lightning-2d prepare-data --config recipes/debug_cpu.yaml`, then
-    `python -m lightning_2d fit --config recipes/debug_cpu.yaml`."""
-    prepared = run_script("-m", "lightning_2d", "prepare-data", "--config", "recipes/debug_cpu.yaml")
+#: The README's main job end to end ("From a recipe to generated text"), its lines as written.
+README_CHAIN = re.search(r"\*\*From a recipe to generated text\*\*.*?```bash\n(.*?)```",
+                         (REPO / "README.md").read_text(), flags=re.S).group(1)
+
+
+def readme_chain() -> dict[str, str]:
+    """The README chain's lines by their first word after ``lightning-2d`` (``plan``, ``prepare-data``, ``fit``,
+    ``export``) or ``python``, comments included."""
+    lines = [line for line in README_CHAIN.splitlines() if line.strip()]
+    chain = {(line.split()[1] if line.startswith("lightning-2d ") else line.split()[0]): line for line in lines}
+    assert list(chain) == ["plan", "prepare-data", "fit", "export", "python"], lines
+    return chain
+
+
+def test_readme_chain_from_a_recipe_to_generated_text(tmp_path, monkeypatch, capsys):
+    """The README's main job end to end as one test, each line as written but shortened to 12 steps: `plan`
+    (the verdict the README quotes), `prepare-data`, `fit --trainer.enable_checkpointing=true` at (dp, tp) = (2, 2)
+    (4 processes: a *sharded* checkpoint, one shard file per rank), `export` of that checkpoint with the tokenizer
+    it records, then `transformers` (AutoTokenizer, pipeline()) generating from the folder as it is."""
+    chain = readme_chain()
+    marks = [("start", time.perf_counter())]
+    monkeypatch.chdir(REPO)
+    from lightning_2d.tools.cli import main
+
+    # plan (in this process: the same command line; it simulates the 4 ranks in a fake world, starts nothing)
+    plan = shlex.split(chain["plan"], comments=True)
+    main(plan[1:])
+    verdict = re.search(r"verdict: fits with ([\d.]+) GiB headroom", chain["plan"]).group(1)
+    assert re.search(rf"fits.*{re.escape(verdict)} GiB headroom", capsys.readouterr().out)
+    marks.append(("plan", time.perf_counter()))
+
+    prepare = shlex.split(chain["prepare-data"], comments=True)
+    prepared = run_script("-m", "lightning_2d", *prepare[1:])
     # Built now (with tokens/s) or by an earlier run on this machine ("nothing to tokenize").
     assert re.search(r"tokens\s+31,\d{3},\d{3}", prepared), prepared
+    marks.append(("prepare-data", time.perf_counter()))
+
+    fit = shlex.split(chain["fit"], comments=True)
+    assert "--trainer.enable_checkpointing=true" in fit
+    logs = tmp_path / "lightning_logs"  # the recipe's save_dir, relative to where the README runs it
     out = run_script(
-        "-m", "lightning_2d", "fit", "--config", "recipes/debug_cpu.yaml",
+        "-m", "lightning_2d", *fit[1:],
         "--trainer.max_steps=12", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=12",
-        "--throughput.log_every_n_steps=4", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--throughput.log_every_n_steps=4", f"--trainer.logger.init_args.save_dir={logs}",
     )
     assert "perf/tokens_per_sec=" in out  # in the progress bar
     rows = list(csv.DictReader((next(tmp_path.rglob("metrics.csv"))).open()))
@@ -113,6 +151,44 @@ def test_debug_recipe_trains_on_the_standard_library_with_live_throughput(tmp_pa
     assert any(r["val_loss"] for r in rows)
     speeds = [float(r["perf/tokens_per_sec"]) for r in rows if r.get("perf/tokens_per_sec")]
     assert len(speeds) == 2 and all(s > 0 for s in speeds)
+    marks.append(("fit", time.perf_counter()))
+
+    # export: the README's checkpoint path, at step 12 instead of 150, under this test's save_dir
+    export = shlex.split(chain["export"], comments=True)
+    checkpoint = export[2].replace("lightning_logs", str(logs)).replace("step=150", "step=12")
+    assert Path(checkpoint).is_dir(), sorted(str(p.relative_to(tmp_path)) for p in logs.rglob("*"))
+    assert sorted(p.name for p in Path(checkpoint).glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    hf_out = tmp_path / export[3]
+    main([export[1], checkpoint, str(hf_out)])
+    exported = capsys.readouterr().out
+    assert ("tokenizer from the data module's tokenizer byte: tokenizer.json, tokenizer_config.json,"
+            " generation_config.json") in exported, exported
+    marks.append(("export", time.perf_counter()))
+
+    # transformers, from the folder as it is: the README's pipeline() call, checked on token ids (a random
+    # tiny model's text may equal the prompt: see CONTRIBUTING's traps)
+    import transformers
+
+    python = chain["python"]
+    assert 'pipeline("text-generation", model="hf_out")("def main(", max_new_tokens=40, do_sample=True)' in python
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_out)
+    prompt = tokenizer("def main(").input_ids
+    assert prompt == list(b"def main(")
+    generate = transformers.pipeline("text-generation", model=str(hf_out))
+    ids = generate("def main(", max_new_tokens=40, do_sample=True, return_tensors=True)[0]["generated_token_ids"]
+    assert ids[:len(prompt)] == prompt and len(prompt) < len(ids) <= len(prompt) + 40, ids
+    assert all(0 <= i < tokenizer.vocab_size for i in ids[len(prompt):])
+    # The export carries the trained weights: transformers scores a standard-library file well below an untrained model.
+    text = Path(os.__file__).read_bytes()[:2048]
+    model = generate.model.eval()
+    with torch.no_grad():
+        batch = torch.tensor([list(text)])
+        hf_loss = float(model(batch, labels=batch).loss)
+    print(f"exported model's loss on os.py {hf_loss:.3f}; the fit's last train loss {losses[-1]:.3f}")
+    assert hf_loss < UNIFORM_BYTES - 0.5, (hf_loss, losses)  # measured 3.85 (untrained: ln 256 = 5.55 or above)
+    marks.append(("transformers", time.perf_counter()))
+    print("README chain, seconds per stage:", ", ".join(f"{name} {end - start:.1f}"
+                                                     for (_, start), (name, end) in zip(marks, marks[1:])))
 
 
 def test_fabric_recipe_runs_as_documented(tmp_path):

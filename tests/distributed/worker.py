@@ -64,10 +64,16 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def pipeline_group_of(module: torch.nn.Module):
+def pipeline_of_run(module: torch.nn.Module):
+    """The ``Pipeline`` of a pipelined run's model (or of the LightningModule holding it), else ``None``: the one
+    place the tests reach a pipeline, so a change of how the library hands it out is made here only."""
     from lightning_2d.parallel.pipeline import pipeline_of
 
-    pipeline = pipeline_of(module)
+    return pipeline_of(module)
+
+
+def pipeline_group_of(module: torch.nn.Module):
+    pipeline = pipeline_of_run(module)
     return pipeline.pp_group if pipeline is not None else None
 
 
@@ -199,6 +205,25 @@ def placements(module: torch.nn.Module) -> dict[str, list]:
                 "local_shape": list(p.to_local().shape),
                 "shape": list(p.shape),
                 "dtype": str(p.dtype),
+            }
+    return out
+
+
+def linear_layouts(model: torch.nn.Module) -> dict[str, dict]:
+    """Every ``nn.Linear`` (subclasses included) by canonical name: whether it is torchao's ``Float8Linear``, its
+    class, and its weight's placements (``repr``) and local tensor type (``WeightWithDynamicFloat8CastTensor``
+    under FSDP2's float8 all-gather)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            weight = m.weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            out[canonical_name(name)] = {
+                "float8": isinstance(m, Float8Linear), "class": type(m).__name__,
+                "placements": [repr(pl) for pl in weight.placements] if hasattr(weight, "placements") else None,
+                "local_type": type(local).__name__,
             }
     return out
 
@@ -483,13 +508,17 @@ def fit(cfg: dict) -> None:
         result["compiled_blocks"] = [name for name, block in module.model.layers.items()
                                      if isinstance(block, OptimizedModule)]
         result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
-    if module.pipeline is not None:
-        result["pipeline_split"] = module.pipeline.split
+    pipeline = pipeline_of_run(module)
+    if pipeline is not None:
+        result["pipeline_split"] = pipeline.split
         result["blocks"] = sorted(module.model.layers.keys(), key=int)
-        result["stage_indices"] = list(module.pipeline.stage_indices)
+        result["stage_indices"] = list(pipeline.stage_indices)
+        result["sequence_shards"] = pipeline.sequence_shards  # the hidden states sent between stages: tp slices
         # What ran (a schedule silently replaced by another would still train equal to one device).
         result["schedule_classes"] = {("train" if key[3] else "eval"): type(schedule).__name__
-                                      for key, schedule in module.pipeline.schedules.items()}
+                                      for key, schedule in pipeline.schedules.items()}
+    if cfg.get("float8"):
+        result["linears"] = linear_layouts(module.model)
     mesh = module.device_mesh
     context = cfg.get("context_parallel_size", 1) > 1
     # Not under compile: its no-grad forward would compile the blocks twice more (grad mode is in the guards).

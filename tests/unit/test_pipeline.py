@@ -266,3 +266,29 @@ def test_an_older_torch_is_refused_for_a_pipeline_only(monkeypatch):
     with pytest.raises(ParallelConfigError, match=r"pipeline_parallel_size=2 needs torch >= 2\.13 .*found 2\.12\.1"):
         ParallelConfig(pipeline_parallel_size=2)
     ParallelConfig(tensor_parallel_size=2)  # no pipeline: no requirement
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["first_and_last_stage", "middle_stages"])
+def test_calling_a_pipelined_model_is_refused_naming_the_pipeline_step(rank):
+    """After ``parallelize_model`` splits it (a fake world of 2 pipeline ranks, no process), the model holds only this
+    rank's blocks: calling it, with positional or keyword inputs, raises at once (the forward pre-hook), naming
+    what to call instead, rather than computing a wrong or partial forward."""
+    from lightning_2d.tools.planner.world import fake_world
+
+    config = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="ZBVZeroBubble").resolve_dtypes("32-true")
+    args = PRESETS["debug"]
+    with fake_world(2, rank):
+        from lightning_2d.parallel.parallelize import parallelize_model
+
+        mesh = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=2).build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(args)
+        parallelize_model(model, mesh, llama_plan(args, config), config)
+        assert sorted(model.layers.keys()) == (["0", "3"] if rank == 0 else ["1", "2"])  # pruned to its V stages
+        tokens = torch.zeros(1, 8, dtype=torch.long, device="meta")
+        refused = r"Transformer is split into pipeline stages \(pipeline_parallel_size > 1\).*pipeline\.train_step\("
+        with pytest.raises(RuntimeError, match=refused):
+            model(tokens)
+        with pytest.raises(RuntimeError, match=refused):
+            model(tokens=tokens, labels=tokens)
+        del model, mesh
