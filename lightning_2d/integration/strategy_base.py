@@ -44,6 +44,7 @@ from lightning_2d._compat import (
     trainer_of,
 )
 from lightning_2d.checkpoint.files import layout_of
+from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.options import StrategyOptions, split_options, takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision, FSDP2Precision, fsdp2_precision
@@ -231,7 +232,6 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def setup_environment(self) -> None:
         """Validate in this process, start the process group, build the mesh (not Lightning's 2D one)."""
         self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))
-        self._known_warnings.install()  # torch's per-step noise of a correct 2D run, until teardown
         if self.parallel_config.loss_parallel and self.parallel_dims.tp == 1:
             rank_zero_warn(
                 "loss_parallel=True has no effect with tensor_parallel_size=1: the logits are not sharded over a"
@@ -244,6 +244,9 @@ class ModelParallel2DBase(LightningStrategyMembers):
         if self.root_device.type == "cuda":
             nccl_failure_env(self.strategy_options.watchdog_timeout)  # torch's NCCL watchdog settings, before the groups
         setup_distributed(self)
+        # Torch's per-step noise of a correct 2D run, until teardown; the library's own warnings (parallel/ warns on
+        # every rank, knowing nothing of ranks) shown by rank 0 only, as Lightning's rank_zero_warn would.
+        self._known_warnings.install(ignore=(Lightning2DWarning,) if self.global_rank != 0 else ())
         set_strategy_mesh(self, self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self)))
         destroy_process_group_at_exit()
         self._watchdog = start_watchdog(
