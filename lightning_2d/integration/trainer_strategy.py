@@ -134,7 +134,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         precision = self.precision_plugin.precision
         resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
         plan = resolve_plan(module, resolved, self.strategy_options.plan)
-        parallelize_and_materialize(
+        self.parallelized = parallelize_and_materialize(
             module,
             self.device_mesh,
             self.parallel_config,
@@ -144,7 +144,6 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             seed=lambda: self._init_seed(module),
             known_init_hooks=registry.known_init_hooks,
         )
-        self._attach_pipeline(module)
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 

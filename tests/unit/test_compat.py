@@ -8,6 +8,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_2d import _compat
 from lightning_2d._compat import INSTANCE_ATTRIBUTES, PRIVATE_APIS
@@ -20,7 +21,7 @@ def _instance_of(owner: str):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return {"ModelParallelStrategy": ModelParallelStrategy, "Strategy": ModelParallelStrategy,
-            "LightningModule": LightningModule}[owner]()
+            "LightningModule": LightningModule, "Module": torch.nn.Module}[owner]()
 
 
 @pytest.mark.parametrize("api", PRIVATE_APIS, ids=lambda api: f"{api.module}:{api.name}")
