@@ -232,7 +232,9 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def _configure_launcher(self) -> None:
         # Called by the Trainer's/Fabric's constructor, before any process is launched: fail there.
         self.validate()
-        plugin = fsdp2_precision(self._precision_plugin_2d(), self.fsdp2_precision_class, pipeline=self._current_pipeline)
+        plugin = fsdp2_precision(
+            self._precision_plugin_2d(), self.fsdp2_precision_class, pipeline=self._current_pipeline
+        )
         self._set_precision_plugin_2d(plugin)
         super()._configure_launcher()
 

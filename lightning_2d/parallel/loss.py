@@ -142,7 +142,9 @@ def token_scale(global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
     return dp_size / global_tokens.clamp(min=1.0)
 
 
-def count_global_tokens(labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None) -> tuple[torch.Tensor, int]:
+def count_global_tokens(
+    labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
+) -> tuple[torch.Tensor, int]:
     """The target tokens (``labels != -100``) of the global batch and the data-parallel size."""
     import torch.distributed as dist
 

@@ -21,7 +21,8 @@ once, by ``as_meshes``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_2d._compat import flatten_mesh_dims
@@ -54,42 +55,51 @@ _WITHOUT_CONTEXT = {DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_SHARD_DIM}
 class ParallelMeshes:
     """The root mesh and every named sub-mesh of a layout (see the module docstring).
 
+    Sub-meshes are made on first use and kept (slicing a ``DeviceMesh`` costs about a millisecond in torch 2.13,
+    so nothing slices per step); ``build_meshes`` makes them all at once, since creating a flattened mesh's
+    process groups is collective.
+
     Args:
         root: The root ``DeviceMesh``.
-        meshes: Every name (root and flattened dimensions) → its 1-D mesh.
-        fsdp: What FSDP2 shards over: ``data_parallel`` (plain FSDP), ``data_shard_context_parallel`` (with context
-            parallelism: the parameters are the same on every context rank), or the 2-D ``(replicate, shard)``
-            sub-mesh under HSDP.
+        sizes: Every name ``get`` answers → its number of ranks.
+        make: ``name`` → its 1-D mesh (``FSDP``: what FSDP2 shards over).
     """
 
-    def __init__(self, root: "DeviceMesh", meshes: Mapping[str, "DeviceMesh"], fsdp: "DeviceMesh") -> None:
+    def __init__(self, root: "DeviceMesh", sizes: Mapping[str, int], make: Callable[[str], "DeviceMesh"]) -> None:
         self.root = root
-        self._meshes = dict(meshes)
-        self.fsdp = fsdp
+        self._sizes = dict(sizes)
+        self._make = make
+        self._made: dict[str, "DeviceMesh"] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every name ``get`` answers."""
-        return tuple(self._meshes)
+        return tuple(self._sizes)
 
     def get(self, name: str) -> "DeviceMesh":
         """The 1-D mesh of dimension ``name`` (a root or flattened one), of size 1 when the layout does not use it."""
-        try:
-            return self._meshes[name]
-        except KeyError:
-            raise KeyError(f"no mesh dimension {name!r}; the meshes are {', '.join(self._meshes)}") from None
+        if name not in self._sizes and name != FSDP:
+            raise KeyError(f"no mesh dimension {name!r}; the meshes are {', '.join(self._sizes)}")
+        if name not in self._made:
+            self._made[name] = self._make(name)
+        return self._made[name]
 
     __getitem__ = get
 
     def optional(self, name: str) -> Optional["DeviceMesh"]:
         """``get(name)``, or ``None`` when it has one rank (the dimension is not used by the layout)."""
-        mesh = self._meshes.get(name)
-        return mesh if mesh is not None and mesh.size() > 1 else None
+        return self.get(name) if self.size(name) > 1 else None
 
     def size(self, name: str) -> int:
         """The number of ranks along ``name`` (1 for a dimension the layout does not use)."""
-        mesh = self._meshes.get(name)
-        return mesh.size() if mesh is not None else 1
+        return self._sizes.get(name, 1)
+
+    @property
+    def fsdp(self) -> "DeviceMesh":
+        """What FSDP2 shards over: ``data_parallel`` (plain FSDP), ``data_shard_context_parallel`` (with context
+        parallelism: the parameters are the same on every context rank), or the 2-D ``(replicate, shard)``
+        sub-mesh under HSDP."""
+        return self.get(FSDP)
 
     @property
     def device_mesh(self) -> "DeviceMesh":
@@ -97,43 +107,57 @@ class ParallelMeshes:
         return self.root
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{name}={self.size(name)}" for name in self._meshes)
-        return f"ParallelMeshes({sizes})"
+        return f"ParallelMeshes({', '.join(f'{name}={size}' for name, size in self._sizes.items())})"
+
+
+#: The name ``ParallelMeshes.get`` gives FSDP's mesh (``ParallelMeshes.fsdp``).
+FSDP = "fsdp"
 
 
 def build_meshes(device_type: str, sizes: Mapping[str, int]) -> ParallelMeshes:
-    """Build the root mesh with every dimension of ``MESH_DIMS`` (sizes from ``sizes``, 1 where missing) and the
-    flattened ones. Needs the default process group; every rank calls it (creating process groups is collective).
+    """Build the root mesh with every dimension of ``MESH_DIMS`` (sizes from ``sizes``, 1 where missing) and every
+    sub-mesh. Needs the default process group; every rank calls it (creating process groups is collective).
 
     Size-1 dimensions cost one single-rank process group per rank each, as the ``data_parallel_replicate`` of plain
-    FSDP always did (measured on gloo, world 4: see CONTRIBUTING's "One owner of the mesh"). At context size 1 the
+    FSDP always did (measured on gloo, world 4: CONTRIBUTING's "One owner of the mesh"). At context size 1 the
     context-flattened names reuse the meshes of the same ranks (``data_parallel``, ``data_parallel_shard``).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(sizes.get(name, 1)) for name in MESH_DIMS)
-    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    return meshes_of_root(root)
+    meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
+    for name in (*meshes.names, FSDP):
+        meshes.get(name)
+    return meshes
 
 
 def meshes_of_root(root: "DeviceMesh") -> ParallelMeshes:
     """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s).
 
-    The first call on a root creates its flattened meshes (collective: every rank calls it); torch keeps each on the
-    root, so a later call (user code passing ``strategy.device_mesh`` back) finds them without a collective.
+    Making a flattened mesh the first time creates its process groups (collective: every rank); torch keeps each
+    on the root, so a later ``ParallelMeshes`` of the same root (user code passing ``strategy.device_mesh`` back)
+    finds it without a collective.
     """
-    meshes: dict[str, "DeviceMesh"] = {name: root[name] for name in MESH_DIMS}
-    context = meshes[CP_DIM].size() > 1
+    sizes = dict(zip(MESH_DIMS, (int(n) for n in root.shape)))
     for name, dims in FLATTENED.items():
-        if not context and name in _WITHOUT_CONTEXT:
-            meshes[name] = meshes[_WITHOUT_CONTEXT[name]]
-        else:
-            meshes[name] = flatten_mesh_dims(root, dims, name)
-    if meshes[DP_REPLICATE_DIM].size() > 1:  # HSDP: replicate over the first dim, shard over the second
-        fsdp = root[(DP_REPLICATE_DIM, DP_SHARD_CP_DIM if context else DP_SHARD_DIM)]
-    else:
-        fsdp = meshes[DP_SHARD_CP_DIM if context else DP_DIM]
-    return ParallelMeshes(root, meshes, fsdp)
+        sizes[name] = math.prod(sizes[d] for d in dims)
+    context = sizes[CP_DIM] > 1
+
+    def make(name: str) -> "DeviceMesh":
+        if name == FSDP:
+            if sizes[DP_REPLICATE_DIM] > 1:  # HSDP: replicate over the first dim, shard over the second
+                shard = DP_SHARD_CP_DIM if context else DP_SHARD_DIM
+                meshes.get(shard)  # flattened first (a 2-D slice names it)
+                return root[(DP_REPLICATE_DIM, shard)]
+            return meshes.get(DP_SHARD_CP_DIM if context else DP_DIM)
+        if name in FLATTENED:
+            if not context and name in _WITHOUT_CONTEXT:
+                return meshes.get(_WITHOUT_CONTEXT[name])
+            return flatten_mesh_dims(root, FLATTENED[name], name)
+        return root[name]
+
+    meshes = ParallelMeshes(root, sizes, make)
+    return meshes
 
 
 MeshLike = Union[ParallelMeshes, "DeviceMesh"]
@@ -154,14 +178,17 @@ def as_meshes(mesh: Optional[Any]) -> Optional[ParallelMeshes]:
     if set(MESH_DIMS) <= set(names):
         return meshes_of_root(mesh)
     if set(names) == {DP_DIM, TP_DIM}:
-        dp, tp = mesh[DP_DIM], mesh[TP_DIM]
-        aliases = {DP_DIM: dp, DP_SHARD_DIM: dp, DP_CP_DIM: dp, DP_SHARD_CP_DIM: dp, TP_DIM: tp}
-        return ParallelMeshes(mesh, aliases, dp)
+        # Each data-parallel name (and FSDP's) is Lightning's `data_parallel` dimension.
+        own = {DP_DIM: DP_DIM, DP_SHARD_DIM: DP_DIM, DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_DIM, FSDP: DP_DIM,
+               TP_DIM: TP_DIM}
+        sizes = dict(zip(names, (int(n) for n in mesh.shape)))
+        return ParallelMeshes(mesh, {name: sizes[dim] for name, dim in own.items() if name != FSDP},
+                              lambda name: mesh[own[name]])
     raise ValueError(
-        f"a device mesh with dimensions {names} is neither one lightning_2d builds (ParallelDims.build_mesh: {MESH_DIMS})"
-        f" nor Lightning's ({DP_DIM!r}, {TP_DIM!r}); build it with"
+        f"a device mesh with dimensions {names} is neither one lightning_2d builds (ParallelDims.build_mesh:"
+        f" {MESH_DIMS}) nor Lightning's ({DP_DIM!r}, {TP_DIM!r}); build it with"
         " lightning_2d.parallel.ParallelDims(...).build_mesh(device_type)"
     )
 
 
-__all__ = ["FLATTENED", "MeshLike", "ParallelMeshes", "as_meshes", "build_meshes", "meshes_of_root"]
+__all__ = ["FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "as_meshes", "build_meshes", "meshes_of_root"]

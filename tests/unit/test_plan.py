@@ -114,7 +114,8 @@ def test_parallel_dims_build_the_named_mesh_with_a_flattened_data_parallel_dim(m
         meshes = dims.build_mesh("cpu")
         mesh = meshes.root  # what the strategies give Lightning as `device_mesh`: every dimension, size 1 allowed
         assert mesh.mesh_dim_names == MESH_DIMS == (
-            "pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel")
+            "pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
+            "tensor_parallel")
         assert mesh["data_parallel"].mesh_dim_names == ("data_parallel",)  # Lightning's name still works
         assert mesh["tensor_parallel"].mesh_dim_names == ("tensor_parallel",)
         assert fsdp_mesh_of(mesh).mesh_dim_names == ("data_parallel",)  # plain FSDP: the flattened dim
