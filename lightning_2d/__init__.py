@@ -8,13 +8,17 @@ from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
+from lightning_2d.ops.init import InitSpec
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.hooks import ModelInitHooks
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InitSpec",
     "LlamaLightningModule",
     "ModelArgs",
+    "ModelInitHooks",
     "ModelParallel2DStrategy",
     "ParallelConfig",
     "ParallelConfigError",

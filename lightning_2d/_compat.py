@@ -106,6 +106,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.distributed.tensor.parallel", "ColwiseParallel._prepare_output_fn",
                "VocabParallelHead passes its fused loss (a plain tensor) through the output hook",
                "a forward hook of our own after ColwiseParallel's", kind="override"),
+    PrivateAPI("torch.nn", "Module._forward_pre_hooks",
+               "the deprecated pipeline_of(model) finds the pipeline in the hook that refuses calling a pipelined"
+               " model (0.1.0's public way; the strategy's `pipeline` replaces it)",
+               "drop pipeline_of (deprecated until 0.3)"),
     # ---- Lightning ---------------------------------------------------------------------------------
     PrivateAPI("lightning.fabric.utilities.optimizer", "_optimizers_to_device",
                "optimizer state onto the device after setup (as Lightning's ModelParallelStrategy.setup does)",
@@ -151,11 +155,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
 INSTANCE_ATTRIBUTES = frozenset({
     "ModelParallelStrategy._device_mesh", "ModelParallelStrategy._timeout",
     "ModelParallelStrategy._save_distributed_checkpoint", "Strategy._precision_plugin",
-    "LightningModule._trainer", "LightningModule._device_mesh",
+    "LightningModule._trainer", "LightningModule._device_mesh", "Module._forward_pre_hooks",
 })
 
 
 # ---- torch -------------------------------------------------------------------------------------------
+def forward_pre_hooks(module: "torch.nn.Module") -> list[Any]:
+    """The forward pre-hooks registered on ``module`` (torch keeps them in a private dict)."""
+    return list(module._forward_pre_hooks.values())
+
+
 def compute_local_shape_and_global_offset(shape: Any, mesh: "DeviceMesh", placements: Any) -> Any:
     """This rank's shard shape and offset of a DTensor of global ``shape`` (DCP's computation)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as compute

@@ -15,3 +15,10 @@ class Lightning2DError(Exception):
     Subclasses: ``ParallelConfigError``, ``ModelArgsError``, ``MaterializationError``, ``DataError``,
     ``CheckpointError``, ``ExportError``, ``BenchmarkConfigError``.
     """
+
+
+class Lightning2DWarning(UserWarning):
+    """A warning of the library's mechanics (``parallel/``: an option without effect, a skipped step, an init that
+    depends on the layout), issued with ``warnings.warn`` on every rank. ``parallel/`` knows nothing of ranks or
+    Lightning: the strategies show these on rank 0 only (a filter on the other ranks while they run), a script
+    without a strategy (the planner, a hand-written loop) sees each one."""

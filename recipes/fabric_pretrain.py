@@ -30,7 +30,6 @@ from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.integration.module import warmup_cosine_schedule
-from lightning_2d.parallel import pipeline_of
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import normalize_by_global_tokens
@@ -122,7 +121,8 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
         model.init_weights(args.seed)
     model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards
-    pipeline = pipeline_of(model)  # under pipeline parallelism: the model's stages, stepped below
+    # Under pipeline parallelism the strategy keeps the pipeline of the model's stages, stepped below.
+    pipeline = fabric.strategy.pipeline if sharded else None
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                                                           betas=(0.9, 0.95), foreach=True))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -136,7 +136,8 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         fabric.load(resume, state)
         fabric.print(f"Resumed at step {state['step']} (asked for {resume})")
 
-    mesh = getattr(fabric.strategy, "device_mesh", None)
+    # The 2D strategy's meshes: the loss's data-parallel group, the context-parallel split (None on one device).
+    mesh = fabric.strategy.meshes if sharded else None
     # MFU against the peak of the dtype the matmuls run in (bf16 under bf16-mixed, fp32/TF32 at 32-true).
     meter = ThroughputMeter(
         fabric.world_size, fabric.device, model_args.flops_per_token, dtype=compute_dtype_of(fabric)

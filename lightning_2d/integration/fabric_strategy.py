@@ -107,11 +107,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             return module
         plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         self.validate(plan=plan)  # the model's constraints, before any collective touches it
-        parallelize_and_materialize(
+        self.parallelized = parallelize_and_materialize(
             module, self.device_mesh, self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,
         )
-        self._attach_pipeline(module)
         self._setup_modules.append(module)
         return module
 
@@ -134,7 +133,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         strict = error_if_nonfinite and self.parallel_config.non_finite != "skip"
         return clip_grad_norm_(
             self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=strict,
-            pipeline_group=self._pipeline.pp_group if self._pipeline is not None else None,
+            pipeline_group=self.pipeline.pp_group if self.pipeline is not None else None,
         )
 
     # ---- checkpoints ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
-from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
+from lightning_2d.parallel.pipeline import Pipeline
 
 
 def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -86,24 +86,39 @@ class CausalLMModule(L.LightningModule):
         """Size of the model's vocabulary (every token id of the data must be below it)."""
         raise NotImplementedError
 
+    def _strategy(self) -> Any:
+        """The strategy running this module (the Trainer's, or Fabric's when set up there), else ``None``."""
+        trainer = trainer_of(self)
+        if trainer is not None:
+            return trainer.strategy
+        return self.fabric.strategy if self.fabric is not None else None
+
     @property
     def pipeline(self) -> Pipeline | None:
-        """The model's ``Pipeline`` under pipeline parallelism (``pipeline_of``), else ``None``."""
-        return pipeline_of(self.model) if isinstance(self.model, torch.nn.Module) else None
+        """The model's ``Pipeline`` under pipeline parallelism (the strategy's ``pipeline``: what
+        ``parallelize_model`` returned for this model), else ``None``."""
+        return getattr(self._strategy(), "pipeline", None)
+
+    @property
+    def meshes(self) -> Any:
+        """What the loss and the context split read: the strategy's ``ParallelMeshes``, else ``device_mesh``
+        (Lightning's own strategy's 2D mesh, or ``None`` without one)."""
+        meshes = getattr(self._strategy(), "meshes", None)
+        return meshes if meshes is not None else self.device_mesh
 
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return next_token_loss(self(batch["input_ids"], **document_positions_of(batch)), batch["labels"], self.device_mesh)
+        return next_token_loss(self(batch["input_ids"], **document_positions_of(batch)), batch["labels"], self.meshes)
 
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch = context_shard(batch, self.device_mesh)
+        batch = context_shard(batch, self.meshes)
         pipeline = self.pipeline
         if pipeline is not None:
             return pipeline.eval_step(batch["input_ids"], batch["labels"], **document_positions_of(batch))
         return self._loss(batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        batch = context_shard(batch, self.device_mesh)  # under context parallelism: this rank's part of each sequence
+        batch = context_shard(batch, self.meshes)  # under context parallelism: this rank's part of each sequence
         pipeline = self.pipeline
         if pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
             scale = 1.0 / self.trainer.accumulate_grad_batches
@@ -163,7 +178,7 @@ class CausalLMModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """Greedy next-token ids ``(B, T)`` and each sequence's mean negative log-likelihood ``(B,)``."""
-        if context_shard(batch, self.device_mesh) is not batch:
+        if context_shard(batch, self.meshes) is not batch:
             raise RuntimeError(
                 "predict under context parallelism would return each rank's slice of the sequences; predict with"
                 " context_parallel_size=1 (a checkpoint moves between layouts)"
@@ -333,7 +348,7 @@ class LlamaLightningModule(CausalLMModule):
         assert self.model is not None, "call configure_model() first (the Trainer does)"
         if self.hparams.fused_loss:
             loss_sum = self.model(batch["input_ids"], labels=batch["labels"], **document_positions_of(batch))
-            return normalize_by_global_tokens(loss_sum, batch["labels"], self.device_mesh)
+            return normalize_by_global_tokens(loss_sum, batch["labels"], self.meshes)
         return super()._loss(batch)
 
     def flops_per_token(self, seq_len: int) -> int:

@@ -6,6 +6,7 @@ Lightning's stock plugins (``fsdp2_precision``) when they are constructed, and k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
@@ -18,6 +19,14 @@ from typing_extensions import override
 
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.pipeline import Pipeline
+
+#: Where a plugin asks for the pipeline (the strategy's ``pipeline``); ``None`` without one.
+PipelineSource = Callable[[], Optional[Pipeline]]
+
+
+def _no_pipeline() -> Optional[Pipeline]:
+    return None
+
 
 #: Lightning's stock plugins (autocast, module conversion), which give way to FSDP2's policy.
 STOCK_PLUGINS = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixedPrecision, FabricHalfPrecision)
@@ -33,40 +42,56 @@ class FSDP2Precision(Precision):
 
     This is the Trainer's plugin; ``FabricFSDP2Precision`` is the same for Fabric (a Trainer plugin's
     ``backward`` calls ``LightningModule.backward``, so one class cannot serve both).
+
+    Args:
+        precision: The precision string.
+        pipeline: Asked for the pipeline when clipping (the strategy's ``pipeline``, given by the strategy that
+            constructs the plugin): under pipeline parallelism the norm spans every stage's gradients.
     """
 
-    def __init__(self, precision: str) -> None:
+    def __init__(self, precision: str, pipeline: PipelineSource = _no_pipeline) -> None:
         self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
-        #: Set by the strategy under pipeline parallelism (``parallel/pipeline.py``): clipping spans its stages.
-        self.pipeline: Optional[Pipeline] = None
+        self._pipeline_source = pipeline
+
+    @property
+    def pipeline(self) -> Optional[Pipeline]:
+        """The strategy's pipeline now (``None`` without pipeline parallelism)."""
+        return self._pipeline_source()
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        group = self.pipeline.pp_group if self.pipeline is not None else None
+        pipeline = self.pipeline
+        group = pipeline.pp_group if pipeline is not None else None
         clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group)
 
 
 class FabricFSDP2Precision(FabricPrecision):
-    """``FSDP2Precision`` for Fabric: FSDP2's policy casts; clipping is the strategy's (``clip_gradients_norm``)."""
+    """``FSDP2Precision`` for Fabric: FSDP2's policy casts; clipping is the strategy's (``clip_gradients_norm``).
+    ``pipeline``: as ``FSDP2Precision``'s (``fabric.backward`` is refused under a pipeline)."""
 
-    def __init__(self, precision: str) -> None:
+    def __init__(self, precision: str, pipeline: PipelineSource = _no_pipeline) -> None:
         self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
-        self.pipeline: Optional[Pipeline] = None
+        self._pipeline_source = pipeline
+
+    @property
+    def pipeline(self) -> Optional[Pipeline]:
+        """The strategy's pipeline now (``None`` without pipeline parallelism)."""
+        return self._pipeline_source()
 
     @override
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         if self.pipeline is not None:
             raise RuntimeError(
-                "fabric.backward under pipeline parallelism: `pipeline_of(model).train_step(tokens, labels,"
+                "fabric.backward under pipeline parallelism: `fabric.strategy.pipeline.train_step(tokens, labels,"
                 " grad_scale=1 / accumulate)` already ran the forward and backward of every micro-batch, and"
                 " its loss has no graph. Drop the fabric.backward call (recipes/fabric_pretrain.py shows the loop)."
             )
         super().backward(tensor, model, *args, **kwargs)
 
 
-def fsdp2_precision(plugin: Any, fsdp2_class: type) -> Any:
-    """The plugin the strategy runs with: ``fsdp2_class`` (of ``plugin``'s precision) in place of one of
-    Lightning's stock plugins; a custom plugin the user passed is kept."""
+def fsdp2_precision(plugin: Any, fsdp2_class: type, pipeline: PipelineSource = _no_pipeline) -> Any:
+    """The plugin the strategy runs with: ``fsdp2_class`` (of ``plugin``'s precision, asking ``pipeline`` for the
+    pipeline) in place of one of Lightning's stock plugins; a custom plugin the user passed is kept."""
     if type(plugin) in STOCK_PLUGINS:
-        return fsdp2_class(plugin.precision)
+        return fsdp2_class(plugin.precision, pipeline=pipeline)
     return plugin

@@ -17,8 +17,9 @@ precision              ``integration.precision`` (a Lightning         swapped in
 step guard             ``integration.step_guard``                     ``backward``, ``optimizer_step``
 checkpoint IO          ``integration.checkpoint_io`` (a Lightning     ``setup_environment`` creates it; the
                        ``CheckpointIO``)                              strategies' save/load/remove delegate
-pipeline               ``parallel.pipeline`` (stepped by the          after parallelizing (``_attach_pipeline``:
-                       LightningModule or the Fabric loop)            clipping spans the stages)
+pipeline               ``parallel.pipeline`` (stepped by the          kept after parallelizing (``parallelized``):
+                       LightningModule or the Fabric loop)            read by the module, the loop, the precision
+                                                                      plugin (clipping spans the stages)
 watchdog               ``parallel.watchdog``                          ``setup_environment`` … ``teardown``,
                                                                       ``optimizer_step``, ``on_exception``
 =====================  =============================================  ===========================================
@@ -44,6 +45,7 @@ from lightning_2d._compat import (
     trainer_of,
 )
 from lightning_2d.checkpoint.files import layout_of
+from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.options import split_options, takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision, FSDP2Precision, fsdp2_precision
@@ -53,7 +55,9 @@ from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process
 from lightning_2d.parallel.float8 import precompute_float8_scales
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
-from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
+from lightning_2d.parallel.meshes import ParallelMeshes
+from lightning_2d.parallel.parallelize import Parallelized
+from lightning_2d.parallel.pipeline import Pipeline
 from lightning_2d.parallel.watchdog import Watchdog, nccl_failure_env, start_watchdog
 
 __all__ = [
@@ -128,7 +132,10 @@ class ModelParallel2DBase(LightningStrategyMembers):
         self._checkpoint_part: Optional[DistributedCheckpointIO] = None
         self._watchdog: Optional[Watchdog] = None
         self._optimizer_steps = 0
-        self._pipeline: Optional[Pipeline] = None
+        self._meshes: Optional[ParallelMeshes] = None
+        #: What ``parallelize_model`` made of the model (the Trainer's LightningModule's, or the last module given to
+        #: ``fabric.setup``): the model, its pipeline, the meshes. The strategy hands it on; nothing looks it up.
+        self.parallelized: Optional[Parallelized] = None
         self._known_warnings = KnownWarnings()
 
     def _lightning_strategy_kwargs(self) -> dict[str, Any]:
@@ -193,13 +200,15 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def _configure_launcher(self) -> None:
         # Called by the Trainer's/Fabric's constructor, before any process is launched: fail there.
         self.validate()
-        self._set_precision_plugin_2d(fsdp2_precision(self._precision_plugin_2d(), self.fsdp2_precision_class))
+        plugin = fsdp2_precision(
+            self._precision_plugin_2d(), self.fsdp2_precision_class, pipeline=self._current_pipeline
+        )
+        self._set_precision_plugin_2d(plugin)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
         """Validate in this process, start the process group, build the mesh (not Lightning's 2D one)."""
         self.parallel_dims = self.validate(device_index=cuda_index(self.root_device))
-        self._known_warnings.install()  # torch's per-step noise of a correct 2D run, until teardown
         if self.parallel_config.loss_parallel and self.parallel_dims.tp == 1:
             rank_zero_warn(
                 "loss_parallel=True has no effect with tensor_parallel_size=1: the logits are not sharded over a"
@@ -212,7 +221,11 @@ class ModelParallel2DBase(LightningStrategyMembers):
         if self.root_device.type == "cuda":
             nccl_failure_env(self.strategy_options.watchdog_timeout)  # torch's NCCL watchdog settings, before the groups
         setup_distributed(self)
-        set_strategy_mesh(self, self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self)))
+        # Torch's per-step noise of a correct 2D run, until teardown; the library's own warnings (parallel/ warns on
+        # every rank, knowing nothing of ranks) shown by rank 0 only, as Lightning's rank_zero_warn would.
+        self._known_warnings.install(ignore=(Lightning2DWarning,) if self.global_rank != 0 else ())
+        self._meshes = self.parallel_dims.build_mesh(self.root_device.type, timeout=strategy_timeout(self))
+        set_strategy_mesh(self, self._meshes.root)  # Lightning's `device_mesh`: every dimension, size 1 allowed
         destroy_process_group_at_exit()
         self._watchdog = start_watchdog(
             self.strategy_options.watchdog_timeout, self.global_rank, self.world_size,
@@ -237,12 +250,22 @@ class ModelParallel2DBase(LightningStrategyMembers):
         return self._checkpoint_part
 
     # ---- model -------------------------------------------------------------------------------
-    def _attach_pipeline(self, module: nn.Module) -> None:
-        """After parallelizing: under pipeline parallelism the precision plugin clips over every stage's
-        gradients (and Fabric's refuses ``fabric.backward``: ``Pipeline.train_step`` ran it)."""
-        self._pipeline = pipeline_of(module)
-        if self._pipeline is not None:
-            self._precision_plugin_2d().pipeline = self._pipeline
+    @property
+    def meshes(self) -> Optional[ParallelMeshes]:
+        """The layout's meshes (``ParallelMeshes``: every named sub-mesh, size 1 allowed), built with the process
+        group in ``setup_environment``; ``device_mesh`` is their root."""
+        return self._meshes
+
+    @property
+    def pipeline(self) -> Optional[Pipeline]:
+        """The ``Pipeline`` that steps the model under pipeline parallelism (``pipeline.train_step``/``eval_step``),
+        else ``None``: what a Fabric loop steps (``fabric.strategy.pipeline``) and ``CausalLMModule`` reads."""
+        return self.parallelized.pipeline if self.parallelized is not None else None
+
+    def _current_pipeline(self) -> Optional[Pipeline]:
+        # Handed to the precision plugin at construction: it asks when clipping (or refusing fabric.backward),
+        # so nothing is pushed into it once the model is parallelized.
+        return self.pipeline
 
     def _init_seed(self, owner: Any = None) -> int:
         """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""
@@ -291,7 +314,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
         return self.distributed_checkpoint_io.resolve(path)
 
     def _check_checkpoint_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True) -> None:
-        self.distributed_checkpoint_io.check_fits(path, key, module, strict=strict, pipelined=self._pipeline is not None)
+        self.distributed_checkpoint_io.check_fits(path, key, module, strict=strict, pipelined=self.pipeline is not None)
 
     # ---- failure and teardown ------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:

@@ -60,9 +60,11 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     (``data_parallel_size``, ``tensor_parallel_size``, ``data_parallel_replicate_size``,
     ``sequence_parallel``, ``activation_checkpointing``, ``compile``, ``float8``, checkpoints …).
 
-    ``device_mesh`` has the dimensions ``data_parallel_replicate``, ``data_parallel_shard`` and
-    ``tensor_parallel``, and the flattened ``data_parallel`` (replicate × shard), so code written for
-    Lightning's strategy (``device_mesh["data_parallel"]``, ``["tensor_parallel"]``) works unchanged.
+    ``device_mesh`` has every dimension, ``pipeline_parallel``, ``data_parallel_replicate``, ``data_parallel_shard``,
+    ``context_parallel`` and ``tensor_parallel`` (size 1 allowed), and the flattened ``data_parallel`` (replicate ×
+    shard), so code written for Lightning's strategy (``device_mesh["data_parallel"]``, ``["tensor_parallel"]``) works
+    unchanged; ``meshes`` names every sub-mesh (``ParallelMeshes``), ``pipeline`` is the model's pipeline (or
+    ``None``), ``parallelized`` what ``parallelize_model`` returned.
     """
 
     strategy_name = STRATEGY_NAME
@@ -134,7 +136,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         precision = self.precision_plugin.precision
         resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
         plan = resolve_plan(module, resolved, self.strategy_options.plan)
-        parallelize_and_materialize(
+        self.parallelized = parallelize_and_materialize(
             module,
             self.device_mesh,
             self.parallel_config,
@@ -144,7 +146,6 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             seed=lambda: self._init_seed(module),
             known_init_hooks=registry.known_init_hooks,
         )
-        self._attach_pipeline(module)
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 

@@ -19,8 +19,9 @@ from lightning_2d.parallel.dims import (
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import ModelInitHooks, ParallelHooks
 from lightning_2d.parallel.materialize import materialize_model
-from lightning_2d.parallel.parallelize import parallelize_model
-from lightning_2d.parallel.pipeline import Pipeline, pipeline_of
+from lightning_2d.parallel.meshes import ParallelMeshes
+from lightning_2d.parallel.parallelize import Parallelized, parallelize_model
+from lightning_2d.parallel.pipeline import Pipeline, pipeline_of  # pipeline_of: deprecated (0.1.0's), until 0.3
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [
@@ -35,7 +36,9 @@ __all__ = [
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelDims",
+    "ParallelMeshes",
     "ParallelPlan",
+    "Parallelized",
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_fully_shard",

@@ -65,12 +65,19 @@ def _selective_op_context_fn() -> Callable[[], Any]:
     return context_fn
 
 
+#: torch's dropout modules, by their public names (their private base ``_DropoutNd`` is not API);
+#: ``tests/unit/test_compat.py`` checks that the list covers every subclass of that base.
+DROPOUT_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+)
+
+
 def uses_randomness(block: nn.Module, plan: ParallelPlan) -> bool:
     """Whether recomputing ``block`` must replay its random draws (``plan.blocks_use_randomness``,
     else: it holds a dropout module with ``p > 0``)."""
     if plan.blocks_use_randomness is not None:
         return plan.blocks_use_randomness
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in block.modules())
+    return any(isinstance(m, DROPOUT_MODULES) and m.p > 0 for m in block.modules())
 
 
 def _wrap(block: nn.Module, plan: ParallelPlan, **kwargs: Any) -> nn.Module:

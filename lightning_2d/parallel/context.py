@@ -321,12 +321,14 @@ def install_context_parallel(model: torch.nn.Module, core: ContextParallelAttent
 
 
 def context_shard(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
-    """``batch`` as this rank holds it under ``mesh``: its context rank's slice (``shard_sequence``) when the mesh
-    has a ``context_parallel`` dimension, else unchanged. What a training step calls first, under the Trainer
-    (``CausalLMModule``) and in a Fabric loop alike."""
+    """``batch`` as this rank holds it under ``mesh`` (``ParallelMeshes``, ``strategy.device_mesh`` or ``None``): its
+    context rank's slice (``shard_sequence``) under context parallelism, else unchanged. What a training step calls
+    first, under the Trainer (``CausalLMModule``) and in a Fabric loop alike."""
+    from lightning_2d.parallel.meshes import as_meshes
     from lightning_2d.parallel.names import CP_DIM
 
-    if mesh is None or CP_DIM not in (mesh.mesh_dim_names or ()):
+    meshes = as_meshes(mesh)
+    cp_mesh = meshes.optional(CP_DIM) if meshes is not None else None
+    if cp_mesh is None:
         return batch
-    cp_mesh = mesh[CP_DIM]
     return shard_sequence(batch, cp_mesh.size(), cp_mesh.get_local_rank())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_2d._compat import flatten_mesh_dims, group_timeout, set_group_timeout
+from lightning_2d._compat import group_timeout, set_group_timeout
 from lightning_2d.parallel.checks import check, run_checks
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
@@ -33,6 +33,7 @@ from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
     PP_DIM,
     TP_DIM,
 )
+from lightning_2d.parallel.meshes import FLATTENED, ParallelMeshes, as_meshes, build_meshes
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +56,8 @@ class ParallelDims:
     Rank ``r`` sits at ``(pp, replicate, shard, context, tensor)`` in row-major order (the last varies fastest):
     tensor-parallel groups are consecutive ranks (inside a node: the most traffic, every layer), then context
     groups (keys and values every layer, smaller), then FSDP shard groups, then replicas, then pipeline stages
-    (outermost: their point-to-point traffic is the lightest). Dimensions of size 1 of pp and cp are left out.
+    (outermost: their point-to-point traffic is the lightest). Every dimension is in the mesh, size 1 allowed
+    (``ParallelMeshes``); ``as_dict`` lists the layout's (``pipeline_parallel``/``context_parallel`` only above 1).
     """
 
     dp_replicate: int
@@ -75,23 +77,22 @@ class ParallelDims:
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
-        """The mesh's dimension names (``pipeline_parallel`` first and ``context_parallel`` before
-        ``tensor_parallel``, each only when its size is above 1)."""
-        context = (CP_DIM,) if self.cp > 1 else ()
-        return ((PP_DIM,) if self.pp > 1 else ()) + (DP_REPLICATE_DIM, DP_SHARD_DIM) + context + (TP_DIM,)
+        """The root mesh's dimension names, every one at every layout (``MESH_DIMS``: ``pipeline_parallel`` first,
+        ``context_parallel`` before ``tensor_parallel``)."""
+        return MESH_DIMS
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        context = (self.cp,) if self.cp > 1 else ()
-        return ((self.pp,) if self.pp > 1 else ()) + (self.dp_replicate, self.dp_shard) + context + (self.tp,)
+        """The root mesh's sizes, in ``mesh_dims`` order (1 for a dimension the layout does not use)."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
-    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
-        """The ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` mesh, with the
-        flattened ``data_parallel`` dimension. Needs the default process group.
+    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> ParallelMeshes:
+        """The meshes of this layout (``lightning_2d.parallel.meshes``): the root with every dimension of
+        ``mesh_dims`` (size 1 allowed), the flattened ``data_parallel`` … and FSDP's. Needs the default process group.
 
         Args:
             device_type: ``"cuda"``, ``"cpu"`` …
@@ -100,22 +101,19 @@ class ParallelDims:
                 timeout: without this a rank stuck in a ``tensor_parallel`` or ``data_parallel``
                 collective would wait that long whatever the strategy's ``timeout`` says.
         """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dims)
-        flat = [flatten_mesh_dims(mesh, (DP_REPLICATE_DIM, DP_SHARD_DIM), DP_DIM)]
-        if self.cp > 1:
-            flat.append(flatten_mesh_dims(mesh, (DP_REPLICATE_DIM, DP_SHARD_DIM, CP_DIM), DP_CP_DIM))
-            flat.append(flatten_mesh_dims(mesh, (DP_SHARD_DIM, CP_DIM), DP_SHARD_CP_DIM))
+        meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)))
         if timeout is not None:
-            set_group_timeouts([*mesh.get_all_groups(), *(f.get_group() for f in flat)], timeout)
-        return mesh
+            groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in FLATTENED)]
+            set_group_timeouts(groups, timeout)
+        return meshes
 
-    def fsdp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
+    def fsdp_mesh(self, mesh: "ParallelMeshes | DeviceMesh") -> "DeviceMesh":
         """What FSDP2 shards over (``fsdp_mesh_of``)."""
         return fsdp_mesh_of(mesh)
 
     def as_dict(self) -> dict[str, int]:
+        """The layout's sizes (what checkpoints and the planner record): ``pipeline_parallel`` and
+        ``context_parallel`` only when above 1."""
         sizes = {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard}
         sizes.update({CP_DIM: self.cp} if self.cp > 1 else {})
         sizes["tensor_parallel"] = self.tp
@@ -131,30 +129,31 @@ def set_group_timeouts(groups: list[Any], timeout: timedelta) -> None:
             pass
 
 
-def group_timeouts(mesh: "DeviceMesh") -> dict[str, Optional[timedelta]]:
-    """Mesh dim name → its process group's timeout (where the backend tells it), for checks and tests."""
+def group_timeouts(mesh: "ParallelMeshes | DeviceMesh") -> dict[str, Optional[timedelta]]:
+    """Mesh dim name (root and flattened) → its process group's timeout (where the backend tells it), for checks
+    and tests."""
     import torch
 
+    meshes = as_meshes(mesh)
+    assert meshes is not None
+    device = torch.device("cpu" if meshes.root.device_type == "cpu" else "cuda")
     out: dict[str, Optional[timedelta]] = {}
-    names = mesh.mesh_dim_names or MESH_DIMS
-    for name in (*names, DP_DIM, *((DP_CP_DIM, DP_SHARD_CP_DIM) if CP_DIM in names else ())):
-        group = mesh[name].get_group()
+    for name in meshes.names:
         try:
-            out[name] = group_timeout(group, torch.device("cpu" if mesh.device_type == "cpu" else "cuda"))
+            out[name] = group_timeout(meshes.get(name).get_group(), device)
         except (RuntimeError, AttributeError):
             out[name] = None
     return out
 
 
-def fsdp_mesh_of(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The FSDP mesh of a mesh built by ``ParallelDims.build_mesh`` (or a 2D Lightning-style one): the flattened
-    data-parallel dimension, ``(replicate, shard)`` under HSDP; with context parallelism its shards are data-shard
-    × context ranks (the parameters are the same on every context rank: they shard them too)."""
-    names = mesh.mesh_dim_names or ()
-    shard = DP_SHARD_CP_DIM if CP_DIM in names else DP_SHARD_DIM
-    if DP_REPLICATE_DIM in names and mesh[DP_REPLICATE_DIM].size() > 1:
-        return mesh[(DP_REPLICATE_DIM, shard)]
-    return mesh[DP_SHARD_CP_DIM if CP_DIM in names else DP_DIM]
+def fsdp_mesh_of(mesh: "ParallelMeshes | DeviceMesh") -> "DeviceMesh":
+    """The FSDP mesh (``ParallelMeshes.fsdp``) of the meshes ``ParallelDims.build_mesh`` builds, of their root, or
+    of Lightning's 2D mesh: the flattened data-parallel dimension, ``(replicate, shard)`` under HSDP; with context
+    parallelism its shards are data-shard × context ranks (the parameters are the same on every context rank: they
+    shard them too)."""
+    meshes = as_meshes(mesh)
+    assert meshes is not None
+    return meshes.fsdp
 
 
 def resolve_parallel_dims(config: ParallelConfig, world_size: int, devices_per_node: int) -> tuple[int, int]:
@@ -429,8 +428,8 @@ def cuda_index(device: "torch.device") -> int | None:
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
-    """``dims.build_mesh(device_type)``."""
-    return dims.build_mesh(device_type)
+    """The root ``DeviceMesh`` of ``dims.build_mesh(device_type)`` (Lightning's ``strategy.device_mesh``)."""
+    return dims.build_mesh(device_type).root
 
 
 def _destroy_process_group() -> None:

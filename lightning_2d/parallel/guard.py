@@ -101,13 +101,17 @@ def guard_step(
         ) if part
     )
     if policy == "skip":
-        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+        import warnings
+
+        from lightning_2d.errors import Lightning2DWarning
 
         for p in params:
             p.grad = None
-        rank_zero_warn(
+        warnings.warn(
             f"Step {step} skipped on every rank ({what}): no weight or optimizer state was updated."
-            " (non_finite='skip'; use 'raise' to stop instead.)"
+            " (non_finite='skip'; use 'raise' to stop instead.)",
+            Lightning2DWarning,
+            stacklevel=2,
         )
         return False
     raise NonFiniteStepError(

@@ -83,10 +83,16 @@ class ParallelHooks(Protocol):
 @runtime_checkable
 class ModelInitHooks(Protocol):
     """Optional methods of the model the plan applies to (or of the owner), for layout-independent
-    materialization."""
+    materialization. ``from lightning_2d import InitSpec, ModelInitHooks``::
+
+        class MyModel(nn.Module):
+            def param_init_specs(self) -> dict[str, InitSpec]:
+                return {"proj.weight": InitSpec("trunc_normal", std=0.02), "proj.bias": InitSpec("constant")}
+    """
 
     def param_init_specs(self) -> dict[str, "InitSpec"]:
-        """Canonical parameter name → how to draw it (``lightning_2d.ops.init.InitSpec``)."""
+        """Parameter name (as ``named_parameters()`` of the model, on one device) → how to draw it
+        (``lightning_2d.InitSpec``: ``"normal"``, ``"trunc_normal"`` or ``"constant"``); every parameter needs one."""
         ...
 
     def init_buffers(self, device: torch.device) -> None:

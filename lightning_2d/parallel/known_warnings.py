@@ -39,11 +39,16 @@ class KnownWarnings:
         self._filters: list[Any] = []
         self._log_filter: logging.Filter | None = None
 
-    def install(self) -> None:
+    def install(self, ignore: tuple[type[Warning], ...] = ()) -> None:
+        """Add the filters; ``ignore``: categories silenced too (the strategies pass the library's own warnings on
+        every rank but 0, so each is shown once per job)."""
         if self._log_filter is not None:
             return
         for message in KNOWN_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
+            self._filters.append(warnings.filters[0])
+        for category in ignore:
+            warnings.filterwarnings("ignore", category=category)
             self._filters.append(warnings.filters[0])
         self._log_filter = _SequentialCollectives()
         logging.getLogger(REDISTRIBUTE_LOGGER).addFilter(self._log_filter)

@@ -17,10 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy
-from lightning_2d.parallel.names import CP_DIM, DP_CP_DIM, DP_DIM
+from lightning_2d.parallel.meshes import as_meshes
+from lightning_2d.parallel.names import DP_CP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_2d.parallel.meshes import ParallelMeshes
 
 
 def loss_parallel_context(logits: torch.Tensor) -> AbstractContextManager:
@@ -44,24 +47,19 @@ def backward_context(loss: torch.Tensor, loss_parallel_enabled: bool) -> Abstrac
     return nullcontext()
 
 
-def _data_parallel_group(mesh: "DeviceMesh | None"):  # type: ignore[no-untyped-def]
+def _data_parallel_group(mesh: "ParallelMeshes | DeviceMesh | None"):  # type: ignore[no-untyped-def]
+    """The ranks holding distinct tokens: replicas × shards × context ranks (``data_context_parallel``, the same
+    ranks as ``data_parallel`` at context size 1). Not the world: the tensor- and pipeline-parallel ranks of a
+    replica hold the same tokens (counting them would log tp·pp times the global tokens and all-reduce across every
+    rank, nodes included)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return None
-    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    if CP_DIM in names:  # context ranks hold different tokens of the same sequences
-        return mesh[DP_CP_DIM].get_group()
-    if mesh is not None:
-        # Lightning's 2D mesh names `data_parallel` as a dimension; ours (ParallelDims.build_mesh) flattens it from
-        # (replicate, shard), so it is no mesh_dim_name but reachable by name. Not the world: the tensor- and
-        # pipeline-parallel ranks of a replica hold the same tokens (counting them would log tp·pp times the
-        # global tokens and all-reduce across every rank, nodes included).
-        try:
-            return mesh[DP_DIM].get_group()
-        except KeyError:
-            pass
-    return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
+    meshes = as_meshes(mesh)
+    if meshes is None:
+        return dist.group.WORLD  # plain data parallelism (DDP/FSDP1): every rank is a replica
+    return meshes.get(DP_CP_DIM).get_group()
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -104,7 +102,7 @@ def vocab_parallel_linear_cross_entropy(
 
 
 def normalize_by_global_tokens(
-    loss_sum: torch.Tensor, labels: torch.Tensor, mesh: "DeviceMesh | None" = None
+    loss_sum: torch.Tensor, labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Turn this data-parallel rank's *summed* loss into the global-batch mean (see the module docstring).
 
@@ -112,7 +110,8 @@ def normalize_by_global_tokens(
         loss_sum: Sum of the per-token losses of this rank's batch (a replicated DTensor under loss
             parallelism is accepted).
         labels: This rank's target ids (``-100`` ignored), to count its tokens.
-        mesh: The 2D mesh, or ``None`` outside the 2D strategy (then all ranks are data-parallel).
+        mesh: The strategy's meshes (``ParallelMeshes``, or ``strategy.device_mesh``, or Lightning's 2D mesh), or
+            ``None`` outside a model-parallel strategy (then all ranks are data-parallel).
 
     Returns:
         ``(loss_to_backward, global_mean_loss, global_tokens)``, as ``next_token_loss``.
@@ -143,7 +142,9 @@ def token_scale(global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
     return dp_size / global_tokens.clamp(min=1.0)
 
 
-def count_global_tokens(labels: torch.Tensor, mesh: "DeviceMesh | None" = None) -> tuple[torch.Tensor, int]:
+def count_global_tokens(
+    labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
+) -> tuple[torch.Tensor, int]:
     """The target tokens (``labels != -100``) of the global batch and the data-parallel size."""
     import torch.distributed as dist
 
@@ -156,14 +157,15 @@ def count_global_tokens(labels: torch.Tensor, mesh: "DeviceMesh | None" = None) 
 
 
 def next_token_loss(
-    logits: torch.Tensor, labels: torch.Tensor, mesh: "DeviceMesh | None" = None
+    logits: torch.Tensor, labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``logits (B, T, V)`` against ``labels (B, T)`` (``-100`` ignored).
 
     Args:
         logits: Model output; a vocabulary-sharded DTensor under loss parallelism.
         labels: Target ids, already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``).
-        mesh: The 2D mesh, or ``None`` outside the 2D strategy (then all ranks are data-parallel).
+        mesh: The strategy's meshes (``ParallelMeshes``, or ``strategy.device_mesh``, or Lightning's 2D mesh), or
+            ``None`` outside a model-parallel strategy (then all ranks are data-parallel).
 
     Returns:
         ``(loss_to_backward, global_mean_loss, global_tokens)``: the first carries the gradient of

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_2d.errors import Lightning2DError
+from lightning_2d.errors import Lightning2DError, Lightning2DWarning
 from lightning_2d.ops.init import SeededInit
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.ties import retie, shared_parameters
@@ -140,10 +140,12 @@ def materialize_model(
             source.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
         route = "param_init_specs()" if weights is None else "the weights source"
     else:
-        rank_zero_warn(
+        warnings.warn(
             f"{type(model).__name__} has no `param_init_specs()`; initializing it with each module's"
             " `reset_parameters()`, whose values depend on the parallel layout. Define `param_init_specs()`"
-            " for seed-reproducible weights across layouts."
+            " for seed-reproducible weights across layouts.",
+            Lightning2DWarning,
+            stacklevel=2,
         )
         for module in model.modules():
             own = [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]

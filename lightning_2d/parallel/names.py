@@ -3,11 +3,11 @@
 ``data_parallel`` is the flattened ``replicate × shard`` dimension (the data-parallel group: sampler,
 loss normalization); with the ``tensor_parallel`` name it matches Lightning's, so
 ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` work in user code written for Lightning's
-``ModelParallelStrategy``. ``pipeline_parallel`` is the outermost dimension, present only when pp > 1;
-``context_parallel`` sits between ``data_parallel_shard`` and ``tensor_parallel``, present only when cp > 1, with
-two flattened dimensions: ``data_context_parallel`` (replicate × shard × context: the ranks holding distinct
-tokens, over which the loss is normalized) and ``data_shard_context_parallel`` (shard × context: what FSDP shards
-over, as torchtitan's ``dp_shard_cp``).
+``ModelParallelStrategy``. ``pipeline_parallel`` is the outermost dimension, ``context_parallel`` sits between
+``data_parallel_shard`` and ``tensor_parallel``; every dimension is always in the mesh (size 1 when the layout
+does not use it, ``lightning_2d.parallel.meshes``). Two more flattened dimensions: ``data_context_parallel``
+(replicate × shard × context: the ranks holding distinct tokens, over which the loss is normalized) and
+``data_shard_context_parallel`` (shard × context: what FSDP shards over, as torchtitan's ``dp_shard_cp``).
 """
 
 DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM = "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"
@@ -15,6 +15,7 @@ DP_DIM = "data_parallel"
 PP_DIM = "pipeline_parallel"
 CP_DIM = "context_parallel"
 DP_CP_DIM, DP_SHARD_CP_DIM = "data_context_parallel", "data_shard_context_parallel"
-MESH_DIMS = (DP_REPLICATE_DIM, DP_SHARD_DIM, TP_DIM)
+#: The root mesh's dimensions, outermost first (the last varies fastest).
+MESH_DIMS = (PP_DIM, DP_REPLICATE_DIM, DP_SHARD_DIM, CP_DIM, TP_DIM)
 
 __all__ = ["CP_DIM", "DP_CP_DIM", "DP_SHARD_CP_DIM", "DP_DIM", "DP_REPLICATE_DIM", "DP_SHARD_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM"]

@@ -2,7 +2,9 @@
 checkpointing → compile → FSDP2.
 
 The Trainer strategy (``lightning_2d.integration.trainer_strategy``) and the Fabric strategy (``lightning_2d.integration.fabric_strategy``)
-both call ``parallelize_model``; neither has a copy of these steps.
+both call ``parallelize_model``; neither has a copy of these steps. It returns one result, ``Parallelized`` (the
+model, its ``Pipeline`` when there is one, the meshes), which the strategy keeps and hands to whoever steps the
+model: there is no registry to look a model's pipeline up in.
 
 Each step can be replaced without subclassing a strategy: an object passed as ``hooks`` (the
 LightningModule, or the module given to ``fabric.setup``) that defines a method of the step's
@@ -20,8 +22,8 @@ LightningModule or model may define is listed in ``lightning_2d.parallel.hooks``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -30,18 +32,36 @@ from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.dims import fsdp_mesh_of
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
+from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.names import CP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_2d.parallel.pipeline import Pipeline
+
 STEPS: dict[str, Callable[..., None]] = dict(
     zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile, apply_fully_shard))
 )
+
+
+@dataclass(frozen=True, eq=False)
+class Parallelized:
+    """What ``parallelize_model`` made of a model; the strategy owns it (``strategy.parallelized``) and passes it on.
+
+    Attributes:
+        model: The model, parallelized in place (under a pipeline: pruned to this rank's blocks; calling it raises).
+        meshes: The meshes it was parallelized over (``ParallelMeshes``).
+        pipeline: The ``Pipeline`` that steps it under pipeline parallelism (``train_step``/``eval_step``), else
+            ``None``.
+    """
+
+    model: nn.Module
+    meshes: ParallelMeshes
+    pipeline: Optional["Pipeline"] = None
 
 
 def _step(hooks: Any, name: str) -> Callable[..., None]:
@@ -80,14 +100,14 @@ def parallelize_and_materialize(
     device: torch.device,
     seed: Callable[[], int],
     known_init_hooks: Callable[[nn.Module], Any] = lambda model: None,
-) -> nn.Module:
+) -> Parallelized:
     """What both strategies do with a model: parallelize it (unless already done) and materialize it.
 
     Args:
         owner: The LightningModule or the module given to ``fabric.setup``; its methods named like
             the steps override them, its ``parallel_plan(config)`` gives the plan unless ``plan``
             is given, its ``weights_source()`` (if any) gives the initial values.
-        mesh: The device mesh (``ParallelDims.build_mesh``).
+        mesh: The meshes (``ParallelDims.build_mesh``) or their root ``DeviceMesh``.
         config: The strategy's options.
         plan: The plan to apply (``lightning_2d.models.registry.resolve_plan``: the strategy's, the
             owner's ``parallel_plan(config)`` or a known model's).
@@ -98,16 +118,20 @@ def parallelize_and_materialize(
             has none (``lightning_2d.models.registry.known_init_hooks``), else ``None``.
 
     Returns:
-        The module the plan applied to.
+        ``Parallelized``: the module the plan applied to, its pipeline (if any), the meshes. A model the owner
+        parallelized itself (``configure_model``) is only materialized, and has no pipeline.
     """
     from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
 
     config = config.resolve_dtypes(precision)
     model = target_module(owner, plan)
+    meshes = as_meshes(mesh)
+    assert meshes is not None
+    result = Parallelized(model, meshes)
     if not is_parallelized(model):
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
-        parallelize_model(model, mesh, plan, config, hooks=owner)
+        result = parallelize_model(model, meshes, plan, config, hooks=owner)
     if has_meta_tensors(owner):
         source_fn = getattr(owner, "weights_source", None)
         weights = source_fn() if callable(source_fn) else None
@@ -117,53 +141,62 @@ def parallelize_and_materialize(
         hooks = [h for h in (owner, known_init_hooks(model)) if h is not None and h is not model]
         materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
         materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
-    return model
+    return result
 
 
 def parallelize_model(
     model: nn.Module,
-    mesh: "DeviceMesh",
+    mesh: "ParallelMeshes | DeviceMesh",
     plan: ParallelPlan,
     config: ParallelConfig,
     hooks: Any = None,
-) -> None:
+) -> Parallelized:
     """Apply (float8) → TP/SP → activation checkpointing → compile → FSDP2 to ``model`` in place.
 
-    With a ``context_parallel`` mesh dimension the plan's attention modules first get the context-parallel
-    attention core (``lightning_2d.parallel.context``). With a ``pipeline_parallel`` one the model is then split
-    into this rank's stages (``lightning_2d.parallel.pipeline``) and the steps are applied to each stage.
+    Under context parallelism the plan's attention modules first get the context-parallel attention core
+    (``lightning_2d.parallel.context``). Under pipeline parallelism the model is then split into this rank's stages
+    (``lightning_2d.parallel.pipeline``) and the steps are applied to each stage.
 
     Args:
         model: The model, preferably on the meta device (then materialize it afterwards with
             ``lightning_2d.parallel.materialize_model``).
-        mesh: The device mesh of ``ParallelDims.build_mesh`` (or a Lightning-style 2D
-            ``(data_parallel, tensor_parallel)`` one).
+        mesh: The meshes of ``ParallelDims.build_mesh``, their root ``DeviceMesh`` (``strategy.device_mesh``, as
+            Fabric's ``parallelize_fn`` receives it), or Lightning's 2D ``(data_parallel, tensor_parallel)`` mesh.
         plan: Module names to parallelize.
         config: The options, with ``param_dtype``/``reduce_dtype`` resolved
             (``ParallelConfig.resolve_dtypes``).
         hooks: An object whose methods named like the steps override them (see the module docstring).
+
+    Returns:
+        ``Parallelized``: ``model``, the meshes, and under pipeline parallelism the ``Pipeline`` that steps it.
     """
-    if CP_DIM in (mesh.mesh_dim_names or ()) and mesh[CP_DIM].size() > 1:
+    meshes = as_meshes(mesh)
+    assert meshes is not None
+    cp_mesh = meshes.optional(CP_DIM)
+    if cp_mesh is not None:
         from lightning_2d.parallel.context import apply_context_parallel
 
         if plan.attention is None:
             raise ValueError("context parallelism needs the plan's attention modules (ParallelPlan.attention)")
-        apply_context_parallel(model, mesh[CP_DIM], plan.attention)
-    if PP_DIM in (mesh.mesh_dim_names or ()) and mesh[PP_DIM].size() > 1:
+        apply_context_parallel(model, cp_mesh, plan.attention)
+    if meshes.optional(PP_DIM) is not None:
         if ties := shared_parameters(model):
             raise ValueError(tied_pipeline_message(ties))
         # Split into this rank's pipeline stages, then the steps below on each stage (its own FSDP root).
         from lightning_2d.parallel.pipeline import parallelize_pipeline
 
-        parallelize_pipeline(
-            model, mesh, plan, config, lambda stage, stage_plan: _parallelize_one(stage, mesh, stage_plan, config, hooks)
+        pipeline = parallelize_pipeline(
+            model, meshes, plan, config,
+            lambda stage, stage_plan: _parallelize_one(stage, meshes, stage_plan, config, hooks),
         )
-        return
-    _parallelize_one(model, mesh, plan, config, hooks)
+        return Parallelized(model, meshes, pipeline)
+    _parallelize_one(model, meshes, plan, config, hooks)
+    return Parallelized(model, meshes)
 
 
-def _parallelize_one(model: nn.Module, mesh: "DeviceMesh", plan: ParallelPlan, config: ParallelConfig, hooks: Any) -> None:
-    tp_mesh, dp_mesh = mesh[TP_DIM], fsdp_mesh_of(mesh)  # dp_mesh: (replicate, shard) under HSDP
+def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan, config: ParallelConfig,
+                     hooks: Any) -> None:
+    tp_mesh, dp_mesh = meshes.get(TP_DIM), meshes.fsdp  # dp_mesh: (replicate, shard) under HSDP
     # One dict of styles from here on: the plan's sequence-parallel overlay merged in when the option is on.
     plan = replace(plan, tensor_parallel=plan.tensor_parallel_styles(config.sequence_parallel))
     ties = shared_parameters(model)  # before the styles give each name its own DTensor

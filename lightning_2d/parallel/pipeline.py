@@ -18,7 +18,8 @@ dimension) does, on the meta-device model:
    TP/SP, activation checkpointing, compile and FSDP2 are applied to each view (the view is its
    FSDP root, so ``PipelineStage`` defers FSDP's gradient reduce-scatter to the last micro-batch)
    over the ``(data_parallel, tensor_parallel)`` sub-mesh of this pipeline rank.
-4. **Run**: the ``Pipeline`` (``pipeline_of(model)``) is stepped explicitly, as torchtitan's training
+4. **Run**: the ``Pipeline`` (``parallelize_model(...).pipeline``, kept by the strategy as ``strategy.pipeline``)
+   is stepped explicitly, as torchtitan's training
    step calls ``pp_schedule.step``: ``pipeline.train_step(tokens, labels, grad_scale=)`` runs the forward
    *and* backward of every micro-batch and leaves the gradients in the parameters;
    ``pipeline.eval_step(tokens, labels)`` runs the forwards only. Both return what
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -54,13 +55,12 @@ from lightning_2d.parallel.config import (
     raise_if_problems,
 )
 from lightning_2d.ops.linear_cross_entropy import replayable_backward
+from lightning_2d._compat import forward_pre_hooks
 from lightning_2d.parallel.loss import count_global_tokens, normalize_by_global_tokens, token_scale
+from lightning_2d.parallel.meshes import ParallelMeshes
 from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.schedules import SCHEDULES
 from lightning_2d.parallel.tensor_parallel import check_sequence_length
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 
 # ---- the split (pure) ------------------------------------------------------------------------
@@ -275,7 +275,7 @@ class Pipeline:
     Args:
         stages: This rank's stage modules (``PipelineStages.stage``), in stage order.
         stage_indices: Their indices in the pipeline.
-        mesh: The device mesh (``pipeline_parallel``, …, ``data_parallel``, ``tensor_parallel``).
+        meshes: The meshes (``ParallelDims.build_mesh``): the pipeline, data-parallel and tensor-parallel ones are read.
         config: The options (schedule, micro-batches, sequence parallelism, ``param_dtype``: the
             activations' dtype between stages).
         dim: Width of the hidden states sent between stages.
@@ -287,7 +287,7 @@ class Pipeline:
         self,
         stages: list[nn.Module],
         stage_indices: list[int],
-        mesh: "DeviceMesh",
+        meshes: ParallelMeshes,
         config: ParallelConfig,
         dim: int,
         split: Optional[list[int]] = None,
@@ -297,15 +297,15 @@ class Pipeline:
         self.split = list(split or [])
         self.check_inputs = check_inputs
         self.stage_indices = stage_indices
-        self.mesh = mesh
+        self.meshes = meshes
         self.config = config
         self.dim = dim
         self.num_stages = config.num_pipeline_stages
-        self.pp_group = mesh[PP_DIM].get_group()
-        self.dp_group = mesh[DP_DIM].get_group()
+        self.pp_group = meshes.get(PP_DIM).get_group()
+        self.dp_group = meshes.get(DP_DIM).get_group()
         self.has_first = 0 in stage_indices
         self.has_last = self.num_stages - 1 in stage_indices
-        tp = mesh[TP_DIM].size()
+        tp = meshes.size(TP_DIM)
         self.sequence_shards = tp if config.sequence_parallel and tp > 1 else 1
         self._schedules: dict[tuple, Any] = {}
         self._scale = torch.ones(())
@@ -399,7 +399,7 @@ class Pipeline:
             ``grad_scale``), detached: the gradients are already computed.
         """
         total = self._run(tokens, labels, True, grad_scale, position_ids)
-        return normalize_by_global_tokens(total, labels, self.mesh)
+        return normalize_by_global_tokens(total, labels, self.meshes)
 
     def eval_step(
         self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None
@@ -407,7 +407,7 @@ class Pipeline:
         """The forwards only (validation, test): ``(loss, global_mean, global_tokens)`` as ``train_step``."""
         with torch.no_grad():
             total = self._run(tokens, labels, False, 1.0, position_ids)
-        return normalize_by_global_tokens(total, labels, self.mesh)
+        return normalize_by_global_tokens(total, labels, self.meshes)
 
     def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, grad_scale: float,
              position_ids: Optional[torch.Tensor]) -> torch.Tensor:
@@ -421,7 +421,7 @@ class Pipeline:
         # Checked on every rank before any collective (the first stage's own check would leave the
         # other stages waiting for its activations).
         check_sequence_length(seq_len, self.sequence_shards)
-        global_tokens, dp_size = count_global_tokens(labels, self.mesh)
+        global_tokens, dp_size = count_global_tokens(labels, self.meshes)
         self._scale = token_scale(global_tokens, dp_size) * grad_scale
         # The stages' buffers are sized by the micro-batch shape (static metadata, no shape inference
         # pass): one schedule per shape and mode, e.g. training, validation, a last smaller batch.
@@ -450,43 +450,56 @@ class Pipeline:
         return total
 
 
-#: The pipeline of each pipelined model (the model is not changed but for its pruned blocks).
-_PIPELINES: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDictionary()
+class RefuseCall:
+    """The forward pre-hook of a pipelined model: calling it raises (its blocks are spread over the pipeline ranks,
+    and nothing may run a backward behind a call that looks like a forward). It names the way to step the pipeline
+    it holds, and is how the deprecated ``pipeline_of`` finds it."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        raise RuntimeError(
+            f"This {type(module).__name__} is split into pipeline stages (pipeline_parallel_size > 1): this rank holds"
+            " some of its blocks only, so calling it cannot compute anything. Step the pipeline instead:"
+            " `pipeline = fabric.strategy.pipeline` (or `trainer.strategy.pipeline`; `parallelize_model(...).pipeline`"
+            " without a strategy), then `pipeline.train_step(tokens, labels, grad_scale=1 / accumulate)` (forward and"
+            " backward of every micro-batch; do not call backward) or `pipeline.eval_step(tokens, labels)`."
+            " LlamaLightningModule does this under the Trainer. For logits (prediction, generation) load the"
+            " checkpoint with pipeline_parallel_size=1."
+        )
 
 
 def pipeline_of(module: nn.Module) -> Optional[Pipeline]:
-    """The ``Pipeline`` of a pipelined model (or of the first of its submodules that is one), else ``None``."""
-    for sub in module.modules():
-        pipeline = _PIPELINES.get(sub)
-        if pipeline is not None:
-            return pipeline
-    return None
-
-
-def _refuse_call(module: nn.Module, args: Any, kwargs: Any) -> None:
-    raise RuntimeError(
-        f"This {type(module).__name__} is split into pipeline stages (pipeline_parallel_size > 1): this rank holds"
-        " some of its blocks only, so calling it cannot compute anything. Step the pipeline instead:"
-        " `pipeline = lightning_2d.parallel.pipeline_of(model)`, then `pipeline.train_step(tokens, labels,"
-        " grad_scale=1 / accumulate)` (forward and backward of every micro-batch; do not call backward) or"
-        " `pipeline.eval_step(tokens, labels)`. LlamaLightningModule does this under the Trainer. For logits"
-        " (prediction, generation) load the checkpoint with pipeline_parallel_size=1."
+    """Deprecated (0.1.0's way; removed in 0.3): the ``Pipeline`` of a pipelined model (or of the first of its
+    submodules that is one), else ``None``. Use the strategy's ``pipeline`` (``fabric.strategy.pipeline``,
+    ``trainer.strategy.pipeline``) or the ``Parallelized.pipeline`` that ``parallelize_model`` returns."""
+    warnings.warn(
+        "lightning_2d.parallel.pipeline_of(model) is deprecated and will be removed in 0.3: use the strategy's"
+        " `pipeline` (fabric.strategy.pipeline, trainer.strategy.pipeline) or parallelize_model(...).pipeline",
+        DeprecationWarning,
+        stacklevel=2,
     )
+    for sub in module.modules():
+        for hook in forward_pre_hooks(sub):
+            if isinstance(hook, RefuseCall):
+                return hook.pipeline
+    return None
 
 
 def parallelize_pipeline(
     model: nn.Module,
-    mesh: "DeviceMesh",
+    meshes: ParallelMeshes,
     plan: ParallelPlan,
     config: ParallelConfig,
     parallelize_stage: Callable[[nn.Module, ParallelPlan], None],
 ) -> Pipeline:
     """Split ``model`` (meta device) into this rank's stages and parallelize each; returns the ``Pipeline``
-    that runs them (also ``pipeline_of(model)``).
+    that runs them (``parallelize_model`` hands it on in its ``Parallelized`` result).
 
     Args:
         model: The model, not yet parallelized, of a family whose plan has ``pipeline_stages``.
-        mesh: The mesh with a ``pipeline_parallel`` dimension.
+        meshes: The meshes, the pipeline dimension above 1.
         plan: The model's plan (names relative to the model).
         config: The options.
         parallelize_stage: ``(stage, stage_plan) ->`` TP/SP, AC, compile and FSDP2 on one stage.
@@ -499,7 +512,7 @@ def parallelize_pipeline(
             " (or a lightning_2d Transformer), or pipeline_parallel_size=1"
         ])
     family.check(model)
-    pp_mesh = mesh[PP_DIM]
+    pp_mesh = meshes.get(PP_DIM)
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     split = pipeline_split(model, config, family)
     indices = stages_of_rank(pp_rank, pp_size, config.stages_per_rank, config.pipeline_placement)
@@ -510,10 +523,9 @@ def parallelize_pipeline(
     family.prune(model, mine, first=0 in indices, last=num_stages - 1 in indices)
     for stage in stages:
         parallelize_stage(stage, stage_plan(stage, plan))
-    pipeline = Pipeline(stages, indices, mesh, config, dim=dim, split=[len(s) for s in split],
+    pipeline = Pipeline(stages, indices, meshes, config, dim=dim, split=[len(s) for s in split],
                         check_inputs=getattr(model, "check_inputs", None))
     # The stages are not submodules of the model (their modules are): the model's parameters,
     # state_dict and checkpoints keep the single-device names. The model keeps its class.
-    _PIPELINES[model] = pipeline
-    model.register_forward_pre_hook(_refuse_call, with_kwargs=True)
+    model.register_forward_pre_hook(RefuseCall(pipeline), with_kwargs=True)
     return pipeline

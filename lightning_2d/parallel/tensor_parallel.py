@@ -34,13 +34,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: Paralle
 
     parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
     if config.sequence_parallel and not plan.has_sequence_parallel:
-        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+        import warnings
 
-        rank_zero_warn(
+        from lightning_2d.errors import Lightning2DWarning
+
+        warnings.warn(
             f"sequence_parallel=True has no effect on {type(model).__name__}: its plan has no sequence-parallel"
             " styles (ParallelPlan.sequence_parallel is empty and tensor_parallel holds no SequenceParallel),"
             " so activations stay replicated over the tensor-parallel ranks. Add the sequence-parallel styles"
-            " to ParallelPlan(sequence_parallel={...}), or set sequence_parallel=False to silence this."
+            " to ParallelPlan(sequence_parallel={...}), or set sequence_parallel=False to silence this.",
+            Lightning2DWarning,
+            stacklevel=2,
         )
     elif config.sequence_parallel:
         tp, dim = tp_mesh.size(), plan.sequence_dim

@@ -23,7 +23,6 @@ import argparse
 import csv
 import itertools
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +184,8 @@ def dims_of(report: PlanReport) -> ParallelDims:
 
 def mesh_table(dims: ParallelDims, devices_per_node: int) -> list[RankPlace]:
     """Every global rank's mesh coordinates, read from the mesh the strategies build (``ParallelDims.build_mesh``,
-    in the planner's fake process group), in rank order.
+    in the planner's fake process group), in rank order: the coordinates of the layout's dimensions (``as_dict``;
+    the root's size-1 pipeline and context dimensions say nothing).
 
     Args:
         dims: The mesh sizes.
@@ -193,15 +193,15 @@ def mesh_table(dims: ParallelDims, devices_per_node: int) -> list[RankPlace]:
     """
     from lightning_2d.tools.planner.world import fake_world
 
-    with fake_world(dims.world_size), warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # slicing a flattened dimension is deprecated: not ours here
-        mesh = dims.build_mesh("cpu")
-        names, ranks = mesh.mesh_dim_names or (), mesh.mesh  # ranks[coordinates] = global rank
+    layout = dims.as_dict()
+    with fake_world(dims.world_size):
+        root = dims.build_mesh("cpu").root
+        names, ranks = root.mesh_dim_names or (), root.mesh  # ranks[coordinates] = global rank
         places = []
         for coordinates in itertools.product(*(range(n) for n in ranks.shape)):
             rank = int(ranks[coordinates])
             places.append(RankPlace(rank, rank // devices_per_node, rank % devices_per_node,
-                                    dict(zip(names, coordinates))))
+                                    {n: c for n, c in zip(names, coordinates) if n in layout}))
     return sorted(places, key=lambda p: p.rank)
 
 
@@ -272,7 +272,7 @@ def plot_mesh(layout: Union[PlanReport, ParallelDims], path: Union[str, Path], *
         if dims.tp > 1:
             ax.add_patch(Rectangle((min(locals_) + 0.04, node + 0.1), max(locals_) - min(locals_) + 0.92, 0.8,
                                    facecolor="none", edgecolor="#222222", linewidth=1.3))
-    dims_text = _layout_text(dict(zip(dims.mesh_dims, dims.mesh_shape)))
+    dims_text = _layout_text(dims.as_dict())
     more = f" (nodes 0-{rows - 1} of {nodes} shown)" if nodes > rows else ""
     figure.suptitle(f"Global ranks and their mesh coordinates: {nodes} node(s) × {devices_per_node} devices{more}",
                     fontsize=11)

@@ -52,7 +52,8 @@ def rank_main(cp: int, seq_len: int, steps: int, documents: bool, exchange: str,
     dist.init_process_group("gloo")
     config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1, context_parallel_size=cp)
     config = config.resolve_dtypes("32-true")
-    model, mesh = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, cp=cp))
+    parallelized = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, cp=cp))
+    model, mesh = parallelized.model, parallelized.meshes
     for module in model.modules():  # the exchange measured (parallelize_model installs the default)
         if isinstance(getattr(module, "attend", None), ContextParallelAttention):
             module.attend.exchange = exchange

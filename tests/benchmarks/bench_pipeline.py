@@ -42,7 +42,7 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from lightning_2d.parallel import ParallelConfig, ParallelDims, pipeline_of
+    from lightning_2d.parallel import ParallelConfig, ParallelDims
     from tests.benchmarks.ranks import parallel_llama
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -51,9 +51,9 @@ def rank_main(schedule: str, microbatches: int, steps: int, out: Path) -> None:
         data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=world, pipeline_schedule=schedule,
         pipeline_microbatches=microbatches,
     ).resolve_dtypes("32-true")
-    model, _ = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=world))
+    parallelized = parallel_llama(MODEL, config, ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=world))
+    model, pipeline = parallelized.model, parallelized.pipeline
     args = model.args
-    pipeline = pipeline_of(model)
     pipeline.measure = True
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)

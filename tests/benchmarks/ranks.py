@@ -29,10 +29,11 @@ def write_rank(out: Path, rank: int, figures: dict[str, Any]) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(figures))
 
 
-def parallel_llama(spec: dict[str, Any], config: Any, dims: Any) -> tuple[Any, Any]:
+def parallel_llama(spec: dict[str, Any], config: Any, dims: Any) -> Any:
     """The Llama of ``spec`` (``ModelArgs`` fields) built on the meta device, parallelized by the library's own
-    steps (``parallelize_model``, the strategies' path) on ``dims``'s CPU mesh, then materialized (seed 0), and
-    that mesh. ``config``: a ``ParallelConfig`` with its dtypes resolved."""
+    steps (``parallelize_model``, the strategies' path) on ``dims``'s CPU meshes, then materialized (seed 0):
+    ``parallelize_model``'s ``Parallelized`` (the model, its pipeline if any, the meshes). ``config``: a
+    ``ParallelConfig`` with its dtypes resolved."""
     import torch
 
     from lightning_2d.models.llama.model import ModelArgs, Transformer
@@ -42,7 +43,6 @@ def parallel_llama(spec: dict[str, Any], config: Any, dims: Any) -> tuple[Any, A
     args = ModelArgs(**spec)
     with torch.device("meta"):
         model = Transformer(args)
-    mesh = dims.build_mesh("cpu")
-    parallelize_model(model, mesh, llama_plan(args, config), config)
+    parallelized = parallelize_model(model, dims.build_mesh("cpu"), llama_plan(args, config), config)
     materialize_model(model, torch.device("cpu"), seed=0)
-    return model, mesh
+    return parallelized

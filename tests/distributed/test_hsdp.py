@@ -54,8 +54,10 @@ def test_hsdp_mesh_ranks_and_batches(jobs, dp, tp, replicate):
     shard = dp // replicate
     outputs = [hsdp(jobs, dp, tp, replicate).rank_output(r) for r in range(dp * tp)]
     for rank, out in enumerate(outputs):
-        assert out["mesh_dims"] == ["data_parallel_replicate", "data_parallel_shard", "tensor_parallel"]
-        assert out["mesh_shape"] == [replicate, shard, tp]
+        # Every dimension is in the mesh (ParallelMeshes): the pipeline and context ones of size 1 here.
+        assert out["mesh_dims"] == ["pipeline_parallel", "data_parallel_replicate", "data_parallel_shard",
+                                    "context_parallel", "tensor_parallel"]
+        assert out["mesh_shape"] == [1, replicate, shard, 1, tp]
         assert (out["replica_rank"], out["shard_rank"], out["tp_rank"]) == (rank // (shard * tp), (rank // tp) % shard, rank % tp)
         assert out["dp_rank"] == out["replica_rank"] * shard + out["shard_rank"]  # the flattened data_parallel dim
     by_dp_rank: dict[int, list] = {}

@@ -68,6 +68,8 @@ def test_the_timeout_reaches_every_process_group_of_the_mesh(jobs):
     result = jobs.run("nan_grad_skip", "fit", config)  # the same launch as above
     for rank in range(4):
         timeouts = result.rank_output(rank)["group_timeouts"]
+        # Every named mesh (the root's size-1 pipeline and context dimensions, the flattened ones) has it.
         assert timeouts == dict.fromkeys(
-            ["data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "data_parallel"], "0:00:45"
+            ["pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
+             "tensor_parallel", "data_parallel", "data_context_parallel", "data_shard_context_parallel"], "0:00:45"
         ), (rank, timeouts)

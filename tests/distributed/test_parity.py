@@ -75,8 +75,8 @@ def test_tensor_parallel_group_shares_batches_data_parallel_ranks_differ(jobs, d
 def test_two_simulated_nodes_auto_sizes_put_tensor_parallel_inside_a_node(jobs):
     run = jobs.layout("auto", "auto", nprocs=4, num_nodes=2)
     outputs = [run.rank_output(r) for r in range(4)]
-    # (data_parallel_replicate, data_parallel_shard, tensor_parallel): plain FSDP has one replica.
-    assert all(out["mesh_shape"] == [1, 2, 2] for out in outputs)
+    # (pipeline, data_parallel_replicate, data_parallel_shard, context, tensor_parallel): plain FSDP has one replica.
+    assert all(out["mesh_shape"] == [1, 1, 2, 1, 2] for out in outputs)
     # Ranks 0, 1 are node 0 and ranks 2, 3 node 1: each node is one tensor-parallel group.
     assert [(o["dp_rank"], o["tp_rank"]) for o in outputs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert worst_relative_error(outputs[0]["losses"], jobs.reference().rank_output(0)["losses"]) <= LOSS_RTOL

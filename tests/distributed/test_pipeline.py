@@ -130,7 +130,7 @@ def test_each_pipeline_rank_holds_its_stages_blocks(jobs, name, split, blocks):
     run, _ = run_layout(jobs, name)
     outputs = [run.rank_output(r) for r in range(4)]
     assert outputs[0]["pipeline_split"] == split  # the debug model's 4 blocks, balanced
-    assert outputs[0]["mesh_dims"][0] == "pipeline_parallel"
+    assert outputs[0]["mesh_dims"][0] == "pipeline_parallel" and outputs[0]["mesh_shape"][0] == 2
     # Ranks 0-1 are pipeline rank 0, ranks 2-3 pipeline rank 1 (pipeline outermost); each holds only its blocks.
     assert [o["blocks"] for o in outputs] == [blocks[0], blocks[0], blocks[1], blocks[1]]
     embedding = {o["placements"].get("tok_embeddings.weight") is not None for o in outputs[:2]}

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -64,26 +64,28 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def pipeline_of_run(module: torch.nn.Module):
-    """The ``Pipeline`` of a pipelined run's model (or of the LightningModule holding it), else ``None``: the one
-    place the tests reach a pipeline, so a change of how the library hands it out is made here only."""
-    from lightning_2d.parallel.pipeline import pipeline_of
-
-    return pipeline_of(module)
+def pipeline_of_run(owner: Any) -> Any:
+    """The ``Pipeline`` of a pipelined run, from its strategy or LightningModule (both have ``pipeline``: the result
+    the strategy keeps from ``parallelize_model``), else ``None``: the one place the tests reach a pipeline."""
+    return getattr(owner, "pipeline", None)
 
 
-def pipeline_group_of(module: torch.nn.Module):
-    pipeline = pipeline_of_run(module)
+def pipeline_group_of(strategy: Any) -> Any:
+    """The pipeline group of the strategy's pipeline (``strategy.pipeline``), else ``None``."""
+    pipeline = pipeline_of_run(strategy)
     return pipeline.pp_group if pipeline is not None else None
 
 
 def save_state(model: torch.nn.Module, mesh, global_rank: int, out_dir: Path, which: str) -> None:
     """``which.pt`` from rank 0, or under pipeline parallelism ``which_pp{R}.pt`` from the first rank of
     each pipeline rank's sub-mesh (``load_weights`` merges them); a collective on every rank."""
+    from lightning_2d.parallel.meshes import as_meshes
+
     state = full_state(model)
-    if mesh is not None and "pipeline_parallel" in (mesh.mesh_dim_names or ()):
-        if mesh["data_parallel"].get_local_rank() == 0 and mesh["tensor_parallel"].get_local_rank() == 0:
-            torch.save(state, out_dir / f"{which}_pp{mesh['pipeline_parallel'].get_local_rank()}.pt")
+    meshes = as_meshes(mesh)
+    if meshes is not None and meshes.optional("pipeline_parallel") is not None:
+        if meshes.get("data_parallel").get_local_rank() == 0 and meshes.get("tensor_parallel").get_local_rank() == 0:
+            torch.save(state, out_dir / f"{which}_pp{meshes.get('pipeline_parallel').get_local_rank()}.pt")
     elif global_rank == 0:
         torch.save(state, out_dir / f"{which}.pt")
 
@@ -115,7 +117,8 @@ class Recorder(L.Callback):
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(pl_module))))
+        group = pipeline_group_of(trainer.strategy)
+        self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters(), pipeline_group=group)))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.save_weights:
@@ -129,7 +132,7 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # The optimizer step leaves the gradients as it used them (after clipping).
         self.stepped_grad_norms.append(
-            float(total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(pl_module)))
+            float(total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(trainer.strategy)))
         )
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.

@@ -8,6 +8,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_2d import _compat
 from lightning_2d._compat import INSTANCE_ATTRIBUTES, PRIVATE_APIS
@@ -20,7 +21,7 @@ def _instance_of(owner: str):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return {"ModelParallelStrategy": ModelParallelStrategy, "Strategy": ModelParallelStrategy,
-            "LightningModule": LightningModule}[owner]()
+            "LightningModule": LightningModule, "Module": torch.nn.Module}[owner]()
 
 
 @pytest.mark.parametrize("api", PRIVATE_APIS, ids=lambda api: f"{api.module}:{api.name}")
@@ -53,8 +54,11 @@ def _code_lines(path: Path) -> list[tuple[int, str]]:
     return [(number, " ".join(parts)) for number, parts in sorted(lines.items())]
 
 
-#: A private module or name of torch/Lightning imported or reached through a module path.
-PRIVATE_PATH = re.compile(r"\b(torch|lightning)( \. \w+)* \. _[A-Za-z]|\bfrom (torch|lightning)( \. \w+)* import .*\b_[A-Za-z]")
+#: A private module or name of torch/Lightning imported or reached through a module path (``nn``: ``torch.nn`` as
+#: the package imports it).
+PRIVATE_PATH = re.compile(
+    r"\b(torch|lightning|nn)( \. \w+)* \. _[A-Za-z]|\bfrom (torch|lightning)( \. \w+)* import .*\b_[A-Za-z]"
+)
 
 
 def private_uses_outside_compat() -> list[str]:
@@ -81,9 +85,25 @@ def test_the_scan_finds_a_planted_private_use(tmp_path, monkeypatch):
     (fake / "_compat.py").write_text("")
     (fake / "mesh.py").write_text('"""torch._docstrings_are_fine"""\nflat = mesh._flatten("dp")  # torch._fine\n')
     (fake / "load.py").write_text("from torch.distributed.tensor._utils import x\n")
+    (fake / "ac.py").write_text("ok = isinstance(m, nn.Dropout)\nbad = isinstance(m, nn.modules.dropout._DropoutNd)\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", fake)
     assert [f.split(":")[0:2] for f in private_uses_outside_compat()] == [
-        ["lightning_2d/load.py", "1"], ["lightning_2d/mesh.py", "2"]]
+        ["lightning_2d/ac.py", "2"], ["lightning_2d/load.py", "1"], ["lightning_2d/mesh.py", "2"]]
+
+
+def test_the_public_dropout_list_covers_every_torch_dropout_module():
+    """``activation_checkpoint.DROPOUT_MODULES`` replaces an ``isinstance`` check against torch's private
+    ``_DropoutNd``: a dropout class a torch release adds must join the list (or recomputation would draw new masks)."""
+    import torch.nn.modules.dropout as dropout
+
+    from lightning_2d.parallel.activation_checkpoint import DROPOUT_MODULES
+
+    def subclasses(cls: type) -> set[type]:
+        return {sub for direct in cls.__subclasses__() for sub in {direct} | subclasses(direct)}
+
+    torch_own = {c for c in subclasses(dropout._DropoutNd) if c.__module__.startswith("torch.")}
+    missed = [f"{c.__module__}.{c.__name__}" for c in torch_own if not issubclass(c, DROPOUT_MODULES)]
+    assert len(torch_own) >= 6 and not missed, missed
 
 
 def test_every_entry_says_why_and_what_replaces_it():

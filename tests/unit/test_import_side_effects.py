@@ -46,6 +46,23 @@ def test_the_known_warnings_are_silenced_between_install_and_remove_only():
     assert not logging.getLogger(REDISTRIBUTE_LOGGER).filters
 
 
+def test_the_librarys_own_warnings_are_silenced_on_the_ranks_that_ask():
+    """``parallel/`` warns on every rank (it knows nothing of ranks); the strategies pass ``ignore=`` on every rank
+    but 0 (``setup_environment``), so a job shows each once, and only while it runs."""
+    from lightning_2d.errors import Lightning2DWarning
+
+    known = KnownWarnings()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        known.install(ignore=(Lightning2DWarning,))
+        warnings.warn("from parallel/", Lightning2DWarning)
+        warnings.warn("anyone else's", UserWarning)
+        known.remove()
+        warnings.warn("after the run", Lightning2DWarning)
+    assert [str(w.message) for w in seen] == ["anyone else's", "after the run"]
+    assert issubclass(Lightning2DWarning, UserWarning)  # pytest.warns(UserWarning) and user filters still see them
+
+
 def test_the_strategy_name_of_someone_else_is_not_taken():
     code = (
         "from lightning.pytorch.strategies import StrategyRegistry, DDPStrategy\n"

@@ -158,3 +158,17 @@ def test_the_checks_catch_what_they_name(tmp_path, monkeypatch, bad):
         (fake / "parallel" / "b.py").write_text("def f():\n    from lightning_2d.parallel import a\n")
         monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", fake)
         assert circles() == [["lightning_2d.parallel.a", "lightning_2d.parallel.b"]]
+
+
+def test_the_mechanics_know_nothing_of_lightning():
+    """``ops``, ``parallel`` and ``models`` import no Lightning module (also inside functions): how a warning is shown
+    on which rank, or what a Trainer does, is ``integration``'s to decide (``errors.Lightning2DWarning``)."""
+    found = []
+    for layer in ("ops", "parallel", "models"):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")]
+    assert not found, "Lightning imported below integration/:\n  " + "\n  ".join(found)

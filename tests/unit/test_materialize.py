@@ -117,3 +117,24 @@ def test_a_nan_first_loss_stops_before_the_first_optimizer_step(tmp_path):
 
         if dist.is_initialized():  # the 1-process group the failed fit left behind
             dist.destroy_process_group()
+
+
+def test_a_users_init_specs_written_from_the_public_names_give_seeded_values():
+    """What the README tells a user to write: ``param_init_specs()`` returning ``lightning_2d.InitSpec``s (the
+    methods listed in ``lightning_2d.ModelInitHooks``), imported from the front door."""
+    from lightning_2d import InitSpec, ModelInitHooks
+
+    class Specified(Tiny):
+        def param_init_specs(self) -> dict[str, InitSpec]:
+            return {"proj.weight": InitSpec("trunc_normal", std=0.02), "proj.bias": InitSpec("constant"),
+                    "norm.weight": InitSpec("constant", value=1.0)}
+
+        def init_buffers(self, device):
+            self.rotary.inv_freq = torch.ones(4, device=device)
+
+    first, second = meta(Specified), meta(Specified)
+    assert isinstance(first, ModelInitHooks)
+    materialize_model(first, CPU, seed=5)
+    materialize_model(second, CPU, seed=5)
+    assert torch.equal(first.proj.weight, second.proj.weight) and first.proj.weight.abs().max() <= 0.06
+    assert torch.equal(first.norm.weight, torch.ones(8)) and torch.equal(first.proj.bias, torch.zeros(8))

@@ -17,7 +17,6 @@ from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import PP_DIM, ParallelDims, validate_parallel_dims
 from lightning_2d.parallel.pipeline import (
-    _PIPELINES,
     Pipeline,
     VForwardOnly,
     balanced_split,
@@ -210,15 +209,30 @@ def test_each_stage_s_plan_names_only_what_it_holds():
     assert first.module == "" and plan.supports_pipeline and plan.num_blocks == 4
 
 
-def test_the_pipeline_dimension_is_outermost_and_only_there_with_a_pipeline():
+def test_the_pipeline_dimension_is_outermost_and_in_the_layout_only_with_a_pipeline():
+    """The mesh has every dimension (size 1 allowed: ``ParallelMeshes``); the layout (``as_dict``: what checkpoints
+    and the planner record) names the pipeline only when there is one."""
     dims = ParallelDims(dp_replicate=1, dp_shard=8, tp=8, pp=8)
-    assert dims.world_size == 512 and dims.mesh_dims[0] == PP_DIM and dims.mesh_shape == (8, 1, 8, 8)
-    assert PP_DIM not in ParallelDims(1, 2, 2).mesh_dims and ParallelDims(1, 2, 2).as_dict().keys() == {
+    assert dims.world_size == 512 and dims.mesh_dims[0] == PP_DIM and dims.mesh_shape == (8, 1, 8, 1, 8)
+    assert ParallelDims(1, 2, 2).mesh_shape == (1, 1, 2, 1, 2) and ParallelDims(1, 2, 2).mesh_dims == dims.mesh_dims
+    assert PP_DIM not in ParallelDims(1, 2, 2).as_dict() and ParallelDims(1, 2, 2).as_dict().keys() == {
         "data_parallel_replicate", "data_parallel_shard", "tensor_parallel"}
+    assert list(dims.as_dict())[0] == PP_DIM
     # 64 nodes × 8 GPUs with pipeline 8: tensor parallel within the node, data parallel over the rest.
     config = ParallelConfig(pipeline_parallel_size=8)
     resolved = validate_parallel_dims(config, world_size=512, devices_per_node=8, num_nodes=64)
     assert (resolved.pp, resolved.dp, resolved.tp) == (8, 8, 8)
+
+
+def attached_to_a_pipeline(module: LlamaLightningModule, pipeline: Pipeline) -> None:
+    """``module`` as the strategy runs it under pipeline parallelism: its trainer's strategy holds the
+    ``Parallelized`` result (the model, its pipeline) that ``parallelize_model`` returned."""
+    from types import SimpleNamespace
+
+    from lightning_2d.parallel.parallelize import Parallelized
+
+    parallelized = Parallelized(module.model, meshes=None, pipeline=pipeline)  # type: ignore[arg-type]
+    module.trainer = SimpleNamespace(strategy=SimpleNamespace(pipeline=parallelized.pipeline, meshes=None))
 
 
 def test_a_loss_with_a_graph_is_refused_under_a_pipeline_and_fabric_backward_too():
@@ -228,14 +242,14 @@ def test_a_loss_with_a_graph_is_refused_under_a_pipeline_and_fabric_backward_too
 
     module = LlamaLightningModule("debug")
     module.model = nn.Linear(2, 2)
+    assert module.pipeline is None  # no strategy, no pipeline
     marker = Pipeline.__new__(Pipeline)
-    _PIPELINES[module.model] = marker
-    assert module.pipeline is marker
+    attached_to_a_pipeline(module, marker)
+    assert module.pipeline is marker  # read from the strategy, not looked up by model
     module.backward(torch.tensor(2.0))  # the pipeline's loss: nothing to do
     with pytest.raises(RuntimeError, match="a term was added outside the pipeline and would get no gradient"):
         module.backward(torch.tensor(2.0, requires_grad=True) * 1)
-    plugin = FabricFSDP2Precision("32-true")
-    plugin.pipeline = marker
+    plugin = FabricFSDP2Precision("32-true", pipeline=lambda: marker)  # the strategy's `pipeline`, asked when needed
     with pytest.raises(RuntimeError, match=r"fabric.backward under pipeline parallelism: .*train_step"):
         plugin.backward(torch.tensor(2.0), module.model)
 
@@ -250,7 +264,7 @@ def test_under_a_pipeline_gradients_are_zeroed_after_the_step_not_between_step_a
         p.grad = torch.ones_like(p)
     module.optimizer_zero_grad(0, 0, opt)  # without a pipeline: Lightning's zeroing
     assert all(p.grad is None for p in module.model.parameters())
-    _PIPELINES[module.model] = Pipeline.__new__(Pipeline)
+    attached_to_a_pipeline(module, Pipeline.__new__(Pipeline))
     for p in module.model.parameters():
         p.grad = torch.ones_like(p)
     module.optimizer_zero_grad(0, 0, opt)  # a pipeline's gradients survive it
@@ -292,3 +306,33 @@ def test_calling_a_pipelined_model_is_refused_naming_the_pipeline_step(rank):
         with pytest.raises(RuntimeError, match=refused):
             model(tokens=tokens, labels=tokens)
         del model, mesh
+
+
+def test_parallelize_model_returns_the_pipeline_and_the_deprecated_pipeline_of_still_finds_it():
+    """``parallelize_model`` hands its pipeline back (``Parallelized``: no registry); 0.1.0's public
+    ``lightning_2d.parallel.pipeline_of(model)`` still answers, warning, until 0.3; the pipelined model refuses a
+    call, naming the strategy's ``pipeline``."""
+    from lightning_2d.parallel import Parallelized, parallelize_model, pipeline_of
+    from lightning_2d.tools.planner import fake_world
+
+    config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=2,
+                            pipeline_schedule="1F1B").resolve_dtypes("32-true")
+    with fake_world(2, rank=1):
+        meshes = ParallelDims(1, 1, 1, pp=2).build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(PRESETS["debug"])
+        result = parallelize_model(model, meshes, llama_plan(PRESETS["debug"], config), config)
+        assert isinstance(result, Parallelized) and result.model is model and result.meshes is meshes
+        assert isinstance(result.pipeline, Pipeline) and result.pipeline.stage_indices == [1]
+        assert result.pipeline.meshes is meshes and result.pipeline.has_last and not result.pipeline.has_first
+        with pytest.warns(DeprecationWarning, match=r"pipeline_of\(model\) is deprecated .* strategy's `pipeline`"):
+            assert pipeline_of(model) is result.pipeline
+        with pytest.raises(RuntimeError, match=r"split into pipeline stages .*fabric\.strategy\.pipeline"):
+            model(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+        with torch.device("meta"):
+            plain = Transformer(PRESETS["debug"])
+        alone = parallelize_model(plain, ParallelDims(1, 1, 2).build_mesh("cpu"), llama_plan(PRESETS["debug"], config),
+                                  replace(config, pipeline_parallel_size=1))
+        assert alone.pipeline is None
+        with pytest.warns(DeprecationWarning):
+            assert pipeline_of(plain) is None

@@ -111,10 +111,15 @@ def test_parallel_dims_build_the_named_mesh_with_a_flattened_data_parallel_dim(m
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1)
-        mesh = dims.build_mesh("cpu")
-        assert mesh.mesh_dim_names == MESH_DIMS == ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+        meshes = dims.build_mesh("cpu")
+        mesh = meshes.root  # what the strategies give Lightning as `device_mesh`: every dimension, size 1 allowed
+        assert mesh.mesh_dim_names == MESH_DIMS == (
+            "pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
+            "tensor_parallel")
         assert mesh["data_parallel"].mesh_dim_names == ("data_parallel",)  # Lightning's name still works
+        assert mesh["tensor_parallel"].mesh_dim_names == ("tensor_parallel",)
         assert fsdp_mesh_of(mesh).mesh_dim_names == ("data_parallel",)  # plain FSDP: the flattened dim
+        assert fsdp_mesh_of(meshes) is meshes.fsdp and meshes.get("data_parallel").mesh_dim_names == ("data_parallel",)
         assert (dims.dp, dims.world_size, dims.hsdp) == (1, 1, False)
         assert ParallelDims(dp_replicate=2, dp_shard=4, tp=8).as_dict() == {
             "data_parallel_replicate": 2, "data_parallel_shard": 4, "tensor_parallel": 8}

@@ -69,9 +69,12 @@ def test_mesh_table_is_the_strategys_mesh_rank_by_rank(tmp_path):
     for rank in (0, 5, 11, 14):
         with fake_world(dims.world_size, rank), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            mesh = dims.build_mesh("cpu")
-            assert mesh.mesh_dim_names == names
-            assert tuple(table[rank].coordinates.values()) == tuple(mesh.get_coordinate())
+            mesh = dims.build_mesh("cpu").root
+            # The root has the size-1 context dimension too; the table keeps the layout's (``dims.as_dict()``).
+            assert tuple(n for n in mesh.mesh_dim_names if n in dims.as_dict()) == names == tuple(dims.as_dict())
+            coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+            assert coordinate["context_parallel"] == 0
+            assert tuple(table[rank].coordinates.values()) == tuple(coordinate[n] for n in names)
             assert table[rank].coordinates["tensor_parallel"] == mesh["tensor_parallel"].get_local_rank()
     assert table[13].coordinates == {names[0]: 1, names[1]: 1, names[2]: 0, names[3]: 1}
     assert (table[13].node, table[13].local_rank) == (3, 1)

@@ -20,7 +20,7 @@ import torch
 from lightning_2d._compat import fake_store
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
-from lightning_2d.parallel.pipeline import pipeline_of
+from lightning_2d.parallel.parallelize import Parallelized
 from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of
 from lightning_2d.tools.planner.units import FSDPUnit, _units
 
@@ -50,13 +50,13 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _parallelize(model: torch.nn.Module, mesh: Any, plan: Any, config: ParallelConfig) -> None:
-    """The real ``parallelize_model``; compile and float8 fall back to being validated only if they
-    cannot be set up on the meta device."""
+def _parallelize(model: torch.nn.Module, mesh: Any, plan: Any, config: ParallelConfig) -> Parallelized:
+    """The real ``parallelize_model`` (its result: the pipeline, if any); compile and float8 fall back to being
+    validated only if they cannot be set up on the meta device."""
     from lightning_2d.parallel.parallelize import parallelize_model
 
     try:
-        parallelize_model(model, mesh, plan, config)
+        return parallelize_model(model, mesh, plan, config)
     except Exception as err:  # noqa: BLE001 - only the optional steps get a second chance
         if not (config.compile or config.float8):
             raise
@@ -96,8 +96,8 @@ def _shard(
     """
     plan = plan_of(args, config)
     with fake_world(dims.world_size, rank), warnings.catch_warnings():
-        # DeviceMesh warns that slicing a flattened dim is deprecated (fsdp_mesh_of): the library's
-        # concern, not the planner user's.
+        # Warnings of parallelizing in a fake world (torch's, and the library's own, which a fit shows) are not
+        # the planner user's concern.
         warnings.simplefilter("ignore", UserWarning)
         # The mesh only needs shapes: "cpu" works with the fake backend on any machine.
         mesh = dims.build_mesh("cpu")
@@ -105,8 +105,7 @@ def _shard(
         model_numel = sum(p.numel() for p in model.parameters())
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
-        _parallelize(model, mesh, plan, config)
-        pipeline = pipeline_of(model)
+        pipeline = _parallelize(model, mesh, plan, config).pipeline
         if pipeline is None:
             units, stage_indices, split = _units(model, plan, dims, config.param_dtype), [], []
         else:

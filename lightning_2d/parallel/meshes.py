@@ -1,0 +1,194 @@
+"""``ParallelMeshes``: the device mesh of a layout and its named sub-meshes, every one always present.
+
+``ParallelDims.build_mesh`` builds it (``build_meshes``). The root ``DeviceMesh`` has every dimension, size 1
+allowed: ``(pipeline_parallel, data_parallel_replicate, data_parallel_shard, context_parallel, tensor_parallel)``,
+the last varying fastest; the flattened ones are ``data_parallel`` (replicate × shard: the sampler's and
+Lightning's name), ``data_context_parallel`` (replicate × shard × context: the ranks holding distinct tokens, the
+loss's group) and ``data_shard_context_parallel`` (shard × context: what FSDP shards over). Code asks by purpose,
+as torchtitan's ``ParallelDims.get_mesh``/``get_optional_mesh``:
+
+- ``meshes.get(name)`` (or ``meshes[name]``) always returns a mesh, of size 1 when the layout does not use it;
+- ``meshes.optional(name)`` returns ``None`` at size 1 (a step that only runs when the dimension is used);
+- ``meshes.fsdp`` is what FSDP2 shards over, ``meshes.root`` is Lightning's ``strategy.device_mesh`` (so
+  ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` keep working in code written for Lightning's
+  strategy).
+
+No code asks ``name in mesh.mesh_dim_names``: a flattened dimension is reachable by name but is not among the
+root's names, and such a test silently failed once (the loss was normalized over the world). A mesh not built
+here (Lightning's own 2D ``(data_parallel, tensor_parallel)`` mesh, or the root passed back by user code) is read
+once, by ``as_meshes``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from lightning_2d._compat import flatten_mesh_dims
+from lightning_2d.parallel.names import (
+    CP_DIM,
+    DP_CP_DIM,
+    DP_DIM,
+    DP_REPLICATE_DIM,
+    DP_SHARD_CP_DIM,
+    DP_SHARD_DIM,
+    PP_DIM,
+    MESH_DIMS,
+    TP_DIM,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: The flattened dimensions and the root dimensions each one spans.
+FLATTENED: dict[str, tuple[str, ...]] = {
+    DP_DIM: (DP_REPLICATE_DIM, DP_SHARD_DIM),
+    DP_CP_DIM: (DP_REPLICATE_DIM, DP_SHARD_DIM, CP_DIM),
+    DP_SHARD_CP_DIM: (DP_SHARD_DIM, CP_DIM),
+}
+#: What a flattened dimension is when the context dimension has size 1: the same ranks as another mesh, reused
+#: (no second process group of the same members).
+_WITHOUT_CONTEXT = {DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_SHARD_DIM}
+
+
+class ParallelMeshes:
+    """The root mesh and every named sub-mesh of a layout (see the module docstring).
+
+    Sub-meshes are made on first use and kept (slicing a ``DeviceMesh`` costs about a millisecond in torch 2.13,
+    so nothing slices per step); ``build_meshes`` makes them all at once, since creating a flattened mesh's
+    process groups is collective.
+
+    Args:
+        root: The root ``DeviceMesh``.
+        sizes: Every name ``get`` answers → its number of ranks.
+        make: ``name`` → its 1-D mesh (``FSDP``: what FSDP2 shards over).
+    """
+
+    def __init__(self, root: "DeviceMesh", sizes: Mapping[str, int], make: Callable[[str], "DeviceMesh"]) -> None:
+        self.root = root
+        self._sizes = dict(sizes)
+        self._make = make
+        self._made: dict[str, "DeviceMesh"] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name ``get`` answers."""
+        return tuple(self._sizes)
+
+    def get(self, name: str) -> "DeviceMesh":
+        """The 1-D mesh of dimension ``name`` (a root or flattened one), of size 1 when the layout does not use it."""
+        if name not in self._sizes and name != FSDP:
+            raise KeyError(f"no mesh dimension {name!r}; the meshes are {', '.join(self._sizes)}")
+        if name not in self._made:
+            self._made[name] = self._make(name)
+        return self._made[name]
+
+    __getitem__ = get
+
+    def optional(self, name: str) -> Optional["DeviceMesh"]:
+        """``get(name)``, or ``None`` when it has one rank (the dimension is not used by the layout)."""
+        return self.get(name) if self.size(name) > 1 else None
+
+    def size(self, name: str) -> int:
+        """The number of ranks along ``name`` (1 for a dimension the layout does not use)."""
+        return self._sizes.get(name, 1)
+
+    @property
+    def fsdp(self) -> "DeviceMesh":
+        """What FSDP2 shards over: ``data_parallel`` (plain FSDP), ``data_shard_context_parallel`` (with context
+        parallelism: the parameters are the same on every context rank), or the 2-D ``(replicate, shard)``
+        sub-mesh under HSDP."""
+        return self.get(FSDP)
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        """The root: Lightning's ``strategy.device_mesh``."""
+        return self.root
+
+    def __repr__(self) -> str:
+        return f"ParallelMeshes({', '.join(f'{name}={size}' for name, size in self._sizes.items())})"
+
+
+#: The name ``ParallelMeshes.get`` gives FSDP's mesh (``ParallelMeshes.fsdp``).
+FSDP = "fsdp"
+
+
+def build_meshes(device_type: str, sizes: Mapping[str, int]) -> ParallelMeshes:
+    """Build the root mesh with every dimension of ``MESH_DIMS`` (sizes from ``sizes``, 1 where missing) and every
+    sub-mesh. Needs the default process group; every rank calls it (creating process groups is collective).
+
+    Size-1 dimensions cost one single-rank process group per rank each, as the ``data_parallel_replicate`` of plain
+    FSDP always did (measured on gloo, world 4: CONTRIBUTING's "One owner of the mesh"). At context size 1 the
+    context-flattened names reuse the meshes of the same ranks (``data_parallel``, ``data_parallel_shard``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(int(sizes.get(name, 1)) for name in MESH_DIMS)
+    meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
+    for name in (*meshes.names, FSDP):
+        meshes.get(name)
+    return meshes
+
+
+def meshes_of_root(root: "DeviceMesh") -> ParallelMeshes:
+    """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s).
+
+    Making a flattened mesh the first time creates its process groups (collective: every rank); torch keeps each
+    on the root, so a later ``ParallelMeshes`` of the same root (user code passing ``strategy.device_mesh`` back)
+    finds it without a collective.
+    """
+    sizes = dict(zip(MESH_DIMS, (int(n) for n in root.shape)))
+    for name, dims in FLATTENED.items():
+        sizes[name] = math.prod(sizes[d] for d in dims)
+    context = sizes[CP_DIM] > 1
+
+    def make(name: str) -> "DeviceMesh":
+        if name == FSDP:
+            if sizes[DP_REPLICATE_DIM] > 1:  # HSDP: replicate over the first dim, shard over the second
+                shard = DP_SHARD_CP_DIM if context else DP_SHARD_DIM
+                meshes.get(shard)  # flattened first (a 2-D slice names it)
+                return root[(DP_REPLICATE_DIM, shard)]
+            return meshes.get(DP_SHARD_CP_DIM if context else DP_DIM)
+        if name in FLATTENED:
+            if not context and name in _WITHOUT_CONTEXT:
+                return meshes.get(_WITHOUT_CONTEXT[name])
+            return flatten_mesh_dims(root, FLATTENED[name], name)
+        return root[name]
+
+    meshes = ParallelMeshes(root, sizes, make)
+    return meshes
+
+
+MeshLike = Union[ParallelMeshes, "DeviceMesh"]
+
+
+def as_meshes(mesh: Optional[Any]) -> Optional[ParallelMeshes]:
+    """``ParallelMeshes`` of what a caller passed: itself, ``None`` (no parallelism), the root ``DeviceMesh`` of one
+    (``strategy.device_mesh``: its sub-meshes looked up), or Lightning's own 2D ``(data_parallel, tensor_parallel)``
+    mesh (``ModelParallelStrategy``: no pipeline, no context, no replicas; ``data_parallel`` is also the loss's and
+    FSDP's mesh).
+
+    Raises:
+        ValueError: a mesh with other dimension names, saying which it has and which are read.
+    """
+    if mesh is None or isinstance(mesh, ParallelMeshes):
+        return mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    if set(MESH_DIMS) <= set(names):
+        return meshes_of_root(mesh)
+    if set(names) == {DP_DIM, TP_DIM}:
+        # Each data-parallel name (and FSDP's) is Lightning's `data_parallel` dimension.
+        own = {DP_DIM: DP_DIM, DP_SHARD_DIM: DP_DIM, DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_DIM, FSDP: DP_DIM,
+               TP_DIM: TP_DIM}
+        sizes = dict(zip(names, (int(n) for n in mesh.shape)))
+        return ParallelMeshes(mesh, {name: sizes[dim] for name, dim in own.items() if name != FSDP},
+                              lambda name: mesh[own[name]])
+    raise ValueError(
+        f"a device mesh with dimensions {names} is neither one lightning_2d builds (ParallelDims.build_mesh:"
+        f" {MESH_DIMS}) nor Lightning's ({DP_DIM!r}, {TP_DIM!r}); build it with"
+        " lightning_2d.parallel.ParallelDims(...).build_mesh(device_type)"
+    )
+
+
+__all__ = ["FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "as_meshes", "build_meshes", "meshes_of_root"]
