@@ -275,14 +275,21 @@ def _full_file_digest_problems(path: Path, prefixes: Optional[tuple[str, ...]]) 
     from lightning_2d.checkpoint import digests
     from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 
-    try:  # the pickle (every non-tensor entry): zipfile checks the CRC-32 torch wrote for it
-        with zipfile.ZipFile(path) as archive:
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return None  # not a torch.save archive at all: the reader's own error says so
+    with archive:
+        try:  # the pickle (every non-tensor entry): zipfile checks the CRC-32 torch wrote for it
             for entry in archive.namelist():
                 if entry == "data.pkl" or entry.endswith("/data.pkl"):
                     archive.read(entry)
-    except (zipfile.BadZipFile, OSError) as err:
-        return [f"{path.name}: the pickled non-tensor part fails its check ({err})"]
-    loaded = load_checkpoint_file(path, mmap=True)
+        except (zipfile.BadZipFile, OSError) as err:
+            return [f"{path.name}: the pickled non-tensor part fails its check ({err})"]
+    try:
+        loaded = load_checkpoint_file(path, mmap=True)
+    except Exception:  # noqa: BLE001 - types a weights-only load refuses: the loader's own error names them
+        return None
     recorded = (loaded.get("lightning_2d") or {}).get(digests.FULL_FILE_KEY) if isinstance(loaded, dict) else None
     if not recorded:
         return None
