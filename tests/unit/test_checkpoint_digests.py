@@ -49,18 +49,18 @@ def save(folder: Path, name: str, seed: int = 0, async_save: bool = False) -> Pa
     return path
 
 
-def stored(folder: Path, fqn: str) -> tuple[Path, int, int]:
-    """(file, offset, length) of ``fqn``'s first stored item, from DCP's metadata."""
+def stored(folder: Path, fqn: str, file_name: str | None = None) -> tuple[Path, int, int]:
+    """(file, offset, length) of ``fqn``'s first stored item (in ``file_name``, if given), from DCP's metadata."""
     for index, info in read_dcp_metadata(folder).storage_data.items():
-        if index.fqn == fqn:
+        if index.fqn == fqn and file_name in (None, info.relative_path):
             return folder / info.relative_path, int(info.offset), int(info.length)
     raise KeyError(fqn)
 
 
-def flip_exponent_bits(folder: Path, fqn: str = WEIGHT, count: int = 100) -> Path:
-    """Flip the top exponent bit of ``count`` fp32 values of ``fqn`` in its shard file, in place (the issue's
-    case: values up to ~1e37, the file size unchanged)."""
-    file, offset, length = stored(folder, fqn)
+def flip_exponent_bits(folder: Path, fqn: str = WEIGHT, count: int = 100, file_name: str | None = None) -> Path:
+    """Flip the top exponent bit of ``count`` fp32 values of ``fqn`` in its shard file (``file_name``, if given),
+    in place (the issue's case: values up to ~1e37, the file size unchanged)."""
+    file, offset, length = stored(folder, fqn, file_name)
     data = bytearray(file.read_bytes())
     blob = bytes(data[offset:offset + length])
     tensor = torch.load(io.BytesIO(blob), weights_only=True)
