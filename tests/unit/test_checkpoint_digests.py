@@ -171,3 +171,18 @@ def test_full_files_carry_their_digests(tmp_path):
     torch.save({**state(), "lightning_2d": {"layout": {"world_size": 1}}}, old)  # written before digests
     warned: list[str] = []
     assert resolve_checkpoint(old, warned.append) == old and "carries no digests" in warned[0]
+
+
+def test_ranks_share_the_check_each_item_once_in_contiguous_runs(tmp_path):
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    items = digests.read_manifest(path)[1]
+    for world_size in (1, 2, 3, 4, 8):
+        shares = [digests.share_of(items, rank, world_size) for rank in range(world_size)]
+        assert sorted((i.file, i.offset) for share in shares for i in share) == sorted((i.file, i.offset) for i in items)
+        order = [(i.file, i.offset) for share in shares for i in share]
+        assert order == sorted(order)  # rank r's items all come before rank r+1's
+    # A changed item is found by exactly the rank whose share holds it.
+    file = flip_exponent_bits(path)
+    found = [digests.check_items(path, digests.share_of(items, rank, 4)) for rank in range(4)]
+    assert sum(len(f) for f in found) == 1 and [i.fqn for f in found for i in f] == [WEIGHT]
+    assert next(i for f in found for i in f).file == file.name
