@@ -203,15 +203,11 @@ def saved_step(path: Path) -> Optional[int]:
     step = checkpoint_step(path)
     if step is not None:
         return step
-    path = Path(path)
-    file = path / METADATA_FILE if path.is_dir() else None
-    try:
-        if file is not None:
-            saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file  # weights-only, with our few safe types
 
-            saved = load_checkpoint_file(path, mmap=True)
+    path = Path(path)
+    try:
+        saved = load_checkpoint_file(path / METADATA_FILE if path.is_dir() else path, mmap=True)
     except Exception:  # noqa: BLE001 - the step only names the checkpoint in a message
         return None
     for key in ("global_step", "step"):

@@ -186,3 +186,10 @@ def test_ranks_share_the_check_each_item_once_in_contiguous_runs(tmp_path):
     found = [digests.check_items(path, digests.share_of(items, rank, 4)) for rank in range(4)]
     assert sum(len(f) for f in found) == 1 and [i.fqn for f in found for i in f] == [WEIGHT]
     assert next(i for f in found for i in f).file == file.name
+
+
+def test_the_step_comes_from_the_checkpoint_when_its_name_has_none(tmp_path):
+    path = save(tmp_path, "final")
+    flip_exponent_bits(path)
+    with pytest.raises(CheckpointError, match=r"its bytes changed after it was saved at step 8 \(__0_0\.distcp"):
+        one_process(path)
