@@ -440,10 +440,13 @@ def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None
             problems = [describe_changed(candidate, changed)] if changed else []
         if not problems:
             if skipped and warn is not None:
-                names = ", ".join(
-                    f"{p.name} {'is incomplete' if r == ['incomplete'] else r[0] if r[0].startswith('is damaged: its bytes') else 'is damaged: ' + '; '.join(r)}"
-                    for p, r in skipped
-                )
+                def described(problems: list[str]) -> str:
+                    if problems == ["incomplete"]:
+                        return "is incomplete"
+                    changed = problems[0].startswith("is damaged: its bytes")  # describe_changed's whole reason
+                    return problems[0] if changed else "is damaged: " + "; ".join(problems)
+
+                names = ", ".join(f"{p.name} {described(r)}" for p, r in skipped)
                 warn(f"Skipping interrupted save(s) in {folder} ({names}); resuming from {candidate}")
             return candidate
         skipped.append((candidate, problems))

@@ -111,7 +111,8 @@ def test_flipped_exponent_bits_are_refused_naming_file_tensor_and_step(tmp_path)
             check()
         message = str(err.value)
         assert "\n" not in message
-        assert f"Checkpoint {path} is damaged: its bytes changed after it was saved at step 8 ({file.name}: {WEIGHT}" in message
+        changed = f"Checkpoint {path} is damaged: its bytes changed after it was saved at step 8"
+        assert f"{changed} ({file.name}: {WEIGHT}" in message
         assert "Not resuming from another checkpoint" in message
 
 
@@ -121,7 +122,8 @@ def test_a_changed_non_tensor_item_is_refused(tmp_path):
     data = file.read_bytes()
     at = data.index(b"adamw", offset, offset + length)
     file.write_bytes(data[:at] + b"adamW" + data[at + 5:])
-    with pytest.raises(CheckpointError, match=r"at step 8 \(__0_0\.distcp: optimizer_0\.param_groups\.0\.name reads as"):
+    refused = r"at step 8 \(__0_0\.distcp: optimizer_0\.param_groups\.0\.name reads as"
+    with pytest.raises(CheckpointError, match=refused):
         one_process(path)
     # A load of the weights only does not read that item, and is not refused.
     assert one_process(path, prefixes=("state_dict.",)) == path
@@ -133,7 +135,8 @@ def test_last_falls_back_to_the_newest_intact_checkpoint_and_says_why(tmp_path):
     flip_exponent_bits(last)
     warned: list[str] = []
     assert one_process(last, fall_back=True, warn=warned.append) == older
-    assert len(warned) == 1 and f"Checkpoint {last} is damaged: its bytes changed after it was saved at step 8" in warned[0]
+    assert len(warned) == 1
+    assert f"Checkpoint {last} is damaged: its bytes changed after it was saved at step 8" in warned[0]
     assert warned[0].endswith(f"resuming from the newest complete checkpoint instead: {older}")
     # The Fabric recipe's `--resume latest` too.
     fabric_dir = tmp_path / "fabric"
@@ -178,7 +181,8 @@ def test_ranks_share_the_check_each_item_once_in_contiguous_runs(tmp_path):
     items = digests.read_manifest(path)[1]
     for world_size in (1, 2, 3, 4, 8):
         shares = [digests.share_of(items, rank, world_size) for rank in range(world_size)]
-        assert sorted((i.file, i.offset) for share in shares for i in share) == sorted((i.file, i.offset) for i in items)
+        shared = sorted((i.file, i.offset) for share in shares for i in share)
+        assert shared == sorted((i.file, i.offset) for i in items)
         order = [(i.file, i.offset) for share in shares for i in share]
         assert order == sorted(order)  # rank r's items all come before rank r+1's
     # A changed item is found by exactly the rank whose share holds it.

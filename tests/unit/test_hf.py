@@ -186,7 +186,8 @@ def test_export_refuses_a_sharded_checkpoint_with_changed_bytes(trained, tmp_pat
     export_hf(path, tmp_path / "intact")  # the copy as saved exports
     name = "state_dict.model.layers.1.attention.wq.weight"
     file = flip_exponent_bits(path, name)
-    with pytest.raises(CheckpointError, match=rf"saved at step 2 \({file.name}: {name} reads as .*Nothing was exported"):
+    refused = rf"saved at step 2 \({file.name}: {name} reads as .*Nothing was exported"
+    with pytest.raises(CheckpointError, match=refused):
         export_hf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
