@@ -76,6 +76,11 @@ class _HashingStream(io.RawIOBase):
             self.segments[(self._start, self.position - self._start)] = self._hash.hexdigest()
         self._start, self._hash = self.position, self._new()
 
+    @property
+    def name(self) -> Any:
+        """The file's name, as DCP's own stream has it (code that looks at ``stream.name`` keeps working)."""
+        return self.raw.name
+
     def writable(self) -> bool:
         return True
 

@@ -197,3 +197,12 @@ def test_the_step_comes_from_the_checkpoint_when_its_name_has_none(tmp_path):
     flip_exponent_bits(path)
     with pytest.raises(CheckpointError, match=r"its bytes changed after it was saved at step 8 \(__0_0\.distcp"):
         one_process(path)
+
+
+def test_the_hashing_stream_looks_like_the_file_it_writes(tmp_path):
+    """Code that looks at DCP's stream (the Fabric crash test finds its folder by ``stream.name``) sees the file."""
+    fs = digests._file_system_class()()
+    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
+        assert stream.name == str(tmp_path / "__0_0.distcp")
+        assert stream.tell() == 0 and stream.write(b"abc") == 3 and stream.tell() == 3
+    assert fs.segments["__0_0.distcp"] == {(0, 3): digests.digest_of(b"abc")}
