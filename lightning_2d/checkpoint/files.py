@@ -478,7 +478,7 @@ def resolve_checkpoint(
     path: Path,
     warn: Callable[[str], None],
     fall_back: bool = False,
-    check_digests: Union[bool, int] = False,
+    check_digests: Union[bool, int, None] = False,
     rejected: Optional[Mapping[Path, list[str]]] = None,
 ) -> Path:
     """``path`` if it is complete and intact; otherwise an error naming it, or, with ``fall_back``
@@ -495,7 +495,8 @@ def resolve_checkpoint(
             for "the last one", never for a checkpoint named explicitly.
         check_digests: Also re-read the checkpoint and check its digests here (``digest_problems``): ``True``
             whole, a number: only a sharded checkpoint up to that many bytes (larger ones are left to the
-            ranks, which split the work); ``False``: only full files, which rank 0 reads whole anyway.
+            ranks, which split the work); ``False``: only full files, which rank 0 reads whole anyway; ``None``:
+            none (a launched rank's early check: rank 0 checks, then the ranks together).
         rejected: Checkpoints already found damaged elsewhere (by the ranks' digest check), with the problems.
 
     Raises:
@@ -507,7 +508,8 @@ def resolve_checkpoint(
         if candidate.resolve() in rejected:
             return [describe_changed(candidate, rejected[candidate.resolve()])]
         found = damage(candidate)
-        if found or (candidate.is_dir() and check_digests is False) or checked_whole(candidate):
+        skip = check_digests is None or (candidate.is_dir() and check_digests is False)
+        if found or skip or checked_whole(candidate):
             return found
         limit = None if isinstance(check_digests, bool) else int(check_digests)
         changed = digest_problems(candidate, size_limit=limit if candidate.is_dir() else None)
@@ -592,7 +594,7 @@ def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
     launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
     return resolve_checkpoint(
         Path(text), warn=lambda _: None, fall_back=may_fall_back(text),  # the ranks warn
-        check_digests=LAUNCHER_CHECK_BYTES if launcher else False,
+        check_digests=LAUNCHER_CHECK_BYTES if launcher else None,
     )
 
 

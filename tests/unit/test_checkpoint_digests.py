@@ -206,3 +206,18 @@ def test_the_hashing_stream_looks_like_the_file_it_writes(tmp_path):
         assert stream.name == str(tmp_path / "__0_0.distcp")
         assert stream.tell() == 0 and stream.write(b"abc") == 3 and stream.tell() == 3
     assert fs.segments["__0_0.distcp"] == {(0, 3): digests.digest_of(b"abc")}
+
+
+def test_only_the_launching_process_reads_the_checkpoint_before_the_ranks_start(tmp_path, monkeypatch):
+    """`check_ckpt_path` runs in every launched process too: only the launcher (or torchrun's rank 0) reads the
+    digests there; the ranks check together when they load (``resolve_and_check``)."""
+    from lightning_2d.checkpoint import check_ckpt_path
+
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    flip_exponent_bits(path)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert check_ckpt_path(str(path)) == path
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(CheckpointError, match="its bytes changed after it was saved at step 8"):
+        check_ckpt_path(str(path))
