@@ -26,10 +26,10 @@ import re
 import shutil
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -173,6 +173,153 @@ def shape_mismatches(
     return problems
 
 
+# ---- digests: changed bytes ---------------------------------------------------------------------
+#: A sharded checkpoint up to this size is checked whole by the process that launches the ranks
+#: (``check_ckpt_path``: an error before any rank starts, in seconds); a larger one by the ranks, split.
+LAUNCHER_CHECK_BYTES = 4 * 1024**3
+_verified: dict[str, tuple[int, int]] = {}  # checkpoints this process checked whole, by path → fingerprint
+_warned_undigested: set[str] = set()
+
+
+def _fingerprint(path: Path) -> tuple[int, int]:
+    from lightning_2d.checkpoint.digests import MANIFEST_FILE
+
+    stat = (path / MANIFEST_FILE if path.is_dir() else path).stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def checked_whole(path: Path) -> bool:
+    """Whether this process already found every digest of ``path`` intact (and the checkpoint has not been
+    rewritten since): a load need not read it again."""
+    try:
+        return _verified.get(str(Path(path).resolve())) == _fingerprint(Path(path))
+    except OSError:
+        return False
+
+
+def saved_step(path: Path) -> Optional[int]:
+    """The step a checkpoint was saved at: from its name, else its ``global_step``/``step`` entry (a sharded
+    checkpoint's ``meta.pt``, read weights-only; it is small)."""
+    step = checkpoint_step(path)
+    if step is not None:
+        return step
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file  # weights-only, with our few safe types
+
+    path = Path(path)
+    try:
+        saved = load_checkpoint_file(path / METADATA_FILE if path.is_dir() else path, mmap=True)
+    except Exception:  # noqa: BLE001 - the step only names the checkpoint in a message
+        return None
+    for key in ("global_step", "step"):
+        value = saved.get(key) if isinstance(saved, dict) else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def digest_problems(
+    path: Path, prefixes: Optional[tuple[str, ...]] = None, rank: int = 0, world_size: int = 1,
+    size_limit: Optional[int] = None,
+) -> Optional[list[str]]:
+    """Check this process's share of the digests of checkpoint ``path``: what changed, one short line each
+    (empty: intact). ``None`` when there is nothing to check: a checkpoint saved before digests (warned once by
+    the caller, ``warn_undigested``), or one over ``size_limit`` bytes (left to the ranks).
+
+    Sharded: the items named in ``digests.json`` (those under ``prefixes``, e.g. ``("state_dict.",)``, if given),
+    split among ``world_size`` processes (``share_of``); full file: rank 0 checks it whole (the pickle's CRC-32,
+    then each tensor).
+
+    Args:
+        path: A complete checkpoint (folder or file).
+        prefixes: Only the items whose name starts with one of these (what the load reads).
+        rank, world_size: This process's share.
+        size_limit: Check nothing (``None``) when the checkpoint's items are larger than this.
+    """
+    from lightning_2d.checkpoint import digests
+
+    path = Path(path)
+    whole = world_size == 1 and prefixes is None
+    if path.is_dir():
+        try:
+            manifest = digests.read_manifest(path)
+        except ValueError as err:
+            return [str(err)]
+        if manifest is None:
+            return None
+        name, items = manifest
+        if prefixes is not None:
+            items = [i for i in items if i.fqn.startswith(prefixes)]
+        if size_limit is not None and sum(i.length for i in items) > size_limit:
+            return None
+        try:
+            wrong = digests.check_items(path, digests.share_of(items, rank, world_size), name)
+        except ValueError as err:  # a hash this version does not know
+            return [str(err)]
+        problems = [f"{i.file}: {i.describe()} reads as {i.found}, saved as {i.digest}" for i in wrong]
+    else:
+        if rank != 0:
+            return []
+        problems = _full_file_digest_problems(path, prefixes)
+        if problems is None:
+            return None
+    if not problems and whole:
+        _verified[str(path.resolve())] = _fingerprint(path)
+    return problems
+
+
+def _full_file_digest_problems(path: Path, prefixes: Optional[tuple[str, ...]]) -> Optional[list[str]]:
+    from lightning_2d.checkpoint import digests
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return None  # not a torch.save archive at all: the reader's own error says so
+    with archive:
+        try:  # the pickle (every non-tensor entry): zipfile checks the CRC-32 torch wrote for it
+            for entry in archive.namelist():
+                if entry == "data.pkl" or entry.endswith("/data.pkl"):
+                    archive.read(entry)
+        except (zipfile.BadZipFile, OSError) as err:
+            return [f"{path.name}: the pickled non-tensor part fails its check ({err})"]
+    try:
+        loaded = load_checkpoint_file(path, mmap=True)
+    except Exception:  # noqa: BLE001 - types a weights-only load refuses: the loader's own error names them
+        return None
+    recorded = (loaded.get("lightning_2d") or {}).get(digests.FULL_FILE_KEY) if isinstance(loaded, dict) else None
+    if not recorded:
+        return None
+    if prefixes is not None:
+        recorded = {**recorded, "tensors": {k: v for k, v in recorded["tensors"].items() if k.startswith(prefixes)}}
+    try:
+        wrong = digests.check_tensors(loaded, recorded)
+    except ValueError as err:
+        return [str(err)]
+    return [f"{path.name}: {name} reads as {found}, saved as {saved}" for name, saved, found in wrong]
+
+
+def describe_changed(path: Path, problems: list[str]) -> str:
+    """The reason a checkpoint with changed bytes is refused, one line: the first item (file, tensor), how
+    many more, the step."""
+    step = saved_step(path)
+    more = f" (and {len(problems) - 1} more item(s))" if len(problems) > 1 else ""
+    return (
+        f"is damaged: its bytes changed after it was saved{f' at step {step}' if step is not None else ''}"
+        f" ({problems[0]}{more}; a disk, copy or transfer error)"
+    )
+
+
+def warn_undigested(path: Path, warn: Callable[[str], None]) -> None:
+    """Once per checkpoint: it was saved before digests, so changed bytes in it cannot be noticed."""
+    key = str(Path(path).resolve())
+    if key not in _warned_undigested:
+        _warned_undigested.add(key)
+        warn(
+            f"Checkpoint {path} carries no digests (saved before lightning_2d wrote them): it loads, but bytes"
+            " changed since it was saved would go unnoticed. Save it again to add them."
+        )
+
+
 # ---- completeness ------------------------------------------------------------------------------
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a checkpoint that finished writing."""
@@ -274,8 +421,9 @@ def checkpoints_in(folder: Path) -> list[Path]:
 def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None) -> Optional[Path]:
     """The newest complete, intact checkpoint of ``folder`` (``--resume latest``), or ``None``.
 
-    Newer saves that never finished (or were damaged since) are skipped and, with ``warn``, named:
-    the work after the returned checkpoint is lost, and the user should know why.
+    Newer saves that never finished (or were damaged since, changed bytes included: the one returned is read
+    whole here and its digests checked) are skipped and, with ``warn``, named: the work after the returned
+    checkpoint is lost, and the user should know why.
 
     Args:
         folder: Where a run saves its checkpoints.
@@ -284,9 +432,21 @@ def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None
     skipped = []
     for candidate in reversed(checkpoints_in(folder)):
         problems = damage(candidate) if is_complete(candidate) else ["incomplete"]
+        if not problems and not checked_whole(candidate):
+            # Read whole here, by the one process that decides (the load then knows it was checked).
+            changed = digest_problems(candidate)
+            if changed is None and warn is not None:
+                warn_undigested(candidate, warn)
+            problems = [describe_changed(candidate, changed)] if changed else []
         if not problems:
             if skipped and warn is not None:
-                names = ", ".join(f"{p.name} is {'incomplete' if r == ['incomplete'] else 'damaged: ' + '; '.join(r)}" for p, r in skipped)
+                def described(problems: list[str]) -> str:
+                    if problems == ["incomplete"]:
+                        return "is incomplete"
+                    changed = problems[0].startswith("is damaged: its bytes")  # describe_changed's whole reason
+                    return problems[0] if changed else "is damaged: " + "; ".join(problems)
+
+                names = ", ".join(f"{p.name} {described(r)}" for p, r in skipped)
                 warn(f"Skipping interrupted save(s) in {folder} ({names}); resuming from {candidate}")
             return candidate
         skipped.append((candidate, problems))
@@ -314,7 +474,13 @@ class CheckpointError(Lightning2DError, FileNotFoundError):
     """The checkpoint asked for cannot be loaded (missing, interrupted, damaged); names it and the way on."""
 
 
-def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool = False) -> Path:
+def resolve_checkpoint(
+    path: Path,
+    warn: Callable[[str], None],
+    fall_back: bool = False,
+    check_digests: Union[bool, int, None] = False,
+    rejected: Optional[Mapping[Path, list[str]]] = None,
+) -> Path:
     """``path`` if it is complete and intact; otherwise an error naming it, or, with ``fall_back``
     (``ckpt_path="last"``), the newest complete sibling with a warning.
 
@@ -327,12 +493,34 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool 
         warn: Where to report a fall-back or lost saves (rank 0's warning).
         fall_back: Whether another checkpoint may stand in for ``path``: only when the user asked
             for "the last one", never for a checkpoint named explicitly.
+        check_digests: Also re-read the checkpoint and check its digests here (``digest_problems``): ``True``
+            whole, a number: only a sharded checkpoint up to that many bytes (larger ones are left to the
+            ranks, which split the work); ``False``: only full files, which rank 0 reads whole anyway; ``None``:
+            none (a launched rank's early check: rank 0 checks, then the ranks together).
+        rejected: Checkpoints already found damaged elsewhere (by the ranks' digest check), with the problems.
 
     Raises:
         CheckpointError: ``path`` cannot be loaded and no fall-back is allowed (or none exists).
     """
+    rejected = {Path(p).resolve(): problems for p, problems in (rejected or {}).items()}
+
+    def problems_of(candidate: Path) -> list[str]:
+        if candidate.resolve() in rejected:
+            return [describe_changed(candidate, rejected[candidate.resolve()])]
+        found = damage(candidate)
+        skip = check_digests is None or (candidate.is_dir() and check_digests is False)
+        if found or skip or checked_whole(candidate):
+            return found
+        limit = None if isinstance(check_digests, bool) else int(check_digests)
+        changed = digest_problems(candidate, size_limit=limit if candidate.is_dir() else None)
+        if changed is None and candidate.is_dir() and limit is not None:
+            return []  # too large to check here: the ranks check it (and warn if it has no digests)
+        if changed is None:
+            warn_undigested(candidate, warn)
+        return [describe_changed(candidate, changed)] if changed else []
+
     path = Path(path)
-    problems = damage(path) if is_complete(path) else []
+    problems = problems_of(path) if is_complete(path) else []
     if is_complete(path) and not problems:
         resolved = path.resolve()
         newer = [
@@ -344,7 +532,9 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool 
             warn(f"Skipping interrupted save(s) in {path.parent} ({names}); resuming from {path} ({resolved.name})")
         return path
     folder = path.parent
-    if problems:
+    if len(problems) == 1 and problems[0].startswith("is damaged: its bytes changed"):
+        reason = problems[0]
+    elif problems:
         reason = "is damaged (" + "; ".join(problems) + ")"
     elif not path.exists() and not path.is_symlink():
         reason = "does not exist"
@@ -352,7 +542,9 @@ def resolve_checkpoint(path: Path, warn: Callable[[str], None], fall_back: bool 
         reason = "is incomplete (an interrupted save)"
     asked = path.resolve()
     candidates = [p for p in reversed(checkpoints_in(folder)) if is_complete(p) and p.resolve() != asked] if folder.is_dir() else []
-    fallback = next((p for p in candidates if not damage(p)), None)  # a damaged one is no fall-back either
+    # A damaged one is no fall-back either; digests are checked only for the one taken (newest first).
+    fallback = next((p for p in candidates if not problems_of(p)), None) if fall_back else (
+        next((p for p in candidates if not damage(p) and p.resolve() not in rejected), None))
     if not fall_back:
         alternatives = f"; the newest complete one there is {fallback}" if fallback is not None else ""
         raise CheckpointError(
@@ -397,7 +589,13 @@ def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
     text = str(ckpt_path)
     if text in LIGHTNING_CKPT_NAMES or text.startswith("registry") or "://" in text:
         return None
-    return resolve_checkpoint(Path(text), warn=lambda _: None, fall_back=may_fall_back(text))  # the ranks warn
+    # The process that launches the ranks (or rank 0 under torchrun) reads a file or a small sharded checkpoint
+    # whole: changed bytes are an error before any rank starts. The ranks check again what it did not.
+    launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    return resolve_checkpoint(
+        Path(text), warn=lambda _: None, fall_back=may_fall_back(text),  # the ranks warn
+        check_digests=LAUNCHER_CHECK_BYTES if launcher else None,
+    )
 
 
 def remove_path(path: Path) -> None:
@@ -449,12 +647,16 @@ def load_rng(folder: Path, rank: int) -> bool:
 
 # ---- writing -----------------------------------------------------------------------------------
 def save_full_file(checkpoint: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to a temporary name, then rename: the file exists only once complete."""
+    """``torch.save`` to a temporary name, then rename: the file exists only once complete. The digest of every
+    tensor goes in with them (``lightning_2d.digests``), checked before the file is loaded."""
+    from lightning_2d.checkpoint.digests import FULL_FILE_KEY, tensor_digests
+
     tmp = path.with_name(f".{path.name}.incomplete")
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         shutil.rmtree(path)
-    torch.save(checkpoint, tmp)
+    ours = {**checkpoint.get("lightning_2d", {}), FULL_FILE_KEY: tensor_digests(checkpoint)}
+    torch.save({**checkpoint, "lightning_2d": ours}, tmp)
     os.replace(tmp, path)
 
 
@@ -519,12 +721,16 @@ class ShardedCheckpointWriter:
                 tmp.write_bytes(buffer.getvalue())
                 os.replace(tmp, path / METADATA_FILE)  # the completeness mark, last
 
+        from lightning_2d.checkpoint.digests import digesting_writer
+
+        # The writer hashes each item as it writes it and writes digests.json before DCP's .metadata.
+        writer = digesting_writer(path)
         if not self.async_save:
-            dcp.save(state, checkpoint_id=path)
+            dcp.save(state, checkpoint_id=path, storage_writer=writer)
             finish()
             self.barrier()
             return
-        upload = dcp.async_save(state, checkpoint_id=path, process_group=self.process_group)
+        upload = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self.process_group)
         if not isinstance(upload, Future):  # an AsyncSaveResponse (non-blocking staging)
             upload = upload.upload_completion
         done: Future = Future()
@@ -611,17 +817,54 @@ def save_full_checkpoint(checkpoint: dict[str, Any], path: Path, global_rank: in
 
 
 def resolve_on_rank_zero(
-    path: Any, global_rank: int, broadcast: Callable[[Any], Any], warn: Callable[[str], None], fall_back: bool = False
+    path: Any, global_rank: int, broadcast: Callable[[Any], Any], warn: Callable[[str], None], fall_back: bool = False,
+    rejected: Optional[Mapping[Path, list[str]]] = None,
 ) -> Path:
     """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared: an error
     there is raised on every rank with the same message."""
     answer: Any = None
     if global_rank == 0:
         try:
-            answer = str(resolve_checkpoint(Path(path), warn=warn, fall_back=fall_back))
+            answer = str(resolve_checkpoint(Path(path), warn=warn, fall_back=fall_back, rejected=rejected))
         except CheckpointError as err:
             answer = err
     answer = broadcast(answer if not isinstance(answer, CheckpointError) else ("error", str(answer)))
     if isinstance(answer, (tuple, list)) and len(answer) == 2 and answer[0] == "error":
         raise CheckpointError(answer[1])
     return Path(answer)
+
+
+def resolve_and_check(
+    path: Any, global_rank: int, world_size: int, broadcast: Callable[[Any], Any],
+    all_gather: Callable[[Any], list[Any]], warn: Callable[[str], None], fall_back: bool = False,
+    prefixes: Optional[tuple[str, ...]] = None,
+) -> Path:
+    """What every rank loads: ``resolve_on_rank_zero``, then the digests of that checkpoint checked by all ranks
+    together (each re-reads its share of the items, ``digest_problems``) before any weight is read. Changed
+    bytes are an error on every rank naming the file, the tensor and the step, or, with ``fall_back``, the next
+    intact checkpoint is taken (and checked), with rank 0's warning.
+
+    Args:
+        path, global_rank, broadcast, warn, fall_back: As for ``resolve_on_rank_zero``.
+        world_size: How many ranks share the check.
+        all_gather: Every rank's object, in rank order (``torch.distributed.all_gather_object``).
+        prefixes: Only the items whose names start with these (what the load reads), e.g. ``("state_dict.",)``.
+    """
+    rejected: dict[Path, list[str]] = {}
+    while True:
+        chosen = resolve_on_rank_zero(path, global_rank, broadcast, warn, fall_back=fall_back, rejected=rejected)
+        # Rank 0 may have read it whole already (check_ckpt_path, latest_checkpoint, a full file).
+        done = broadcast(checked_whole(chosen) or not chosen.is_dir() if global_rank == 0 else None)
+        if done:
+            return chosen
+        mine = digest_problems(chosen, prefixes, global_rank, world_size)
+        parts = all_gather(mine)
+        if global_rank == 0 and all(part is None for part in parts):
+            warn_undigested(chosen, warn)
+        problems = [problem for part in parts if part for problem in part]
+        if not problems:
+            return chosen
+        rejected[chosen] = problems
+        if not fall_back:
+            # The same error on every rank, as resolve_checkpoint words it for an explicit checkpoint.
+            path = chosen

@@ -7,7 +7,8 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
 - ``save_checkpoint`` (Lightning's checkpoint dict) and ``save`` (tensors and metadata, as Fabric splits
   them) write a sharded folder (DCP, optionally in the background) or a full file, complete or recognisably
   incomplete (``checkpoint.files``);
-- ``resolve`` picks what to load (falling back from an incomplete "last" checkpoint), ``check_fits``
+- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint) and has
+  the ranks check its digests together before anything is read, ``check_fits``
   refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
   load at the same layout;
 - ``remove_checkpoint`` and ``teardown`` wait for the write in flight.
@@ -30,7 +31,7 @@ from lightning_2d.checkpoint.files import (
     make_writer,
     may_fall_back,
     remove_path,
-    resolve_on_rank_zero,
+    resolve_and_check,
     restore_random_state,
     save_full_checkpoint,
     shape_mismatches,
@@ -97,11 +98,24 @@ class DistributedCheckpointIO(CheckpointIO):
         self.writer.wait()
 
     # ---- load -------------------------------------------------------------------------------------
-    def resolve(self, path: Any) -> Path:
-        """``path`` if complete and intact, else an error naming it; only a "last" checkpoint
-        (``ckpt_path="last"`` resolves to ``last*.ckpt``) falls back to the newest complete one."""
+    def resolve(self, path: Any, prefixes: Optional[tuple[str, ...]] = None) -> Path:
+        """``path`` if complete and intact, its digests checked by all ranks together (``prefixes``: only the
+        items the load reads), else an error naming it; only a "last" checkpoint (``ckpt_path="last"`` resolves
+        to ``last*.ckpt``) falls back to the newest intact one."""
         self.wait()
-        return resolve_on_rank_zero(path, self.global_rank, self.broadcast, rank_zero_warn, fall_back=may_fall_back(path))
+        return resolve_and_check(
+            path, self.global_rank, self.world_size, self.broadcast, self._all_gather, rank_zero_warn,
+            fall_back=may_fall_back(path), prefixes=prefixes,
+        )
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return [obj]
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, obj)
+        return parts
 
     @override
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -184,7 +184,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout."""
-        resolved = self._checkpoint_to_load(path)
+        # Digests checked for what the load reads: the modules' and optimizers' entries (a full file: all of it).
+        parts = state if isinstance(state, dict) else {}
+        loaded = [key for key, obj in parts.items() if isinstance(obj, (nn.Module, Optimizer))]
+        resolved = self._checkpoint_to_load(path, prefixes=tuple(f"{key}." for key in loaded) or None)
         # Fabric's loader puts the saved state dict in place of a stateful object (an LR scheduler, a
         # data loader); give the object its state instead.
         stateful = {}

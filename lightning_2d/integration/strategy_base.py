@@ -310,8 +310,8 @@ class ModelParallel2DBase(LightningStrategyMembers):
         return output
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def _checkpoint_to_load(self, path: Any) -> Path:
-        return self.distributed_checkpoint_io.resolve(path)
+    def _checkpoint_to_load(self, path: Any, prefixes: Optional[tuple[str, ...]] = None) -> Path:
+        return self.distributed_checkpoint_io.resolve(path, prefixes=prefixes)
 
     def _check_checkpoint_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True) -> None:
         self.distributed_checkpoint_io.check_fits(path, key, module, strict=strict, pipelined=self.pipeline is not None)

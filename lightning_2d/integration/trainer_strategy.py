@@ -176,8 +176,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self._checkpoint_to_load(checkpoint_path)
         assert self.lightning_module is not None
+        # Digests checked for what the load reads: validate/test/predict read the weights only.
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        path = self._checkpoint_to_load(checkpoint_path, prefixes=None if fitting else ("state_dict.",))
         self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading)
         metadata = super().load_checkpoint(path, weights_only=weights_only)
         self.distributed_checkpoint_io.restore_random_state(path, metadata.get("lightning_2d"))

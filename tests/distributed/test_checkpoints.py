@@ -16,6 +16,7 @@ import torch
 from lightning_2d.checkpoint.files import is_complete
 from lightning_2d.data import stdlib_sources
 from tests.distributed.conftest import load_weights
+from tests.unit.test_checkpoint_digests import flip_exponent_bits
 
 pytestmark = pytest.mark.distributed
 
@@ -210,8 +211,18 @@ def test_async_checkpoints_hold_the_state_of_their_step(setup):
     for step in (2, 4, 6):
         assert is_complete(async_dir / f"epoch={(step - 1) // 3}-step={step}.ckpt")
     # Written while steps 3 and 4 ran, the step-2 checkpoint still resumes bit-exactly.
-    resumed = setup["run"]("async_resume", 2, 2, resume=str(async_dir / "epoch=0-step=2.ckpt"))
+    # Its digests were written by the background writer: a copy with 100 flipped exponent bits in rank 1's
+    # shard is refused by the same launch (each rank checks a quarter of the items), naming file, tensor, step.
+    changed = setup["root"] / "async_changed" / "epoch=0-step=2.ckpt"
+    shutil.copytree(async_dir / "epoch=0-step=2.ckpt", changed)
+    weight = "state_dict.model.layers.0.attention.wq.weight"
+    flip_exponent_bits(changed, weight, file_name="__1_0.distcp")
+    resumed = setup["run"]("async_resume", 2, 2, resume=str(async_dir / "epoch=0-step=2.ckpt"), refuse=str(changed))
     assert resumed.rank_output(0)["losses"] == setup["reference"].rank_output(0)["losses"][2:]
+    for out in outputs(resumed, 4):
+        assert out["refused"] is not None and out["refused"].startswith(
+            f"Checkpoint {changed} is damaged: its bytes changed after it was saved at step 2 (__1_0.distcp: {weight}"
+        ), out["refused"]
 
 
 def test_a_save_killed_midway_is_never_resumed_from(setup):

@@ -709,6 +709,16 @@ def train(cfg: dict) -> None:
     }
     if observer is not None:
         result["writes"] = observer.writes
+    if cfg.get("refuse"):
+        # A copy with changed bytes, loaded as fit(ckpt_path=...) loads (every rank checks its share of the
+        # digests): refused on every rank, before any weight is read.
+        from lightning_2d.checkpoint import CheckpointError
+
+        try:
+            trainer.strategy.load_checkpoint(cfg["refuse"])
+            result["refused"] = None
+        except CheckpointError as err:
+            result["refused"] = str(err)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from lightning_2d.checkpoint.digests import digesting_writer
 from lightning_2d.checkpoint.files import (
     checkpoint_step,
     checkpoints_in,
@@ -33,7 +34,9 @@ def sharded(folder, name, complete=True):
     (path / "rng").mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled": on purpose
-        dcp.save({"state_dict": {"w": torch.arange(64.0)}}, checkpoint_id=path, no_dist=True)
+        # With its digests, as the strategies write it (lightning_2d.checkpoint.digests).
+        dcp.save({"state_dict": {"w": torch.arange(64.0)}}, checkpoint_id=path, storage_writer=digesting_writer(path),
+                 no_dist=True)
     if complete:
         torch.save({"lightning_2d": {"layout": {"world_size": 1}}}, path / "meta.pt")
     else:

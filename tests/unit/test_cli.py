@@ -204,6 +204,24 @@ def test_a_bad_ckpt_path_is_one_message_before_any_process_starts(debug_recipe_r
         debug_recipe_run(f"--ckpt_path={mistyped}")
 
 
+def test_a_checkpoint_with_changed_bytes_is_one_message_before_any_process_starts(debug_recipe_run, tmp_path, capsys):
+    """The issue's case: a shard with 100 flipped exponent bits in one weight (its size unchanged) used to resume
+    and train; now `fit --ckpt_path` refuses it in one line naming the file, the tensor and the step, exit 1."""
+    from tests.unit.test_checkpoint_digests import WEIGHT, flip_exponent_bits, save
+
+    checkpoint = save(tmp_path / "ckpts", "epoch=0-step=8.ckpt")
+    file = flip_exponent_bits(checkpoint)
+    with pytest.raises(SystemExit) as exit_:
+        debug_recipe_run(f"--ckpt_path={checkpoint}")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"lightning-2d fit: error: Checkpoint {checkpoint} is damaged: its bytes changed after it was saved at step 8"
+        f" ({file.name}: {WEIGHT} reads as"
+    ), err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
 def test_ckpt_paths_checked_before_launch(tmp_path):
     from lightning_2d.checkpoint import CheckpointError, check_ckpt_path
 

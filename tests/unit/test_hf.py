@@ -166,6 +166,32 @@ def trained(tmp_path_factory):
     return {"full": full, "sharded": sharded, "weights": dict(module.model.state_dict()), "root": root}
 
 
+def test_export_refuses_a_sharded_checkpoint_with_changed_bytes(trained, tmp_path):
+    """Each tensor's chunks are checked against the digests saved with them before the export reads them."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_2d.checkpoint import CheckpointError
+    from lightning_2d.checkpoint.digests import digesting_writer
+    from tests.unit.test_checkpoint_digests import flip_exponent_bits
+
+    path = tmp_path / "epoch=0-step=2.ckpt"
+    state = {"state_dict": torch.load(trained["full"], weights_only=True)["state_dict"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": on purpose
+        dcp.save(state, checkpoint_id=path, storage_writer=digesting_writer(path), no_dist=True)
+    shutil.copy(trained["sharded"] / "meta.pt", path / "meta.pt")
+    export_hf(path, tmp_path / "intact")  # the copy as saved exports
+    name = "state_dict.model.layers.1.attention.wq.weight"
+    file = flip_exponent_bits(path, name)
+    refused = rf"saved at step 2 \({file.name}: {name} reads as .*Nothing was exported"
+    with pytest.raises(CheckpointError, match=refused):
+        export_hf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def same_export(ours, reference):
     """Same files, byte for byte (safetensors headers, tensor data, index, config)."""
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in reference.iterdir())

@@ -34,6 +34,7 @@ from lightning_2d.checkpoint.hf.layout import (
     tied_aliases,
 )
 from lightning_2d.checkpoint.hf.tokenizer import HF_TOKENIZER_FILES, resolve_export_tokenizer, write_tokenizer
+from lightning_2d.checkpoint.files import CheckpointError
 from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
@@ -98,6 +99,20 @@ class _ShardedCheckpoint:
             for key, meta in dcp_metadata.state_dict_metadata.items()
             if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
         ]
+        from lightning_2d.checkpoint.digests import read_manifest
+        from lightning_2d.checkpoint.files import warn_undigested
+
+        # Each tensor's stored chunks are checked against their digests just before DCP reads them (``read``).
+        try:
+            manifest = read_manifest(path)
+        except ValueError as err:
+            raise CheckpointError(f"Checkpoint {path} is damaged ({err}); export an earlier checkpoint") from err
+        self.digest_hash = manifest[0] if manifest else None
+        self.digests: dict[str, list[Any]] = {}
+        for item in manifest[1] if manifest else ():
+            self.digests.setdefault(item.fqn, []).append(item)
+        if manifest is None:
+            warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         self.metadata: Optional[dict[str, Any]] = None
         try:
             self.metadata = load_checkpoint_file(path / METADATA_FILE, allow_globals=allow_globals)
@@ -112,9 +127,20 @@ class _ShardedCheckpoint:
         """``(name, full tensor)`` for each of ``names``, one tensor read at a time."""
         import torch.distributed.checkpoint as dcp
 
+        from lightning_2d.checkpoint.digests import check_items
+        from lightning_2d.checkpoint.files import describe_changed
+
         shapes = {w.name: w for w in self.weights}
         for name in names:
             info = shapes[name]
+            if self.digest_hash is not None:
+                changed = check_items(self.path, self.digests.get(self.key_prefix + name, ()), self.digest_hash)
+                if changed:
+                    problems = [f"{i.file}: {i.describe()} reads as {i.found}, saved as {i.digest}" for i in changed]
+                    raise CheckpointError(
+                        f"Checkpoint {self.path} {describe_changed(self.path, problems)}. Nothing was exported:"
+                        " export an earlier checkpoint, or copy this one again."
+                    )
             tensor = torch.empty(info.shape, dtype=info.dtype)
             with warnings.catch_warnings():
                 # On purpose: one process, no process group.
@@ -139,7 +165,18 @@ class _FullCheckpoint:
     """
 
     def __init__(self, path: Path, allow_globals: Sequence[str]) -> None:
+        from lightning_2d.checkpoint.files import describe_changed, digest_problems, warn_undigested
+
         self.path, self.allow_globals = path, allow_globals
+        # The weights' digests, before any is read (the file is mapped: this reads them once more).
+        changed = digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",))
+        if changed:
+            raise CheckpointError(
+                f"Checkpoint {path} {describe_changed(path, changed)}. Nothing was exported: export an earlier"
+                " checkpoint, or copy this one again."
+            )
+        if changed is None:
+            warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
         if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), Mapping):
             raise ExportError(f"{path} is not a Lightning checkpoint: it has no 'state_dict' dictionary")

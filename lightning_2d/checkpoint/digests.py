@@ -1,0 +1,335 @@
+"""Digests of every item a checkpoint stores, computed while it is written and checked before it is loaded.
+
+Truncation and missing files show in sizes (``files.damage``); a changed byte does not: a flipped exponent bit
+in a weight loads, trains and may never go non-finite. So each item a save writes gets an ``xxh3_64`` digest
+(``HASH``; measured against ``hashlib.blake2b`` and ``zlib.crc32`` in CONTRIBUTING: several times faster, and it
+releases the GIL, so a background save does not stall the training thread):
+
+* sharded (DCP) checkpoints: ``DigestingWriter``, a ``FileSystemWriter`` whose file system hands out streams
+  that hash what DCP writes into each ``.distcp`` file, item by item (each tensor chunk's ``torch.save`` bytes,
+  each bytes-io item), in the thread that writes (also under ``dcp.async_save``). The coordinator's ``finish``
+  writes the digests of every rank as one manifest, ``digests.json``, before DCP's ``.metadata`` (and so
+  before ``meta.pt``, the completeness mark): a complete checkpoint of this version always has its manifest.
+* full files: ``tensor_digests`` of every tensor of the checkpoint dict, stored in it (``lightning_2d.digests``)
+  by the writer before ``torch.save``; the pickle itself is covered by the zip's CRC-32, which torch writes.
+
+Checking re-reads the stored bytes of the items asked for (``check_items``), never deserializing them; a
+mismatch is an ``Item`` with what was found. Policy (who checks what, the error, the fall-back) lives in
+``files``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+#: The hash of every digest we write; a manifest names its own, so another can be added later.
+HASH = "xxh3_64"
+#: The manifest of a sharded checkpoint, beside DCP's ``.metadata``.
+MANIFEST_FILE = "digests.json"
+MANIFEST_FORMAT = "lightning_2d.digests/1"
+#: Where a full file keeps its digests (inside its ``lightning_2d`` entry).
+FULL_FILE_KEY = "digests"
+_READ_BLOCK = 16 * 1024 * 1024  # re-reading: one block in memory at a time
+
+
+def _hasher(name: str) -> Callable[[], Any]:
+    if name == "xxh3_64":
+        import xxhash
+
+        return xxhash.xxh3_64
+    raise ValueError(f"unknown digest {name!r} (this version knows {HASH!r}); load it with a newer lightning_2d")
+
+
+def digest_of(data: Any, name: str = HASH) -> str:
+    """The hex digest of a bytes-like object."""
+    return _hasher(name)(data).hexdigest()
+
+
+# ---- sharded checkpoints: hashing in DCP's writer ----------------------------------------------------------------
+class _HashingStream(io.RawIOBase):
+    """A ``.distcp`` file as DCP writes it, hashing each item's bytes on the way.
+
+    DCP's writer asks ``tell()`` before and after each item (its offset and length in the file): each ``tell``
+    closes the running segment. ``DigestingWriter`` matches segments to DCP's ``(offset, length)`` afterwards and
+    re-reads any item that matches none, so a DCP that writes otherwise costs time, never a wrong digest.
+    """
+
+    def __init__(self, raw: Any, hasher: Callable[[], Any]) -> None:
+        super().__init__()
+        self.raw, self._new = raw, hasher
+        self.position = raw.tell()
+        self._start, self._hash = self.position, hasher()
+        self.segments: dict[tuple[int, int], str] = {}
+
+    def _cut(self) -> None:
+        if self.position > self._start:
+            self.segments[(self._start, self.position - self._start)] = self._hash.hexdigest()
+        self._start, self._hash = self.position, self._new()
+
+    @property
+    def name(self) -> Any:
+        """The file's name, as DCP's own stream has it (code that looks at ``stream.name`` keeps working)."""
+        return self.raw.name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        written = self.raw.write(view)
+        if written is not None and written != len(view):  # a raw file may write less; write the rest
+            self.raw.write(view[written:])
+        self.position += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        self._cut()
+        return self.position
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()  # DCP fsyncs it
+
+    def close(self) -> None:
+        if not self.closed:
+            self._cut()
+        super().close()
+
+
+def _file_system_class() -> type:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class DigestingFileSystem(FileSystem):  # type: ignore[misc, valid-type]  # torch's public class, lazily
+        """DCP's local file system, whose ``.distcp`` streams hash what is written (``segments`` by file)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.segments: dict[str, dict[tuple[int, int], str]] = {}
+            self._lock = threading.Lock()  # DCP may write files from several threads (thread_count)
+
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                if mode != "wb" or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                hashing = _HashingStream(stream, _hasher(HASH))
+                try:
+                    yield hashing
+                finally:
+                    hashing.close()
+                    with self._lock:
+                        self.segments[Path(path).name] = hashing.segments
+
+    return DigestingFileSystem
+
+
+@dataclass(frozen=True)
+class Item:
+    """One stored item: a tensor chunk (``fqn`` and its ``chunk`` offsets in the full tensor) or a bytes-io item
+    (``chunk`` empty), at ``offset``/``length`` in ``file``; ``found`` is what a check read there instead."""
+
+    file: str
+    fqn: str
+    chunk: tuple[int, ...]
+    offset: int
+    length: int
+    digest: str
+    found: Optional[str] = None
+
+    def describe(self) -> str:
+        where = f" (chunk at {list(self.chunk)})" if any(self.chunk) else ""
+        return f"{self.fqn}{where}"
+
+
+def _writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    file_system = _file_system_class()
+
+    class DigestingWriter(FileSystemWriter):  # type: ignore[misc, valid-type]  # torch's public class, lazily
+        """DCP's ``FileSystemWriter`` that records a digest of each item it writes and, on the coordinator,
+        writes them all as ``digests.json`` before DCP's ``.metadata``.
+
+        The digests travel to the coordinator inside the write results (DCP gathers them for ``finish``) and are
+        taken out again there, so DCP's ``.metadata`` is the one a plain writer writes.
+        """
+
+        rereads = 0  # items whose digest came from re-reading the file (DCP wrote them without a tell())
+
+        def __init__(self, path: Any, **kwargs: Any) -> None:
+            super().__init__(path, **kwargs)
+            self.fs = file_system()
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            written = super().write_data(plan, planner)  # a torch Future; FileSystemWriter wrote before returning
+            written.wait()
+            results = written.value()
+            digested = []
+            for result in results:
+                info = result.storage_data
+                segments = self.fs.segments.get(info.relative_path, {})
+                digest = segments.get((int(info.offset), int(info.length)))
+                if digest is None:
+                    type(self).rereads += 1
+                    digest = _digest_range(Path(self.path) / info.relative_path, int(info.offset), int(info.length))
+                digested.append(replace(result, storage_data=(info, digest)))
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(digested)
+            return future
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            items = []
+            plain = []
+            for rank_results in results:
+                plain.append([])
+                for result in rank_results:
+                    info, digest = result.storage_data
+                    index = result.index
+                    chunk = tuple(int(o) for o in index.offset) if index.offset is not None else ()
+                    items.append(Item(info.relative_path, index.fqn, chunk, int(info.offset), int(info.length), digest))
+                    plain[-1].append(replace(result, storage_data=info))
+            write_manifest(Path(self.path), items)
+            super().finish(metadata, plain)
+
+    return DigestingWriter
+
+
+_WRITER: Optional[type] = None
+
+
+def digesting_writer(path: Path) -> Any:
+    """A DCP storage writer for folder ``path`` that writes ``digests.json`` (``dcp.save(storage_writer=...)``)."""
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = _writer_class()
+    return _WRITER(str(path))
+
+
+def write_manifest(folder: Path, items: Sequence[Item]) -> None:
+    """``digests.json``: per file, per item ``[fqn, chunk offsets, offset, length, digest]``; under a temporary
+    name, then renamed (a manifest exists only whole)."""
+    files: dict[str, list[list[Any]]] = {}
+    for item in sorted(items, key=lambda i: (i.file, i.offset)):
+        files.setdefault(item.file, []).append([item.fqn, list(item.chunk), item.offset, item.length, item.digest])
+    tmp = folder / f".{MANIFEST_FILE}.incomplete"
+    # No fsync (as for meta.pt): one more flush doubled a small save's time; after a power loss a lost manifest
+    # reads as "no digests" (a note), a cut one as damaged (refused, "last" falls back).
+    with open(tmp, "w") as f:
+        json.dump({"format": MANIFEST_FORMAT, "hash": HASH, "files": files}, f, separators=(",", ":"))
+    os.replace(tmp, folder / MANIFEST_FILE)
+
+
+def read_manifest(folder: Path) -> Optional[tuple[str, list[Item]]]:
+    """``(hash name, items)`` of a sharded checkpoint's manifest; ``None`` when it has none (saved before digests).
+
+    Raises:
+        ValueError: the manifest is unreadable (damaged itself).
+    """
+    file = Path(folder) / MANIFEST_FILE
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+        items = [
+            Item(name, fqn, tuple(chunk), int(offset), int(length), str(digest))
+            for name, entries in manifest["files"].items()
+            for fqn, chunk, offset, length, digest in entries
+        ]
+        return str(manifest["hash"]), items
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{MANIFEST_FILE} is unreadable ({type(err).__name__}: {err})") from err
+
+
+def _digest_range(file: Path, offset: int, length: int, name: str = HASH) -> str:
+    hasher = _hasher(name)()
+    with open(file, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left > 0:
+            block = f.read(min(left, _READ_BLOCK))
+            if not block:
+                break  # cut short: the digest of what is there differs
+            hasher.update(block)
+            left -= len(block)
+    return hasher.hexdigest()
+
+
+def check_items(folder: Path, items: Iterable[Item], name: str = HASH) -> list[Item]:
+    """The items of ``folder`` whose stored bytes no longer have their digest (``found``: what they have now,
+    ``"missing"`` for a file that is gone), in file order."""
+    wrong = []
+    for item in sorted(items, key=lambda i: (i.file, i.offset)):
+        file = Path(folder) / item.file
+        found = _digest_range(file, item.offset, item.length, name) if file.is_file() else "missing"
+        if found != item.digest:
+            wrong.append(replace(item, found=found))
+    return wrong
+
+
+def share_of(items: Sequence[Item], rank: int, world_size: int) -> list[Item]:
+    """``rank``'s part of ``items`` when ``world_size`` processes check them together: contiguous runs of the
+    files (sequential reads), about the same number of bytes each; every item in exactly one part."""
+    ordered = sorted(items, key=lambda i: (i.file, i.offset))
+    total = sum(i.length for i in ordered) or 1
+    mine, before = [], 0
+    for item in ordered:
+        # The item goes to the rank whose byte range holds its first byte.
+        if min(before * world_size // total, world_size - 1) == rank:
+            mine.append(item)
+        before += item.length
+    return mine
+
+
+# ---- full files ------------------------------------------------------------------------------------------------------
+def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for idx, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}.{idx}" if prefix else str(idx))
+
+
+def _tensor_digest(tensor: torch.Tensor, name: str = HASH) -> str:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return digest_of(b"", name)
+    return digest_of(flat.view(torch.uint8).numpy(), name)
+
+
+def tensor_digests(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """What a full file records of its tensors: ``{"hash": HASH, "tensors": {dotted name: digest}}``."""
+    return {"hash": HASH, "tensors": {name: _tensor_digest(t) for name, t in _tensors(checkpoint)}}
+
+
+def check_tensors(checkpoint: Mapping[str, Any], recorded: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(name, recorded, found)`` for each tensor of a loaded full checkpoint whose digest changed (or that is
+    gone); ``recorded`` is its ``lightning_2d.digests`` entry."""
+    name = str(recorded.get("hash", HASH))
+    expected: Mapping[str, str] = recorded.get("tensors", {})
+    present = dict(_tensors(checkpoint))
+    wrong = []
+    for key, digest in expected.items():
+        found = _tensor_digest(present[key], name) if key in present else "missing"
+        if found != digest:
+            wrong.append((key, digest, found))
+    return wrong

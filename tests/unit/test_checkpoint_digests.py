@@ -1,0 +1,223 @@
+"""Digests of checkpoint items: written by our writer (sync and async), checked before a load, a changed byte
+refused naming the file, the tensor and the step, ``last`` falling back to the intact one, old checkpoints
+loading with a note. Single process, the real ``ShardedCheckpointWriter`` (DCP without a process group)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_2d.checkpoint import digests
+from lightning_2d.checkpoint.files import (
+    CheckpointError,
+    ShardedCheckpointWriter,
+    damage,
+    latest_checkpoint,
+    read_dcp_metadata,
+    resolve_and_check,
+    resolve_checkpoint,
+    save_full_file,
+)
+
+WEIGHT = "state_dict.layers.0.attention.wq.weight"
+
+
+def state(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "state_dict": {
+            "layers.0.attention.wq.weight": torch.randn(64, 64, generator=generator) * 0.02,
+            "norm.weight": torch.ones(64),
+        },
+        "optimizer_0": {"param_groups": [{"lr": 3e-4, "name": "adamw"}]},  # bytes-io items
+    }
+
+
+def save(folder: Path, name: str, seed: int = 0, async_save: bool = False) -> Path:
+    path = folder / name
+    writer = ShardedCheckpointWriter(0, lambda: None, async_save=async_save)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": on purpose
+        writer.save(state(seed), {"global_step": 8, "lightning_2d": {"layout": {"world_size": 1}}}, path)
+        writer.wait()
+    return path
+
+
+def stored(folder: Path, fqn: str, file_name: str | None = None) -> tuple[Path, int, int]:
+    """(file, offset, length) of ``fqn``'s first stored item (in ``file_name``, if given), from DCP's metadata."""
+    for index, info in read_dcp_metadata(folder).storage_data.items():
+        if index.fqn == fqn and file_name in (None, info.relative_path):
+            return folder / info.relative_path, int(info.offset), int(info.length)
+    raise KeyError(fqn)
+
+
+def flip_exponent_bits(folder: Path, fqn: str = WEIGHT, count: int = 100, file_name: str | None = None) -> Path:
+    """Flip the top exponent bit of ``count`` fp32 values of ``fqn`` in its shard file (``file_name``, if given),
+    in place (the issue's case: values up to ~1e37, the file size unchanged)."""
+    file, offset, length = stored(folder, fqn, file_name)
+    data = bytearray(file.read_bytes())
+    blob = bytes(data[offset:offset + length])
+    tensor = torch.load(io.BytesIO(blob), weights_only=True)
+    start = offset + blob.find(tensor.numpy().tobytes())
+    values = np.frombuffer(data, dtype=np.uint32, count=count, offset=start).copy() ^ np.uint32(1 << 30)
+    data[start:start + 4 * count] = values.tobytes()
+    size = file.stat().st_size
+    file.write_bytes(bytes(data))
+    assert file.stat().st_size == size
+    return file
+
+
+def one_process(path, fall_back=False, prefixes=None, warn=print):
+    """``resolve_and_check`` as one rank sees it (world size 1)."""
+    return resolve_and_check(path, 0, 1, lambda obj: obj, lambda obj: [obj], warn, fall_back=fall_back,
+                             prefixes=prefixes)
+
+
+def test_the_writer_records_a_digest_of_every_item_as_it_writes(tmp_path):
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    hash_name, items = digests.read_manifest(path)
+    assert hash_name == "xxh3_64"
+    by_index = {(i.fqn, i.chunk): i for i in items}
+    metadata = read_dcp_metadata(path)
+    # One digest per item DCP stored, at DCP's offsets, equal to the hash of those bytes.
+    assert len(items) == len(metadata.storage_data)
+    for index, info in metadata.storage_data.items():
+        item = by_index[(index.fqn, tuple(index.offset) if index.offset is not None else ())]
+        assert (item.file, item.offset, item.length) == (info.relative_path, info.offset, info.length)
+        blob = (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        assert item.digest == digests.digest_of(blob)
+    assert {"state_dict.norm.weight", WEIGHT, "optimizer_0.param_groups.0.name"} <= {i.fqn for i in items}
+    assert digests._WRITER.rereads == 0  # hashed in the stream, not read back
+
+
+def test_async_saves_write_the_same_manifest(tmp_path):
+    sync_items = digests.read_manifest(save(tmp_path, "sync"))[1]
+    async_items = digests.read_manifest(save(tmp_path, "async", async_save=True))[1]
+    assert sync_items == async_items and digests._WRITER.rereads == 0
+
+
+def test_flipped_exponent_bits_are_refused_naming_file_tensor_and_step(tmp_path):
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    file = flip_exponent_bits(path)
+    assert damage(path) == []  # sizes and metadata intact: before digests, this loaded and trained
+    for check in (lambda: resolve_checkpoint(path, print, check_digests=True), lambda: one_process(path)):
+        with pytest.raises(CheckpointError) as err:
+            check()
+        message = str(err.value)
+        assert "\n" not in message
+        changed = f"Checkpoint {path} is damaged: its bytes changed after it was saved at step 8"
+        assert f"{changed} ({file.name}: {WEIGHT}" in message
+        assert "Not resuming from another checkpoint" in message
+
+
+def test_a_changed_non_tensor_item_is_refused(tmp_path):
+    path = save(tmp_path, "step-000008")
+    file, offset, length = stored(path, "optimizer_0.param_groups.0.name")
+    data = file.read_bytes()
+    at = data.index(b"adamw", offset, offset + length)
+    file.write_bytes(data[:at] + b"adamW" + data[at + 5:])
+    refused = r"at step 8 \(__0_0\.distcp: optimizer_0\.param_groups\.0\.name reads as"
+    with pytest.raises(CheckpointError, match=refused):
+        one_process(path)
+    # A load of the weights only does not read that item, and is not refused.
+    assert one_process(path, prefixes=("state_dict.",)) == path
+
+
+def test_last_falls_back_to_the_newest_intact_checkpoint_and_says_why(tmp_path):
+    older = save(tmp_path, "epoch=0-step=4.ckpt", seed=1)
+    last = save(tmp_path, "last.ckpt")
+    flip_exponent_bits(last)
+    warned: list[str] = []
+    assert one_process(last, fall_back=True, warn=warned.append) == older
+    assert len(warned) == 1
+    assert f"Checkpoint {last} is damaged: its bytes changed after it was saved at step 8" in warned[0]
+    assert warned[0].endswith(f"resuming from the newest complete checkpoint instead: {older}")
+    # The Fabric recipe's `--resume latest` too.
+    fabric_dir = tmp_path / "fabric"
+    fabric_dir.mkdir()
+    shutil.copytree(older, fabric_dir / "step-000004")
+    shutil.copytree(last, fabric_dir / "step-000008")
+    warned.clear()
+    assert latest_checkpoint(fabric_dir, warned.append) == fabric_dir / "step-000004"
+    assert "step-000008 is damaged: its bytes changed after it was saved at step 8" in warned[0]
+
+
+def test_checkpoints_without_digests_load_with_one_note(tmp_path):
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    (path / digests.MANIFEST_FILE).unlink()  # as saved before digests
+    warned: list[str] = []
+    for _ in range(2):
+        assert one_process(path, warn=warned.append) == path
+    assert len(warned) == 1 and "carries no digests" in warned[0]
+
+
+def test_full_files_carry_their_digests(tmp_path):
+    path = tmp_path / "epoch=0-step=8.ckpt"
+    save_full_file({**state(), "global_step": 8, "lightning_2d": {"layout": {"world_size": 1}}}, path)
+    assert resolve_checkpoint(path, print) == path
+    data = bytearray(path.read_bytes())
+    values = state()["state_dict"]["layers.0.attention.wq.weight"].numpy()
+    start = bytes(data).index(values.tobytes())
+    flipped = np.frombuffer(data, dtype=np.uint32, count=100, offset=start).copy() ^ np.uint32(1 << 30)
+    data[start:start + 400] = flipped.tobytes()
+    path.write_bytes(bytes(data))
+    assert damage(path) == []
+    with pytest.raises(CheckpointError, match=rf"at step 8 \({path.name}: {WEIGHT} reads as"):
+        resolve_checkpoint(path, print)
+    old = tmp_path / "old.ckpt"
+    torch.save({**state(), "lightning_2d": {"layout": {"world_size": 1}}}, old)  # written before digests
+    warned: list[str] = []
+    assert resolve_checkpoint(old, warned.append) == old and "carries no digests" in warned[0]
+
+
+def test_ranks_share_the_check_each_item_once_in_contiguous_runs(tmp_path):
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    items = digests.read_manifest(path)[1]
+    for world_size in (1, 2, 3, 4, 8):
+        shares = [digests.share_of(items, rank, world_size) for rank in range(world_size)]
+        shared = sorted((i.file, i.offset) for share in shares for i in share)
+        assert shared == sorted((i.file, i.offset) for i in items)
+        order = [(i.file, i.offset) for share in shares for i in share]
+        assert order == sorted(order)  # rank r's items all come before rank r+1's
+    # A changed item is found by exactly the rank whose share holds it.
+    file = flip_exponent_bits(path)
+    found = [digests.check_items(path, digests.share_of(items, rank, 4)) for rank in range(4)]
+    assert sum(len(f) for f in found) == 1 and [i.fqn for f in found for i in f] == [WEIGHT]
+    assert next(i for f in found for i in f).file == file.name
+
+
+def test_the_step_comes_from_the_checkpoint_when_its_name_has_none(tmp_path):
+    path = save(tmp_path, "final")
+    flip_exponent_bits(path)
+    with pytest.raises(CheckpointError, match=r"its bytes changed after it was saved at step 8 \(__0_0\.distcp"):
+        one_process(path)
+
+
+def test_the_hashing_stream_looks_like_the_file_it_writes(tmp_path):
+    """Code that looks at DCP's stream (the Fabric crash test finds its folder by ``stream.name``) sees the file."""
+    fs = digests._file_system_class()()
+    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
+        assert stream.name == str(tmp_path / "__0_0.distcp")
+        assert stream.tell() == 0 and stream.write(b"abc") == 3 and stream.tell() == 3
+    assert fs.segments["__0_0.distcp"] == {(0, 3): digests.digest_of(b"abc")}
+
+
+def test_only_the_launching_process_reads_the_checkpoint_before_the_ranks_start(tmp_path, monkeypatch):
+    """`check_ckpt_path` runs in every launched process too: only the launcher (or torchrun's rank 0) reads the
+    digests there; the ranks check together when they load (``resolve_and_check``)."""
+    from lightning_2d.checkpoint import check_ckpt_path
+
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    flip_exponent_bits(path)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert check_ckpt_path(str(path)) == path
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(CheckpointError, match="its bytes changed after it was saved at step 8"):
+        check_ckpt_path(str(path))
