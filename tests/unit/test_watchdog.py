@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -22,6 +23,7 @@ from lightning_2d.parallel.watchdog import (
     process_state,
     record_for_torchrun,
 )
+from lightning_2d.parallel.watchdog_rules import Failure, Finding
 
 GLOO_RESET = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:21389: Connection reset by"
@@ -62,6 +64,17 @@ class World:
         finally:
             self.during_sleep = hook
 
+    def failed_collective(self, rank: int) -> None:
+        """Rank ``rank``'s collective failed now (what ``on_failure`` records before it waits for the cause)."""
+        dog = self.dogs[rank]
+        error = RuntimeError(GLOO_TIMEOUT)
+        dog._failure = (Failure(self.now, True, f"RuntimeError: {GLOO_TIMEOUT}", dog.step + 1), error)
+
+    def beat(self, rank: int, status: str) -> None:
+        """Rank ``rank`` writes a heartbeat with ``status`` (as its ``on_failure`` or its end would)."""
+        self.dogs[rank]._status = status
+        self.dogs[rank]._write_beat()
+
     def round(self, ranks=None, dt: float = 2.5) -> dict[int, object]:
         """Advance the clock by ``dt`` and run one round on ``ranks``; {rank: exit code or verdict}."""
         self.now += dt
@@ -76,10 +89,11 @@ class World:
 
 def test_bound_and_interval_are_the_shorter_timeout_and_a_tenth_of_it():
     world = World(n=2, timeout=120.0, collective_timeout=20.0)  # the user's timeout is never extended
-    assert world.dogs[0].bound == 20.0 and world.dogs[0].interval == 2.0 and world.dogs[0].wait_for_cause == 7.0
-    assert World(n=2, timeout=20.0).dogs[0].bound == 20.0  # no collective timeout
-    assert World(n=2, timeout=60.0, collective_timeout=1800.0).dogs[0].interval == 5.0  # at most 5 s
-    assert World(n=2, timeout=1.0).dogs[0].interval == 0.2  # at least 0.2 s
+    limits = world.dogs[0].limits
+    assert limits.bound == 20.0 and limits.interval == 2.0 and limits.patience == 7.0
+    assert World(n=2, timeout=20.0).dogs[0].limits.bound == 20.0  # no collective timeout
+    assert World(n=2, timeout=60.0, collective_timeout=1800.0).dogs[0].limits.interval == 5.0  # at most 5 s
+    assert World(n=2, timeout=1.0).dogs[0].limits.interval == 0.2  # at least 0.2 s
 
 
 def test_a_stopped_rank_is_named_by_its_predecessor_after_the_watchdog_timeout_and_killed():
@@ -184,7 +198,7 @@ def test_after_a_failed_collective_a_stopped_rank_is_named_at_once_not_after_the
     except Exited as ended:
         assert ended.args[0] == EXIT_CODE
     # Named within a round; then rank 0, which hosts the store, holds it (2 rounds + 1 s at most) for the others.
-    assert world.now - failed_at <= dog.interval + 2 * dog.interval + 1
+    assert world.now - failed_at <= dog.limits.interval + 2 * dog.limits.interval + 1
     assert world.round([2, 3], dt=0.1) == {2: EXIT_CODE, 3: EXIT_CODE}
     assert re.search(r"Stopping rank 0 \(exit code 75\): rank 1 \(pid 1001 on node0\) has sent no heartbeat for \d s"
                      r" \(and rank 0's collective failed\): its process is stopped", world.out[0].getvalue())
@@ -199,14 +213,14 @@ def test_after_a_failed_collective_a_stuck_rank_is_named_but_not_a_lag_that_bega
         world.dogs[rank].started = 3
     for _ in range(10):
         assert world.round(dt=0.8) == {0: None, 1: None, 2: None, 3: None}
-    world.dogs[1]._waiting, world.dogs[1]._failed_at = True, world.now  # rank 1's collective failed at 8 s
+    world.failed_collective(1)  # rank 1's collective failed at 8 s
     assert world.round([1], dt=0.8)[1] == EXIT_CODE
     assert "rank 2 (pid 1002 on node0) is stuck at step 0 (others at step 3) for 8 s (and rank 1's collective failed)" \
         in world.out[1].getvalue()
 
     world = World(timeout=60.0, collective_timeout=8.0)
     world.round(dt=0.8)
-    world.dogs[1]._waiting, world.dogs[1]._failed_at = True, world.now  # failed first; rank 2 falls behind after
+    world.failed_collective(1)  # failed first; rank 2 falls behind after
     world.dogs[1].started = 3
     for _ in range(3):
         assert world.round([1, 2], dt=0.8) == {1: None, 2: None}
@@ -224,7 +238,7 @@ def test_a_dead_rank_is_named_rather_than_a_rank_stuck_waiting_on_it():
     for _ in range(3):
         world.round(dt=0.8)
     world.states[1001] = "X"  # killed
-    world.dogs[2]._waiting, world.dogs[2]._failed_at = True, world.now
+    world.failed_collective(2)
     assert world.round([2], dt=0.8)[2] == EXIT_CODE
     assert re.search(r"Stopping rank 2 \(exit code 75\): rank 1 \(pid 1001 on node0\) died: its process is gone",
                      world.out[2].getvalue()), world.out[2].getvalue()
@@ -234,7 +248,7 @@ def test_a_dead_rank_is_named_rather_than_a_rank_stuck_waiting_on_it():
     for rank in (0, 1, 2):
         world.dogs[rank].started = 4
     world.dogs[3].started = 3
-    world.dogs[1]._state = "done"
+    world.dogs[1]._status = "done"
     world.round([1], dt=0.8)
     world.states[1001] = "X"
     for _ in range(3):
@@ -247,12 +261,12 @@ def test_a_failed_collective_with_no_cause_found_reports_itself_within_a_few_sec
     dog = world.dogs[1]
     start = world.now
     dog.on_failure(RuntimeError(GLOO_RESET))  # a consequence: it waits for a cause (none here)
-    assert world.now - start == dog.wait_for_cause <= 7.0  # seconds, not the 120 s watchdog timeout
+    assert world.now - start == dog.limits.patience <= 7.0  # seconds, not the 120 s watchdog timeout
     verdict = world.round([0], dt=0.1)[0]
-    assert verdict["ranks"] == [1]  # then it names itself, with what it saw
+    assert verdict.ranks == (1,)  # then it names itself, with what it saw
     assert ("rank 1's collective failed during step 1 (RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
-            "pair.cc:537] Read error") in verdict["reason"]
-    assert verdict["reason"].endswith("and no rank was found dead, stopped or stuck within 7 s")
+            "pair.cc:537] Read error") in verdict.reason
+    assert verdict.reason.endswith("and no rank was found dead, stopped or stuck within 7 s")
     world.round([2, 3], dt=0.1)  # (ranks not failing give it the grace: their own error may be coming)
     assert world.round([0, 2, 3], dt=5.0) == {0: EXIT_CODE, 2: EXIT_CODE, 3: EXIT_CODE}
 
@@ -261,8 +275,7 @@ def test_a_failed_collective_ends_with_the_cause_another_rank_found():
     world = World(timeout=20.0)
     world.round()
     dog = world.dogs[3]
-    world.dogs[0].verdict = None
-    world.during_sleep = lambda: world.dogs[0]._publish({"ranks": [1], "by": 0, "reason": "rank 1 died"})
+    world.during_sleep = lambda: world.dogs[0]._publish(Finding((1,), 0, "rank 1 died"))
     try:
         dog.on_failure(RuntimeError(GLOO_RESET))
         raise AssertionError("not ended")
@@ -277,7 +290,7 @@ def test_an_exception_is_published_with_its_step_and_the_others_end_after_the_gr
     world.dogs[2].step = 4
     world.dogs[2].on_failure(ValueError("bad batch\nsecond line"))
     results = world.round([0, 1, 3], dt=0.5)  # seen: the grace for an error raised everywhere at once
-    assert all(verdict["ranks"] == [2] for verdict in results.values())
+    assert all(verdict.ranks == (2,) for verdict in results.values())
     assert world.round([0, 1, 3], dt=5.0) == {0: EXIT_CODE, 1: EXIT_CODE, 3: EXIT_CODE}
     assert "rank 2 raised ValueError during step 5: bad batch." in world.out[0].getvalue()
     assert "second line" not in world.out[0].getvalue()
@@ -289,7 +302,7 @@ def test_a_rank_failing_with_its_own_error_is_left_to_exit_by_itself():
     world.dogs[2].on_failure(ValueError("boom"))  # rank 2 publishes its error
     world.dogs[1].on_failure(RuntimeError("raised on every rank"))  # rank 1 fails by itself too, not a consequence
     for _ in range(10):
-        assert world.round([1], dt=2.5)[1]["ranks"] == [2]  # never ended by the watchdog: exits with its own error
+        assert world.round([1], dt=2.5)[1].ranks == (2,)  # never ended by the watchdog: exits with its own error
     assert world.out[1].getvalue() == ""
 
 
@@ -336,17 +349,14 @@ def test_the_store_host_ending_waits_for_a_rank_still_waiting_for_the_cause():
     world.round()
     world.states[1001] = "T"  # rank 1 stopped: its heartbeat is not renewed from here on
     world.round([0, 2, 3], dt=1.0)
-    world.dogs[3]._state = "failed"  # rank 3's collective failed; it waits for the cause
-    world.dogs[2]._state = "ended"  # rank 2 has ended already
-    for r in (2, 3):
-        world.dogs[r]._call("set", world.dogs[r]._key(r), world.dogs[r]._beat())
+    world.beat(3, "failed")  # rank 3's collective failed; it waits for the cause
+    world.beat(2, "ended")  # rank 2 has ended already
     read = []
 
     def rank_3_reads_the_verdict_late():
-        if world.now > world.dogs[0]._seen_at + 1 and not read:
+        if world.now > world.dogs[0]._state.seen_at + 1 and not read:
             read.append(world.now)
-            world.dogs[3]._state = "ended"
-            world.dogs[3]._call("set", world.dogs[3]._key(3), world.dogs[3]._beat())
+            world.beat(3, "ended")
 
     world.during_sleep = rank_3_reads_the_verdict_late
     results = world.round([0], dt=11.0)  # rank 0 finds rank 1 silent, ends, waits before leaving
@@ -359,21 +369,19 @@ def test_the_store_host_ending_waits_for_a_stuck_culprit_to_read_the_verdict():
     world = World(n=4, timeout=10.0)
     world.round()
     for r in (1, 3):  # the others have ended already
-        world.dogs[r]._state = "ended"
-        world.dogs[r]._call("set", world.dogs[r]._key(r), world.dogs[r]._beat())
+        world.beat(r, "ended")
     host = world.dogs[0]
-    host.verdict, host._seen_at = {"ranks": [2], "by": 1, "reason": "rank 2 is stuck"}, world.now
+    host._state = replace(host._state, verdict=Finding((2,), 1, "rank 2 is stuck"), seen_at=world.now)
     read = []
 
     def the_stuck_rank_reads_the_verdict():
-        if world.now > host._seen_at + 1 and not read:
+        if world.now > host._state.seen_at + 1 and not read:
             read.append(world.now)
-            world.dogs[2]._state = "ended"
-            world.dogs[2]._call("set", world.dogs[2]._key(2), world.dogs[2]._beat())
+            world.beat(2, "ended")
 
     world.during_sleep = the_stuck_rank_reads_the_verdict
     try:
-        host._end()
+        host.check_once()  # it holds the verdict: it ends
     except Exited as ended:
         assert ended.args[0] == EXIT_CODE
     assert read, "the store's host left before the stuck rank read the verdict naming it"
