@@ -641,7 +641,7 @@ SCENARIOS = {
         *beating(8.5, 14.5, beat=(3, 2, 2, "alive"), every=1.0, started=3, failure=COLLECTIVE, expect=WAIT),
     ],
     "a failed collective with no cause found within patience reports itself, left to its own error": [
-        Call(14.9, expect=WAIT, failure=COLLECTIVE, round=False),
+        Call(14.99, expect=WAIT, failure=COLLECTIVE, round=False),
         Call(15.0, expect=named([0], r"^rank 0's collective failed during step 3 \(RuntimeError: gloo timeout\) and"
                                      r" no rank was found dead, stopped or stuck within 7 s$", then="continue"),
              failure=COLLECTIVE, round=False),
