@@ -222,25 +222,29 @@ class Watchdog:
 
     # ---- observe, decide, act ----------------------------------------------------------------------------------------
     def _observe(self, read_store: bool) -> Observations:
-        """This call's observations: the local processes' states, and in a round (``read_store``) this rank's
-        heartbeat written, the verdict, the watched successor's heartbeat and those of dead local ranks read at once."""
+        """This call's observations: the local processes' states, and in a round (``read_store``) what ``_read``
+        gives."""
         now, state = self.clock(), self._state
-        job, successor = state.job, state.successor
-        states = {r: self.state_of(job.processes[r][2]) for r in job.local}
-        seen: dict[str, Any] = {}
-        if read_store:
-            gone = [r for r in job.local if states[r] in GONE and r not in state.done and r != successor]
-            ranks = ([successor] if successor != job.rank else []) + gone
-            with suppress(*_STORE_ERRORS):  # (a silent store is judged by the rules)
-                self._write_beat()
-                verdict, *beats = self._call("multi_get", [self._key("verdict"), *map(self._key, ranks)])
-                parsed = {r: Beat.parse(b) if b else None for r, b in zip(ranks, beats)}
-                seen = {"verdict": Finding.from_json(verdict) if verdict else None,
-                        "gone": {r: parsed[r] for r in gone}}
-                if successor != job.rank and parsed[successor] is not None:
-                    seen["successor"] = (successor, parsed[successor])
+        states = {r: self.state_of(state.job.processes[r][2]) for r in state.job.local}
+        seen = self._read(state, states) if read_store else {}
         failure = self._failure[0] if self._failure is not None else None
         return Observations(now, self.started, self._answered_at, states, failure=failure, round=read_store, **seen)
+
+    def _read(self, state: State, states: dict[int, Optional[str]]) -> dict[str, Any]:
+        """A round's store calls: this rank's heartbeat written, then the verdict, the watched successor's heartbeat
+        and those of the local ranks whose process is gone read in one ``multi_get``; nothing when the store is
+        silent (the rules judge that)."""
+        job, successor = state.job, state.successor
+        gone = [r for r in job.local if states[r] in GONE and r not in state.done and r != successor]
+        ranks = ([successor] if successor != job.rank else []) + gone
+        with suppress(*_STORE_ERRORS):
+            self._write_beat()
+            verdict, *raw = self._call("multi_get", [self._key("verdict"), *map(self._key, ranks)])
+            beats = {r: Beat.parse(b) if b else None for r, b in zip(ranks, raw)}
+            successor_beat = beats.get(successor)
+            return {"verdict": Finding.from_json(verdict) if verdict else None, "gone": {r: beats[r] for r in gone},
+                    "successor": None if successor_beat is None else (successor, successor_beat)}
+        return {}
 
     def _decide(self, obs: Observations) -> Verdict:
         """``decide`` under the lock (the thread and a failing main thread both call it), publishing as it says."""

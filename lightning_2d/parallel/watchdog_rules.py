@@ -94,6 +94,10 @@ class Job:
         here = self.processes[self.rank][:2]
         return tuple(r for r, p in enumerate(self.processes) if r != self.rank and p[:2] == here)
 
+    @property
+    def others(self) -> tuple[int, ...]:
+        return tuple(r for r in range(len(self.processes)) if r != self.rank)
+
     def who(self, rank: int) -> str:
         return f"rank {rank} (pid {self.processes[rank][2]} on {self.processes[rank][0]})"
 
@@ -283,14 +287,17 @@ def _act(obs: Observations, state: State, limits: Limits) -> Verdict:
         ends = not verdict.raised or rank in verdict.ranks or obs.now - state.seen_at >= limits.settle
     if not ends:
         return Continue()
+    kill = tuple(r for r in verdict.ranks if r in state.job.local and obs.states.get(r) in STOPPED)
+    return End(_end_message(verdict, rank, failure), dump_stacks=rank in verdict.ranks, kill=kill)
+
+
+def _end_message(verdict: Finding, rank: int, failure: Optional[Failure]) -> str:
     line = (f"Stopping rank {rank} (exit code {EXIT_CODE}): {verdict.reason}"
             + (f" [found by rank {verdict.by}]" if verdict.by not in (rank, *verdict.ranks) else "")
             + ". Resume from the last complete checkpoint (ckpt_path='last').")
-    if failure is not None:
-        kind = "a consequence" if failure.communication else "raised here"
-        line += f"\nThis rank's own error ({kind}): {failure.error}"
-    kill = tuple(r for r in verdict.ranks if r in state.job.local and obs.states.get(r) in STOPPED)
-    return End(line, dump_stacks=rank in verdict.ranks, kill=kill)
+    if failure is None:
+        return line
+    return line + f"\nThis rank's own error ({'a consequence' if failure.communication else 'raised here'}): {failure.error}"
 
 
 def _judge(obs: Observations, state: State, limits: Limits) -> tuple[State, Optional[Finding]]:
@@ -302,22 +309,31 @@ def _judge(obs: Observations, state: State, limits: Limits) -> tuple[State, Opti
     if state.successor != state.watched:
         state = replace(state, watched=state.successor, count=-1, since=now, behind_since=None)
     if now - obs.store_answered_at > limit:
-        host = job.store_host
-        where = "the torchrun agent" if host is None else f"rank {host} (MASTER_ADDR)"
-        return state, Finding(() if host is None else (host,), job.rank, (
-            f"the job's store (hosted by {where}) has not answered for {now - obs.store_answered_at:.0f} s"
-            f" {why}{_describe(obs, job, host)}"))
-    if obs.successor is None or obs.successor[0] != state.watched or state.watched == job.rank:
+        return state, _store_silent(obs, job, why)
+    beat = obs.successor[1] if obs.successor and obs.successor[0] == state.watched != job.rank else None
+    if beat is None:
         return state, None
-    beat = obs.successor[1]
     if beat.status in FINISHED:
         return replace(state, done=state.done | {state.watched}), None  # the next call watches the next rank
-    if beat.count != state.count:
-        state = replace(state, count=beat.count, since=now)
-    behind = None if beat.started >= obs.started else (now if state.behind_since is None else state.behind_since)
-    state = replace(state, behind_since=behind)
+    state = _track(state, beat, obs)
     seen = _Seen(obs, state, beat, limit, why, waiting)
     return state, next((f for f in (rule(seen, limits) for rule in SUCCESSOR_RULES) if f is not None), None)
+
+
+def _track(state: State, beat: Beat, obs: Observations) -> State:
+    """Since when the successor's heartbeat count has not changed, and since when it is behind this rank's step."""
+    since = obs.now if beat.count != state.count else state.since
+    behind = None if beat.started >= obs.started else obs.now if state.behind_since is None else state.behind_since
+    return replace(state, count=beat.count, since=since, behind_since=behind)
+
+
+def _store_silent(obs: Observations, job: Job, why: str) -> Finding:
+    """The store has not answered for longer than the limit: its host is named (none: torchrun's agent hosts it)."""
+    host = job.store_host
+    where = "the torchrun agent" if host is None else f"rank {host} (MASTER_ADDR)"
+    return Finding(() if host is None else (host,), job.rank, (
+        f"the job's store (hosted by {where}) has not answered for {obs.now - obs.store_answered_at:.0f} s"
+        f" {why}{_describe(obs, job, host)}"))
 
 
 def _gone(seen: _Seen, limits: Limits) -> Optional[Finding]:
@@ -393,12 +409,11 @@ def departure(state: State, states: Mapping[int, Optional[str]], now: float, lim
     the store along, and a rank not done with it would take that for a new failure). It waits while one of them is
     "alive" or "failed" (waiting for a cause): after finishing, ``bound`` at most; after a verdict, ``linger``
     after it was seen, not for culprits that raised, are stopped, gone or on another host (need not read it)."""
-    job = state.job
+    job, verdict = state.job, state.verdict
     if job.store_host != job.rank:
         return (), now
-    verdict = None if finished else state.verdict
-    culprits = () if verdict is None else verdict.ranks
-    skip = {r for r in culprits if verdict is not None and verdict.raised or r not in job.local
-            or states.get(r) in GONE + STOPPED}
-    until = now + limits.bound if finished else state.seen_at + limits.linger
-    return tuple(r for r in range(len(job.processes)) if r != job.rank and r not in skip), until
+    if finished or verdict is None:
+        return job.others, now + limits.bound
+    skip = set(verdict.ranks) if verdict.raised else {
+        r for r in verdict.ranks if r not in job.local or states.get(r) in GONE + STOPPED}
+    return tuple(r for r in job.others if r not in skip), state.seen_at + limits.linger
