@@ -29,7 +29,10 @@ any other verdict held                    ``End``: exit ``EXIT_CODE``, kill a st
                                             dump the stacks if named
 ========================================  ====================================================================
 
-``limit`` is ``Limits.timeout``, or ``Limits.settle`` while this rank's collective failed. ``departure`` says whom
+``limit`` is ``Limits.timeout``, or ``Limits.settle`` while this rank's collective failed. *Behind*: the successor has
+not started the step this rank started (a step starts when ``optimizer_step`` is entered, under the Trainer before
+the forward: a rank stuck in data loading, a callback or a save is behind; one stuck between two collectives of a
+step is at the others' step, and the collectives' timeout ends it). ``departure`` says whom
 the rank hosting the store waits for before it leaves (its exit takes the store along).
 """
 
