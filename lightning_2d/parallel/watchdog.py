@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lightning_2d._compat import default_store
 from lightning_2d.parallel.watchdog_rules import (
-    EXIT_CODE,
+    EXIT_CODE,  # noqa: F401 (re-exported: callers import it from here)
     GONE,
     RUNNING,
     Beat,
@@ -158,7 +158,7 @@ class Watchdog:
         self.started = self.step = 0
         self.clock, self.sleep, self.exit, self.out, self.state_of, self.kill = (
             time.monotonic, time.sleep, os._exit, None, process_state, os.kill)
-        self._state = State(Job(rank, tuple(tuple(p) for p in processes), store_host_rank))  # type: ignore[misc]
+        self._state = State(Job(rank, tuple((host, ns, pid) for host, ns, pid in processes), store_host_rank))
         self._lock, self._ending, self._stopped = threading.Lock(), threading.Lock(), threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._store, self._prefix, self._answered_at = _Store(store), f"lightning_2d/watchdog/{run_id}", 0.0
