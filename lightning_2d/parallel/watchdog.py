@@ -1,7 +1,8 @@
 """Failure watchdog: a rank that dies, stops, hangs or raises ends the job within a bound, named on every rank.
 
 torch's own mechanisms first (torchrun's error files, ``nccl_failure_env``); this module names the rank that *caused*
-a failure, ends a job whose rank is stopped or stuck, on gloo and NCCL alike. CONTRIBUTING.md has the rules."""
+a failure, ends a job whose rank is stopped or stuck, on gloo and NCCL alike. Its rules are a pure function
+(``watchdog_rules.decide``, with their table); this module is their shell: the thread, the store, the exit."""
 
 from __future__ import annotations
 
