@@ -1,13 +1,13 @@
 """Failure watchdog: a rank that dies, stops, hangs or raises ends the job within a bound, named on every rank.
 
 torch's own mechanisms first (torchrun's error files, ``nccl_failure_env``); this module names the rank that *caused*
-a failure, ends a job whose rank is stopped or stuck, on gloo and NCCL alike. CONTRIBUTING.md has the rules."""
+a failure, ends a job whose rank is stopped or stuck, on gloo and NCCL alike. Its rules are a pure function
+(``watchdog_rules.decide``, with their table); this module is their shell: the thread, the store, the exit."""
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
-import json
 import os
 import queue
 import signal
@@ -18,20 +18,37 @@ import time
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_2d._compat import default_store
+from lightning_2d.parallel.watchdog_rules import (
+    EXIT_CODE,  # noqa: F401 (re-exported: callers import it from here)
+    GONE,
+    RUNNING,
+    Beat,
+    End,
+    Failure,
+    Finding,
+    Job,
+    Limits,
+    Observations,
+    Publish,
+    State,
+    Verdict,
+    Wait,
+    decide,
+    departure,
+    own_reason,
+)
 
-#: The exit code of a rank ended by the watchdog (``EX_TEMPFAIL``: resume from the last checkpoint).
-EXIT_CODE = 75
 DEFAULT_WATCHDOG_TIMEOUT = timedelta(minutes=2)
 #: gloo's plain ``RuntimeError`` for a dead or silent peer: "[…/gloo/transport/tcp/pair.cc:537] Read error …".
 _GLOO = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
 _STORE_ERRORS = (RuntimeError, TimeoutError)  # c10d's DistStoreError and DistNetworkError are RuntimeErrors
-_GONE, _STOPPED = (None, "Z", "X"), ("T", "t")  # process states (``/proc/PID/stat``; ``None``: no such process)
 
 
 def process_state(pid: int) -> Optional[str]:
@@ -131,34 +148,35 @@ class _Store:
 class Watchdog:
     """One rank's watchdog (``start_watchdog`` makes it): set ``started``/``step`` (optimizer step entered/completed) on
     the training path, call ``on_failure(exc)`` when the main thread fails and ``stop()`` at the end. ``processes``:
-    every rank's (host, PID namespace, PID); ``store_host_rank`` ``None``: torchrun's agent hosts the store. Tests
-    replace ``clock``, ``sleep``, ``exit``, ``out``, ``state_of`` and ``kill``."""
+    every rank's (host, PID namespace, PID); ``store_host_rank`` ``None``: torchrun's agent hosts the store. The
+    shell of ``watchdog_rules.decide``: it observes, decides, acts. Tests replace ``clock``, ``sleep``, ``exit``,
+    ``out``, ``state_of`` and ``kill``."""
 
     def __init__(self, store: Any, rank: int, processes: list[tuple[str, str, int]], run_id: str,
                  watchdog_timeout: float, collective_timeout: Optional[float] = None,
                  store_host_rank: Optional[int] = 0) -> None:
-        self.rank, self.processes, self.world_size = rank, processes, len(processes)
-        self.watchdog_timeout, self.store_host_rank = float(watchdog_timeout), store_host_rank
-        self.bound = min(self.watchdog_timeout, collective_timeout or float("inf"))  # neither timeout is extended
-        self.interval = min(5.0, max(0.2, self.bound / 10))  # seconds between two rounds
-        self.grace, self.wait_for_cause = min(5.0, 2 * self.interval), 3 * self.interval + 1.0
+        self.limits = Limits.of(watchdog_timeout, collective_timeout)
         self.started = self.step = 0
-        self.verdict: Optional[dict[str, Any]] = None
         self.clock, self.sleep, self.exit, self.out, self.state_of, self.kill = (
             time.monotonic, time.sleep, os._exit, None, process_state, os.kill)
-        self._store, self._prefix = _Store(store), f"lightning_2d/watchdog/{run_id}"
-        self._local = [r for r, p in enumerate(processes) if r != rank and p[:2] == processes[rank][:2]]
-        self._done: set[int] = set()  # ranks that finished: the ring skips them
-        self._watched, self._count, self._since, self._behind_since = rank, -1, 0.0, None  # the watched successor
-        self._beats, self._state, self._store_ok_at, self._seen_at, self._failed_at = 0, "alive", 0.0, 0.0, 0.0
-        self._failure: Optional[BaseException] = None
-        self._waiting, self._stopped, self._ending, self._thread = False, threading.Event(), threading.Lock(), None
-        self._call("set", self._key(rank), self._beat())  # every key a round reads exists: multi_get waits for one
+        self._state = State(Job(rank, tuple((host, ns, pid) for host, ns, pid in processes), store_host_rank))
+        self._lock, self._ending, self._stopped = threading.Lock(), threading.Lock(), threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._store, self._prefix, self._answered_at = _Store(store), f"lightning_2d/watchdog/{run_id}", 0.0
+        self._beats, self._status = 0, "alive"
+        self._failure: Optional[tuple[Failure, BaseException]] = None
+        self._write_beat()  # every key a round reads exists: multi_get waits for one
         if rank == 0:
             self._call("set", self._key("verdict"), "")
 
+    @property
+    def verdict(self) -> Optional[Finding]:
+        """The verdict this rank holds (``None``: none yet)."""
+        return self._state.verdict
+
     def start(self, thread: bool = True) -> "Watchdog":
-        self._store_ok_at = self._since = self.clock()
+        self._answered_at = now = self.clock()
+        self._state = replace(self._state, watched=self._state.job.rank, since=now)
         if thread:
             self._thread = threading.Thread(target=self._run, daemon=True, name="lightning_2d-watchdog")
             self._thread.start()
@@ -170,183 +188,131 @@ class Watchdog:
             self._leave("done")
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + 2.0)
+            self._thread.join(timeout=self.limits.interval + 2.0)
         self._store.calls.put(None)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
+        while not self._stopped.wait(self.limits.interval):
             try:
                 self.check_once()
             except Exception as err:  # noqa: BLE001 — the watchdog must never take the rank down by mistake
                 self._print(f"the watchdog's check failed ({type(err).__name__}: {err}); checking again")
 
+    # ---- the store ---------------------------------------------------------------------------------------------------
     def _key(self, name: object) -> str:
         return f"{self._prefix}/{name}"
 
     def _call(self, method: str, *args: Any) -> Any:
-        value = self._store(method, *args, timeout=max(1.0, self.interval))
-        self._store_ok_at = self.clock()
+        value = self._store(method, *args, timeout=max(1.0, self.limits.interval))  # a round's length at least
+        self._answered_at = self.clock()
         return value
 
-    def _beat(self) -> str:
+    def _write_beat(self) -> None:
         self._beats += 1
-        return f"{self._beats} {self.started} {self.step} {self._state}"
+        rank = self._state.job.rank
+        self._call("set", self._key(rank), str(Beat(self._beats, self.started, self.step, self._status)))
 
-    # ---- one round: heartbeat, verdict, finding, action ------------------------------------------------------------
-    def check_once(self) -> Optional[dict[str, Any]]:
-        """One round; acts on the verdict, and returns it."""
-        now, beat = self.clock(), None
-        successor = next((r for r in ((self.rank + k) % self.world_size for k in range(1, self.world_size))
-                          if r not in self._done), self.rank)
-        if successor != self._watched:
-            self._watched, self._count, self._since, self._behind_since = successor, -1, now, None
-        with suppress(*_STORE_ERRORS):  # (a silent store is judged below)
-            self._call("set", self._key(self.rank), self._beat())
-            verdict, beat = self._call("multi_get", [self._key("verdict"), self._key(successor)])
-            if verdict and self.verdict is None:
-                self.verdict, self._seen_at = json.loads(verdict), now
-        if self.verdict is None and (found := self._judge(beat, now)):
-            self.verdict, self._seen_at = self._publish({"ranks": found[0], "by": self.rank, "reason": found[1]}), now
-        verdict = self.verdict or {}  # acted on unless this rank fails by itself, with its own error (its own exit);
-        if verdict and (self._failure is None or self._waiting) and (  # the grace: an error raised on every rank at
-                not verdict.get("raised") or self.rank in verdict["ranks"] or now - self._seen_at >= self.grace):
-            self._end()  # once is each rank's own to report
-        return self.verdict
-
-    def _judge(self, beat: Optional[bytes], now: float) -> Optional[tuple[list[int], str]]:
-        """The store silent, or the watched successor gone (on this host), silent or behind, longer than the limit?"""
-        limit, why = (2 * self.interval, f"(and rank {self.rank}'s collective failed)") if self._waiting else (
-            self.watchdog_timeout, f"(watchdog timeout {self.watchdog_timeout:.0f} s)")
-        if now - self._store_ok_at > limit:
-            host, where = self.store_host_rank, f"rank {self.store_host_rank} (MASTER_ADDR)"
-            return [] if host is None else [host], (
-                f"the job's store (hosted by {where if host is not None else 'the torchrun agent'}) has not answered"
-                f" for {now - self._store_ok_at:.0f} s {why}{self._describe(host)}")
-        if beat is None or (r := self._watched) == self.rank:
-            return None
-        count, started, step, state = beat.decode().split()
-        if state in ("done", "ended"):
-            self._done.add(r)  # the next round watches the next rank
-            return None
-        if int(count) != self._count:
-            self._count, self._since = int(count), now
-        self._behind_since = None if int(started) >= self.started else self._behind_since or now
-        who = f"rank {r} (pid {self.processes[r][2]} on {self.processes[r][0]})"
-        steps = f"; its last heartbeat reported {step} completed step(s)"
-        if r in self._local and self.state_of(self.processes[r][2]) in _GONE:
-            return [r], f"{who} died: its process is gone{steps}"
-        # Silence or a lag may be waiting on a rank that died (a save or a collective with it): a dead rank on this
-        # host is the cause, whichever rank watches it (the race seen: rank 3 named stuck while rank 1 was dead).
-        if (now - self._since > limit or self._behind_since is not None) and (dead := self._dead_local(r)) is not None:
-            return [dead], f"rank {dead} (pid {self.processes[dead][2]} on {self.processes[dead][0]}) died: its process is gone"
-        if now - self._since > limit:
-            return [r], f"{who} has sent no heartbeat for {now - self._since:.0f} s {why}{self._describe(r)}{steps}"
-        # Stuck: behind the step this rank started, its heartbeat fresh (else it is stopped).
-        behind = self._behind_since  # (while waiting for a cause: behind since before the collective failed)
-        lag = 0.0 if behind is None or self._waiting and behind > self._failed_at - self.interval else now - behind
-        if lag > limit and now - self._since <= 3 * self.interval:
-            return [r], (f"{who} is stuck at step {started} (others at step {self.started}) for {lag:.0f} s {why}:"
-                         " alive (its heartbeat beats) but not progressing")
-        return None
-
-    def _dead_local(self, watched: int) -> Optional[int]:
-        """A rank on this host, other than this one and the watched one, whose process is gone without having
-        finished (its last heartbeat not "done"/"ended"); ``None``: none (or the store cannot tell)."""
-        gone = [d for d in self._local if d != watched and d not in self._done
-                and self.state_of(self.processes[d][2]) in _GONE]
-        if gone:
-            with suppress(*_STORE_ERRORS):
-                for d, beat in zip(gone, self._call("multi_get", [self._key(d) for d in gone])):
-                    if not beat or beat.decode().split()[3] not in ("done", "ended"):
-                        return d
-        return None
-
-    def _describe(self, rank: Optional[int]) -> str:
-        if rank is None or rank == self.rank:
-            return ""
-        if rank not in self._local:
-            return " (another host: stopped, dead or cut off)"
-        state = self.state_of(self.processes[rank][2])
-        if state in _GONE + _STOPPED:
-            return f": its process is {'stopped (SIGSTOP/SIGTSTP)' if state in _STOPPED else 'gone'}"
-        return f": its process is alive (state {state}) but its watchdog does not run"
-
-    def _publish(self, finding: dict[str, Any]) -> dict[str, Any]:
+    def _publish(self, finding: Finding) -> Finding:
         """Write ``finding`` unless another rank wrote a verdict first; the verdict that holds."""
         with suppress(*_STORE_ERRORS):
-            held = self._call("compare_set", self._key("verdict"), "", json.dumps(finding))
-            return json.loads(held) if held else finding
+            held = self._call("compare_set", self._key("verdict"), "", finding.to_json())
+            return Finding.from_json(held) if held else finding
         return finding  # the store is gone: act on this rank's own finding
 
-    def _end(self) -> None:
-        with self._ending:  # once, from whichever thread comes first; the other waits for the exit
-            verdict = self.verdict or {}
-            culprits, by = verdict.get("ranks", []), verdict.get("by")
-            line = (f"Stopping rank {self.rank} (exit code {EXIT_CODE}): {verdict.get('reason', 'another rank failed')}"
-                    + (f" [found by rank {by}]" if by not in (None, self.rank, *culprits) else "")
-                    + ". Resume from the last complete checkpoint (ckpt_path='last').")
-            if self._failure is not None:
-                kind = "a consequence" if is_communication_error(self._failure) else "raised here"
-                line += f"\nThis rank's own error ({kind}): {_error(self._failure)}"
-            self._print(line)
-            if self.rank in culprits:  # named but alive (stuck): where its threads are
-                with suppress(OSError, ValueError):  # (a stream without a file descriptor)
-                    faulthandler.dump_traceback(self.out or sys.stderr, all_threads=True)
-            record_for_torchrun(line.splitlines()[0])
-            for r in (r for r in culprits if r in self._local and self.state_of(self.processes[r][2]) in _STOPPED):
-                with suppress(OSError):  # a stopped rank would hold its memory and devices forever
-                    self.kill(self.processes[r][2], signal.SIGKILL)
-                    self._print(f"killed the stopped rank {r} (pid {self.processes[r][2]})")
-            self._leave("ended")
-            self._stopped.set()
-            self.exit(EXIT_CODE)
+    # ---- observe, decide, act ----------------------------------------------------------------------------------------
+    def _observe(self, read_store: bool) -> Observations:
+        """This call's observations: the local processes' states, and in a round (``read_store``) what ``_read``
+        gives."""
+        now, state = self.clock(), self._state
+        states = {r: self.state_of(state.job.processes[r][2]) for r in state.job.local}
+        seen = self._read(state, states) if read_store else {}
+        failure = self._failure[0] if self._failure is not None else None
+        return Observations(now, self.started, self._answered_at, states, failure=failure, round=read_store, **seen)
 
-    def _leave(self, state: str) -> None:
-        """Write this rank's ``state`` ("done", "ended": no failure). The rank hosting the store (its exit takes it along)
-        then waits while another rank is "alive" or "failed" (waiting for a cause): the bound at most after finishing;
-        two rounds after a verdict, not for culprits that raised, are stopped, gone or elsewhere (need not read it)."""
-        self._state, finished = state, state == "done"
-        verdict = {} if finished else self.verdict or {}
-        skip = {r for r in verdict.get("ranks", []) if verdict.get("raised") or r not in self._local
-                or self.state_of(self.processes[r][2]) in _GONE + _STOPPED}
-        until = self.clock() + self.bound if finished else self._seen_at + 2 * self.interval + 1
-        keys = [self._key(r) for r in range(self.world_size) if r != self.rank and r not in skip]
+    def _read(self, state: State, states: dict[int, Optional[str]]) -> dict[str, Any]:
+        """A round's store calls: this rank's heartbeat written, then the verdict, the watched successor's heartbeat
+        and those of the local ranks whose process is gone read in one ``multi_get``; nothing when the store is
+        silent (the rules judge that)."""
+        job, successor = state.job, state.successor
+        gone = [r for r in job.local if states[r] in GONE and r not in state.done and r != successor]
+        ranks = ([successor] if successor != job.rank else []) + gone
         with suppress(*_STORE_ERRORS):
-            self._call("set", self._key(self.rank), self._beat())
-            while self.store_host_rank == self.rank and keys and self.clock() < until and any(
-                    beat.rsplit(b" ", 1)[-1] in (b"alive", b"failed") for beat in self._call("multi_get", keys)):
-                self.sleep(min(0.2, self.interval / 4))
+            self._write_beat()
+            verdict, *raw = self._call("multi_get", [self._key("verdict"), *map(self._key, ranks)])
+            beats = {r: Beat.parse(b) if b else None for r, b in zip(ranks, raw)}
+            successor_beat = beats.get(successor)
+            return {"verdict": Finding.from_json(verdict) if verdict else None, "gone": {r: beats[r] for r in gone},
+                    "successor": None if successor_beat is None else (successor, successor_beat)}
+        return {}
 
-    def _print(self, message: str) -> None:
-        with suppress(OSError, ValueError):  # a closed stream must not stop the exit
-            print(f"[lightning_2d watchdog, rank {self.rank}] {message}", file=self.out or sys.stderr, flush=True)
+    def _decide(self, obs: Observations) -> Verdict:
+        """``decide`` under the lock (the thread and a failing main thread both call it), publishing as it says."""
+        while True:
+            with self._lock:
+                self._state, verdict = decide(obs, self._state, self.limits)
+            if not isinstance(verdict, Publish):
+                return verdict
+            obs = replace(obs, verdict=self._publish(verdict.finding))
+
+    def check_once(self) -> Optional[Finding]:
+        """One round; acts on the verdict, and returns the verdict held."""
+        verdict = self._decide(self._observe(read_store=True))
+        if isinstance(verdict, End):
+            self._end(verdict)
+        return self._state.verdict
 
     def on_failure(self, exc: BaseException) -> None:
         """This rank's main thread fails with ``exc``. Any error but a communication one is the verdict at once, with
-        its step. A failed collective is a consequence: wait (``wait_for_cause`` at most, thresholds lowered to two
-        intervals) for its cause and end with that verdict; else report this rank's failure, saying so."""
+        its step. A failed collective is a consequence: wait (``patience`` at most, the thread's thresholds lowered)
+        for its cause and end with that verdict; else report this rank's failure, saying so."""
         if self._failure is not None or self._stopped.is_set():
             return
-        self._failure, self._failed_at, self._state = exc, self.clock(), "failed"
-        self._waiting = is_communication_error(exc)
-        if self._waiting:
-            while self.verdict is None and self.clock() < self._failed_at + self.wait_for_cause:
-                self.sleep(min(0.2, self.interval / 4))
-            reason = (f"rank {self.rank}'s collective failed during step {self.step + 1} ({_error(exc)}) and no rank"
-                      f" was found dead, stopped or stuck within {self.wait_for_cause:.0f} s")
-        else:
-            reason = f"rank {self.rank} raised {_error(exc).replace(':', f' during step {self.step + 1}:', 1)}"
-        if self.verdict is None:
-            finding = {"ranks": [self.rank], "by": self.rank, "reason": reason, "raised": True}
-            self.verdict, self._seen_at = self._publish(finding), self.clock()
-        if self._waiting and self.rank not in self.verdict["ranks"]:
-            self._end()  # a consequence: end with its cause
-        self._waiting = False
-        record_for_torchrun(reason, exc)
-        if self.rank in self.verdict["ranks"]:
+        failure = Failure(self.clock(), is_communication_error(exc), _error(exc), self.step + 1)
+        self._failure, self._status = (failure, exc), "failed"
+        while isinstance(verdict := self._decide(self._observe(read_store=False)), Wait):
+            self.sleep(min(0.2, self.limits.interval / 4))
+        if isinstance(verdict, End):
+            self._end(verdict)  # a consequence: end with its cause
+        record_for_torchrun(own_reason(failure, self._state.job.rank, self.limits), exc)
+        if self._state.verdict is not None and self._state.job.rank in self._state.verdict.ranks:
             self._leave("failed")
+
+    def _end(self, end: End) -> None:
+        with self._ending:  # once, from whichever thread comes first; the other waits for the exit
+            self._print(end.message)
+            if end.dump_stacks:  # named but alive (stuck): where its threads are
+                with suppress(OSError, ValueError):  # (a stream without a file descriptor)
+                    faulthandler.dump_traceback(self.out or sys.stderr, all_threads=True)
+            record_for_torchrun(end.message.splitlines()[0])
+            for rank in end.kill:
+                pid = self._state.job.processes[rank][2]
+                with suppress(OSError):  # a stopped rank would hold its memory and devices forever
+                    self.kill(pid, signal.SIGKILL)
+                    self._print(f"killed the stopped rank {rank} (pid {pid})")
+            self._leave("ended")
+            self._stopped.set()
+            self.exit(end.code)
+
+    def _leave(self, status: str) -> None:
+        """Write this rank's ``status`` ("done", "ended", "failed"); the rank hosting the store then waits for the
+        ranks ``departure`` names to leave (its exit takes the store along)."""
+        self._status = status
+        job = self._state.job
+        states = {r: self.state_of(job.processes[r][2]) for r in job.local}
+        ranks, until = departure(self._state, states, self.clock(), self.limits, finished=status == "done")
+        keys = [self._key(r) for r in ranks]
+        with suppress(*_STORE_ERRORS):
+            self._write_beat()
+            while keys and self.clock() < until and any(
+                    Beat.parse(beat).status in RUNNING for beat in self._call("multi_get", keys)):
+                self.sleep(min(0.2, self.limits.interval / 4))
+
+    def _print(self, message: str) -> None:
+        with suppress(OSError, ValueError):  # a closed stream must not stop the exit
+            print(f"[lightning_2d watchdog, rank {self._state.job.rank}] {message}", file=self.out or sys.stderr,
+                  flush=True)
 
 
 _ACTIVE: list[Watchdog] = []

@@ -9,7 +9,9 @@ import json
 import os
 import re
 import signal
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Optional
 
 import pytest
 import torch.distributed as dist
@@ -21,6 +23,18 @@ from lightning_2d.parallel.watchdog import (
     nccl_failure_env,
     process_state,
     record_for_torchrun,
+)
+from lightning_2d.parallel.watchdog_rules import (
+    Beat,
+    Failure,
+    Finding,
+    Job,
+    Limits,
+    Observations,
+    Publish,
+    State,
+    decide,
+    departure,
 )
 
 GLOO_RESET = (
@@ -62,6 +76,17 @@ class World:
         finally:
             self.during_sleep = hook
 
+    def failed_collective(self, rank: int) -> None:
+        """Rank ``rank``'s collective failed now (what ``on_failure`` records before it waits for the cause)."""
+        dog = self.dogs[rank]
+        error = RuntimeError(GLOO_TIMEOUT)
+        dog._failure = (Failure(self.now, True, f"RuntimeError: {GLOO_TIMEOUT}", dog.step + 1), error)
+
+    def beat(self, rank: int, status: str) -> None:
+        """Rank ``rank`` writes a heartbeat with ``status`` (as its ``on_failure`` or its end would)."""
+        self.dogs[rank]._status = status
+        self.dogs[rank]._write_beat()
+
     def round(self, ranks=None, dt: float = 2.5) -> dict[int, object]:
         """Advance the clock by ``dt`` and run one round on ``ranks``; {rank: exit code or verdict}."""
         self.now += dt
@@ -76,10 +101,11 @@ class World:
 
 def test_bound_and_interval_are_the_shorter_timeout_and_a_tenth_of_it():
     world = World(n=2, timeout=120.0, collective_timeout=20.0)  # the user's timeout is never extended
-    assert world.dogs[0].bound == 20.0 and world.dogs[0].interval == 2.0 and world.dogs[0].wait_for_cause == 7.0
-    assert World(n=2, timeout=20.0).dogs[0].bound == 20.0  # no collective timeout
-    assert World(n=2, timeout=60.0, collective_timeout=1800.0).dogs[0].interval == 5.0  # at most 5 s
-    assert World(n=2, timeout=1.0).dogs[0].interval == 0.2  # at least 0.2 s
+    limits = world.dogs[0].limits
+    assert limits.bound == 20.0 and limits.interval == 2.0 and limits.patience == 7.0
+    assert World(n=2, timeout=20.0).dogs[0].limits.bound == 20.0  # no collective timeout
+    assert World(n=2, timeout=60.0, collective_timeout=1800.0).dogs[0].limits.interval == 5.0  # at most 5 s
+    assert World(n=2, timeout=1.0).dogs[0].limits.interval == 0.2  # at least 0.2 s
 
 
 def test_a_stopped_rank_is_named_by_its_predecessor_after_the_watchdog_timeout_and_killed():
@@ -184,7 +210,7 @@ def test_after_a_failed_collective_a_stopped_rank_is_named_at_once_not_after_the
     except Exited as ended:
         assert ended.args[0] == EXIT_CODE
     # Named within a round; then rank 0, which hosts the store, holds it (2 rounds + 1 s at most) for the others.
-    assert world.now - failed_at <= dog.interval + 2 * dog.interval + 1
+    assert world.now - failed_at <= dog.limits.interval + 2 * dog.limits.interval + 1
     assert world.round([2, 3], dt=0.1) == {2: EXIT_CODE, 3: EXIT_CODE}
     assert re.search(r"Stopping rank 0 \(exit code 75\): rank 1 \(pid 1001 on node0\) has sent no heartbeat for \d s"
                      r" \(and rank 0's collective failed\): its process is stopped", world.out[0].getvalue())
@@ -199,14 +225,14 @@ def test_after_a_failed_collective_a_stuck_rank_is_named_but_not_a_lag_that_bega
         world.dogs[rank].started = 3
     for _ in range(10):
         assert world.round(dt=0.8) == {0: None, 1: None, 2: None, 3: None}
-    world.dogs[1]._waiting, world.dogs[1]._failed_at = True, world.now  # rank 1's collective failed at 8 s
+    world.failed_collective(1)  # rank 1's collective failed at 8 s
     assert world.round([1], dt=0.8)[1] == EXIT_CODE
     assert "rank 2 (pid 1002 on node0) is stuck at step 0 (others at step 3) for 8 s (and rank 1's collective failed)" \
         in world.out[1].getvalue()
 
     world = World(timeout=60.0, collective_timeout=8.0)
     world.round(dt=0.8)
-    world.dogs[1]._waiting, world.dogs[1]._failed_at = True, world.now  # failed first; rank 2 falls behind after
+    world.failed_collective(1)  # failed first; rank 2 falls behind after
     world.dogs[1].started = 3
     for _ in range(3):
         assert world.round([1, 2], dt=0.8) == {1: None, 2: None}
@@ -224,7 +250,7 @@ def test_a_dead_rank_is_named_rather_than_a_rank_stuck_waiting_on_it():
     for _ in range(3):
         world.round(dt=0.8)
     world.states[1001] = "X"  # killed
-    world.dogs[2]._waiting, world.dogs[2]._failed_at = True, world.now
+    world.failed_collective(2)
     assert world.round([2], dt=0.8)[2] == EXIT_CODE
     assert re.search(r"Stopping rank 2 \(exit code 75\): rank 1 \(pid 1001 on node0\) died: its process is gone",
                      world.out[2].getvalue()), world.out[2].getvalue()
@@ -234,7 +260,7 @@ def test_a_dead_rank_is_named_rather_than_a_rank_stuck_waiting_on_it():
     for rank in (0, 1, 2):
         world.dogs[rank].started = 4
     world.dogs[3].started = 3
-    world.dogs[1]._state = "done"
+    world.dogs[1]._status = "done"
     world.round([1], dt=0.8)
     world.states[1001] = "X"
     for _ in range(3):
@@ -247,12 +273,12 @@ def test_a_failed_collective_with_no_cause_found_reports_itself_within_a_few_sec
     dog = world.dogs[1]
     start = world.now
     dog.on_failure(RuntimeError(GLOO_RESET))  # a consequence: it waits for a cause (none here)
-    assert world.now - start == dog.wait_for_cause <= 7.0  # seconds, not the 120 s watchdog timeout
+    assert world.now - start == dog.limits.patience <= 7.0  # seconds, not the 120 s watchdog timeout
     verdict = world.round([0], dt=0.1)[0]
-    assert verdict["ranks"] == [1]  # then it names itself, with what it saw
+    assert verdict.ranks == (1,)  # then it names itself, with what it saw
     assert ("rank 1's collective failed during step 1 (RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
-            "pair.cc:537] Read error") in verdict["reason"]
-    assert verdict["reason"].endswith("and no rank was found dead, stopped or stuck within 7 s")
+            "pair.cc:537] Read error") in verdict.reason
+    assert verdict.reason.endswith("and no rank was found dead, stopped or stuck within 7 s")
     world.round([2, 3], dt=0.1)  # (ranks not failing give it the grace: their own error may be coming)
     assert world.round([0, 2, 3], dt=5.0) == {0: EXIT_CODE, 2: EXIT_CODE, 3: EXIT_CODE}
 
@@ -261,8 +287,7 @@ def test_a_failed_collective_ends_with_the_cause_another_rank_found():
     world = World(timeout=20.0)
     world.round()
     dog = world.dogs[3]
-    world.dogs[0].verdict = None
-    world.during_sleep = lambda: world.dogs[0]._publish({"ranks": [1], "by": 0, "reason": "rank 1 died"})
+    world.during_sleep = lambda: world.dogs[0]._publish(Finding((1,), 0, "rank 1 died"))
     try:
         dog.on_failure(RuntimeError(GLOO_RESET))
         raise AssertionError("not ended")
@@ -277,7 +302,7 @@ def test_an_exception_is_published_with_its_step_and_the_others_end_after_the_gr
     world.dogs[2].step = 4
     world.dogs[2].on_failure(ValueError("bad batch\nsecond line"))
     results = world.round([0, 1, 3], dt=0.5)  # seen: the grace for an error raised everywhere at once
-    assert all(verdict["ranks"] == [2] for verdict in results.values())
+    assert all(verdict.ranks == (2,) for verdict in results.values())
     assert world.round([0, 1, 3], dt=5.0) == {0: EXIT_CODE, 1: EXIT_CODE, 3: EXIT_CODE}
     assert "rank 2 raised ValueError during step 5: bad batch." in world.out[0].getvalue()
     assert "second line" not in world.out[0].getvalue()
@@ -289,7 +314,7 @@ def test_a_rank_failing_with_its_own_error_is_left_to_exit_by_itself():
     world.dogs[2].on_failure(ValueError("boom"))  # rank 2 publishes its error
     world.dogs[1].on_failure(RuntimeError("raised on every rank"))  # rank 1 fails by itself too, not a consequence
     for _ in range(10):
-        assert world.round([1], dt=2.5)[1]["ranks"] == [2]  # never ended by the watchdog: exits with its own error
+        assert world.round([1], dt=2.5)[1].ranks == (2,)  # never ended by the watchdog: exits with its own error
     assert world.out[1].getvalue() == ""
 
 
@@ -336,17 +361,14 @@ def test_the_store_host_ending_waits_for_a_rank_still_waiting_for_the_cause():
     world.round()
     world.states[1001] = "T"  # rank 1 stopped: its heartbeat is not renewed from here on
     world.round([0, 2, 3], dt=1.0)
-    world.dogs[3]._state = "failed"  # rank 3's collective failed; it waits for the cause
-    world.dogs[2]._state = "ended"  # rank 2 has ended already
-    for r in (2, 3):
-        world.dogs[r]._call("set", world.dogs[r]._key(r), world.dogs[r]._beat())
+    world.beat(3, "failed")  # rank 3's collective failed; it waits for the cause
+    world.beat(2, "ended")  # rank 2 has ended already
     read = []
 
     def rank_3_reads_the_verdict_late():
-        if world.now > world.dogs[0]._seen_at + 1 and not read:
+        if world.now > world.dogs[0]._state.seen_at + 1 and not read:
             read.append(world.now)
-            world.dogs[3]._state = "ended"
-            world.dogs[3]._call("set", world.dogs[3]._key(3), world.dogs[3]._beat())
+            world.beat(3, "ended")
 
     world.during_sleep = rank_3_reads_the_verdict_late
     results = world.round([0], dt=11.0)  # rank 0 finds rank 1 silent, ends, waits before leaving
@@ -359,21 +381,19 @@ def test_the_store_host_ending_waits_for_a_stuck_culprit_to_read_the_verdict():
     world = World(n=4, timeout=10.0)
     world.round()
     for r in (1, 3):  # the others have ended already
-        world.dogs[r]._state = "ended"
-        world.dogs[r]._call("set", world.dogs[r]._key(r), world.dogs[r]._beat())
+        world.beat(r, "ended")
     host = world.dogs[0]
-    host.verdict, host._seen_at = {"ranks": [2], "by": 1, "reason": "rank 2 is stuck"}, world.now
+    host._state = replace(host._state, verdict=Finding((2,), 1, "rank 2 is stuck"), seen_at=world.now)
     read = []
 
     def the_stuck_rank_reads_the_verdict():
-        if world.now > host._seen_at + 1 and not read:
+        if world.now > host._state.seen_at + 1 and not read:
             read.append(world.now)
-            world.dogs[2]._state = "ended"
-            world.dogs[2]._call("set", world.dogs[2]._key(2), world.dogs[2]._beat())
+            world.beat(2, "ended")
 
     world.during_sleep = the_stuck_rank_reads_the_verdict
     try:
-        host._end()
+        host.check_once()  # it holds the verdict: it ends
     except Exited as ended:
         assert ended.args[0] == EXIT_CODE
     assert read, "the store's host left before the stuck rank read the verdict naming it"
@@ -452,3 +472,255 @@ def test_the_flight_recorder_is_turned_on_under_the_name_torch_reads(version, bu
     assert added[buffer] == "2000" and added["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert added["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60"  # not below a minute
     assert {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(added) == {buffer}  # one name, no warning
+
+
+# ---- the rules, as a table: rounds of observations -> verdicts (``watchdog_rules.decide``, no store, no clock) ------
+LIMITS = Limits.of(20.0)  # interval 2 s, settle 4 s, linger 5 s, patience 7 s
+ON_ONE_HOST = tuple(("node0", "pid:[1]", 1000 + r) for r in range(4))
+RANK_1_ELSEWHERE = tuple(("node1" if r == 1 else "node0", "pid:[1]", 1000 + r) for r in range(4))
+COLLECTIVE = Failure(8.0, True, "RuntimeError: gloo timeout", 3)  # rank 0's collective failed at 8 s
+RAISED = Failure(1.0, False, "ValueError: boom", 3)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one call must return: ``kind`` ("continue", "wait", "end"; "publish": a finding naming ``ranks``, then
+    ``then`` once it holds), the finding's reason or the end's message matching ``pattern``, what the end kills."""
+
+    kind: str
+    ranks: tuple[int, ...] = ()
+    pattern: str = ""
+    then: str = "end"
+    kill: tuple[int, ...] = ()
+    dump_stacks: bool = False
+
+
+CONTINUE, WAIT = Expect("continue"), Expect("wait")
+
+
+def named(ranks, pattern, then="end", kill=(), dump_stacks=False) -> Expect:
+    return Expect("publish", tuple(ranks), pattern, then, tuple(kill), dump_stacks)
+
+
+def ends(pattern, kill=(), dump_stacks=False) -> Expect:
+    return Expect("end", (), pattern, "", tuple(kill), dump_stacks)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of ``decide`` by rank 0 (a round unless ``round`` is False): the watched rank's heartbeat (count,
+    started, completed step, status), what else it saw, and what it must return."""
+
+    now: float
+    beat: Optional[tuple] = None
+    expect: Expect = CONTINUE
+    watched: int = 1
+    started: int = 0
+    answered: Optional[float] = None
+    states: Optional[dict] = None
+    gone: Optional[dict] = None
+    verdict: Optional[Finding] = None
+    failure: Optional[Failure] = None
+    round: bool = True
+
+    def observations(self) -> Observations:
+        states = {r: "R" for r in range(1, 4)} | (self.states or {})
+        return Observations(self.now, self.started, self.now if self.answered is None else self.answered, states,
+                            verdict=self.verdict, round=self.round, failure=self.failure,
+                            successor=None if self.beat is None else (self.watched, Beat(*self.beat)),
+                            gone={r: b and Beat(*b) for r, b in (self.gone or {}).items()})
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Rank 0's calls, on 4 ranks (``processes``), the store hosted by ``store_host`` (``None``: torchrun's agent)."""
+
+    calls: list[Call]
+    processes: tuple = ON_ONE_HOST
+    store_host: Optional[int] = 0
+
+
+def beating(start: float, stop: float, every: float = 2.0, **call) -> list[Call]:
+    """A heartbeat that changes at each call from ``start`` to ``stop`` (``call``: the other fields of each)."""
+    beat = call.pop("beat", (0, 0, 0, "alive"))
+    calls, t = [], start
+    while t <= stop:
+        calls.append(Call(t, (beat[0] + len(calls) + 1, *beat[1:]), **call))
+        t += every
+    return calls
+
+
+SCENARIOS = {
+    # -- the watchdog timeout: silence, lag, the store -----------------------------------------------------------------
+    "a silent successor is named once silent longer than the timeout, not at it": [
+        Call(1.0, (1, 0, 0, "alive")), Call(21.0, (1, 0, 0, "alive")),
+        Call(21.5, (1, 0, 0, "alive"), named([1], r"^rank 1 \(pid 1001 on node0\) has sent no heartbeat for 20 s"
+                                               r" \(watchdog timeout 20 s\): its process is alive \(state R\) but its"
+                                               r" watchdog does not run; its last heartbeat reported 0 completed")),
+    ],
+    "a stopped successor is named silent, and killed by the rank that ends": [
+        Call(1.0, (1, 0, 2, "alive"), states={1: "T"}),
+        Call(21.5, (1, 0, 2, "alive"), named([1], r"its process is stopped \(SIGSTOP/SIGTSTP\); its last heartbeat"
+                                               r" reported 2 completed step\(s\)", kill=[1]), states={1: "T"}),
+    ],
+    "a silent successor on another host is named, not killed": Scenario([
+        Call(1.0, (1, 0, 0, "alive")),
+        Call(21.5, (1, 0, 0, "alive"), named([1], r"^rank 1 \(pid 1001 on node1\) has sent no heartbeat for 20 s"
+                                               r" \(watchdog timeout 20 s\) \(another host: stopped, dead or cut off\);"
+                                               r" its last"), states={1: "T"}),
+    ], processes=RANK_1_ELSEWHERE),
+    "a successor alive but behind is named stuck once behind longer than the timeout": [
+        *beating(1.0, 21.0, beat=(0, 2, 2, "alive"), started=3),
+        Call(21.5, (99, 2, 2, "alive"), named([1], r"rank 1 \(pid 1001 on node0\) is stuck at step 2 \(others at step"
+                                                r" 3\) for 20 s \(watchdog timeout 20 s\): alive \(its heartbeat beats\)"
+                                                r" but not progressing"), started=3),
+    ],
+    "a rank catching up is not stuck": [
+        *[Call(t, (t, t // 2, 0, "alive"), started=(t + 1) // 2) for t in range(1, 40)],  # behind, then caught up
+    ],
+    "the store silent longer than the timeout names its host, described and killed": Scenario([
+        Call(20.0, answered=0.0, states={2: "T"}), Call(20.5, answered=0.0, states={2: "T"}, expect=named(
+            [2], r"^the job's store \(hosted by rank 2 \(MASTER_ADDR\)\) has not answered for 20 s \(watchdog timeout"
+                 r" 20 s\): its process is stopped \(SIGSTOP/SIGTSTP\)$", kill=[2])),
+    ], store_host=2),
+    "the store hosted by torchrun's agent names no rank": Scenario([
+        Call(20.5, answered=0.0, expect=named([], r"^the job's store \(hosted by the torchrun agent\) has not answered")),
+    ], store_host=None),
+    # -- within a round: a dead process on this host, a finished rank ----------------------------------------------------
+    "a successor whose process is gone (this host) is named at once": [
+        Call(1.0, (1, 4, 3, "alive"), named([1], r"^rank 1 \(pid 1001 on node0\) died: its process is gone; its last"
+                                             r" heartbeat reported 3 completed step\(s\)$"), states={1: None}),
+    ],
+    "a finished successor is skipped: the ring watches the next rank from then": [
+        Call(1.0, (1, 0, 0, "alive")), Call(3.0, (2, 0, 0, "done"), states={1: None}),
+        Call(4.0, (5, 0, 0, "alive"), watched=2), Call(24.0, (5, 0, 0, "alive"), watched=2),
+        Call(24.5, (5, 0, 0, "alive"), named([2], r"^rank 2 \(pid 1002 on node0\) has sent no heartbeat for 20 s"),
+             watched=2),
+    ],
+    "a dead rank on this host is named rather than a silent or stuck successor waiting on it": [
+        Call(1.0, (1, 0, 0, "alive"), states={3: None}, gone={3: (5, 0, 0, "alive")}),
+        Call(21.0, (1, 0, 0, "alive"), states={3: None}, gone={3: (5, 0, 0, "alive")}),
+        Call(21.5, (1, 0, 0, "alive"), named([3], r"^rank 3 \(pid 1003 on node0\) died: its process is gone$"),
+             states={3: None}, gone={3: (5, 0, 0, "alive")}),
+    ],
+    "a dead rank on this host that had finished is no cause": [
+        Call(1.0, (1, 0, 0, "alive")),
+        Call(21.5, (1, 0, 0, "alive"), named([1], r"^rank 1 .* has sent no heartbeat"), states={3: None},
+             gone={3: (5, 0, 0, "done")}),
+    ],
+    "a dead rank whose heartbeat the store did not give is not judged": [
+        Call(1.0, (1, 0, 0, "alive")),
+        Call(21.5, (1, 0, 0, "alive"), named([1], r"^rank 1 .* has sent no heartbeat"), states={3: None}),
+    ],
+    # -- patience: a fresh heartbeat (a stopped rank's stale one looks behind) ------------------------------------------
+    "behind, its heartbeat changed within patience: stuck": [
+        *beating(1.0, 15.0, beat=(0, 2, 2, "alive"), started=3),
+        Call(22.0, (8, 2, 2, "alive"), named([1], r"is stuck at step 2 \(others at step 3\) for 21 s"), started=3),
+    ],
+    "behind, its heartbeat stale for longer than patience: not stuck, named silent after the timeout": [
+        *beating(1.0, 13.0, beat=(0, 2, 2, "alive"), started=3), Call(14.5, (8, 2, 2, "alive"), started=3),
+        Call(22.0, (8, 2, 2, "alive"), started=3), Call(34.5, (8, 2, 2, "alive"), started=3),
+        Call(34.6, (8, 2, 2, "alive"), named([1], r"has sent no heartbeat for 20 s"), started=3),
+    ],
+    # -- a failed collective: the limit drops to settle, a cause within patience -----------------------------------------
+    "after this rank's collective failed, a successor silent longer than settle is named": [
+        Call(6.0, (1, 0, 0, "alive")), Call(9.0, (1, 0, 0, "alive"), WAIT, failure=COLLECTIVE),
+        Call(10.0, (1, 0, 0, "alive"), WAIT, failure=COLLECTIVE),
+        Call(10.5, (1, 0, 0, "alive"), named([1], r"has sent no heartbeat for 4 s \(and rank 0's collective failed\)"
+                                               r": its process is alive"), failure=COLLECTIVE),
+    ],
+    "after this rank's collective failed, a lag from before it is named stuck past settle": [
+        *beating(0.0, 3.0, beat=(0, 3, 3, "alive"), every=3.0), Call(6.0, (3, 2, 2, "alive"), started=3),
+        Call(8.5, (4, 2, 2, "alive"), WAIT, started=3, failure=COLLECTIVE),
+        Call(10.0, (5, 2, 2, "alive"), WAIT, started=3, failure=COLLECTIVE),
+        Call(10.5, (6, 2, 2, "alive"), named([1], r"is stuck at step 2 \(others at step 3\) for 4 s \(and rank 0's"
+                                              r" collective failed\)"), started=3, failure=COLLECTIVE),
+    ],
+    "after this rank's collective failed, a lag that began with it (within an interval) is the collective's own": [
+        *beating(0.0, 3.0, beat=(0, 3, 3, "alive"), every=3.0), Call(6.01, (3, 2, 2, "alive"), started=3),
+        *beating(8.5, 14.5, beat=(3, 2, 2, "alive"), every=1.0, started=3, failure=COLLECTIVE, expect=WAIT),
+    ],
+    "a failed collective with no cause found within patience reports itself, left to its own error": [
+        Call(14.99, expect=WAIT, failure=COLLECTIVE, round=False),
+        Call(15.0, expect=named([0], r"^rank 0's collective failed during step 3 \(RuntimeError: gloo timeout\) and"
+                                     r" no rank was found dead, stopped or stuck within 7 s$", then="continue"),
+             failure=COLLECTIVE, round=False),
+        Call(99.0, failure=COLLECTIVE, round=False),
+    ],
+    "no judging outside a round (the failing main thread reads no store)": [
+        Call(1.0, (1, 0, 0, "alive"), round=False), Call(99.0, (1, 0, 0, "alive"), answered=0.0, round=False),
+    ],
+    # -- a verdict held: settle for an error raised elsewhere; this rank's own error ------------------------------------
+    "an error raised here is published at once with its step, and left to end the rank": [
+        Call(1.0, expect=named([0], r"^rank 0 raised ValueError during step 3: boom$", then="continue"),
+             failure=RAISED, round=False),
+    ],
+    "an error raised on another rank ends this one after settle": [
+        Call(1.0, verdict=Finding((2,), 2, "rank 2 raised ValueError during step 3: boom", raised=True)),
+        Call(4.9), Call(5.0, expect=ends(r"^Stopping rank 0 \(exit code 75\): rank 2 raised ValueError during step 3:"
+                                         r" boom\. Resume from the last complete checkpoint \(ckpt_path='last'\)\.$")),
+    ],
+    "a cause another rank found ends this one at once, naming who found it": [
+        Call(1.0, verdict=Finding((1,), 3, "rank 1 died"), states={1: "T"},
+             expect=ends(r"^Stopping rank 0 \(exit code 75\): rank 1 died \[found by rank 3\]\. Resume", kill=[1])),
+    ],
+    "a rank named stuck ends with its stacks": [
+        Call(1.0, verdict=Finding((0,), 3, "rank 0 is stuck"), expect=ends(r"rank 0 is stuck \[found", dump_stacks=True)),
+    ],
+    "a rank failing with its own error is never ended by the watchdog": [
+        Call(2.0, failure=RAISED, verdict=Finding((2,), 2, "rank 2 raised", raised=True)), Call(99.0, failure=RAISED),
+    ],
+    "a failed collective ends at once with another rank's cause, its own error a consequence": [
+        Call(9.0, failure=COLLECTIVE, round=False, verdict=Finding((2,), 2, "rank 2 raised", raised=True),
+             expect=ends(r"rank 2 raised\. Resume .*\nThis rank's own error \(a consequence\): RuntimeError: gloo")),
+    ],
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_the_rules_over_a_table_of_scenarios(scenario):
+    """Rank 0 of 4, ``watchdog_timeout`` 20 s: each call's verdict as expected; a published finding is held (as the
+    store gives it back) and acted on in the same call, as the shell does."""
+    scenario = scenario if isinstance(scenario, Scenario) else Scenario(scenario)
+    state = State(Job(0, scenario.processes, scenario.store_host))
+    for i, call in enumerate(scenario.calls):
+        obs = call.observations()
+        state, verdict = decide(obs, state, LIMITS)
+        got, want = verdict, call.expect
+        if want.kind == "publish":
+            assert isinstance(verdict, Publish), (i, call, verdict)
+            assert verdict.finding.ranks == want.ranks and re.search(want.pattern, verdict.finding.reason), (i, verdict)
+            state, got = decide(replace(obs, verdict=verdict.finding), state, LIMITS)
+            assert state.verdict == verdict.finding and state.seen_at == call.now
+        kind = want.then if want.kind == "publish" else want.kind
+        assert type(got).__name__.lower() == kind, (i, call, got)
+        if kind == "end":
+            assert got.code == EXIT_CODE and got.kill == want.kill and got.dump_stacks == want.dump_stacks, (i, got)
+            assert want.kind == "publish" or re.search(want.pattern, got.message), (i, got.message)
+
+
+@pytest.mark.parametrize(("watchdog_timeout", "collective_timeout", "limits"), [
+    (20.0, None, Limits(20.0, 20.0, 2.0, settle=4.0, linger=5.0, patience=7.0)),
+    (120.0, 20.0, Limits(120.0, 20.0, 2.0, settle=4.0, linger=5.0, patience=7.0)),  # the shorter bound sets the pace
+    (60.0, 1800.0, Limits(60.0, 60.0, 5.0, settle=10.0, linger=11.0, patience=16.0)),  # rounds 5 s apart at most
+    (1.0, None, Limits(1.0, 1.0, 0.2, settle=0.4, linger=1.4, patience=1.6)),  # 0.2 s at least
+])
+def test_every_limit_derives_from_the_two_timeouts(watchdog_timeout, collective_timeout, limits):
+    assert Limits.of(watchdog_timeout, collective_timeout) == pytest.approx(limits)
+
+
+VERDICT = Finding((1, 2), 3, "ranks 1 and 2 failed")
+
+
+@pytest.mark.parametrize(("rank", "processes", "states", "verdict", "finished", "waits_for", "until"), [
+    (0, ON_ONE_HOST, {}, VERDICT, True, (1, 2, 3), 30.0 + 20.0),  # finished: every other rank, the bound at most
+    (1, ON_ONE_HOST, {}, VERDICT, True, (), 30.0),  # not hosting the store: nobody
+    (0, ON_ONE_HOST, {}, VERDICT, False, (1, 2, 3), 10.0 + 5.0),  # a verdict: linger after it was seen
+    (0, ON_ONE_HOST, {1: "T", 2: None}, VERDICT, False, (3,), 15.0),  # culprits stopped or gone: not them
+    (0, RANK_1_ELSEWHERE, {}, VERDICT, False, (2, 3), 15.0),  # a culprit on another host: not it
+    (0, ON_ONE_HOST, {}, replace(VERDICT, raised=True), False, (3,), 15.0),  # culprits that raised: not them
+])
+def test_the_store_host_leaves_last(rank, processes, states, verdict, finished, waits_for, until):
+    """``departure``: the rank hosting the store (0) waits for these ranks while "alive" or "failed", until then."""
+    state = State(Job(rank, processes, store_host=0), verdict=verdict, seen_at=10.0)
+    assert departure(state, {r: "R" for r in range(4)} | states, 30.0, LIMITS, finished) == (waits_for, until)
