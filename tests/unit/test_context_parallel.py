@@ -134,8 +134,6 @@ def test_each_exchange_gives_the_whole_sequences_attention_and_gradients(exchang
     """Every rank of the group at once (threads), forward and backward: the outputs and the gradients of the
     queries, keys and values each rank holds equal those of one attention over the whole sequence. The ring merges
     ``cp`` blocks by their log-sum-exp and sends each key block's gradient back round the ring to its owner."""
-    import threading
-
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 32, 8
     q, k, v = (torch.randn(batch, h, length, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
@@ -149,28 +147,16 @@ def test_each_exchange_gives_the_whole_sequences_attention_and_gradients(exchang
         reference = attend(q, k, v, None)
     grad = torch.randn_like(reference)
     expected = torch.autograd.grad(reference, (q, k, v), grad)
-    board = {"slots": [None] * cp, "barrier": threading.Barrier(cp, timeout=60)}
-    results, failures = {}, []
 
-    def rank_main(rank: int) -> None:
-        try:
-            s = local_indices(length, cp, rank)
-            mine = [t.detach()[:, :, s].clone().requires_grad_() for t in (q, k, v)]
-            core = ThreadRank(cp, rank, board, exchange)
-            out = core(*mine, core.mask(positions[:, s], q.dtype))
-            out.backward(grad[:, :, s])
-            results[rank] = (s, out.detach(), *(t.grad for t in mine))
-        except BaseException as error:  # a failing rank must not leave the others waiting at the barrier
-            board["barrier"].abort()
-            failures.append(error)
+    def rank_main(rank: int, board: dict) -> tuple:
+        s = local_indices(length, cp, rank)
+        mine = [t.detach()[:, :, s].clone().requires_grad_() for t in (q, k, v)]
+        core = ThreadRank(cp, rank, board, exchange)
+        out = core(*mine, core.mask(positions[:, s], q.dtype))
+        out.backward(grad[:, :, s])
+        return (s, out.detach(), *(t.grad for t in mine))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        raise failures[0]
+    results = run_thread_ranks(cp, rank_main)
     got = [torch.empty_like(t) for t in (reference, q, k, v)]
     for s, *tensors in results.values():
         for whole, part in zip(got, tensors):
