@@ -6,13 +6,16 @@ failure names the option that drifted and how."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
+import textwrap
 import typing
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
+from typing import Any
 
 import docstring_parser
 import pytest
@@ -20,11 +23,11 @@ import pytest
 import lightning_2d
 import lightning_2d.fabric
 from lightning_2d.integration import options as options_module
-from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER, StrategyOptions, options_table
+from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER, StrategyOptions, init_stub, options_table
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.options import Option, markdown, option, options_of
 from lightning_2d.parallel.schedules import ScheduleName
-from lightning_2d.tools.options_table import README_HEADING, table_span
+from lightning_2d.tools.options_table import PACKAGE, README_HEADING, STUB_FILES, stub_span, table_span
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 TRAINER = lightning_2d.ModelParallel2DStrategy
@@ -221,3 +224,46 @@ def test_jsonargparse_reads_the_generated_signature():
     with pytest.raises(Exception, match="pipeline_schedule"):
         parser.parse_args(["--strategy.pipeline_schedule=ZB"])
     assert "keep the logits sharded over the vocabulary" in normalized(parser.format_help())
+
+
+def type_checking_namespace(module: Any) -> dict[str, Any]:
+    """What a type checker resolves names in for ``module``: its globals plus its module-level
+    ``if TYPE_CHECKING:`` imports (run here, as a checker reads them)."""
+    namespace = dict(vars(module))
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            imports = [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            exec(compile(ast.Module(body=imports, type_ignores=[]), module.__name__, "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("name", sorted(STUB_FILES))
+def test_the_type_checkers_declaration_is_the_fields(name):
+    """The ``__init__`` static type checkers and IDEs read (the generated ``if TYPE_CHECKING:`` block; the one that
+    runs is ``takes_options``') declares every option in ``PARAMETER_ORDER``, with the annotation the field has (as
+    the module resolves it) and its default (``...`` only where it is not a literal), then the strategy's own
+    keyword-only arguments; and it is the generator's text."""
+    source = (PACKAGE / name).read_text()
+    start, end, indent = stub_span(source)
+    regenerate = "run python -m lightning_2d.tools.options_table --write-signatures"
+    module = importlib.import_module("lightning_2d." + name.removesuffix(".py").replace("/", "."))
+    namespace = type_checking_namespace(module)
+    declared = ast.parse(textwrap.dedent(source[start:end])).body
+    assert len(declared) == 1 and isinstance(declared[0], ast.FunctionDef) and declared[0].name == "__init__", regenerate
+    args = declared[0].args
+    extra = dict(STUB_FILES[name])
+    expected = [*OPTIONS, *(opt for opt, _ in STUB_FILES[name])]
+    assert [a.arg for a in args.args] == ["self", *PARAMETER_ORDER], f"{name}: {regenerate}"
+    assert [a.arg for a in args.kwonlyargs] == [opt.name for opt in expected[len(OPTIONS):]], f"{name}: {regenerate}"
+    params = [*args.args[1:], *args.kwonlyargs]
+    for param, default, opt in zip(params, [*args.defaults, *args.kw_defaults], expected):
+        annotation = eval(ast.unparse(param.annotation), namespace)
+        assert annotation == opt.annotation, f"{name}: {opt.name}: {ast.unparse(param.annotation)} ≠ the field's"
+        if opt.name in extra:
+            assert extra[opt.name] == ast.unparse(param.annotation)
+        if isinstance(default, ast.Constant) and default.value is Ellipsis:
+            assert type(opt.default) not in (type(None), bool, int, float, str), f"{name}: {opt.name}: {regenerate}"
+        else:
+            value = ast.literal_eval(default)
+            assert type(value) is type(opt.default) and value == opt.default, f"{name}: {opt.name}: {regenerate}"
+    assert source[start:end] == init_stub(STUB_FILES[name], indent), f"{name}: {regenerate}"
