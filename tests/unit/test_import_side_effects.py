@@ -3,17 +3,18 @@ from someone else. The filters for torch's per-step noise exist only while a str
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
 import warnings
 
+import pytest
+
 from lightning_2d.parallel.known_warnings import REDISTRIBUTE_LOGGER, KnownWarnings
 
 IMPORT_EVERYTHING = """
 import logging, pkgutil, warnings, importlib
-import torch, lightning, lightning.pytorch, torchmetrics, jsonargparse, torch.distributed.tensor
-import torch.distributed.tensor._redistribute
 before = list(warnings.filters)
 logger = logging.getLogger("torch.distributed.tensor._redistribute")
 log_filters = list(logger.filters)
@@ -28,9 +29,62 @@ print("ok")
 """
 
 
-def test_importing_every_module_installs_no_warning_or_log_filter():
-    done = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+STRATEGY_NAME_TAKEN = """
+from lightning.pytorch.strategies import StrategyRegistry, DDPStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDP
+StrategyRegistry.register('model_parallel_2d', DDPStrategy)
+STRATEGY_REGISTRY.register('model_parallel_2d', FabricDDP)
+import lightning_2d
+assert StrategyRegistry['model_parallel_2d']['strategy'] is DDPStrategy
+assert STRATEGY_REGISTRY['model_parallel_2d']['strategy'] is FabricDDP
+print("ok")
+"""
+
+# One fresh interpreter imports torch and Lightning (most of its ~9 s) once, then forks a child per scenario: each
+# child imports lightning_2d for the first time, as a fresh interpreter would, and prints "ok" or its traceback.
+FORK_PER_SCENARIO = """
+import io, json, os, sys, traceback
+from contextlib import redirect_stdout
+import torch, lightning, lightning.pytorch, torchmetrics, jsonargparse, torch.distributed.tensor
+import torch.distributed.tensor._redistribute
+results = {}
+for name, code in json.loads(sys.argv[1]).items():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        out = io.StringIO()
+        try:
+            with redirect_stdout(out):
+                exec(compile(code, name, "exec"), {"__name__": "__main__"})
+            message = out.getvalue()
+        except BaseException:
+            message = traceback.format_exc()
+        with os.fdopen(write, "w") as pipe:
+            pipe.write(message)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        results[name] = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status:
+        results[name] += f"(the child exited with status {status})"
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[str, str]:
+    """What each scenario printed (``ok``) or its traceback, each run where lightning_2d was never imported."""
+    scenarios = {"import_everything": IMPORT_EVERYTHING, "strategy_name_taken": STRATEGY_NAME_TAKEN}
+    done = subprocess.run([sys.executable, "-c", FORK_PER_SCENARIO, json.dumps(scenarios)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_importing_every_module_installs_no_warning_or_log_filter(fresh_imports):
+    assert fresh_imports["import_everything"].strip() == "ok", fresh_imports["import_everything"][-2000:]
 
 
 def test_the_known_warnings_are_silenced_between_install_and_remove_only():
@@ -63,15 +117,5 @@ def test_the_librarys_own_warnings_are_silenced_on_the_ranks_that_ask():
     assert issubclass(Lightning2DWarning, UserWarning)  # pytest.warns(UserWarning) and user filters still see them
 
 
-def test_the_strategy_name_of_someone_else_is_not_taken():
-    code = (
-        "from lightning.pytorch.strategies import StrategyRegistry, DDPStrategy\n"
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDP\n"
-        "StrategyRegistry.register('model_parallel_2d', DDPStrategy)\n"
-        "STRATEGY_REGISTRY.register('model_parallel_2d', FabricDDP)\n"
-        "import lightning_2d\n"
-        "assert StrategyRegistry['model_parallel_2d']['strategy'] is DDPStrategy\n"
-        "assert STRATEGY_REGISTRY['model_parallel_2d']['strategy'] is FabricDDP\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_the_strategy_name_of_someone_else_is_not_taken(fresh_imports):
+    assert fresh_imports["strategy_name_taken"].strip() == "ok", fresh_imports["strategy_name_taken"][-2000:]

@@ -77,7 +77,7 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
 
     from lightning_2d.parallel.fsdp import _only_embeddings
     from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
-    from lightning_2d.parallel.ties import holds_shared_outside
+    from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
 
     def sizes(modules: list[nn.Module], exclude: set[int]) -> tuple[int, int, int]:
         sharded = unsharded = gathered = 0
@@ -108,8 +108,9 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     output = get_named_submodules(model, plan.output_unit, "output_unit")
     groups.append(("+".join(plan.output_unit), "output", output))
     groups.append(("(root)", "root", [model]))
+    tied = bool(shared_parameters(model))  # as apply_fully_shard: no per-unit walk of the model without a tie
     for name, kind, modules in groups:
-        if kind != "root" and modules and holds_shared_outside(modules, model):
+        if kind != "root" and modules and tied and holds_shared_outside(modules, model):
             continue  # holds a tied weight (embedding = head): apply_fully_shard leaves it to the root unit
         if not all(isinstance(m, FSDPModule) for m in modules):
             raise RuntimeError(
