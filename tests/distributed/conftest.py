@@ -85,21 +85,24 @@ class Jobs:
         name, config, nprocs, num_nodes = self.layout_job(dp, tp, nprocs, num_nodes, **extra)
         return self.run(name, "fit", config, nprocs=nprocs, num_nodes=num_nodes)
 
-    def share(self, name: str, jobs: list[tuple[str, dict, int, int]]) -> None:
+    def share(self, name: str, jobs: list[tuple[str, dict, int, int]], scenario: str = "fit") -> None:
         """Run the single-node ``jobs`` (``reference_job``/``layout_job`` tuples) not run yet, those of one process
-        count in one launch (``fits``: one fit after another in the same processes); each is then cached under its
-        own name, so ``reference``/``layout`` return it as if launched alone. Not for jobs whose outputs depend on
-        what ran before them in the process (torch.compile's graph counters)."""
+        count in one launch (``fits``: one fit after another in the same processes, in the order given; the
+        launches in the order each count first appears); each is then cached under its own name, so
+        ``reference``/``layout``/``run`` return it as if launched alone. Not for jobs whose outputs depend on what
+        ran before them in the process (torch.compile's graph counters). ``scenario``: ``"fit"``, or ``"train"``
+        (``trains``: a run may resume from what an earlier one of the launch saved)."""
         pending: dict[int, dict[str, dict]] = {}
         for job, config, nprocs, num_nodes in jobs:
             assert num_nodes == 1, f"{job}: a shared launch is one node"
             if job not in self._cache:
                 pending.setdefault(nprocs, {})[job] = config
         for nprocs, runs in pending.items():
-            shared = self.run(f"{name}_{nprocs}procs", "fits", {"runs": runs}, nprocs=nprocs,
+            shared = self.run(f"{name}_{nprocs}procs", f"{scenario}s", {"runs": runs}, nprocs=nprocs,
                               timeout=shared_timeout(len(runs)))
             for job, config in runs.items():
-                self._cache[job] = (job_spec("fit", config, nprocs, 1, True), replace(shared, out_dir=shared.out_dir / job))
+                self._cache[job] = (job_spec(scenario, config, nprocs, 1, True),
+                                    replace(shared, out_dir=shared.out_dir / job))
 
 
     def layouts(self, name: str, runs: dict[str, tuple[int, int, dict]], nprocs: int) -> dict[str, JobResult]:

@@ -81,8 +81,9 @@ class ForkServer:
                 {"spawn": request_id, "env": env, "log": str(log), "scenario": scenario, "config": str(config)}
             ) + "\n")
             self.proc.stdin.flush()
-            if not self._lock.wait_for(lambda: request_id in self._spawned or not self.alive, timeout=60):
-                raise RuntimeError("the fork server did not fork a rank within 60 s")
+            # The first request also waits for the server's imports: over 60 s on a 2-core machine under load.
+            if not self._lock.wait_for(lambda: request_id in self._spawned or not self.alive, timeout=300):
+                raise RuntimeError("the fork server did not fork a rank within 300 s")
             if request_id not in self._spawned:
                 raise RuntimeError(f"the fork server ended (exit code {self.proc.poll()})")
             return self._spawned.pop(request_id)

@@ -23,6 +23,12 @@ pytestmark = pytest.mark.distributed
 SEQ_LEN, GLOBAL_BATCH = 64, 4
 
 
+#: The same-layout resumes: (checkpoint of the reference run, steps done by then).
+SAME_LAYOUT_RESUMES = [("epoch=0-step=2.ckpt", 2), ("end-epoch=0-step=3.ckpt", 3)]
+#: The resharded resumes of the reference's step-4 checkpoint: (dp, tp, replicate).
+RESHARDS = [(4, 1, 1), (1, 4, 1), (4, 1, 2)]
+
+
 @pytest.fixture(scope="module")
 def setup(jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -33,14 +39,18 @@ def setup(jobs, tmp_path_factory):
     (corpus / "text.txt").write_text(text)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": SEQ_LEN, "max_steps": 6}
 
-    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, pp=1, cp=1, **extra):
+    def job(name, dp, tp, pp=1, cp=1, **extra):
+        """``(name, config, nprocs, 1)`` of a ``train`` run (what ``Jobs.share`` takes)."""
         config = {**base, "dp": dp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, **extra}
         if pp > 1:
             config["pipeline_parallel_size"] = pp
         if cp > 1:
             config["context_parallel_size"] = cp
-        return jobs.run(name, "train", config, nprocs=dp * tp * pp * cp, expect_ok=expect_ok,
-                        kill_on_failure=kill_on_failure)
+        return name, config, dp * tp * pp * cp, 1
+
+    def run(name, dp, tp, expect_ok=True, kill_on_failure=True, pp=1, cp=1, **extra):
+        name, config, nprocs, _ = job(name, dp, tp, pp=pp, cp=cp, **extra)
+        return jobs.run(name, "train", config, nprocs=nprocs, expect_ok=expect_ok, kill_on_failure=kill_on_failure)
 
     ckpt_dir = root / "sharded"
     checkpoints = [
@@ -48,7 +58,36 @@ def setup(jobs, tmp_path_factory):
         {"dirpath": str(ckpt_dir), "every_n_epochs": 1, "save_on_train_epoch_end": True, "save_top_k": -1,
          "filename": "end-{epoch}-{step}"},
     ]
-    reference = run("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[2, 3, 4])
+    # The reference and every resume that needs nothing of its own (no crash, no async write, no failure, no file
+    # prepared by its test) share one 4-process launch and one 1-process launch, one run after another in the
+    # same processes, each resume after the run that saved its checkpoint: each launch's start-up and cold first
+    # step are paid once, not 16 times. Each test still calls run() with its own arguments and reads its own
+    # folder; arguments other than these here are an error naming both (Jobs.run).
+    step4 = str(ckpt_dir / "epoch=1-step=4.ckpt")
+    context, pipeline = root / "context", root / "pipeline"
+    jobs.share("ckpt_resumes", [
+        job("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4]),
+        *(job(f"resume_{done}", 2, 2, resume=str(ckpt_dir / name)) for name, done in SAME_LAYOUT_RESUMES),
+        *(job(f"reshard_dp{dp}_tp{tp}_r{r}", dp, tp, replicate=r, resume=step4) for dp, tp, r in RESHARDS),
+        job("cp2_dp2_from_2x2", 2, 1, cp=2, resume=str(ckpt_dir / "epoch=0-step=2.ckpt"),
+            checkpoints=[{"dirpath": str(context), "every_n_train_steps": 2, "save_top_k": -1}],
+            weights_at_steps=[4]),
+        job("cp4_from_cp2", 1, 1, cp=4, resume=str(context / "epoch=1-step=4.ckpt")),
+        job("2x2_from_cp2", 2, 2, resume=str(context / "epoch=1-step=4.ckpt")),
+        job("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe", reduce_every_micro_batch=True, resume=step4,
+            checkpoints=[{"dirpath": str(pipeline), "every_n_train_steps": 1, "save_top_k": -1}]),
+        job("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B",
+            resume=str(pipeline / "epoch=1-step=5.ckpt")),
+        job("hsdp_save", 2, 2, replicate=2, max_steps=4, weights_at_steps=[4],
+            checkpoints=[{"dirpath": str(root / "hsdp"), "every_n_train_steps": 4, "save_top_k": -1}]),
+        job("full_save", 2, 2, save_distributed=False, max_steps=3,
+            checkpoints=[{"dirpath": str(root / "full"), "every_n_train_steps": 3, "save_top_k": -1}]),
+        job("full_resume", 4, 1, resume=str(root / "full" / "epoch=0-step=3.ckpt")),
+        # One process: a pipelined and an HSDP checkpoint resumed without either.
+        job("single_from_pp2_dp2", 1, 1, resume=str(pipeline / "epoch=1-step=5.ckpt")),
+        job("hsdp_resume_single", 1, 1, resume=str(root / "hsdp" / "epoch=1-step=4.ckpt")),
+    ], scenario="train")
+    reference = run("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4])
     return {"root": root, "run": run, "reference": reference, "dir": ckpt_dir, "checkpoints": checkpoints}
 
 
@@ -65,8 +104,7 @@ def test_reference_run_saved_complete_checkpoints(setup):
         setup["dir"] / "last.ckpt").resolve().name == "epoch=1-step=6.ckpt"
 
 
-@pytest.mark.parametrize(("checkpoint", "done"), [("epoch=0-step=2.ckpt", 2), ("end-epoch=0-step=3.ckpt", 3)],
-                         ids=["mid-epoch", "epoch-end"])
+@pytest.mark.parametrize(("checkpoint", "done"), SAME_LAYOUT_RESUMES, ids=["mid-epoch", "epoch-end"])
 def test_resume_at_the_same_layout_is_bit_identical(setup, checkpoint, done):
     resumed = setup["run"](f"resume_{done}", 2, 2, resume=str(setup["dir"] / checkpoint))
     for ref, out in zip(outputs(setup["reference"], 4), outputs(resumed, 4)):
@@ -77,8 +115,7 @@ def test_resume_at_the_same_layout_is_bit_identical(setup, checkpoint, done):
 
 
 # One process: test_checkpoints_move_into_and_across_pipeline_layouts (a sharded checkpoint resumed without one).
-@pytest.mark.parametrize(("dp", "tp", "replicate"), [(4, 1, 1), (1, 4, 1), (4, 1, 2)],
-                         ids=["dp4", "tp4", "hsdp-2x2x1"])
+@pytest.mark.parametrize(("dp", "tp", "replicate"), RESHARDS, ids=["dp4", "tp4", "hsdp-2x2x1"])
 def test_resharded_resume_matches_the_uninterrupted_run(setup, dp, tp, replicate):
     """From the (2, 2) FSDP × TP checkpoint to other layouts, HSDP included."""
     resumed = setup["run"](f"reshard_dp{dp}_tp{tp}_r{replicate}", dp, tp, replicate=replicate,

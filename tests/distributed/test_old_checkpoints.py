@@ -4,12 +4,11 @@ weights, optimizer and schedule come back, so steps 3 and 4 give the losses the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.launcher import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -17,10 +16,9 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_a_run_resumed_from_version_0_1_checkpoints_continues_exactly(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FIXTURES.parents[1])}
-    done = subprocess.run([sys.executable, str(FIXTURES / "make_checkpoints.py"), "--resume", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # make_checkpoints.py --resume, on one process forked from the fork server (worker.py's old_checkpoints).
+    done = launch("old_checkpoints", {}, tmp_path, nprocs=1)
+    assert done.ok, done.describe()
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     original = json.loads((FIXTURES / "checkpoints_v0_1" / "losses.json").read_text())["steps_3_4"]
     for name in ("sharded.ckpt", "full.ckpt"):

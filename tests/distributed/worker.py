@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import lightning as L
@@ -875,27 +876,67 @@ def exchange_disagreement(cp_mesh) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(*results))
 
 
-def fits(cfg: dict) -> None:
-    """Several ``fit`` runs one after the other in the same processes and process group (one launch shared by
-    several jobs: ``Jobs.layouts``); each writes into its own folder. Lightning's environment deletes
-    ``WORLD_SIZE`` at teardown: the launch's cluster variables are put back before each run."""
+def one_after_another(run_one: Callable[[dict], None], cfg: dict) -> None:
+    """``run_one`` for each of ``cfg["runs"]`` in turn, in the same processes and process group (one launch shared
+    by several jobs: ``Jobs.layouts``, ``Jobs.share``); each writes into its own folder. Lightning's environment
+    deletes ``WORLD_SIZE`` at teardown: the launch's cluster variables are put back before each run."""
     cluster = {k: os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
                                           "MASTER_ADDR", "MASTER_PORT") if k in os.environ}
     for name, run in cfg["runs"].items():
         os.environ.update(cluster)
         out = Path(cfg["out_dir"]) / name
         out.mkdir(exist_ok=True)
-        fit({**run, "out_dir": str(out)})
+        run_one({**run, "out_dir": str(out)})
+
+
+def fits(cfg: dict) -> None:
+    """Several ``fit`` runs one after the other in one launch (``one_after_another``)."""
+    one_after_another(fit, cfg)
+
+
+#: ``train`` options that make a run a launch of its own: a crash and the write observer patch DCP's writer for
+#: the rest of the process; an asynchronous save may still be writing when the run ends.
+ALONE = ("crash", "observe_writes_timeout_s", "async_checkpoint")
+
+
+def trains(cfg: dict) -> None:
+    """Several ``train`` runs one after the other in one launch (``one_after_another``): a run that resumes from
+    a checkpoint an earlier run of the launch saved finds it complete (a synchronous save ends in a barrier)."""
+    for name, run in cfg["runs"].items():
+        alone = [key for key in ALONE if run.get(key)]
+        if alone:
+            raise ValueError(f"run {name!r} sets {alone}: launch it alone (see worker.ALONE)")
+    one_after_another(train, cfg)
+
+
+def fabric_crash(cfg: dict) -> None:
+    """A rank of test_fabric_crash.py's jobs (``fabric_crash_worker.main``), forked as every other rank is."""
+    from tests.distributed import fabric_crash_worker
+
+    fabric_crash_worker.main(cfg)
+
+
+def old_checkpoints(cfg: dict) -> None:
+    """test_old_checkpoints.py's one process: ``tests/fixtures/make_checkpoints.py --resume OUT_DIR``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_checkpoints", REPO / "tests/fixtures/make_checkpoints.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.resume(Path(cfg["out_dir"]))
 
 
 SCENARIOS = {
     "fit": fit,
     "fits": fits,
+    "trains": trains,
     "text": text,
     "train": train,
     "bench_checkpoint": bench_checkpoint,
     "fabric": fabric_loop,
     "fabric_hf": fabric_hf,
+    "fabric_crash": fabric_crash,
+    "old_checkpoints": old_checkpoints,
 }
 
 if __name__ == "__main__":
