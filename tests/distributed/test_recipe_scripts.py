@@ -138,9 +138,10 @@ def readme_chain() -> dict[str, str]:
 
 def test_readme_chain_from_a_recipe_to_generated_text(tmp_path, monkeypatch, capsys):
     """The README's main job end to end as one test, each line as written but shortened to 12 steps: `plan`
-    (the verdict the README quotes), `prepare-data`, `fit --trainer.enable_checkpointing=true` at (dp, tp) = (2, 2)
-    (4 processes: a *sharded* checkpoint, one shard file per rank), `export` of that checkpoint with the tokenizer
-    it records, then `transformers` (AutoTokenizer, pipeline()) generating from the folder as it is.
+    (the verdict the README quotes) and `prepare-data` (both run in this process by the CLI's `main`),
+    `fit --trainer.enable_checkpointing=true` at (dp, tp) = (2, 2) (4 processes: a *sharded* checkpoint, one shard
+    file per rank), `export` of that checkpoint with the tokenizer it records, then `transformers` (AutoTokenizer,
+    pipeline()) generating from the folder as it is.
 
     Its `fit` runs as the user types it: a fresh interpreter whose Lightning launcher starts the other 3 ranks
     (``run_script``)."""
@@ -156,8 +157,11 @@ def test_readme_chain_from_a_recipe_to_generated_text(tmp_path, monkeypatch, cap
     assert re.search(rf"fits.*{re.escape(verdict)} GiB headroom", capsys.readouterr().out)
     marks.append(("plan", time.perf_counter()))
 
+    # prepare-data in this process too (the same command line; a fresh interpreter only added its imports): its
+    # tokenizing pool, when the cache is missing, forks from here as from the command's own process.
     prepare = shlex.split(chain["prepare-data"], comments=True)
-    prepared = run_script("-m", "lightning_2d", *prepare[1:])
+    main(prepare[1:])
+    prepared = "".join(capsys.readouterr())
     # Built now (with tokens/s) or by an earlier run on this machine ("nothing to tokenize").
     assert re.search(r"tokens\s+31,\d{3},\d{3}", prepared), prepared
     marks.append(("prepare-data", time.perf_counter()))
