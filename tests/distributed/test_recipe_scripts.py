@@ -28,8 +28,6 @@ from tests.distributed.launcher import REPO, launch
 
 pytestmark = pytest.mark.distributed
 
-#: ``python loss_probe.py SCRIPT ARGS``: SCRIPT run as documented, its rank 0 printing each step's loss.
-LOSS_PROBE = str(REPO / "tests" / "distributed" / "loss_probe.py")
 UNIFORM_BYTES = math.log(256)  # the loss of a model that predicts nothing (uniform over the 256 byte tokens)
 
 
