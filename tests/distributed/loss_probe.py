@@ -3,7 +3,8 @@ on rank 0, each training step's logged loss (``[loss-probe] step N loss X``), so
 documented script trained (its first losses against its last) without the script printing them itself.
 
 Rank 0 is this process under Lightning's own launcher (the other ranks run SCRIPT unprobed: the callback does
-no collective, so they need not have it); under a cluster launcher each rank would run the probe.
+no collective, so they need not have it); under a cluster launcher each rank runs the probe (the ``script``
+scenario of ``worker.py`` calls ``install``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class PrintLoss(L.Callback):
                   flush=True)
 
 
-def main() -> None:
+def install() -> None:
+    """Make every ``L.Trainer`` created from now on in this process print its losses (a ``PrintLoss`` callback)."""
     init = L.Trainer.__init__
 
     def probed_init(self, *args, callbacks=None, **kwargs) -> None:
@@ -37,6 +39,10 @@ def main() -> None:
         init(self, *args, callbacks=[*callbacks, PrintLoss()], **kwargs)
 
     L.Trainer.__init__ = probed_init
+
+
+def main() -> None:
+    install()
     script = sys.argv[1]
     sys.argv = sys.argv[1:]  # the script parses its own arguments; Lightning's launcher restarts it by them
     runpy.run_path(script, run_name="__main__")

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from lightning_2d.tools.launch import launch_processes
-from tests.distributed.launcher import REPO
+from tests.distributed.launcher import REPO, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -74,12 +73,12 @@ def test_compare_spawns_each_variant_and_reports_ratios(tmp_path):
 
 
 def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
-    # As under torchrun: the four ranks already exist, each runs the three variants one after the other.
+    """As under torchrun: the four ranks already exist (forked from the test fork server with torchrun's variables,
+    each running ``python -m lightning_2d.tools.benchmark`` as ``__main__``: worker.script), each runs the three
+    variants one after the other."""
     out = tmp_path / "report.json"
-    job = launch_processes(
-        [sys.executable, "-m", "lightning_2d.tools.benchmark", *TINY, "--json", str(out)],
-        tmp_path / "job", nprocs=4, timeout=600, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-    )
+    job = launch("script", {"module": "lightning_2d.tools.benchmark", "args": [*TINY, "--json", str(out)],
+                            "cwd": str(REPO)}, tmp_path / "job", nprocs=4, timeout=600)
     assert job.ok, job.describe()
     assert "(in place)" in job.logs[0]
     assert all("ours / " not in log for log in job.logs[1:])  # only rank 0 reports

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tests.distributed.launcher import REPO
-from tests.distributed.test_recipe_scripts import LOSS_PROBE, assert_trained, run_script, step_losses
+from tests.distributed.test_recipe_scripts import assert_trained, run_ranks, step_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -31,9 +31,12 @@ def test_excerpts_match_their_files(index):
 
 @pytest.mark.parametrize("index", [i for i, s in enumerate(SNIPPETS) if "if __name__" in s])
 def test_complete_snippets_run(index, tmp_path):
+    """``python readme_snippet.py`` on 4 ranks forked under a cluster launcher's variables (``run_ranks``: the
+    Trainer's own launcher is the README chain's, in test_recipe_scripts)."""
     script = tmp_path / f"readme_snippet_{index}.py"
     script.write_text(SNIPPETS[index])
-    out = run_script(LOSS_PROBE, str(script), cwd=tmp_path)  # relative paths (checkpoints/) land in the test's folder
+    # relative paths (checkpoints/) land in the test's folder
+    out = run_ranks(str(script), out_dir=tmp_path / "job", cwd=tmp_path, probe=True)
     # The snippets train a few steps at the default learning rate (3e-4): each step's loss is printed by the
     # probe (a resumed fit continues the step count). Untrained (learning_rate=0) the same batches score
     # 6.15-6.20; trained, the last step is ~0.25-0.3 below the first (measured 6.16 -> 5.93, 6.17 -> 5.87).

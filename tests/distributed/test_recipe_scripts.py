@@ -1,4 +1,12 @@
-"""The documented scripts run as documented: Lightning's own launcher starts 4 CPU processes."""
+"""The documented scripts run as documented on 4 CPU processes.
+
+Two paths start those processes, and each test's docstring says which it takes. Lightning's own launcher
+(``run_script``: ``python script.py``, which re-executes the script for ranks 1-3, 4 fresh interpreters) runs
+the README chain (its CLI ``fit``, as a user types it) and the Fabric recipe (Fabric's launcher). The other
+scripts run as a cluster launcher would start them (``run_ranks``: 4 ranks forked from the test fork server
+with torchrun's variables set, each running the script as ``__main__``; Lightning then starts no process),
+which saves each rank's ~6 s of interpreter start and imports on 2 cores.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import REPO
+from tests.distributed.launcher import REPO, launch
 
 pytestmark = pytest.mark.distributed
 
-#: ``python loss_probe.py SCRIPT ARGS``: SCRIPT run as documented, its rank 0 printing each step's loss.
-LOSS_PROBE = str(REPO / "tests" / "distributed" / "loss_probe.py")
 UNIFORM_BYTES = math.log(256)  # the loss of a model that predicts nothing (uniform over the 256 byte tokens)
 
 
@@ -44,6 +50,17 @@ def run_script(*args: str, timeout: float = 300, cwd=REPO) -> str:
     return out
 
 
+def run_ranks(script: str, *args: str, out_dir: Path, cwd: Path = REPO, probe: bool = False, module: bool = False,
+              nprocs: int = 4, timeout: float = 300) -> str:
+    """``python [-m] SCRIPT ARGS`` in ``cwd`` on ``nprocs`` ranks forked from the fork server under a cluster
+    launcher's variables (``worker.script``), with the loss probe on every rank if ``probe``: the ranks' logs,
+    rank 0's first (what ``run_script`` returns holds every rank's output too)."""
+    config = {"module" if module else "script": script, "args": list(args), "cwd": str(cwd), "probe": probe}
+    job = launch("script", config, out_dir, nprocs=nprocs, timeout=timeout)
+    assert job.ok, job.describe()
+    return "\n".join(job.logs)
+
+
 def step_losses(out: str, pattern: str = r"\[loss-probe\] step +(\d+) loss ([0-9.]+)", first: int = 1) -> list[float]:
     """The loss of every training step from ``first`` on, in order (printed by the loss probe, or by a script's
     own log)."""
@@ -60,10 +77,12 @@ def assert_trained(losses: list[float], margin: float, below_uniform: bool = Tru
         assert losses[-1] < UNIFORM_BYTES - margin, f"the loss is not {margin} below ln 256: {losses}"
 
 
-def test_quickstart_trains_the_debug_model_in_2d():
+def test_quickstart_trains_the_debug_model_in_2d(tmp_path):
+    """Its ranks forked under a cluster launcher's variables (``run_ranks``)."""
     # 10 steps: the recipe warms up over 10, so 3 steps barely moved the loss (6.36 -> 6.23, what an untrained
     # model scores: the old bound ln 256 + 1 accepted it). Measured: 6.36 -> 3.56.
-    out = run_script(LOSS_PROBE, "recipes/quickstart.py", "--max-steps", "10", "--seq-len", "64")
+    out = run_ranks("recipes/quickstart.py", "--max-steps", "10", "--seq-len", "64", out_dir=tmp_path / "job",
+                    probe=True)
     loss = float(re.search(r"final train_loss: ([0-9.]+)", out).group(1))
     assert math.isfinite(loss) and 0 < loss < math.log(256) + 1
     losses = step_losses(out)
@@ -71,10 +90,11 @@ def test_quickstart_trains_the_debug_model_in_2d():
     assert_trained(losses, margin=1.0)
 
 
-def test_custom_model_is_parallelized_from_a_plan_and_a_hook():
+def test_custom_model_is_parallelized_from_a_plan_and_a_hook(tmp_path):
+    """Its ranks forked under a cluster launcher's variables (``run_ranks``)."""
     # 20 steps on the recipe's counting sequences (measured 5.66 -> 4.07; on its former uniform random bytes
     # nothing could be learned: the loss stayed at ln 256).
-    out = run_script(LOSS_PROBE, "recipes/custom_model_plan.py", "--max-steps", "20")
+    out = run_ranks("recipes/custom_model_plan.py", "--max-steps", "20", out_dir=tmp_path / "job", probe=True)
     assert "checkpointed: blocks.0.mlp, blocks.1.mlp" in out  # the LightningModule's hook ran
     # The plan's column-/row-wise layers are 2D DTensors; the rest is FSDP-sharded only.
     assert "blocks.0.attn.q.weight: ['data_parallel', 'tensor_parallel'] ['_StridedShard(dim=0, sf=2)', 'Shard(dim=0)']" in out
@@ -90,9 +110,10 @@ def test_custom_model_is_parallelized_from_a_plan_and_a_hook():
     assert_trained(losses, margin=0.75)
 
 
-def test_hf_recipe_trains_a_transformers_llama_without_a_plan():
+def test_hf_recipe_trains_a_transformers_llama_without_a_plan(tmp_path):
+    """Its ranks forked under a cluster launcher's variables (``run_ranks``)."""
     pytest.importorskip("transformers")
-    out = run_script("recipes/hf_llama.py", "--max-steps", "12")
+    out = run_ranks("recipes/hf_llama.py", "--max-steps", "12", out_dir=tmp_path / "job")
     # The built-in plan applied to the transformers model: q_proj split over both mesh dims.
     assert "FSDPLlamaForCausalLM: q_proj ['data_parallel', 'tensor_parallel'] (_StridedShard(dim=0, sf=2), Shard(dim=0))" in out
     loss = float(re.search(r"final loss: ([0-9.]+)", out).group(1))
@@ -115,9 +136,13 @@ def readme_chain() -> dict[str, str]:
 
 def test_readme_chain_from_a_recipe_to_generated_text(tmp_path, monkeypatch, capsys):
     """The README's main job end to end as one test, each line as written but shortened to 12 steps: `plan`
-    (the verdict the README quotes), `prepare-data`, `fit --trainer.enable_checkpointing=true` at (dp, tp) = (2, 2)
-    (4 processes: a *sharded* checkpoint, one shard file per rank), `export` of that checkpoint with the tokenizer
-    it records, then `transformers` (AutoTokenizer, pipeline()) generating from the folder as it is."""
+    (the verdict the README quotes) and `prepare-data` (both run in this process by the CLI's `main`),
+    `fit --trainer.enable_checkpointing=true` at (dp, tp) = (2, 2) (4 processes: a *sharded* checkpoint, one shard
+    file per rank), `export` of that checkpoint with the tokenizer it records, then `transformers` (AutoTokenizer,
+    pipeline()) generating from the folder as it is.
+
+    Its `fit` runs as the user types it: a fresh interpreter whose Lightning launcher starts the other 3 ranks
+    (``run_script``)."""
     chain = readme_chain()
     marks = [("start", time.perf_counter())]
     monkeypatch.chdir(REPO)
@@ -130,8 +155,11 @@ def test_readme_chain_from_a_recipe_to_generated_text(tmp_path, monkeypatch, cap
     assert re.search(rf"fits.*{re.escape(verdict)} GiB headroom", capsys.readouterr().out)
     marks.append(("plan", time.perf_counter()))
 
+    # prepare-data in this process too (the same command line; a fresh interpreter only added its imports): its
+    # tokenizing pool, when the cache is missing, forks from here as from the command's own process.
     prepare = shlex.split(chain["prepare-data"], comments=True)
-    prepared = run_script("-m", "lightning_2d", *prepare[1:])
+    main(prepare[1:])
+    prepared = "".join(capsys.readouterr())
     # Built now (with tokens/s) or by an earlier run on this machine ("nothing to tokenize").
     assert re.search(r"tokens\s+31,\d{3},\d{3}", prepared), prepared
     marks.append(("prepare-data", time.perf_counter()))
@@ -192,6 +220,8 @@ def test_readme_chain_from_a_recipe_to_generated_text(tmp_path, monkeypatch, cap
 
 
 def test_fabric_recipe_runs_as_documented(tmp_path):
+    """As the user types it: ``python recipes/fabric_pretrain.py``, Fabric's own launcher starting the other 3
+    ranks as fresh interpreters (``run_script``; the Trainer's launcher is the README chain's)."""
     # 10 steps logged one by one from step 2 (the recipe's first log; 4 steps ran inside the 10-step warm-up,
     # an untrained model's loss). Measured 6.41 (step 2, after one update at lr 3e-4) -> 3.64.
     out = run_script(str(REPO / "recipes" / "fabric_pretrain.py"), "--max-steps", "10", "--log-every", "1",

@@ -926,8 +926,32 @@ def old_checkpoints(cfg: dict) -> None:
     script.resume(Path(cfg["out_dir"]))
 
 
+def script(cfg: dict) -> None:
+    """This rank runs a documented script as ``python SCRIPT ARGS`` (``cfg["script"]``) or ``python -m MODULE ARGS``
+    (``cfg["module"]``) would, in ``cfg["cwd"]``: as ``__main__``, with its ``sys.argv`` and ``sys.path[0]``, the
+    loss probe applied when ``cfg["probe"]``. Launched with the cluster variables set, the script's Trainer or
+    Fabric finds its processes already started (as under torchrun) and starts none: what the fork saves is
+    each rank's interpreter start and imports, the script's own lines all run."""
+    import runpy
+
+    os.chdir(cfg["cwd"])
+    if cfg.get("probe"):
+        from tests.distributed import loss_probe
+
+        loss_probe.install()
+    if "module" in cfg:
+        sys.argv = [cfg["module"], *cfg["args"]]
+        sys.path.insert(0, cfg["cwd"])
+        runpy.run_module(cfg["module"], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [cfg["script"], *cfg["args"]]
+        sys.path.insert(0, str(Path(cfg["script"]).resolve().parent))
+        runpy.run_path(cfg["script"], run_name="__main__")
+
+
 SCENARIOS = {
     "fit": fit,
+    "script": script,
     "fits": fits,
     "trains": trains,
     "text": text,
