@@ -40,6 +40,10 @@ VARIANTS = {
 }
 
 
+#: What the variants record beyond a multi-rank job's default (worker.fit): the tests below read all of it.
+RECORD = {"grad_norms": True, "initial_weights": True, "probe_forwards": True}
+
+
 def reference(jobs, model):
     """``model`` trained on one device; every model's reference runs in one launch (one fit after another)."""
     runs = {name: {**PARITY, "strategy": "single", "hf_config": config} for name, config in CONFIGS.items()}
@@ -50,7 +54,7 @@ def reference(jobs, model):
 def parallel(jobs, variant):
     """``variant`` trained at 2×2; every variant runs in one launch of 4 processes."""
     runs = {name: {**PARITY, "strategy": "2d", "dp": 2, "tp": 2, "num_nodes": 1, "data_replicas": 2,
-                   "hf_config": CONFIGS[model], **options} for name, (model, options) in VARIANTS.items()}
+                   "hf_config": CONFIGS[model], **options, **RECORD} for name, (model, options) in VARIANTS.items()}
     result = jobs.run("hf_variants", "fits", {"runs": runs}, nprocs=4)
     return replace(result, out_dir=result.out_dir / variant)
 

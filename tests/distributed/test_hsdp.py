@@ -22,12 +22,17 @@ IDS = ["2x2x1", "2x1x2"]
 @pytest.fixture(scope="module", autouse=True)
 def shared_launches(jobs):
     """The two HSDP layouts (and the reference, unless an earlier module ran it) in one launch per process count."""
-    jobs.share("hsdp", [jobs.reference_job(), *(jobs.layout_job(dp, tp, data_parallel_replicate_size=replicate)
+    jobs.share("hsdp", [jobs.reference_job(), *(jobs.layout_job(dp, tp, **hsdp_options(replicate))
                                                 for dp, tp, replicate in LAYOUTS)])
 
 
+def hsdp_options(replicate: int) -> dict:
+    """The HSDP option, and the initial weights recorded (read below; a multi-rank job records none by default)."""
+    return {"data_parallel_replicate_size": replicate, "initial_weights": True}
+
+
 def hsdp(jobs, dp: int, tp: int, replicate: int):
-    return jobs.layout(dp, tp, data_parallel_replicate_size=replicate)
+    return jobs.layout(dp, tp, **hsdp_options(replicate))
 
 
 @pytest.mark.parametrize(("dp", "tp", "replicate"), LAYOUTS, ids=IDS)

@@ -24,6 +24,17 @@ OPTIONS = {
                                             "activation_checkpointing": "selective", "selective_ac_option": 2},
     "unfused-loss-gathered-logits": {"fused_loss": False},
 }
+#: The option jobs whose reshard policy is checked: what stays gathered after a forward.
+RESHARD = {"loss-parallel": "all", "no-sequence-parallel-reshard-always": "none"}
+#: The accumulation job whose gradient norms are compared with one device's on the double batch.
+ACCUMULATED = {"even_labels": True, "accumulate": 2, "grad_norms": True}
+
+
+def clipped(name: str) -> dict:
+    """The options of job ``name`` (``OPTIONS``, gradients clipped), with what its tests read beyond a multi-rank job's
+    default (worker.fit): the gradient norms, and for a ``RESHARD`` job the forward after the fit."""
+    return {"gradient_clip_val": CLIP, **OPTIONS[name], "grad_norms": True,
+            **({"probe_forwards": True} if name in RESHARD else {})}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,9 +44,9 @@ def shared_launches(jobs):
     jobs.share("options", [
         jobs.reference_job(), jobs.reference_job(gradient_clip_val=CLIP), jobs.reference_job(even_labels=True),
         jobs.layout_job(1, 1, float8="emulate"),
-        *(jobs.layout_job(2, 2, gradient_clip_val=CLIP, **options) for options in OPTIONS.values()),
+        *(jobs.layout_job(2, 2, **clipped(name)) for name in OPTIONS),
         *(jobs.layout_job(2, 2, precision=precision) for precision in ("bf16-mixed", "bf16-true")),
-        jobs.layout_job(2, 2, even_labels=True, accumulate=2),
+        jobs.layout_job(2, 2, **ACCUMULATED),
         jobs.layout_job(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True),
         jobs.layout_job(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False),
     ])
@@ -51,7 +62,7 @@ def test_clipping_is_active_in_these_runs(jobs):
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 def test_option_with_gradient_clipping_matches_single_device(jobs, name):
     """Gradient clipping needs the global norm over DTensors (on two meshes when SP is off)."""
-    run = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name])
+    run = jobs.layout(2, 2, **clipped(name))
     reference = jobs.reference(gradient_clip_val=CLIP)
     ref_out = reference.rank_output(0)
     for rank in range(4):
@@ -89,7 +100,7 @@ def test_options_decide_the_placements_of_the_logits_and_the_norms(jobs, name, l
     loss_parallel: the logits reaching the loss are a DTensor sharded over the vocabulary on the
     tensor-parallel mesh (without it: gathered plain logits). sequence_parallel=False: the norms run on the
     whole sequence, plain tensors (with it: Shard(1) DTensors, half the sequence per rank)."""
-    run = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name])  # the jobs above
+    run = jobs.layout(2, 2, **clipped(name))  # the jobs above
     for rank in range(4):
         seen = run.rank_output(rank)["activations"]
         assert seen["logits"]["output"] == logits, (rank, seen["logits"])
@@ -104,13 +115,13 @@ def test_options_decide_the_placements_of_the_logits_and_the_norms(jobs, name, l
 ])
 def test_activation_checkpointing_modes_wrap_their_blocks_and_keep_single_device_numerics(jobs, name, checkpointed):
     """The option jobs above carry the three activation-checkpointing modes (their parity is asserted there)."""
-    out = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name]).rank_output(0)
+    out = jobs.layout(2, 2, **clipped(name)).rank_output(0)
     assert out["checkpointed_blocks"] == checkpointed
 
 
-@pytest.mark.parametrize(("name", "gathered"), [("loss-parallel", "all"), ("no-sequence-parallel-reshard-always", "none")])
+@pytest.mark.parametrize(("name", "gathered"), list(RESHARD.items()))
 def test_reshard_policy_decides_what_stays_gathered_after_forward(jobs, name, gathered):
-    out = jobs.layout(2, 2, gradient_clip_val=CLIP, **OPTIONS[name]).rank_output(0)  # the jobs above
+    out = jobs.layout(2, 2, **clipped(name)).rank_output(0)  # the jobs above
     assert out["gathered_after_forward"] == (sorted(out["placements"]) if gathered == "all" else [])
 
 
@@ -135,7 +146,7 @@ def test_compiled_blocks_match_single_device(jobs):
         # One graph for all 4 blocks: the first block's input (the embedding's output, still waiting on its
         # reduce-scatter under sequence parallelism) is made plain like the others' (compile.py:_plain_inputs).
         assert out["dynamo_unique_graphs"] == 1, (rank, out["dynamo_unique_graphs"])
-    eager = jobs.layout(2, 2, gradient_clip_val=CLIP, fused_loss=False).rank_output(0)  # a job of the tests above
+    eager = jobs.layout(2, 2, **clipped("unfused-loss-gathered-logits")).rank_output(0)  # a job of the tests above
     assert eager["compiled_blocks"] == [] and eager["dynamo_unique_graphs"] == 0
 
 
@@ -155,7 +166,7 @@ def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_
     block_backward_sync only knows DDP). Every target counts (even labels), so the mean of the two
     micro-batch means is the double batch's mean."""
     double = jobs.reference(even_labels=True)  # one device, the whole global batch per step
-    accumulated = jobs.layout(2, 2, even_labels=True, accumulate=2)
+    accumulated = jobs.layout(2, 2, **ACCUMULATED)
     every = jobs.layout(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True)
     for rank in range(4):
         out = assert_two_micro_batches_equal_the_double_batch(accumulated.rank_output(rank), double.rank_output(0))

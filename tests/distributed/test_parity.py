@@ -15,12 +15,14 @@ pytestmark = pytest.mark.distributed
 
 LAYOUTS = [(2, 2), (4, 1), (1, 4)]
 LOSS_RTOL = 1e-5
+#: What the layouts' jobs record beyond a multi-rank job's default (worker.fit): the tests below read both.
+RECORD = {"initial_weights": True, "probe_forwards": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def shared_launches(jobs):
     """The reference and the three layouts in one launch per process count (``Jobs.share``)."""
-    jobs.share("parity", [jobs.reference_job(), *(jobs.layout_job(dp, tp) for dp, tp in LAYOUTS)])
+    jobs.share("parity", [jobs.reference_job(), *(jobs.layout_job(dp, tp, **RECORD) for dp, tp in LAYOUTS)])
 
 
 def worst_relative_error(losses: list[float], reference: list[float]) -> float:
@@ -30,7 +32,7 @@ def worst_relative_error(losses: list[float], reference: list[float]) -> float:
 
 @pytest.mark.parametrize(("dp", "tp"), LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
 def test_losses_and_weights_match_single_device(jobs, dp, tp):
-    reference, run = jobs.reference(), jobs.layout(dp, tp)
+    reference, run = jobs.reference(), jobs.layout(dp, tp, **RECORD)
     ref_losses = reference.rank_output(0)["losses"]
     for rank in range(dp * tp):
         losses = run.rank_output(rank)["losses"]
@@ -49,7 +51,8 @@ def test_losses_and_weights_match_single_device(jobs, dp, tp):
 
 @pytest.mark.parametrize(("dp", "tp"), LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
 def test_initial_weights_are_layout_independent(jobs, dp, tp):
-    ref_initial, initial = load_weights(jobs.reference(), "initial"), load_weights(jobs.layout(dp, tp), "initial")
+    ref_initial = load_weights(jobs.reference(), "initial")
+    initial = load_weights(jobs.layout(dp, tp, **RECORD), "initial")
     assert initial.keys() == ref_initial.keys()
     for name, weight in initial.items():
         assert torch.equal(weight, ref_initial[name]), f"initial {name} differs at (dp={dp}, tp={tp})"
@@ -57,7 +60,7 @@ def test_initial_weights_are_layout_independent(jobs, dp, tp):
 
 @pytest.mark.parametrize(("dp", "tp"), LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
 def test_tensor_parallel_group_shares_batches_data_parallel_ranks_differ(jobs, dp, tp):
-    run = jobs.layout(dp, tp)
+    run = jobs.layout(dp, tp, **RECORD)
     outputs = [run.rank_output(r) for r in range(dp * tp)]
     by_dp_rank: dict[int, list[list[str]]] = {}
     for out in outputs:
@@ -73,7 +76,7 @@ def test_tensor_parallel_group_shares_batches_data_parallel_ranks_differ(jobs, d
 
 
 def test_two_simulated_nodes_auto_sizes_put_tensor_parallel_inside_a_node(jobs):
-    run = jobs.layout("auto", "auto", nprocs=4, num_nodes=2)
+    run = jobs.layout("auto", "auto", nprocs=4, num_nodes=2, save_weights=False)  # no weights read here
     outputs = [run.rank_output(r) for r in range(4)]
     # (pipeline, data_parallel_replicate, data_parallel_shard, context, tensor_parallel): plain FSDP has one replica.
     assert all(out["mesh_shape"] == [1, 1, 2, 1, 2] for out in outputs)
@@ -84,7 +87,7 @@ def test_two_simulated_nodes_auto_sizes_put_tensor_parallel_inside_a_node(jobs):
 
 def test_plan_structure_at_2x2(jobs):
     """Which parameters are DTensors with which placements on which mesh dims (Llama plan + FSDP2)."""
-    placements = jobs.layout(2, 2).rank_output(0)["placements"]
+    placements = jobs.layout(2, 2, **RECORD).rank_output(0)["placements"]
     strided = ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]  # FSDP shard of a TP dim-0 shard
     expected = {
         "tok_embeddings.weight": (strided, [256 // 4, 128]),  # vocabulary-sharded embedding
@@ -113,7 +116,7 @@ def test_plan_structure_at_2x2(jobs):
 def test_fsdp_units_and_what_stays_gathered_after_forward(jobs, dp, tp):
     """torchtitan's units: the embedding, each block, [norm, output] together, and an empty root. Under
     the default policy only the output unit (what backward needs first) stays gathered."""
-    out = jobs.layout(dp, tp).rank_output(0)
+    out = jobs.layout(dp, tp, **RECORD).rank_output(0)
     assert out["fsdp_units"] == ["", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output", "tok_embeddings"]
     assert out["gathered_after_forward"] == ["norm.weight", "output.weight"]
     # The fused loss runs vocabulary-parallel on the output's shards when tensor parallel.
@@ -121,7 +124,7 @@ def test_fsdp_units_and_what_stays_gathered_after_forward(jobs, dp, tp):
 
 
 def test_indivisible_sequence_is_refused_before_any_collective(jobs):
-    out = jobs.layout(1, 4).rank_output(0)
+    out = jobs.layout(1, 4, **RECORD).rank_output(0)
     for key in ("bad_seq_len_error", "bad_seq_len_error_kw"):  # positional and keyword input
         message = out[key]
         assert message is not None and "Input sequence length 13 is not divisible by tensor_parallel_size (4)" in message

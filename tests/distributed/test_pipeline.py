@@ -56,13 +56,16 @@ ZERO_BUBBLE_ND = {
     for batch in [{"global_batch": 8} if (axis, schedule) == ("dp", "DualPipeV") else {}]
 }
 LAYOUTS.update(ZERO_BUBBLE_ND)
-ACCUMULATION = {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe", "even_labels": True, "accumulate": 2}
+ACCUMULATION = {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe", "even_labels": True, "accumulate": 2,
+                "grad_norms": True}
+#: What every ``LAYOUTS`` job records beyond a multi-rank job's default (worker.fit): the tests below read both.
+RECORD = {"grad_norms": True, "initial_weights": True}
 
 
 def layout_jobs(name):
     """``(layout_job, reference_job)`` tuples of ``LAYOUTS[name]`` (``Jobs.layout_job``/``reference_job``)."""
     options, reference_options = LAYOUTS[name]
-    options = dict(options)
+    options = {**options, **RECORD}
     dp, tp = options.pop("dp"), options.pop("tp")
     nprocs = dp * tp * options["pipeline_parallel_size"]
     return Jobs.layout_job(dp, tp, nprocs=nprocs, **options), Jobs.reference_job(**reference_options)
@@ -79,7 +82,7 @@ def shared_launches(jobs):
 
 
 def run_layout(jobs, name):
-    options, reference_options = dict(LAYOUTS[name][0]), LAYOUTS[name][1]
+    options, reference_options = {**LAYOUTS[name][0], **RECORD}, LAYOUTS[name][1]
     dp, tp = options.pop("dp"), options.pop("tp")
     nprocs = dp * tp * options["pipeline_parallel_size"]
     return jobs.layout(dp, tp, nprocs=nprocs, **options), jobs.reference(**reference_options)

@@ -100,14 +100,21 @@ def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 class Recorder(L.Callback):
     """Per step: losses, batches, random draws, gradient norms (and weights at ``weights_at_steps``).
 
+    ``save_weights``: the full weights at train end (``final.pt``) and, with ``initial_weights``, at train start
+    (``initial.pt``). ``grad_norms``: each step's total gradient norm before clipping and after the step (each a
+    norm over the DTensor gradients with its all-reduces).
+
     ``local_weights_at_steps`` and ``local_weights_on_exception``: every rank writes its own shards
     (``local_rank{R}_step{S}.pt``, ``local_rank{R}_exception.pt`` with the step reached), so a test can
     compare each rank's weights where a collective is no longer possible (a run stopping on every rank).
     """
 
     def __init__(self, out_dir: Path, save_weights: bool, weights_at_steps: tuple[int, ...] = (),
-                 local_weights_at_steps: tuple[int, ...] = (), local_weights_on_exception: bool = False) -> None:
+                 local_weights_at_steps: tuple[int, ...] = (), local_weights_on_exception: bool = False,
+                 grad_norms: bool = True, initial_weights: bool = True) -> None:
         self.out_dir, self.save_weights, self.weights_at_steps = out_dir, save_weights, weights_at_steps
+        self.save_initial_weights = save_weights and initial_weights
+        self.record_grad_norms = grad_norms
         self.local_weights_at_steps = local_weights_at_steps
         self.local_weights_on_exception = local_weights_on_exception
         self.batch_started_at: list[float] = []  # time.time() of each on_train_batch_start
@@ -118,11 +125,13 @@ class Recorder(L.Callback):
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.record_grad_norms:
+            return
         group = pipeline_group_of(trainer.strategy)
         self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters(), pipeline_group=group)))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.save_weights:
+        if self.save_initial_weights:
             save_state(pl_module.model, pl_module.device_mesh, trainer.global_rank, self.out_dir, "initial")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -131,10 +140,9 @@ class Recorder(L.Callback):
         self.batches.append(digest)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # The optimizer step leaves the gradients as it used them (after clipping).
-        self.stepped_grad_norms.append(
-            float(total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(trainer.strategy)))
-        )
+        if self.record_grad_norms:  # the optimizer step leaves the gradients as it used them (after clipping)
+            self.stepped_grad_norms.append(float(
+                total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(trainer.strategy))))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.
         self.draws.append(float(torch.rand(1)))
@@ -448,9 +456,18 @@ def fit(cfg: dict) -> None:
     if "val_samples" in cfg:  # validation through the model (under pipeline parallelism: the schedule's eval)
         val_data = SyntheticTokens(cfg["val_samples"], cfg["seq_len"], vocab_size, seed=1)
         val_loader = DataLoader(val_data, batch_size=cfg["global_batch"] // (1 if cfg["strategy"] == "single" else dp))
+    # What only some tests read costs a multi-rank job collectives on 4 ranks sharing 2 cores (twice a step a
+    # gradient norm with its all-reduces, a gather of every parameter at train start, forwards after the fit: ~20%
+    # of a 2x2 parity fit's CPU): such a job records it only when asked (`grad_norms`, `initial_weights`,
+    # `probe_forwards`), and what it did not record is absent from its output, so a test reading it fails loudly.
+    # One process (the references, shared by many modules) records everything: cheap there.
+    single = cfg["strategy"] == "single"
+    grad_norms = cfg.get("grad_norms", single)
+    probe_forwards = cfg.get("probe_forwards", single)
     recorder = Recorder(out_dir, cfg.get("save_weights", True), tuple(cfg.get("weights_at_steps", ())),
                         local_weights_at_steps=tuple(cfg.get("local_weights_at_steps", ())),
-                        local_weights_on_exception=cfg.get("local_weights_on_exception", False))
+                        local_weights_on_exception=cfg.get("local_weights_on_exception", False), grad_norms=grad_norms,
+                        initial_weights=cfg.get("initial_weights", single))
     callbacks = [recorder]
     pipelined = cfg.get("pipeline_parallel_size", 1) > 1
     # Hooks inside compiled blocks would be traced into (or break) their graphs: not under compile.
@@ -487,12 +504,12 @@ def fit(cfg: dict) -> None:
         "reduce_scatters": reduce_scatters["n"],
         "losses": recorder.losses,
         "batches": recorder.batches,
-        "grad_norms": recorder.grad_norms,
-        "stepped_grad_norms": recorder.stepped_grad_norms,
         "placements": placements(module.model),
         "blocks_given_masks": positions.calls,
         "tied_parameters": tied_parameters(module.model),
     }
+    if grad_norms:
+        result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if cfg.get("transformers_first_loss"):  # transformers' own loss of the init_from files on the first batch
@@ -526,7 +543,8 @@ def fit(cfg: dict) -> None:
     mesh = module.device_mesh
     context = cfg.get("context_parallel_size", 1) > 1
     # Not under compile: its no-grad forward would compile the blocks twice more (grad mode is in the guards).
-    if cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not context and not cfg.get("compile"):
+    if (probe_forwards and cfg["strategy"] == "2d" and "hf_config" not in cfg and not pipelined and not context
+            and not cfg.get("compile")):
         result.update(fsdp_layout(module.model, cfg["seq_len"]))
     if context:  # which attention cores exchange keys and values, and what FSDP shards over
         from lightning_2d.parallel.context import ContextParallelAttention
@@ -537,7 +555,7 @@ def fit(cfg: dict) -> None:
         weight = next(p for p in module.model.parameters())
         result["fsdp_mesh"] = [list(weight.device_mesh.mesh_dim_names), list(weight.device_mesh.shape)]
         result["ring_vs_all_gather"] = exchange_disagreement(mesh["context_parallel"])
-    if "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
+    if probe_forwards and "hf_config" in cfg:  # what a decoder layer receives: this rank's sequence slice under SP
         seen = []
         layer = module.model.model.layers[1]
         handle = layer.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(list(args[0].shape)), with_kwargs=True)
@@ -546,7 +564,8 @@ def fit(cfg: dict) -> None:
         handle.remove()
         result["layer_input_shape"] = seen[0]
     sequence_parallel = cfg.get("sequence_parallel", True)
-    if cfg["strategy"] == "2d" and cfg["tp"] != 1 and (sequence_parallel or "hf_config" in cfg) and not pipelined:
+    if (probe_forwards and cfg["strategy"] == "2d" and cfg["tp"] != 1 and (sequence_parallel or "hf_config" in cfg)
+            and not pipelined):
         # Under sequence parallelism an indivisible length must fail in the pre-hook, before any collective;
         # without it (recorded for the HF jobs) the same length must run (None).
         try:
