@@ -300,14 +300,18 @@ class Watchdog:
         ranks ``departure`` names to leave (its exit takes the store along)."""
         self._status = status
         job = self._state.job
-        states = {r: self.state_of(job.processes[r][2]) for r in job.local}
-        ranks, until = departure(self._state, states, self.clock(), self.limits, finished=status == "done")
-        keys = [self._key(r) for r in ranks]
+
+        def waits_for() -> tuple[tuple[int, ...], float]:
+            states = {r: self.state_of(job.processes[r][2]) for r in job.local}
+            return departure(self._state, states, self.clock(), self.limits, finished=status == "done")
+
+        ranks, until = waits_for()
         with suppress(*_STORE_ERRORS):
             self._write_beat()
-            while keys and self.clock() < until and any(
-                    Beat.parse(beat).status in RUNNING for beat in self._call("multi_get", keys)):
+            while ranks and self.clock() < until and any(Beat.parse(beat).status in RUNNING
+                                                         for beat in self._call("multi_get", list(map(self._key, ranks)))):
                 self.sleep(min(0.2, self.limits.interval / 4))
+                ranks = waits_for()[0]  # asked again: a rank whose process has gone since is not waited for
 
     def _print(self, message: str) -> None:
         with suppress(OSError, ValueError):  # a closed stream must not stop the exit

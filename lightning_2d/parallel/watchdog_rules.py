@@ -411,12 +411,15 @@ def departure(state: State, states: Mapping[int, Optional[str]], now: float, lim
     """Whom this rank waits for before it leaves, and until when: nobody unless it hosts the store (its exit takes
     the store along, and a rank not done with it would take that for a new failure). It waits while one of them is
     "alive" or "failed" (waiting for a cause): after finishing, ``bound`` at most; after a verdict, ``linger``
-    after it was seen, not for culprits that raised, are stopped, gone or on another host (need not read it)."""
+    after it was seen, not for culprits that raised, are stopped, gone or on another host (need not read it), nor
+    for any rank on this host whose process is gone (it reads nothing more: a rank that raised its own error, as every
+    rank does when all stop on the same error, stays "failed" in the store, and waiting for it cost ``linger``)."""
     job, verdict = state.job, state.verdict
     if job.store_host != job.rank:
         return (), now
     if finished or verdict is None:
         return job.others, now + limits.bound
+    gone = {r for r in job.local if states.get(r) in GONE}
     skip = set(verdict.ranks) if verdict.raised else {
         r for r in verdict.ranks if r not in job.local or states.get(r) in GONE + STOPPED}
-    return tuple(r for r in job.others if r not in skip), state.seen_at + limits.linger
+    return tuple(r for r in job.others if r not in skip | gone), state.seen_at + limits.linger

@@ -375,6 +375,29 @@ def test_the_store_host_ending_waits_for_a_rank_still_waiting_for_the_cause():
     assert results == {0: EXIT_CODE} and read, "rank 0 left before rank 3 (still waiting for a cause) read the verdict"
 
 
+def test_when_every_rank_raises_the_store_host_leaves_once_the_others_are_gone_not_after_linger():
+    """Every rank stops on the same error (a non-finite loss: each raises it). The others stay "failed" in the store
+    after they exit; the rank hosting the store, whose own report became the verdict, waited ``linger`` for them
+    (11 s under the default timeout). It leaves as soon as their processes are gone."""
+    world = World(n=4, timeout=20.0)
+    world.round()
+    for r in (1, 2, 3):
+        world.beat(r, "failed")  # each raised its own error, then exits
+    exits = []
+
+    def the_others_exit():
+        if not exits:
+            exits.append(world.now)
+            for r in (1, 2, 3):
+                world.states[1000 + r] = None
+
+    world.during_sleep = the_others_exit
+    start = world.now
+    world.dogs[0].on_failure(ValueError("non-finite loss"))  # rank 0's own error: the verdict, then it leaves
+    assert world.dogs[0].verdict is not None and world.dogs[0].verdict.ranks == (0,)
+    assert exits and world.now - start < world.dogs[0].limits.linger / 2, world.now - start
+
+
 def test_the_store_host_ending_waits_for_a_stuck_culprit_to_read_the_verdict():
     """A stuck rank is alive (its watchdog runs): it must read the verdict naming it, and end with it, before the rank
     hosting the store leaves; else it reports the store's host as gone instead (seen once in the stuck-rank job)."""
@@ -719,6 +742,9 @@ VERDICT = Finding((1, 2), 3, "ranks 1 and 2 failed")
     (0, ON_ONE_HOST, {1: "T", 2: None}, VERDICT, False, (3,), 15.0),  # culprits stopped or gone: not them
     (0, RANK_1_ELSEWHERE, {}, VERDICT, False, (2, 3), 15.0),  # a culprit on another host: not it
     (0, ON_ONE_HOST, {}, replace(VERDICT, raised=True), False, (3,), 15.0),  # culprits that raised: not them
+    (0, ON_ONE_HOST, {3: None}, replace(VERDICT, raised=True), False, (), 15.0),  # a rank gone since: not it
+    (0, ON_ONE_HOST, {3: "Z"}, VERDICT, False, (1, 2), 15.0),  # (an unreaped one is gone too)
+    (0, RANK_1_ELSEWHERE, {1: None}, replace(VERDICT, ranks=(3,)), False, (1, 2, 3), 15.0),  # none elsewhere
 ])
 def test_the_store_host_leaves_last(rank, processes, states, verdict, finished, waits_for, until):
     """``departure``: the rank hosting the store (0) waits for these ranks while "alive" or "failed", until then."""
