@@ -105,12 +105,17 @@ def test_a_rank_alive_but_stuck_is_named_and_the_job_ends_within_the_watchdog_ti
     assert result.returncodes == [75, 75, 75, 75], result.describe()
     pid = json.loads((result.out_dir / "failed_at.json").read_text())["pid"]
     for rank in range(4):
-        assert re.search(
+        found = re.search(
             rf"Stopping rank {rank} \(exit code 75\): rank 2 \(pid {pid} on .+\) is stuck at step 2 \(others at step"
-            r" 3\) for \d+ s \(watchdog timeout 10 s\): alive \(its heartbeat beats\) but not progressing",
-            result.logs[rank]), result.describe()
+            r" 3\) for (\d+) s \(watchdog timeout 10 s\): alive \(its heartbeat beats\) but not progressing",
+            result.logs[rank])
+        assert found, result.describe()
+        assert int(found.group(1)) >= 10, found.group(0)  # not named before the bound
     assert "in on_train_batch_start" in result.logs[2]  # its stack, where it is stuck
-    assert 10 <= max(seconds_after_failure(result)) <= 10 + 5
+    # The lag counts from when its predecessor first saw it behind (the others had started step 3), which can come a
+    # moment before it reached the sleep and wrote failed_at.json: the job ends 10 s after the former, within 1 s of
+    # 10 s after the latter (measured 9.9 s once the store host stopped lingering after the others left).
+    assert 10 - 1 <= max(seconds_after_failure(result)) <= 10 + 5
 
 
 def test_under_lightnings_launcher_a_stopped_rank_0_is_named_and_killed(tmp_path):
