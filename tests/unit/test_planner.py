@@ -994,6 +994,29 @@ def test_sliding_window_layers_are_planned_with_a_note_of_what_is_not_counted():
     assert not any("sliding" in n for n in plan_run(fields, num_nodes=1, devices=2, seq_len=64, config=config).notes)
 
 
+def _live_fsdp_modules() -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(o, FSDPModule) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("caller_froze", [False, True])
+def test_a_plan_frees_the_models_it_built_and_leaves_the_collector_as_it_was(caller_froze):
+    """The meta models sit in reference cycles (FSDP's hooks): each plan collects them before it returns, traversing
+    only the objects it made (the rest frozen meanwhile); objects a caller froze stay frozen."""
+    gc.collect()
+    before = _live_fsdp_modules()
+    if caller_froze:
+        gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        plan_run("debug", num_nodes=1, devices=4, config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert _live_fsdp_modules() == before  # counted with nothing collected in between: the plan freed them itself
+
+
 def test_the_cli_plans_a_config_json(tmp_path, capsys):
     fields = _hf_fields("qwen3", tie_word_embeddings=True)
     directory = _write_config(tmp_path, fields)
