@@ -56,12 +56,10 @@ def apply_fully_shard(
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     reshard = reshard_after_forward_by_unit(config.reshard_policy)
-    # fully_shard never ties two parameters: an untied model (most) needs no check per unit, which walks every
-    # parameter of the model (quadratic in the blocks: seconds for a 126-layer plan).
-    tied = bool(shared_parameters(model))
+    ties = shared_parameters(model)  # once for every unit
 
     def shard(module: nn.Module | list[nn.Module], kind: str) -> None:
-        if kind != "root" and tied and holds_shared_outside(module, model):
+        if kind != "root" and holds_shared_outside(module, model, ties):
             return  # a tied weight used outside this unit too (embedding = head): the root unit holds it
         fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard[kind])
 

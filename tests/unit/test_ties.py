@@ -98,6 +98,10 @@ def test_a_unit_holding_both_uses_of_a_tie_may_be_its_own_unit():
     assert holds_shared_outside(model.tok_embeddings, model) == ["output.weight", "tok_embeddings.weight"]
     assert holds_shared_outside([model.tok_embeddings, model.output], model) == []
     assert holds_shared_outside(model.layers["0"], model) == []
+    # The model's ties computed once by a caller that asks for many units give the same answers; none: nothing held.
+    ties = shared_parameters(model)
+    assert holds_shared_outside(model.tok_embeddings, model, ties) == ["output.weight", "tok_embeddings.weight"]
+    assert holds_shared_outside(model.tok_embeddings, model, []) == []
 
 
 def test_a_tied_hugging_face_decoder_keeps_its_tie_through_the_parallel_steps():

@@ -108,9 +108,9 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     output = get_named_submodules(model, plan.output_unit, "output_unit")
     groups.append(("+".join(plan.output_unit), "output", output))
     groups.append(("(root)", "root", [model]))
-    tied = bool(shared_parameters(model))  # as apply_fully_shard: no per-unit walk of the model without a tie
+    ties = shared_parameters(model)  # once for every unit, as apply_fully_shard
     for name, kind, modules in groups:
-        if kind != "root" and modules and tied and holds_shared_outside(modules, model):
+        if kind != "root" and modules and holds_shared_outside(modules, model, ties):
             continue  # holds a tied weight (embedding = head): apply_fully_shard leaves it to the root unit
         if not all(isinstance(m, FSDPModule) for m in modules):
             raise RuntimeError(
