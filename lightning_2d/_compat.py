@@ -74,6 +74,14 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.distributed.device_mesh", "DeviceMesh._flatten",
                "the flattened data_parallel dim (replicate × shard) of the N-D mesh, as torchtitan does",
                "build the data_parallel group with dist.new_group and a separate 1-D DeviceMesh"),
+    PrivateAPI("torch.distributed.device_mesh", "DeviceMesh._concatenate",
+               "SimpleFSDP's parameters over the data-parallel × tensor-parallel mesh, as fully_shard lays them out"
+               " (FSDP2 calls it for the same)",
+               "slice the root mesh by the FSDP and tensor-parallel dim names"),
+    PrivateAPI("torch.distributed.tensor.placement_types", "_StridedShard",
+               "SimpleFSDP's data-parallel placement of a parameter whose dim 0 tensor parallelism shards too (as"
+               " fully_shard's; Distributed Checkpoint reads it)",
+               "the public placement torch gives for it; else shard the tensor-parallel dim 1 instead"),
     PrivateAPI("torch.distributed.distributed_c10d", "_set_pg_timeout",
                "the strategy's timeout on every group of the mesh (init_device_mesh gives sub-groups the default)",
                "create the mesh's groups with dist.new_group(timeout=...) and DeviceMesh.from_group"),
@@ -189,6 +197,20 @@ def foreach_norm(tensors: list["torch.Tensor"], ord: float) -> list["torch.Tenso
 def flatten_mesh_dims(mesh: "DeviceMesh", dims: tuple[str, ...], name: str) -> "DeviceMesh":
     """``mesh[dims]`` flattened into one dimension called ``name`` (reachable as ``mesh[name]``)."""
     return mesh[dims]._flatten(name)
+
+
+def concatenate_meshes(meshes: list["DeviceMesh"]) -> "DeviceMesh":
+    """One mesh spanning ``meshes`` (sub-meshes of one root, in order): the data-parallel × tensor-parallel mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """The placement sharding ``dim`` of each of ``split_factor`` chunks already split by an inner mesh dim."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def set_group_timeout(group: Any, timeout: timedelta) -> None:

@@ -124,6 +124,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             timeout: Optional[timedelta] = ...,
             watchdog_timeout: Optional[timedelta] = ...,
             context_parallel_size: int = 1,
+            fsdp_backend: Literal["fully_shard", "simple_fsdp"] = "fully_shard",
             *,
             parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
         ) -> None: ...

@@ -180,6 +180,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
             timeout: Optional[timedelta] = ...,
             watchdog_timeout: Optional[timedelta] = ...,
             context_parallel_size: int = 1,
+            fsdp_backend: Literal["fully_shard", "simple_fsdp"] = "fully_shard",
         ) -> None: ...
         # END generated
     else:

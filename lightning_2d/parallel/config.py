@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 AC_MODES = ("none", "full", "selective")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RESHARD_POLICIES = ("default", "always", "never")
+FSDP_BACKENDS = ("fully_shard", "simple_fsdp")
 NON_FINITE_POLICIES = ("raise", "skip", "off")
 #: The oldest torch the pipeline runs on: the release it is tested with. Before it ``torch.distributed.pipelining``
 #: lacked parts it relies on (schedules' ``eval()`` arrived in 2.9; static stage metadata and its warm-up vote later).
@@ -176,6 +177,14 @@ class ParallelConfig:
     attention layer all-gathers keys and values across them (``lightning_2d.parallel.context``). Divides the
     activations by this size; FSDP shards over data-shard × context ranks. The sequence length must be a multiple of
     ``2 × context_parallel_size`` (× ``tensor_parallel_size`` under sequence parallelism). ``1`` (default): off."""
+    fsdp_backend: Literal["fully_shard", "simple_fsdp"] = option("fully_shard", position=30)
+    """How parameters are sharded over the data-parallel ranks: ``"fully_shard"`` (FSDP2: units with hooks that
+    all-gather, reshard and reduce-scatter) or ``"simple_fsdp"`` (SimpleFSDP, ``lightning_2d.parallel.simple_fsdp``:
+    each parameter gathered on use by a DTensor redistribute whose backward reduce-scatters, so that under
+    ``compile=True`` the collectives are graph ops the compiler can bucket and reorder). The same sharded
+    parameters and checkpoints under both. Under ``"simple_fsdp"`` a block's gathered weights are freed after its
+    forward only when activation checkpointing recomputes that block (else autograd keeps them to its backward),
+    and every micro-batch's backward reduces its gradients."""
     pipeline_parallel_size: int = option(1, position=3)
     """Number of pipeline stages' ranks (``torch.distributed.pipelining``): the transformer blocks are split
     into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded
@@ -333,6 +342,55 @@ def reshard_option(reshard_after_forward: Any) -> list[str]:
             f" {', '.join(repr(p) for p in RESHARD_POLICIES)}"
         ]
     return []
+
+
+@check
+def fsdp_backend_option(fsdp_backend: Any) -> list[str]:
+    """``fsdp_backend`` is a backend."""
+    if fsdp_backend not in FSDP_BACKENDS:
+        return [f"fsdp_backend={fsdp_backend!r} is not a backend; choose one of {', '.join(map(repr, FSDP_BACKENDS))}"]
+    return []
+
+
+@check
+def simple_fsdp_resharding(fsdp_backend: Any, reshard_after_forward: Any, activation_checkpointing: Any) -> list[str]:
+    """Under SimpleFSDP resharding is the recomputation of activation checkpointing (no hook frees a weight)."""
+    if fsdp_backend != "simple_fsdp":
+        return []
+    if reshard_after_forward == "always" and activation_checkpointing == "none":
+        return [
+            "fsdp_backend='simple_fsdp' with reshard_after_forward='always' and activation_checkpointing='none':"
+            " SimpleFSDP has no hook to free a gathered weight after forward (autograd keeps it for the backward);"
+            " it reshards by recomputing the gather. Set activation_checkpointing='full' (or 'selective'), or"
+            " reshard_after_forward='default'"
+        ]
+    if reshard_after_forward == "never" and activation_checkpointing != "none":
+        return [
+            f"fsdp_backend='simple_fsdp' with reshard_after_forward='never' and"
+            f" activation_checkpointing={activation_checkpointing!r}: the recomputation of a checkpointed block"
+            " gathers its weights again, so they cannot stay gathered; use reshard_after_forward='default', or"
+            " activation_checkpointing='none'"
+        ]
+    return []
+
+
+@check
+def simple_fsdp_composition(fsdp_backend: Any, pipeline_parallel_size: Any, float8: Any) -> list[str]:
+    """What SimpleFSDP does not run with yet."""
+    if fsdp_backend != "simple_fsdp":
+        return []
+    problems = []
+    if _is_positive_int(pipeline_parallel_size) and pipeline_parallel_size > 1:
+        problems.append(
+            f"fsdp_backend='simple_fsdp' with pipeline_parallel_size={pipeline_parallel_size}: pipeline stages"
+            " are not supported under SimpleFSDP yet; use fsdp_backend='fully_shard' for a pipeline"
+        )
+    if float8:
+        problems.append(
+            f"fsdp_backend='simple_fsdp' with float8={float8!r}: float8 training is not supported under"
+            " SimpleFSDP yet; use fsdp_backend='fully_shard' for float8"
+        )
+    return problems
 
 
 @check

@@ -13,7 +13,7 @@ Order in which the strategies use them (both the Trainer's and Fabric's):
    builds the model, on the meta device when ``strategy.materializes_meta_modules``.
 2. ``parallel_plan(config)`` gives the ``ParallelPlan`` (unless one was passed to the strategy).
 3. ``apply_tensor_parallel`` → ``apply_activation_checkpointing`` → ``apply_compile`` →
-   ``apply_fully_shard``: each, when defined, replaces the library's step of the same name
+   ``apply_fully_shard`` (or ``apply_simple_fsdp`` under ``fsdp_backend="simple_fsdp"``): each, when defined, replaces the library's step of the same name
    (``lightning_2d.parallel.parallelize``) and is called with the same arguments.
 4. Materialization of meta tensors: values from ``weights_source()`` if it returns a source,
    else the model's ``param_init_specs()`` with the seed (the strategy's ``init_seed``, else the
@@ -75,6 +75,11 @@ class ParallelHooks(Protocol):
         ``(data_parallel_replicate, data_parallel_shard)`` (HSDP)."""
         ...
 
+    def apply_simple_fsdp(self, model: nn.Module, dp_mesh: "DeviceMesh", plan: "ParallelPlan", config: "ParallelConfig") -> None:
+        """Replaces ``lightning_2d.parallel.simple_fsdp.apply_simple_fsdp`` (``fsdp_backend="simple_fsdp"``, in
+        place of ``apply_fully_shard``). ``dp_mesh`` as for ``apply_fully_shard``."""
+        ...
+
     def weights_source(self) -> Optional["WeightSource"]:
         """Initial values read block by block (e.g. ``lightning_2d.checkpoint.hf.HFWeights``), or ``None`` to initialize."""
         ...
@@ -101,7 +106,8 @@ class ModelInitHooks(Protocol):
 
 
 #: The step-replacing method names of ``ParallelHooks``, in the order they run.
-STEP_HOOKS = ("apply_tensor_parallel", "apply_activation_checkpointing", "apply_compile", "apply_fully_shard")
+STEP_HOOKS = ("apply_tensor_parallel", "apply_activation_checkpointing", "apply_compile", "apply_fully_shard",
+              "apply_simple_fsdp")
 
 
 #: Every method name of ``ParallelHooks``.

@@ -16,6 +16,7 @@ LightningModule or model may define is listed in ``lightning_2d.parallel.hooks``
 ``apply_activation_checkpointing``    ``(model, plan, config)``
 ``apply_compile``                     ``(model, plan, config)``
 ``apply_fully_shard``                 ``(model, dp_mesh, plan, config)``
+``apply_simple_fsdp``                 ``(model, dp_mesh, plan, config)`` (``fsdp_backend="simple_fsdp"``)
 ====================================  ==============================================
 """
 
@@ -35,6 +36,7 @@ from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
+from lightning_2d.parallel.simple_fsdp import apply_simple_fsdp, sharded_parameters
 from lightning_2d.parallel.names import CP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -44,7 +46,8 @@ if TYPE_CHECKING:
     from lightning_2d.parallel.pipeline import Pipeline
 
 STEPS: dict[str, Callable[..., None]] = dict(
-    zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile, apply_fully_shard))
+    zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile, apply_fully_shard,
+                     apply_simple_fsdp))
 )
 
 
@@ -139,8 +142,9 @@ def parallelize_and_materialize(
         # Init hooks: the model's own, else the owner's (for a model class the user cannot change),
         # else those of an architecture this library knows (a Hugging Face decoder given to Fabric).
         hooks = [h for h in (owner, known_init_hooks(model)) if h is not None and h is not model]
-        materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
-        materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
+        with sharded_parameters():  # SimpleFSDP's modules: the stored shards are what initialization fills
+            materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
+            materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
     return result
 
 
@@ -228,6 +232,9 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
         _step(hooks, "apply_activation_checkpointing")(model, plan, config)
     if config.compile:
         _step(hooks, "apply_compile")(model, plan, config)
-    # FSDP2 also at dp == 1: it carries the mixed-precision policy, and every parameter becomes a
+    # FSDP also at dp == 1: it carries the mixed-precision policy, and every parameter becomes a
     # DTensor, so checkpoints and gradient clipping handle one kind of parameter at every layout.
-    _step(hooks, "apply_fully_shard")(model, dp_mesh, plan, config)
+    if config.fsdp_backend == "simple_fsdp":
+        _step(hooks, "apply_simple_fsdp")(model, dp_mesh, plan, config)
+    else:
+        _step(hooks, "apply_fully_shard")(model, dp_mesh, plan, config)

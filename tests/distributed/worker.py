@@ -207,6 +207,16 @@ class ActivationLayouts(L.Callback):
         self._handles = []
 
 
+def data_parallel_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules each data-parallel backend wrapped: FSDP2 units, SimpleFSDP's gathering modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_2d.parallel.simple_fsdp import simple_fsdp_modules
+
+    return {"fully_shard": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "simple_fsdp": len(simple_fsdp_modules(model))}
+
+
 def placements(module: torch.nn.Module) -> dict[str, list]:
     out = {}
     for name, p in module.named_parameters():
@@ -374,6 +384,7 @@ STRATEGY_OPTIONS = (
     "pipeline_microbatches",
     "pipeline_stages_per_rank",
     "pipeline_layers_per_stage",
+    "fsdp_backend",
 )
 
 
@@ -507,6 +518,7 @@ def fit(cfg: dict) -> None:
         "placements": placements(module.model),
         "blocks_given_masks": positions.calls,
         "tied_parameters": tied_parameters(module.model),
+        "data_parallel_modules": data_parallel_modules(module.model),
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
