@@ -17,33 +17,52 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 pytestmark = pytest.mark.distributed
 
 SIMPLE = {"fsdp_backend": "simple_fsdp"}
-#: (dp, tp, options): FSDP × TP with sequence parallelism, FSDP alone, and HSDP (2 replicas × 2 shards).
+CLIP = 0.5
+#: (dp, tp, options, the reference's options): FSDP × TP with sequence parallelism, FSDP alone (its collectives
+#: counted in step 1), HSDP (2 replicas × 2 shards), FSDP with full activation checkpointing (counted too), context
+#: parallel × FSDP with packed documents, and FSDP × TP with gradient accumulation and clipping.
 LAYOUTS = {
-    "dp2xtp2": (2, 2, {}),
-    "dp4": (4, 1, {}),
-    "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2}),
+    "dp2xtp2": (2, 2, {}, {}),
+    "dp4": (4, 1, {"count_collectives": 1}, {}),
+    "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2}, {}),
+    "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
+    "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True}, {"documents": True}),
+    "dp2xtp2_accumulate_clip": (2, 2, {"even_labels": True, "accumulate": 2, "gradient_clip_val": CLIP,
+                                       "grad_norms": True}, {"even_labels": True, "gradient_clip_val": CLIP}),
 }
+
+
+def run_of(jobs, name):
+    dp, tp, extra, _ = LAYOUTS[name]
+    return jobs.layout(dp, tp, nprocs=4, **SIMPLE, **extra)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def shared_launches(jobs):
+    references = {tuple(sorted(ref.items())) for *_, ref in LAYOUTS.values()}
     jobs.share("simple_fsdp", [
-        jobs.reference_job(),
-        *(jobs.layout_job(dp, tp, **SIMPLE, **extra) for dp, tp, extra in LAYOUTS.values()),
+        *(jobs.reference_job(**dict(ref)) for ref in sorted(references)),
+        *(jobs.layout_job(dp, tp, nprocs=4, **SIMPLE, **extra) for dp, tp, extra, _ in LAYOUTS.values()),
         jobs.layout_job(2, 2),  # FSDP2 at the same layout: the placements to match
     ])
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_simple_fsdp_losses_and_weights_match_single_device(jobs, name):
-    dp, tp, extra = LAYOUTS[name]
-    reference, run = jobs.reference(), jobs.layout(dp, tp, **SIMPLE, **extra)
+    *_, ref_options = LAYOUTS[name]
+    reference, run = jobs.reference(**ref_options), run_of(jobs, name)
     ref_losses = reference.rank_output(0)["losses"]
     for rank in range(4):
         out = run.rank_output(rank)
-        error = worst_relative_error(out["losses"], ref_losses)
+        losses = out["losses"]
+        if name.endswith("accumulate_clip"):  # each step's two micro-batch means average to the double batch's
+            losses = [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]
+            assert out["grad_norms"] == pytest.approx(reference.rank_output(0)["grad_norms"], rel=1e-5)
+            # Recorded after every micro-batch: after each second one, the step's clipped gradients.
+            assert out["stepped_grad_norms"][1::2] == pytest.approx([CLIP] * 6, rel=1e-5)
+        error = worst_relative_error(losses, ref_losses)
         print(f"simple_fsdp {name} rank {rank}: worst relative loss error {error:.3e}")
-        assert error <= LOSS_RTOL, (out["losses"], ref_losses)
+        assert error <= LOSS_RTOL, (losses, ref_losses)
         # SimpleFSDP ran, not FSDP2: no unit, and every module holding parameters gathers them.
         assert out["data_parallel_modules"]["fully_shard"] == 0
         assert out["data_parallel_modules"]["simple_fsdp"] > 0
@@ -56,11 +75,28 @@ def test_simple_fsdp_losses_and_weights_match_single_device(jobs, name):
 def test_simple_fsdp_lays_the_parameters_out_as_fully_shard(jobs):
     """Same placements, meshes, local shapes and dtypes as FSDP2 on every rank (``_StridedShard`` where tensor
     parallelism shards dim 0 too): what makes their checkpoints interchangeable."""
-    simple, fsdp2 = jobs.layout(2, 2, **SIMPLE), jobs.layout(2, 2)
+    simple, fsdp2 = run_of(jobs, "dp2xtp2"), jobs.layout(2, 2)
     for rank in range(4):
         ours, theirs = simple.rank_output(rank), fsdp2.rank_output(rank)
         assert ours["placements"] == theirs["placements"], rank
         assert theirs["data_parallel_modules"]["simple_fsdp"] == 0 and theirs["data_parallel_modules"]["fully_shard"]
     assert any("_StridedShard" in p["placements"][0] for p in ours["placements"].values())
-    hsdp = jobs.layout(4, 1, **SIMPLE, data_parallel_replicate_size=2).rank_output(0)["placements"]
+    hsdp = run_of(jobs, "hsdp2x2").rank_output(0)["placements"]
     assert {tuple(p["placements"]) for p in hsdp.values()} == {("Replicate()", "Shard(dim=0)")}
+
+
+def test_without_checkpointing_the_gathered_weights_live_to_backward_and_with_it_are_gathered_again(jobs):
+    """Step 1's collectives at dp 4 (no tensor parallelism: every functional all-gather is a weight's). Without
+    activation checkpointing each weight is gathered once, in forward, and autograd keeps it for backward (FSDP2
+    would gather the blocks again); with full checkpointing each block's recomputation gathers its weights again,
+    so only the activations outlive the forward. Both reduce-scatter every gradient once, in backward."""
+    plain = run_of(jobs, "dp4").rank_output(0)["collectives"]
+    checkpointed = run_of(jobs, "dp4_ac_full").rank_output(0)["collectives"]
+    print(f"collectives of step 1 at dp 4: {plain} without checkpointing, {checkpointed} with")
+    gathers = plain["forward"]["all_gather_into_tensor"]
+    # The debug model's 4 blocks hold 9 parameters each; the embedding, final norm and head 3 more (untied).
+    assert gathers == 4 * 9 + 3 and plain["backward"].get("all_gather_into_tensor", 0) == 0
+    assert plain["backward"]["reduce_scatter_tensor"] == gathers
+    assert checkpointed["forward"]["all_gather_into_tensor"] == gathers
+    assert checkpointed["backward"]["all_gather_into_tensor"] == 4 * 9  # the blocks', recomputed
+    assert checkpointed["backward"]["reduce_scatter_tensor"] == gathers

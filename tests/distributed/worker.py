@@ -305,6 +305,40 @@ class BlockPositions(L.Callback):
         layers["0"].register_forward_pre_hook(seen, with_kwargs=True)
 
 
+class CollectiveCounter(L.Callback):
+    """Counts the functional collectives (``torch.ops._c10d_functional``: DTensor's, and so SimpleFSDP's gathers
+    and reduce-scatters) each rank issues in the forward and in the backward of one training step, by op name."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.counts = step, {"forward": {}, "backward": {}}
+        self._mode, self._phase = None, "forward"
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            counter = self
+
+            class Count(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    name = func.__name__.split(".")[0]
+                    if func.namespace == "_c10d_functional" and name != "wait_tensor" and not name.startswith("_"):
+                        seen = counter.counts[counter._phase]
+                        seen[name] = seen.get(name, 0) + 1
+                    return func(*args, **(kwargs or {}))
+
+            self._phase, self._mode = "forward", Count()
+            self._mode.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._phase = "backward"
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+
 class InjectNaN(L.Callback):
     """At optimizer step ``step`` (from 1), on rank ``rank`` only: a NaN in this rank's local gradient shard
     (after the reduce-scatter, so no other rank sees it) or in its loss (before backward)."""
@@ -488,6 +522,10 @@ def fit(cfg: dict) -> None:
         callbacks.append(activations)
     positions = BlockPositions()
     callbacks.append(positions)
+    collectives = None
+    if "count_collectives" in cfg:  # the training step (from 0) whose collectives are counted
+        collectives = CollectiveCounter(cfg["count_collectives"])
+        callbacks.append(collectives)
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
@@ -522,6 +560,8 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+    if collectives is not None:
+        result["collectives"] = collectives.counts
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if cfg.get("transformers_first_loss"):  # transformers' own loss of the init_from files on the first batch
