@@ -37,6 +37,7 @@ from lightning_2d.checkpoint.files import (
     shape_mismatches,
     stored_shapes,
 )
+from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 
 class DistributedCheckpointIO(CheckpointIO):
@@ -136,7 +137,8 @@ class DistributedCheckpointIO(CheckpointIO):
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             # The names DCP saved under (wrapper prefixes of AC/compile removed); DTensors give full shapes.
-            state = get_model_state_dict(module)
+            with sharded_parameters():
+                state = get_model_state_dict(module)
             expected = {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
         if pipelined:
             import torch.distributed as dist

@@ -39,6 +39,7 @@ from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.options import Option
 from lightning_2d.parallel.parallelize import parallelize_and_materialize
+from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 __all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy"]
 
@@ -191,6 +192,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
+    @sharded_parameters()  # the state-dict APIs' getattr walk reads SimpleFSDP's stored shards, never gathers
     def save_checkpoint(
         self,
         path: Any,
@@ -229,6 +231,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         io.save(tensors, metadata, path)
 
     @override
+    @sharded_parameters()
     def load_checkpoint(
         self,
         path: Any,

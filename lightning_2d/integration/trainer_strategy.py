@@ -12,7 +12,7 @@ checkpoint IO, watchdog); launching and the sampler are Lightning's.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional
@@ -37,6 +37,7 @@ from lightning_2d.parallel.config import ParallelConfigError
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.parallelize import parallelize_and_materialize
+from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 __all__ = ["FSDP2Precision", "ModelParallel2DStrategy"]
 
@@ -173,6 +174,28 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         if self.lightning_module is not None:
             check_finite_weights(self.lightning_module, path)  # never a checkpoint of NaN weights
         io.save_checkpoint(checkpoint, path)
+
+    # The state-dict APIs walk the modules with getattr down to each parameter: under SimpleFSDP that read must be the
+    # stored shard, not a gather (a collective the ranks would not all join).
+    @override
+    @sharded_parameters()
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return super().lightning_module_state_dict()
+
+    @override
+    @sharded_parameters()
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    @sharded_parameters()
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return super().optimizer_state(optimizer)
+
+    @override
+    @sharded_parameters()
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def setup(jobs, tmp_path_factory):
     # step are paid once, not 16 times. Each test still calls run() with its own arguments and reads its own
     # folder; arguments other than these here are an error naming both (Jobs.run).
     step4 = str(ckpt_dir / "epoch=1-step=4.ckpt")
-    context, pipeline = root / "context", root / "pipeline"
+    context, pipeline, simple = root / "context", root / "pipeline", root / "simple_fsdp"
     jobs.share("ckpt_resumes", [
         job("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4]),
         *(job(f"resume_{done}", 2, 2, resume=str(ckpt_dir / name)) for name, done in SAME_LAYOUT_RESUMES),
@@ -78,6 +78,13 @@ def setup(jobs, tmp_path_factory):
             checkpoints=[{"dirpath": str(pipeline), "every_n_train_steps": 1, "save_top_k": -1}]),
         job("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B",
             resume=str(pipeline / "epoch=1-step=5.ckpt")),
+        # Across the data-parallel backends: FSDP2's step-2 checkpoint into SimpleFSDP, which saves at step 4;
+        # that resumed under SimpleFSDP at the same layout, and under FSDP2 at another.
+        job("simple_from_fsdp2", 2, 2, fsdp_backend="simple_fsdp", resume=str(ckpt_dir / "epoch=0-step=2.ckpt"),
+            checkpoints=[{"dirpath": str(simple), "every_n_train_steps": 2, "save_top_k": -1}],
+            weights_at_steps=[4]),
+        job("simple_from_simple", 2, 2, fsdp_backend="simple_fsdp", resume=str(simple / "epoch=1-step=4.ckpt")),
+        job("fsdp2_dp4_from_simple", 4, 1, resume=str(simple / "epoch=1-step=4.ckpt")),
         job("hsdp_save", 2, 2, replicate=2, max_steps=4, weights_at_steps=[4],
             checkpoints=[{"dirpath": str(root / "hsdp"), "every_n_train_steps": 4, "save_top_k": -1}]),
         job("full_save", 2, 2, save_distributed=False, max_steps=3,
@@ -153,6 +160,34 @@ def test_a_context_parallel_checkpoint_resumes_without_context_parallelism_and_a
             assert torch.equal(weight, saved[weight_name]), (name, weight_name)  # resharding is a copy
         for out in outputs(resumed, 4):
             assert out["global_step"] == 6 and out["losses"] == pytest.approx(reference[4:], rel=1e-5, abs=0)
+
+
+def test_checkpoints_move_between_the_fully_shard_and_simple_fsdp_backends(setup):
+    """FSDP2's (2, 2) checkpoint of step 2 resumed under SimpleFSDP (the same parameter layout): the saved weights
+    bit for bit, then the uninterrupted run's losses. Its own step-4 checkpoint resumed under SimpleFSDP at the
+    same layout continues it exactly; under FSDP2 at (4, 1) it continues the reference's losses."""
+    simple_dir = setup["root"] / "simple_fsdp"
+    reference = setup["reference"].rank_output(0)["losses"]
+    into = setup["run"]("simple_from_fsdp2", 2, 2, fsdp_backend="simple_fsdp",
+                        resume=str(setup["dir"] / "epoch=0-step=2.ckpt"),
+                        checkpoints=[{"dirpath": str(simple_dir), "every_n_train_steps": 2, "save_top_k": -1}],
+                        weights_at_steps=[4])
+    for out in outputs(into, 4):
+        assert out["global_step"] == 6 and out["losses"] == pytest.approx(reference[2:], rel=1e-5, abs=0)
+    saved = load_weights(into, "weights_step4")
+    for name, weight in load_weights(setup["reference"], "weights_step4").items():
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    step4 = str(simple_dir / "epoch=1-step=4.ckpt")
+    same = setup["run"]("simple_from_simple", 2, 2, fsdp_backend="simple_fsdp", resume=step4)
+    for before, out in zip(outputs(into, 4), outputs(same, 4)):
+        assert out["global_step"] == 6 and out["losses"] == before["losses"][2:]  # exact: no tolerance
+    back = setup["run"]("fsdp2_dp4_from_simple", 4, 1, resume=step4)
+    restored = load_weights(back, "initial")
+    assert restored.keys() == saved.keys()
+    for name, weight in restored.items():
+        assert torch.equal(weight, saved[name]), name  # a copy across backends and layouts
+    for out in outputs(back, 4):
+        assert out["global_step"] == 6 and out["losses"] == pytest.approx(reference[4:], rel=1e-5, abs=0)
 
 
 def test_checkpoints_move_into_and_across_pipeline_layouts(setup):

@@ -306,37 +306,43 @@ class BlockPositions(L.Callback):
 
 
 class CollectiveCounter(L.Callback):
-    """Counts the functional collectives (``torch.ops._c10d_functional``: DTensor's, and so SimpleFSDP's gathers
-    and reduce-scatters) each rank issues in the forward and in the backward of one training step, by op name."""
+    """Counts the functional collectives (``_c10d_functional::`` ops: DTensor's, and so SimpleFSDP's gathers and
+    reduce-scatters, also inside compiled graphs, bucketed or not) each rank issues in the forward and in the
+    backward of one training step, by op name, from a CPU profile of that step."""
+
+    BACKWARD = "lightning_2d_test.backward"
 
     def __init__(self, step: int) -> None:
         self.step, self.counts = step, {"forward": {}, "backward": {}}
-        self._mode, self._phase = None, "forward"
+        self._profile = self._backward = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            from torch.utils._python_dispatch import TorchDispatchMode
+        if trainer.global_step == self.step and self._profile is None:
+            from torch.profiler import ProfilerActivity, profile
 
-            counter = self
-
-            class Count(TorchDispatchMode):
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    name = func.__name__.split(".")[0]
-                    if func.namespace == "_c10d_functional" and name != "wait_tensor" and not name.startswith("_"):
-                        seen = counter.counts[counter._phase]
-                        seen[name] = seen.get(name, 0) + 1
-                    return func(*args, **(kwargs or {}))
-
-            self._phase, self._mode = "forward", Count()
-            self._mode.__enter__()
+            self._profile = profile(activities=[ProfilerActivity.CPU])
+            self._profile.__enter__()
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self._phase = "backward"
+        if self._profile is not None:
+            self._backward = torch.profiler.record_function(self.BACKWARD)
+            self._backward.__enter__()
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        if self._profile is None or self._backward is None:
+            return
+        self._backward.__exit__(None, None, None)
+        self._profile.__exit__(None, None, None)
+        events = self._profile.events()
+        window = next(e.time_range for e in events if e.name == self.BACKWARD)
+        for event in events:
+            op = event.name.partition("_c10d_functional::")[2]
+            if not op or event.name != f"_c10d_functional::{op}" or op == "wait_tensor" or op.startswith("_"):
+                continue
+            phase = "backward" if window.start <= event.time_range.start <= window.end else "forward"
+            self.counts[phase][op] = self.counts[phase].get(op, 0) + 1
+        self._profile = self._backward = None
+        self.step = -1  # once
 
 
 class InjectNaN(L.Callback):
@@ -757,7 +763,7 @@ def train(cfg: dict) -> None:
         data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
         data_parallel_replicate_size=cfg.get("replicate", 1),
         **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule", "reduce_every_micro_batch",
-                               "context_parallel_size") if k in cfg},
+                               "context_parallel_size", "fsdp_backend") if k in cfg},
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
         **strategy_timeouts(cfg),
