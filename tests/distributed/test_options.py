@@ -37,10 +37,17 @@ def clipped(name: str) -> dict:
             **({"probe_forwards": True} if name in RESHARD else {})}
 
 
+#: The compiled jobs, FSDP2's and SimpleFSDP's (its collectives counted in step 1), in a launch of their own.
+COMPILED = {"compile": True}
+SIMPLE_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "count_collectives": 1}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def shared_launches(jobs):
-    """This module's jobs, but the compile one (dynamo's graph counters are per process), in one launch per process
-    count: one fit after another in the same processes (``Jobs.share``); the tests then read them as usual."""
+    """This module's jobs in one launch per process count: one fit after another in the same processes
+    (``Jobs.share``); the tests then read them as usual. The two compiled jobs share another (dynamo's graph
+    counters are read per fit, but the compiled code of one job stays in its processes)."""
+    jobs.share("compiled", [jobs.layout_job(2, 2, **COMPILED), jobs.layout_job(2, 2, **SIMPLE_COMPILED)])
     jobs.share("options", [
         jobs.reference_job(), jobs.reference_job(gradient_clip_val=CLIP), jobs.reference_job(even_labels=True),
         jobs.layout_job(1, 1, float8="emulate"),
@@ -49,6 +56,7 @@ def shared_launches(jobs):
         jobs.layout_job(2, 2, **ACCUMULATED),
         jobs.layout_job(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True),
         jobs.layout_job(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False),
+        jobs.layout_job(2, 2, fsdp_backend="simple_fsdp", count_collectives=1),  # test_simple_fsdp's too
     ])
 
 
@@ -134,7 +142,7 @@ def test_bf16_precisions(jobs, precision, shard_dtype):
 
 
 def test_compiled_blocks_match_single_device(jobs):
-    compiled = jobs.layout(2, 2, compile=True)
+    compiled = jobs.layout(2, 2, **COMPILED)
     losses = compiled.rank_output(0)["losses"]
     # Inductor fuses and reorders fp32 reductions: equal up to a few ulps of accumulated rounding.
     assert worst_relative_error(losses, jobs.reference().rank_output(0)["losses"]) <= 1e-4
@@ -148,6 +156,29 @@ def test_compiled_blocks_match_single_device(jobs):
         assert out["dynamo_unique_graphs"] == 1, (rank, out["dynamo_unique_graphs"])
     eager = jobs.layout(2, 2, **clipped("unfused-loss-gathered-logits")).rank_output(0)  # a job of the tests above
     assert eager["compiled_blocks"] == [] and eager["dynamo_unique_graphs"] == 0
+
+
+def test_compiled_simple_fsdp_buckets_its_collectives_and_matches_single_device(jobs):
+    """``fsdp_backend="simple_fsdp"`` with ``compile=True`` at 2x2: inductor buckets the gathers and reduce-scatters
+    that SimpleFSDP leaves in the blocks' graphs (one per block and direction instead of one per parameter)."""
+    out = jobs.layout(2, 2, **SIMPLE_COMPILED).rank_output(0)
+    assert worst_relative_error(out["losses"], jobs.reference().rank_output(0)["losses"]) <= 1e-4
+    for rank in range(4):
+        assert jobs.layout(2, 2, **SIMPLE_COMPILED).rank_output(rank)["compiled_blocks"] == ["0", "1", "2", "3"]
+    assert out["dynamo_unique_graphs"] == 1  # one graph for the 4 blocks (a fresh one: the classes are SimpleFSDP's)
+    eager = jobs.layout(2, 2, fsdp_backend="simple_fsdp", count_collectives=1).rank_output(0)["collectives"]
+    compiled = out["collectives"]
+    print(f"collectives of step 1 at 2x2 under SimpleFSDP: eager {eager}, compiled {compiled}")
+
+    def count(counts: dict, prefix: str) -> int:  # bucketed ops are the "_out"/in-place variants
+        return sum(n for op, n in counts.items() if op.startswith(prefix))
+
+    # Eager: 39 weight gathers in forward (4 blocks x 9 parameters, embedding, final norm, head) and 9 sequence-
+    # parallel activation gathers; backward reduce-scatters as many. Compiled, the blocks' weights arrive in
+    # bucketed collectives (measured: 48 -> 24 all-gathers, 48 -> 24 reduce-scatters): fewer than the parameters.
+    assert count(eager["forward"], "all_gather") == 39 + 9 and count(eager["backward"], "reduce_scatter") == 39 + 9
+    assert count(compiled["forward"], "all_gather") <= (39 + 9) // 2 < 39
+    assert count(compiled["backward"], "reduce_scatter") <= (39 + 9) // 2 < 39
 
 
 def assert_two_micro_batches_equal_the_double_batch(out: dict, ref: dict) -> dict:

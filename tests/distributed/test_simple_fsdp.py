@@ -22,7 +22,7 @@ CLIP = 0.5
 #: counted in step 1), HSDP (2 replicas × 2 shards), FSDP with full activation checkpointing (counted too), context
 #: parallel × FSDP with packed documents, and FSDP × TP with gradient accumulation and clipping.
 LAYOUTS = {
-    "dp2xtp2": (2, 2, {}, {}),
+    "dp2xtp2": (2, 2, {"count_collectives": 1}, {}),
     "dp4": (4, 1, {"count_collectives": 1}, {}),
     "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2}, {}),
     "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
@@ -100,3 +100,4 @@ def test_without_checkpointing_the_gathered_weights_live_to_backward_and_with_it
     assert checkpointed["forward"]["all_gather_into_tensor"] == gathers
     assert checkpointed["backward"]["all_gather_into_tensor"] == 4 * 9  # the blocks', recomputed
     assert checkpointed["backward"]["reduce_scatter_tensor"] == gathers
+

@@ -537,6 +537,9 @@ def fit(cfg: dict) -> None:
     if "fail" in cfg:
         callbacks.append(Fail(**cfg["fail"], out_dir=out_dir))
     reduce_scatters = count_reduce_scatters()
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    graphs_before = dynamo_counters["stats"]["unique_graphs"]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -579,14 +582,14 @@ def fit(cfg: dict) -> None:
 
         result["checkpointed_blocks"] = [name for name, block in module.model.layers.items()
                                          if isinstance(block, CheckpointWrapper)]
-        # Which blocks torch.compile wrapped, and what dynamo compiled in this process (0 graphs: nothing ran
-        # compiled, whatever the wrappers say).
+        # Which blocks torch.compile wrapped, and what dynamo compiled during this fit (0 graphs: nothing ran
+        # compiled, whatever the wrappers say; counted from the fit's start, so fits may share a process).
         from torch._dynamo.eval_frame import OptimizedModule
         from torch._dynamo.utils import counters
 
         result["compiled_blocks"] = [name for name, block in module.model.layers.items()
                                      if isinstance(block, OptimizedModule)]
-        result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
+        result["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
     pipeline = pipeline_of_run(module)
     if pipeline is not None:
         result["pipeline_split"] = pipeline.split
