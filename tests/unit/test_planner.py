@@ -1152,3 +1152,30 @@ def test_hf_activation_peak_matches_the_live_tensors_of_a_step(model_type, tp, s
                 ).estimate(ac, option)
                 # tokens and labels exist before
                 assert estimate.peak - 16 * batch * seq == pytest.approx(measured, rel=0.03), (vocab, ac, estimate.phase)
+
+
+@pytest.mark.parametrize(("ac", "option"), [("none", "op"), ("full", "op"), ("selective", 2)])
+def test_simple_fsdp_keeps_gathered_weights_unless_their_block_is_recomputed(ac, option):
+    """Under SimpleFSDP autograd keeps each gathered weight to its backward: without activation checkpointing the
+    whole (tensor-parallel share of the) model is gathered at once; a recomputed block gathers its weights only
+    while it computes (then again in its recomputation)."""
+    from lightning_2d.tools.planner.units import recomputed_blocks, simple_fsdp_gathered_peak
+
+    def plan(backend):
+        return plan_run("debug", num_nodes=1, devices=4, precision="bf16-mixed", config=ParallelConfig(
+            tensor_parallel_size=2, activation_checkpointing=ac, selective_ac_option=option, fsdp_backend=backend))
+
+    simple, fsdp2 = plan("simple_fsdp"), plan("fully_shard")
+    # The debug model's groups as fully_shard makes them (embedding, 4 blocks, norm + head), each gathered in bf16.
+    args = ModelArgs.from_name("debug")
+    block = sum(p.numel() for p in Transformer(args).layers["0"].parameters()) // 2 * 2  # tp 2 halves, bf16
+    whole = sum(p.numel() for p in Transformer(args).parameters()) // 2 * 2
+    recomputed = {"none": 0, "full": 4, "selective": 2}[ac]  # selective_ac_option=2: blocks 1 and 3
+    expected = whole - recomputed * block + (block if recomputed else 0)
+    assert simple.all_gather_bytes == pytest.approx(expected, rel=0.02)
+    if ac == "none":  # FSDP2 frees each unit after its forward (with checkpointing it also prefetches the next)
+        assert simple.all_gather_bytes > 2 * fsdp2.all_gather_bytes
+    assert simple.accumulation_bytes == 0  # every micro-batch reduces under SimpleFSDP
+    units = [FSDPUnit(f"layers.{i}", "block", 0, 10 * (i + 1), 0) for i in range(4)]
+    assert recomputed_blocks(units, "selective", 2) == {"layers.1", "layers.3"}
+    assert simple_fsdp_gathered_peak(units, {"layers.1", "layers.3"}) == 10 + 30 + 40

@@ -31,7 +31,7 @@ from lightning_2d.tools.planner.models import (
 from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
 from lightning_2d.tools.planner.suggestions import _suggestions
-from lightning_2d.tools.planner.units import gathered_peak
+from lightning_2d.tools.planner.units import gathered_peak, recomputed_blocks, simple_fsdp_gathered_peak
 from lightning_2d.tools.planner.world import _Retry, _shard, _Shards
 
 #: H100 / A100 80GB: the nominal size. ``torch.cuda.get_device_properties().total_memory`` reports
@@ -412,6 +412,11 @@ def _plan_rank(
             microbatches=microbatches, activation_checkpointing=config.activation_checkpointing,
             selective_ac_option=config.selective_ac_option,
         )
+    elif config.fsdp_backend == "simple_fsdp":
+        recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
+        all_gather = simple_fsdp_gathered_peak(units, recomputed)
+        accumulation = 0  # every micro-batch's backward reduces: the sharded gradients accumulate
+        estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
     else:
         all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_policy))
         accumulation = 0

@@ -142,8 +142,7 @@ def format_report(report: PlanReport) -> str:
         (f"gradients ({stored}, sharded)", f"{report.params_per_device:,}", _gib(report.grad_bytes)),
         (f"optimizer state (AdamW, 2 x {stored})", f"{ADAMW_STATES * report.params_per_device:,}",
          _gib(report.optimizer_bytes)),
-        (f"FSDP all-gather buffers ({pd}{'; a pipeline keeps every unit' if pipeline and not keeps_fewer else ''})", "",
-         _gib(report.all_gather_bytes)),
+        (_all_gather_row(report, pd, pipeline and not keeps_fewer), "", _gib(report.all_gather_bytes)),
         (f"FSDP reduce-scatter buffers ({pd} + {rd})", "", _gib(report.reduce_scatter_bytes)),
     ]
     if report.accumulation_bytes:
@@ -217,3 +216,11 @@ def _pipeline_table(pipeline: list[dict[str, Any]], worst: dict[str, Any]) -> li
             f"{_gib(r['total_bytes']):>11}{mark}"
         )
     return lines
+
+
+def _all_gather_row(report: Any, param_dtype: str, pipeline_keeps: bool) -> str:
+    if report.parallel_config.get("fsdp_backend") == "simple_fsdp":
+        ac = report.parallel_config.get("activation_checkpointing", "none")
+        kept = "kept to backward" + ("; recomputed blocks' only while they compute" if ac != "none" else "")
+        return f"SimpleFSDP gathered weights ({param_dtype}, {kept})"
+    return f"FSDP all-gather buffers ({param_dtype}{'; a pipeline keeps every unit' if pipeline_keeps else ''})"

@@ -70,10 +70,41 @@ def gathered_peak(units: list[FSDPUnit], reshard: dict[str, bool]) -> int:
     return peak
 
 
-def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.dtype) -> list[FSDPUnit]:
+def simple_fsdp_gathered_peak(units: list[FSDPUnit], recomputed: set[str]) -> int:
+    """The most bytes of gathered parameters alive at once under SimpleFSDP: a weight gathered in forward stays
+    alive to its backward (autograd saves it for the gradient of its input), unless activation checkpointing
+    recomputes its block (``recomputed``: unit names): then it lives only while that block computes, in forward
+    and again in the recomputation.
+
+    Args:
+        units: The module groups (as ``apply_fully_shard`` would make them), in forward order.
+        recomputed: The names of the blocks activation checkpointing recomputes (``recomputed_blocks``).
+    """
+    kept = sum(u.gathered_bytes for u in units if u.name not in recomputed)
+    return kept + max((u.gathered_bytes for u in units if u.name in recomputed), default=0)
+
+
+def recomputed_blocks(units: list[FSDPUnit], activation_checkpointing: str, selective_ac_option: Any) -> set[str]:
+    """The block units whose forward activation checkpointing runs again in backward (``apply_activation_checkpointing``:
+    every block under ``"full"`` and per-op ``"selective"``, whose policy recomputes all but the matmul and attention
+    outputs, the gathers included; every N-th under ``selective_ac_option=N``)."""
+    blocks = [u.name for u in units if u.kind == "block"]
+    if activation_checkpointing == "none":
+        return set()
+    if activation_checkpointing == "selective" and selective_ac_option != "op":
+        every = int(selective_ac_option)
+        return {name for i, name in enumerate(blocks) if (i + 1) % every == 0}
+    return set(blocks)
+
+
+def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.dtype,
+           backend: str = "fully_shard") -> list[FSDPUnit]:
     """The FSDP units ``apply_fully_shard`` made on ``model`` (a ``Transformer`` or a pipeline stage view),
-    in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size)."""
+    in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size). Under ``backend=
+    "simple_fsdp"`` the same module groups, whose parameters SimpleFSDP gathers where they are used."""
     from torch.distributed.fsdp import FSDPModule
+
+    from lightning_2d.parallel.simple_fsdp import is_simple_fsdp
 
     from lightning_2d.parallel.fsdp import _only_embeddings
     from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
@@ -112,7 +143,11 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     for name, kind, modules in groups:
         if kind != "root" and modules and holds_shared_outside(modules, model, ties):
             continue  # holds a tied weight (embedding = head): apply_fully_shard leaves it to the root unit
-        if not all(isinstance(m, FSDPModule) for m in modules):
+        if backend == "simple_fsdp":
+            holders = [m for group in modules for m in group.modules() if any(True for _ in m.parameters(False))]
+            if not all(is_simple_fsdp(m) for m in holders):
+                raise RuntimeError(f"{name} holds parameters SimpleFSDP did not wrap after parallelize_model")
+        elif not all(isinstance(m, FSDPModule) for m in modules):
             raise RuntimeError(
                 f"{name} is not an FSDP unit after parallelize_model; the planner assumes apply_fully_shard's units"
             )

@@ -141,7 +141,7 @@ def _shard(
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
         pipeline = _parallelize(model, mesh, plan, config).pipeline
         if pipeline is None:
-            units, stage_indices, split = _units(model, plan, dims, config.param_dtype), [], []
+            units, stage_indices, split = _units(model, plan, dims, config.param_dtype, config.fsdp_backend), [], []
         else:
             units = _stage_units(pipeline, plan, dims, config.param_dtype)
             stage_indices, split = list(pipeline.stage_indices), list(pipeline.split)
