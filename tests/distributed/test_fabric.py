@@ -82,6 +82,22 @@ def test_save_then_load_at_another_layout_with_hsdp(fabric_jobs):
     assert max(abs(x - y) / y for x, y in zip(out["loss"], ref["loss"][3:])) <= LOSS_RTOL
 
 
+def test_simple_fsdp_under_fabric_resumes_fully_shard_s_checkpoint_and_accumulates(fabric_jobs):
+    """``fsdp_backend="simple_fsdp"``: FSDP2's (2, 2) checkpoint of step 3 loaded by ``fabric.load`` under SimpleFSDP,
+    then 2 accumulated micro-steps per step (``no_backward_sync`` has no reduction to skip: each micro-batch
+    reduces its gradients) and clipping: steps 4-6 equal the single-device loop's, and no FSDP2 unit reduced."""
+    root, run = fabric_jobs
+    run("fabric_2x2", dp=2, tp=2, save_every=3, checkpoint_dir=str(root / "ckpt"))
+    resumed = run("fabric_simple_resume_acc2", dp=2, tp=2, accumulate=2, fsdp_backend="simple_fsdp",
+                  resume=str(root / "ckpt" / "step-000003"))
+    ref = run("fabric_single", strategy="single").rank_output(0)
+    for rank in range(4):
+        out = resumed.rank_output(rank)
+        assert len(out["loss"]) == 3 and out["reduce_scatters"] == 0  # FSDP2's reduce-scatters: none ran
+        assert max(abs(x - y) / y for x, y in zip(out["loss"], ref["loss"][3:])) <= LOSS_RTOL
+        assert max(abs(x - y) / y for x, y in zip(out["grad_norm"], ref["grad_norm"][3:])) <= LOSS_RTOL
+
+
 def test_a_custom_parallelize_fn_is_still_accepted(fabric_jobs):
     """Fabric's own hook, written by hand (the library's steps, full AC), in the accumulation test's job:
     two accumulated micro-steps per step still equal the single-device loop."""

@@ -875,7 +875,8 @@ def fabric_loop(cfg: dict) -> None:
     else:
         strategy = FabricStrategy(cfg["dp"], cfg["tp"], data_parallel_replicate_size=cfg.get("replicate", 1),
                                   pipeline_parallel_size=cfg.get("pp", 1),
-                                  pipeline_schedule=cfg.get("pipeline_schedule", "1F1B"))
+                                  pipeline_schedule=cfg.get("pipeline_schedule", "1F1B"),
+                                  fsdp_backend=cfg.get("fsdp_backend", "fully_shard"))
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
     fabric.launch()
 
