@@ -37,6 +37,9 @@ VARIANTS = {
     # half of the heads): were they not, the final q_norm/k_norm weights and the gradient norms would differ.
     "qwen3_sp": ("qwen3", {"sequence_parallel": True}),
     "qwen3_sliding_no_sp": ("qwen3_sliding", {"sequence_parallel": False}),
+    # SimpleFSDP (fsdp_backend) on a Hugging Face decoder, with loss parallel and per-op selective checkpointing.
+    "qwen3_simple_fsdp": ("qwen3", {"sequence_parallel": True, "loss_parallel": True, "fsdp_backend": "simple_fsdp",
+                                    "activation_checkpointing": "selective", "selective_ac_option": "op"}),
 }
 
 
@@ -73,9 +76,12 @@ def test_hf_decoder_built_on_meta_trains_as_on_one_device(jobs, variant):
     norm_errors = [relative_error(result.rank_output(rank)["grad_norms"], ref_norms) for rank in range(4)]
     print(f"\n{variant}: worst relative loss error per rank {['%.1e' % e for e in errors]},"
           f" gradient norm {['%.1e' % e for e in norm_errors]}")
+    backend = VARIANTS[variant][1].get("fsdp_backend", "fully_shard")
     for rank in range(4):
         assert errors[rank] <= 1e-5, (variant, rank)
         assert norm_errors[rank] <= 1e-5, (variant, rank)  # before clipping: every parameter's gradient counts
+        wrapped = result.rank_output(rank)["data_parallel_modules"]
+        assert wrapped[backend] > 0 and sum(wrapped.values()) == wrapped[backend], (variant, wrapped)  # which ran
     # The seeded init is layout-independent: the meta-built shards start from the reference's weights.
     start, ref_start = load_weights(result, "initial"), load_weights(ref, "initial")
     assert start.keys() == ref_start.keys()
