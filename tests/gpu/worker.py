@@ -183,6 +183,7 @@ def fit_one(run: dict[str, Any]) -> dict[str, Any]:
         "optimizer": {"fused": optimizer.defaults.get("fused"), "foreach": optimizer.defaults.get("foreach")},
         "block_chain": module_chain(first_block),
         "float8_linears": sum(type(m).__name__.startswith("Float8") for m in model.modules()),
+        "simple_fsdp_modules": sum(type(m).__name__.startswith("SimpleFSDP") for m in model.modules()),
         "micro_pipeline_tp": inductor_micro_pipeline_tp(),
         "device": str(device),
         "fit_seconds": time.perf_counter() - started,
