@@ -19,11 +19,12 @@ pytestmark = pytest.mark.distributed
 SIMPLE = {"fsdp_backend": "simple_fsdp"}
 CLIP = 0.5
 #: (dp, tp, options, the reference's options): FSDP × TP with sequence parallelism, FSDP alone (its collectives
-#: counted in step 1), HSDP (2 replicas × 2 shards), FSDP with full activation checkpointing (counted too), context
+#: counted in step 1), tensor parallelism alone (FSDP over 1 rank), HSDP (2 replicas × 2 shards), FSDP with full activation checkpointing (counted too), context
 #: parallel × FSDP with packed documents, and FSDP × TP with gradient accumulation and clipping.
 LAYOUTS = {
     "dp2xtp2": (2, 2, {"count_collectives": 1}, {}),
     "dp4": (4, 1, {"count_collectives": 1}, {}),
+    "tp4": (1, 4, {}, {}),
     "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2}, {}),
     "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
     "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True}, {"documents": True}),
@@ -81,6 +82,9 @@ def test_simple_fsdp_lays_the_parameters_out_as_fully_shard(jobs):
         assert ours["placements"] == theirs["placements"], rank
         assert theirs["data_parallel_modules"]["simple_fsdp"] == 0 and theirs["data_parallel_modules"]["fully_shard"]
     assert any("_StridedShard" in p["placements"][0] for p in ours["placements"].values())
+    # And they train alike, step by step (the reductions differ only in how the average is taken).
+    for rank in range(4):
+        assert worst_relative_error(simple.rank_output(rank)["losses"], fsdp2.rank_output(rank)["losses"]) <= 1e-6
     hsdp = run_of(jobs, "hsdp2x2").rank_output(0)["placements"]
     assert {tuple(p["placements"]) for p in hsdp.values()} == {("Replicate()", "Shard(dim=0)")}
 

@@ -252,6 +252,15 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      CheckpointError, r"epoch=0-step=9\.ckpt does not exist\. Not resuming from another checkpoint"),
     ("export of a file that is not a checkpoint", export_of,
      SystemExit, r"1"),
+    ("SimpleFSDP asked to reshard without activation checkpointing",
+     lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", reshard_after_forward="always"),
+     ParallelConfigError, r"SimpleFSDP has no hook to free a gathered weight after forward .*Set"
+                          r" activation_checkpointing='full'"),
+    ("SimpleFSDP under pipeline parallelism",
+     lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", pipeline_parallel_size=2),
+     ParallelConfigError, r"pipeline stages are not supported under SimpleFSDP yet; use fsdp_backend='fully_shard'"),
+    ("SimpleFSDP with float8", lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", float8=True),
+     ParallelConfigError, r"float8 training is not supported under SimpleFSDP yet; use fsdp_backend='fully_shard'"),
 ]
 if _hf_available():
     CASES += [
