@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,31 +91,18 @@ class Jobs:
         launches in the order each count first appears); each is then cached under its own name, so
         ``reference``/``layout``/``run`` return it as if launched alone. Not for jobs whose outputs depend on what
         ran before them in the process (torch.compile's graph counters). ``scenario``: ``"fit"``, or ``"train"``
-        (``trains``: a run may resume from what an earlier one of the launch saved, also of an earlier launch).
-
-        ``"fit"`` runs read nothing another wrote, so the launches of different process counts run at the same time:
-        a 4-rank launch of the parity model keeps 2 cores about 70 % busy (its ranks wait on each other's
-        collectives), and the single-process references fill the rest instead of running after it."""
+        (``trains``: a run may resume from what an earlier one of the launch saved)."""
         pending: dict[int, dict[str, dict]] = {}
         for job, config, nprocs, num_nodes in jobs:
             assert num_nodes == 1, f"{job}: a shared launch is one node"
             if job not in self._cache:
                 pending.setdefault(nprocs, {})[job] = config
-
-        def launch_group(nprocs: int, runs: dict[str, dict]) -> JobResult:
-            return self.run(f"{name}_{nprocs}procs", f"{scenario}s", {"runs": runs}, nprocs=nprocs,
-                            timeout=shared_timeout(len(runs)))
-
-        if scenario == "fit" and len(pending) > 1:
-            with ThreadPoolExecutor(len(pending)) as pool:
-                futures = {nprocs: pool.submit(launch_group, nprocs, runs) for nprocs, runs in pending.items()}
-            launched = {nprocs: future.result() for nprocs, future in futures.items()}
-        else:
-            launched = {nprocs: launch_group(nprocs, runs) for nprocs, runs in pending.items()}
         for nprocs, runs in pending.items():
+            shared = self.run(f"{name}_{nprocs}procs", f"{scenario}s", {"runs": runs}, nprocs=nprocs,
+                              timeout=shared_timeout(len(runs)))
             for job, config in runs.items():
                 self._cache[job] = (job_spec(scenario, config, nprocs, 1, True),
-                                    replace(launched[nprocs], out_dir=launched[nprocs].out_dir / job))
+                                    replace(shared, out_dir=shared.out_dir / job))
 
 
     def layouts(self, name: str, runs: dict[str, tuple[int, int, dict]], nprocs: int) -> dict[str, JobResult]:

@@ -31,20 +31,14 @@ def _nprocs(dp: int, tp: int, extra: dict) -> int:
 
 @pytest.fixture(scope="module")
 def context_runs(jobs):
-    """Every (composition, masking) run; those of one process count share a launch (one fit after another), the
-    launches of the two counts running at the same time (as ``Jobs.share`` runs them)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def launch(nprocs: int) -> dict:
+    """Every (composition, masking) run; those of one process count share a launch (one fit after another)."""
+    runs = {}
+    for nprocs in sorted({_nprocs(*spec) for spec in COMPOSITIONS.values()}):
         group = {f"{name}_{'documents' if documents else 'causal'}": (dp, tp, {**extra, "documents": documents})
                  for name, (dp, tp, extra) in COMPOSITIONS.items() if _nprocs(dp, tp, extra) == nprocs
                  for documents in (False, True)}
-        return jobs.layouts(f"context_parallel_{nprocs}procs", group, nprocs=nprocs)
-
-    counts = sorted({_nprocs(*spec) for spec in COMPOSITIONS.values()})
-    with ThreadPoolExecutor(len(counts)) as pool:
-        launched = list(pool.map(launch, counts))
-    return {run: result for group in launched for run, result in group.items()}
+        runs.update(jobs.layouts(f"context_parallel_{nprocs}procs", group, nprocs=nprocs))
+    return runs
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
