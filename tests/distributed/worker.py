@@ -367,13 +367,8 @@ class InjectNaN(L.Callback):
 
 class Fail(L.Callback):
     """At optimizer step ``step`` (from 1), on rank ``rank``, after the forward: ``how`` = ``"sigkill"``,
-    ``"sigstop"`` or ``"raise"``; ``"hang"``: before the step starts, at the end of the step before (as a stuck
-    callback would; a stuck data loader comes a moment later), the rank sleeps, alive, its watchdog thread beating.
-    The wall-clock time of the failure goes to ``failed_at.json`` first.
-
-    The hang starts as soon as the step before has ended: from its last collective on, the others may start step
-    ``step`` and count this rank behind, so any delay of its own after that point (a loaded machine) is part of the
-    measured failure, and the file is always written before the others can name it."""
+    ``"sigstop"`` or ``"raise"``; ``"hang"``: before the step starts (as a stuck data loader or callback would), the
+    rank sleeps, alive, its watchdog thread beating. The wall-clock time of the failure goes to ``failed_at.json`` first."""
 
     def __init__(self, step: int, rank: int, how: str, out_dir: Path) -> None:
         self.step, self.rank, self.how, self.out_dir = step, rank, how, out_dir
@@ -384,8 +379,7 @@ class Fail(L.Callback):
         (self.out_dir / "failed_at.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
         return True
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # ``global_step`` already counts the step that just ended: ``global_step + 1`` is the next.
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.how == "hang" and self._now(trainer):
             time.sleep(600)
 
