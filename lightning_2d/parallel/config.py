@@ -184,7 +184,7 @@ class ParallelConfig:
     ``compile=True`` the collectives are graph ops the compiler can bucket and reorder). The same sharded
     parameters and checkpoints under both. Under ``"simple_fsdp"`` a block's gathered weights are freed after its
     forward only when activation checkpointing recomputes that block (else autograd keeps them to its backward),
-    and every micro-batch's backward reduces its gradients."""
+    and every micro-batch's backward (a pipeline's too) reduces its gradients."""
     pipeline_parallel_size: int = option(1, position=3)
     """Number of pipeline stages' ranks (``torch.distributed.pipelining``): the transformer blocks are split
     into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded
@@ -375,22 +375,16 @@ def simple_fsdp_resharding(fsdp_backend: Any, reshard_after_forward: Any, activa
 
 
 @check
-def simple_fsdp_composition(fsdp_backend: Any, pipeline_parallel_size: Any, float8: Any) -> list[str]:
-    """What SimpleFSDP does not run with yet."""
-    if fsdp_backend != "simple_fsdp":
+def simple_fsdp_composition(fsdp_backend: Any, float8: Any, fsdp_float8_all_gather: Any) -> list[str]:
+    """What SimpleFSDP cannot run with: FSDP2's float8 all-gather (a ``fully_shard`` extension point)."""
+    if fsdp_backend != "simple_fsdp" or not (float8 and fsdp_float8_all_gather is True):
         return []
-    problems = []
-    if _is_positive_int(pipeline_parallel_size) and pipeline_parallel_size > 1:
-        problems.append(
-            f"fsdp_backend='simple_fsdp' with pipeline_parallel_size={pipeline_parallel_size}: pipeline stages"
-            " are not supported under SimpleFSDP yet; use fsdp_backend='fully_shard' for a pipeline"
-        )
-    if float8:
-        problems.append(
-            f"fsdp_backend='simple_fsdp' with float8={float8!r}: float8 training is not supported under"
-            " SimpleFSDP yet; use fsdp_backend='fully_shard' for float8"
-        )
-    return problems
+    return [
+        f"fsdp_backend='simple_fsdp' with float8={float8!r} and fsdp_float8_all_gather=True: the float8 all-gather"
+        " is FSDP2's (torchao's weight subclass hooks fully_shard's all-gather, fsdp_pre_all_gather); SimpleFSDP"
+        " gathers with a DTensor redistribute, in param_dtype, and casts to float8 after it; use"
+        " fsdp_float8_all_gather=False, or fsdp_backend='fully_shard'"
+    ]
 
 
 @check

@@ -29,7 +29,15 @@ LAYOUTS = {
     "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
     "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True}, {"documents": True}),
     "dp2xtp2_accumulate": (2, 2, {"even_labels": True, "accumulate": 2, "grad_norms": True}, {"even_labels": True}),
+    # Pipeline 2 × data 2: each stage's parameters gathered where used; a schedule with full backwards, and a
+    # zero-bubble one whose weight pass (torch's stage_backward_weight) runs the reduce-scatters.
+    "pp2xdp2_1F1B": (2, 1, {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "grad_norms": True}, {}),
+    "pp2xdp2_ZBVZeroBubble": (2, 1, {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble",
+                                     "grad_norms": True}, {}),
 }
+#: Emulated float8 at 2x2 (the float8 TP styles, each weight cast after its gather), against the same conversion on
+#: one process (test_options.py's job, cached when the whole suite runs).
+FLOAT8 = {"float8": "emulate", "sequence_parallel": False}
 #: FSDP2 at 2x2, as test_parity records it (the same job, so launched once per session): the placements to match.
 FSDP2 = (2, 2, RECORD)
 
@@ -46,6 +54,7 @@ def shared_launches(jobs):
         *(jobs.reference_job(**dict(ref)) for ref in sorted(references)),
         *(jobs.layout_job(dp, tp, nprocs=4, **SIMPLE, **extra) for dp, tp, extra, _ in LAYOUTS.values()),
         jobs.layout_job(FSDP2[0], FSDP2[1], **FSDP2[2]),
+        jobs.layout_job(1, 1, float8="emulate"), jobs.layout_job(2, 2, **SIMPLE, **FLOAT8),
     ])
 
 
@@ -63,6 +72,8 @@ def test_simple_fsdp_losses_and_weights_match_single_device(jobs, name):
         error = worst_relative_error(losses, ref_losses)
         print(f"simple_fsdp {name} rank {rank}: worst relative loss error {error:.3e}")
         assert error <= LOSS_RTOL, (losses, ref_losses)
+        if name.startswith("pp"):  # the norm over every stage's gradients
+            assert worst_relative_error(out["grad_norms"], reference.rank_output(0)["grad_norms"]) <= LOSS_RTOL
         # SimpleFSDP ran, not FSDP2: no unit, and every module holding parameters gathers them.
         assert out["data_parallel_modules"]["fully_shard"] == 0
         assert out["data_parallel_modules"]["simple_fsdp"] > 0
@@ -108,3 +119,39 @@ def test_without_checkpointing_the_gathered_weights_live_to_backward_and_with_it
     assert checkpointed["forward"]["all_gather_into_tensor"] == gathers
     assert checkpointed["backward"]["all_gather_into_tensor"] == 4 * 9  # the blocks', recomputed
     assert checkpointed["backward"]["reduce_scatter_tensor"] == gathers
+
+
+def test_pipeline_stages_are_gathered_by_simple_fsdp_and_run_the_schedule_asked(jobs):
+    """The pipeline jobs above ran SimpleFSDP on each rank's stages (no FSDP2 unit, which ``PipelineStage`` would
+    have driven), under the torch schedule named, each rank holding only its stage's blocks."""
+    for name, schedule in (("pp2xdp2_1F1B", "Schedule1F1B"), ("pp2xdp2_ZBVZeroBubble", "ScheduleZBVZeroBubble")):
+        run = run_of(jobs, name)
+        outputs = [run.rank_output(rank) for rank in range(4)]
+        for out in outputs:
+            assert out["data_parallel_modules"]["fully_shard"] == 0 and out["data_parallel_modules"]["simple_fsdp"]
+            assert out["schedule_classes"]["train"] == schedule
+        assert outputs[0]["blocks"] != outputs[2]["blocks"]  # pipeline ranks 0 and 1 hold different blocks
+        assert {p["placements"][0] for p in outputs[0]["placements"].values()} == {"Shard(dim=0)"}
+
+
+def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):
+    """torchao's float8 under SimpleFSDP: the block projections are ``Float8Linear``s (wrapped to gather), their
+    stored weights laid out as under FSDP2 (plain shards: the float8 cast follows the gather), and the losses those
+    of the same conversion on one process."""
+    from tests.distributed.test_options import BLOCK_PROJECTIONS
+
+    single = jobs.layout(1, 1, float8="emulate").rank_output(0)
+    run = jobs.layout(2, 2, **SIMPLE, **FLOAT8)
+    expected = {f"layers.{i}.{name}" for i in range(4) for name in BLOCK_PROJECTIONS}
+    for rank in range(4):
+        out = run.rank_output(rank)
+        error = worst_relative_error(out["losses"], single["losses"])
+        print(f"simple_fsdp float8 (emulated) 2x2 rank {rank}: worst relative loss error {error:.2e} vs (1, 1)")
+        assert error <= 1e-4
+        linears = out["linears"]
+        assert {n for n, m in linears.items() if m["float8"]} == expected, rank
+        for n in expected:
+            assert linears[n]["class"] == "SimpleFSDPFloat8Linear", (rank, n, linears[n])
+            assert linears[n]["placements"] == BLOCK_PROJECTIONS[n.split(".", 2)[2]], (rank, n, linears[n])
+            assert linears[n]["local_type"] == "Tensor", (rank, n, linears[n])
+        assert out["data_parallel_modules"]["fully_shard"] == 0

@@ -24,6 +24,7 @@ from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
 REPO = Path(__file__).resolve().parents[2]
 from lightning_2d.parallel.grad_norm import total_grad_norm
 from lightning_2d.parallel.modules import canonical_name
+from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 
 class SyntheticTokens(Dataset):
@@ -600,7 +601,8 @@ def fit(cfg: dict) -> None:
         result["schedule_classes"] = {("train" if key[3] else "eval"): type(schedule).__name__
                                       for key, schedule in pipeline.schedules.items()}
     if cfg.get("float8"):
-        result["linears"] = linear_layouts(module.model)
+        with sharded_parameters():  # SimpleFSDP: the stored weights, not gathered ones
+            result["linears"] = linear_layouts(module.model)
     mesh = module.device_mesh
     context = cfg.get("context_parallel_size", 1) > 1
     # Not under compile: its no-grad forward would compile the blocks twice more (grad mode is in the guards).

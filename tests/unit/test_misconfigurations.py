@@ -256,11 +256,10 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", reshard_after_forward="always"),
      ParallelConfigError, r"SimpleFSDP has no hook to free a gathered weight after forward .*Set"
                           r" activation_checkpointing='full'"),
-    ("SimpleFSDP under pipeline parallelism",
-     lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", pipeline_parallel_size=2),
-     ParallelConfigError, r"pipeline stages are not supported under SimpleFSDP yet; use fsdp_backend='fully_shard'"),
-    ("SimpleFSDP with float8", lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", float8=True),
-     ParallelConfigError, r"float8 training is not supported under SimpleFSDP yet; use fsdp_backend='fully_shard'"),
+    ("SimpleFSDP with FSDP2's float8 all-gather",
+     lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", float8=True, fsdp_float8_all_gather=True),
+     ParallelConfigError, r"the float8 all-gather is FSDP2's .* use fsdp_float8_all_gather=False, or"
+                          r" fsdp_backend='fully_shard'"),
 ]
 if _hf_available():
     CASES += [

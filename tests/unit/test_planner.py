@@ -1179,3 +1179,26 @@ def test_simple_fsdp_keeps_gathered_weights_unless_their_block_is_recomputed(ac,
     units = [FSDPUnit(f"layers.{i}", "block", 0, 10 * (i + 1), 0) for i in range(4)]
     assert recomputed_blocks(units, "selective", 2) == {"layers.1", "layers.3"}
     assert simple_fsdp_gathered_peak(units, {"layers.1", "layers.3"}) == 10 + 30 + 40
+
+
+def test_simple_fsdp_under_a_pipeline_keeps_gathered_weights_per_micro_batch_in_flight():
+    """Pipeline 2 × data 2 under SimpleFSDP: each micro-batch's forward gathers its stage's weights, which autograd
+    keeps to that micro-batch's backward, so a pipeline rank holds its stage's gathered weights once per micro-batch
+    in flight (1F1B: pipeline rank 0 has 2 in flight); recomputed blocks gather only while they compute; every
+    micro-batch reduces (no unsharded gradient accumulates), and the report says so."""
+    def plan(ac):
+        return plan_run("debug", num_nodes=1, devices=4, precision="bf16-mixed", config=ParallelConfig(
+            pipeline_parallel_size=2, tensor_parallel_size=1, pipeline_microbatches=2, activation_checkpointing=ac,
+            fsdp_backend="simple_fsdp"))
+
+    plain, checkpointed = plan("none"), plan("full")
+    args = ModelArgs.from_name("debug")
+    model = Transformer(args)
+    block = sum(p.numel() for p in model.layers["0"].parameters()) * 2  # gathered in bf16
+    embedding = model.tok_embeddings.weight.numel() * 2
+    rank0 = plain.pipeline[0]  # the embedding and blocks 0-1
+    assert rank0["embedding"] and rank0["blocks"] == [2] and rank0["in_flight"] == 2
+    assert rank0["all_gather_bytes"] == pytest.approx(2 * (embedding + 2 * block), rel=0.02)
+    assert checkpointed.pipeline[0]["all_gather_bytes"] == pytest.approx(2 * embedding + block, rel=0.02)
+    assert all(r["accumulation_bytes"] == 0 for r in plain.pipeline + checkpointed.pipeline)
+    assert any("pipeline under SimpleFSDP" in note for note in plain.notes)

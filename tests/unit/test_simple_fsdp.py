@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.schedules import SCHEDULES
 from lightning_2d.parallel.simple_fsdp import (
     GatherPolicy,
     data_parallel,
@@ -90,13 +91,23 @@ def test_wrapping_twice_changes_nothing():
      r"reshard_after_forward='always' and activation_checkpointing='none': SimpleFSDP has no hook"),
     ({"reshard_after_forward": "never", "activation_checkpointing": "full"},
      r"reshard_after_forward='never' and activation_checkpointing='full': the recomputation"),
-    ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2: pipeline stages are not supported under SimpleFSDP"),
-    ({"float8": "emulate"}, r"float8='emulate': float8 training is not supported under SimpleFSDP"),
+    ({"float8": "emulate", "fsdp_float8_all_gather": True},
+     r"float8='emulate' and fsdp_float8_all_gather=True: the float8 all-gather is FSDP2's"),
 ])
 def test_what_simple_fsdp_cannot_run_with_is_refused_with_the_reason(options, message):
     with pytest.raises(ParallelConfigError, match=message):
         ParallelConfig(fsdp_backend="simple_fsdp", **options)
     ParallelConfig(**options)  # the same options under FSDP2 are fine
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_pipeline_schedule_and_float8_without_its_all_gather_are_accepted(schedule):
+    """Pipeline stages are wrapped like any module (test_simple_fsdp.py runs 1F1B and ZBVZeroBubble at pipeline 2 ×
+    data 2: one schedule with a full backward, one splitting it into input and weight passes); float8 casts the
+    gathered weight (runs there too)."""
+    ParallelConfig(fsdp_backend="simple_fsdp", pipeline_parallel_size=2, pipeline_schedule=schedule,
+                   pipeline_stages_per_rank=SCHEDULES[schedule].default_stages_per_rank)
+    ParallelConfig(fsdp_backend="simple_fsdp", float8="emulate")
 
 
 def test_an_unknown_backend_is_named():

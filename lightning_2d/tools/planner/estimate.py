@@ -350,6 +350,13 @@ def _pipeline_notes(config: ParallelConfig, microbatches: int, accumulate_grad_b
             " rank) micro-batches of micro_batch_size sequences per step. At run time it defaults to the per-rank"
             " batch size (one sequence per micro-batch); pass --pipeline-microbatches for the count you will use"
         )
+    if config.fsdp_backend == "simple_fsdp":
+        notes.append(
+            "pipeline under SimpleFSDP: every micro-batch's forward gathers its stage's weights and its backward"
+            " reduces its gradients; each micro-batch in flight keeps the gathered weights of the blocks"
+            " activation checkpointing does not recompute (counted × the micro-batches in flight)"
+        )
+        return notes
     if config.reduce_every_micro_batch:
         notes.append(
             "pipeline: reduce_every_micro_batch: each micro-batch's backward reshards and reduce-scatters (FSDP"
@@ -395,7 +402,21 @@ def _plan_rank(
     units = shard.units
     reduce_scatter = max((u.unsharded_numel * (param_dtype.itemsize + reduce_dtype.itemsize) for u in units), default=0)
     if dims.pp > 1:
-        if config.reduce_every_micro_batch:
+        estimate = pipeline_activation_estimate(
+            activations, shard.split, pp=dims.pp, pp_rank=pp_rank, schedule=config.pipeline_schedule,
+            microbatches=microbatches, activation_checkpointing=config.activation_checkpointing,
+            selective_ac_option=config.selective_ac_option,
+        )
+        if config.fsdp_backend == "simple_fsdp":
+            # Every micro-batch's forward gathers its stage's weights and its backward reduces them: each micro-batch
+            # in flight keeps the gathered weights of the blocks not recomputed (an upper bound when the rank runs
+            # several stages: all of its stages' counted per micro-batch in flight).
+            recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
+            kept = sum(u.gathered_bytes for u in units if u.name not in recomputed)
+            all_gather = kept * max(estimate.in_flight, 1) + simple_fsdp_gathered_peak(
+                [u for u in units if u.name in recomputed], recomputed)
+            accumulation = 0
+        elif config.reduce_every_micro_batch:
             # Each micro-batch's backward reshards and reduce-scatters (the stage hidden from
             # PipelineStage's FSDP handling, lightning_2d.parallel.pipeline): FSDP's peaks as without a pipeline.
             all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_policy))
@@ -407,11 +428,6 @@ def _plan_rank(
             # unsharded gradient, upcast to reduce_dtype by FSDP2 between backwards.
             all_gather = sum(u.gathered_bytes for u in units)
             accumulation = sum(u.unsharded_numel for u in units) * reduce_dtype.itemsize
-        estimate = pipeline_activation_estimate(
-            activations, shard.split, pp=dims.pp, pp_rank=pp_rank, schedule=config.pipeline_schedule,
-            microbatches=microbatches, activation_checkpointing=config.activation_checkpointing,
-            selective_ac_option=config.selective_ac_option,
-        )
     elif config.fsdp_backend == "simple_fsdp":
         recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
         all_gather = simple_fsdp_gathered_peak(units, recomputed)

@@ -80,7 +80,8 @@ class _Shards:
     model_numel: int = 0  # parameters of the whole model as built, before any parallelization (a tie once)
 
 
-def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torch.dtype) -> list[FSDPUnit]:
+def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torch.dtype,
+                 backend: str = "fully_shard") -> list[FSDPUnit]:
     """The FSDP units of every stage this rank runs. Each stage view is its own FSDP root with the usual units (the
     embedding on the first, the output unit on the last); the pruned model holds exactly the stages' parameters. (A
     function of its own: no loop variable outlives it to keep a stage alive past the collection.)"""
@@ -88,7 +89,7 @@ def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torc
 
     return [replace(unit, name=f"stage {index}: {unit.name}")
             for stage, index in zip(pipeline.stages, pipeline.stage_indices)
-            for unit in _units(stage, stage_plan(stage, plan), dims, param_dtype)]
+            for unit in _units(stage, stage_plan(stage, plan), dims, param_dtype, backend)]
 
 
 @contextmanager
@@ -143,7 +144,7 @@ def _shard(
         if pipeline is None:
             units, stage_indices, split = _units(model, plan, dims, config.param_dtype, config.fsdp_backend), [], []
         else:
-            units = _stage_units(pipeline, plan, dims, config.param_dtype)
+            units = _stage_units(pipeline, plan, dims, config.param_dtype, config.fsdp_backend)
             stage_indices, split = list(pipeline.stage_indices), list(pipeline.split)
         numel = param_bytes = 0
         for param in model.parameters():
