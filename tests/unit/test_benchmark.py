@@ -248,7 +248,9 @@ def test_hand_written_variants_use_the_modules_optimizer_hyperparameters():
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == hp["weight_decay"] and no_decay["weight_decay"] == 0.0
     assert [p.ndim for p in decay["params"]] == [2] and len(no_decay["params"]) == 3
-    assert decay["foreach"] is True and not decay["fused"]  # CPU: foreach
+    assert decay["fused"] is True and not decay["foreach"]  # CPU: fused, as the module's (fused_adamw)
+    meta, _ = bench.build_adamw(model.to("meta"), torch.device("meta"), settings("--warmup", "2"))
+    assert meta.param_groups[0]["foreach"] is True and not meta.param_groups[0]["fused"]  # elsewhere: foreach
     assert scheduler.get_last_lr()[0] == pytest.approx(hp["learning_rate"] / 2)  # step 1 of a 2-step warm-up
 
 

@@ -67,13 +67,13 @@ def build_adamw(
     model: torch.nn.Module, device: torch.device, settings: BenchmarkSettings
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its schedule for the hand-written variants, following ``LlamaLightningModule.configure_optimizers``:
-    weight decay on matrices only, fused on CUDA and foreach elsewhere, linear warm-up then cosine."""
-    from lightning_2d.integration.module import warmup_cosine_schedule
+    weight decay on matrices only, fused on CUDA and CPU and foreach elsewhere, linear warm-up then cosine."""
+    from lightning_2d.integration.module import fused_adamw, warmup_cosine_schedule
 
     hp = adamw_defaults()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    fused = hp["fused"] if hp["fused"] is not None else device.type == "cuda"
+    fused = fused_adamw(hp["fused"], device)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
         lr=hp["learning_rate"],
