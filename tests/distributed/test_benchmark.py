@@ -20,11 +20,11 @@ TINY = ["--compare", "--accelerator", "cpu", "--dim", "64", "--vocab-size", "256
         "--steps", "2", "--warmup", "1", "--rounds", "1"]
 
 
-def check_report(report: dict, stdout: str, world: int = 4) -> None:
+def check_report(report: dict, stdout: str, world: int = 4, variants: list[str] = VARIANTS) -> None:
     """The report of ``world`` ranks: (dp, tp) = (2, 2) with 4, (2, 1) with 2."""
     ranks = list(range(world))
-    assert list(report["variants"]) == VARIANTS
-    assert [run["variant"] for run in report["runs"]] == VARIANTS  # one round, in order
+    assert list(report["variants"]) == variants
+    assert [run["variant"] for run in report["runs"]] == variants  # one round, in order
     for run in report["runs"]:
         assert sorted(rank["rank"] for rank in run["ranks"]) == ranks, run["variant"]
         for rank in run["ranks"]:
@@ -77,9 +77,28 @@ def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
     each running ``python -m lightning_2d.tools.benchmark`` as ``__main__``: worker.script), each runs the three
     variants one after the other."""
     out = tmp_path / "report.json"
-    job = launch("script", {"module": "lightning_2d.tools.benchmark", "args": [*TINY, "--json", str(out)],
-                            "cwd": str(REPO)}, tmp_path / "job", nprocs=4, timeout=600)
+    job = launch("script", {"module": "lightning_2d.tools.benchmark",
+                            "args": [*TINY, "--compare-backends", "--json", str(out)], "cwd": str(REPO)},
+                 tmp_path / "job", nprocs=4, timeout=600)
     assert job.ok, job.describe()
     assert "(in place)" in job.logs[0]
     assert all("ours / " not in log for log in job.logs[1:])  # only rank 0 reports
-    check_report(json.loads(out.read_text()), job.logs[0])
+    report = json.loads(out.read_text())
+    check_report(report, job.logs[0], variants=["lightning_2d", "simple_fsdp", "lightning", "plain"])
+    # --compare-backends: SimpleFSDP ran beside fully_shard (equal first losses, checked above), its ratios printed
+    # as reported, and each backend's collectives of one step counted: every one of the tiny model's 21 parameters
+    # (2 blocks of 9, the embedding, final norm and head) reduces its own gradient under SimpleFSDP, once per FSDP2
+    # unit under fully_shard.
+    backends = report["backends"]
+    printed = re.search(r"^simple_fsdp / lightning_2d \(fully_shard\) = ([0-9.]+)x step time, ([0-9.]+)x peak memory",
+                        job.logs[0], re.MULTILINE)
+    assert printed is not None, job.logs[0][-3000:]
+    assert float(printed.group(1)) == pytest.approx(backends["step_time"], abs=5e-4)
+    assert float(printed.group(2)) == pytest.approx(backends["peak_memory"], abs=5e-4)
+    simple = report["variants"]["simple_fsdp"]["collectives_per_step"]
+    fsdp2 = report["variants"]["lightning_2d"]["collectives_per_step"]
+    print(f"collectives of one step at (2, 2): simple_fsdp {simple}, fully_shard {fsdp2}")
+    assert simple["reduce_scatter"] >= 21 and simple["all_gather"] >= 21
+    assert 0 < fsdp2["reduce_scatter"] < simple["reduce_scatter"] and fsdp2["all_gather"] > 0
+    assert simple["other"] == fsdp2["other"]  # the same few (no bookkeeping op counted as a collective)
+    assert report["variants"]["plain"]["collectives_per_step"] is None  # counted for lightning_2d's variants

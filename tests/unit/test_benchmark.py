@@ -305,6 +305,7 @@ def test_report_prints_medians_and_ratios():
     assert "(dp, tp) = (2, 2) on 4 cpu process(es)" in text
     assert "ours / lightning = 0.620x step time (1.613x the throughput)" in text
     assert "ours / plain = 0.969x step time" in text
+    assert report["backends"] is None and "simple_fsdp /" not in text  # --compare-backends not given
     row = next(line for line in text.splitlines() if line.startswith("lightning_2d "))
     assert re.split(r"\s+", row)[1:3] == ["62.00", "4,129"]
     assert "in place on CPU" not in text
@@ -313,6 +314,66 @@ def test_report_prints_medians_and_ratios():
     resettable = Path("/proc/self/clear_refs").exists()
     assert ("in place on CPU: a variant's peak memory" in in_place) == (not resettable)
     json.dumps(report)  # everything in the report can go to --json
+
+
+def test_compare_backends_runs_lightning_2d_under_each_fsdp_backend():
+    s = settings("--compare-backends")
+    assert s.variants == ["lightning_2d", "simple_fsdp"]
+    assert s.strategy_kwargs("lightning_2d")["fsdp_backend"] == "fully_shard"
+    assert s.strategy_kwargs("simple_fsdp")["fsdp_backend"] == "simple_fsdp"
+    assert settings("--compare-backends", "--compare").variants == ["lightning_2d", "simple_fsdp", "lightning", "plain"]
+    assert settings("--fsdp-backend", "simple_fsdp").strategy_kwargs()["fsdp_backend"] == "simple_fsdp"  # alone: as given
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--fsdp-backend simple_fsdp with --compare-backends, which"
+                                                         r" runs both backends .*drop --fsdp-backend"):
+        settings("--compare-backends", "--fsdp-backend", "simple_fsdp")
+    # What SimpleFSDP refuses is named before any process starts, as the simple_fsdp variant's.
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-backends \(the simple_fsdp variant\):"
+                                                         r" fsdp_backend='simple_fsdp' with reshard_after_forward="
+                                                         r"'always' and activation_checkpointing='none'"):
+        settings("--compare-backends", "--reshard-after-forward", "always")
+
+
+def test_backend_ratios_and_collectives_are_reported():
+    s = settings("--compare-backends", "--dim", "64", "--vocab-size", "256", "--seq-len", "32", "--warmup", "0",
+                 "--rounds", "1")
+    medians, memory = {"lightning_2d": 0.1, "simple_fsdp": 0.08}, {"lightning_2d": 2.0, "simple_fsdp": 3.0}
+    counts = {"lightning_2d": {"all_gather": 14, "reduce_scatter": 12, "all_reduce": 1, "other": 0},
+              "simple_fsdp": {"all_gather": 29, "reduce_scatter": 29, "all_reduce": 1, "other": 2}}
+    runs = [{"variant": v, "round": 0, "ranks": [{**rank_record(r, [m, m, m], 5.5, memory=memory[v]),
+                                                  "collectives": counts[v] if r == 0 else None} for r in range(4)]}
+            for v, m in medians.items()]
+    report = bench.summarize(s, runs)
+    assert report["backends"] == {"step_time": pytest.approx(0.8), "peak_memory": pytest.approx(1.5)}
+    assert report["ratios"] == {}  # the hand-written variants did not run
+    assert report["variants"]["simple_fsdp"]["collectives_per_step"] == counts["simple_fsdp"]
+    text = bench.format_report(report)
+    assert "simple_fsdp / lightning_2d (fully_shard) = 0.800x step time, 1.500x peak memory per device" in text
+    row = next(line for line in text.splitlines() if line.startswith("simple_fsdp "))
+    assert row.endswith("29/29/1 +2")
+    assert next(line for line in text.splitlines() if line.startswith("lightning_2d ")).endswith("14/12/1")
+
+
+class _Event:
+    def __init__(self, name, parent=None):
+        self.name, self.cpu_parent = name, parent
+
+
+def test_collectives_are_counted_by_kind_once_each():
+    from lightning_2d.tools.benchmark.collectives import collective_kind, count_collectives
+
+    assert collective_kind("c10d::_allgather_base_") == "all_gather"
+    assert collective_kind("_c10d_functional::all_gather_into_tensor") == "all_gather"
+    assert collective_kind("c10d::_reduce_scatter_base_") == "reduce_scatter"
+    assert collective_kind("_c10d_functional::reduce_scatter_tensor") == "reduce_scatter"
+    assert collective_kind("c10d::allreduce_") == "all_reduce"
+    assert collective_kind("c10d::broadcast_") == "other"
+    assert collective_kind("_c10d_functional::wait_tensor") is None
+    assert collective_kind("_c10d_functional::_wrap_tensor_autograd") is None  # bookkeeping: 184 per step at 2x2
+    assert collective_kind("aten::mm") is None
+    outer = _Event("_c10d_functional::all_gather_into_tensor")
+    events = [outer, _Event("c10d::_allgather_base_", _Event("record_param_comms", outer)),  # inside: not again
+              _Event("c10d::_reduce_scatter_base_"), _Event("c10d::allreduce_"), _Event("aten::add")]
+    assert count_collectives(events) == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1, "other": 0}
 
 
 # ---- the process launcher -------------------------------------------------------------------------

@@ -18,7 +18,12 @@ Variants (``--compare`` runs all three, alternating ``a, b, c, a, b, c, ...`` fo
     A torch loop without Lightning: ``init_process_group``, ``init_device_mesh``, the same
     ``reference_2d_plan``, model, data and optimizer.
 
-All three train the same seeded initial weights on the same synthetic tokens (the ranks of a
+``simple_fsdp`` (``--compare-backends``)
+    The ``lightning_2d`` variant under ``fsdp_backend="simple_fsdp"`` (``lightning_2d`` then runs ``fully_shard``):
+    the report adds SimpleFSDP's step-time and peak-memory ratios over FSDP2's, and both variants' collectives of
+    one step (``collectives``: all-gathers, reduce-scatters, all-reduces; bucketed under ``--compile``).
+
+All of them train the same seeded initial weights on the same synthetic tokens (the ranks of a
 tensor-parallel group draw the same batch; data-parallel ranks different ones), so their first
 losses agree. A step's time is the wall time between the ends of consecutive optimizer steps
 (device synchronized before the clock is read), the slowest rank's; the first ``--warmup`` steps
@@ -31,7 +36,8 @@ the processes it was started in.
 
 One module per job: ``options`` (strategy flags generated from ``ParallelConfig``), ``settings`` (the
 command line checked, ``BenchmarkSettings``), ``workload`` (synthetic tokens, seeded weights, AdamW),
-``reference`` (the hand-written 2D plan), ``clock`` (the step clock), ``variants`` (the three runs),
+``reference`` (the hand-written 2D plan), ``clock`` (the step clock), ``collectives`` (collectives per step),
+``variants`` (the runs),
 ``processes`` (spawned jobs or in place), ``report`` (statistics and the table) and ``cli``.
 """
 

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         " hand-written (lightning) and a plain torch loop (plain), and prints the step-time ratios.",
     )
     parser.add_argument("--compare", action="store_true", help="run the three variants side by side")
+    parser.add_argument("--compare-backends", action="store_true",
+                        help="also run lightning_2d under fsdp_backend='simple_fsdp' (variant simple_fsdp; lightning_2d"
+                        " then runs fully_shard), alternating, and report their step-time and peak-memory ratios and"
+                        " collectives per step (with --compile: the compiler's bucketed collectives)")
     add_recipe_options(parser, RECIPE_KEYS)
     model = parser.add_argument_group(
         "model", "default: PyTorch's 2D example (dim 256, 2 layers, 16 heads, vocab 32000)"

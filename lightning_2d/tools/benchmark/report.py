@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
-from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
+from lightning_2d.tools.benchmark.collectives import KINDS
+from lightning_2d.tools.benchmark.settings import OURS, SIMPLE_FSDP, BenchmarkSettings
 
 
 def slowest_rank_step_times(per_rank: list[list[float]]) -> list[float]:
@@ -50,6 +51,8 @@ def variant_summary(settings: BenchmarkSettings, runs: list[dict[str, Any]]) -> 
         # counts on every replica) or the global one.
         "first_loss": statistics.fmean(rank["losses"][0] for rank in first),
         "compute_dtype": first[0].get("compute_dtype"),
+        # One step of rank 0 (the last warm-up step of the first run), by kind: lightning_2d's variants only.
+        "collectives_per_step": first[0].get("collectives"),
         "ranks": sorted({rank["rank"] for run in runs for rank in run["ranks"]}),
         "rounds": len(runs),
     }
@@ -69,8 +72,29 @@ def summarize(settings: BenchmarkSettings, runs: list[dict[str, Any]], in_place:
         in_place: Whether the variants ran one after the other in the same processes.
     """
     summaries = {v: variant_summary(settings, [r for r in runs if r["variant"] == v]) for v in settings.variants}
-    ratios = step_time_ratios({v: s["median_step_s"] for v, s in summaries.items()}) if len(summaries) > 1 else {}
-    return {"settings": asdict(settings), "in_place": in_place, "variants": summaries, "ratios": ratios, "runs": runs}
+    hand_written = {v: s["median_step_s"] for v, s in summaries.items() if v != SIMPLE_FSDP}
+    ratios = step_time_ratios(hand_written) if len(hand_written) > 1 else {}
+    return {"settings": asdict(settings), "in_place": in_place, "variants": summaries, "ratios": ratios,
+            "backends": backend_ratios(summaries), "runs": runs}
+
+
+def backend_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
+    """``simple_fsdp`` over ``lightning_2d`` (``fully_shard``): median step time and peak memory per device (below 1:
+    SimpleFSDP is faster, or holds less); ``None`` unless both ran (``--compare-backends``)."""
+    if SIMPLE_FSDP not in summaries or OURS not in summaries:
+        return None
+    simple, fsdp2 = summaries[SIMPLE_FSDP], summaries[OURS]
+    memory = fsdp2["peak_memory_gib_per_device"]
+    return {"step_time": simple["median_step_s"] / fsdp2["median_step_s"],
+            "peak_memory": simple["peak_memory_gib_per_device"] / memory if memory else None}
+
+
+def _collectives(counts: Optional[dict[str, int]]) -> str:
+    """``all-gathers/reduce-scatters/all-reduces`` (+ others), or ``-``."""
+    if counts is None:
+        return "-"
+    text = "/".join(str(counts.get(kind, 0)) for kind in KINDS)
+    return text + (f" +{counts['other']}" if counts.get("other") else "")
 
 
 def _fmt(value: Optional[float], digits: int) -> str:
@@ -108,7 +132,8 @@ def format_report(report: dict[str, Any]) -> str:
             "hand-written variants (lightning, plain): the reference plan (sequence parallel, gathered logits, mean"
             " cross-entropy, FSDP2 per block and root)"
         )
-    header = ("variant", "step ms", "tokens/s", "tokens/s/dev", "TFLOP/s/dev", "MFU %", "peak GiB/dev", "first loss")
+    header = ("variant", "step ms", "tokens/s", "tokens/s/dev", "TFLOP/s/dev", "MFU %", "peak GiB/dev", "first loss",
+              "AG/RS/AR per step")
     rows = [header]
     for variant, v in report["variants"].items():
         rows.append((
@@ -120,6 +145,7 @@ def format_report(report: dict[str, Any]) -> str:
             _fmt(v["mfu_percent"], 1),
             _fmt(v["peak_memory_gib_per_device"], 3),
             f"{v['first_loss']:.6f}",
+            _collectives(v.get("collectives_per_step")),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines.append("")
@@ -130,8 +156,15 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             "(in place on CPU: a variant's peak memory is its processes' peak so far, earlier variants included)"
         )
-    if report["ratios"]:
+    if report["ratios"] or report.get("backends"):
         lines.append("")
-        for other, ratio in report["ratios"].items():
-            lines.append(f"ours / {other} = {ratio:.3f}x step time ({1 / ratio:.3f}x the throughput)")
+    for other, ratio in report["ratios"].items():
+        lines.append(f"ours / {other} = {ratio:.3f}x step time ({1 / ratio:.3f}x the throughput)")
+    if backends := report.get("backends"):
+        memory = backends["peak_memory"]
+        lines.append(
+            f"{SIMPLE_FSDP} / {OURS} (fully_shard) = {backends['step_time']:.3f}x step time"
+            + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
+        )
+    lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step)")
     return "\n".join(lines)

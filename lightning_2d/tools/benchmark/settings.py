@@ -21,8 +21,11 @@ from lightning_2d.tools.benchmark.options import option_flag, strategy_options
 if TYPE_CHECKING:
     from lightning_2d.parallel.dims import ParallelDims
 
-VARIANTS = ("lightning_2d", "lightning", "plain")
+VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp")
 OURS = "lightning_2d"
+#: The lightning_2d variant under ``fsdp_backend="simple_fsdp"`` (``--compare-backends``; ``lightning_2d`` then runs
+#: ``fully_shard``).
+SIMPLE_FSDP = "simple_fsdp"
 #: PyTorch's 2D Llama example (``dtensor_2d_llama.py``): the shape the benchmark runs by default.
 REFERENCE_MODEL = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
 
@@ -99,9 +102,13 @@ class BenchmarkSettings:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
-    def strategy_kwargs(self) -> dict[str, Any]:
-        """``ModelParallel2DStrategy`` arguments: the options with the mesh sizes resolved."""
-        return {**self.strategy_options, "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
+    def strategy_kwargs(self, variant: str = OURS) -> dict[str, Any]:
+        """``ModelParallel2DStrategy`` arguments of ``variant``: the options with the mesh sizes resolved; when both
+        backends run (``--compare-backends``), ``lightning_2d``'s FSDP backend is ``fully_shard`` and
+        ``simple_fsdp``'s SimpleFSDP."""
+        backend = {SIMPLE_FSDP: {"fsdp_backend": "simple_fsdp"}}.get(
+            variant, {"fsdp_backend": "fully_shard"} if SIMPLE_FSDP in self.variants else {})
+        return {**self.strategy_options, **backend, "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -222,6 +229,17 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
                 " Lightning and plain torch variants of --compare (neither splits the sequence); drop --compare"
                 " (to measure lightning_2d alone) or the option"
             )
+        if getattr(args, "compare_backends", False):
+            if "fsdp_backend" in options and options["fsdp_backend"] != "fully_shard":
+                problems.append(
+                    f"--fsdp-backend {options['fsdp_backend']} with --compare-backends, which runs both backends"
+                    " (lightning_2d under fully_shard, simple_fsdp under SimpleFSDP); drop --fsdp-backend"
+                )
+            try:
+                ParallelConfig(**{**options, "fsdp_backend": "simple_fsdp"})
+            except ParallelConfigError as err:
+                problems.extend(f"--compare-backends (the simple_fsdp variant): {p}" for p in err.problems
+                                if p not in problems)
         if args.compare and not config.sequence_parallel:
             # The hand-written variants always use the reference plan, sequence parallel included.
             _validate_layout(ParallelConfig(**{**options, "sequence_parallel": True}), args, model_args)
@@ -258,6 +276,7 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         module_options={"fused_loss": args.fused_loss, "loss_chunk_size": args.loss_chunk_size},
         dp=dp,
         tp=tp,
-        variants=list(VARIANTS) if args.compare else [OURS],
+        variants=[OURS, *([SIMPLE_FSDP] if getattr(args, "compare_backends", False) else []),
+                  *(["lightning", "plain"] if args.compare else [])],
         timeout=args.timeout,
     )

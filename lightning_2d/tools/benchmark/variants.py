@@ -1,5 +1,5 @@
-"""The three variants, one rank each: ``lightning_2d`` (Trainer + ``ModelParallel2DStrategy`` +
-``LlamaLightningModule``), ``lightning`` (Lightning's ``ModelParallelStrategy`` with the plan written by hand in
+"""The variants, one rank each: ``lightning_2d`` (Trainer + ``ModelParallel2DStrategy`` +
+``LlamaLightningModule``), ``simple_fsdp`` (the same under ``fsdp_backend="simple_fsdp"``), ``lightning`` (Lightning's ``ModelParallelStrategy`` with the plan written by hand in
 ``configure_model``) and ``plain`` (a torch loop); ``run_variant`` runs one and returns its step times,
 losses and peak memory.
 """
@@ -19,8 +19,13 @@ from lightning_2d.models.llama.model import Transformer
 from lightning_2d.parallel.config import PRECISION_TO_DTYPES
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
 from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
-from lightning_2d.tools.benchmark.settings import BenchmarkSettings
+from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
+from lightning_2d.tools.benchmark.settings import OURS, SIMPLE_FSDP, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
+
+
+#: The collectives counted in this process's last run of each variant (``run_lightning_2d``).
+_COLLECTIVES: dict[str, Optional[dict[str, int]]] = {}
 
 
 def _rank() -> int:
@@ -33,7 +38,7 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*`self.log\(\)` but .*logger.*")
 
 
-def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, callback: L.Callback) -> L.Trainer:
+def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, *callbacks: L.Callback) -> L.Trainer:
     return L.Trainer(
         accelerator=settings.accelerator,
         devices=settings.devices,
@@ -49,13 +54,15 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, callbac
         limit_val_batches=0,
         # Each rank gets its own synthetic loader (see synthetic_loader): no sampler on top.
         use_distributed_sampler=False,
-        callbacks=[callback],
+        callbacks=list(callbacks),
         default_root_dir=tempfile.gettempdir(),
     )
 
 
-def run_lightning_2d(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, torch.dtype]:
-    """Variant ``lightning_2d``: Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``."""
+def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[StepClock, torch.device, torch.dtype]:
+    """Variants ``lightning_2d`` and ``simple_fsdp``: Trainer + ``ModelParallel2DStrategy`` (its FSDP backend as the
+    variant says, ``BenchmarkSettings.strategy_kwargs``) + ``LlamaLightningModule``. The collectives of the last
+    warm-up step are counted (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
     from lightning_2d.integration.module import LlamaLightningModule
     from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 
@@ -66,12 +73,14 @@ def run_lightning_2d(settings: BenchmarkSettings) -> tuple[StepClock, torch.devi
         max_steps=settings.total_steps,
         **settings.module_options,
     )
-    strategy = ModelParallel2DStrategy(**settings.strategy_kwargs())
+    strategy = ModelParallel2DStrategy(**settings.strategy_kwargs(variant))
     callback = StepClockCallback()
-    trainer = _trainer(settings, strategy, settings.precision, callback)
+    counter = CollectiveCountCallback(settings.warmup - 1) if settings.warmup else None
+    trainer = _trainer(settings, strategy, settings.precision, callback, *([counter] if counter else []))
     trainer.fit(module, train_dataloaders=synthetic_loader(settings, _rank()))
     dtype = strategy.parallel_config.resolve_dtypes(settings.precision).param_dtype
     assert callback.clock is not None and dtype is not None
+    _COLLECTIVES[variant] = counter.counts if counter is not None else None
     return callback.clock, strategy.root_device, dtype
 
 
@@ -159,9 +168,10 @@ def run_plain(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, tor
 
 
 RUNNERS: dict[str, Callable[[BenchmarkSettings], tuple[StepClock, torch.device, torch.dtype]]] = {
-    "lightning_2d": run_lightning_2d,
+    OURS: run_lightning_2d,
     "lightning": run_lightning,
     "plain": run_plain,
+    SIMPLE_FSDP: lambda settings: run_lightning_2d(settings, SIMPLE_FSDP),
 }
 
 
@@ -181,4 +191,5 @@ def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
         "peak_memory_gib": peak_memory_gib(device),
         "peak_tflops": peak_tflops(device, dtype),
         "compute_dtype": str(dtype).removeprefix("torch."),
+        "collectives": _COLLECTIVES.pop(variant, None),  # lightning_2d's variants: one step's, by kind
     }
