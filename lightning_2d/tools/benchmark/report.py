@@ -127,7 +127,7 @@ def format_report(report: dict[str, Any]) -> str:
             if s.module_options.get("fused_loss", True) else "logits, then F.cross_entropy"
         ),
     ]
-    if len(s.variants) > 1:
+    if "lightning" in s.variants or "plain" in s.variants:
         lines.append(
             "hand-written variants (lightning, plain): the reference plan (sequence parallel, gathered logits, mean"
             " cross-entropy, FSDP2 per block and root)"
