@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_2d.parallel.schedules import SCHEDULES
 from tests.distributed.conftest import load_weights
 from tests.distributed.test_parity import LOSS_RTOL, RECORD, worst_relative_error
 
@@ -29,12 +30,17 @@ LAYOUTS = {
     "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
     "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True}, {"documents": True}),
     "dp2xtp2_accumulate": (2, 2, {"even_labels": True, "accumulate": 2, "grad_norms": True}, {"even_labels": True}),
-    # Pipeline 2 × data 2: each stage's parameters gathered where used; a schedule with full backwards, and a
-    # zero-bubble one whose weight pass (torch's stage_backward_weight) runs the reduce-scatters.
-    "pp2xdp2_1F1B": (2, 1, {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "grad_norms": True}, {}),
-    "pp2xdp2_ZBVZeroBubble": (2, 1, {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble",
-                                     "grad_norms": True}, {}),
 }
+# Pipeline 2 × data 2 under every schedule: each stage's parameters gathered where used, each micro-batch's backward
+# reducing (under the zero-bubble ones in the weight pass, torch's stage_backward_weight). DualPipeV needs 4
+# micro-batches of a sequence: a global batch of 8 (its own reference, test_pipeline's too).
+LAYOUTS.update({
+    f"pp2xdp2_{schedule}": (2, 1, {"pipeline_parallel_size": 2, "pipeline_schedule": schedule, "grad_norms": True,
+                                   **batch}, batch)
+    for schedule in SCHEDULES for batch in [{"global_batch": 8} if schedule == "DualPipeV" else {}]
+})
+#: A NaN in rank 1's gradient shard at step 3 under non_finite="skip" (test_non_finite.py's FSDP2 job).
+NAN_SKIP = {"non_finite": "skip", "weights_at_steps": [2, 3], "inject_nan": {"step": 3, "rank": 1, "where": "grad"}}
 #: Emulated float8 at 2x2 (the float8 TP styles, each weight cast after its gather), against the same conversion on
 #: one process (test_options.py's job, cached when the whole suite runs).
 FLOAT8 = {"float8": "emulate", "sequence_parallel": False}
@@ -55,6 +61,7 @@ def shared_launches(jobs):
         *(jobs.layout_job(dp, tp, nprocs=4, **SIMPLE, **extra) for dp, tp, extra, _ in LAYOUTS.values()),
         jobs.layout_job(FSDP2[0], FSDP2[1], **FSDP2[2]),
         jobs.layout_job(1, 1, float8="emulate"), jobs.layout_job(2, 2, **SIMPLE, **FLOAT8),
+        jobs.layout_job(2, 2, **SIMPLE, **NAN_SKIP),
     ])
 
 
@@ -123,8 +130,8 @@ def test_without_checkpointing_the_gathered_weights_live_to_backward_and_with_it
 
 def test_pipeline_stages_are_gathered_by_simple_fsdp_and_run_the_schedule_asked(jobs):
     """The pipeline jobs above ran SimpleFSDP on each rank's stages (no FSDP2 unit, which ``PipelineStage`` would
-    have driven), under the torch schedule named, each rank holding only its stage's blocks."""
-    for name, schedule in (("pp2xdp2_1F1B", "Schedule1F1B"), ("pp2xdp2_ZBVZeroBubble", "ScheduleZBVZeroBubble")):
+    have driven), under the torch schedule named (every one torch has), each rank holding only its stages' blocks."""
+    for name, schedule in ((f"pp2xdp2_{s.name}", s.torch_class) for s in SCHEDULES.values()):
         run = run_of(jobs, name)
         outputs = [run.rank_output(rank) for rank in range(4)]
         for out in outputs:
@@ -155,3 +162,16 @@ def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):
             assert linears[n]["placements"] == BLOCK_PROJECTIONS[n.split(".", 2)[2]], (rank, n, linears[n])
             assert linears[n]["local_type"] == "Tensor", (rank, n, linears[n])
         assert out["data_parallel_modules"]["fully_shard"] == 0
+
+
+def test_a_nan_gradient_on_one_rank_is_skipped_on_every_rank(jobs):
+    """The non-finite guard under SimpleFSDP: rank 1's gradient shard gets a NaN after the reduction at step 3; with
+    ``non_finite="skip"`` every rank drops that step (its weights bit-equal to step 2's) and trains on."""
+    run = jobs.layout(2, 2, **SIMPLE, **NAN_SKIP)
+    before, after = load_weights(run, "weights_step2"), load_weights(run, "weights_step3")
+    assert before and all(torch.equal(after[name], value) for name, value in before.items())
+    final = load_weights(run, "final")
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert any(not torch.equal(final[n], before[n]) for n in before)  # steps 4-6 trained
+    assert "Step 3 skipped on every rank (non-finite gradients on rank(s) [1])" in run.logs[0]
+    assert run.rank_output(0)["data_parallel_modules"]["simple_fsdp"] > 0
