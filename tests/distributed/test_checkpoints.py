@@ -361,7 +361,9 @@ def test_export_to_hugging_face_and_start_a_2d_run_from_it(setup):
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
 
-    # Each rank of a (2, 2) run reads its blocks of the export: the full weights come back bit-equal.
-    started = setup["run"]("init_from_hf", 2, 2, init_from=str(out), max_steps=1)
+    # Each rank of a (2, 2) run reads its blocks of the export: the full weights come back bit-equal. The run is
+    # SimpleFSDP's (init_from fills its stored shards as FSDP2's: test_downloaded_checkpoints loads under FSDP2).
+    started = setup["run"]("init_from_hf", 2, 2, init_from=str(out), max_steps=1, fsdp_backend="simple_fsdp")
+    assert started.rank_output(0)["data_parallel_modules"]["simple_fsdp"] > 0
     for name, weight in load_weights(started, "initial").items():
         assert torch.equal(weight, saved[name]), name

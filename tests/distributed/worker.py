@@ -789,6 +789,7 @@ def train(cfg: dict) -> None:
         "global_step": trainer.global_step,
         "dp_rank": mesh["data_parallel"].get_local_rank(),
         "batch_started_at": recorder.batch_started_at,
+        "data_parallel_modules": data_parallel_modules(module.model),
     }
     if observer is not None:
         result["writes"] = observer.writes

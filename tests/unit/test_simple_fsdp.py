@@ -102,9 +102,8 @@ def test_what_simple_fsdp_cannot_run_with_is_refused_with_the_reason(options, me
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_every_pipeline_schedule_and_float8_without_its_all_gather_are_accepted(schedule):
-    """Pipeline stages are wrapped like any module (test_simple_fsdp.py runs 1F1B and ZBVZeroBubble at pipeline 2 ×
-    data 2: one schedule with a full backward, one splitting it into input and weight passes); float8 casts the
-    gathered weight (runs there too)."""
+    """Pipeline stages are wrapped like any module (tests/distributed/test_simple_fsdp.py runs each schedule at
+    pipeline 2 × data 2 against one device); float8 casts the gathered weight (runs there too)."""
     ParallelConfig(fsdp_backend="simple_fsdp", pipeline_parallel_size=2, pipeline_schedule=schedule,
                    pipeline_stages_per_rank=SCHEDULES[schedule].default_stages_per_rank)
     ParallelConfig(fsdp_backend="simple_fsdp", float8="emulate")
