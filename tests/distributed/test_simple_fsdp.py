@@ -28,6 +28,8 @@ LAYOUTS = {
     "tp4": (1, 4, {}, {}),
     "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2, "count_collectives": 1}, {}),
     "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
+    "dp4_ac_selective_op": (4, 1, {"activation_checkpointing": "selective", "selective_ac_option": "op",
+                                   "count_collectives": 1}, {}),
     "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True}, {"documents": True}),
     "dp2xtp2_accumulate": (2, 2, {"even_labels": True, "accumulate": 2, "grad_norms": True}, {"even_labels": True}),
 }
@@ -126,6 +128,12 @@ def test_without_checkpointing_the_gathered_weights_live_to_backward_and_with_it
     assert checkpointed["forward"]["all_gather_into_tensor"] == gathers
     assert checkpointed["backward"]["all_gather_into_tensor"] == 4 * 9  # the blocks', recomputed
     assert checkpointed["backward"]["reduce_scatter_tensor"] == gathers
+    # Per-op selective checkpointing saves the matmul and attention outputs, not the gathers: recomputed as well.
+    selective = run_of(jobs, "dp4_ac_selective_op").rank_output(0)["collectives"]
+    print(f"collectives of step 1 at dp 4 with per-op selective checkpointing: {selective}")
+    assert selective["forward"]["all_gather_into_tensor"] == gathers
+    assert selective["backward"]["all_gather_into_tensor"] == 4 * 9
+    assert selective["backward"]["reduce_scatter_tensor"] == gathers
 
 
 def test_pipeline_stages_are_gathered_by_simple_fsdp_and_run_the_schedule_asked(jobs):

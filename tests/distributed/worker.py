@@ -340,6 +340,11 @@ class CollectiveCounter(L.Callback):
             op = event.name.partition("_c10d_functional::")[2]
             if not op or event.name != f"_c10d_functional::{op}" or op == "wait_tensor" or op.startswith("_"):
                 continue
+            parent = event.cpu_parent  # the same call seen again below a dispatch mode (selective checkpointing's)
+            while parent is not None and parent.name != event.name:
+                parent = parent.cpu_parent
+            if parent is not None:
+                continue
             phase = "backward" if window.start <= event.time_range.start <= window.end else "forward"
             self.counts[phase][op] = self.counts[phase].get(op, 0) + 1
         self._profile = self._backward = None
