@@ -224,6 +224,9 @@ def data_parallel(model: nn.Module, dp_mesh: "DeviceMesh", param_dtype: Optional
             if id(param) not in new:
                 new[id(param)] = _shard_parameter(param, dp_mesh, placements, shard_dim)
             module.register_parameter(name, new[id(param)])
+        # A subclass swapped in, as fully_shard swaps in its FSDPModule subclass: the state-dict keys stay the
+        # module's own (torch's parametrize would rename them to ``parametrizations.<name>.original``, breaking
+        # the checkpoint format both backends share), and dynamo traces the property like any attribute.
         module.__class__ = _wrapped_class(type(module), tuple(name for name, _ in own))
         setattr(module, POLICY_ATTRIBUTE, policy)
     return model

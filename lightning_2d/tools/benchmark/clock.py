@@ -24,6 +24,8 @@ class StepClock:
         self.device = device
         self.step_times: list[float] = []
         self.losses: list[float] = []
+        #: One step's collectives by kind, where the run counted them (``collectives.CollectiveCountCallback``).
+        self.collectives: Optional[dict[str, int]] = None
         self._last: Optional[float] = None
 
     @property

@@ -166,5 +166,6 @@ def format_report(report: dict[str, Any]) -> str:
             f"{SIMPLE_FSDP} / {OURS} (fully_shard) = {backends['step_time']:.3f}x step time"
             + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
         )
-    lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step)")
+    if any(v.get("collectives_per_step") for v in report["variants"].values()):
+        lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step)")
     return "\n".join(lines)

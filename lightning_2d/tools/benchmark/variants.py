@@ -1,6 +1,6 @@
 """The variants, one rank each: ``lightning_2d`` (Trainer + ``ModelParallel2DStrategy`` +
-``LlamaLightningModule``), ``simple_fsdp`` (the same under ``fsdp_backend="simple_fsdp"``), ``lightning`` (Lightning's ``ModelParallelStrategy`` with the plan written by hand in
-``configure_model``) and ``plain`` (a torch loop); ``run_variant`` runs one and returns its step times,
+``LlamaLightningModule``), ``simple_fsdp`` (the same under ``fsdp_backend="simple_fsdp"``), ``lightning``
+(Lightning's ``ModelParallelStrategy`` with the plan written by hand in ``configure_model``) and ``plain`` (a torch loop); ``run_variant`` runs one and returns its step times,
 losses and peak memory.
 """
 
@@ -22,10 +22,6 @@ from lightning_2d.tools.benchmark.reference import build_reference_model, mean_c
 from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
 from lightning_2d.tools.benchmark.settings import OURS, SIMPLE_FSDP, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
-
-
-#: The collectives counted in this process's last run of each variant (``run_lightning_2d``).
-_COLLECTIVES: dict[str, Optional[dict[str, int]]] = {}
 
 
 def _rank() -> int:
@@ -80,7 +76,7 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
     trainer.fit(module, train_dataloaders=synthetic_loader(settings, _rank()))
     dtype = strategy.parallel_config.resolve_dtypes(settings.precision).param_dtype
     assert callback.clock is not None and dtype is not None
-    _COLLECTIVES[variant] = counter.counts if counter is not None else None
+    callback.clock.collectives = counter.counts if counter is not None else None
     return callback.clock, strategy.root_device, dtype
 
 
@@ -191,5 +187,5 @@ def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
         "peak_memory_gib": peak_memory_gib(device),
         "peak_tflops": peak_tflops(device, dtype),
         "compute_dtype": str(dtype).removeprefix("torch."),
-        "collectives": _COLLECTIVES.pop(variant, None),  # lightning_2d's variants: one step's, by kind
+        "collectives": clock.collectives,  # lightning_2d's variants: one step's, by kind
     }
