@@ -36,6 +36,8 @@ BOUND_S = 20
 #: What a job may take past its bound: five of its watchdog's rounds (a tenth of the bound each: one to see, one to
 #: publish, one to read, and the store host's linger), as 5 s was for a 10 s bound.
 ROUNDS_S = 5 * Limits.of(BOUND_S).interval
+#: One round: a stopped rank's silence counts from its last heartbeat, which can precede the stop by up to a round.
+ROUND_S = Limits.of(BOUND_S).interval
 #: The jobs of the bound tests: a rank that raises, one stopped (the watchdog's bound, then the collectives' shorter
 #: one), one alive but stuck.
 BOUND_JOBS = {
@@ -79,32 +81,38 @@ def test_an_exception_on_one_rank_ends_every_other_rank_naming_it(bound_jobs):
     assert max(seconds_after_failure(result)) < 10  # seconds, well under the bound (20 s)
 
 
-def stopped_rank_1(result, why: str) -> list[float]:
+def stopped_rank_1(result, why: str) -> tuple[list[float], list[int]]:
     """The survivors exit with the watchdog's code naming rank 1; rank 1, stopped, which would hold its memory (and
-    GPU) forever, is killed by a rank on its host. Returns the exit times after the stop."""
+    GPU) forever, is killed by a rank on its host. Returns the exit times after the stop, and the silences (s) the
+    survivors' messages report."""
     assert not result.timed_out, result.describe(tail=8000)
     assert result.returncodes == [75, -signal.SIGKILL, 75, 75], result.describe(tail=8000)
     pid = json.loads((result.out_dir / "failed_at.json").read_text())["pid"]
+    silences = []
     for rank in (0, 2, 3):
-        assert re.search(
-            rf"Stopping rank {rank} \(exit code 75\): rank 1 \(pid {pid} on .+\) has sent no heartbeat for \d+ s"
+        found = re.search(
+            rf"Stopping rank {rank} \(exit code 75\): rank 1 \(pid {pid} on .+\) has sent no heartbeat for (\d+) s"
             rf" {why}: its process is stopped \(SIGSTOP/SIGTSTP\)", result.logs[rank]
-        ), result.describe(tail=8000)
+        )
+        assert found, result.describe(tail=8000)
+        silences.append(int(found.group(1)))
     assert f"killed the stopped rank 1 (pid {pid}" in "".join(result.logs)
-    return seconds_after_failure(result)
+    return seconds_after_failure(result), silences
 
 
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_watchdog_timeout(bound_jobs):
     result = bound_jobs["watchdog_sigstop"]
-    after = stopped_rank_1(result, rf"\(watchdog timeout {BOUND_S} s\)")
-    assert BOUND_S <= max(after) <= BOUND_S + ROUNDS_S  # not before the bound, within it + 5 rounds
+    after, silences = stopped_rank_1(result, rf"\(watchdog timeout {BOUND_S} s\)")
+    assert min(silences) >= BOUND_S  # not named before the bound, by the watcher's clock
+    # By the stop's clock: its last heartbeat can precede the stop by a round (a clean-clone run saw 19.3 s).
+    assert BOUND_S - ROUND_S <= max(after) <= BOUND_S + ROUNDS_S  # within the bound + 5 rounds
 
 
 def test_a_collective_timeout_shorter_than_the_watchdogs_is_never_extended(bound_jobs):
     """``timeout`` 20 s, ``watchdog_timeout`` 60 s: the collectives fail at 20 s, and the rank that caused it is named
     then (silent since it stopped), not 60 s later."""
     result = bound_jobs["watchdog_collective_timeout"]
-    after = stopped_rank_1(result, r"\(and rank \d's collective failed\)")
+    after, _ = stopped_rank_1(result, r"\(and rank \d's collective failed\)")
     assert BOUND_S <= max(after) <= BOUND_S + ROUNDS_S
 
 
@@ -125,12 +133,12 @@ def test_a_rank_alive_but_stuck_is_named_and_the_job_ends_within_the_watchdog_ti
         assert int(found.group(1)) >= BOUND_S, found.group(0)  # not named before the bound
     assert "in on_train_batch_start" in result.logs[2]  # its stack, where it is stuck
     # The lag counts from when its predecessor first saw it behind (the others had started step 3), which can come a
-    # moment before it reached the sleep and wrote failed_at.json: the job ends BOUND_S after the former, within 1 s
-    # of BOUND_S after the latter (measured 9.9 s of a 10 s bound once the store host stopped lingering after the
-    # others left). It sleeps after Lightning's per-batch broadcast (``_broadcast_sigterm_tensor``, rank 0 its root):
-    # sleeping before it leaves rank 0 waiting there, behind as well, and the two are named by whichever watcher
-    # counts BOUND_S first (CONTRIBUTING, traps: the watchdog).
-    assert BOUND_S - 1 <= max(seconds_after_failure(result)) <= BOUND_S + ROUNDS_S
+    # moment before it reached the sleep and wrote failed_at.json: by the file's clock the job ends up to a round
+    # before BOUND_S (measured 19.1-21.1 s; "not before the bound" is the watcher's lag, asserted above). It sleeps
+    # after Lightning's per-batch broadcast (``_broadcast_sigterm_tensor``, rank 0 its root): sleeping before it
+    # leaves rank 0 waiting there, behind as well, and the two are named by whichever watcher counts BOUND_S first
+    # (CONTRIBUTING, traps: the watchdog).
+    assert BOUND_S - ROUND_S <= max(seconds_after_failure(result)) <= BOUND_S + ROUNDS_S
 
 
 def test_under_lightnings_launcher_a_stopped_rank_0_is_named_and_killed(tmp_path):
