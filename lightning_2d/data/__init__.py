@@ -23,11 +23,12 @@ consumed, and a resumed run continues with the next unseen batch.
 One module per job, bottom to top: ``sources`` (files, folders, globs; ``DataError``), ``tokenizers``,
 ``pieces`` (the corpus cut into pieces and tokenized by a process pool), ``cache`` (the token cache on
 disk, built under a file lock), ``loading`` (windows, ``DataParallelSampler``, ``ResumableDataLoader``)
-and ``datamodule`` (``TextDataModule``). Knows nothing of models or parallelism beyond the data-parallel
+and ``datamodule`` (``TextDataModule``); ``chat/`` holds the instruction fine-tuning data (``ChatDataModule``). Knows nothing of models or parallelism beyond the data-parallel
 rank and size it is given.
 """
 
 from lightning_2d.data.cache import CacheReport, build_token_cache, prepare_token_cache
+from lightning_2d.data.chat import ChatDataModule
 from lightning_2d.data.datamodule import TextDataModule, prepare_command, prepare_python
 from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader, TokenWindows
 from lightning_2d.data.pieces import default_num_workers
@@ -35,6 +36,7 @@ from lightning_2d.data.sources import DataError, corpus_bytes, resolve_sources, 
 
 __all__ = [
     "CacheReport",
+    "ChatDataModule",
     "DataError",
     "DataParallelSampler",
     "ResumableDataLoader",

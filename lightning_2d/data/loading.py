@@ -91,14 +91,17 @@ class DataParallelSampler(DistributedSampler):
             return min(self._resume[1], self.num_positions)
         return 0
 
+    def epoch_order(self) -> torch.Tensor:
+        """This epoch's order of all samples (every replica's, before the resume skip)."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return torch.arange(n)
+
     def __iter__(self) -> Iterator[int]:
         start = self._start()
         self._resume = None
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(n)
+        order = self.epoch_order()
         return iter(order[start + self.rank : self.num_positions : self.num_replicas].tolist())
 
     def __len__(self) -> int:
@@ -127,6 +130,8 @@ class ResumableDataLoader(DataLoader):
         *args: Any,
         consumed_batches: Optional[Callable[[], int]] = None,
         epoch: Optional[Callable[[], int]] = None,
+        targets: Optional[np.ndarray] = None,
+        accumulate: Optional[Callable[[], int]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -134,6 +139,7 @@ class ResumableDataLoader(DataLoader):
             raise TypeError("ResumableDataLoader needs a DataParallelSampler")
         self._consumed_batches = consumed_batches
         self._epoch = epoch
+        self._targets, self._accumulate = targets, accumulate
         self._yielded = 0
         self._offset = 0  # positions skipped by a resume in the epoch being iterated
 
@@ -142,9 +148,27 @@ class ResumableDataLoader(DataLoader):
         if self._epoch is not None:
             sampler.set_epoch(self._epoch())
         self._offset, self._yielded = sampler._start(), 0
+        step_tokens = self._step_tokens(sampler) if self._targets is not None else None
+        first = self._offset // (self.batch_size * sampler.num_replicas)
         for batch in super().__iter__():
+            if step_tokens is not None:
+                batch["step_tokens"] = torch.tensor(float(step_tokens[first + self._yielded]))
             self._yielded += 1
             yield batch
+
+    def _step_tokens(self, sampler: DataParallelSampler) -> np.ndarray:
+        """For each batch of this replica's epoch, the targets of all its batches that one optimizer step
+        accumulates (``accumulate()`` batches from the epoch's start, the last step with what is left): what the
+        loss divides by, summed over the replicas, so accumulated steps weigh every token alike."""
+        assert self._targets is not None and self.batch_size is not None
+        accumulate = max(1, int(self._accumulate() if self._accumulate is not None else 1))
+        mine = sampler.epoch_order()[sampler.rank : sampler.num_positions : sampler.num_replicas].numpy()
+        batches = len(mine) // self.batch_size
+        per_batch = self._targets[mine[: batches * self.batch_size]].reshape(batches, self.batch_size).sum(1)
+        if batches == 0:
+            return per_batch
+        per_step = np.add.reduceat(per_batch, np.arange(0, batches, accumulate))
+        return per_step[np.arange(batches) // accumulate]
 
     def state_dict(self) -> dict[str, Any]:
         sampler: DataParallelSampler = self.sampler  # type: ignore[assignment]

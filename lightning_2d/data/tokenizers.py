@@ -126,6 +126,24 @@ class HuggingFaceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    def decode_keep_special(self, ids: list[int]) -> str:
+        """``decode`` with the special tokens written out (previews of chat data)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` (no special tokens added; those written in it are matched) and each one's
+        ``(start, end)`` characters: what a chat's loss mask is cut from."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (``<|eot_id|>``, ``<|im_end|>``, ``</s>``)."""
+        return frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
+
 
 class SentencePieceTokenizer:
     """A SentencePiece ``.model`` (Llama 2)."""

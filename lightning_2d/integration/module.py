@@ -50,6 +50,12 @@ def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: fl
     return factor
 
 
+def step_tokens_of(batch: dict[str, torch.Tensor], accumulate: int) -> dict[str, Any]:
+    """``{"step_tokens": ..., "accumulate": ...}`` when the batch carries its optimizer step's target tokens
+    (``ChatDataModule``): the loss is then the step's mean over every trained token, else ``{}``."""
+    return {"step_tokens": batch["step_tokens"], "accumulate": accumulate} if "step_tokens" in batch else {}
+
+
 def document_positions_of(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``{"position_ids": ...}`` when the batch carries each packed document's positions, else ``{}``."""
     return {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
@@ -120,7 +126,14 @@ class CausalLMModule(L.LightningModule):
 
     # ---- steps --------------------------------------------------------------------------------
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return next_token_loss(self(batch["input_ids"], **document_positions_of(batch)), batch["labels"], self.meshes)
+        return next_token_loss(self(batch["input_ids"], **document_positions_of(batch)), batch["labels"], self.meshes,
+                               **self._step_tokens(batch))
+
+    def _step_tokens(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The step's token count for the loss (training batches of ``ChatDataModule``), else ``{}``."""
+        trainer = trainer_of(self)
+        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        return step_tokens_of(batch, accumulate) if self.training else {}
 
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = context_shard(batch, self.meshes)
@@ -135,7 +148,8 @@ class CausalLMModule(L.LightningModule):
         if pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
             scale = 1.0 / self.trainer.accumulate_grad_batches
             loss, global_mean, global_tokens = pipeline.train_step(
-                batch["input_ids"], batch["labels"], grad_scale=scale, **document_positions_of(batch)
+                batch["input_ids"], batch["labels"], grad_scale=scale, **document_positions_of(batch),
+                **self._step_tokens(batch),
             )
         else:
             loss, global_mean, global_tokens = self._loss(batch)
@@ -360,7 +374,7 @@ class LlamaLightningModule(CausalLMModule):
         assert self.model is not None, "call configure_model() first (the Trainer does)"
         if self.hparams.fused_loss:
             loss_sum = self.model(batch["input_ids"], labels=batch["labels"], **document_positions_of(batch))
-            return normalize_by_global_tokens(loss_sum, batch["labels"], self.meshes)
+            return normalize_by_global_tokens(loss_sum, batch["labels"], self.meshes, **self._step_tokens(batch))
         return super()._loss(batch)
 
     def flops_per_token(self, seq_len: int) -> int:

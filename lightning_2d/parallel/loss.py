@@ -102,7 +102,11 @@ def vocab_parallel_linear_cross_entropy(
 
 
 def normalize_by_global_tokens(
-    loss_sum: torch.Tensor, labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
+    loss_sum: torch.Tensor,
+    labels: torch.Tensor,
+    mesh: "ParallelMeshes | DeviceMesh | None" = None,
+    step_tokens: torch.Tensor | None = None,
+    accumulate: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Turn this data-parallel rank's *summed* loss into the global-batch mean (see the module docstring).
 
@@ -112,23 +116,61 @@ def normalize_by_global_tokens(
         labels: This rank's target ids (``-100`` ignored), to count its tokens.
         mesh: The strategy's meshes (``ParallelMeshes``, or ``strategy.device_mesh``, or Lightning's 2D mesh), or
             ``None`` outside a model-parallel strategy (then all ranks are data-parallel).
+        step_tokens: This data-parallel replica's target tokens over *every* batch the optimizer step accumulates
+            (the data loader counts them ahead: ``ChatDataModule``'s ``step_tokens``). The loss is then the step's
+            mean over all its target tokens (what one device computes on the whole step's batch), not the mean of
+            each batch's mean: with ``accumulate`` batches per step, a batch with few trained tokens weighs no
+            more per token than one with many.
+        accumulate: Batches per optimizer step (the Trainer divides each batch's loss by it).
 
     Returns:
-        ``(loss_to_backward, global_mean_loss, global_tokens)``, as ``next_token_loss``.
+        ``(loss_to_backward, global_mean_loss, global_tokens)``, as ``next_token_loss``; the mean and the count are
+        this batch's.
     """
     import torch.distributed as dist
 
     local_sum = loss_sum.detach()
     if hasattr(local_sum, "full_tensor"):  # DTensor (replicated) under loss parallelism
         local_sum = local_sum.full_tensor()
-    stats = torch.stack([local_sum.float(), (labels != IGNORE_INDEX).sum().float()])
+    local = [local_sum.float(), (labels != IGNORE_INDEX).sum().float()]
+    if step_tokens is not None:  # counted over whole sequences: once per context-parallel group
+        local.append(step_tokens.to(local_sum.device).float() * float(_first_context_rank(mesh)))
+    stats = torch.stack(local)
     group = _data_parallel_group(mesh)
     dp_size = 1
     if group is not None:
         dist.all_reduce(stats, group=group)
         dp_size = dist.get_world_size(group)
-    global_sum, global_tokens = stats.unbind()
-    return loss_sum * token_scale(global_tokens, dp_size), global_sum / global_tokens.clamp(min=1.0), global_tokens
+    global_sum, global_tokens = stats[0], stats[1]
+    scale = token_scale(global_tokens, dp_size) if step_tokens is None else token_scale(stats[2], dp_size) * accumulate
+    return loss_sum * scale, global_sum / global_tokens.clamp(min=1.0), global_tokens
+
+
+def _first_context_rank(mesh: "ParallelMeshes | DeviceMesh | None") -> bool:
+    """Whether this rank is its context-parallel group's first (always, without context parallelism)."""
+    import torch.distributed as dist
+
+    from lightning_2d.parallel.names import CP_DIM
+
+    meshes = as_meshes(mesh) if dist.is_available() and dist.is_initialized() else None
+    cp_mesh = meshes.optional(CP_DIM) if meshes is not None else None
+    return cp_mesh is None or cp_mesh.get_local_rank() == 0
+
+
+def count_step_tokens(
+    step_tokens: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
+) -> tuple[torch.Tensor, int]:
+    """The target tokens of the whole optimizer step over every data-parallel replica (``step_tokens`` summed, once
+    per context-parallel group) and the data-parallel size: ``token_scale`` of them gives each token of the step
+    the same weight (the pipeline's loss function)."""
+    import torch.distributed as dist
+
+    count = (step_tokens.float() * float(_first_context_rank(mesh))).reshape(1)
+    group = _data_parallel_group(mesh)
+    if group is None:
+        return count.reshape(()), 1
+    dist.all_reduce(count, group=group)
+    return count.reshape(()), dist.get_world_size(group)
 
 
 def token_scale(global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
@@ -157,7 +199,11 @@ def count_global_tokens(
 
 
 def next_token_loss(
-    logits: torch.Tensor, labels: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None" = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mesh: "ParallelMeshes | DeviceMesh | None" = None,
+    step_tokens: torch.Tensor | None = None,
+    accumulate: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``logits (B, T, V)`` against ``labels (B, T)`` (``-100`` ignored).
 
@@ -166,6 +212,8 @@ def next_token_loss(
         labels: Target ids, already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``).
         mesh: The strategy's meshes (``ParallelMeshes``, or ``strategy.device_mesh``, or Lightning's 2D mesh), or
             ``None`` outside a model-parallel strategy (then all ranks are data-parallel).
+        step_tokens: See ``normalize_by_global_tokens``.
+        accumulate: See ``normalize_by_global_tokens``.
 
     Returns:
         ``(loss_to_backward, global_mean_loss, global_tokens)``: the first carries the gradient of
@@ -177,4 +225,4 @@ def next_token_loss(
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-    return normalize_by_global_tokens(loss_sum, labels, mesh)
+    return normalize_by_global_tokens(loss_sum, labels, mesh, step_tokens, accumulate)

@@ -56,7 +56,7 @@ from lightning_2d.parallel.config import (
 )
 from lightning_2d.ops.linear_cross_entropy import replayable_backward
 from lightning_2d._compat import forward_pre_hooks
-from lightning_2d.parallel.loss import count_global_tokens, normalize_by_global_tokens, token_scale
+from lightning_2d.parallel.loss import count_global_tokens, count_step_tokens, normalize_by_global_tokens, token_scale
 from lightning_2d.parallel.meshes import ParallelMeshes
 from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.schedules import SCHEDULES
@@ -385,20 +385,23 @@ class Pipeline:
 
     def train_step(
         self, tokens: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0,
-        position_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None, step_tokens: Optional[torch.Tensor] = None, accumulate: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training step of this data-parallel rank's batch: the forward and backward of every micro-batch.
 
         The gradients of ``grad_scale`` × the global-batch mean loss (× the data-parallel size, as without a
         pipeline) are *added* to the parameters' gradients: zero them after each optimizer step, and pass
         ``grad_scale=1 / n`` to accumulate over ``n`` batches. Nothing else runs a backward. ``position_ids``
-        (packed documents kept apart, ``TextDataModule(document_mask=True)``) reach every stage.
+        (packed documents kept apart, ``TextDataModule(document_mask=True)``) reach every stage. ``step_tokens`` and
+        ``accumulate``: the loss is the optimizer step's mean over all its target tokens
+        (``normalize_by_global_tokens``).
 
         Returns:
             ``(loss, global_mean, global_tokens)`` as ``normalize_by_global_tokens`` (``loss`` without the
             ``grad_scale``), detached: the gradients are already computed.
         """
-        total = self._run(tokens, labels, True, grad_scale, position_ids)
+        step = (step_tokens, accumulate) if step_tokens is not None else None
+        total = self._run(tokens, labels, True, grad_scale, position_ids, step)
         return normalize_by_global_tokens(total, labels, self.meshes)
 
     def eval_step(
@@ -410,7 +413,7 @@ class Pipeline:
         return normalize_by_global_tokens(total, labels, self.meshes)
 
     def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, grad_scale: float,
-             position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+             position_ids: Optional[torch.Tensor], step: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
         """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank."""
         import torch.distributed as dist
 
@@ -421,8 +424,12 @@ class Pipeline:
         # Checked on every rank before any collective (the first stage's own check would leave the
         # other stages waiting for its activations).
         check_sequence_length(seq_len, self.sequence_shards)
-        global_tokens, dp_size = count_global_tokens(labels, self.meshes)
-        self._scale = token_scale(global_tokens, dp_size) * grad_scale
+        if step is None:
+            global_tokens, dp_size = count_global_tokens(labels, self.meshes)
+            self._scale = token_scale(global_tokens, dp_size) * grad_scale
+        else:  # every token of the optimizer step weighs alike (normalize_by_global_tokens)
+            step_global, dp_size = count_step_tokens(step[0], self.meshes)
+            self._scale = token_scale(step_global, dp_size) * step[1] * grad_scale
         # The stages' buffers are sized by the micro-batch shape (static metadata, no shape inference
         # pass): one schedule per shape and mode, e.g. training, validation, a last smaller batch.
         key = (batch_size, seq_len, microbatches, train)

@@ -28,11 +28,12 @@ import os
 import sys
 from typing import Any, NoReturn, Optional
 
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_2d.integration.trainer_strategy  # noqa: F401  (registers the "model_parallel_2d" strategy name)
 from lightning_2d.checkpoint import check_ckpt_path
-from lightning_2d.data import TextDataModule
+from lightning_2d.data import ChatDataModule, TextDataModule
 from lightning_2d.errors import Lightning2DError
 from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import CausalLMModule
@@ -43,6 +44,8 @@ class Lightning2DCLI(LightningCLI):
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
         # Recipes written for the Llama module keep working without a class_path.
         parser.set_defaults({"model": {"class_path": "lightning_2d.LlamaLightningModule"}})
+        # And recipes written for raw text without one (ChatDataModule and others are named by class_path).
+        parser.set_defaults({"data": {"class_path": "lightning_2d.TextDataModule"}})
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -56,10 +59,12 @@ class Lightning2DCLI(LightningCLI):
     def _check_before_launch(self) -> None:
         # Before any process is launched: a model that cannot embed every token id, a big corpus without its
         # token cache.
-        if isinstance(self.datamodule, TextDataModule) and isinstance(self.model, CausalLMModule):
-            self.datamodule.check_model(self.model.vocab_size)
-        if isinstance(self.datamodule, TextDataModule):
-            self.datamodule.check_prepared()  # a big corpus without a cache fails before any process starts
+        if isinstance(self.datamodule, (TextDataModule, ChatDataModule)):
+            if isinstance(self.model, CausalLMModule):
+                self.datamodule.check_model(self.model.vocab_size)
+            # A big corpus without a cache fails before any process starts; a small chat data set is encoded now
+            # (its bad rows reported here).
+            self.datamodule.check_prepared()
 
     def before_fit(self) -> None:
         self._check_before_launch()
@@ -75,8 +80,10 @@ class Lightning2DCLI(LightningCLI):
 
 
 #: What every ``lightning-2d`` parser builds (``fit`` …, and the recipe the tools read, ``tools/recipe.py``): any ``CausalLMModule``
-#: (``LlamaLightningModule`` when a recipe gives no ``class_path``) and a ``TextDataModule``.
-MODEL_AND_DATA = {"model_class": CausalLMModule, "datamodule_class": TextDataModule, "subclass_mode_model": True}
+#: (``LlamaLightningModule`` when a recipe gives no ``class_path``) and any data module (``TextDataModule`` when a recipe
+#: gives no ``class_path``; ``ChatDataModule`` for instruction fine-tuning).
+MODEL_AND_DATA = {"model_class": CausalLMModule, "datamodule_class": LightningDataModule, "subclass_mode_model": True,
+                  "subclass_mode_data": True}
 
 
 #: The parser's description (``lightning-2d fit --help`` and the like).

@@ -19,10 +19,11 @@ import argparse
 import re
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional, Union
 
-from lightning_2d.data import CacheReport, DataError, TextDataModule, corpus_bytes, default_num_workers
-from lightning_2d.tools.recipe import RecipeError, add_recipe_options, fit_config, split_argv
+from lightning_2d.data import CacheReport, ChatDataModule, DataError, TextDataModule, corpus_bytes, default_num_workers
+from lightning_2d.data.chat import ChatCacheReport
+from lightning_2d.tools.recipe import RecipeError, add_recipe_options, data_arguments, data_class, fit_config, split_argv
 
 DESCRIPTION = (
     "Tokenize the corpus of a recipe's `data` section (TextDataModule) into the token cache that training"
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizing processes (default: every core this process may use); not --data.num_workers, the"
         " DataLoader's workers during training",
     )
+    parser.add_argument(
+        "--preview", type=int, default=None, metavar="N",
+        help="ChatDataModule: print N rendered samples with the trained spans marked [[like this]], their token"
+        " counts and the packing efficiency, without writing the cache",
+    )
     add_recipe_options(parser, "the data section")
     _data_options(parser.add_argument_group(
         "data", "The options of the recipe's data section (TextDataModule) that decide the cache; the others are"
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
+def parse_args(argv: list[str]) -> tuple[Union[TextDataModule, ChatDataModule], int]:
     """The data module of ``argv`` (as ``lightning-2d fit`` would build it) and the number of tokenizing processes.
 
     Args:
@@ -81,8 +87,21 @@ def parse_args(argv: list[str]) -> tuple[TextDataModule, int]:
         config = fit_config(recipe, prog="lightning-2d prepare-data")
     except RecipeError as err:
         raise DataError(str(err)) from None
-    data = TextDataModule(**config["data"].as_dict())
+    try:
+        configs = [option.partition("=")[2] for option in recipe if option.partition("=")[0] in ("-c", "--config")]
+        cls = data_class(config["data"], ", ".join(configs) or "the command line")
+    except RecipeError as err:
+        raise DataError(str(err)) from None
+    data = cls(**data_arguments(config["data"]))
     return data, args.processes or default_num_workers()
+
+
+def _preview_count(argv: list[str]) -> Optional[int]:
+    own, _ = split_argv(argv)
+    count = build_parser().parse_args(own).preview
+    if count is not None and count < 1:
+        raise DataError(f"--preview must be at least 1, got {count}")
+    return count
 
 
 def _mb(n: float) -> str:
@@ -99,8 +118,8 @@ def _count(n: float) -> str:
 class _Progress:
     """Prints a progress line at most every ``every`` seconds, and the last one."""
 
-    def __init__(self, every: float = 2.0) -> None:
-        self.every, self.start, self.last = every, time.perf_counter(), 0.0
+    def __init__(self, every: float = 2.0, unit: str = "tokens") -> None:
+        self.every, self.start, self.last, self.unit = every, time.perf_counter(), 0.0, unit
 
     def __call__(self, done: int, total: int, tokens: int) -> None:
         now = time.perf_counter()
@@ -110,8 +129,8 @@ class _Progress:
         elapsed = max(now - self.start, 1e-9)
         eta = elapsed * (total - done) / done if done else float("nan")
         print(
-            f"  {_mb(done)} / {_mb(total)} ({100 * done / max(total, 1):.0f}%)  {_count(tokens)} tokens"
-            f"  {_count(tokens / elapsed)} tokens/s  eta {eta:.0f} s",
+            f"  {_mb(done)} / {_mb(total)} ({100 * done / max(total, 1):.0f}%)  {_count(tokens)} {self.unit}"
+            f"  {_count(tokens / elapsed)} {self.unit}/s  eta {eta:.0f} s",
             flush=True,
         )
 
@@ -135,7 +154,80 @@ def summary(report: CacheReport) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> CacheReport:
+def _prepare_chat(data: ChatDataModule, workers: int) -> ChatCacheReport:
+    sources = data.sources
+    print(f"Chat data: {len(sources):,} file(s), {_mb(corpus_bytes(sources))}; template {data.template.origin};"
+          f" cache {data.cache_folder}; up to {workers} encoding process(es)", flush=True)
+    report = data.prepare(num_workers=workers, progress=_Progress(unit="conversations"),
+                          log=lambda line: print(line, flush=True))
+    data.setup("fit")
+    assert data.packing is not None
+    lines = [
+        f"{'Built' if report.built else 'Already complete'}: {report.folder}",
+        f"  files          {report.files:,}",
+        f"  rows           {report.rows:,} ({report.no_target:,} dropped: no token to train on)",
+        f"  conversations  {report.conversations:,}, {report.tokens:,} tokens, {report.targets:,} trained",
+        f"  end of turn    {', '.join(map(str, report.end_of_turn)) or 'none found'}",
+        f"Packing (training split, seq_len {data.seq_len}, {'packed' if data.pack else 'one per sequence'}):",
+        *data.packing.lines(),
+    ]
+    if report.built:
+        lines.insert(5, f"  seconds        {report.seconds:.2f}")
+    print("\n".join(lines), flush=True)
+    return report
+
+
+def chat_preview(data: ChatDataModule, count: int) -> str:
+    """``count`` rows rendered as the model will see them, the trained text inside ``[[ ]]``, with token counts;
+    then the packing efficiency of the whole data set (encoded in memory, nothing written)."""
+    import numpy as np
+
+    from lightning_2d.data.chat.cache import _plan, _rows, _where
+    from lightning_2d.data.chat.formats import to_conversation
+    from lightning_2d.data.chat.packing import pack_windows
+
+    out, lengths, trained = [], [], 0
+    shown = 0
+    for piece in _plan(data.sources, 1 << 62):
+        for row, record, error in _rows(piece):
+            where = _where(piece, row)
+            if error is not None:
+                raise DataError(f"{where} {error}")
+            encoded = data.encoder.encode(to_conversation(record, data.format, data.fields, where), where)
+            if encoded.num_targets == 0:
+                continue
+            lengths.append(min(len(encoded.ids) - 1, data.seq_len))
+            trained += encoded.num_targets
+            if shown < count:
+                shown += 1
+                out.append(f"---- {where}: {len(encoded.ids)} tokens, {encoded.num_targets} trained"
+                           f" (end of turn: {sorted(encoded.end_of_turn) or 'none'})")
+                out.append(_marked(data, encoded))
+    windows = pack_windows(np.asarray(lengths, dtype=np.int64), data.seq_len, data.pack)
+    total = len(windows) * data.seq_len
+    out.append(f"---- {len(lengths):,} conversations, {trained:,} trained tokens: {len(windows):,} sequences of"
+               f" {data.seq_len}, {100 * int(np.sum(lengths)) / max(total, 1):.1f}% of positions filled"
+               f" ({100 * trained / max(total, 1):.1f}% trained), nothing written")
+    return "\n".join(out)
+
+
+def _marked(data: ChatDataModule, encoded: Any) -> str:
+    """The sample's tokens decoded, trained runs inside ``[[ ]]`` (special tokens written out)."""
+    pieces, run, state = [], [], None
+    for token, is_trained in zip(encoded.ids.tolist(), encoded.trained.tolist()):
+        if state is not None and is_trained != state:
+            text = data.tokenizer.decode_keep_special(run)
+            pieces.append(f"[[{text}]]" if state else text)
+            run = []
+        run.append(token)
+        state = is_trained
+    if run:
+        text = data.tokenizer.decode_keep_special(run)
+        pieces.append(f"[[{text}]]" if state else text)
+    return "".join(pieces)
+
+
+def main(argv: Optional[list[str]] = None) -> Union[CacheReport, ChatCacheReport, None]:
     """``lightning-2d prepare-data [--config RECIPE.yaml ...] [--data.* ...] [--processes N]``.
 
     Args:
@@ -144,7 +236,17 @@ def main(argv: Optional[list[str]] = None) -> CacheReport:
     Returns:
         The ``CacheReport`` (also printed).
     """
-    data, workers = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    data, workers = parse_args(argv)
+    preview = _preview_count(argv)
+    if preview is not None:
+        if not isinstance(data, ChatDataModule):
+            raise DataError("--preview shows rendered conversations: the recipe's data is a TextDataModule; use it with"
+                            " data.class_path: lightning_2d.ChatDataModule")
+        print(chat_preview(data, preview), flush=True)
+        return None
+    if isinstance(data, ChatDataModule):
+        return _prepare_chat(data, workers)
     sources = data.sources
     print(
         f"Corpus: {len(sources):,} file(s), {_mb(corpus_bytes(sources))}; tokenizer {data.tokenizer.fingerprint};"

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from lightning_2d.errors import Lightning2DError
 
@@ -71,38 +70,44 @@ def split_argv(argv: list[str], own: tuple[str, ...] = ()) -> tuple[list[str], l
     return tool, recipe
 
 
-def _flatten_data_class_path(config: Any, source: str) -> Any:
-    """``data: {class_path: ..., init_args: {...}}`` → ``data: {...}`` (the form ``fit``'s parser takes)."""
-    from lightning_2d.data import TextDataModule
+#: The data modules the tools read (their ``seq_len``, ``batch_size`` and cache).
+DATA_CLASSES = ("lightning_2d.TextDataModule", "lightning_2d.ChatDataModule")
 
-    if not isinstance(config, dict) or not isinstance(config.get("data"), dict) or "class_path" not in config["data"]:
-        return config
-    data = config["data"]
-    module, _, name = str(data["class_path"]).rpartition(".")
+
+def data_class(spec: Any, source: str = "the recipe") -> type:
+    """The data module class a parsed recipe's ``data`` section names (``TextDataModule`` or ``ChatDataModule``).
+
+    Raises:
+        RecipeError: Another class: the tools read those two.
+    """
+    from lightning_2d.data import ChatDataModule, TextDataModule
+
+    class_path = str(spec.get("class_path") or "lightning_2d.TextDataModule")
+    module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module or "lightning_2d"), name)
     except (ImportError, AttributeError) as err:
-        raise RecipeError(f"{source}: data.class_path {data['class_path']!r} does not import ({err})") from None
-    if not (isinstance(cls, type) and issubclass(cls, TextDataModule)):
-        raise RecipeError(f"{source}: data.class_path is {data['class_path']!r}; prepare-data builds the cache of a"
-                          " TextDataModule, whose seq_len and batch_size plan and benchmark read"
-                          " (class_path: lightning_2d.TextDataModule)")
-    return {**config, "data": dict(data.get("init_args") or {})}
+        raise RecipeError(f"{source}: data.class_path {class_path!r} does not import ({err})") from None
+    if not (isinstance(cls, type) and issubclass(cls, (TextDataModule, ChatDataModule))):
+        raise RecipeError(f"{source}: data.class_path is {class_path!r}; prepare-data builds the cache of a"
+                          " TextDataModule or a ChatDataModule, whose seq_len and batch_size plan and benchmark read"
+                          f" (class_path: {' or '.join(DATA_CLASSES)})")
+    return cls
+
+
+def data_arguments(spec: Any) -> dict[str, Any]:
+    """The ``init_args`` of a parsed recipe's ``data`` section, as a plain dict."""
+    init_args = spec.get("init_args") if hasattr(spec, "get") else None
+    return init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args or {})
 
 
 def normalized_args(argv: list[str]) -> list[str]:
-    """``argv`` with every ``--config`` file whose data section uses ``class_path`` given as its flattened text."""
+    """``argv`` with every ``--config`` checked to name a file (or to be inline YAML)."""
     out = []
     for option in argv:
         name, _, value = option.partition("=")
         if name in ("-c", "--config"):
-            path = Path(value)
-            if path.is_file():
-                loaded = yaml.safe_load(path.read_text())
-                flattened = _flatten_data_class_path(loaded, str(path))
-                if flattened is not loaded:
-                    value = yaml.safe_dump(flattened, sort_keys=False)
-            elif not value.lstrip().startswith("{") and "\n" not in value:
+            if not Path(value).is_file() and not value.lstrip().startswith("{") and "\n" not in value:
                 raise RecipeError(f"--config {value}: no such file")
             option = f"--config={value}"
         out.append(option)
@@ -282,7 +287,9 @@ def run_of(config: Any) -> RecipeRun:
                           " recipes")
     trainer = config["trainer"]
     strategy, options = _strategy(trainer["strategy"])
-    data = config["data"]
+    data = data_arguments(config["data"])
+    if data_class(config["data"]).__name__ == "ChatDataModule":  # packed conversations are documents
+        data["document_mask"] = bool(data.get("pack", True))
     return RecipeRun(
         module_class=spec["class_path"],
         model=model,
@@ -296,7 +303,7 @@ def run_of(config: Any) -> RecipeRun:
         accumulate_grad_batches=int(trainer["accumulate_grad_batches"] or 1),
         strategy_options=options,
         config=strategy.parallel_config,
-        data=data.as_dict() if hasattr(data, "as_dict") else dict(data),
+        data=data,
     )
 
 
@@ -329,6 +336,7 @@ def add_recipe_options(parser: Any, keys: str) -> None:
     group.add_argument("-c", "--config", metavar="RECIPE.yaml", action="append", help="a `lightning-2d fit` recipe")
 
 
-__all__ = ["RecipeError", "RecipeRun", "add_recipe_options", "fit_config", "given_options", "normalized_args",
+__all__ = ["DATA_CLASSES", "RecipeError", "RecipeRun", "add_recipe_options", "data_arguments", "data_class", "fit_config",
+           "given_options", "normalized_args",
            "read_run", "run_of", "split_argv"]
 

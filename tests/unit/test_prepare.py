@@ -357,7 +357,7 @@ def test_cli_takes_data_overrides_and_the_defaults_of_fit(tmp_path, monkeypatch)
         parse_args(["--num-workers=0"])
     write_recipe(tmp_path / "other.yaml", {"class_path": "lightning.pytorch.LightningDataModule", "init_args": {}})
     with pytest.raises(DataError, match=r"other\.yaml: data\.class_path is 'lightning\.pytorch\.LightningDataModule';"
-                                        r" prepare-data builds the cache of a TextDataModule"):
+                                        r" prepare-data builds the cache of a TextDataModule or a ChatDataModule"):
         parse_args(["--config", str(tmp_path / "other.yaml")])
 
 

@@ -1,0 +1,399 @@
+"""Chat data tokenized once: rows read from JSONL, JSON, Parquet or a ``datasets`` folder, encoded by a process
+pool, cached on disk.
+
+The cache of a data set is a folder keyed by its files (path, size, mtime), the tokenizer, the template (its
+text and special tokens), the template arguments, the format and the masking rule; ``meta.json``, written last,
+marks it complete. It holds every kept conversation's tokens (``tokens.bin``), which of them are trained
+(``trained.bin``, one byte each), where each conversation starts (``offsets.bin``, int64), the row it came
+from (``rows.bin``: file index and row number, for messages) and its trained tokens (``targets.bin``). It does not depend on ``seq_len``: packing
+happens when training starts, in a fraction of a second.
+
+Rows are read in pieces (JSONL by byte ranges ending at a newline, Parquet by row groups, a JSON list or a
+``datasets`` Arrow file whole) by the same pool as ``TextDataModule``'s corpus (``pieces._tokenized_in_order``):
+the cache is the same for any number of processes. Every bad row is reported at once (``file:line`` and the fix,
+the first 20), and nothing is cached then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from dataclasses import dataclass, field
+from glob import glob
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from lightning_2d.data.cache import DEFAULT_CACHE_DIR, _exclusive, token_dtype
+from lightning_2d.data.chat.encode import ChatEncoder
+from lightning_2d.data.chat.formats import to_conversation
+from lightning_2d.data.pieces import CHUNK_BYTES, Piece, _piece_boundary, _pyarrow_parquet, _tokenized_in_order
+from lightning_2d.data.sources import DataError, _stat
+
+#: Version of the chat cache's layout (part of its key).
+CHAT_CACHE_FORMAT = 1
+#: The files a folder contributes (a ``datasets`` folder: its Arrow files).
+CHAT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
+MAX_PROBLEMS = 20
+
+__all__ = ["ChatCacheReport", "chat_cache_folder", "prepare_chat_cache", "resolve_chat_sources"]
+
+
+# ---- sources ------------------------------------------------------------------------------------
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix in (".json", ".parquet", ".arrow"):
+        return suffix[1:]
+    raise DataError(f"{path}: a chat data file is JSONL, JSON, Parquet or a datasets folder's .arrow, not"
+                    f" {suffix or 'a file without suffix'!r}")
+
+
+def _datasets_folder(folder: Path) -> Optional[list[Path]]:
+    """The Arrow files of a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``'s
+    ``train`` split), or ``None`` for another folder."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"{folder} is a datasets DatasetDict with splits {splits} and no 'train'; name the split's"
+                            f" folder (e.g. {folder / splits[0]}) in paths" if splits else f"{folder} has no splits")
+        folder = folder / "train"
+    state = folder / "state.json"
+    if not state.is_file():
+        return None
+    files = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    return [folder / name for name in files]
+
+
+def resolve_chat_sources(paths: Union[str, list[str]]) -> list[Path]:
+    """Files, folders (their JSONL/JSON/Parquet files, or a ``datasets`` folder's Arrow files) and globs, in order."""
+    patterns = [paths] if isinstance(paths, str) else list(paths or [])
+    if not patterns:
+        raise DataError("ChatDataModule(paths=...) names no files; give JSONL/JSON/Parquet files, folders or globs")
+    files: list[Path] = []
+    for pattern in patterns:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob(expanded, recursive=True)) if any(c in expanded for c in "*?[") else [expanded]
+        found: list[Path] = []
+        for match in map(Path, matches):
+            if match.is_dir():
+                arrow = _datasets_folder(match)
+                found += arrow if arrow is not None else [
+                    p for p in sorted(match.rglob("*"))
+                    if p.is_file() and p.suffix.lower() in CHAT_SUFFIXES
+                    and not any(part.startswith(".") for part in p.relative_to(match).parts)]
+            elif match.is_file():
+                found.append(match)
+        if not found:
+            raise DataError(f"No chat data files matched {pattern!r} (relative to {Path.cwd()}); give JSONL, JSON or"
+                            " Parquet files, a folder of them, or a datasets save_to_disk folder")
+        for path in found:
+            _kind(path)
+        files.extend(found)
+    return list(dict.fromkeys(p.resolve() for p in files))
+
+
+def _plan(sources: list[Path], chunk_bytes: int) -> list[Piece]:
+    pieces = []
+    for index, path in enumerate(sources):
+        size, kind = _stat(path).st_size, _kind(path)
+        if kind == "jsonl":
+            for start in range(0, max(size, 1), chunk_bytes):
+                stop = min(start + chunk_bytes, size)
+                pieces.append(Piece(index, str(path), kind, start, stop, size, stop >= size, stop - start))
+        elif kind == "parquet":
+            pq = _pyarrow_parquet(path)
+            try:
+                groups = pq.ParquetFile(path).num_row_groups
+            except Exception as err:
+                raise DataError(f"Cannot read {path} as Parquet: {err}") from None
+            pieces += [Piece(index, str(path), kind, g, g + 1, size, g == groups - 1, size // max(groups, 1))
+                       for g in range(groups)]
+        else:
+            pieces.append(Piece(index, str(path), kind, 0, size, size, True, size))
+    return pieces
+
+
+def _tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[Piece]]:
+    tasks: list[list[Piece]] = []
+    size = 0
+    for piece in pieces:
+        if not tasks or size + piece.nbytes > chunk_bytes:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(piece)
+        size += piece.nbytes
+    return tasks
+
+
+# ---- reading and encoding rows (in the worker processes) -----------------------------------------
+def _rows(piece: Piece) -> Iterator[tuple[int, Any, Optional[str]]]:
+    """``(row number, record, error)`` of a piece: a JSONL line number (from 1), else the row index (from 0)."""
+    if piece.kind == "jsonl":
+        with open(piece.path, "rb") as f:
+            begin = _piece_boundary(f, piece.start, piece.file_size, None)
+            end = piece.file_size if piece.last else _piece_boundary(f, piece.stop, piece.file_size, None)
+            f.seek(0)
+            before = f.read(begin).count(b"\n") if begin else 0
+            f.seek(begin)
+            data = f.read(max(0, end - begin))
+        for i, line in enumerate(data.split(b"\n")):
+            if line.strip():
+                try:
+                    yield before + i + 1, json.loads(line), None
+                except (ValueError, UnicodeDecodeError) as err:
+                    yield before + i + 1, None, f"is not valid JSON ({getattr(err, 'msg', err)})"
+    elif piece.kind == "json":
+        try:
+            records = json.loads(Path(piece.path).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            yield 0, None, f"is not valid JSON ({getattr(err, 'msg', err)})"
+            return
+        if not isinstance(records, list):
+            yield 0, None, "is a JSON object, not a list of rows (write JSONL, one row per line, or a list)"
+            return
+        yield from ((i, r, None) for i, r in enumerate(records))
+    elif piece.kind == "parquet":
+        pq = _pyarrow_parquet(piece.path)
+        table = pq.ParquetFile(piece.path).read_row_group(piece.start)
+        offset = sum(pq.ParquetFile(piece.path).metadata.row_group(g).num_rows for g in range(piece.start))
+        yield from ((offset + i, r, None) for i, r in enumerate(table.to_pylist()))
+    else:  # a datasets Arrow file: an IPC stream
+        import pyarrow as pa
+
+        with pa.memory_map(piece.path) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        yield from ((i, r, None) for i, r in enumerate(table.to_pylist()))
+
+
+def _where(piece: Piece, row: int) -> str:
+    return f"{piece.path}:{row}" if piece.kind == "jsonl" else f"{piece.path} row {row}"
+
+
+@dataclass
+class _PieceResult:
+    ids: list[np.ndarray] = field(default_factory=list)
+    trained: list[np.ndarray] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    rows_read: int = 0
+    no_target: int = 0
+    end_of_turn: set[int] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+
+class ChatPieceEncoder:
+    """Reads and encodes a task (a list of pieces); one lives in each worker process."""
+
+    def __init__(self, encoder: ChatEncoder, format: str, fields: Optional[Mapping[str, str]]) -> None:
+        self.encoder, self.format, self.fields = encoder, format, dict(fields or {})
+
+    def __call__(self, task: list[Piece]) -> list[_PieceResult]:
+        return [self._piece(piece) for piece in task]
+
+    def _piece(self, piece: Piece) -> _PieceResult:
+        out = _PieceResult()
+        try:
+            rows = list(_rows(piece))
+        except (OSError, Exception) as err:  # noqa: BLE001 - a file that cannot be read is the row's problem
+            out.problems.append(f"Cannot read {piece.path}: {err}")
+            return out
+        for row, record, error in rows:
+            where = _where(piece, row)
+            out.rows_read += 1
+            if error is not None:
+                out.problems.append(f"{where} {error}")
+                continue
+            try:
+                encoded = self.encoder.encode(to_conversation(record, self.format, self.fields, where), where)
+            except DataError as err:
+                out.problems.append(str(err))
+                if len(out.problems) >= MAX_PROBLEMS:
+                    break
+                continue
+            if encoded.num_targets == 0:
+                out.no_target += 1
+                continue
+            out.ids.append(encoded.ids)
+            out.trained.append(encoded.trained)
+            out.rows.append(row)
+            out.end_of_turn |= encoded.end_of_turn
+        return out
+
+
+# ---- the cache ----------------------------------------------------------------------------------
+@dataclass
+class ChatCacheReport:
+    """What ``prepare_chat_cache`` found or built.
+
+    Args:
+        folder: The cache folder.
+        built: ``False`` when it was already complete.
+        files: Source files.
+        rows: Rows read.
+        conversations: Conversations kept.
+        no_target: Rows dropped because no token of theirs is trained.
+        tokens: Tokens of the kept conversations.
+        targets: Trained tokens among them.
+        end_of_turn: The end-of-turn token ids found.
+        seconds: Time spent building.
+    """
+
+    folder: Path
+    built: bool
+    files: int
+    rows: int
+    conversations: int
+    no_target: int
+    tokens: int
+    targets: int
+    end_of_turn: list[int]
+    seconds: float = 0.0
+
+
+def chat_cache_key(sources: list[Path], tokenizer: Any, settings: Mapping[str, Any]) -> str:
+    """The cache folder's name: the files (path, size, mtime), the tokenizer and the settings (template digest,
+    template arguments, format, masking rule)."""
+    payload = json.dumps({"v": CHAT_CACHE_FORMAT, "tokenizer": tokenizer.fingerprint, **settings},
+                         sort_keys=True, default=str)
+    h = hashlib.sha256(payload.encode())
+    for path in sources:
+        stat = _stat(path)
+        h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return "chat-" + h.hexdigest()[:24]
+
+
+def chat_cache_folder(sources: list[Path], tokenizer: Any, settings: Mapping[str, Any],
+                      cache_dir: Union[str, Path, None] = None) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / chat_cache_key(sources, tokenizer, settings)
+
+
+def read_chat_meta(folder: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((folder / "meta.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _report(folder: Path, meta: Mapping[str, Any], built: bool, seconds: float = 0.0) -> ChatCacheReport:
+    return ChatCacheReport(folder, built, meta["num_sources"], meta["rows"], meta["conversations"], meta["no_target"],
+                           meta["tokens"], meta["targets"], list(meta["end_of_turn"]), seconds)
+
+
+def prepare_chat_cache(
+    sources: list[Path],
+    encoder: ChatEncoder,
+    settings: Mapping[str, Any],
+    cache_dir: Union[str, Path, None] = None,
+    format: str = "auto",
+    fields: Optional[Mapping[str, str]] = None,
+    num_workers: int = 1,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: Optional[Callable[[int, int, int], None]] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> ChatCacheReport:
+    """Encode ``sources`` into their chat cache unless it is complete (see the module docstring).
+
+    Args:
+        sources: The files (``resolve_chat_sources``).
+        encoder: The tokenizer, template and masking rule.
+        settings: What else decides the tokens (part of the key, recorded in ``meta.json``).
+        cache_dir: Folder of the caches.
+        format: Row format (``formats.FORMATS``).
+        fields: Renamed fields.
+        num_workers: Encoding processes (1: this one).
+        chunk_bytes: Size of a JSONL piece / a task.
+        progress: Called after each task with (bytes done, bytes in all, conversations so far).
+        log: Called with a line for events worth telling (waiting for another builder).
+
+    Raises:
+        DataError: Bad rows (each one named, the first 20); nothing is cached.
+    """
+    folder = chat_cache_folder(sources, encoder.tokenizer, settings, cache_dir)
+    meta = read_chat_meta(folder)
+    if meta is not None:
+        return _report(folder, meta, built=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder / ".lock", log or (lambda line: None)):
+        meta = read_chat_meta(folder)
+        if meta is not None:
+            return _report(folder, meta, built=False)
+        return _build(folder, sources, encoder, settings, format, fields, num_workers, chunk_bytes, progress)
+
+
+def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Mapping[str, Any], format: str,
+           fields: Optional[Mapping[str, str]], num_workers: int, chunk_bytes: int,
+           progress: Optional[Callable[[int, int, int], None]]) -> ChatCacheReport:
+    started = time.perf_counter()
+    pieces = _plan(sources, chunk_bytes)
+    tasks = _tasks(pieces, chunk_bytes)
+    total = sum(p.nbytes for p in pieces)
+    dtype = token_dtype(encoder.tokenizer.vocab_size)
+    suffix = f".tmp-{socket.gethostname()}-{os.getpid()}"
+    names = ("tokens.bin", "trained.bin", "offsets.bin", "rows.bin", "targets.bin")
+    partial = {name: folder / (name + suffix) for name in names}
+    problems: list[str] = []
+    rows = no_target = conversations = tokens = targets = done = 0
+    end_of_turn: set[int] = set()
+    try:
+        with closing(_tokenized_in_order(tasks, ChatPieceEncoder(encoder, format, fields), num_workers)) as results, \
+                open(partial["tokens.bin"], "wb") as f_ids, open(partial["trained.bin"], "wb") as f_trained, \
+                open(partial["offsets.bin"], "wb") as f_offsets, open(partial["rows.bin"], "wb") as f_rows, \
+                open(partial["targets.bin"], "wb") as f_targets:
+            np.zeros(1, dtype=np.int64).tofile(f_offsets)
+            for task, task_results in zip(tasks, results):
+                for piece, result in zip(task, task_results):
+                    problems += result.problems
+                    rows += result.rows_read
+                    no_target += result.no_target
+                    end_of_turn |= result.end_of_turn
+                    if problems:
+                        continue  # keep reading: every bad row is reported at once
+                    for ids, trained, row in zip(result.ids, result.trained, result.rows):
+                        ids.astype(dtype).tofile(f_ids)
+                        trained.astype(np.uint8).tofile(f_trained)
+                        tokens += len(ids)
+                        count = int(trained[1:].sum())
+                        targets += count
+                        np.asarray([count], dtype=np.int64).tofile(f_targets)
+                        np.asarray([tokens], dtype=np.int64).tofile(f_offsets)
+                        np.asarray([piece.file, row], dtype=np.int64).tofile(f_rows)
+                        conversations += 1
+                done += sum(p.nbytes for p in task)
+                if progress is not None:
+                    progress(min(done, total), total, conversations)
+            if problems:
+                shown = problems[:MAX_PROBLEMS]
+                raise DataError(f"{len(problems)} bad row(s) in the chat data (nothing was cached):\n  - "
+                                + "\n  - ".join(shown) + ("\n  - …" if len(problems) > len(shown) else ""))
+            if conversations == 0:
+                raise DataError(f"No conversation of the chat data ({rows} row(s)) has a token to train on"
+                                f" ({no_target} without one): check train_on ({encoder.train_on!r}) and the roles")
+            for f in (f_ids, f_trained, f_offsets, f_rows, f_targets):
+                f.flush()
+                os.fsync(f.fileno())
+        for name in names:
+            os.replace(partial[name], folder / name)
+    finally:
+        for path in partial.values():
+            path.unlink(missing_ok=True)
+    meta = {
+        "format": CHAT_CACHE_FORMAT, "dtype": dtype.name, "vocab_size": encoder.tokenizer.vocab_size,
+        "tokenizer": encoder.tokenizer.fingerprint, "settings": dict(settings), "rows": rows,
+        "conversations": conversations, "no_target": no_target, "tokens": tokens, "targets": targets,
+        "end_of_turn": sorted(end_of_turn), "sources": [str(p) for p in sources[:1000]],
+        "num_sources": len(sources),
+    }
+    partial_meta = folder / ("meta.json" + suffix)
+    with partial_meta.open("w") as f:
+        f.write(json.dumps(meta, indent=1, default=str))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial_meta, folder / "meta.json")
+    return _report(folder, meta, built=True, seconds=time.perf_counter() - started)

@@ -1,0 +1,463 @@
+"""``ChatDataModule``: instruction fine-tuning data, rendered with the checkpoint's own chat template, the loss on
+the assistant's tokens, packed without padding, data-parallel and resumable.
+
+The Lightning face of ``formats`` (rows → conversations), ``template`` (the model's Jinja template),
+``encode`` (tokens and the loss mask), ``cache`` (tokenized once) and ``packing`` (best-fit decreasing). Batches:
+``input_ids``, ``labels`` (shifted: ``labels[t]`` is the token after ``input_ids[t]``, ``-100`` where nothing is
+trained), ``position_ids`` when packed (each conversation's positions restart at 0: the model's document mask
+keeps packed conversations apart, also under context, tensor/sequence and pipeline parallelism), and
+``step_tokens``: this replica's trained tokens over the optimizer step its batch belongs to, from which the loss
+is the mean over every trained token of the step, across accumulation, data and context parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_2d.data.cache import DEFAULT_CACHE_DIR
+from lightning_2d.data.chat.cache import (
+    ChatCacheReport,
+    chat_cache_folder,
+    prepare_chat_cache,
+    read_chat_meta,
+    resolve_chat_sources,
+)
+from lightning_2d.data.chat.encode import TRAIN_ON, ChatEncoder
+from lightning_2d.data.chat.formats import check_format
+from lightning_2d.data.chat.packing import OVERFLOW, Windows, pack_windows
+from lightning_2d.data.chat.template import ChatTemplate, ChatTemplateError, folder_special_tokens
+from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader
+from lightning_2d.data.pieces import default_num_workers
+from lightning_2d.data.sources import DataError, corpus_bytes
+from lightning_2d.data.tokenizers import HuggingFaceTokenizer, load_tokenizer
+
+IGNORE_INDEX = -100
+#: Default of ``ChatDataModule(max_unprepared_mb=...)``: larger data sets without a cache are refused when
+#: training starts, with the command that prepares them.
+DEFAULT_MAX_UNPREPARED_MB = 8.0
+
+
+@dataclass(frozen=True)
+class PackingReport:
+    """How well the conversations fill the windows.
+
+    Args:
+        windows: Windows (sequences of ``seq_len`` positions).
+        conversations: Conversations in them.
+        positions: ``windows × seq_len``.
+        trained: Positions whose label is trained.
+        masked: Positions of conversations whose label is not trained (prompts, headers, each conversation's
+            last position).
+        padding: Positions no conversation fills.
+        truncated: Conversations cut to ``seq_len + 1`` tokens (``overflow="truncate"``).
+        dropped: Conversations left out as too long (``overflow="drop"``).
+    """
+
+    windows: int
+    conversations: int
+    positions: int
+    trained: int
+    masked: int
+    padding: int
+    truncated: int = 0
+    dropped: int = 0
+
+    @property
+    def efficiency(self) -> float:
+        """The share of positions a conversation fills (trained or masked)."""
+        return (self.trained + self.masked) / max(self.positions, 1)
+
+    def lines(self) -> list[str]:
+        def share(n: int) -> str:
+            return f"{n:,} ({100 * n / max(self.positions, 1):.1f}%)"
+
+        return [
+            f"  windows        {self.windows:,} of {self.positions // max(self.windows, 1):,} positions,"
+            f" {self.conversations:,} conversations",
+            f"  trained        {share(self.trained)}",
+            f"  masked         {share(self.masked)}",
+            f"  padding        {share(self.padding)}",
+            f"  efficiency     {100 * self.efficiency:.1f}% of positions hold a conversation"
+            + (f"; {self.truncated:,} truncated" if self.truncated else "")
+            + (f"; {self.dropped:,} dropped as too long" if self.dropped else ""),
+        ]
+
+
+class ChatWindows(Dataset):
+    """Packed windows of a chat cache as ``{"input_ids", "labels"[, "position_ids"]}`` of ``seq_len`` each.
+
+    Args:
+        folder: The chat cache.
+        windows: The windows (conversation indices are into ``conversations``).
+        conversations: The cache's conversation numbers in this split.
+        seq_len: Positions per window.
+        pad_id: Token id of the padding (its labels are ``-100``).
+        position_ids: Give each conversation its own positions (packed windows).
+    """
+
+    def __init__(self, folder: Path, windows: Windows, conversations: np.ndarray, seq_len: int, pad_id: int,
+                 position_ids: bool) -> None:
+        meta = read_chat_meta(folder)
+        assert meta is not None, f"{folder} is not a complete chat cache"
+        self.folder, self.dtype = folder, np.dtype(meta["dtype"])
+        self.windows, self.conversations = windows, conversations
+        self.seq_len, self.pad_id, self.position_ids = seq_len, pad_id, position_ids
+        self._maps: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def _open(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._maps is None:
+            self._maps = (np.memmap(self.folder / "tokens.bin", dtype=self.dtype, mode="r"),
+                          np.memmap(self.folder / "trained.bin", dtype=np.uint8, mode="r"),
+                          np.fromfile(self.folder / "offsets.bin", dtype=np.int64))
+        return self._maps
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens, trained, offsets = self._open()
+        ids, labels, positions = [], [], []
+        for item in self.windows.window(index).tolist():
+            c = int(self.conversations[item])
+            start, stop = int(offsets[c]), min(int(offsets[c + 1]), int(offsets[c]) + self.seq_len + 1)
+            conv = tokens[start:stop].astype(np.int64)
+            ids.append(conv[:-1])
+            labels.append(np.where(trained[start + 1 : stop] > 0, conv[1:], IGNORE_INDEX))
+            positions.append(np.arange(len(conv) - 1))
+        pad = self.seq_len - sum(map(len, ids))
+        if pad:
+            ids.append(np.full(pad, self.pad_id, dtype=np.int64))
+            labels.append(np.full(pad, IGNORE_INDEX, dtype=np.int64))
+            positions.append(np.arange(pad))  # padding is a document of its own
+        sample = {"input_ids": torch.from_numpy(np.concatenate(ids)),
+                  "labels": torch.from_numpy(np.concatenate(labels).astype(np.int64))}
+        if self.position_ids:
+            sample["position_ids"] = torch.from_numpy(np.concatenate(positions))
+        return sample
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": None}
+
+
+class ChatDataModule(L.LightningDataModule):
+    """Instruction fine-tuning on conversations, with the model's own chat template (a LightningCLI ``data:`` class).
+
+    The arguments it shares with ``TextDataModule`` have the same defaults: a recipe parser whose default data
+    class is ``TextDataModule`` keeps that class's values for them when a recipe names this class
+    (jsonargparse carries the init arguments over a class change).
+
+    Args:
+        paths: JSONL (one row per line), JSON (a list of rows) or Parquet files, folders of them, a folder written
+            by ``datasets``' ``save_to_disk`` (its Arrow files; a ``DatasetDict``'s ``train`` split), or globs.
+        tokenizer: The model folder (its ``tokenizer.json``, ``tokenizer_config.json`` and chat template), e.g.
+            the ``init_from`` folder.
+        format: ``"auto"`` (each row by its fields), ``"messages"`` (OpenAI ``[{role, content}]``),
+            ``"prompt_completion"`` (strings or message lists), ``"alpaca"`` (``instruction``/``input``/``output``)
+            or ``"sharegpt"`` (``conversations`` of ``from``/``value``).
+        fields: The data set's names for the fields (``{"messages": "dialog", "role": "speaker"}``).
+        train_on: ``"assistant"`` (every assistant turn), ``"last_assistant"``, ``"completion"`` (what follows
+            the prompt) or ``"all"``.
+        train_on_eos: Train each assistant turn's end-of-turn token (the model learns to stop).
+        seq_len: Positions per sequence.
+        batch_size: Sequences per batch on each data-parallel replica.
+        pack: Pack several conversations into each sequence (best-fit decreasing), each its own document;
+            ``False``: one conversation per sequence, padded.
+        overflow: A conversation longer than ``seq_len + 1`` tokens: ``"truncate"`` (its first ``seq_len + 1``
+            tokens), ``"drop"`` or ``"error"``.
+        val_fraction: Conversations held out for validation (a seeded random choice, at least one); ``0`` for none.
+        shuffle: Shuffle the training windows every epoch.
+        seed: Seed of the held-out choice and the permutations.
+        num_workers: DataLoader worker processes.
+        cache_dir: Where the cache lives (default ``$LIGHTNING_2D_CACHE`` or ``~/.cache/lightning_2d``).
+        chat_template: A ``.jinja`` file to render with instead of the tokenizer's template (e.g. one with
+            ``{% generation %}`` tags).
+        enable_thinking: Passed to the template (Qwen3: ``False`` renders empty think blocks); ``None``: not passed.
+        tools: Tool schemas (JSON) given to every conversation's template (a row's own ``tools`` replace them).
+        template_kwargs: More template variables (``date_string`` for Llama 3.1's system header, ...).
+        max_unprepared_mb: Largest data set (MB of files) encoded when training starts if it has no cache; larger
+            ones are refused with the command that prepares them with every core. ``None``: no limit.
+    """
+
+    def __init__(
+        self,
+        paths: Union[str, list[str]],
+        tokenizer: str,
+        format: str = "auto",
+        fields: Optional[dict[str, str]] = None,
+        train_on: str = "assistant",
+        train_on_eos: bool = True,
+        seq_len: int = 512,
+        batch_size: int = 8,
+        pack: bool = True,
+        overflow: str = "truncate",
+        val_fraction: float = 0.005,
+        shuffle: bool = True,
+        seed: int = 1234,
+        num_workers: int = 0,
+        cache_dir: Optional[str] = None,
+        chat_template: Optional[str] = None,
+        enable_thinking: Optional[bool] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
+        max_unprepared_mb: Optional[float] = DEFAULT_MAX_UNPREPARED_MB,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        problems = []
+        if seq_len < 1:
+            problems.append(f"seq_len must be a positive integer, got {seq_len}")
+        if batch_size < 1:
+            problems.append(f"batch_size must be a positive integer, got {batch_size}")
+        if not 0 <= val_fraction < 1:
+            problems.append(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if train_on not in TRAIN_ON:
+            problems.append(f"train_on must be one of {', '.join(map(repr, TRAIN_ON))}, got {train_on!r}")
+        if overflow not in OVERFLOW:
+            problems.append(f"overflow must be one of {', '.join(map(repr, OVERFLOW))}, got {overflow!r}")
+        if problems:
+            raise DataError("Invalid ChatDataModule arguments:\n  - " + "\n  - ".join(problems))
+        check_format(format, fields)
+        self.paths, self.format, self.fields = paths, format, dict(fields or {})
+        self.seq_len, self.batch_size, self.pack, self.overflow = seq_len, batch_size, pack, overflow
+        self.val_fraction, self.shuffle, self.seed, self.num_workers = val_fraction, shuffle, seed, num_workers
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
+        self.max_unprepared_mb = max_unprepared_mb
+        # Fails here, before any process starts: a tokenizer without offsets, a folder without a chat template.
+        self.tokenizer = load_tokenizer(tokenizer)
+        if not isinstance(self.tokenizer, HuggingFaceTokenizer):
+            raise DataError(
+                f"ChatDataModule needs a Hugging Face tokenizer (a model folder with tokenizer.json and its chat"
+                f" template), got {tokenizer!r} ({type(self.tokenizer).__name__}); give the model folder"
+            )
+        folder = Path(tokenizer).expanduser()
+        folder = folder if folder.is_dir() else folder.parent
+        template = ChatTemplate.from_folder(folder) if chat_template is None else _template_file(chat_template, folder)
+        variables = dict(template_kwargs or {})
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
+        self.template = template
+        self.encoder = ChatEncoder(self.tokenizer, template, train_on, train_on_eos, variables, tools)
+        self.settings = {"template": template.digest, "template_kwargs": variables, "tools": tools,
+                         "format": format, "fields": self.fields, "train_on": train_on, "train_on_eos": train_on_eos}
+        self.pad_id = _pad_id(self.tokenizer, folder)
+        self._sources: Optional[list[Path]] = None
+        self._data_parallel: Optional[tuple[int, int]] = None
+        self.accumulate_grad_batches: Optional[int] = None
+        self.train_dataset: Optional[ChatWindows] = None
+        self.val_dataset: Optional[ChatWindows] = None
+        self.packing: Optional[PackingReport] = None
+        self._targets: Optional[np.ndarray] = None
+
+    #: Packed windows keep their conversations apart with position_ids (the strategies check that the model
+    #: takes them).
+    @property
+    def document_mask(self) -> bool:
+        return self.pack
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def sources(self) -> list[Path]:
+        if self._sources is None:
+            self._sources = resolve_chat_sources(self.paths)
+        return self._sources
+
+    def check_model(self, model_vocab_size: int) -> None:
+        """Refuse a model whose embedding cannot hold every token id."""
+        if model_vocab_size < self.vocab_size:
+            raise DataError(
+                f"The model's vocab_size ({model_vocab_size}) is smaller than the tokenizer's ({self.vocab_size});"
+                " use the tokenizer the model was made for (its init_from folder)"
+            )
+
+    # ---- the cache ----
+    @property
+    def cache_folder(self) -> Path:
+        return chat_cache_folder(self.sources, self.tokenizer, self.settings, self.cache_dir)
+
+    def prepare(self, num_workers: Optional[int] = None, progress: Optional[Callable[[int, int, int], None]] = None,
+                log: Optional[Callable[[str], None]] = None) -> ChatCacheReport:
+        """Encode the data set into its cache with a pool of processes (a no-op once it exists); what
+        ``lightning-2d prepare-data`` runs."""
+        workers = default_num_workers() if num_workers is None else num_workers
+        return prepare_chat_cache(self.sources, self.encoder, self.settings, self.cache_dir, self.format, self.fields,
+                                  workers, progress=progress, log=log)
+
+    def check_prepared(self) -> bool:
+        """Before any process starts (the CLI calls it): a small data set is encoded now, so a bad row, a template
+        that fails and a conversation over ``seq_len`` under ``overflow="error"`` are reported here; a large one
+        without a cache raises ``DataError`` with the command that prepares it."""
+        if read_chat_meta(self.cache_folder) is None:
+            size = corpus_bytes(self.sources)
+            if self.max_unprepared_mb is not None and size > self.max_unprepared_mb * 1e6:
+                raise DataError(
+                    f"The chat data ({len(self.sources):,} files, {size / 1e6:,.1f} MB) has no cache in"
+                    f" {self.cache_dir} and is larger than max_unprepared_mb ({self.max_unprepared_mb:g} MB): encode it"
+                    " first with every core (lightning-2d prepare-data --config RECIPE), then start again"
+                )
+            self.prepare(num_workers=1)
+        self._split()  # overflow="error" and too-small splits fail here
+        return True
+
+    def prepare_data(self) -> None:
+        self.check_prepared()
+
+    # ---- splits and windows ----
+    def _split(self) -> tuple[ChatWindows, Optional[ChatWindows]]:
+        folder = self.cache_folder
+        meta = read_chat_meta(folder)
+        if meta is None:
+            self.prepare(num_workers=1)
+            meta = read_chat_meta(folder)
+        assert meta is not None
+        offsets = np.fromfile(folder / "offsets.bin", dtype=np.int64)
+        lengths = np.diff(offsets) - 1  # positions each conversation takes
+        targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
+        too_long = np.flatnonzero(lengths > self.seq_len)
+        keep = np.ones(len(lengths), dtype=bool)
+        if too_long.size and self.overflow == "error":
+            rows = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
+            shown = [f"{_row_name(meta['sources'], int(rows[c, 0]), int(rows[c, 1]))} ({int(lengths[c]) + 1} tokens)"
+                     for c in too_long[:5]]
+            raise DataError(
+                f"{too_long.size} conversation(s) are longer than seq_len + 1 ({self.seq_len + 1} tokens) under"
+                f" overflow='error': {', '.join(shown)}{', …' if too_long.size > 5 else ''}; raise seq_len, or set"
+                " overflow='truncate' or 'drop'"
+            )
+        if self.overflow == "drop":
+            keep[too_long] = False
+        elif too_long.size:  # truncate: their trained tokens beyond the window are not seen
+            tokens = np.memmap(folder / "trained.bin", dtype=np.uint8, mode="r")
+            for c in too_long.tolist():
+                targets[c] = int(tokens[offsets[c] + 1 : offsets[c] + self.seq_len + 1].sum())
+        positions = np.minimum(lengths, self.seq_len)
+        kept = np.flatnonzero(keep & (targets > 0))
+        rng = np.random.default_rng(self.seed)
+        n_val = max(1, round(len(kept) * self.val_fraction)) if self.val_fraction > 0 else 0
+        if len(kept) - n_val < 1:
+            raise DataError(f"The chat data keeps {len(kept)} conversation(s), too few for a training and a validation"
+                            " split; add rows or set val_fraction=0")
+        chosen = np.zeros(len(kept), dtype=bool)
+        chosen[rng.permutation(len(kept))[:n_val]] = True
+        splits = []
+        for conversations in (kept[~chosen], kept[chosen]):
+            windows = pack_windows(positions[conversations], self.seq_len, self.pack)
+            splits.append((conversations, windows))
+        (train_convs, train_windows), (val_convs, val_windows) = splits
+        self._targets = np.add.reduceat(targets[train_convs][train_windows.items], train_windows.offsets[:-1])
+        trained = int(targets[train_convs].sum())
+        filled = int(positions[train_convs].sum())
+        total = len(train_windows) * self.seq_len
+        self.packing = PackingReport(len(train_windows), len(train_convs), total, trained, filled - trained,
+                                     total - filled, truncated=int(np.sum(lengths[kept] > self.seq_len))
+                                     if self.overflow == "truncate" else 0,
+                                     dropped=int(too_long.size) if self.overflow == "drop" else 0)
+        train = ChatWindows(folder, train_windows, train_convs, self.seq_len, self.pad_id, self.pack)
+        val = ChatWindows(folder, val_windows, val_convs, self.seq_len, self.pad_id, self.pack) if n_val else None
+        return train, val
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        vocab_size = getattr(module, "vocab_size", None)
+        if isinstance(vocab_size, int):
+            self.check_model(vocab_size)
+        if self.train_dataset is None:
+            self.train_dataset, self.val_dataset = self._split()
+
+    # ---- loaders ----
+    def set_data_parallel(self, num_replicas: int, rank: int, accumulate_grad_batches: int = 1) -> None:
+        """Outside a Trainer (Fabric): this process's data-parallel replica and the batches per optimizer step."""
+        self._data_parallel = (int(num_replicas), int(rank))
+        self.accumulate_grad_batches = int(accumulate_grad_batches)
+
+    def _replicas(self) -> tuple[int, int]:
+        if self._data_parallel is not None:
+            return self._data_parallel
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+        if not kwargs:
+            return 1, 0
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+    def _accumulate(self) -> int:
+        if self.trainer is not None:
+            return int(self.trainer.accumulate_grad_batches)
+        return int(self.accumulate_grad_batches or 1)
+
+    def _loader(self, dataset: ChatWindows, train: bool) -> DataLoader:
+        replicas, rank = self._replicas()
+        if len(dataset) < replicas * self.batch_size:
+            split = "training" if train else "validation"
+            raise DataError(
+                f"The {split} split packs into {len(dataset)} sequence(s) of {self.seq_len}, fewer than one global"
+                f" batch ({replicas} data-parallel replica(s) × batch_size {self.batch_size}); add rows, lower seq_len"
+                f" or batch_size{', or raise val_fraction' if not train else ''}"
+            )
+        sampler = DataParallelSampler(len(dataset), replicas, rank, shuffle=self.shuffle and train, seed=self.seed)
+        kwargs: dict[str, Any] = dict(batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                                      generator=torch.Generator().manual_seed(self.seed),
+                                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        if not train:
+            return DataLoader(dataset, **kwargs)
+        consumed = epoch = None
+        if self.trainer is not None:
+            trainer = self.trainer
+            consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
+            epoch = lambda: trainer.current_epoch  # noqa: E731
+        return ResumableDataLoader(dataset, consumed_batches=consumed, epoch=epoch, targets=self._targets,
+                                   accumulate=self._accumulate, **kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_dataset is not None, "setup() first"
+        return self._loader(self.train_dataset, train=True)
+
+    def _eval_dataloader(self) -> DataLoader:
+        if self.val_dataset is None:
+            raise DataError("val_fraction=0 leaves no held-out split; set val_fraction > 0 to validate or test")
+        return self._loader(self.val_dataset, train=False)
+
+    def val_dataloader(self) -> Any:
+        return self._eval_dataloader() if self.val_dataset is not None else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_dataloader()
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """The end-of-turn token ids the cache's conversations end their assistant turns with (stop ids)."""
+        meta = read_chat_meta(self.cache_folder)
+        return list(meta["end_of_turn"]) if meta else []
+
+
+def _template_file(path: str, folder: Path) -> ChatTemplate:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ChatTemplateError(f"chat_template={path!r} is not a file; give a .jinja file")
+    return ChatTemplate(file.read_text(encoding="utf-8"), folder_special_tokens(folder), str(file))
+
+
+def _row_name(sources: list[str], file: int, row: int) -> str:
+    path = sources[file] if file < len(sources) else f"file {file}"
+    return f"{path}:{row}" if path.endswith((".jsonl", ".ndjson")) else f"{path} row {row}"
+
+
+def _pad_id(tokenizer: HuggingFaceTokenizer, folder: Path) -> int:
+    """The padding id: ``pad_token`` of ``tokenizer_config.json``, else the end-of-text token, else 0 (never a
+    target: its labels are ``-100``)."""
+    special = folder_special_tokens(folder)
+    for name in ("pad_token", "eos_token"):
+        if name in special and tokenizer.token_to_id(special[name]) is not None:
+            return int(tokenizer.token_to_id(special[name]))
+    return int(tokenizer.eos_id) if tokenizer.eos_id is not None else 0
+
+
+__all__ = ["ChatDataModule", "ChatWindows", "PackingReport"]
