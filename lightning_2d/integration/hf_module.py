@@ -128,9 +128,14 @@ class HFCausalLMModule(CausalLMModule):
             seed = strategy.broadcast(seed)
         materialize_model(model, device, seed=seed, weights=self.weights_source(), init_hooks=[self, HFDecoderInit(model)])
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    #: Packed documents (``document_mask``, ``ChatDataModule(pack=True)``) are kept apart by transformers itself:
+    #: given ``position_ids`` that restart and no attention mask, its mask builder attends within each document
+    #: (``masking_utils.find_packed_sequence_indices``), and the rotary positions restart with them.
+    supports_document_mask = True
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["hf_config"] = self.hf_config.to_dict()

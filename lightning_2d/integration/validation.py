@@ -60,8 +60,8 @@ def document_mask_problems(module: Any, datamodule: Any) -> list[str]:
     if module is not None and not getattr(module, "supports_document_mask", False):
         problems.append(
             f"TextDataModule(document_mask=True) gives each packed document its own positions, but"
-            f" {type(module).__name__} cannot take them (its supports_document_mask is False; the Hugging Face"
-            " decoders do not yet). Use LlamaLightningModule, or document_mask=False"
+            f" {type(module).__name__} cannot take them (its supports_document_mask is False). Use"
+            " LlamaLightningModule or HFCausalLMModule, or document_mask=False"
         )
     return problems
 

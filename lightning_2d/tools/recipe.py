@@ -205,7 +205,8 @@ class RecipeRun:
         accumulate_grad_batches: ``trainer.accumulate_grad_batches``.
         strategy_options: The strategy's ``init_args`` as written.
         config: The strategy's ``ParallelConfig``.
-        data: The ``data`` section (``TextDataModule``'s arguments).
+        data: The ``data`` section's arguments (``TextDataModule``'s or ``ChatDataModule``'s; for the latter
+            ``document_mask`` is ``pack``).
     """
 
     module_class: str
@@ -272,6 +273,13 @@ def run_of(config: Any) -> RecipeRun:
 
     model_spec = config["model"]
     spec = model_spec.as_dict() if hasattr(model_spec, "as_dict") else dict(model_spec)
+    # A recipe for downloaded weights names their folder, which the machine that plans may not have: the shapes
+    # then come from the recipe's preset (model) or config, the weights are not needed to plan.
+    init_args = dict(spec.get("init_args") or {})
+    init_from = init_args.get("init_from")
+    missing = isinstance(init_from, str) and not Path(init_from).expanduser().exists()
+    if missing and (init_args.get("model") is not None or init_args.get("config") is not None):
+        spec = {**spec, "init_args": {**init_args, "init_from": None}}
     module = _instantiate(spec, "model")
     if isinstance(module, LlamaLightningModule):
         model, name = module.model_args, str(module.hparams.get("model") or "ModelArgs")
@@ -285,6 +293,9 @@ def run_of(config: Any) -> RecipeRun:
     else:
         raise RecipeError(f"model is {spec['class_path']}; the tools read LlamaLightningModule and HFCausalLMModule"
                           " recipes")
+    if missing and spec["init_args"].get("init_from") is None:
+        name += f"; init_from {init_from} not found here, the shapes planned from the recipe's"
+        name += " model" if isinstance(module, LlamaLightningModule) else " config"
     trainer = config["trainer"]
     strategy, options = _strategy(trainer["strategy"])
     data = data_arguments(config["data"])

@@ -200,6 +200,16 @@ def test_best_fit_decreasing_fills_bins_as_the_textbook_does():
     assert len(windows) == 2000 and windows.window(7).tolist() == [7]
 
 
+def spm_model(tmp_path):
+    """A SentencePiece-style tokenizer.model (not a tokenizer.json): no character offsets, no chat template."""
+    spm = pytest.importorskip("sentencepiece")
+    text = tmp_path / "spm.txt"
+    text.write_text("hello world, what is the answer\n" * 50)
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "tokenizer"), vocab_size=20,
+                                   minloglevel=2)
+    return tmp_path / "tokenizer.model"
+
+
 # ---- the data module ----------------------------------------------------------------------------------------------
 def write_rows(path, rows) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -308,8 +318,8 @@ def test_bad_input_is_refused_before_any_process_starts(chatml, tmp_path):
     plain = make_tokenizer_folder(tmp_path / "plain", None)
     with pytest.raises(ChatTemplateError, match=r"has no chat template .* chat_template=PATH"):
         ChatDataModule(str(tmp_path / "bad.jsonl"), str(plain))
-    with pytest.raises(DataError, match=r"needs a Hugging Face tokenizer .* got 'byte'"):
-        ChatDataModule(str(tmp_path / "bad.jsonl"), "byte")
+    with pytest.raises(DataError, match=r"needs a Hugging Face tokenizer .* got '.*tokenizer\.model'"):
+        ChatDataModule(str(tmp_path / "bad.jsonl"), str(spm_model(tmp_path)))
     failing = tmp_path / "failing.jinja"
     failing.write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}"
                        "{% endif %}")
@@ -350,13 +360,26 @@ def test_shared_arguments_default_as_in_text_data_module():
     from lightning_2d import TextDataModule
 
     chat, text = (inspect.signature(c).parameters for c in (ChatDataModule, TextDataModule))
-    shared = {k for k in set(chat) & set(text) if chat[k].default is not inspect.Parameter.empty}
-    assert {"seq_len", "batch_size", "val_fraction", "seed", "cache_dir", "max_unprepared_mb"} <= shared
+    shared = set(chat) & set(text)
+    assert {"paths", "tokenizer", "seq_len", "batch_size", "val_fraction", "seed", "cache_dir"} <= shared
     assert {k: chat[k].default for k in shared} == {k: text[k].default for k in shared}
-    # The two it requires arrive as TextDataModule's defaults when a recipe leaves them out: refused, named.
-    assert {k for k in set(chat) & set(text) if k not in shared} == {"paths", "tokenizer"}
-    with pytest.raises(DataError, match=r"needs a Hugging Face tokenizer \(a model folder.* got 'byte'"):
-        ChatDataModule(None, "byte")
+
+
+def test_the_built_in_corpus_and_byte_tokenizer_need_no_download(tmp_path):
+    from transformers import AutoTokenizer
+
+    data = ChatDataModule(seq_len=512, batch_size=2, val_fraction=0.01, cache_dir=str(tmp_path))
+    assert data.hparams["tokenizer"] == str(tmp_path / "byte-chatml-v1")  # what a checkpoint records, export reads
+    data.setup("fit")
+    assert data.packing.conversations > 2500 and data.packing.efficiency > 0.9
+    assert data.vocab_size == 259 and data.end_of_turn_ids == [258]
+    hf = AutoTokenizer.from_pretrained(data.hparams["tokenizer"])
+    conversation = [{"role": "user", "content": "What does the function `textwrap.dedent` do? ✓"},
+                    {"role": "assistant", "content": "Remove any common leading whitespace."}]
+    ids = hf.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ours = data.encoder.encode(to_conversation({"messages": conversation}))
+    assert ours.ids.tolist() == ids["input_ids"] and ours.trained.astype(int).tolist() == ids["assistant_masks"]
+    assert ids["input_ids"][:1] == [257] and list(b"user") == ids["input_ids"][1:5]  # bytes are their own ids
 
 
 def test_prepare_data_previews_and_builds_a_chat_recipe(chatml, tmp_path, monkeypatch, capsys):

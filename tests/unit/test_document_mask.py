@@ -70,6 +70,33 @@ def test_a_packed_window_equals_its_documents_run_one_at_a_time():
     assert not torch.allclose(model(inputs, labels=labels), separate, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_hugging_face_decoder_keeps_packed_documents_apart(model_type):
+    """transformers' own mask builder sees the restarting positions (no attention mask): a packed window gives the
+    loss and gradients of its documents run one at a time, as our Llama does."""
+    from lightning_2d.hf import HFCausalLMModule
+
+    config = {"model_type": model_type, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    module = HFCausalLMModule(config, init_seed=0)
+    module.configure_model()
+    assert module.supports_document_mask
+    inputs, labels, spans = _packed_window(64, [5, 9, 4])
+    positions = document_positions(inputs, EOS)
+    ce = nn.functional.cross_entropy
+
+    packed = ce(module(inputs, position_ids=positions)[0], labels[0], reduction="sum")
+    packed.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad()
+    separate = sum(ce(module(inputs[:, a:b])[0], labels[0, a:b], reduction="sum") for a, b in spans)
+    separate.backward()
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-6)
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not torch.allclose(ce(module(inputs)[0], labels[0], reduction="sum"), separate, rtol=1e-4)
+
+
 def test_the_datamodule_carries_each_documents_positions(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -104,7 +131,8 @@ class _NoPositions(CausalLMModule):
 
 def test_document_masking_is_refused_before_launch_where_it_cannot_work():
     data = type("Data", (), {"document_mask": True, "seq_len": 16, "batch_size": 2})()
-    with pytest.raises(ParallelConfigError, match=r"_NoPositions cannot take them .*Use LlamaLightningModule"):
+    with pytest.raises(ParallelConfigError, match=r"_NoPositions cannot take them .*Use LlamaLightningModule or"
+                                                  r" HFCausalLMModule"):
         model_context(_NoPositions(), data, ParallelConfig(), None, before_launch=True)
     for config in (ParallelConfig(), ParallelConfig(pipeline_parallel_size=2)):  # the stages take positions too
         assert model_context(LlamaLightningModule("debug"), data, config, None)["seq_len"] == 16

@@ -383,6 +383,7 @@ def test_every_shipped_recipe_can_be_prepared(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-2d", "prepare-data"])
     data, _ = parse_args(["--config", str(recipe), "--data.paths=/data/*.jsonl", "--data.tokenizer=byte"])
     expected = yaml.safe_load(recipe.read_text())["data"]
+    expected = expected.get("init_args", expected)  # data: {class_path, init_args} (ChatDataModule) or its arguments
     assert data.paths == "/data/*.jsonl" and data.seq_len == expected["seq_len"]
     assert data.batch_size == expected["batch_size"]
 

@@ -33,7 +33,13 @@ from lightning_2d.checkpoint.hf.layout import (
     same_shapes,
     tied_aliases,
 )
-from lightning_2d.checkpoint.hf.tokenizer import HF_TOKENIZER_FILES, resolve_export_tokenizer, write_tokenizer
+from lightning_2d.checkpoint.hf.tokenizer import (
+    HF_TOKENIZER_FILES,
+    add_stop_ids,
+    recorded_stop_ids,
+    resolve_export_tokenizer,
+    write_tokenizer,
+)
 from lightning_2d.checkpoint.files import CheckpointError
 from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
@@ -491,6 +497,11 @@ def export_hf(
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
         written = write_tokenizer(tokenizer_spec, eos_token, where, staging,
                                   int(config.get("max_position_embeddings") or 0) or 2048)
+        stop_ids = recorded_stop_ids(source.metadata)
+        if written.complete and stop_ids:  # fine-tuned on chats: generation stops at the end of a turn
+            added = add_stop_ids(staging, stop_ids)
+            written.message += (f"; stop ids {stop_ids} (the end of a turn, from the chat data) in"
+                                f" generation_config.json{' (added)' if added else ''}")
         config.update({k: v for k, v in (("bos_token_id", written.bos_id), ("eos_token_id", written.eos_id))
                        if v is not None and k not in config})
         (staging / "config.json").write_text(json.dumps(config, indent=1))

@@ -77,6 +77,27 @@ class TokenizerExport:
     complete: bool = False
 
 
+def recorded_stop_ids(metadata: Optional[Mapping[str, Any]]) -> list[int]:
+    """The end-of-turn ids a ``ChatDataModule`` trained the model to stop at, as its checkpoint records them."""
+    data = (metadata or {}).get("ChatDataModule")
+    ids = data.get("end_of_turn_ids") if isinstance(data, Mapping) else None
+    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) else []
+
+
+def add_stop_ids(out_dir: Path, stop_ids: list[int]) -> list[int]:
+    """Add ``stop_ids`` to the ``eos_token_id`` of ``out_dir/generation_config.json`` (what ``generate`` and
+    ``pipeline()`` stop at); returns the ids added (none when it had them all)."""
+    path = out_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    eos = config.get("eos_token_id")
+    current = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    added = [i for i in stop_ids if i not in current]
+    if added:
+        config["eos_token_id"] = current + added
+        path.write_text(json.dumps(config, indent=1))
+    return added
+
+
 def recorded_tokenizer(metadata: Optional[Mapping[str, Any]]) -> tuple[Optional[str], Optional[str], str]:
     """``(tokenizer, eos_token, where)`` as a checkpoint records them (``(None, None, "")`` if it does not).
 

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_2d.data.cache import DEFAULT_CACHE_DIR
+from lightning_2d.data.chat.builtin import byte_chat_folder, stdlib_chat_file
 from lightning_2d.data.chat.cache import (
     ChatCacheReport,
     chat_cache_folder,
@@ -156,8 +157,11 @@ class ChatDataModule(L.LightningDataModule):
     Args:
         paths: JSONL (one row per line), JSON (a list of rows) or Parquet files, folders of them, a folder written
             by ``datasets``' ``save_to_disk`` (its Arrow files; a ``DatasetDict``'s ``train`` split), or globs.
+            ``None``: questions and answers about the standard library, from its docstrings (no download).
         tokenizer: The model folder (its ``tokenizer.json``, ``tokenizer_config.json`` and chat template), e.g.
-            the ``init_from`` folder.
+            the ``init_from`` folder. ``"byte"``: UTF-8 bytes and three ChatML tokens (ids 256-258), with a ChatML
+            template (for models trained from scratch on ``TextDataModule``'s bytes, e.g. the ``debug`` preset
+            with ``vocab_size: 259`` or more).
         format: ``"auto"`` (each row by its fields), ``"messages"`` (OpenAI ``[{role, content}]``),
             ``"prompt_completion"`` (strings or message lists), ``"alpaca"`` (``instruction``/``input``/``output``)
             or ``"sharegpt"`` (``conversations`` of ``from``/``value``).
@@ -187,8 +191,8 @@ class ChatDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        paths: Union[str, list[str]],
-        tokenizer: str,
+        paths: Union[str, list[str], None] = None,
+        tokenizer: str = "byte",
         format: str = "auto",
         fields: Optional[dict[str, str]] = None,
         train_on: str = "assistant",
@@ -229,6 +233,9 @@ class ChatDataModule(L.LightningDataModule):
         self.val_fraction, self.shuffle, self.seed, self.num_workers = val_fraction, shuffle, seed, num_workers
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
         self.max_unprepared_mb = max_unprepared_mb
+        if tokenizer == "byte":  # the built-in byte-level ChatML folder; checkpoints record its path (export reads it)
+            tokenizer = str(byte_chat_folder(self.cache_dir))
+            self.hparams["tokenizer"] = tokenizer
         # Fails here, before any process starts: a tokenizer without offsets, a folder without a chat template.
         self.tokenizer = load_tokenizer(tokenizer)
         if not isinstance(self.tokenizer, HuggingFaceTokenizer):
@@ -268,7 +275,8 @@ class ChatDataModule(L.LightningDataModule):
     @property
     def sources(self) -> list[Path]:
         if self._sources is None:
-            self._sources = resolve_chat_sources(self.paths)
+            paths = self.paths if self.paths is not None else str(stdlib_chat_file(self.cache_dir))
+            self._sources = resolve_chat_sources(paths)
         return self._sources
 
     def check_model(self, model_vocab_size: int) -> None:
@@ -430,6 +438,15 @@ class ChatDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_dataloader()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What checkpoints keep of the data (under ``"ChatDataModule"``): the tokenizer folder and the end-of-turn
+        ids training taught to stop at, which ``lightning-2d export`` writes as stop ids in
+        ``generation_config.json``."""
+        return {"tokenizer": self.hparams["tokenizer"], "end_of_turn_ids": self.end_of_turn_ids}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # the data's position is the loader's (ResumableDataLoader); these entries are for export
 
     @property
     def end_of_turn_ids(self) -> list[int]:
