@@ -124,6 +124,8 @@ class Recorder(L.Callback):
         self.draws: list[float] = []
         self.grad_norms: list[float] = []  # before clipping
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
+        self.step_tokens: list[float] = []
+        self.trained_tokens: list[int] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.record_grad_norms:
@@ -139,6 +141,9 @@ class Recorder(L.Callback):
         self.batch_started_at.append(time.time())
         digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
         self.batches.append(digest)
+        if "step_tokens" in batch:  # ChatDataModule
+            self.step_tokens.append(float(batch["step_tokens"]))
+            self.trained_tokens.append(int((batch["labels"] != -100).sum()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.record_grad_norms:  # the optimizer step leaves the gradients as it used them (after clipping)
@@ -501,7 +506,15 @@ def fit(cfg: dict) -> None:
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
                            even=cfg.get("even_labels", False), documents=cfg.get("documents", False))
     accumulate = cfg.get("accumulate", 1)
-    if cfg["strategy"] == "single":
+    datamodule = None
+    if "chat" in cfg:  # instruction fine-tuning: ChatDataModule's packed conversations (its cache prepared by the test)
+        from lightning_2d import ChatDataModule
+
+        replicas = 1 if cfg["strategy"] == "single" else dp
+        datamodule = ChatDataModule(**cfg["chat"], seq_len=cfg["seq_len"], val_fraction=0,
+                                    batch_size=cfg["global_batch"] // replicas // accumulate, max_unprepared_mb=0)
+        loader = None
+    elif cfg["strategy"] == "single":
         # Lightning gives every parallel training loader a shuffling DistributedSampler (seeded
         # with the run's seed). The reference draws the same permutation with one replica, so
         # step i sees the union of the data-parallel ranks' step-i batches.
@@ -561,7 +574,10 @@ def fit(cfg: dict) -> None:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(module, loader, val_loader)
+    if datamodule is not None:
+        trainer.fit(module, datamodule=datamodule)
+    else:
+        trainer.fit(module, loader, val_loader)
     if cfg.get("save_checkpoint"):
         trainer.save_checkpoint(out_dir / "final_ckpt")  # a sharded (DCP) folder under the 2D strategy
     result = {
@@ -575,6 +591,9 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+    if datamodule is not None:  # the trained tokens each batch's loss was divided by (the optimizer step's)
+        result["step_tokens"] = recorder.step_tokens
+        result["trained_tokens"] = recorder.trained_tokens
     if collectives is not None:
         result["collectives"] = collectives.counts
     if val_loader is not None:
