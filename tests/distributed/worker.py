@@ -125,6 +125,7 @@ class Recorder(L.Callback):
         self.grad_norms: list[float] = []  # before clipping
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
         self.step_tokens: list[float] = []
+        self.global_tokens: list[float] = []
         self.trained_tokens: list[int] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -150,6 +151,8 @@ class Recorder(L.Callback):
             self.stepped_grad_norms.append(float(
                 total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(trainer.strategy))))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "step_tokens" in batch:  # ChatDataModule: the batch's global trained tokens, which its loss averages over
+            self.global_tokens.append(float(trainer.callback_metrics["global_tokens"]))
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.
         self.draws.append(float(torch.rand(1)))
         if trainer.global_step in self.weights_at_steps:
@@ -254,6 +257,23 @@ def linear_layouts(model: torch.nn.Module) -> dict[str, dict]:
                 "local_type": type(local).__name__,
             }
     return out
+
+
+def count_packed_masks() -> dict[str, int]:
+    """Counts the forwards in which transformers found packed documents in the positions (and so built a mask that
+    keeps them apart): ``masking_utils.find_packed_sequence_indices`` returning their indices."""
+    from transformers import masking_utils
+
+    count = {"n": 0}
+    original = masking_utils.find_packed_sequence_indices
+
+    def counted(position_ids):
+        found = original(position_ids)
+        count["n"] += found is not None
+        return found
+
+    masking_utils.find_packed_sequence_indices = counted
+    return count
 
 
 def count_reduce_scatters() -> dict[str, int]:
@@ -555,6 +575,7 @@ def fit(cfg: dict) -> None:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
         callbacks.append(Fail(**cfg["fail"], out_dir=out_dir))
+    packed_masks = count_packed_masks() if "hf_config" in cfg and (cfg.get("documents") or "chat" in cfg) else None
     reduce_scatters = count_reduce_scatters()
     from torch._dynamo.utils import counters as dynamo_counters
 
@@ -591,9 +612,12 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+    if packed_masks is not None:
+        result["packed_masks"] = packed_masks["n"]
     if datamodule is not None:  # the trained tokens each batch's loss was divided by (the optimizer step's)
         result["step_tokens"] = recorder.step_tokens
         result["trained_tokens"] = recorder.trained_tokens
+        result["global_tokens"] = recorder.global_tokens
     if collectives is not None:
         result["collectives"] = collectives.counts
     if val_loader is not None:
