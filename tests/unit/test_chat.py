@@ -400,3 +400,54 @@ def test_prepare_data_previews_and_builds_a_chat_recipe(chatml, tmp_path, monkey
     report = prepare_main(["--config", str(recipe), "--processes", "2"])
     out = capsys.readouterr().out
     assert report.built and report.conversations == 40 and "efficiency" in out and "end of turn" in out
+
+
+def test_end_to_end_a_transformers_model_fine_tuned_on_chats_answers_and_stops(tmp_path):
+    """A tiny Llama saved by transformers → ``init_from`` → fine-tuned on conversations ("Say yes" → "yes") →
+    ``export`` → transformers' ``pipeline`` with the chat template: it answers, and stops at ``<|im_end|>``, which
+    export added to ``generation_config.json`` (the tokenizer's own end-of-text is ``<|endoftext|>``, as a base
+    model's, so without the chat data's stop id generation would run on)."""
+    import shutil
+
+    import lightning as L
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, pipeline
+
+    from lightning_2d import LlamaLightningModule
+    from lightning_2d.hf import export_hf
+
+    words = ["hi", "yes", "no", "maybe"]
+    rows = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
+            for w in words] * 64
+    tokenizer = tmp_path / "tokenizer"  # the built-in byte ChatML tokenizer, as a base model would ship it
+    builtin = ChatDataModule(cache_dir=str(tmp_path / "cache")).hparams["tokenizer"]
+    shutil.copytree(builtin, tokenizer)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    (tokenizer / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "tiny")
+
+    data = ChatDataModule(write_rows(tmp_path / "chats.jsonl", rows), str(tokenizer), seq_len=128, batch_size=4,
+                          val_fraction=0, cache_dir=str(tmp_path / "cache"))
+    module = LlamaLightningModule(init_from=str(tmp_path / "tiny"), learning_rate=0.01, warmup_steps=2, max_steps=150)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=150, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "sft.ckpt")
+    assert data.end_of_turn_ids == [258]
+
+    export_hf(tmp_path / "sft.ckpt", tmp_path / "hf", log=lambda line: None)
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [256, 258]
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    generate = pipeline("text-generation", model=AutoModelForCausalLM.from_pretrained(tmp_path / "hf"),
+                        tokenizer=hf_tokenizer)
+    for word in words:
+        chat = [{"role": "user", "content": f"Say {word}"}]
+        prompt = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = generate(chat, max_new_tokens=12, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+        answer = ids[len(prompt["input_ids"]):]
+        assert bytes(answer[:-1]).decode() == word and answer[-1] == 258, (word, answer)  # the answer, then it stops
+        assert generate(chat, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1] == {
+            "role": "assistant", "content": word}
