@@ -451,3 +451,76 @@ def test_end_to_end_a_transformers_model_fine_tuned_on_chats_answers_and_stops(t
         assert bytes(answer[:-1]).decode() == word and answer[-1] == 258, (word, answer)  # the answer, then it stops
         assert generate(chat, max_new_tokens=12, do_sample=False)[0]["generated_text"][-1] == {
             "role": "assistant", "content": word}
+
+
+def test_json_parquet_and_a_datasets_folder_are_read_like_jsonl(chatml, tmp_path):
+    """The same rows from a JSON list, a Parquet file and a folder as ``datasets``' ``save_to_disk`` writes it (Arrow
+    IPC stream files named by ``state.json``, read with pyarrow: no ``datasets`` needed) give the conversations JSONL
+    gives, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = qa_rows(12)
+    write_rows(tmp_path / "rows.jsonl", rows)
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "rows.parquet", row_group_size=5)
+    saved = tmp_path / "saved"
+    (saved / "train").mkdir(parents=True)
+    for i, part in enumerate((table.slice(0, 7), table.slice(7))):
+        with pa.OSFile(str(saved / "train" / f"data-0000{i}-of-00002.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, part.schema) as writer:
+            writer.write_table(part)
+    (saved / "train" / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": f"data-0000{i}-of-00002.arrow"} for i in range(2)]}))
+    (saved / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+
+    def tokens(path):
+        data = ChatDataModule(str(path), str(chatml), val_fraction=0, cache_dir=str(tmp_path / "c"))
+        report = data.prepare(num_workers=2)
+        assert report.rows == 12 and report.conversations == 12
+        return np.fromfile(report.folder / "tokens.bin", dtype=np.uint16).tolist()
+
+    expected = tokens(tmp_path / "rows.jsonl")
+    for source in ("rows.json", "rows.parquet", "saved"):
+        assert tokens(tmp_path / source) == expected, source
+    with pytest.raises(DataError, match=r"(?s)bad row.*rows\.parquet row 3: messages\[1\] has role 'robot'"):
+        bad = [dict(r) for r in rows]
+        bad[3] = {"messages": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}]}
+        pq.write_table(pa.Table.from_pylist(bad), tmp_path / "rows.parquet", row_group_size=5)
+        ChatDataModule(str(tmp_path / "rows.parquet"), str(chatml), cache_dir=str(tmp_path / "c")).prepare()
+
+
+def test_the_cache_is_keyed_by_the_template_and_rows_without_targets_are_counted(chatml, tmp_path):
+    rows = qa_rows(6) + [{"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "no answer"}]}]
+    path = write_rows(tmp_path / "d.jsonl", rows)
+    plain = ChatDataModule(path, str(chatml), cache_dir=str(tmp_path / "c"))
+    report = plain.prepare(num_workers=1)
+    assert (report.rows, report.conversations, report.no_target) == (7, 6, 1)
+    other = tmp_path / "other.jinja"
+    other.write_text(CHATML + "{# the same rendering, another template #}")
+    for changed in (ChatDataModule(path, str(chatml), chat_template=str(other), cache_dir=str(tmp_path / "c")),
+                    ChatDataModule(path, str(chatml), train_on="all", cache_dir=str(tmp_path / "c")),
+                    ChatDataModule(path, str(chatml), template_kwargs={"date_string": "1 Jan 2025"},
+                                   cache_dir=str(tmp_path / "c")),
+                    ChatDataModule(path, "byte", cache_dir=str(tmp_path / "c"))):
+        assert changed.cache_folder != plain.cache_folder
+    assert ChatDataModule(path, str(chatml), seq_len=64, cache_dir=str(tmp_path / "c")).cache_folder == plain.cache_folder
+
+
+def test_the_training_loader_resumes_at_the_next_unseen_batch(chatml, tmp_path):
+    def loader():
+        data = ChatDataModule(write_rows(tmp_path / "d.jsonl", qa_rows(80)), str(chatml), seq_len=64, batch_size=2,
+                              val_fraction=0, cache_dir=str(tmp_path / "c"))
+        data.set_data_parallel(2, 0, accumulate_grad_batches=2)
+        data.setup("fit")
+        return data.train_dataloader()
+
+    first = loader()
+    batches = list(first)
+    resumed = loader()
+    resumed.load_state_dict({"epoch": 0, "consumed_samples": 4 * 2 * 2, "seed": 1234, "shuffle": True})
+    rest = list(resumed)
+    assert len(rest) == len(batches) - 4
+    for a, b in zip(rest, batches[4:]):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["step_tokens"], b["step_tokens"])
