@@ -16,13 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import lightning as L
 import numpy as np
-import torch
 from torch.utils.data import DataLoader
 
+from lightning_2d.data.base import DataParallelDataModule, common_problems
 from lightning_2d.data.cache import DEFAULT_CACHE_DIR, CacheReport, cache_folder, prepare_token_cache
-from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader, TokenWindows
+from lightning_2d.data.loading import TokenWindows
 from lightning_2d.data.pieces import default_num_workers
 from lightning_2d.data.sources import DataError, corpus_bytes, resolve_sources
 from lightning_2d.data.tokenizers import load_tokenizer
@@ -33,7 +32,7 @@ from lightning_2d.models.llama.tokenizer import BOS_CANDIDATES
 DEFAULT_MAX_UNPREPARED_MB = 8.0
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(DataParallelDataModule):
     """Real text for ``LlamaLightningModule``: tokenized once, cached, packed, data-parallel and resumable.
 
     Args:
@@ -91,15 +90,7 @@ class TextDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        problems = []
-        if seq_len < 1:
-            problems.append(f"seq_len must be a positive integer, got {seq_len}")
-        if batch_size < 1:
-            problems.append(f"batch_size must be a positive integer, got {batch_size}")
-        if not 0 <= val_fraction < 1:
-            problems.append(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if max_unprepared_mb is not None and not max_unprepared_mb >= 0:
-            problems.append(f"max_unprepared_mb must be >= 0 or None (no limit), got {max_unprepared_mb}")
+        problems = common_problems(seq_len, batch_size, val_fraction, max_unprepared_mb)
         if problems:
             raise DataError("Invalid TextDataModule arguments:\n  - " + "\n  - ".join(problems))
         self.paths, self.text_field = paths, text_field
@@ -123,7 +114,6 @@ class TextDataModule(L.LightningDataModule):
         self.document_mask, self.add_bos = document_mask, add_bos
         self._sources: list[Path] | None = None
         self._folder: Path | None = None
-        self._data_parallel: tuple[int, int] | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: TokenWindows | None = None
 
@@ -136,15 +126,6 @@ class TextDataModule(L.LightningDataModule):
         if self._sources is None:
             self._sources = resolve_sources(self.paths)
         return self._sources
-
-    def check_model(self, model_vocab_size: int) -> None:
-        """Refuse a model whose embedding cannot hold every token id."""
-        if model_vocab_size < self.vocab_size:
-            raise DataError(
-                f"The model's vocab_size ({model_vocab_size}) is smaller than the tokenizer's ({self.vocab_size});"
-                f" set the model's vocab_size to at least {self.vocab_size} (e.g. model_overrides:"
-                f" {{vocab_size: {self.vocab_size}}}) or use the tokenizer the model was made for"
-            )
 
     # ---- the token cache ----
     def prepare(
@@ -247,68 +228,9 @@ class TextDataModule(L.LightningDataModule):
         self.train_dataset = TokenWindows(self._folder, self.seq_len, 0, windows - n_val, eos_id=eos_id)
         self.val_dataset = TokenWindows(self._folder, self.seq_len, windows - n_val, n_val, eos_id=eos_id) if n_val else None
 
-    def set_data_parallel(self, num_replicas: int, rank: int) -> None:
-        """Outside a Trainer (Fabric): this process's data-parallel replica, e.g.
-        ``data.set_data_parallel(**fabric.strategy.distributed_sampler_kwargs)``."""
-        self._data_parallel = (int(num_replicas), int(rank))
-
-    def _replicas(self) -> tuple[int, int]:
-        if self._data_parallel is not None:
-            return self._data_parallel
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
-        if not kwargs:
-            return 1, 0
-        return int(kwargs["num_replicas"]), int(kwargs["rank"])
-
-    def _loader(self, dataset: TokenWindows, shuffle: bool) -> DataLoader:
-        replicas, rank = self._replicas()
-        if len(dataset) < replicas * self.batch_size:
-            split = "training" if dataset is self.train_dataset else "validation"
-            raise DataError(
-                f"The {split} split has {len(dataset)} sequence(s), fewer than one global batch"
-                f" ({replicas} data-parallel replica(s) × batch_size {self.batch_size}); add text, lower seq_len or"
-                f" batch_size{', or raise val_fraction' if split == 'validation' else ''}"
-            )
-        sampler = DataParallelSampler(len(dataset), replicas, rank, shuffle=shuffle, seed=self.seed)
-        kwargs = dict(
-            batch_size=self.batch_size,
-            sampler=sampler,
-            # Its own generator: creating an iterator would otherwise draw from the global RNG and
-            # shift the model's random stream (dropout) between a run and its resumption.
-            generator=torch.Generator().manual_seed(self.seed),
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-        if dataset is not self.train_dataset:  # only training needs to resume mid-epoch
-            return DataLoader(dataset, **kwargs)
-        consumed = epoch = None
-        if self.trainer is not None:
-            trainer = self.trainer
-            # Batches of this epoch whose training step ran, and completed epochs: both restored from
-            # the checkpoint on resume.
-            consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
-            epoch = lambda: trainer.current_epoch  # noqa: E731
-        return ResumableDataLoader(dataset, consumed_batches=consumed, epoch=epoch, **kwargs)
-
     def train_dataloader(self) -> DataLoader:
         assert self.train_dataset is not None, "setup() first"
-        return self._loader(self.train_dataset, self.shuffle)
-
-    def _eval_dataloader(self) -> DataLoader:
-        if self.val_dataset is None:
-            raise DataError("val_fraction=0 leaves no held-out split; set val_fraction > 0 to validate or test")
-        return self._loader(self.val_dataset, shuffle=False)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_dataloader() if self.val_dataset is not None else []
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_dataloader()
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._eval_dataloader()
+        return self._loader(self.train_dataset, train=True)
 
 
 # ---- the commands that prepare a data module's cache (for messages) ---------------------------

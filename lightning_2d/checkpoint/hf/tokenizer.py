@@ -35,6 +35,7 @@ from lightning_2d.models.llama.tokenizer import (
     LLAMA3_BOS,
     LLAMA3_SPLIT_PATTERN,
     TOKENIZER_FILES,
+    bytes_to_unicode,
     is_tiktoken_file,
     llama3_special_tokens,
     model_folder_tokenizer,
@@ -256,19 +257,6 @@ def _vocabulary(out_dir: Path) -> dict[str, int]:
     return {sp.id_to_piece(i): i for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()) if i >= 0}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map (the byte-level BPE's alphabet in a ``tokenizer.json``)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 #: The end-of-text token of the exported byte tokenizer (id 0: the byte NUL, which never occurs in text).
 BYTE_EOS = "<|endoftext|>"
 
@@ -281,7 +269,7 @@ def _byte_tokenizer_json(out: Path) -> None:
     except ImportError as err:
         raise ExportError("Writing the byte tokenizer as a tokenizer.json needs the `tokenizers` package:"
                           " pip install 'lightning-2d[hf]'") from err
-    chars = _bytes_to_unicode()
+    chars = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={BYTE_EOS: 0, **{chars[b]: b for b in range(1, 256)}}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -302,7 +290,7 @@ def _tiktoken_to_tokenizer_json(path: Path, out: Path) -> None:
             " pip install 'lightning-2d[hf]'"
         ) from err
     ranks = read_tiktoken_ranks(path)
-    chars = _bytes_to_unicode()
+    chars = bytes_to_unicode()
 
     def text(token: bytes) -> str:
         return "".join(chars[b] for b in token)

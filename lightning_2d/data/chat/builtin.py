@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from lightning_2d.data.sources import stdlib_sources
+from lightning_2d.models.llama.tokenizer import bytes_to_unicode
 
 #: The version of the built-in folder and corpus (part of their names: a change makes new ones).
 BUILTIN_VERSION = 1
@@ -47,20 +48,6 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable character for each byte (what a byte-level ``tokenizer.json`` spells bytes with)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def byte_chat_folder(cache_dir: Path) -> Path:
     """The built-in byte-level ChatML model folder (written once under ``cache_dir``)."""
     folder = Path(cache_dir).expanduser() / f"byte-chatml-v{BUILTIN_VERSION}"
@@ -69,7 +56,7 @@ def byte_chat_folder(cache_dir: Path) -> Path:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     folder.mkdir(parents=True, exist_ok=True)
-    chars = _bytes_to_unicode()
+    chars = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_2d.data.base import DataParallelDataModule, common_problems
 from lightning_2d.data.cache import DEFAULT_CACHE_DIR
 from lightning_2d.data.chat.builtin import byte_chat_folder, stdlib_chat_file
 from lightning_2d.data.chat.cache import (
@@ -34,7 +34,6 @@ from lightning_2d.data.chat.encode import TRAIN_ON, ChatEncoder
 from lightning_2d.data.chat.formats import check_format
 from lightning_2d.data.chat.packing import OVERFLOW, Windows, pack_windows
 from lightning_2d.data.chat.template import ChatTemplate, ChatTemplateError, folder_special_tokens
-from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader
 from lightning_2d.data.pieces import default_num_workers
 from lightning_2d.data.sources import DataError, corpus_bytes
 from lightning_2d.data.tokenizers import HuggingFaceTokenizer, load_tokenizer
@@ -147,7 +146,7 @@ class ChatWindows(Dataset):
         return {**self.__dict__, "_maps": None}
 
 
-class ChatDataModule(L.LightningDataModule):
+class ChatDataModule(DataParallelDataModule):
     """Instruction fine-tuning on conversations, with the model's own chat template (a LightningCLI ``data:`` class).
 
     The arguments it shares with ``TextDataModule`` have the same defaults: a recipe parser whose default data
@@ -214,13 +213,7 @@ class ChatDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        problems = []
-        if seq_len < 1:
-            problems.append(f"seq_len must be a positive integer, got {seq_len}")
-        if batch_size < 1:
-            problems.append(f"batch_size must be a positive integer, got {batch_size}")
-        if not 0 <= val_fraction < 1:
-            problems.append(f"val_fraction must be in [0, 1), got {val_fraction}")
+        problems = common_problems(seq_len, batch_size, val_fraction, max_unprepared_mb)
         if train_on not in TRAIN_ON:
             problems.append(f"train_on must be one of {', '.join(map(repr, TRAIN_ON))}, got {train_on!r}")
         if overflow not in OVERFLOW:
@@ -255,12 +248,13 @@ class ChatDataModule(L.LightningDataModule):
                          "format": format, "fields": self.fields, "train_on": train_on, "train_on_eos": train_on_eos}
         self.pad_id = _pad_id(self.tokenizer, folder)
         self._sources: Optional[list[Path]] = None
-        self._data_parallel: Optional[tuple[int, int]] = None
-        self.accumulate_grad_batches: Optional[int] = None
         self.train_dataset: Optional[ChatWindows] = None
         self.val_dataset: Optional[ChatWindows] = None
         self.packing: Optional[PackingReport] = None
         self._targets: Optional[np.ndarray] = None
+
+    _add_more = "rows"
+    _model_fix = "or use the tokenizer the model was made for (its init_from folder)"
 
     #: Packed windows keep their conversations apart with position_ids (the strategies check that the model
     #: takes them).
@@ -278,14 +272,6 @@ class ChatDataModule(L.LightningDataModule):
             paths = self.paths if self.paths is not None else str(stdlib_chat_file(self.cache_dir))
             self._sources = resolve_chat_sources(paths)
         return self._sources
-
-    def check_model(self, model_vocab_size: int) -> None:
-        """Refuse a model whose embedding cannot hold every token id."""
-        if model_vocab_size < self.vocab_size:
-            raise DataError(
-                f"The model's vocab_size ({model_vocab_size}) is smaller than the tokenizer's ({self.vocab_size});"
-                " use the tokenizer the model was made for (its init_from folder)"
-            )
 
     # ---- the cache ----
     @property
@@ -382,62 +368,10 @@ class ChatDataModule(L.LightningDataModule):
             self.train_dataset, self.val_dataset = self._split()
 
     # ---- loaders ----
-    def set_data_parallel(self, num_replicas: int, rank: int, accumulate_grad_batches: int = 1) -> None:
-        """Outside a Trainer (Fabric): this process's data-parallel replica and the batches per optimizer step."""
-        self._data_parallel = (int(num_replicas), int(rank))
-        self.accumulate_grad_batches = int(accumulate_grad_batches)
-
-    def _replicas(self) -> tuple[int, int]:
-        if self._data_parallel is not None:
-            return self._data_parallel
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
-        if not kwargs:
-            return 1, 0
-        return int(kwargs["num_replicas"]), int(kwargs["rank"])
-
-    def _accumulate(self) -> int:
-        if self.trainer is not None:
-            return int(self.trainer.accumulate_grad_batches)
-        return int(self.accumulate_grad_batches or 1)
-
-    def _loader(self, dataset: ChatWindows, train: bool) -> DataLoader:
-        replicas, rank = self._replicas()
-        if len(dataset) < replicas * self.batch_size:
-            split = "training" if train else "validation"
-            raise DataError(
-                f"The {split} split packs into {len(dataset)} sequence(s) of {self.seq_len}, fewer than one global"
-                f" batch ({replicas} data-parallel replica(s) × batch_size {self.batch_size}); add rows, lower seq_len"
-                f" or batch_size{', or raise val_fraction' if not train else ''}"
-            )
-        sampler = DataParallelSampler(len(dataset), replicas, rank, shuffle=self.shuffle and train, seed=self.seed)
-        kwargs: dict[str, Any] = dict(batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                                      generator=torch.Generator().manual_seed(self.seed),
-                                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
-        if not train:
-            return DataLoader(dataset, **kwargs)
-        consumed = epoch = None
-        if self.trainer is not None:
-            trainer = self.trainer
-            consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
-            epoch = lambda: trainer.current_epoch  # noqa: E731
-        return ResumableDataLoader(dataset, consumed_batches=consumed, epoch=epoch, targets=self._targets,
-                                   accumulate=self._accumulate, **kwargs)
-
     def train_dataloader(self) -> DataLoader:
         assert self.train_dataset is not None, "setup() first"
-        return self._loader(self.train_dataset, train=True)
-
-    def _eval_dataloader(self) -> DataLoader:
-        if self.val_dataset is None:
-            raise DataError("val_fraction=0 leaves no held-out split; set val_fraction > 0 to validate or test")
-        return self._loader(self.val_dataset, train=False)
-
-    def val_dataloader(self) -> Any:
-        return self._eval_dataloader() if self.val_dataset is not None else []
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_dataloader()
+        return self._loader(self.train_dataset, train=True, targets=self._targets,
+                            describe=lambda n: f"packs into {n} sequence(s) of {self.seq_len}")
 
     def state_dict(self) -> dict[str, Any]:
         """What checkpoints keep of the data (under ``"ChatDataModule"``): the tokenizer folder and the end-of-turn

@@ -82,3 +82,17 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
 def model_folder_tokenizer(folder: Path) -> Optional[Path]:
     """The tokenizer file of a model folder: ``tokenizer.json``, else ``tokenizer.model``; ``None`` if neither."""
     return next((folder / name for name in TOKENIZER_FILES if (folder / name).is_file()), None)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map: how a byte-level BPE's ``tokenizer.json`` spells each byte (read by the
+    data's built-in chat tokenizer and by the export of byte and tiktoken tokenizers)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
