@@ -51,9 +51,20 @@ class DataParallelDataModule(L.LightningDataModule):
         self._data_parallel: Optional[tuple[int, int]] = None
         self.accumulate_grad_batches: Optional[int] = None
 
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size  # type: ignore[attr-defined]
+
+    def check_trainer_model(self) -> None:
+        """``check_model`` of the Trainer's LightningModule, when it says its vocabulary (``CausalLMModule``)."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        vocab_size = getattr(module, "vocab_size", None)
+        if isinstance(vocab_size, int):
+            self.check_model(vocab_size)
+
     def check_model(self, model_vocab_size: int) -> None:
         """Refuse a model whose embedding cannot hold every token id."""
-        vocab_size = self.tokenizer.vocab_size  # type: ignore[attr-defined]
+        vocab_size = self.vocab_size
         if model_vocab_size < vocab_size:
             raise DataError(
                 f"The model's vocab_size ({model_vocab_size}) is smaller than the tokenizer's ({vocab_size});"

@@ -118,10 +118,6 @@ class TextDataModule(DataParallelDataModule):
         self.val_dataset: TokenWindows | None = None
 
     @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    @property
     def sources(self) -> list[Path]:
         if self._sources is None:
             self._sources = resolve_sources(self.paths)
@@ -198,10 +194,7 @@ class TextDataModule(DataParallelDataModule):
         self._ensure_cache()
 
     def setup(self, stage: str | None = None) -> None:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        vocab_size = getattr(module, "vocab_size", None)  # the LM modules of lightning_2d (CausalLMModule)
-        if isinstance(vocab_size, int):
-            self.check_model(vocab_size)
+        self.check_trainer_model()
         if self.train_dataset is not None:
             return
         self._folder = self._ensure_cache()

@@ -263,10 +263,6 @@ class ChatDataModule(DataParallelDataModule):
         return self.pack
 
     @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    @property
     def sources(self) -> list[Path]:
         if self._sources is None:
             paths = self.paths if self.paths is not None else str(stdlib_chat_file(self.cache_dir))
@@ -360,10 +356,7 @@ class ChatDataModule(DataParallelDataModule):
         return train, val
 
     def setup(self, stage: Optional[str] = None) -> None:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        vocab_size = getattr(module, "vocab_size", None)
-        if isinstance(vocab_size, int):
-            self.check_model(vocab_size)
+        self.check_trainer_model()
         if self.train_dataset is None:
             self.train_dataset, self.val_dataset = self._split()
 
