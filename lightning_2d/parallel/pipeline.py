@@ -400,7 +400,7 @@ class Pipeline:
             ``(loss, global_mean, global_tokens)`` as ``normalize_by_global_tokens`` (``loss`` without the
             ``grad_scale``), detached: the gradients are already computed.
         """
-        step = (step_tokens, accumulate) if step_tokens is not None else None
+        step = (step_tokens.to(labels.device), accumulate) if step_tokens is not None else None
         total = self._run(tokens, labels, True, grad_scale, position_ids, step)
         return normalize_by_global_tokens(total, labels, self.meshes)
 
