@@ -9,6 +9,7 @@ import os
 import sysconfig
 from glob import glob
 from pathlib import Path
+from collections.abc import Callable
 from typing import Union
 
 from lightning_2d.errors import Lightning2DError
@@ -57,6 +58,29 @@ def _folder_files(folder: Path) -> list[Path]:
     return taken
 
 
+def expand_patterns(patterns: list[str], folder_files: Callable[[Path], list[Path]],
+                    no_match: Callable[[str], str]) -> list[Path]:
+    """Files, folders (``folder_files(folder)``) and globs (``**`` allowed), in order, each file once (resolved).
+
+    Raises:
+        DataError: A pattern that matches no file (``no_match(pattern)`` is the message).
+    """
+    files: list[Path] = []
+    for pattern in patterns:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob(expanded, recursive=True)) if any(c in expanded for c in "*?[") else [expanded]
+        found: list[Path] = []
+        for match in map(Path, matches):
+            if match.is_dir():
+                found.extend(folder_files(match))
+            elif match.is_file():
+                found.append(match)
+        if not found:
+            raise DataError(no_match(pattern))
+        files.extend(found)
+    return list(dict.fromkeys(p.resolve() for p in files))  # keep order, drop duplicates
+
+
 def resolve_sources(paths: Union[str, list[str], None]) -> list[Path]:
     """Expand files, directories (their corpus files, ``FOLDER_SUFFIXES``) and globs (``**`` allowed) into
     a sorted file list."""
@@ -65,20 +89,8 @@ def resolve_sources(paths: Union[str, list[str], None]) -> list[Path]:
     patterns = [paths] if isinstance(paths, str) else list(paths)
     if not patterns:
         raise DataError("TextDataModule(paths=[]) names no files; give paths or globs, or None for the built-in corpus")
-    files: list[Path] = []
-    for pattern in patterns:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob(expanded, recursive=True)) if any(c in expanded for c in "*?[") else [expanded]
-        found = []
-        for match in map(Path, matches):
-            if match.is_dir():
-                found.extend(_folder_files(match))
-            elif match.is_file():
-                found.append(match)
-        if not found:
-            raise DataError(f"No files matched {pattern!r} (relative to {Path.cwd()})")
-        files.extend(found)
-    return list(dict.fromkeys(p.resolve() for p in files))  # keep order, drop duplicates
+    return expand_patterns(patterns, _folder_files,
+                           lambda pattern: f"No files matched {pattern!r} (relative to {Path.cwd()})")
 
 
 def _stat(path: Path) -> os.stat_result:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
-from glob import glob
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -34,7 +33,7 @@ from lightning_2d.data.cache import DEFAULT_CACHE_DIR, _exclusive, token_dtype
 from lightning_2d.data.chat.encode import ChatEncoder
 from lightning_2d.data.chat.formats import to_conversation
 from lightning_2d.data.pieces import CHUNK_BYTES, Piece, _piece_boundary, _pyarrow_parquet, _tokenized_in_order
-from lightning_2d.data.sources import DataError, _stat
+from lightning_2d.data.sources import DataError, _stat, expand_patterns
 
 #: Version of the chat cache's layout (part of its key).
 CHAT_CACHE_FORMAT = 1
@@ -72,32 +71,27 @@ def _datasets_folder(folder: Path) -> Optional[list[Path]]:
     return [folder / name for name in files]
 
 
+def _chat_folder_files(folder: Path) -> list[Path]:
+    """A ``datasets`` folder's Arrow files, else the folder's JSONL/JSON/Parquet files (not hidden ones)."""
+    arrow = _datasets_folder(folder)
+    if arrow is not None:
+        return arrow
+    return [p for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix.lower() in CHAT_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+
+
 def resolve_chat_sources(paths: Union[str, list[str]]) -> list[Path]:
     """Files, folders (their JSONL/JSON/Parquet files, or a ``datasets`` folder's Arrow files) and globs, in order."""
     patterns = [paths] if isinstance(paths, str) else list(paths or [])
     if not patterns:
         raise DataError("ChatDataModule(paths=...) names no files; give JSONL/JSON/Parquet files, folders or globs")
-    files: list[Path] = []
-    for pattern in patterns:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob(expanded, recursive=True)) if any(c in expanded for c in "*?[") else [expanded]
-        found: list[Path] = []
-        for match in map(Path, matches):
-            if match.is_dir():
-                arrow = _datasets_folder(match)
-                found += arrow if arrow is not None else [
-                    p for p in sorted(match.rglob("*"))
-                    if p.is_file() and p.suffix.lower() in CHAT_SUFFIXES
-                    and not any(part.startswith(".") for part in p.relative_to(match).parts)]
-            elif match.is_file():
-                found.append(match)
-        if not found:
-            raise DataError(f"No chat data files matched {pattern!r} (relative to {Path.cwd()}); give JSONL, JSON or"
-                            " Parquet files, a folder of them, or a datasets save_to_disk folder")
-        for path in found:
-            _kind(path)
-        files.extend(found)
-    return list(dict.fromkeys(p.resolve() for p in files))
+    files = expand_patterns(
+        patterns, _chat_folder_files,
+        lambda pattern: f"No chat data files matched {pattern!r} (relative to {Path.cwd()}); give JSONL, JSON or"
+                        " Parquet files, a folder of them, or a datasets save_to_disk folder")
+    for path in files:
+        _kind(path)
+    return files
 
 
 def _plan(sources: list[Path], chunk_bytes: int) -> list[Piece]:
