@@ -994,6 +994,10 @@ def test_sliding_window_layers_are_planned_with_a_note_of_what_is_not_counted():
     assert not any("sliding" in n for n in plan_run(fields, num_nodes=1, devices=2, seq_len=64, config=config).notes)
 
 
+class _Sentinel:
+    pass
+
+
 def _live_fsdp_modules() -> int:
     from torch.distributed.fsdp import FSDPModule
 
@@ -1006,12 +1010,17 @@ def test_a_plan_frees_the_models_it_built_and_leaves_the_collector_as_it_was(cal
     only the objects it made (the rest frozen meanwhile); objects a caller froze stay frozen."""
     gc.collect()
     before = _live_fsdp_modules()
+    sentinel = _Sentinel()  # tracked by the collector: frozen with the caller's objects, listed again once unfrozen
     if caller_froze:
         gc.freeze()
-    frozen = gc.get_freeze_count()
     try:
         plan_run("debug", num_nodes=1, devices=4, config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
-        assert gc.get_freeze_count() == frozen
+        # Not the freeze count compared for equality: a frozen object freed by reference counting leaves the permanent
+        # generation too (CI saw 654,012 become 654,010 while the plan ran).
+        if caller_froze:
+            assert not any(o is sentinel for o in gc.get_objects()), "the plan unfroze the caller's objects"
+        else:
+            assert gc.get_freeze_count() == 0, "the plan left objects frozen"
     finally:
         gc.unfreeze()
     assert _live_fsdp_modules() == before  # counted with nothing collected in between: the plan freed them itself
