@@ -96,7 +96,10 @@ def test_a_hugging_face_decoder_fine_tunes_packed_conversations_as_on_one_device
         assert error <= LOSS_RTOL, (out["losses"], reference["losses"])
     final, ref_final = load_weights(run, "final"), load_weights(runs["hf_reference"], "final")
     for name, weight in final.items():
-        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+        # As in test_options.py: AdamW's normalized update (lr 1e-3 per step) turns the ranks' other summation order
+        # into up to ~1.1e-5 on an element whose gradient is near zero (measured once: 1 of q_proj's 4,096 elements,
+        # 1.09e-5 off after moving 1.0e-3); a wrongly sharded weight would be off by its whole update.
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=3e-5, msg=name)
 
 
 def test_under_context_parallelism_each_rank_attends_its_slices_of_the_packed_windows(runs):
