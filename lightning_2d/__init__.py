@@ -9,6 +9,7 @@ from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import InitSpec
+from lightning_2d.ops.lora import LoRA
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
 from lightning_2d.parallel.hooks import ModelInitHooks
 
@@ -18,6 +19,7 @@ __all__ = [
     "ChatDataModule",
     "InitSpec",
     "LlamaLightningModule",
+    "LoRA",
     "ModelArgs",
     "ModelInitHooks",
     "ModelParallel2DStrategy",

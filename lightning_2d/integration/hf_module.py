@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_2d._compat import trainer_of
 from lightning_2d.integration.module import CausalLMModule
+from lightning_2d.models.adapters import HF_TARGETS, LLAMA_TO_HF
 from lightning_2d.models.hf_decoders import (
     HFDecoderInit,
     check_hf_decoder,
@@ -24,6 +25,7 @@ from lightning_2d.models.hf_decoders import (
     load_hf_config,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.ops.lora import LoRA, is_adapter_parameter
 from lightning_2d.parallel.modules import canonical_name
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ class HFCausalLMModule(CausalLMModule):
         learning_rate, weight_decay, betas, eps, fused, warmup_steps, max_steps, min_lr_ratio:
             AdamW and its warm-up/cosine schedule (see ``LlamaLightningModule``).
         init_seed: Seed of the initialization; ``None``: the run's seed.
+        lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields);
+            see ``LlamaLightningModule``. Targets by Hugging Face names (``q_proj`` …) or ours (``wq`` …).
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class HFCausalLMModule(CausalLMModule):
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
         init_seed: Optional[int] = None,
+        lora: Union[LoRA, dict, None] = None,
     ) -> None:
         super().__init__()
         if config is None and init_from is None:
@@ -75,8 +80,11 @@ class HFCausalLMModule(CausalLMModule):
             raise ValueError("HFCausalLMModule cannot train this model:\n  - " + "\n  - ".join(problems))
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
+        self._set_lora(lora)
         self.model: Optional[nn.Module] = None
-        if init_from is not None:  # names and shapes against the files now (on the meta device), before any process
+        # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
+        # any process starts.
+        if init_from is not None or (self.lora is not None and self.lora.targets):
             self.model = self.build_model()
             self.weights_source()
             self.model = None
@@ -96,7 +104,8 @@ class HFCausalLMModule(CausalLMModule):
         if not init_from:
             return None
         assert self.model is not None
-        return SafetensorsWeights(Path(init_from), {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()})
+        return SafetensorsWeights(Path(init_from), {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
+                                                    if not is_adapter_parameter(n)})  # adapters: their own init
 
     def build_model(self) -> nn.Module:
         """The ``*ForCausalLM`` on the meta device (no memory, no initialization)."""
@@ -107,6 +116,7 @@ class HFCausalLMModule(CausalLMModule):
                 self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
             )
         check_hf_decoder(model)
+        self._add_lora(model, HF_TARGETS, LLAMA_TO_HF)
         return model
 
     def configure_model(self) -> None:

@@ -15,7 +15,10 @@ from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
+from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
+from lightning_2d.ops.init import WithOwnInit, module_init_specs
+from lightning_2d.ops.lora import LoRA, add_lora
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
@@ -98,6 +101,20 @@ class CausalLMModule(L.LightningModule):
     @property
     def init_seed(self) -> int | None:
         return self.hparams.init_seed
+
+    @property
+    def lora(self) -> Optional[LoRA]:
+        """The adapters' settings (``lora=``), else ``None``: full fine-tuning."""
+        return LoRA.of(self.hparams.get("lora"))
+
+    def _set_lora(self, lora: "LoRA | dict | None") -> None:
+        """Check ``lora`` now (before any process starts) and keep it as plain data in the hyperparameters."""
+        self.hparams["lora"] = None if lora is None else LoRA.of(lora).to_dict()
+
+    def _add_lora(self, model: torch.nn.Module, targets: tuple[str, ...], aliases: dict[str, str]) -> None:
+        """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen (``ops.lora``)."""
+        if self.lora is not None:
+            add_lora(model, self.lora, targets, aliases)
 
     @property
     def vocab_size(self) -> int:
@@ -223,8 +240,9 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         assert self.model is not None
         hp = self.hparams
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # under LoRA the adapters only
+        decay = [p for p in trained if p.ndim >= 2]
+        no_decay = [p for p in trained if p.ndim < 2]
         fused = fused_adamw(hp.fused, self.device)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -275,6 +293,10 @@ class LlamaLightningModule(CausalLMModule):
             ``loss_parallel`` option then decides whether the logits are gathered).
         loss_chunk_size: Tokens per chunk of the fused loss; the largest logits buffer is
             ``loss_chunk_size × vocab_size / tensor_parallel_size`` fp32 numbers.
+        lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields):
+            the base (``init_from``, or the seeded init) is frozen and only the adapters are optimized. Targets by
+            our names (``wq``, ``w1`` …) or Hugging Face's (``q_proj``, ``gate_proj`` …); default all seven
+            projections.
     """
 
     supports_document_mask = True
@@ -295,11 +317,13 @@ class LlamaLightningModule(CausalLMModule):
         init_from: str | None = None,
         fused_loss: bool = True,
         loss_chunk_size: int = 1024,
+        lora: Union[LoRA, dict, None] = None,
     ) -> None:
         super().__init__()
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size}")
         self.save_hyperparameters()
+        self._set_lora(lora)
         overrides = model_overrides or {}
         if any(isinstance(value, RopeScaling) for value in overrides.values()):  # plain data, as "model" below
             self.hparams["model_overrides"] = {
@@ -316,6 +340,9 @@ class LlamaLightningModule(CausalLMModule):
         self.model: Transformer | None = None
         if init_from is not None:  # names and shapes against the files now, before any process starts
             self.weights_source()
+        if self.lora is not None and self.lora.targets:  # the targets against the model now (a meta build: no memory)
+            with torch.device("meta"):
+                self._add_lora(Transformer(self.model_args), LLAMA_TARGETS, HF_TO_LLAMA)
 
     @property
     def vocab_size(self) -> int:
@@ -351,6 +378,7 @@ class LlamaLightningModule(CausalLMModule):
             # The 2D strategy parallelizes the empty model, then allocates only each rank's shards.
             with torch.device("meta"):
                 self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
+            self._add_lora(self.model, LLAMA_TARGETS, HF_TO_LLAMA)
             return
         device = strategy.root_device if strategy is not None else torch.device("cpu")
         seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
@@ -358,9 +386,10 @@ class LlamaLightningModule(CausalLMModule):
             seed = strategy.broadcast(seed)
         with torch.device(device):
             model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
+        self._add_lora(model, LLAMA_TARGETS, HF_TO_LLAMA)
         source = self.weights_source()
         if source is not None:
-            model.load_blocks(source)
+            model.load_blocks(WithOwnInit(source, module_init_specs(model), seed))  # the adapters: their own init
         else:
             model.init_weights(seed)
         self.model = model

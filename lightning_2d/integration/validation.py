@@ -33,7 +33,7 @@ def model_context(
     ``before_launch``: a plan that cannot be resolved before the model is built (it reads the model) is left
     to the check in each process; a ``ParallelConfigError`` is raised in any case.
     """
-    raise_if_problems(document_mask_problems(module, datamodule))
+    raise_if_problems(document_mask_problems(module, datamodule) + lora_problems(module, config))
     resolved = None
     if module is not None:
         try:
@@ -64,6 +64,18 @@ def document_mask_problems(module: Any, datamodule: Any) -> list[str]:
             " LlamaLightningModule or HFCausalLMModule, or document_mask=False"
         )
     return problems
+
+
+def lora_problems(module: Any, config: ParallelConfig) -> list[str]:
+    """What keeps a module's LoRA adapters (``lora=``) from composing with the strategy's options."""
+    lora = getattr(module, "lora", None)
+    if lora is None or not config.float8:
+        return []
+    return [
+        f"float8={config.float8!r} with LoRA adapters ({type(module).__name__}(lora=...)): float8 swaps the"
+        " projections for torchao's Float8Linear, which the adapters cannot wrap, and a frozen base gains little"
+        " from float8 training. Use float8=False with lora, or train without lora"
+    ]
 
 
 def _int_or_none(value: Any) -> Optional[int]:

@@ -38,19 +38,21 @@ class InitSpec:
     """How one parameter is initialized.
 
     Args:
-        kind: ``"normal"``, ``"trunc_normal"`` (truncated at ``mean ± truncation · std``) or
-            ``"constant"``.
+        kind: ``"normal"``, ``"trunc_normal"`` (truncated at ``mean ± truncation · std``), ``"uniform"``
+            (``U(-bound, bound)``) or ``"constant"``.
         std: Standard deviation for the random kinds.
         mean: Mean for the random kinds.
         value: The fill value for ``"constant"``.
         truncation: Cut-off in standard deviations for ``"trunc_normal"``.
+        bound: The half-width of ``"uniform"``.
     """
 
-    kind: Literal["normal", "trunc_normal", "constant"]
+    kind: Literal["normal", "trunc_normal", "uniform", "constant"]
     std: float = 1.0
     mean: float = 0.0
     value: float = 0.0
     truncation: float = 3.0
+    bound: float = 1.0
 
 
 def _name_key(seed: int, name: str) -> int:
@@ -76,6 +78,8 @@ def _draw(spec: InitSpec, shape: Sequence[int], generator: torch.Generator, devi
         torch.nn.init.trunc_normal_(
             out, mean=spec.mean, std=spec.std, a=spec.mean - cut, b=spec.mean + cut, generator=generator
         )
+    elif spec.kind == "uniform":
+        out.uniform_(-spec.bound, spec.bound, generator=generator)
     else:  # pragma: no cover - constants never reach here, see fill_block_
         raise ValueError(f"unknown random init kind {spec.kind!r}")
     return out
@@ -146,3 +150,35 @@ class SeededInit:
         if name not in self.specs:
             raise KeyError(f"no InitSpec for parameter {name!r}")
         fill_block_(out, self.specs[name], seed=self.seed, name=name, global_shape=global_shape, offset=offset)
+
+
+def module_init_specs(model: "torch.nn.Module") -> dict[str, InitSpec]:
+    """``{qualified name: InitSpec}`` of the parameters that submodules initialize themselves: a module defining
+    ``own_param_init_specs()`` (names relative to it; ``ops.lora.LoRALinear``'s adapters) added to a model whose
+    own init (its ``param_init_specs``, an ``init_from`` checkpoint) knows nothing of them."""
+    specs: dict[str, InitSpec] = {}
+    for prefix, module in model.named_modules():
+        own = getattr(module, "own_param_init_specs", None)
+        if callable(own):
+            specs.update({f"{prefix}.{name}" if prefix else name: spec for name, spec in own().items()})
+    return specs
+
+
+class WithOwnInit:
+    """A weight source that fills the parameters of ``specs`` by their seeded init and every other one from
+    ``base`` (another source with ``fill_block_``: an ``init_from`` checkpoint without adapters, say).
+
+    Args:
+        base: The source of every other parameter.
+        specs: ``{name: InitSpec}``, by the names the source is asked for.
+        seed: The init seed.
+    """
+
+    def __init__(self, base: object, specs: dict[str, InitSpec], seed: int) -> None:
+        self.base, self.own = base, SeededInit(dict(specs), seed)
+
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: Sequence[int], offset: Sequence[int] | None
+    ) -> None:
+        source = self.own if name in self.own.specs else self.base
+        source.fill_block_(out, name, global_shape, offset)  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_2d.errors import Lightning2DError, Lightning2DWarning
-from lightning_2d.ops.init import SeededInit
+from lightning_2d.ops.init import SeededInit, module_init_specs
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.ties import retie, shared_parameters
 
@@ -130,11 +130,13 @@ def materialize_model(
         _local(tensors[name][1]).copy_(value)
     checkable = {name for name in was_meta if _poison_(tensors[name][1])}
 
+    # Parameters their module initializes itself (adapters added to a model whose init, or checkpoint, has none).
+    self_init = SeededInit({canonical_name(n): spec for n, spec in module_init_specs(model).items()}, seed)
     specs_fn = _init_hook(model, init_hooks, "param_init_specs")
     if weights is not None or callable(specs_fn):
         source = weights if weights is not None else SeededInit(specs_fn(), seed)
         for fqn, param in model.named_parameters():
-            if fqn not in was_meta:
+            if fqn not in was_meta or canonical_name(fqn) in self_init.specs:
                 continue
             local, offset = local_block(param)
             source.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
@@ -153,6 +155,10 @@ def materialize_model(
             if own and callable(reset):
                 reset()
         route = "reset_parameters()"
+    for fqn, param in model.named_parameters():
+        if fqn in was_meta and canonical_name(fqn) in self_init.specs:
+            local, offset = local_block(param)
+            self_init.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
     init_buffers = _init_hook(model, init_hooks, "init_buffers")
     if callable(init_buffers):
         init_buffers(device)

@@ -36,6 +36,7 @@ from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
+from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import apply_simple_fsdp, sharded_parameters
 from lightning_2d.parallel.names import CP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
@@ -222,8 +223,10 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
         )
         plan = replace(plan, tensor_parallel=float8_tensor_parallel_plan(plan.tensor_parallel, model))
     if tp_mesh.size() > 1 and plan.tensor_parallel:
+        frozen = _frozen_parameters(model)
         _step(hooks, "apply_tensor_parallel")(model, tp_mesh, plan, config)
         retie(model, ties)
+        _refreeze(model, frozen)
         if config.async_tensor_parallel:
             from lightning_2d.parallel.float8 import enable_async_tensor_parallel
 
@@ -238,3 +241,15 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
         _step(hooks, "apply_simple_fsdp")(model, dp_mesh, plan, config)
     else:
         _step(hooks, "apply_fully_shard")(model, dp_mesh, plan, config)
+
+
+def _frozen_parameters(model: nn.Module) -> set[str]:
+    return {canonical_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def _refreeze(model: nn.Module, frozen: set[str]) -> None:
+    """Freeze again what was frozen before tensor parallelism: torch's ``SequenceParallel`` (2.13) re-registers a
+    norm's weight as a new ``Parameter`` without its ``requires_grad``, so a frozen norm (a LoRA base) would train."""
+    for name, param in model.named_parameters():
+        if canonical_name(name) in frozen:
+            param.requires_grad_(False)

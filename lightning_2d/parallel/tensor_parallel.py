@@ -25,14 +25,18 @@ def check_sequence_length(seq_len: int, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: ParallelPlan, config: ParallelConfig) -> None:
-    """Apply ``plan.tensor_parallel`` to ``model`` over ``tp_mesh`` (in place).
+    """Apply ``plan.tensor_parallel`` to ``model`` over ``tp_mesh`` (in place); LoRA adapters of a column- or
+    row-wise layer get the placements of ``lightning_2d.parallel.lora``.
 
     Under sequence parallelism a forward pre-hook checks every input's sequence length, so an
     indivisible batch fails with a message instead of inside a collective.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
+    from lightning_2d.parallel.lora import has_adapters, with_adapter_placements
+
+    styles = dict(plan.tensor_parallel)
+    parallelize_module(model, tp_mesh, with_adapter_placements(styles) if has_adapters(model) else styles)
     if config.sequence_parallel and not plan.has_sequence_parallel:
         import warnings
 

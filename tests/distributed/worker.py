@@ -502,6 +502,7 @@ def fit(cfg: dict) -> None:
             cfg["hf_config"], init_from=cfg.get("init_from"), learning_rate=cfg.get("lr", 1e-3), warmup_steps=2,
             max_steps=cfg["steps"],
             init_seed=cfg.get("init_seed"), attn_implementation=cfg.get("attn_implementation", "sdpa"),
+            lora=cfg.get("lora"),
         )
         vocab_size = module.vocab_size
     else:
@@ -515,6 +516,7 @@ def fit(cfg: dict) -> None:
             init_seed=cfg.get("init_seed"),
             fused_loss=cfg.get("fused_loss", True),
             loss_chunk_size=cfg.get("loss_chunk_size", 1024),
+            lora=cfg.get("lora"),
         )
         vocab_size = module.model_args.vocab_size
     if cfg["strategy"] == "single":
@@ -612,6 +614,12 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+    if cfg.get("lora"):  # what the optimizer steps and keeps state for (the adapters only), what requires gradients
+        names = {id(p): canonical_name(n) for n, p in module.model.named_parameters()}
+        optimizer = trainer.optimizers[0]
+        result["optimized"] = sorted(names[id(p)] for group in optimizer.param_groups for p in group["params"])
+        result["optimizer_state"] = sorted(names[id(p)] for p in optimizer.state)
+        result["requires_grad"] = sorted(n for n, p in module.model.named_parameters() if p.requires_grad)
     if packed_masks is not None:
         result["packed_masks"] = packed_masks["n"]
     if datamodule is not None:  # the trained tokens each batch's loss was divided by (the optimizer step's)

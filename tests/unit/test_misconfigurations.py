@@ -26,6 +26,7 @@ from lightning_2d import (
 from lightning_2d.checkpoint.files import CheckpointError, resolve_checkpoint
 from lightning_2d.checkpoint.safe_load import ExportError
 from lightning_2d.data import DataError
+from lightning_2d.ops.lora import LoRAConfigError
 
 
 def trainer(**strategy) -> L.Trainer:
@@ -68,6 +69,14 @@ def export_with_a_missing_tokenizer(folder: Path) -> None:
 
     torch.save({"state_dict": {"model.w": torch.zeros(1)}}, folder / "model.ckpt")
     export_hf(folder / "model.ckpt", folder / "out", model="debug", tokenizer=folder / "tokenizer.json")
+
+
+def hf_lora(**lora):
+    from lightning_2d.hf import HFCausalLMModule
+
+    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return HFCausalLMModule(base, lora=lora)
 
 
 def hf(**config):
@@ -271,6 +280,22 @@ if _hf_available():
          ParallelConfigError, r"context_parallel_size=2 splits every sequence over 2 ranks.*Hugging Face decoder"),
         ("HF model outside the family", lambda _: hf(model_type="gpt2"),
          ValueError, r"model_type 'gpt2' is not one of the Llama-family decoders"),
+        ("LoRA rank 0", lambda _: LlamaLightningModule(lora={"rank": 0}),
+         LoRAConfigError, r"rank must be a positive integer, got 0"),
+        ("LoRA setting misspelled", lambda _: LlamaLightningModule(lora={"r": 8}),
+         LoRAConfigError, r"Unknown LoRA setting\(s\) \['r'\]; the settings are \['alpha', 'dropout', 'rank'"),
+        ("LoRA target misspelled", lambda _: LlamaLightningModule(lora={"targets": ["q_porj"]}),
+         LoRAConfigError, r"lora.targets \['q_porj'\] match no linear layer of Transformer; its linear layers are"
+                          r" called \['output', 'w1'.*Hugging Face names accepted: \['down_proj'"),
+        ("LoRA target misspelled, HF", lambda _: hf_lora(targets=["wq", "qkv"]),
+         LoRAConfigError, r"lora.targets \['qkv'\] match no linear layer of LlamaForCausalLM.*'q_proj'"),
+        ("LoRA on the output head", lambda _: LlamaLightningModule(lora={"targets": ["output"]}),
+         LoRAConfigError, r"LoRA adapts plain nn.Linear layers; this target is a VocabProjection"),
+        ("LoRA with float8", lambda _: fit_before_spawn(LlamaLightningModule(lora={}), TextDataModule(seq_len=32,
+                                                        batch_size=2), tensor_parallel_size=2, float8="emulate",
+                                                        sequence_parallel=False),
+         ParallelConfigError, r"float8='emulate' with LoRA adapters \(LlamaLightningModule\(lora=...\)\).*Use"
+                              r" float8=False with lora"),
     ]
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from lightning_2d.errors import Lightning2DError
 # document_causal_mask: re-exported, where it was defined before the attention core moved to ops.
 from lightning_2d.ops.attention import AttentionMask, attend, attention_mask, document_causal_mask  # noqa: F401
-from lightning_2d.ops.init import InitSpec, SeededInit
+from lightning_2d.ops.init import InitSpec, SeededInit, module_init_specs
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
 
 
@@ -521,6 +521,7 @@ class Transformer(nn.Module):
         specs["output.weight"] = InitSpec("trunc_normal", std=args.dim**-0.5)
         if args.tie_word_embeddings:  # the shared weight starts as the head would: logits of the untied scale
             specs["tok_embeddings.weight"] = specs.pop("output.weight")
+        specs.update(module_init_specs(self))  # adapters (``ops.lora``), if any: their own init
         return specs
 
     @torch.no_grad()

@@ -1,0 +1,200 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear layers: ``y = x Wᵀ + s · B(A(dropout(x)))``.
+
+``add_lora(model, LoRA(...), targets)`` turns each targeted ``nn.Linear`` into a ``LoRALinear`` *in place* (its
+class changes, its ``weight`` stays the same parameter under the same name) with two child linears, ``lora_a``
+(``rank × in_features``) and ``lora_b`` (``out_features × rank``), and freezes every parameter that is not an
+adapter's. The base names do not move (``layers.0.attention.wq.weight``), so ``init_from``, the parallel plans
+and checkpoints of the base read the same; the adapters are ``layers.0.attention.wq.lora_a.weight`` etc.
+
+The adapters' initialization is peft's: ``A`` Kaiming-uniform with ``a = √5`` (``U(-1/√in, 1/√in)``, what
+``nn.Linear`` itself draws), ``B`` zero, so the adapted model starts as the base. It is drawn like every init here
+(``lightning_2d.ops.init``), from the parameter's name and seed in row blocks, so it is the same at every layout:
+``LoRALinear.own_param_init_specs()`` describes it (``ops.init.module_init_specs`` collects such specs, and
+``ops.init.WithOwnInit`` adds them to any weight source, an ``init_from`` checkpoint included).
+
+Pure ``torch``; the placements of ``A`` and ``B`` under tensor parallelism are ``lightning_2d.parallel.lora``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_2d.ops.init import InitSpec
+
+#: The attribute names of a ``LoRALinear``'s adapters (part of the parameter names).
+ADAPTERS = ("lora_a", "lora_b")
+
+
+class LoRAConfigError(ValueError):
+    """A LoRA setting that cannot work; says which value and what to use instead."""
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters on the model's linear projections; the base model is frozen.
+
+    Args:
+        rank: The adapters' inner size ``r``.
+        alpha: Scale numerator: the adapter's output is multiplied by ``alpha / rank`` (``alpha / √rank`` with
+            ``rslora``).
+        dropout: Dropout on the adapter's input (``0``: none).
+        targets: The linear layers to adapt, by their last name (``"wq"``) or a dotted suffix
+            (``"attention.wq"``); ``None``: the model's attention and MLP projections. A model accepts its own names
+            and the Hugging Face names (``q_proj``, ``gate_proj``, …) of the same layers.
+        rslora: Rank-stabilized scaling, ``alpha / √rank`` (Kalajdzievski 2023; peft's ``use_rslora``).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: Optional[tuple[str, ...]] = None
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, (list, str)):
+            object.__setattr__(self, "targets", (self.targets,) if isinstance(self.targets, str) else tuple(self.targets))
+        problems = []
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            problems.append(f"rank must be a positive integer, got {self.rank!r} (typical: 8, 16, 64)")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            problems.append(f"alpha must be a positive number, got {self.alpha!r} (typical: twice the rank)")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.targets is not None and (not self.targets or not all(isinstance(t, str) and t for t in self.targets)):
+            problems.append(f"targets must be a non-empty list of layer names, got {self.targets!r}; or omit it for"
+                            " the attention and MLP projections")
+        if problems:
+            raise LoRAConfigError("Invalid LoRA settings: " + "; ".join(problems))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @classmethod
+    def of(cls, value: "LoRA | Mapping[str, Any] | None") -> "Optional[LoRA]":
+        """A ``LoRA`` from itself, a dict (yaml) or ``None``; an unknown key is an error naming the known ones."""
+        if value is None or isinstance(value, LoRA):
+            return value
+        if not isinstance(value, Mapping):
+            raise LoRAConfigError(f"lora must be a LoRA or a dict of its fields, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise LoRAConfigError(f"Unknown LoRA setting(s) {unknown}; the settings are {sorted(known)}")
+        return cls(**dict(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (hyperparameters, checkpoints)."""
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "targets": list(self.targets) if self.targets is not None else None, "rslora": self.rslora}
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a low-rank adapter: ``F.linear(x, weight, bias) + scale · lora_b(lora_a(dropout(x)))``.
+
+    Made from an existing ``nn.Linear`` by ``LoRALinear.adapt(linear, lora)`` (its class swapped in place, its
+    parameters kept); not constructed directly. Under tensor parallelism its inputs and parameters are DTensors and
+    the same expression computes the sharded result (``lightning_2d.parallel.lora``).
+    """
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    lora_dropout: nn.Module
+    scale: float
+
+    @classmethod
+    def adapt(cls, linear: nn.Linear, lora: LoRA) -> "LoRALinear":
+        if type(linear) is not nn.Linear:
+            raise LoRAConfigError(
+                f"LoRA adapts plain nn.Linear layers; this target is a {type(linear).__name__}. Leave it out of"
+                " lora.targets (float8 layers: train LoRA without float8)"
+            )
+        device, dtype = linear.weight.device, linear.weight.dtype
+        linear.__class__ = cls
+        linear.lora_a = nn.Linear(linear.in_features, lora.rank, bias=False, device=device, dtype=dtype)
+        linear.lora_b = nn.Linear(lora.rank, linear.out_features, bias=False, device=device, dtype=dtype)
+        linear.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        linear.scale = lora.scale
+        return linear  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
+
+    def own_param_init_specs(self) -> dict[str, InitSpec]:
+        """The adapters' init, by names relative to this module (peft's: ``A`` Kaiming-uniform, ``B`` zero)."""
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5) of a (rank, in_features) weight
+        return {"lora_a.weight": InitSpec("uniform", bound=bound), "lora_b.weight": InitSpec("constant", value=0.0)}
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``weight + scale · B A`` (plain tensors): the linear layer that computes what this one does."""
+        return self.weight + (self.lora_b.weight @ self.lora_a.weight) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scale={self.scale:g}"
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether the parameter called ``name`` (a qualified name) belongs to an adapter."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ADAPTERS
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def add_lora(
+    model: nn.Module,
+    lora: LoRA,
+    default_targets: Sequence[str],
+    aliases: Mapping[str, str] = {},
+) -> list[str]:
+    """Adapt ``model``'s targeted linear layers in place and freeze everything else; return the adapted names.
+
+    Args:
+        model: The model (any device, the meta device included).
+        lora: The settings; ``lora.targets`` (or ``default_targets``) name layers by their last name or a dotted
+            suffix of their qualified name.
+        default_targets: The model family's attention and MLP projections.
+        aliases: Other names of the same layers (Hugging Face's ``q_proj`` → our ``wq``), accepted in ``targets``.
+
+    Raises:
+        LoRAConfigError: A target matches no linear layer (the message lists the model's linear layer names), or
+            the model already has adapters.
+    """
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise LoRAConfigError(f"{type(model).__name__} already has LoRA adapters; add them once")
+    wanted = [aliases.get(t, t) for t in (lora.targets or default_targets)]
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unmatched = [t for t, w in zip(lora.targets or default_targets, wanted)
+                 if not any(_matches(name, w) for name in linears)]
+    if unmatched:
+        leaves = sorted({re.sub(r"^(.*\.)?", "", n) for n in linears})
+        raise LoRAConfigError(
+            f"lora.targets {unmatched} match no linear layer of {type(model).__name__}; its linear layers are"
+            f" called {leaves}" + (f" (Hugging Face names accepted: {sorted(aliases)})" if aliases else "")
+        )
+    adapted = [name for name in linears if any(_matches(name, w) for w in wanted)]
+    for name in adapted:
+        LoRALinear.adapt(linears[name], lora)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_parameter(name))
+    return adapted
+
+
+def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts (global shapes for DTensors)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["ADAPTERS", "LoRA", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter",
+           "trainable_parameter_count"]

@@ -1,0 +1,109 @@
+"""LoRA (``lora=``) under every parallelism equals one device: only the adapters train, the base stays bit for bit.
+
+Real jobs: 4 CPU processes on gloo, the parity setup of test_parity.py (6 fp32 AdamW steps of the ``debug`` Llama)
+with rank-4 adapters on all seven projections and the adapters' gradients clipped, against the single-device
+``Trainer`` with the same adapters: 2×2 with sequence parallelism, 1×4 tensor parallel, pipeline 2 × data parallel
+2, context parallel 2 × data parallel 2, HSDP (2 replicas × 2 shards) and SimpleFSDP at 2×2, in one launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_2d.ops.lora import is_adapter_parameter
+from tests.distributed.conftest import load_weights
+from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
+
+pytestmark = pytest.mark.distributed
+
+LORA = {"rank": 4, "alpha": 8.0}
+CLIP = 0.01
+COMMON = {"lora": LORA, "gradient_clip_val": CLIP, "grad_norms": True}
+LAYOUTS = {
+    "2x2_sp": dict(dp=2, tp=2),
+    "1x4": dict(dp=1, tp=4),
+    "pp2xdp2": dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2),
+    "cp2xdp2": dict(dp=2, tp=1, nprocs=4, context_parallel_size=2),
+    "hsdp": dict(dp=4, tp=1, data_parallel_replicate_size=2),
+    "simple_fsdp_2x2": dict(dp=2, tp=2, fsdp_backend="simple_fsdp"),
+}
+#: The seven projections, by how tensor parallelism splits their base weight.
+COLUMN_WISE, ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
+
+
+def layout_job(jobs, name: str):
+    options = dict(LAYOUTS[name])
+    return jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **COMMON)
+
+
+@pytest.fixture(scope="module")
+def runs(jobs) -> dict:
+    specs = {"reference": jobs.reference_job(**COMMON), **{name: layout_job(jobs, name) for name in LAYOUTS}}
+    jobs.share("lora", list(specs.values()))
+    return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
+
+
+def test_the_reference_trains_only_its_adapters_and_clips_them(runs):
+    reference = runs["reference"]
+    out = reference.rank_output(0)
+    adapters = [n for n in load_weights(reference, "final") if is_adapter_parameter(n)]
+    assert len(adapters) == 4 * 7 * 2  # blocks × projections × (A, B)
+    assert out["optimized"] == out["requires_grad"] == out["optimizer_state"] == sorted(adapters)
+    assert min(out["grad_norms"]) > 2 * CLIP  # the adapters' norm, clipped every step
+    # To CLIP / (norm + 1e-6) (torch's clipping epsilon): 3e-5 below CLIP at norms of ~0.03.
+    assert out["stepped_grad_norms"] == pytest.approx([CLIP] * 6, rel=1e-4)
+    initial, final = load_weights(reference, "initial"), load_weights(reference, "final")
+    moved = [n for n in adapters if not torch.equal(initial[n], final[n])]
+    assert moved == adapters
+    for name in adapters:  # peft's init: B zero, A uniform in ±1/√in_features
+        if name.endswith("lora_b.weight"):
+            assert not initial[name].any(), name
+        else:
+            bound = initial[name].shape[1] ** -0.5
+            assert 0.5 * bound < initial[name].abs().max() <= bound, name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_training_equals_one_device_and_leaves_the_base_bit_for_bit(runs, layout):
+    reference, run = runs["reference"], runs[layout]
+    ref_out = reference.rank_output(0)
+    for rank in range(4):
+        out = run.rank_output(rank)
+        error = worst_relative_error(out["losses"], ref_out["losses"])
+        print(f"lora {layout} rank {rank}: worst relative loss error {error:.2e}")
+        assert error <= LOSS_RTOL, (out["losses"], ref_out["losses"])
+        assert out["grad_norms"] == pytest.approx(ref_out["grad_norms"], rel=1e-5)
+        # Only adapters are optimized, hold optimizer state and require gradients (on a pipeline rank: its stage's).
+        assert out["optimized"] == out["requires_grad"] == out["optimizer_state"]
+        assert out["optimized"] and all(is_adapter_parameter(n) for n in out["optimized"]), out["optimized"]
+    initial, ref_final, final = (load_weights(reference, "initial"), load_weights(reference, "final"),
+                                 load_weights(run, "final"))
+    assert final.keys() == ref_final.keys()
+    for name, weight in final.items():
+        if is_adapter_parameter(name):
+            torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+        else:  # frozen: the seeded init, the same bits at every layout, untouched by 6 steps
+            assert torch.equal(weight, initial[name]), name
+
+
+def test_adapters_take_their_base_layers_tensor_parallel_placements(runs):
+    """Column-wise base (output features split): A replicated, B split like the base. Row-wise base (input
+    features split): A split like the base's input, B replicated. FSDP shards both over the data-parallel ranks."""
+    placed = runs["2x2_sp"].rank_output(0)["placements"]
+    for layer in ("layers.0.attention.", "layers.3.feed_forward."):
+        for projection in (*COLUMN_WISE, *ROW_WISE):
+            base = layer + projection
+            if base + ".weight" not in placed:
+                continue
+            weight, a, b = (placed[f"{base}{suffix}.weight"] for suffix in ("", ".lora_a", ".lora_b"))
+            tp = weight["mesh_dims"].index("tensor_parallel")
+            assert a["mesh_dims"] == b["mesh_dims"] == weight["mesh_dims"]
+            if projection in COLUMN_WISE:
+                assert weight["placements"][tp] == "Shard(dim=0)"
+                assert a["placements"][tp] == "Replicate()" and b["placements"][tp] == "Shard(dim=0)", (base, a, b)
+            else:
+                assert weight["placements"][tp] == "Shard(dim=1)"
+                assert a["placements"][tp] == "Shard(dim=1)" and b["placements"][tp] == "Replicate()", (base, a, b)
+            dp = weight["mesh_dims"].index("data_parallel_shard") if "data_parallel_shard" in weight["mesh_dims"] else 0
+            assert "Shard" in a["placements"][dp] and "Shard" in b["placements"][dp], (base, a, b)

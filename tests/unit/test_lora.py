@@ -1,0 +1,130 @@
+"""LoRA's pure logic: the settings, adapting a model's projections in place, the adapters' seeded init, what the
+modules optimize. Under the parallelisms: tests/distributed/test_lora.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_2d import LlamaLightningModule, LoRA
+from lightning_2d.models.adapters import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS
+from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.ops.init import SeededInit, WithOwnInit, module_init_specs
+from lightning_2d.ops.lora import LoRAConfigError, LoRALinear, add_lora, is_adapter_parameter
+
+ARGS = ModelArgs.from_name("debug")
+
+
+def lora_model(lora: LoRA, seed: int = 7) -> Transformer:
+    model = Transformer(ARGS)
+    add_lora(model, lora, LLAMA_TARGETS, HF_TO_LLAMA)
+    model.init_weights(seed)
+    return model
+
+
+def test_settings_scale_and_round_trip_as_plain_data():
+    assert LoRA(rank=8, alpha=16).scale == 2.0
+    assert LoRA(rank=16, alpha=8, rslora=True).scale == pytest.approx(8 / 4)
+    lora = LoRA.of({"rank": 4, "alpha": 8.0, "targets": ["q_proj"], "dropout": 0.1})
+    assert lora.targets == ("q_proj",) and LoRA.of(lora.to_dict()) == lora and LoRA.of(lora) is lora
+    assert LoRA.of(None) is None
+    with pytest.raises(LoRAConfigError, match=r"alpha must be a positive number, got -1.*dropout must be in \[0, 1\)"):
+        LoRA(alpha=-1, dropout=1.5)
+    with pytest.raises(LoRAConfigError, match=r"targets must be a non-empty list"):
+        LoRA(targets=[])
+
+
+def test_adapting_keeps_the_base_names_freezes_them_and_starts_as_the_base():
+    base = Transformer(ARGS)
+    base.init_weights(7)
+    model = lora_model(LoRA(rank=4, alpha=8))
+    adapted = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert len(adapted) == ARGS.n_layers * 7
+    # The base parameters keep their names and (seeded) values: init_from, plans and checkpoints read them as before.
+    for name, weight in base.state_dict().items():
+        assert torch.equal(model.state_dict()[name], weight), name
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == [n for n in model.state_dict() if is_adapter_parameter(n)] and len(trainable) == 2 * len(adapted)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), base(tokens))  # B starts at zero
+
+
+def test_an_adapted_layer_computes_its_merged_weight():
+    linear = nn.Linear(12, 10, bias=False)
+    LoRALinear.adapt(linear, LoRA(rank=3, alpha=6))
+    with torch.no_grad():
+        linear.lora_b.weight.normal_()
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(linear(x), x @ linear.merged_weight().T)
+    assert linear.scale == 2.0 and isinstance(linear.lora_dropout, nn.Identity)
+    assert isinstance(LoRALinear.adapt(nn.Linear(4, 4), LoRA(dropout=0.1)).lora_dropout, nn.Dropout)
+
+
+def test_targets_by_our_names_hugging_face_names_or_dotted_suffixes():
+    def adapted(targets):
+        model = Transformer(ARGS)
+        return add_lora(model, LoRA(targets=targets), LLAMA_TARGETS, HF_TO_LLAMA)
+
+    assert adapted(["q_proj", "v_proj"]) == adapted(["wq", "wv"])
+    assert adapted(["attention.wq"]) == [f"layers.{i}.attention.wq" for i in range(ARGS.n_layers)]
+    assert adapted(["layers.1.feed_forward.w2"]) == ["layers.1.feed_forward.w2"]
+    assert set(HF_TO_LLAMA) == set(HF_TARGETS) and set(HF_TO_LLAMA.values()) == set(LLAMA_TARGETS)
+    model = Transformer(ARGS)
+    add_lora(model, LoRA(), LLAMA_TARGETS)
+    with pytest.raises(LoRAConfigError, match="already has LoRA adapters"):
+        add_lora(model, LoRA(), LLAMA_TARGETS)
+
+
+def test_the_adapters_seeded_init_is_pefts_and_the_same_block_by_block():
+    model = lora_model(LoRA(rank=8))
+    a = model.layers["2"].feed_forward.w2.lora_a.weight  # (rank, in_features)
+    bound = 1 / math.sqrt(a.shape[1])  # kaiming_uniform_(a=√5), as nn.Linear and peft
+    assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound and abs(float(a.mean())) < 0.1 * bound
+    assert not model.layers["2"].feed_forward.w2.lora_b.weight.any()
+    # A rank holding rows 3..8 and columns 100..200 draws exactly those values (any layout, the same weights).
+    specs = module_init_specs(model)
+    name = "layers.2.feed_forward.w2.lora_a.weight"
+    block = torch.empty(5, 100)
+    SeededInit(specs, 7).fill_block_(block, name, tuple(a.shape), (3, 100))
+    assert torch.equal(block, a[3:8, 100:200])
+    # From a checkpoint without adapters (init_from): the adapters from their own init, the rest from it.
+    source = WithOwnInit(SeededInit(model.param_init_specs(), 7), specs, 7)
+    again = lora_model(LoRA(rank=8), seed=0)
+    again.load_blocks(source)
+    for (n, x), y in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(x, y), n
+
+
+def test_the_module_optimizes_the_adapters_only_and_keeps_its_settings_as_plain_data():
+    module = LlamaLightningModule("debug", lora={"rank": 2, "targets": ["wq"]}, max_steps=4, init_seed=0)
+    module.configure_model()
+    optimizer = module.configure_optimizers()["optimizer"]
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    adapters = {id(p) for n, p in module.model.named_parameters() if is_adapter_parameter(n)}
+    assert optimized == adapters and len(adapters) == 2 * ARGS.n_layers
+    assert module.hparams["lora"] == {"rank": 2, "alpha": 16.0, "dropout": 0.0, "targets": ["wq"], "rslora": False}
+    assert LlamaLightningModule("debug").lora is None
+
+
+def test_a_hugging_face_decoder_takes_adapters_on_its_own_projections_over_its_init_from_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_2d.hf import HFCausalLMModule
+
+    config = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    original.save_pretrained(tmp_path)
+    module = HFCausalLMModule(init_from=str(tmp_path), lora={"rank": 4, "targets": ["q_proj", "w2"]}, init_seed=1)
+    module.configure_model()
+    adapted = sorted(n for n, m in module.model.named_modules() if isinstance(m, LoRALinear))
+    assert adapted == [f"model.layers.{i}.{p}" for i in range(2) for p in ("mlp.down_proj", "self_attn.q_proj")]
+    assert all(is_adapter_parameter(n) == p.requires_grad for n, p in module.model.named_parameters())
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():  # the base read from the files, the adapters starting at zero: the saved model's logits
+        torch.testing.assert_close(module(tokens), original(tokens).logits, rtol=1e-6, atol=1e-6)
