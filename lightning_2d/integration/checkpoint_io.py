@@ -37,6 +37,7 @@ from lightning_2d.checkpoint.files import (
     shape_mismatches,
     stored_shapes,
 )
+from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 
@@ -126,11 +127,13 @@ class DistributedCheckpointIO(CheckpointIO):
         file = path / METADATA_FILE if path.is_dir() else path
         return torch.load(file, map_location=map_location or "cpu", weights_only=bool(weights_only))
 
-    def check_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True, pipelined: bool = False) -> None:
+    def check_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True, pipelined: bool = False,
+                   trained_only: bool = False) -> None:
         """Refuse, on every rank and before anything is loaded, a checkpoint whose tensors under ``key``
         do not fit ``module`` (another model size, fewer layers): quoting both shapes. Rank 0 reads the
         metadata; every rank raises the same error. ``pipelined``: each rank holds some stages, the model
-        is the union of every rank's tensors."""
+        is the union of every rank's tensors. ``trained_only``: the checkpoint holds the parameters that require
+        gradients (LoRA's adapters), checked against those."""
         problems: Any = None
         expected: dict[str, tuple[int, ...]] = {}
         if self.global_rank == 0 or pipelined:
@@ -140,6 +143,9 @@ class DistributedCheckpointIO(CheckpointIO):
             with sharded_parameters():
                 state = get_model_state_dict(module)
             expected = {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+            if trained_only:
+                trained = {canonical_name(n) for n, p in module.named_parameters() if p.requires_grad}
+                expected = {name: shape for name, shape in expected.items() if name in trained}
         if pipelined:
             import torch.distributed as dist
 

@@ -136,6 +136,7 @@ class HFCausalLMModule(CausalLMModule):
         seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
         if strategy is not None and strategy.world_size > 1:
             seed = strategy.broadcast(seed)
+        self._base_init_seed = seed
         materialize_model(model, device, seed=seed, weights=self.weights_source(), init_hooks=[self, HFDecoderInit(model)])
 
     #: Packed documents (``document_mask``, ``ChatDataModule(pack=True)``) are kept apart by transformers itself:
@@ -148,6 +149,7 @@ class HFCausalLMModule(CausalLMModule):
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["hf_config"] = self.hf_config.to_dict()
 
     def flops_per_token(self, seq_len: int) -> int:

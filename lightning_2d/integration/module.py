@@ -14,11 +14,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
+from lightning_2d.checkpoint.files import ADAPTERS_KEY, CheckpointError
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
 from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
-from lightning_2d.ops.lora import LoRA, add_lora
+from lightning_2d.ops.lora import LoRA, add_lora, is_adapter_parameter
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
@@ -115,6 +116,50 @@ class CausalLMModule(L.LightningModule):
         """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen (``ops.lora``)."""
         if self.lora is not None:
             add_lora(model, self.lora, targets, aliases)
+
+    # ---- adapters-only checkpoints ------------------------------------------------------------
+    def adapter_base(self) -> dict[str, Any]:
+        """What the frozen base of a LoRA run is made of: ``init_from``'s folder, else the seed of its init."""
+        init_from = self.hparams.get("init_from")
+        if init_from:
+            return {"init_from": str(Path(init_from).resolve()), "init_seed": None}
+        parallelized = getattr(self._strategy(), "parallelized", None)
+        seed = getattr(parallelized, "init_seed", None)
+        return {"init_from": None, "init_seed": seed if seed is not None else self._base_init_seed}
+
+    _base_init_seed: Optional[int] = None  # the seed a single-device configure_model initialized from
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Under LoRA, the checkpoint holds the adapters only (with their optimizer state, the data position and the
+        schedule, as always) and records their settings and base (``adapter_base``): a resume rebuilds the base."""
+        if self.lora is None:
+            return
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_adapter_parameter(k)}
+        checkpoint[ADAPTERS_KEY] = {"lora": self.lora.to_dict(), "base": self.adapter_base()}
+
+    def check_adapter_checkpoint(self, record: dict[str, Any], path: Path) -> None:
+        """Refuse (before anything is loaded) adapters trained with other settings or on another base."""
+        problems = []
+        saved_lora, lora = record.get("lora") or {}, self.lora.to_dict() if self.lora is not None else None
+        if lora is None:
+            problems.append(f"it holds LoRA adapters ({saved_lora}) and no base, but this module has no lora=; pass"
+                            f" lora={saved_lora} and the base's init_from, or export it merged first")
+        else:
+            changed = {k: (saved_lora.get(k), v) for k, v in lora.items() if k != "dropout" and saved_lora.get(k) != v}
+            problems += [f"lora.{k} was {old!r}, is {new!r}" for k, (old, new) in changed.items()]
+            saved_base, base = record.get("base") or {}, self.adapter_base()
+            if saved_base.get("init_from") != base["init_from"]:
+                problems.append(f"its adapters were trained on init_from={saved_base.get('init_from')!r}; this run's"
+                                f" base is init_from={base['init_from']!r}")
+            elif base["init_from"] is None and saved_base.get("init_seed") != base["init_seed"]:
+                problems.append(f"its adapters were trained on the base initialized from seed"
+                                f" {saved_base.get('init_seed')}; this run's base is from seed {base['init_seed']}: set"
+                                f" init_seed={saved_base.get('init_seed')}")
+        if problems:
+            raise CheckpointError(
+                f"Checkpoint {path} holds LoRA adapters that do not belong to this run:\n  - " + "\n  - ".join(problems)
+                + "\nResume with the settings and base it was saved with (nothing was loaded)."
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -355,6 +400,7 @@ class LlamaLightningModule(CausalLMModule):
         return HFWeights(Path(init_from), self.model_args) if init_from else None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         # The exact shapes, so `lightning-2d export` needs neither the preset table nor the overrides.
         checkpoint["model_args"] = asdict(self.model_args)
 
@@ -384,6 +430,7 @@ class LlamaLightningModule(CausalLMModule):
         seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
         if strategy is not None and strategy.world_size > 1:
             seed = strategy.broadcast(seed)
+        self._base_init_seed = seed
         with torch.device(device):
             model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
         self._add_lora(model, LLAMA_TARGETS, HF_TO_LLAMA)

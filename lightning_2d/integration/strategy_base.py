@@ -363,8 +363,10 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def _checkpoint_to_load(self, path: Any, prefixes: Optional[tuple[str, ...]] = None) -> Path:
         return self.distributed_checkpoint_io.resolve(path, prefixes=prefixes)
 
-    def _check_checkpoint_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True) -> None:
-        self.distributed_checkpoint_io.check_fits(path, key, module, strict=strict, pipelined=self.pipeline is not None)
+    def _check_checkpoint_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True,
+                               trained_only: bool = False) -> None:
+        self.distributed_checkpoint_io.check_fits(path, key, module, strict=strict, pipelined=self.pipeline is not None,
+                                                  trained_only=trained_only)
 
     # ---- failure and teardown ------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_of, trainer_precision_plugin
+from lightning_2d.checkpoint.files import adapter_record, load_trained_subset
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher
 from lightning_2d.integration.precision import FSDP2Precision
@@ -203,8 +204,21 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         # Digests checked for what the load reads: validate/test/predict read the weights only.
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path = self._checkpoint_to_load(checkpoint_path, prefixes=None if fitting else ("state_dict.",))
-        self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading)
-        metadata = super().load_checkpoint(path, weights_only=weights_only)
+        # An adapters-only checkpoint (LoRA): its base is the module's own (init_from, or the seeded init), which must
+        # be the one it was trained on; only the adapters and their optimizer state are read.
+        adapters = adapter_record(path) if path.is_dir() else None
+        if adapters is not None:
+            check = getattr(self.lightning_module, "check_adapter_checkpoint", None)
+            if callable(check):
+                check(adapters, path)
+        self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading,
+                                    trained_only=adapters is not None)
+        if adapters is not None:
+            optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)} if fitting else {}
+            with sharded_parameters():
+                metadata = load_trained_subset(path, "state_dict", self.model, optimizers)
+        else:
+            metadata = super().load_checkpoint(path, weights_only=weights_only)
         self.distributed_checkpoint_io.restore_random_state(path, metadata.get("lightning_2d"))
         return metadata
 

@@ -61,11 +61,13 @@ class Parallelized:
         meshes: The meshes it was parallelized over (``ParallelMeshes``).
         pipeline: The ``Pipeline`` that steps it under pipeline parallelism (``train_step``/``eval_step``), else
             ``None``.
+        init_seed: The seed its meta tensors were initialized from (``parallelize_and_materialize``), else ``None``.
     """
 
     model: nn.Module
     meshes: ParallelMeshes
     pipeline: Optional["Pipeline"] = None
+    init_seed: Optional[int] = None
 
 
 def _step(hooks: Any, name: str) -> Callable[..., None]:
@@ -146,6 +148,7 @@ def parallelize_and_materialize(
         with sharded_parameters():  # SimpleFSDP's modules: the stored shards are what initialization fills
             materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
             materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
+        result = replace(result, init_seed=init_seed)
     return result
 
 

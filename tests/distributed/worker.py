@@ -812,7 +812,7 @@ def train(cfg: dict) -> None:
                           cache_dir=cfg["cache_dir"], val_fraction=0.0)
     # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
     module = LlamaLightningModule(None if cfg.get("init_from") else "debug", warmup_steps=2, max_steps=6,
-                                  init_from=cfg.get("init_from"))
+                                  init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
     observer = WriteObserver(cfg["observe_writes_timeout_s"]) if "observe_writes_timeout_s" in cfg else None
