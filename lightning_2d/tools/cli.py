@@ -123,7 +123,7 @@ COMMANDS = {
     "plan": "check a recipe's layout and estimate its memory per device on a simulated world, without GPUs",
     "benchmark": "time a recipe's run: step time, tokens/s, MFU, memory (--compare: beside Lightning's, torch's)",
     "prepare-data": "tokenize a recipe's corpus into the token cache with every local core, before training",
-    "export": "write a Hugging Face Llama directory (safetensors + config.json) from a checkpoint",
+    "export": "write a Hugging Face directory (safetensors + config.json; a LoRA checkpoint: a peft folder) from a checkpoint",
 }
 
 #: ``LIGHTNING_2D_TRACEBACK=1``: the library's errors raise with their traceback instead of printing one line.

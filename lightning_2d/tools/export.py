@@ -48,6 +48,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="the tokenizer to write with the weights: a tokenizer.json, a tokenizer.model"
                         " (SentencePiece or Meta's tiktoken), a model folder, or 'byte'; default: the one the"
                         " checkpoint records (the data module's --data.tokenizer, else the init_from folder's)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="for a LoRA checkpoint: the base (init_from, or the recorded seed's init) with the adapters"
+                        " merged in, as a plain Hugging Face folder; default for a LoRA checkpoint: a peft adapter"
+                        " folder (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
                         help="a type the checkpoint may hold besides tensors and plain data (only for a file you"
                         " trust: building it runs its code); repeatable")
@@ -68,11 +72,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         out = export_hf(
             Path(args.checkpoint), Path(args.out_dir), dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
             model=args.model, model_overrides=overrides, allow_globals=args.allow_global, tokenizer=args.tokenizer,
-            log=lambda line: notes.append(line),
+            log=lambda line: notes.append(line), merge_lora=args.merge_lora,
         )
     except (ExportError, FileNotFoundError) as err:
         print(f"lightning-2d export: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    print(f"Wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    if (out / "adapter_config.json").exists():
+        print(f"Wrote {out}: LoRA adapters (load with peft.PeftModel.from_pretrained(base, {str(out)!r}); --merge-lora"
+              " writes the merged model)")
+    else:
+        print(f"Wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
     for note in notes:
         print(f"  {note}")

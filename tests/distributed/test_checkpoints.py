@@ -29,6 +29,7 @@ SAME_LAYOUT_RESUMES = [("epoch=0-step=2.ckpt", 2), ("end-epoch=0-step=3.ckpt", 3
 RESHARDS = [(4, 1, 1), (1, 4, 1), (4, 1, 2)]
 #: The adapters of the LoRA runs.
 LORA = {"rank": 4, "alpha": 8.0}
+LLAMA_TO_HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -421,3 +422,35 @@ def test_lora_saves_only_its_adapters_and_resumes_them_at_any_layout_on_the_same
         assert re.search(r"holds LoRA adapters that do not belong to this run:\n  - its adapters were trained on the"
                          r" base initialized from seed 7; this run's base is from seed 8: set init_seed=7",
                          out["refused"]), out["refused"]
+
+
+def test_a_sharded_lora_checkpoint_exports_merged_on_its_seeded_base_and_for_peft(setup, tmp_path):
+    """The LoRA run's last sharded checkpoint (its base the seeded init, drawn again by the export): merged, a
+    transformers Llama whose logits are those of our model with the run's final weights; for peft, one file with
+    the 56 adapter weights under peft's names."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from lightning_2d.hf import export_hf
+    from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
+    from lightning_2d.models.llama.model import ModelArgs, Transformer
+    from lightning_2d.ops.lora import LoRA, add_lora
+
+    reference = setup["run"]("lora_reference", 2, 2, lora=LORA, checkpoints=[
+        {"dirpath": str(setup["root"] / "lora"), "every_n_train_steps": 2, "save_top_k": -1}])
+    step6 = setup["root"] / "lora" / "epoch=1-step=6.ckpt"
+    ours = Transformer(ModelArgs.from_name("debug"))
+    add_lora(ours, LoRA(**LORA), LLAMA_TARGETS, HF_TO_LLAMA)
+    ours.load_state_dict(load_weights(reference, "final"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export_hf(step6, tmp_path / "merged", merge_lora=True,
+                                                                         log=lambda line: None))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+    folder = export_hf(step6, tmp_path / "peft", log=lambda line: None)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    assert len(tensors) == 56 and "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight" in tensors
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(LLAMA_TO_HF_NAMES) and config["base_model_name_or_path"] is None

@@ -3,6 +3,7 @@ modules optimize. Under the parallelisms: tests/distributed/test_lora.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -128,3 +129,70 @@ def test_a_hugging_face_decoder_takes_adapters_on_its_own_projections_over_its_i
     tokens = torch.randint(0, 64, (2, 8))
     with torch.no_grad():  # the base read from the files, the adapters starting at zero: the saved model's logits
         torch.testing.assert_close(module(tokens), original(tokens).logits, rtol=1e-6, atol=1e-6)
+
+
+def _fit(module, tmp_path, steps: int = 3):
+    """A few single-device steps on random tokens, then a checkpoint: the adapters only."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    tokens = torch.randint(0, module.vocab_size, (4 * steps, 17), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(batches, batch_size=4))
+    path = tmp_path / "lora.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_lora_checkpoint_exports_for_peft_and_merged_with_our_logits(tmp_path, family):
+    """Fine-tuned on an init_from folder: the peft folder on transformers' base and the merged folder alone give our
+    model's logits (Llama: B's rows permuted to transformers' rotary layout, as the base's)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+    from lightning_2d.hf import HFCausalLMModule, export_hf
+
+    config = {"model_type": family, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "tie_word_embeddings": False, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).save_pretrained(base_dir)
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}
+    if family == "llama":
+        module = LlamaLightningModule(init_from=str(base_dir), lora=lora, learning_rate=1e-2, warmup_steps=1,
+                                      max_steps=3, fused_loss=False)
+    else:
+        module = HFCausalLMModule(init_from=str(base_dir), lora=lora, learning_rate=1e-2, warmup_steps=1, max_steps=3)
+    checkpoint = _fit(module, tmp_path)
+    saved = load_checkpoint_file(checkpoint)["state_dict"]
+    assert saved and all(is_adapter_parameter(k) for k in saved)
+    module.eval()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    ours = _logits(module, tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    assert (ours - _logits(base, tokens)).abs().max() > 1e-3  # the adapters trained
+
+    folder = export_hf(checkpoint, tmp_path / "peft", log=lambda line: None)
+    written = json.loads((folder / "adapter_config.json").read_text())
+    assert {k: written[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "base_model_name_or_path")} == {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8.0,
+        "base_model_name_or_path": str(base_dir.resolve())}
+    assert written["target_modules"] == ["down_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
+    assert not (folder / "model.safetensors").exists()
+    adapted = peft.PeftModel.from_pretrained(base, folder)
+    torch.testing.assert_close(_logits(adapted, tokens), ours, rtol=1e-5, atol=1e-5)
+
+    merged = export_hf(checkpoint, tmp_path / "merged", merge_lora=True, log=lambda line: None)
+    assert not (merged / "adapter_config.json").exists()
+    alone = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    torch.testing.assert_close(_logits(alone, tokens), ours, rtol=1e-5, atol=1e-5)

@@ -401,9 +401,15 @@ def export_hf(
     allow_globals: Sequence[str] = (),
     tokenizer: Union[str, Path, None] = None,
     log: Optional[Callable[[str], None]] = None,
+    merge_lora: bool = False,
 ) -> Path:
     """Write ``out_dir/model.safetensors`` (or shards + index), ``config.json`` and the tokenizer's files with
     ``generation_config.json`` from a Lightning checkpoint.
+
+    A LoRA run's checkpoint (adapters only) is written as a peft adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``, the tokenizer): ``peft.PeftModel.from_pretrained`` puts it on the base; with
+    ``merge_lora`` as a plain Hugging Face folder of the base with the adapters merged in
+    (``lightning_2d.checkpoint.hf.lora``).
 
     Streams: the output files are planned from the checkpoint's metadata (DCP's ``.metadata``, or
     the memory-mapped full file), then each is read, converted, written and freed before the next
@@ -431,6 +437,7 @@ def export_hf(
             module's ``tokenizer``, else an ``init_from`` folder's).
         log: Called with a line saying what was written of the tokenizer, or why nothing (no tokenizer
             recorded or found). ``None``: that case is a warning.
+        merge_lora: For a LoRA checkpoint: the base with the adapters merged, instead of a peft folder.
 
     Raises:
         ExportError: Model args missing, disagreeing or not fitting the weights; a checkpoint that a
@@ -447,6 +454,23 @@ def export_hf(
     # The last weight's dtype (all weights share one in our checkpoints).
     out_dtype = dtype or source.weights[-1].dtype
     native_config = (source.metadata or {}).get("hf_config")
+    adapters = (source.metadata or {}).get("adapters")
+    peft: Optional[dict[str, Any]] = None  # a LoRA checkpoint exported for peft: its adapter_config.json
+    if adapters is None and merge_lora:
+        raise ExportError(f"{checkpoint} holds the whole model, not LoRA adapters: export it without --merge-lora")
+    if adapters is not None:
+        from lightning_2d.checkpoint.hf import lora as lora_export
+
+        args_or_none = None if native_config is not None else resolve_model_args(checkpoint, source.metadata, model,
+                                                                                model_overrides)
+        if merge_lora:
+            base, shapes = lora_export.base_weights_of(source.metadata or {}, args_or_none)
+            source = lora_export.MergedWeights(source, base, shapes, out_dtype)
+        else:
+            n_layers = int(native_config["num_hidden_layers"]) if native_config is not None else args_or_none.n_layers
+            modules = sorted({lora_export.hf_module_name(lora_export.split_adapter_name(w.name)[0],
+                                                         native_config is not None) for w in source.weights})
+            peft = lora_export.adapter_config(adapters, modules, n_layers)
     if native_config is not None:
         # An HFCausalLMModule checkpoint: the weights already have the model's names and layout.
         if model is not None or model_overrides:
@@ -465,7 +489,8 @@ def export_hf(
             source.weights = [w for w in source.weights if w.name != "lm_head.weight"]
     else:
         args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
-        check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
+        if peft is None:  # (adapters: their shapes were checked against the model when the run resumed or saved)
+            check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
         hf_key = hf_name
 
         def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -474,9 +499,17 @@ def export_hf(
         config = hf_config(args, out_dtype)
         # Tied: one tensor in the files (transformers ties lm_head to embed_tokens on load).
         source.weights = [w for w in source.weights if w.name not in tied_aliases(args)]
-    shards = plan_shards(source.weights, dtype, max_shard_bytes)
-    n = len(shards)
-    files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    if peft is not None:  # one file of adapters, under peft's names
+        from lightning_2d.checkpoint.hf import lora as lora_export
+
+        peft_args = None if native_config is not None else args
+        shards = [[w.name for w in source.weights]]
+        files = [lora_export.ADAPTER_WEIGHTS_FILE]
+        n = 1
+    else:
+        shards = plan_shards(source.weights, dtype, max_shard_bytes)
+        n = len(shards)
+        files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
     # Written into a staging folder next to out_dir and moved in only once complete: a failure (a
     # corrupt shard, a full disk) leaves out_dir as it was (absent, or an earlier export, intact).
@@ -486,7 +519,10 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for file, names in zip(files, shards):
-            tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
+            if peft is not None:
+                tensors = lora_export.peft_tensors(dict(source.read(names)), peft_args, dtype)
+            else:
+                tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
             save_file(tensors, staging / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -504,11 +540,16 @@ def export_hf(
                                 f" generation_config.json{' (added)' if added else ''}")
         config.update({k: v for k, v in (("bos_token_id", written.bos_id), ("eos_token_id", written.eos_id))
                        if v is not None and k not in config})
-        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        if peft is not None:
+            (staging / lora_export.ADAPTER_CONFIG_FILE).write_text(json.dumps(peft, indent=1))
+        else:
+            (staging / "config.json").write_text(json.dumps(config, indent=1))
         out_dir.mkdir(exist_ok=True)
         # Files of an earlier export to the same folder would be read instead of ours or beside them
-        # (transformers prefers model.safetensors to an index): only this export's names remain.
-        for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
+        # (transformers prefers model.safetensors to an index; peft an adapter beside a model): only this export's
+        # names remain.
+        for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors"),
+                      out_dir / "config.json", out_dir / "adapter_config.json", out_dir / "adapter_model.safetensors"]:
             if stale.is_file() and stale.name not in files:
                 stale.unlink()
         # The same for the tokenizer: an earlier export's files would be read with this one's.

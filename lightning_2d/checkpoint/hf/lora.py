@@ -1,0 +1,173 @@
+"""LoRA checkpoints out to Hugging Face: a peft adapter folder, or the adapters merged into their base.
+
+A LoRA run's checkpoint holds the adapters only, with a record of their settings and base (``adapters`` in its
+metadata: ``{"lora": {...}, "base": {"init_from": ..., "init_seed": ...}}``). From it:
+
+- ``peft_tensors``/``adapter_config``: what ``peft.PeftModel.from_pretrained(base, folder)`` reads:
+  ``adapter_model.safetensors`` under peft's key names (``base_model.model.model.layers.0.self_attn.q_proj
+  .lora_A.weight``) and ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules`` in
+  Hugging Face names, ``base_model_name_or_path`` from ``init_from``). Our Llama keeps Meta's rotary row order in
+  ``wq``/``wk``; ``B``'s rows are those output rows, so they are permuted as the base weight is (``A`` is not).
+- ``MergedWeights``: the base (read from ``init_from``, or drawn again from the recorded seed) with ``W + s·B A``
+  folded in, one tensor at a time, as a checkpoint source the Hugging Face export writes like any other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_2d.checkpoint.hf.layout import hf_name, meta_to_hf, rotary_heads
+from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.ops.lora import ADAPTERS, LoRA
+
+#: peft's prefix of every key: ``PeftModel.base_model`` (the LoRA model) → ``.model`` (the transformers model).
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+_ADAPTER_NAME = re.compile(r"^(?P<module>.+)\.(?P<which>lora_a|lora_b)\.weight$")
+
+
+def split_adapter_name(name: str) -> tuple[str, str]:
+    """``layers.0.attention.wq.lora_a.weight`` → ``("layers.0.attention.wq", "lora_a")``."""
+    match = _ADAPTER_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a LoRA adapter's weight (…lora_a.weight / …lora_b.weight)")
+    return match["module"], match["which"]
+
+
+def hf_module_name(module: str, native: bool) -> str:
+    """The Hugging Face name of an adapted layer: ours mapped (``layers.0.attention.wq`` →
+    ``model.layers.0.self_attn.q_proj``), a Hugging Face module's as it is."""
+    return module if native else hf_name(module + ".weight").removesuffix(".weight")
+
+
+def peft_tensors(
+    adapters: Mapping[str, torch.Tensor], args: Optional[ModelArgs], dtype: Optional[torch.dtype] = None
+) -> dict[str, torch.Tensor]:
+    """Our adapter weights (names as in the checkpoint's model) under peft's keys, in the Hugging Face layout.
+
+    Args:
+        adapters: ``{name: tensor}`` of every adapter weight.
+        args: Our Llama's args (its ``wq``/``wk`` rotary row order is permuted); ``None`` for a Hugging Face
+            module's checkpoint (names and layout already transformers').
+        dtype: The exported dtype (default: as stored).
+    """
+    out = {}
+    for name, tensor in adapters.items():
+        module, which = split_adapter_name(name)
+        tensor = tensor.to(dtype or tensor.dtype)
+        heads = rotary_heads(module + ".weight", args) if args is not None else None
+        if heads is not None and which == "lora_b":
+            tensor = meta_to_hf(tensor, heads)  # B's rows are the base's output rows
+        key = f"{PEFT_PREFIX}{hf_module_name(module, args is None)}.{'lora_A' if which == 'lora_a' else 'lora_B'}.weight"
+        out[key] = tensor.contiguous()
+    return out
+
+
+def target_modules(modules: Sequence[str], n_layers: int) -> list[str]:
+    """peft's ``target_modules`` for the adapted layers (Hugging Face names): their last names (``q_proj``) when each
+    such layer is adapted in all ``n_layers`` blocks, else the full names (peft matches a name's suffix)."""
+    by_leaf: dict[str, set[int]] = {}
+    for module in modules:
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", module)
+        by_leaf.setdefault(module.rsplit(".", 1)[-1], set()).add(int(layer[1]) if layer else -1)
+    if all(layers == set(range(n_layers)) for layers in by_leaf.values()):
+        return sorted(by_leaf)
+    return sorted(modules)
+
+
+def adapter_config(record: Mapping[str, Any], modules: Sequence[str], n_layers: int) -> dict[str, Any]:
+    """``adapter_config.json`` of peft's LoRA for ``record`` (the checkpoint's adapters record), the adapted layers
+    (Hugging Face names) and the model's number of blocks."""
+    lora = LoRA.of(record["lora"])
+    assert lora is not None
+    base = record.get("base") or {}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base.get("init_from"),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "use_rslora": lora.rslora,
+        "target_modules": target_modules(modules, n_layers),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+
+class MergedWeights:
+    """A checkpoint source (``weights``, ``read(names)``, ``metadata``) of the base with the adapters merged in.
+
+    Args:
+        adapters: The LoRA checkpoint's source (its adapter weights).
+        base: Where the base's full tensors come from: ``fill_block_(out, name, shape, None)`` by our names
+            (``HFWeights``/``SafetensorsWeights`` of ``init_from``, or ``SeededInit`` of the recorded seed).
+        base_weights: ``(name, shape)`` of every base parameter, in the model's order.
+        dtype: The dtype the base is materialized in before merging (the stored adapters' by default).
+    """
+
+    def __init__(self, adapters: Any, base: Any, base_weights: Sequence[tuple[str, tuple[int, ...]]],
+                 dtype: torch.dtype) -> None:
+        from lightning_2d.checkpoint.hf.export import WeightInfo
+
+        record = LoRA.of(adapters.metadata["adapters"]["lora"])
+        assert record is not None
+        self.scale, self.adapters, self.base, self.dtype = record.scale, adapters, base, dtype
+        self.metadata = {k: v for k, v in adapters.metadata.items() if k != "adapters"}
+        self.weights = [WeightInfo(name, tuple(shape), dtype) for name, shape in base_weights]
+        self.adapted = {split_adapter_name(w.name)[0] for w in adapters.weights}
+
+    def read(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        shapes = {w.name: w.shape for w in self.weights}
+        for name in names:
+            tensor = torch.empty(shapes[name], dtype=torch.float32)
+            self.base.fill_block_(tensor, name, shapes[name], None)
+            module = name.removesuffix(".weight")
+            if module in self.adapted:
+                pair = dict(self.adapters.read([f"{module}.{which}.weight" for which in ADAPTERS]))
+                tensor += (pair[f"{module}.lora_b.weight"].float() @ pair[f"{module}.lora_a.weight"].float()) * self.scale
+            yield name, tensor.to(self.dtype)
+
+
+def base_weights_of(metadata: Mapping[str, Any], args: Optional[ModelArgs]) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
+    """The base of a LoRA checkpoint as a weight source (our names for our Llama, transformers' for a Hugging Face
+    module's) and its ``(name, shape)`` list: ``init_from`` read again, else the seeded init drawn again."""
+    from lightning_2d.ops.init import SeededInit
+
+    base = metadata["adapters"].get("base") or {}
+    init_from = base.get("init_from")
+    hf_config = metadata.get("hf_config")
+    if hf_config is not None:
+        import transformers
+
+        from lightning_2d.models.hf_decoders import HFDecoderInit
+
+        config = transformers.AutoConfig.for_model(**hf_config)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        if init_from:
+            from lightning_2d.checkpoint.hf.weights import SafetensorsWeights
+
+            return SafetensorsWeights(Path(init_from), dict(shapes)), shapes
+        return SeededInit(HFDecoderInit(model).param_init_specs(), int(base["init_seed"])), shapes
+    assert args is not None
+    from lightning_2d.models.llama.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if init_from:
+        from lightning_2d.checkpoint.hf.weights import HFWeights
+
+        return HFWeights(Path(init_from), args), shapes
+    return SeededInit(model.param_init_specs(), int(base["init_seed"])), shapes
