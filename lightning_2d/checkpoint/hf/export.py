@@ -19,13 +19,14 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from lightning_2d.checkpoint.hf.layout import (
     INDEX_FILE,
     SINGLE_FILE,
+    WeightInfo,
     hf_config,
     hf_name,
     meta_to_hf,
@@ -47,20 +48,6 @@ from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 #: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
 #: checkpoint's ``state_dict`` (``state_dict.model.<our name>`` among DCP's flattened keys).
 STATE_DICT_PREFIX = "model."
-
-
-class WeightInfo(NamedTuple):
-    """A weight of a checkpoint as its metadata describes it (no data read).
-
-    Args:
-        name: Our parameter name (``layers.0.attention.wq.weight``).
-        shape: Its full (unsharded) shape.
-        dtype: Its stored dtype.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 class _ShardedCheckpoint:

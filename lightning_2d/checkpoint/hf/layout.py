@@ -8,11 +8,25 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, rope_scaling_problems
+
+class WeightInfo(NamedTuple):
+    """A weight of a checkpoint as its metadata describes it (no data read).
+
+    Args:
+        name: Our parameter name (``layers.0.attention.wq.weight``).
+        shape: Its full (unsharded) shape.
+        dtype: Its stored dtype.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_2d.checkpoint.hf.layout import hf_name, meta_to_hf, rotary_heads
+from lightning_2d.checkpoint.hf.layout import WeightInfo, hf_name, meta_to_hf, rotary_heads
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import ADAPTERS, LoRA
 
@@ -117,8 +117,6 @@ class MergedWeights:
 
     def __init__(self, adapters: Any, base: Any, base_weights: Sequence[tuple[str, tuple[int, ...]]],
                  dtype: torch.dtype) -> None:
-        from lightning_2d.checkpoint.hf.export import WeightInfo
-
         record = LoRA.of(adapters.metadata["adapters"]["lora"])
         assert record is not None
         self.scale, self.adapters, self.base, self.dtype = record.scale, adapters, base, dtype
