@@ -207,6 +207,7 @@ class RecipeRun:
         config: The strategy's ``ParallelConfig``.
         data: The ``data`` section's arguments (``TextDataModule``'s or ``ChatDataModule``'s; for the latter
             ``document_mask`` is ``pack``).
+        lora: The module's ``lora`` settings (a dict), ``None`` for full fine-tuning.
     """
 
     module_class: str
@@ -222,6 +223,7 @@ class RecipeRun:
     strategy_options: dict[str, Any]
     config: Any
     data: dict[str, Any] = field(default_factory=dict)
+    lora: Optional[dict[str, Any]] = None
 
     @property
     def seq_len(self) -> int:
@@ -315,6 +317,7 @@ def run_of(config: Any) -> RecipeRun:
         strategy_options=options,
         config=strategy.parallel_config,
         data=data,
+        lora=module.hparams.get("lora"),
     )
 
 

@@ -188,6 +188,13 @@ class ActivationModel:
     architecture: Architecture = NATIVE
     loss_parallel: bool = False
     document_mask: bool = False
+    frozen_base: bool = False
+
+    @property
+    def _norm_row(self) -> int:
+        """Bytes an RMSNorm keeps per row: its fp32 input and ``rsqrt``, and the normalized value for its weight's
+        gradient (none when the weight is frozen: LoRA)."""
+        return self.dim * (4 + (0 if self.frozen_base else self.act_bytes)) + 4
 
     @classmethod
     def for_layout(
@@ -206,6 +213,7 @@ class ActivationModel:
         cp: int = 1,
         loss_parallel: bool = False,
         document_mask: bool = False,
+        frozen_base: bool = False,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
@@ -227,9 +235,13 @@ class ActivationModel:
                 heads: ``lightning_2d.parallel.context``).
             loss_parallel: The strategy's ``loss_parallel`` (matters only without the fused loss).
             document_mask: Whether the batches carry packed documents' positions (a block mask per micro-batch).
+            frozen_base: LoRA: the norms' and the head's weights get no gradient, so the norms keep no normalized
+                value and the fused loss no head-gradient accumulator (the adapted projections keep their inputs, as
+                for their weights' gradients: the adapters' ``A`` needs them).
         """
         return cls(
             document_mask=document_mask,
+            frozen_base=frozen_base,
             architecture=getattr(args, "architecture", NATIVE),
             loss_parallel=loss_parallel and tp > 1,
             cp=cp,
@@ -304,7 +316,7 @@ class ActivationModel:
             return saved
         if mode != "none":
             raise ValueError(f"mode={mode!r}; use 'none', 'full' or 'selective_op'")
-        norm = n // s * (d * (4 + a) + 4)  # fp32 input, normalized value, rsqrt
+        norm = n // s * self._norm_row  # fp32 input, normalized value (unless frozen), rsqrt
         if self.cp > 1:  # local queries and output; the context group's keys and values, not repeated (GQA)
             attention = 2 * n * self._attention_width * a + 2 * n * self.cp * self.kv_heads * self.head_dim * a
             return {
@@ -413,15 +425,15 @@ class ActivationModel:
             return {"tokens, labels": self.inputs_saved()}
         if not self.architecture.fused_loss:
             return {
-                "final norm": n // s * (d * (4 + a) + 4),
+                "final norm": n // s * self._norm_row,
                 "head input (whole sequence)": n * d * a,
                 "loss: log-softmax of the logits": n * self._loss_vocab * a,
                 "tokens, labels": self.inputs_saved(),
             }
         return {
-            "final norm": n // s * (d * (4 + a) + 4),
+            "final norm": n // s * self._norm_row,
             "loss: hidden-state gradient": n * d * a,
-            "loss: fp32 head-gradient accumulator": self.vocab * d * 4,
+            "loss: fp32 head-gradient accumulator": 0 if self.frozen_base else self.vocab * d * 4,
             "tokens, labels": self.inputs_saved(),
         }
 

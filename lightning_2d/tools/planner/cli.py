@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accumulate-grad-batches", type=int, default=1,
                      help="micro-batches per optimizer step (default: 1); above 1 FSDP keeps unsharded gradients"
                      " between them unless --reduce-every-micro-batch")
+    run.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                     help="plan LoRA fine-tuning: rank-R adapters on the attention and MLP projections, the base frozen"
+                     " (a recipe's model.init_args.lora is read as it is)")
     run.add_argument("--loss-chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE,
                      help="tokens per chunk of the fused loss (default: 1024, LlamaLightningModule's)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -106,8 +109,9 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
     own = {name: getattr(args, name) for name in ("model", "model_overrides", "num_nodes", "devices", "precision",
                                                  "seq_len", "micro_batch_size", "accumulate_grad_batches",
                                                  "loss_chunk_size")}
+    lora = {"rank": args.lora_rank} if args.lora_rank is not None else None
     if run is None:
-        return {**own, "config": ParallelConfig(**flags), "model_name": None}
+        return {**own, "config": ParallelConfig(**flags), "model_name": None, "lora": lora}
     from dataclasses import replace
 
     devices = args.devices if "devices" in given else run.devices
@@ -119,6 +123,7 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
         "precision": run.precision, "seq_len": run.seq_len, "micro_batch_size": run.batch_size,
         "accumulate_grad_batches": run.accumulate_grad_batches, "loss_chunk_size": run.loss_chunk_size,
         "model_overrides": None, "document_mask": bool(run.data.get("document_mask", False)),
+        "lora": lora if lora is not None else run.lora,
     }
     config = replace(run.config, **flags) if flags else run.config
     if config.pipeline_parallel_size > 1 and "micro_batch_size" not in given:

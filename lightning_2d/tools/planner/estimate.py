@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.ops.lora import LoRA, LoRAConfigError
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
@@ -119,6 +120,7 @@ def plan_run(
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     document_mask: bool = False,
+    lora: Union[LoRA, Mapping[str, Any], None] = None,
 ) -> PlanReport:
     """Check a layout and estimate its per-device memory for one training step, without GPUs.
 
@@ -155,6 +157,10 @@ def plan_run(
         reserve_gib: GiB set aside for what the estimate does not see (CUDA context, NCCL, fragmentation).
         document_mask: The batches keep packed documents apart (``TextDataModule(document_mask=True)``): each
             micro-batch builds a FlexAttention block mask for its layers (counted; context parallelism builds one too).
+        lora: Low-rank adapters as the modules' ``lora=`` adds them (``lightning_2d.LoRA`` or its dict): the frozen
+            base is counted as parameters only (no gradient, optimizer state or reduce-scatter buffer), the adapters
+            in full; the activations as full fine-tuning's, less what only the frozen norms' and head's weight
+            gradients would need.
 
     Returns:
         The report (``as_dict()`` for JSON, ``format_report`` for the table).
@@ -165,6 +171,11 @@ def plan_run(
     start = time.perf_counter()
     config = config if config is not None else ParallelConfig()
     problems: list[str] = []
+    try:
+        lora = LoRA.of(lora)
+    except LoRAConfigError as err:
+        problems.append(str(err))
+        lora = None
     args = read_model(model, model_overrides, problems)
     if seq_len is None and args is not None:
         seq_len = args.max_seq_len
@@ -179,19 +190,19 @@ def plan_run(
     ranks = [k * dims.dp * dims.cp * dims.tp for k in range(dims.pp)]
 
     try:
-        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank) for rank in ranks]
+        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
     except _Retry as err:
         notes.append(
             f"compile/float8 could not be set up on the meta device ({err}); validated, but planned without them"
         )
         resolved = replace(resolved, compile=False, float8=False, fsdp_float8_all_gather=False)
-        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank) for rank in ranks]
+        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
 
     param_dtype = resolved.param_dtype
     activations = ActivationModel.for_layout(
         args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
         micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
-        loss_parallel=resolved.loss_parallel, document_mask=document_mask,
+        loss_parallel=resolved.loss_parallel, document_mask=document_mask, frozen_base=lora is not None,
     )
     microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
     plans = [
@@ -209,6 +220,13 @@ def plan_run(
         notes += _pipeline_notes(resolved, microbatches, accumulate_grad_batches)
     if isinstance(args, HFDecoderArgs):
         notes += _hf_notes(args, seq_len, micro_batch_size)
+    if lora is not None:
+        trained = worst.shard.optimized_numel
+        notes.append(
+            f"LoRA (rank {lora.rank}): {trained:,} of this device's {worst.shard.numel:,} parameters are adapters;"
+            " the frozen base holds no gradients, optimizer state or reduce-scatter buffer, its norms keep no normalized"
+            " value for a weight gradient"
+        )
 
     reserve = int(reserve_gib * GIB)
     memory = int(device_memory_gib * GIB)
@@ -243,6 +261,7 @@ def plan_run(
         accumulate_grad_batches=accumulate_grad_batches,
         parallel_config=_config_dict(resolved, dims),
         params_per_device=worst.shard.numel,
+        trained_params_per_device=worst.shard.trained_numel,
         param_bytes=worst.shard.param_bytes,
         grad_bytes=worst.grad_bytes,
         optimizer_bytes=worst.optimizer_bytes,
@@ -400,7 +419,8 @@ def _plan_rank(
     param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
     stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
     units = shard.units
-    reduce_scatter = max((u.unsharded_numel * (param_dtype.itemsize + reduce_dtype.itemsize) for u in units), default=0)
+    # The reduce-scatter's input is the unit's unsharded gradients: its trained parameters' (a frozen base has none).
+    reduce_scatter = max((u.gradient_numel * (param_dtype.itemsize + reduce_dtype.itemsize) for u in units), default=0)
     if dims.pp > 1:
         estimate = pipeline_activation_estimate(
             activations, shard.split, pp=dims.pp, pp_rank=pp_rank, schedule=config.pipeline_schedule,
@@ -427,7 +447,7 @@ def _plan_rank(
             # from its first backward to the end of the step every unit stays gathered and keeps its
             # unsharded gradient, upcast to reduce_dtype by FSDP2 between backwards.
             all_gather = sum(u.gathered_bytes for u in units)
-            accumulation = sum(u.unsharded_numel for u in units) * reduce_dtype.itemsize
+            accumulation = sum(u.gradient_numel for u in units) * reduce_dtype.itemsize
     elif config.fsdp_backend == "simple_fsdp":
         recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
         all_gather = simple_fsdp_gathered_peak(units, recomputed)
@@ -438,14 +458,14 @@ def _plan_rank(
         accumulation = 0
         if accumulate_grad_batches > 1 and not config.reduce_every_micro_batch:
             # FSDP2 without gradient sync accumulates each unit's unsharded gradient in reduce_dtype.
-            accumulation = sum(u.unsharded_numel for u in units) * reduce_dtype.itemsize
+            accumulation = sum(u.gradient_numel for u in units) * reduce_dtype.itemsize
         estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
     return _RankPlan(
         pp_rank=pp_rank,
         global_rank=pp_rank * dims.dp * dims.cp * dims.tp,
         shard=shard,
-        grad_bytes=shard.numel * stored.itemsize,
-        optimizer_bytes=ADAMW_STATES * shard.numel * stored.itemsize,
+        grad_bytes=shard.optimized_numel * stored.itemsize,
+        optimizer_bytes=ADAMW_STATES * shard.optimized_numel * stored.itemsize,
         all_gather=all_gather,
         reduce_scatter=reduce_scatter,
         accumulation=accumulation,

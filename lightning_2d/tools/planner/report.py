@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 GIB = 2**30
 #: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (like the parameter; the step counts are scalars).
@@ -39,6 +39,8 @@ class PlanReport:
         accumulate_grad_batches: Micro-batches per optimizer step.
         parallel_config: The ``ParallelConfig`` fields (dtypes as names).
         params_per_device: Parameter elements on this device (padded shards).
+        trained_params_per_device: Of them, the elements with gradients and optimizer state (under LoRA the
+            adapters'; otherwise all).
         param_bytes: Their bytes.
         grad_bytes: Sharded gradients.
         optimizer_bytes: AdamW states.
@@ -99,6 +101,11 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     pipeline: list[dict[str, Any]] = field(default_factory=list)
+    trained_params_per_device: Optional[int] = None
+
+    @property
+    def trained_per_device(self) -> int:
+        return self.params_per_device if self.trained_params_per_device is None else self.trained_params_per_device
 
     @property
     def verdict(self) -> str:
@@ -139,8 +146,8 @@ def format_report(report: PlanReport) -> str:
     worst = max(pipeline, key=lambda r: r["total_bytes"]) if pipeline else None
     rows: list[tuple[str, str, str]] = [
         (f"parameters ({stored}, sharded)", f"{report.params_per_device:,}", _gib(report.param_bytes)),
-        (f"gradients ({stored}, sharded)", f"{report.params_per_device:,}", _gib(report.grad_bytes)),
-        (f"optimizer state (AdamW, 2 x {stored})", f"{ADAMW_STATES * report.params_per_device:,}",
+        (f"gradients ({stored}, sharded)", f"{report.trained_per_device:,}", _gib(report.grad_bytes)),
+        (f"optimizer state (AdamW, 2 x {stored})", f"{ADAMW_STATES * report.trained_per_device:,}",
          _gib(report.optimizer_bytes)),
         (_all_gather_row(report, pd, pipeline and not keeps_fewer), "", _gib(report.all_gather_bytes)),
         (f"FSDP reduce-scatter buffers ({pd} + {rd})", "", _gib(report.reduce_scatter_bytes)),

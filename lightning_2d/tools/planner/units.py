@@ -28,6 +28,8 @@ class FSDPUnit:
         gathered_bytes: Bytes of its unsharded parameters on this rank (in the all-gather dtype).
         unsharded_numel: Elements of its unsharded parameters on this rank.
         unshard_in_backward: Whether backward all-gathers it again (an embedding's does not).
+        trained_numel: Of ``unsharded_numel``, the elements that get gradients (under LoRA the adapters': a frozen
+            weight has no gradient to reduce or accumulate); ``None``: all of them.
     """
 
     name: str
@@ -36,6 +38,12 @@ class FSDPUnit:
     gathered_bytes: int
     unsharded_numel: int
     unshard_in_backward: bool = True
+    trained_numel: int | None = None
+
+    @property
+    def gradient_numel(self) -> int:
+        """Unsharded elements with a gradient (reduced, accumulated)."""
+        return self.unsharded_numel if self.trained_numel is None else self.trained_numel
 
 
 def gathered_peak(units: list[FSDPUnit], reshard: dict[str, bool]) -> int:
@@ -110,8 +118,8 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
     from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
 
-    def sizes(modules: list[nn.Module], exclude: set[int]) -> tuple[int, int, int]:
-        sharded = unsharded = gathered = 0
+    def sizes(modules: list[nn.Module], exclude: set[int]) -> tuple[int, int, int, int]:
+        sharded = unsharded = gathered = trained = 0
         for module in modules:
             for param in module.parameters():
                 if id(param) in exclude:
@@ -124,10 +132,11 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
                 full = numel * dims.dp_shard
                 sharded += numel
                 unsharded += full
+                trained += full if param.requires_grad else 0
                 # float8 all-gather: torchao's weight wrappers gather in float8 (one byte)
                 itemsize = 1 if "Float8" in type(local).__name__ else gather_dtype.itemsize
                 gathered += full * itemsize
-        return sharded, unsharded, gathered
+        return sharded, unsharded, gathered, trained
 
     seen: set[int] = set()
     units: list[FSDPUnit] = []
@@ -151,8 +160,9 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
             raise RuntimeError(
                 f"{name} is not an FSDP unit after parallelize_model; the planner assumes apply_fully_shard's units"
             )
-        sharded, unsharded, gathered = sizes(modules, seen)
+        sharded, unsharded, gathered, trained = sizes(modules, seen)
         if unsharded:
             in_backward = not (kind == "input" and all(_only_embeddings(m) for m in modules))
-            units.append(FSDPUnit(name, kind, sharded, gathered, unsharded, in_backward))
+            units.append(FSDPUnit(name, kind, sharded, gathered, unsharded, in_backward,
+                                  None if trained == unsharded else trained))
     return units

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_2d._compat import fake_store
+from lightning_2d.ops.lora import LoRA
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.parallelize import Parallelized
@@ -78,6 +79,11 @@ class _Shards:
     stage_indices: list[int]  # the pipeline stages it runs ([] without a pipeline)
     split: list[int]  # blocks of every stage of the pipeline ([] without a pipeline)
     model_numel: int = 0  # parameters of the whole model as built, before any parallelization (a tie once)
+    trained_numel: Optional[int] = None  # of numel, the elements with gradients and optimizer state (None: all)
+
+    @property
+    def optimized_numel(self) -> int:
+        return self.numel if self.trained_numel is None else self.trained_numel
 
 
 def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torch.dtype,
@@ -117,7 +123,7 @@ def _cycles_collected_on_exit() -> Iterator[None]:
 
 def _shard(
     args: PlannedArgs, dims: ParallelDims, config: ParallelConfig, precision: str, loss_chunk_size: Optional[int],
-    rank: int = 0,
+    rank: int = 0, lora: Optional[LoRA] = None,
 ) -> _Shards:
     """Build, parallelize and measure the meta model in a fake world, as ``rank``.
 
@@ -128,6 +134,8 @@ def _shard(
         precision: Trainer precision (``bf16-true`` stores the shards in bf16).
         loss_chunk_size: The fused loss's chunk.
         rank: The global rank to play (under a pipeline: its stages, the model pruned to them).
+        lora: Adapters on the model's projections (its base frozen: no gradients or optimizer state), as the
+            modules add them.
     """
     plan = plan_of(args, config)
     with fake_world(dims.world_size, rank), warnings.catch_warnings(), _cycles_collected_on_exit():
@@ -137,6 +145,8 @@ def _shard(
         # The mesh only needs shapes: "cpu" works with the fake backend on any machine.
         mesh = dims.build_mesh("cpu")
         model = build_meta(args, loss_chunk_size)
+        if lora is not None:
+            add_family_lora(model, lora)
         model_numel = sum(p.numel() for p in model.parameters())
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
@@ -146,11 +156,25 @@ def _shard(
         else:
             units = _stage_units(pipeline, plan, dims, config.param_dtype, config.fsdp_backend)
             stage_indices, split = list(pipeline.stage_indices), list(pipeline.split)
-        numel = param_bytes = 0
+        numel = param_bytes = trained = 0
         for param in model.parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
             numel += local.numel()
+            trained += local.numel() if param.requires_grad else 0
             param_bytes += local.numel() * local.dtype.itemsize
         buffer_bytes = sum(b.numel() * b.dtype.itemsize for b in model.buffers())
         del model, mesh, pipeline
-    return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel)
+    return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
+                   None if trained == numel else trained)
+
+
+def add_family_lora(model: torch.nn.Module, lora: LoRA) -> None:
+    """Adapters where the model's module adds them: our Llama's projections, or a Hugging Face decoder's."""
+    from lightning_2d.models.adapters import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS, LLAMA_TO_HF
+    from lightning_2d.models.llama.model import Transformer
+    from lightning_2d.ops.lora import add_lora
+
+    if isinstance(model, Transformer):
+        add_lora(model, lora, LLAMA_TARGETS, HF_TO_LLAMA)
+    else:
+        add_lora(model, lora, HF_TARGETS, LLAMA_TO_HF)
