@@ -53,6 +53,7 @@ class HFCausalLMModule(CausalLMModule):
         init_seed: Seed of the initialization; ``None``: the run's seed.
         lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields);
             see ``LlamaLightningModule``. Targets by Hugging Face names (``q_proj`` …) or ours (``wq`` …).
+        lora_init_from: A peft LoRA folder to start the adapters from (see ``LlamaLightningModule``).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class HFCausalLMModule(CausalLMModule):
         min_lr_ratio: float = 0.1,
         init_seed: Optional[int] = None,
         lora: Union[LoRA, dict, None] = None,
+        lora_init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
         if config is None and init_from is None:
@@ -84,7 +86,7 @@ class HFCausalLMModule(CausalLMModule):
         self.model: Optional[nn.Module] = None
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
         # any process starts.
-        if init_from is not None or (self.lora is not None and self.lora.targets):
+        if init_from is not None or lora_init_from is not None or (self.lora is not None and self.lora.targets):
             self.model = self.build_model()
             self.weights_source()
             self.model = None
@@ -96,16 +98,15 @@ class HFCausalLMModule(CausalLMModule):
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
         return hf_decoder_plan(self.hf_config, config, module="model")
 
-    def weights_source(self) -> Optional["SafetensorsWeights"]:
+    def weights_source(self) -> Any:
         """The ``init_from`` directory read block by block (names as in the model), if given."""
         from lightning_2d.checkpoint.hf import SafetensorsWeights
 
         init_from = self.hparams.get("init_from")
-        if not init_from:
-            return None
         assert self.model is not None
-        return SafetensorsWeights(Path(init_from), {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
-                                                    if not is_adapter_parameter(n)})  # adapters: their own init
+        base = SafetensorsWeights(Path(init_from), {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
+                                                    if not is_adapter_parameter(n)}) if init_from else None
+        return self._with_lora_init(base, self.model, None)  # adapters: their own init, or lora_init_from's
 
     def build_model(self) -> nn.Module:
         """The ``*ForCausalLM`` on the meta device (no memory, no initialization)."""

@@ -24,6 +24,7 @@ from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
+from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.pipeline import Pipeline
 
 
@@ -111,6 +112,23 @@ class CausalLMModule(L.LightningModule):
     def _set_lora(self, lora: "LoRA | dict | None") -> None:
         """Check ``lora`` now (before any process starts) and keep it as plain data in the hyperparameters."""
         self.hparams["lora"] = None if lora is None else LoRA.of(lora).to_dict()
+
+    def _with_lora_init(self, base: Any, model: torch.nn.Module, args: Optional[ModelArgs]) -> Any:
+        """``base`` (the ``init_from`` source), with ``lora_init_from``'s adapters when given (checked against
+        ``model``'s adapters now: every problem before any process starts)."""
+        folder = self.hparams.get("lora_init_from")
+        if not folder:
+            return base
+        if self.lora is None:
+            raise ValueError(f"lora_init_from={folder!r} continues LoRA adapters, but lora= is not set: pass the"
+                             " settings they were trained with (their adapter_config.json: r, lora_alpha)")
+        if base is None:
+            raise ValueError(f"lora_init_from={folder!r} needs the base its adapters were trained on: set init_from"
+                             " (adapter_config.json's base_model_name_or_path names it)")
+        from lightning_2d.checkpoint.hf.lora import PeftAdapterWeights, WithAdapters
+
+        expected = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters() if is_adapter_parameter(n)}
+        return WithAdapters(base, PeftAdapterWeights(Path(folder), self.lora, args, expected))
 
     def _add_lora(self, model: torch.nn.Module, targets: tuple[str, ...], aliases: dict[str, str]) -> None:
         """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen (``ops.lora``)."""
@@ -342,6 +360,8 @@ class LlamaLightningModule(CausalLMModule):
             the base (``init_from``, or the seeded init) is frozen and only the adapters are optimized. Targets by
             our names (``wq``, ``w1`` …) or Hugging Face's (``q_proj``, ``gate_proj`` …); default all seven
             projections.
+        lora_init_from: A peft LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) whose adapters
+            start the training instead of peft's init; needs ``lora`` with its settings and ``init_from`` (its base).
     """
 
     supports_document_mask = True
@@ -363,6 +383,7 @@ class LlamaLightningModule(CausalLMModule):
         fused_loss: bool = True,
         loss_chunk_size: int = 1024,
         lora: Union[LoRA, dict, None] = None,
+        lora_init_from: str | None = None,
     ) -> None:
         super().__init__()
         if loss_chunk_size < 1:
@@ -383,7 +404,7 @@ class LlamaLightningModule(CausalLMModule):
         else:
             self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
-        if init_from is not None:  # names and shapes against the files now, before any process starts
+        if init_from is not None or lora_init_from is not None:  # the files against the model now, before any process
             self.weights_source()
         if self.lora is not None and self.lora.targets:  # the targets against the model now (a meta build: no memory)
             with torch.device("meta"):
@@ -397,7 +418,13 @@ class LlamaLightningModule(CausalLMModule):
     def weights_source(self) -> HFWeights | None:
         """Where the initial weights come from instead of the seeded init (``init_from``), if anywhere."""
         init_from = self.hparams.get("init_from")
-        return HFWeights(Path(init_from), self.model_args) if init_from else None
+        base = HFWeights(Path(init_from), self.model_args) if init_from else None
+        if not self.hparams.get("lora_init_from"):
+            return base
+        with torch.device("meta"):  # the adapters' names and shapes
+            model = Transformer(self.model_args)
+        self._add_lora(model, LLAMA_TARGETS, HF_TO_LLAMA)
+        return self._with_lora_init(base, model, self.model_args)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -180,5 +180,6 @@ class WithOwnInit:
     def fill_block_(
         self, out: torch.Tensor, name: str, global_shape: Sequence[int], offset: Sequence[int] | None
     ) -> None:
-        source = self.own if name in self.own.specs else self.base
-        source.fill_block_(out, name, global_shape, offset)  # type: ignore[attr-defined]
+        covers = getattr(self.base, "covers", None)  # a base that has them (LoRA adapters from a folder) gives them
+        own = name in self.own.specs and not (callable(covers) and covers(name))
+        (self.own if own else self.base).fill_block_(out, name, global_shape, offset)  # type: ignore[attr-defined]

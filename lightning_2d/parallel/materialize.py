@@ -155,10 +155,14 @@ def materialize_model(
             if own and callable(reset):
                 reset()
         route = "reset_parameters()"
+    # Their values: from the weights source where it has them (``covers``: a LoRA adapter folder), else their init.
+    covers = getattr(weights, "covers", None)
     for fqn, param in model.named_parameters():
-        if fqn in was_meta and canonical_name(fqn) in self_init.specs:
+        name = canonical_name(fqn)
+        if fqn in was_meta and name in self_init.specs:
             local, offset = local_block(param)
-            self_init.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
+            source = weights if callable(covers) and covers(name) else self_init
+            source.fill_block_(local, name, tuple(param.shape), offset)
     init_buffers = _init_hook(model, init_hooks, "init_buffers")
     if callable(init_buffers):
         init_buffers(device)

@@ -78,13 +78,23 @@ def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
     variants one after the other."""
     out = tmp_path / "report.json"
     job = launch("script", {"module": "lightning_2d.tools.benchmark",
-                            "args": [*TINY, "--compare-backends", "--json", str(out)], "cwd": str(REPO)},
+                            "args": [*TINY, "--compare-backends", "--compare-lora", "4", "--json", str(out)],
+                            "cwd": str(REPO)},
                  tmp_path / "job", nprocs=4, timeout=600)
     assert job.ok, job.describe()
     assert "(in place)" in job.logs[0]
     assert all("ours / " not in log for log in job.logs[1:])  # only rank 0 reports
     report = json.loads(out.read_text())
-    check_report(report, job.logs[0], variants=["lightning_2d", "simple_fsdp", "lightning", "plain"])
+    check_report(report, job.logs[0], variants=["lightning_2d", "simple_fsdp", "lora", "lightning", "plain"])
+    # --compare-lora: the adapters start at zero (first losses equal, checked above); only units holding adapters
+    # reduce gradients (the embedding's and the head's units are frozen whole), and the ratios are printed.
+    lora = report["variants"]["lora"]["collectives_per_step"]
+    full = report["variants"]["lightning_2d"]["collectives_per_step"]
+    assert 0 < lora["reduce_scatter"] < full["reduce_scatter"], (lora, full)
+    printed_lora = re.search(r"^lora \(rank 4\) / lightning_2d \(full fine-tuning\) = ([0-9.]+)x step time",
+                             job.logs[0], re.MULTILINE)
+    assert printed_lora is not None and float(printed_lora.group(1)) == pytest.approx(report["lora"]["step_time"],
+                                                                                        abs=5e-4)
     # --compare-backends: SimpleFSDP ran beside fully_shard (equal first losses, checked above), its ratios printed
     # as reported, and each backend's collectives of one step counted: every one of the tiny model's 21 parameters
     # (2 blocks of 9, the embedding, final norm and head) reduces its own gradient under SimpleFSDP, once per FSDP2

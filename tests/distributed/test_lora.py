@@ -2,8 +2,9 @@
 
 Real jobs: 4 CPU processes on gloo, the parity setup of test_parity.py (6 fp32 AdamW steps of the ``debug`` Llama)
 with rank-4 adapters on all seven projections and the adapters' gradients clipped, against the single-device
-``Trainer`` with the same adapters: 2×2 with sequence parallelism, 1×4 tensor parallel, pipeline 2 × data parallel
-2, context parallel 2 × data parallel 2, HSDP (2 replicas × 2 shards) and SimpleFSDP at 2×2, in one launch.
+``Trainer`` with the same adapters: 2×2 with sequence parallelism (full activation checkpointing), 1×4 tensor
+parallel (per-op selective checkpointing), pipeline 2 × data parallel 2, context parallel 2 × data parallel 2, HSDP
+(2 replicas × 2 shards) and SimpleFSDP at 2×2 (full checkpointing), in one launch.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ pytestmark = pytest.mark.distributed
 LORA = {"rank": 4, "alpha": 8.0}
 CLIP = 0.01
 COMMON = {"lora": LORA, "gradient_clip_val": CLIP, "grad_norms": True}
+#: Each layout also carries an option LoRA must compose with (the reference needs none of them to be equal).
 LAYOUTS = {
-    "2x2_sp": dict(dp=2, tp=2),
-    "1x4": dict(dp=1, tp=4),
+    "2x2_sp": dict(dp=2, tp=2, activation_checkpointing="full"),
+    "1x4": dict(dp=1, tp=4, activation_checkpointing="selective", selective_ac_option="op"),
     "pp2xdp2": dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2),
     "cp2xdp2": dict(dp=2, tp=1, nprocs=4, context_parallel_size=2),
     "hsdp": dict(dp=4, tp=1, data_parallel_replicate_size=2),
-    "simple_fsdp_2x2": dict(dp=2, tp=2, fsdp_backend="simple_fsdp"),
+    "simple_fsdp_2x2": dict(dp=2, tp=2, fsdp_backend="simple_fsdp", activation_checkpointing="full"),
 }
 #: The seven projections, by how tensor parallelism splits their base weight.
 COLUMN_WISE, ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")

@@ -619,7 +619,7 @@ def fit(cfg: dict) -> None:
         optimizer = trainer.optimizers[0]
         result["optimized"] = sorted(names[id(p)] for group in optimizer.param_groups for p in group["params"])
         result["optimizer_state"] = sorted(names[id(p)] for p in optimizer.state)
-        result["requires_grad"] = sorted(n for n, p in module.model.named_parameters() if p.requires_grad)
+        result["requires_grad"] = sorted(canonical_name(n) for n, p in module.model.named_parameters() if p.requires_grad)
     if packed_masks is not None:
         result["packed_masks"] = packed_masks["n"]
     if datamodule is not None:  # the trained tokens each batch's loss was divided by (the optimizer step's)

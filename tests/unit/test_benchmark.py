@@ -353,6 +353,26 @@ def test_backend_ratios_and_collectives_are_reported():
     assert next(line for line in text.splitlines() if line.startswith("lightning_2d ")).endswith("14/12/1")
 
 
+def test_compare_lora_runs_lora_beside_full_fine_tuning_and_reports_the_ratios():
+    s = settings("--compare-lora", "8", "--dim", "64", "--vocab-size", "256", "--seq-len", "32", "--warmup", "0",
+                 "--rounds", "1")
+    assert s.variants == ["lightning_2d", "lora"] and s.lora_rank == 8
+    assert settings().lora_rank is None and "lora" not in settings("--compare").variants
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-lora takes the adapters' rank, a positive"
+                                                         r" integer; got 0"):
+        settings("--compare-lora", "0")
+    medians, memory = {"lightning_2d": 0.1, "lora": 0.09}, {"lightning_2d": 2.0, "lora": 1.5}
+    runs = [{"variant": v, "round": 0, "ranks": [rank_record(r, [m, m, m], 5.5, memory=memory[v]) for r in range(4)]}
+            for v, m in medians.items()]
+    report = bench.summarize(s, runs)
+    assert report["lora"] == {"step_time": pytest.approx(0.9), "peak_memory": pytest.approx(0.75)}
+    assert report["ratios"] == {} and report["backends"] is None
+    text = bench.format_report(report)
+    assert "lora (rank 8) / lightning_2d (full fine-tuning) = 0.900x step time, 0.750x peak memory per device" in text
+    # The variant trains the adapters: its module gets lora= (what RUNNERS["lora"] builds).
+    assert bench.RUNNERS["lora"] is not bench.RUNNERS["lightning_2d"]
+
+
 class _Event:
     def __init__(self, name, parent=None):
         self.name, self.cpu_parent = name, parent

@@ -191,6 +191,20 @@ def test_a_lora_checkpoint_exports_for_peft_and_merged_with_our_logits(tmp_path,
     assert not (folder / "model.safetensors").exists()
     adapted = peft.PeftModel.from_pretrained(base, folder)
     torch.testing.assert_close(_logits(adapted, tokens), ours, rtol=1e-5, atol=1e-5)
+    # lora_init_from: the peft folder back into a new run's adapters (on the same base) gives the same model.
+    cls = type(module)
+    again = cls(init_from=str(base_dir), lora=lora, lora_init_from=str(folder), **(
+        {"fused_loss": False} if family == "llama" else {}))
+    again.configure_model()
+    again.eval()
+    torch.testing.assert_close(_logits(again, tokens), ours, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"does not fit this model's adapters:\n  - its r is 4, this model's lora"
+                                         r" gives 8"):
+        cls(init_from=str(base_dir), lora={**lora, "rank": 8}, lora_init_from=str(folder))
+    with pytest.raises(ValueError, match=r"lora_init_from=.* needs the base its adapters were trained on: set"
+                                         r" init_from"):
+        cls(**({"model": "debug"} if family == "llama" else {"config": config}), lora=lora,
+            lora_init_from=str(folder))
 
     merged = export_hf(checkpoint, tmp_path / "merged", merge_lora=True, log=lambda line: None)
     assert not (merged / "adapter_config.json").exists()

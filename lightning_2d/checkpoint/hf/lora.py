@@ -169,3 +169,81 @@ def base_weights_of(metadata: Mapping[str, Any], args: Optional[ModelArgs]) -> t
 
         return HFWeights(Path(init_from), args), shapes
     return SeededInit(model.param_init_specs(), int(base["init_seed"])), shapes
+
+
+class PeftAdapterWeights:
+    """A peft LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) read into our adapters: a weight
+    source (``fill_block_``) for the adapter weights of a model built with the same settings, names and rotary rows
+    mapped back (``lora_init_from``: continue training from a published or earlier adapter).
+
+    Args:
+        folder: The peft folder.
+        lora: The settings the model is built with; the folder's ``r``, ``lora_alpha`` and ``use_rslora`` must agree.
+        args: Our Llama's args (names mapped, ``wq``/``wk`` rows permuted back); ``None`` for a Hugging Face module.
+        expected: ``{our adapter name: shape}`` of the model's adapters: each must be in the folder at that shape.
+
+    Raises:
+        ValueError: A missing file, other settings, or adapters the folder lacks or holds at another shape (every
+            problem at once).
+    """
+
+    def __init__(self, folder: Path, lora: LoRA, args: Optional[ModelArgs], expected: Mapping[str, tuple[int, ...]]):
+        import json
+
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        problems = []
+        config_file, weights_file = folder / ADAPTER_CONFIG_FILE, folder / ADAPTER_WEIGHTS_FILE
+        if not config_file.is_file() or not weights_file.is_file():
+            raise ValueError(f"lora_init_from={str(folder)!r} is not a peft LoRA folder: it needs {ADAPTER_CONFIG_FILE}"
+                             f" and {ADAPTER_WEIGHTS_FILE}")
+        config = json.loads(config_file.read_text())
+        if config.get("peft_type", "LORA") != "LORA":
+            problems.append(f"its peft_type is {config.get('peft_type')!r}, not 'LORA'")
+        for key, ours in (("r", lora.rank), ("lora_alpha", lora.alpha), ("use_rslora", lora.rslora)):
+            if key in config and config[key] != ours:
+                problems.append(f"its {key} is {config[key]!r}, this model's lora gives {ours!r}")
+        stored = load_file(str(weights_file))
+        self.args, self.tensors = args, {}
+        for name, shape in expected.items():
+            module, which = split_adapter_name(name)
+            key = f"{PEFT_PREFIX}{hf_module_name(module, args is None)}.{'lora_A' if which == 'lora_a' else 'lora_B'}"
+            tensor = stored.get(key + ".weight", stored.get(key + ".default.weight"))
+            if tensor is None:
+                problems.append(f"{key}.weight: missing (the model adapts {module})")
+                continue
+            if tuple(tensor.shape) != tuple(shape):
+                problems.append(f"{key}.weight: stored {tuple(tensor.shape)}, the model's is {tuple(shape)}")
+                continue
+            heads = rotary_heads(module + ".weight", args) if args is not None else None
+            if heads is not None and which == "lora_b":
+                from lightning_2d.checkpoint.hf.layout import hf_to_meta
+
+                tensor = hf_to_meta(tensor, heads)
+            self.tensors[name] = tensor
+        if problems:
+            raise ValueError(f"lora_init_from={str(folder)!r} does not fit this model's adapters:\n  - "
+                             + "\n  - ".join(problems[:12]) + ("\n  - …" if len(problems) > 12 else ""))
+
+    def covers(self, name: str) -> bool:
+        return name in self.tensors
+
+    def fill_block_(self, out: torch.Tensor, name: str, global_shape: Sequence[int], offset: Any) -> None:
+        tensor = self.tensors[name]
+        offset = tuple(offset) if offset is not None else (0,) * tensor.dim()
+        out.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offset, out.shape))])
+
+
+class WithAdapters:
+    """A weight source of the base (``init_from``) and a peft folder's adapters (``covers`` the adapters' names)."""
+
+    def __init__(self, base: Any, adapters: PeftAdapterWeights) -> None:
+        self.base, self.adapters = base, adapters
+
+    def covers(self, name: str) -> bool:
+        return self.adapters.covers(name)
+
+    def fill_block_(self, out: torch.Tensor, name: str, global_shape: Sequence[int], offset: Any) -> None:
+        source = self.adapters if self.adapters.covers(name) else self.base
+        source.fill_block_(out, name, global_shape, offset)

@@ -23,6 +23,10 @@ Variants (``--compare`` runs all three, alternating ``a, b, c, a, b, c, ...`` fo
     the report adds SimpleFSDP's step-time and peak-memory ratios over FSDP2's, and both variants' collectives of
     one step (``collectives``: all-gathers, reduce-scatters, all-reduces; bucketed under ``--compile``).
 
+``lora`` (``--compare-lora RANK``)
+    The ``lightning_2d`` variant training rank-``RANK`` LoRA adapters on its frozen base (``lora=``): the report adds
+    its step-time and peak-memory ratios over full fine-tuning at the same layout.
+
 All of them train the same seeded initial weights on the same synthetic tokens (the ranks of a
 tensor-parallel group draw the same batch; data-parallel ranks different ones), so their first
 losses agree. A step's time is the wall time between the ends of consecutive optimizer steps

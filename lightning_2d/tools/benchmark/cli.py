@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run lightning_2d under fsdp_backend='simple_fsdp' (variant simple_fsdp; lightning_2d"
                         " then runs fully_shard), alternating, and report their step-time and peak-memory ratios and"
                         " collectives per step (with --compile: the compiler's bucketed collectives)")
+    parser.add_argument("--compare-lora", type=int, default=None, metavar="RANK",
+                        help="also run lightning_2d training rank-RANK LoRA adapters on its frozen base (variant lora),"
+                        " alternating with full fine-tuning at the same layout, and report their step-time and"
+                        " peak-memory ratios")
     add_recipe_options(parser, RECIPE_KEYS)
     model = parser.add_argument_group(
         "model", "default: PyTorch's 2D example (dim 256, 2 layers, 16 heads, vocab 32000)"

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
 from lightning_2d.tools.benchmark.collectives import KINDS
-from lightning_2d.tools.benchmark.settings import OURS, SIMPLE_FSDP, BenchmarkSettings
+from lightning_2d.tools.benchmark.settings import LORA_VARIANT, OURS, SIMPLE_FSDP, BenchmarkSettings
 
 
 def slowest_rank_step_times(per_rank: list[list[float]]) -> list[float]:
@@ -72,10 +72,21 @@ def summarize(settings: BenchmarkSettings, runs: list[dict[str, Any]], in_place:
         in_place: Whether the variants ran one after the other in the same processes.
     """
     summaries = {v: variant_summary(settings, [r for r in runs if r["variant"] == v]) for v in settings.variants}
-    hand_written = {v: s["median_step_s"] for v, s in summaries.items() if v != SIMPLE_FSDP}
+    hand_written = {v: s["median_step_s"] for v, s in summaries.items() if v not in (SIMPLE_FSDP, LORA_VARIANT)}
     ratios = step_time_ratios(hand_written) if len(hand_written) > 1 else {}
     return {"settings": asdict(settings), "in_place": in_place, "variants": summaries, "ratios": ratios,
-            "backends": backend_ratios(summaries), "runs": runs}
+            "backends": backend_ratios(summaries), "lora": lora_ratios(summaries), "runs": runs}
+
+
+def lora_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
+    """``lora`` over ``lightning_2d`` (full fine-tuning at the same layout): median step time and peak memory per
+    device; ``None`` unless both ran (``--compare-lora``)."""
+    if LORA_VARIANT not in summaries or OURS not in summaries:
+        return None
+    lora, full = summaries[LORA_VARIANT], summaries[OURS]
+    memory = full["peak_memory_gib_per_device"]
+    return {"step_time": lora["median_step_s"] / full["median_step_s"],
+            "peak_memory": lora["peak_memory_gib_per_device"] / memory if memory else None}
 
 
 def backend_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
@@ -156,7 +167,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             "(in place on CPU: a variant's peak memory is its processes' peak so far, earlier variants included)"
         )
-    if report["ratios"] or report.get("backends"):
+    if report["ratios"] or report.get("backends") or report.get("lora"):
         lines.append("")
     for other, ratio in report["ratios"].items():
         lines.append(f"ours / {other} = {ratio:.3f}x step time ({1 / ratio:.3f}x the throughput)")
@@ -164,6 +175,12 @@ def format_report(report: dict[str, Any]) -> str:
         memory = backends["peak_memory"]
         lines.append(
             f"{SIMPLE_FSDP} / {OURS} (fully_shard) = {backends['step_time']:.3f}x step time"
+            + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
+        )
+    if lora := report.get("lora"):
+        memory = lora["peak_memory"]
+        lines.append(
+            f"{LORA_VARIANT} (rank {s.lora_rank}) / {OURS} (full fine-tuning) = {lora['step_time']:.3f}x step time"
             + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
         )
     if any(v.get("collectives_per_step") for v in report["variants"].values()):

@@ -21,11 +21,13 @@ from lightning_2d.tools.benchmark.options import option_flag, strategy_options
 if TYPE_CHECKING:
     from lightning_2d.parallel.dims import ParallelDims
 
-VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp")
+VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp", "lora")
 OURS = "lightning_2d"
 #: The lightning_2d variant under ``fsdp_backend="simple_fsdp"`` (``--compare-backends``; ``lightning_2d`` then runs
 #: ``fully_shard``).
 SIMPLE_FSDP = "simple_fsdp"
+#: The lightning_2d variant training LoRA adapters on its frozen base (``--compare-lora RANK``).
+LORA_VARIANT = "lora"
 #: PyTorch's 2D Llama example (``dtensor_2d_llama.py``): the shape the benchmark runs by default.
 REFERENCE_MODEL = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
 
@@ -61,6 +63,7 @@ class BenchmarkSettings:
         tp: Resolved tensor-parallel size.
         variants: Which of ``VARIANTS`` to run.
         timeout: Seconds one job may take before it is killed.
+        lora_rank: The adapters' rank of the ``lora`` variant (``--compare-lora``), else ``None``.
     """
 
     # No defaults here: the command line (build_parser) holds them.
@@ -81,6 +84,7 @@ class BenchmarkSettings:
     tp: int
     variants: list[str]
     timeout: float
+    lora_rank: Optional[int] = None
 
     @property
     def model_args(self) -> ModelArgs:
@@ -248,6 +252,9 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         if dp and extra:  # only the reference plan's check got here
             extra = [f"under --compare the lightning and plain variants use sequence parallelism: {p}" for p in extra]
         problems.extend(extra)
+    lora_rank = getattr(args, "compare_lora", None)
+    if lora_rank is not None and lora_rank < 1:
+        problems.append(f"--compare-lora takes the adapters' rank, a positive integer; got {lora_rank} (e.g. 16)")
     per_replica = getattr(args, "batch_size_per_replica", None)
     if dp and per_replica is not None:  # a recipe's data.batch_size: sequences per data-parallel replica
         args.global_batch_size = per_replica * dp
@@ -277,6 +284,8 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         dp=dp,
         tp=tp,
         variants=[OURS, *([SIMPLE_FSDP] if getattr(args, "compare_backends", False) else []),
+                  *([LORA_VARIANT] if getattr(args, "compare_lora", None) else []),
                   *(["lightning", "plain"] if args.compare else [])],
         timeout=args.timeout,
+        lora_rank=getattr(args, "compare_lora", None),
     )

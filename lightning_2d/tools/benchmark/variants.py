@@ -20,7 +20,7 @@ from lightning_2d.parallel.config import PRECISION_TO_DTYPES
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
 from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
 from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
-from lightning_2d.tools.benchmark.settings import OURS, SIMPLE_FSDP, BenchmarkSettings
+from lightning_2d.tools.benchmark.settings import LORA_VARIANT, OURS, SIMPLE_FSDP, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
 
 
@@ -56,7 +56,8 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, *callba
 
 
 def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[StepClock, torch.device, torch.dtype]:
-    """Variants ``lightning_2d`` and ``simple_fsdp``: Trainer + ``ModelParallel2DStrategy`` (its FSDP backend as the
+    """Variants ``lightning_2d``, ``simple_fsdp`` and ``lora`` (the same with adapters, its base frozen): Trainer +
+    ``ModelParallel2DStrategy`` (its FSDP backend as the
     variant says, ``BenchmarkSettings.strategy_kwargs``) + ``LlamaLightningModule``. The collectives of the last
     warm-up step are counted (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
     from lightning_2d.integration.module import LlamaLightningModule
@@ -67,6 +68,7 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
         init_seed=settings.seed,
         warmup_steps=lr_warmup_steps(settings),
         max_steps=settings.total_steps,
+        lora={"rank": settings.lora_rank} if variant == LORA_VARIANT else None,
         **settings.module_options,
     )
     strategy = ModelParallel2DStrategy(**settings.strategy_kwargs(variant))
@@ -168,6 +170,7 @@ RUNNERS: dict[str, Callable[[BenchmarkSettings], tuple[StepClock, torch.device, 
     "lightning": run_lightning,
     "plain": run_plain,
     SIMPLE_FSDP: lambda settings: run_lightning_2d(settings, SIMPLE_FSDP),
+    LORA_VARIANT: lambda settings: run_lightning_2d(settings, LORA_VARIANT),
 }
 
 
