@@ -110,8 +110,12 @@ class CausalLMModule(L.LightningModule):
         return LoRA.of(self.hparams.get("lora"))
 
     def _set_lora(self, lora: "LoRA | dict | None") -> None:
-        """Check ``lora`` now (before any process starts) and keep it as plain data in the hyperparameters."""
+        """Check ``lora`` now (before any process starts) and keep it as plain data in the hyperparameters. Under
+        LoRA a checkpoint holds the adapters only: Lightning's own loaders (a single-device resume) then load it
+        without the base (``strict_loading=False``; the 2D strategies check the adapters' names either way)."""
         self.hparams["lora"] = None if lora is None else LoRA.of(lora).to_dict()
+        if lora is not None:
+            self.strict_loading = False
 
     def _with_lora_init(self, base: Any, model: torch.nn.Module, args: Optional[ModelArgs]) -> Any:
         """``base`` (the ``init_from`` source), with ``lora_init_from``'s adapters when given (checked against
@@ -154,6 +158,13 @@ class CausalLMModule(L.LightningModule):
             return
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_adapter_parameter(k)}
         checkpoint[ADAPTERS_KEY] = {"lora": self.lora.to_dict(), "base": self.adapter_base()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Adapters trained on another base or with other settings are refused before Lightning loads them (the 2D
+        strategies check the same earlier, before reading any tensor)."""
+        record = checkpoint.get(ADAPTERS_KEY)
+        if record is not None:
+            self.check_adapter_checkpoint(record, Path("<the checkpoint>"))
 
     def check_adapter_checkpoint(self, record: dict[str, Any], path: Path) -> None:
         """Refuse (before anything is loaded) adapters trained with other settings or on another base."""

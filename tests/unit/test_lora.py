@@ -210,3 +210,33 @@ def test_a_lora_checkpoint_exports_for_peft_and_merged_with_our_logits(tmp_path,
     assert not (merged / "adapter_config.json").exists()
     alone = transformers.AutoModelForCausalLM.from_pretrained(merged)
     torch.testing.assert_close(_logits(alone, tokens), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_single_device_run_resumes_its_adapters_only_checkpoint_and_refuses_another_base(tmp_path):
+    """Lightning's own loader (no 2D strategy) reads an adapters-only checkpoint: the base is rebuilt from the seed,
+    the adapters and their AdamW state restored; a module on another seed is refused before anything is loaded."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_2d.checkpoint.files import CheckpointError
+
+    lora = {"rank": 2, "targets": ["wq", "w2"]}
+    first = LlamaLightningModule("debug", lora=lora, init_seed=3, max_steps=4, warmup_steps=1)
+    checkpoint = _fit(first, tmp_path, steps=2)
+    tokens = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+
+    def resume(module):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, DataLoader(batches, batch_size=4), ckpt_path=checkpoint)
+        return trainer
+
+    again = LlamaLightningModule("debug", lora=lora, init_seed=3, max_steps=4, warmup_steps=1)
+    trainer = resume(again)
+    assert trainer.global_step == 3
+    optimizer_state = trainer.optimizers[0].state
+    assert optimizer_state and all(int(s["step"]) == 3 for s in optimizer_state.values())  # restored, then one step
+    with pytest.raises(CheckpointError, match=r"trained on the base initialized from seed 3; this run's base is from"
+                                              r" seed 4: set init_seed=3"):
+        resume(LlamaLightningModule("debug", lora=lora, init_seed=4, max_steps=4, warmup_steps=1))
