@@ -1,7 +1,7 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear layers: ``y = x Wᵀ + s · B(A(dropout(x)))``.
 
-``add_lora(model, LoRA(...), targets)`` turns each targeted ``nn.Linear`` into a ``LoRALinear`` *in place* (its
-class changes, its ``weight`` stays the same parameter under the same name) with two child linears, ``lora_a``
+``add_lora(model, LoRA(...), targets)`` puts a ``LoRALinear`` in the place of each targeted ``nn.Linear`` (under the
+same name, holding the same ``weight`` and ``bias`` parameters) with two child linears, ``lora_a``
 (``rank × in_features``) and ``lora_b`` (``out_features × rank``), and freezes every parameter that is not an
 adapter's. The base names do not move (``layers.0.attention.wq.weight``), so ``init_from``, the parallel plans
 and checkpoints of the base read the same; the adapters are ``layers.0.attention.wq.lora_a.weight`` etc.
@@ -99,30 +99,42 @@ class LoRA:
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` with a low-rank adapter: ``F.linear(x, weight, bias) + scale · lora_b(lora_a(dropout(x)))``.
 
-    Made from an existing ``nn.Linear`` by ``LoRALinear.adapt(linear, lora)`` (its class swapped in place, its
-    parameters kept); not constructed directly. Under tensor parallelism its inputs and parameters are DTensors and
-    the same expression computes the sharded result (``lightning_2d.parallel.lora``).
+    ``LoRALinear.from_linear(linear, lora)`` makes one around an existing layer's parameters (the same ``weight`` and
+    ``bias`` objects: their values, names and sharding are the base's), which ``add_lora`` puts in the layer's place.
+    Under tensor parallelism its inputs and parameters are DTensors and the same expression computes the sharded
+    result (``lightning_2d.parallel.lora``).
+
+    Args:
+        in_features, out_features, bias, device, dtype: As ``nn.Linear``'s.
+        lora: The adapters' settings.
     """
 
-    lora_a: nn.Linear
-    lora_b: nn.Linear
-    lora_dropout: nn.Module
-    scale: float
+    def __init__(self, in_features: int, out_features: int, lora: LoRA, bias: bool = True,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._add_adapters(lora, device, dtype)
+
+    def _add_adapters(self, lora: LoRA, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
+        self.lora_a = nn.Linear(self.in_features, lora.rank, bias=False, device=device, dtype=dtype)
+        self.lora_b = nn.Linear(lora.rank, self.out_features, bias=False, device=device, dtype=dtype)
+        self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.scale = lora.scale
 
     @classmethod
-    def adapt(cls, linear: nn.Linear, lora: LoRA) -> "LoRALinear":
+    def from_linear(cls, linear: nn.Linear, lora: LoRA) -> "LoRALinear":
+        """A ``LoRALinear`` holding ``linear``'s own parameters, its adapters on their device and dtype."""
         if type(linear) is not nn.Linear:
             raise LoRAConfigError(
                 f"LoRA adapts plain nn.Linear layers; this target is a {type(linear).__name__}. Leave it out of"
                 " lora.targets (float8 layers: train LoRA without float8)"
             )
         device, dtype = linear.weight.device, linear.weight.dtype
-        linear.__class__ = cls
-        linear.lora_a = nn.Linear(linear.in_features, lora.rank, bias=False, device=device, dtype=dtype)
-        linear.lora_b = nn.Linear(lora.rank, linear.out_features, bias=False, device=device, dtype=dtype)
-        linear.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
-        linear.scale = lora.scale
-        return linear  # type: ignore[return-value]
+        adapted = cls(linear.in_features, linear.out_features, lora, bias=linear.bias is not None, device="meta",
+                      dtype=dtype)  # nothing allocated: the parameters are the layer's
+        adapted.weight, adapted.bias = linear.weight, linear.bias
+        adapted._add_adapters(lora, device, dtype)
+        adapted.train(linear.training)
+        return adapted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
@@ -184,7 +196,9 @@ def add_lora(
         )
     adapted = [name for name in linears if any(_matches(name, w) for w in wanted)]
     for name in adapted:
-        LoRALinear.adapt(linears[name], lora)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear.from_linear(linears[name], lora))  # the same name, the same parameters
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_parameter(name))
     return adapted

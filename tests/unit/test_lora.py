@@ -55,14 +55,15 @@ def test_adapting_keeps_the_base_names_freezes_them_and_starts_as_the_base():
 
 
 def test_an_adapted_layer_computes_its_merged_weight():
-    linear = nn.Linear(12, 10, bias=False)
-    LoRALinear.adapt(linear, LoRA(rank=3, alpha=6))
+    base = nn.Linear(12, 10, bias=False)
+    linear = LoRALinear.from_linear(base, LoRA(rank=3, alpha=6))
+    assert linear.weight is base.weight and linear.bias is None  # the layer's own parameters
     with torch.no_grad():
         linear.lora_b.weight.normal_()
     x = torch.randn(5, 12)
     torch.testing.assert_close(linear(x), x @ linear.merged_weight().T)
     assert linear.scale == 2.0 and isinstance(linear.lora_dropout, nn.Identity)
-    assert isinstance(LoRALinear.adapt(nn.Linear(4, 4), LoRA(dropout=0.1)).lora_dropout, nn.Dropout)
+    assert isinstance(LoRALinear.from_linear(nn.Linear(4, 4), LoRA(dropout=0.1)).lora_dropout, nn.Dropout)
 
 
 def test_targets_by_our_names_hugging_face_names_or_dotted_suffixes():
