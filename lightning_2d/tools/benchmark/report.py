@@ -78,26 +78,25 @@ def summarize(settings: BenchmarkSettings, runs: list[dict[str, Any]], in_place:
             "backends": backend_ratios(summaries), "lora": lora_ratios(summaries), "runs": runs}
 
 
-def lora_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
-    """``lora`` over ``lightning_2d`` (full fine-tuning at the same layout): median step time and peak memory per
-    device; ``None`` unless both ran (``--compare-lora``)."""
-    if LORA_VARIANT not in summaries or OURS not in summaries:
+def variant_ratios(summaries: dict[str, dict[str, Any]], variant: str) -> Optional[dict[str, float]]:
+    """``variant`` over ``lightning_2d``: median step time and peak memory per device (below 1: faster, or holding
+    less); ``None`` unless both ran."""
+    if variant not in summaries or OURS not in summaries:
         return None
-    lora, full = summaries[LORA_VARIANT], summaries[OURS]
-    memory = full["peak_memory_gib_per_device"]
-    return {"step_time": lora["median_step_s"] / full["median_step_s"],
-            "peak_memory": lora["peak_memory_gib_per_device"] / memory if memory else None}
+    other, ours = summaries[variant], summaries[OURS]
+    memory = ours["peak_memory_gib_per_device"]
+    return {"step_time": other["median_step_s"] / ours["median_step_s"],
+            "peak_memory": other["peak_memory_gib_per_device"] / memory if memory else None}
+
+
+def lora_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
+    """``lora`` over ``lightning_2d`` (full fine-tuning at the same layout, ``--compare-lora``)."""
+    return variant_ratios(summaries, LORA_VARIANT)
 
 
 def backend_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
-    """``simple_fsdp`` over ``lightning_2d`` (``fully_shard``): median step time and peak memory per device (below 1:
-    SimpleFSDP is faster, or holds less); ``None`` unless both ran (``--compare-backends``)."""
-    if SIMPLE_FSDP not in summaries or OURS not in summaries:
-        return None
-    simple, fsdp2 = summaries[SIMPLE_FSDP], summaries[OURS]
-    memory = fsdp2["peak_memory_gib_per_device"]
-    return {"step_time": simple["median_step_s"] / fsdp2["median_step_s"],
-            "peak_memory": simple["peak_memory_gib_per_device"] / memory if memory else None}
+    """``simple_fsdp`` over ``lightning_2d`` (``fully_shard``, ``--compare-backends``)."""
+    return variant_ratios(summaries, SIMPLE_FSDP)
 
 
 def _collectives(counts: Optional[dict[str, int]]) -> str:
