@@ -6,6 +6,7 @@
         --seq-len 8192 --batch-size 1 --accumulate 4
     python recipes/fabric_pretrain.py --resume checkpoints/step-000020    # continue, at any layout
     python recipes/fabric_pretrain.py --resume latest --save-every 20     # the newest in --checkpoint-dir
+    python recipes/fabric_pretrain.py --lora-rank 16                      # LoRA adapters, the base frozen
 
 The loop shows what the strategy does not hide: a meta-device model that ``fabric.setup`` shards
 and initializes, gradient accumulation that synchronizes gradients only on the last micro-batch
@@ -25,11 +26,13 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-from lightning_2d import ModelArgs, TextDataModule, Transformer
+from lightning_2d import LoRA, ModelArgs, TextDataModule, Transformer
 from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.integration.module import warmup_cosine_schedule
+from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
+from lightning_2d.ops.lora import add_lora
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import normalize_by_global_tokens
@@ -59,6 +62,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="train rank-R LoRA adapters on the seven projections, the base frozen (default: all weights)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
@@ -118,12 +123,15 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     sharded = isinstance(fabric.strategy, ModelParallel2DStrategy)
     with fabric.init_module(empty_init=sharded):
         model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet
+    if args.lora_rank:  # adapters beside the projections, everything else frozen (before setup: TP places them)
+        add_lora(model, LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank), LLAMA_TARGETS, HF_TO_LLAMA)
     if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
         model.init_weights(args.seed)
     model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards
     # Under pipeline parallelism the strategy keeps the pipeline of the model's stages, stepped below.
     pipeline = fabric.strategy.pipeline if sharded else None
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
+    trained = [p for p in model.parameters() if p.requires_grad]  # under LoRA the adapters only
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.1,
                                                           betas=(0.9, 0.95), foreach=True))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine_schedule(args.warmup_steps, args.max_steps, min_lr_ratio=0.1)

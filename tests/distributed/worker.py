@@ -917,6 +917,8 @@ def fabric_loop(cfg: dict) -> None:
             "--save-every", str(cfg.get("save_every", 0)), "--checkpoint-dir", cfg.get("checkpoint_dir", "ckpt")]
     if cfg.get("resume"):
         argv += ["--resume", cfg["resume"]]
+    if cfg.get("lora_rank"):
+        argv += ["--lora-rank", str(cfg["lora_rank"])]
     args = recipe.parse_args(argv)
     if cfg["strategy"] == "single":
         strategy = "auto"
@@ -945,8 +947,15 @@ def fabric_loop(cfg: dict) -> None:
         if step == 6:
             save_state(model, getattr(fabric.strategy, "device_mesh", None), fabric.global_rank, out_dir, "final")
 
-    history = recipe.train(fabric, args, on_step=on_step)
-    result = {**history, "reduce_scatters": reduce_scatters["n"]}
+    trained: list[str] = []
+
+    def on_step_and_record(step: int, model) -> None:
+        if step == 1:  # what requires gradients once fabric.setup parallelized the model
+            trained.extend(canonical_name(n) for n, p in model.named_parameters() if p.requires_grad)
+        on_step(step, model)
+
+    history = recipe.train(fabric, args, on_step=on_step_and_record)
+    result = {**history, "reduce_scatters": reduce_scatters["n"], "requires_grad": sorted(trained)}
     (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
 
 
