@@ -359,15 +359,13 @@ def test_per_op_selective_checkpointing_keeps_every_other_matmul_with_or_without
     assert kept[True] == kept[False] == 2 * 32 * 64 * 4  # the 1st and 3rd matmuls' outputs (the 4th is the output)
 
 
-MEASURE = textwrap.dedent(
+#: What both measuring scripts start with: the spec (argv[1]), one thread, the model's args, the peaks to fill.
+MEASURE_PRELUDE = textwrap.dedent(
     """
     import gc, json, sys
     import torch
     from lightning_2d.integration.callbacks import peak_memory_gib, reset_peak_memory
     from lightning_2d.models.llama.model import ModelArgs, Transformer
-    from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
-    from lightning_2d.parallel.config import ParallelConfig
-    from lightning_2d.models.llama.plan import llama_plan
 
     spec = json.loads(sys.argv[1])
     torch.manual_seed(0)
@@ -375,6 +373,14 @@ MEASURE = textwrap.dedent(
     cpu = torch.device("cpu")
     args = ModelArgs(**spec["model"])
     peaks = {}
+    """
+)
+MEASURE = MEASURE_PRELUDE + textwrap.dedent(
+    """
+    from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
+    from lightning_2d.parallel.config import ParallelConfig
+    from lightning_2d.models.llama.plan import llama_plan
+
     for mode in spec["modes"]:
         # bf16: as under bf16-true (and what bf16-mixed computes in): bf16 weights and activations
         model = Transformer(args).to(getattr(torch, spec.get("dtype", "float32")))
@@ -433,21 +439,11 @@ def test_activation_estimate_within_15_percent_of_the_measured_cpu_peak():
         assert report.activation_bytes == pytest.approx(measured[mode], rel=0.15), (mode, report.activation_bytes)
 
 
-MEASURE_STEP = textwrap.dedent(
+MEASURE_STEP = MEASURE_PRELUDE + textwrap.dedent(
     """
-    import gc, json, sys
-    import torch
-    from lightning_2d.integration.callbacks import peak_memory_gib, reset_peak_memory
     from lightning_2d.models.adapters import LLAMA_TARGETS
-    from lightning_2d.models.llama.model import ModelArgs, Transformer
     from lightning_2d.ops.lora import LoRA, add_lora
 
-    spec = json.loads(sys.argv[1])
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    args = ModelArgs(**spec["model"])
-    peaks = {}
     for rank in spec["ranks"]:  # 0: full fine-tuning
         gc.collect()
         reset_peak_memory(cpu)
