@@ -129,10 +129,10 @@ class CausalLMModule(L.LightningModule):
         if base is None:
             raise ValueError(f"lora_init_from={folder!r} needs the base its adapters were trained on: set init_from"
                              " (adapter_config.json's base_model_name_or_path names it)")
-        from lightning_2d.checkpoint.hf.lora import PeftAdapterWeights, WithAdapters
+        from lightning_2d.checkpoint.hf.lora import BaseWithPeftAdapters, PeftAdapterWeights
 
         expected = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters() if is_adapter_parameter(n)}
-        return WithAdapters(base, PeftAdapterWeights(Path(folder), self.lora, args, expected))
+        return BaseWithPeftAdapters(base, PeftAdapterWeights(Path(folder), self.lora, args, expected))
 
     def _add_lora(self, model: torch.nn.Module, targets: tuple[str, ...], aliases: dict[str, str]) -> None:
         """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen (``ops.lora``)."""

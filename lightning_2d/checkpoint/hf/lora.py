@@ -235,7 +235,7 @@ class PeftAdapterWeights:
         out.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offset, out.shape))])
 
 
-class WithAdapters:
+class BaseWithPeftAdapters:
     """A weight source of the base (``init_from``) and a peft folder's adapters (``covers`` the adapters' names)."""
 
     def __init__(self, base: Any, adapters: PeftAdapterWeights) -> None:
