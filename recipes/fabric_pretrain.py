@@ -31,8 +31,7 @@ from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.integration.module import warmup_cosine_schedule
-from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
-from lightning_2d.ops.lora import add_lora
+from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import normalize_by_global_tokens
@@ -124,7 +123,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     with fabric.init_module(empty_init=sharded):
         model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet
     if args.lora_rank:  # adapters beside the projections, everything else frozen (before setup: TP places them)
-        add_lora(model, LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank), LLAMA_TARGETS, HF_TO_LLAMA)
+        add_family_lora(model, LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
     if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
         model.init_weights(args.seed)
     model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards

@@ -16,7 +16,6 @@ from torch import nn
 
 from lightning_2d._compat import trainer_of
 from lightning_2d.integration.module import CausalLMModule
-from lightning_2d.models.adapters import HF_TARGETS, LLAMA_TO_HF
 from lightning_2d.models.hf_decoders import (
     HFDecoderInit,
     check_hf_decoder,
@@ -117,7 +116,7 @@ class HFCausalLMModule(CausalLMModule):
                 self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
             )
         check_hf_decoder(model)
-        self._add_lora(model, HF_TARGETS, LLAMA_TO_HF)
+        self._add_lora(model)
         return model
 
     def configure_model(self) -> None:

@@ -16,10 +16,10 @@ from torchmetrics import MeanMetric
 from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.files import ADAPTERS_KEY, CheckpointError
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
-from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
+from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
-from lightning_2d.ops.lora import LoRA, add_lora, is_adapter_parameter
+from lightning_2d.ops.lora import LoRA, is_adapter_parameter
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
@@ -134,10 +134,11 @@ class CausalLMModule(L.LightningModule):
         expected = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters() if is_adapter_parameter(n)}
         return BaseWithPeftAdapters(base, PeftAdapterWeights(Path(folder), self.lora, args, expected))
 
-    def _add_lora(self, model: torch.nn.Module, targets: tuple[str, ...], aliases: dict[str, str]) -> None:
-        """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen (``ops.lora``)."""
+    def _add_lora(self, model: torch.nn.Module) -> None:
+        """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen
+        (``models.adapters.add_family_lora``)."""
         if self.lora is not None:
-            add_lora(model, self.lora, targets, aliases)
+            add_family_lora(model, self.lora)
 
     # ---- adapters-only checkpoints ------------------------------------------------------------
     def adapter_base(self) -> dict[str, Any]:
@@ -419,7 +420,7 @@ class LlamaLightningModule(CausalLMModule):
             self.weights_source()
         if self.lora is not None and self.lora.targets:  # the targets against the model now (a meta build: no memory)
             with torch.device("meta"):
-                self._add_lora(Transformer(self.model_args), LLAMA_TARGETS, HF_TO_LLAMA)
+                self._add_lora(Transformer(self.model_args))
 
     @property
     def vocab_size(self) -> int:
@@ -434,7 +435,7 @@ class LlamaLightningModule(CausalLMModule):
             return base
         with torch.device("meta"):  # the adapters' names and shapes
             model = Transformer(self.model_args)
-        self._add_lora(model, LLAMA_TARGETS, HF_TO_LLAMA)
+        self._add_lora(model)
         return self._with_lora_init(base, model, self.model_args)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -462,7 +463,7 @@ class LlamaLightningModule(CausalLMModule):
             # The 2D strategy parallelizes the empty model, then allocates only each rank's shards.
             with torch.device("meta"):
                 self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
-            self._add_lora(self.model, LLAMA_TARGETS, HF_TO_LLAMA)
+            self._add_lora(self.model)
             return
         device = strategy.root_device if strategy is not None else torch.device("cpu")
         seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
@@ -471,7 +472,7 @@ class LlamaLightningModule(CausalLMModule):
         self._base_init_seed = seed
         with torch.device(device):
             model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
-        self._add_lora(model, LLAMA_TARGETS, HF_TO_LLAMA)
+        self._add_lora(model)
         source = self.weights_source()
         if source is not None:
             model.load_blocks(WithOwnInit(source, module_init_specs(model), seed))  # the adapters: their own init

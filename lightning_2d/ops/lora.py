@@ -204,11 +204,4 @@ def add_lora(
     return adapted
 
 
-def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameter counts (global shapes for DTensors)."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
-
-
-__all__ = ["ADAPTERS", "LoRA", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter",
-           "trainable_parameter_count"]
+__all__ = ["ADAPTERS", "LoRA", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter"]

@@ -75,7 +75,8 @@ def summarize(settings: BenchmarkSettings, runs: list[dict[str, Any]], in_place:
     hand_written = {v: s["median_step_s"] for v, s in summaries.items() if v not in (SIMPLE_FSDP, LORA_VARIANT)}
     ratios = step_time_ratios(hand_written) if len(hand_written) > 1 else {}
     return {"settings": asdict(settings), "in_place": in_place, "variants": summaries, "ratios": ratios,
-            "backends": backend_ratios(summaries), "lora": lora_ratios(summaries), "runs": runs}
+            "backends": variant_ratios(summaries, SIMPLE_FSDP), "lora": variant_ratios(summaries, LORA_VARIANT),
+            "runs": runs}
 
 
 def variant_ratios(summaries: dict[str, dict[str, Any]], variant: str) -> Optional[dict[str, float]]:
@@ -87,16 +88,6 @@ def variant_ratios(summaries: dict[str, dict[str, Any]], variant: str) -> Option
     memory = ours["peak_memory_gib_per_device"]
     return {"step_time": other["median_step_s"] / ours["median_step_s"],
             "peak_memory": other["peak_memory_gib_per_device"] / memory if memory else None}
-
-
-def lora_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
-    """``lora`` over ``lightning_2d`` (full fine-tuning at the same layout, ``--compare-lora``)."""
-    return variant_ratios(summaries, LORA_VARIANT)
-
-
-def backend_ratios(summaries: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
-    """``simple_fsdp`` over ``lightning_2d`` (``fully_shard``, ``--compare-backends``)."""
-    return variant_ratios(summaries, SIMPLE_FSDP)
 
 
 def _collectives(counts: Optional[dict[str, int]]) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_2d._compat import fake_store
+from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.ops.lora import LoRA
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
@@ -146,7 +147,7 @@ def _shard(
         mesh = dims.build_mesh("cpu")
         model = build_meta(args, loss_chunk_size)
         if lora is not None:
-            add_family_lora(model, lora)
+            add_family_lora(model, lora)  # as the modules add them
         model_numel = sum(p.numel() for p in model.parameters())
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
@@ -167,14 +168,3 @@ def _shard(
     return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
                    None if trained == numel else trained)
 
-
-def add_family_lora(model: torch.nn.Module, lora: LoRA) -> None:
-    """Adapters where the model's module adds them: our Llama's projections, or a Hugging Face decoder's."""
-    from lightning_2d.models.adapters import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS, LLAMA_TO_HF
-    from lightning_2d.models.llama.model import Transformer
-    from lightning_2d.ops.lora import add_lora
-
-    if isinstance(model, Transformer):
-        add_lora(model, lora, LLAMA_TARGETS, HF_TO_LLAMA)
-    else:
-        add_lora(model, lora, HF_TARGETS, LLAMA_TO_HF)
