@@ -46,7 +46,7 @@ FP32_RTOL = 1e-4
 BF16_RTOL = 2e-2
 BF16_VS_FP32_RTOL = 3e-2
 SAME_RECIPE_RTOL = 1e-2
-FLOAT8_RTOL = 5e-2
+FLOAT8_RTOL = 3e-2  # 6.1e-3 measured on an H200 (tests/gpu/README.md)
 #: Every rank reports the globally reduced loss; identical up to the last bits of an all-reduce.
 RANKS_AGREE_RTOL = 1e-6
 
@@ -75,11 +75,17 @@ def assert_ranks_agree(runs, run: str) -> None:
         assert worst_relative_error(out["losses"], first) <= RANKS_AGREE_RTOL, f"{run}: rank {rank} saw other losses"
 
 
+#: Rank-8 adapters on every attention and MLP projection, base frozen; LoRA's usual higher learning rate, so the
+#: curve moves within the lane's 10 steps although every adapter starts as a no-op (B = 0).
+LORA_RUN = {"module": {"lora": {"rank": 8, "alpha": 16}}, "lr": 1e-2}
+
+
 @pytest.fixture(scope="module")
 def reference(gpu_jobs):
     """Plain single-device Trainer: fp32 and bf16-mixed (autocast)."""
     runs = [gpu_jobs.make_run("fp32", "single", precision="32-true"),
-            gpu_jobs.make_run("bf16", "single", precision="bf16-mixed")]
+            gpu_jobs.make_run("bf16", "single", precision="bf16-mixed"),
+            gpu_jobs.make_run("bf16_lora", "single", precision="bf16-mixed", **LORA_RUN)]
     return gpu_jobs.run("reference", runs, nprocs=1)
 
 
@@ -94,6 +100,7 @@ def eager(gpu_jobs, lane):
         gpu_jobs.make_run("no_sequence_parallel", options={"sequence_parallel": False}),
         gpu_jobs.make_run("selective_ac",
                           options={"activation_checkpointing": "selective", "selective_ac_option": "op"}),
+        gpu_jobs.make_run("bf16_lora", **LORA_RUN),
     ]
     if n > 1:
         runs += [gpu_jobs.make_run("bf16_data_parallel", dp=n, tp=1),
@@ -240,3 +247,19 @@ def test_async_tensor_parallel_matches_compiled(gpu_jobs, compiled, lane, report
     out = gpu_jobs.run("async_tp", [run], nprocs=lane.nprocs).rank0("async_tp")
     assert out["micro_pipeline_tp"] is True, "async_tensor_parallel=True did not switch on Inductor's micro-pipeline TP"
     assert_parity(report, "async_tp_vs_compile", out["losses"], compiled.losses("bf16_compile"), SAME_RECIPE_RTOL)
+
+
+def test_lora_adapters_train_like_single_device(reference, eager, lane, report):
+    """LoRA on CUDA (bf16-mixed, fused AdamW over the adapters only): the same curve as a single-device LoRA run,
+    the base weights untouched on every rank, and only the adapters trained."""
+    for source, out in (("strategy", eager.rank0("bf16_lora")), ("single device", reference.rank0("bf16_lora"))):
+        numel = out["numel"]
+        assert 0 < numel["trained"] < 0.25 * numel["frozen"], f"{source}: trained/frozen elements {numel}"
+        assert out["frozen_changed"] == [], f"{source}: frozen weights changed in training: {out['frozen_changed']}"
+    for rank, out in enumerate(eager["bf16_lora"]):
+        assert out["frozen_changed"] == [], f"rank {rank}: frozen weights changed: {out['frozen_changed']}"
+    losses = eager.losses("bf16_lora")
+    report.check("lora_loss_drop", losses[0] - losses[-1], losses=losses)
+    assert losses[-1] < 0.95 * losses[0], f"the adapters do not learn: {losses}"
+    assert_parity(report, f"lora_bf16_1x{lane.nprocs}_vs_single_bf16_lora", losses, reference.losses("bf16_lora"),
+                  BF16_RTOL)
