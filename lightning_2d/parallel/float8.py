@@ -27,22 +27,18 @@ when float8 is used.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import logging
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from fnmatch import fnmatch
-from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lightning_2d._compat import PYTREE_LOGGER, enable_micro_pipeline_tp, has_symmetric_memory, symmetric_memory
+from lightning_2d._compat import enable_micro_pipeline_tp, has_symmetric_memory, symmetric_memory
+from lightning_2d.ops.torchao import quiet_torchao_import, torchao_problem, torchao_version
 from lightning_2d.parallel.config import Size, float8_recipe_problems
 from lightning_2d.parallel.modules import canonical_name
 
@@ -50,9 +46,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-#: Oldest torchao whose float8 training API (``torchao.float8``) this module is written against.
-MIN_TORCHAO_VERSION = (0, 18)
-INSTALL_COMMAND = 'pip install "lightning-2d[float8]"'
 #: NVIDIA GPUs with float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
 MIN_FLOAT8_CAPABILITY = (8, 9)
 FLOAT8_GPUS = "H100, H200, B200, L40S, L4"
@@ -64,45 +57,11 @@ FLOAT8_DIM_MULTIPLE = 16
 
 # ---- checks before any process group ------------------------------------------------------------
 def _torchao_version() -> str | None:
-    """The installed torchao version, ``"unknown"`` for a checkout without metadata, ``None`` if absent.
-
-    Reads the package metadata instead of importing torchao: the import takes seconds and (on
-    ROCm) queries the GPU, which must not happen in the Trainer's constructor.
-    """
-    try:
-        if importlib.util.find_spec("torchao") is None:
-            return None
-    except (ImportError, ValueError):  # a broken or half-removed installation
-        return None
-    try:
-        return metadata.version("torchao")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    return torchao_version()
 
 
 def _torchao_problem() -> str | None:
-    version = _torchao_version()
-    wanted = ".".join(map(str, MIN_TORCHAO_VERSION))
-    if version is None:
-        return (
-            f"float8=True needs torchao>={wanted}, which is not installed; install it with `{INSTALL_COMMAND}`"
-            f' (or `pip install "torchao>={wanted}"`)'
-        )
-    if version == "unknown":
-        return None
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        # `release` ignores dev/local suffixes, so a 0.18 nightly counts as 0.18.
-        too_old = Version(version).release[:2] < MIN_TORCHAO_VERSION
-    except InvalidVersion:
-        return None
-    if too_old:
-        return (
-            f"float8=True needs torchao>={wanted}, found torchao {version}; upgrade with"
-            f' `pip install -U "lightning-2d[float8]"`'
-        )
-    return None
+    return torchao_problem("float8=True", "float8", _torchao_version())
 
 
 def _float8_device_problem(device_index: int) -> str | None:
@@ -237,30 +196,12 @@ def float8_problems(
 
 
 # ---- torchao ------------------------------------------------------------------------------------
-@contextmanager
-def _quiet_torchao_import() -> Iterator[None]:
-    # On a torch build without CUDA, torchao logs a warning for every CUDA extension it cannot load,
-    # and torch logs a deprecation aimed at torchao's own code; neither is actionable by our users.
-    names = [PYTREE_LOGGER]
-    if torch.version.cuda is None and torch.version.hip is None:
-        names.append("torchao")
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def _torchao_float8() -> ModuleType:
     """``torchao.float8``, or an ImportError that says how to install it."""
     problem = _torchao_problem()
     if problem is not None:
         raise ImportError(problem)
-    with _quiet_torchao_import():
+    with quiet_torchao_import():
         import torchao.float8
         import torchao.float8.float8_tensor_parallel  # the TP styles
     return torchao.float8

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_2d.models.llama.model import ModelArgs, Transformer, VocabProjection
 from lightning_2d.parallel import float8 as f8
+from lightning_2d.ops import torchao as ops_torchao
 
 requires_torchao = pytest.mark.skipif(
     f8._torchao_problem() is not None, reason=f"torchao unusable here: {f8._torchao_problem()}"
@@ -448,14 +449,14 @@ def test_old_torchao_is_reported_with_the_upgrade_command(monkeypatch):
     fake = types.ModuleType("torchao")
     fake.__spec__ = importlib.machinery.ModuleSpec("torchao", None)
     monkeypatch.setitem(sys.modules, "torchao", fake)
-    real_version = f8.metadata.version
-    monkeypatch.setattr(f8.metadata, "version", lambda name: "0.12.1" if name == "torchao" else real_version(name))
+    real_version = ops_torchao.metadata.version
+    monkeypatch.setattr(ops_torchao.metadata, "version", lambda name: "0.12.1" if name == "torchao" else real_version(name))
     (problem,) = _problems(float8=True)
     assert problem == (
         'float8=True needs torchao>=0.18, found torchao 0.12.1; upgrade with `pip install -U "lightning-2d[float8]"`'
     )
     nightly = "0.18.0.dev20260101+cu128"
-    monkeypatch.setattr(f8.metadata, "version", lambda name: nightly if name == "torchao" else real_version(name))
+    monkeypatch.setattr(ops_torchao.metadata, "version", lambda name: nightly if name == "torchao" else real_version(name))
     assert _problems(float8=True) == []
 
 
