@@ -24,7 +24,7 @@ from lightning_2d.models.hf_decoders import (
     load_hf_config,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.ops.lora import LoRA, is_adapter_parameter
+from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
 from lightning_2d.parallel.modules import canonical_name
 
 if TYPE_CHECKING:
@@ -137,6 +137,7 @@ class HFCausalLMModule(CausalLMModule):
         if strategy is not None and strategy.world_size > 1:
             seed = strategy.broadcast(seed)
         self._base_init_seed = seed
+        quantize_lora_bases(model, device)  # QLoRA: meta NF4 bases, filled from the whole weights by materialize_model
         materialize_model(model, device, seed=seed, weights=self.weights_source(), init_hooks=[self, HFDecoderInit(model)])
 
     #: Packed documents (``document_mask``, ``ChatDataModule(pack=True)``) are kept apart by transformers itself:

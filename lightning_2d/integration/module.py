@@ -19,7 +19,7 @@ from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
 from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
-from lightning_2d.ops.lora import LoRA, is_adapter_parameter
+from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.context import context_shard
@@ -478,6 +478,7 @@ class LlamaLightningModule(CausalLMModule):
             model.load_blocks(WithOwnInit(source, module_init_specs(model), seed))  # the adapters: their own init
         else:
             model.init_weights(seed)
+        quantize_lora_bases(model)  # QLoRA: the frozen bases in NF4, quantized from their initial values
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

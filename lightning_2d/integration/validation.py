@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_2d.models.registry import resolve_plan
+from lightning_2d.parallel.lora import qlora_problems
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan, raise_if_problems
 
 
@@ -69,13 +70,18 @@ def document_mask_problems(module: Any, datamodule: Any) -> list[str]:
 def lora_problems(module: Any, config: ParallelConfig) -> list[str]:
     """What keeps a module's LoRA adapters (``lora=``) from composing with the strategy's options."""
     lora = getattr(module, "lora", None)
-    if lora is None or not config.float8:
+    if lora is None:
         return []
-    return [
-        f"float8={config.float8!r} with LoRA adapters ({type(module).__name__}(lora=...)): float8 swaps the"
-        " projections for torchao's Float8Linear, which the adapters cannot wrap, and a frozen base gains little"
-        " from float8 training. Use float8=False with lora, or train without lora"
-    ]
+    problems = []
+    if config.float8:
+        problems.append(
+            f"float8={config.float8!r} with LoRA adapters ({type(module).__name__}(lora=...)): float8 swaps the"
+            " projections for torchao's Float8Linear, which the adapters cannot wrap, and a frozen base gains little"
+            " from float8 training. Use float8=False with lora, or train without lora"
+        )
+    if lora.quantize_base is not None:
+        problems += qlora_problems(config, _int_or_none(config.tensor_parallel_size))
+    return problems
 
 
 def _int_or_none(value: Any) -> Optional[int]:

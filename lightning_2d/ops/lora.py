@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_2d.ops.init import InitSpec
+from lightning_2d.ops.nf4 import NF4_GROUP, QUANTIZATIONS, dequantize, is_nf4, nf4_shard_problem, to_nf4_weight
 
 #: The attribute names of a ``LoRALinear``'s adapters (part of the parameter names).
 ADAPTERS = ("lora_a", "lora_b")
@@ -49,6 +50,9 @@ class LoRA:
             (``"attention.wq"``); ``None``: the model's attention and MLP projections. A model accepts its own names
             and the Hugging Face names (``q_proj``, ``gate_proj``, …) of the same layers.
         rslora: Rank-stabilized scaling, ``alpha / √rank`` (Kalajdzievski 2023; peft's ``use_rslora``).
+        quantize_base: ``"nf4"``: QLoRA (Dettmers et al. 2023), the adapted layers' frozen weights stored as 4-bit
+            NormalFloat (torchao's ``NF4Tensor``, ``lightning_2d.ops.nf4``) and dequantized in each forward; ``None``:
+            the base keeps its dtype. Under the 2D strategy NF4 weights are FSDP-sharded (not tensor-parallel).
     """
 
     rank: int = 8
@@ -56,6 +60,7 @@ class LoRA:
     dropout: float = 0.0
     targets: Optional[tuple[str, ...]] = None
     rslora: bool = False
+    quantize_base: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, (list, str)):
@@ -70,6 +75,8 @@ class LoRA:
         if self.targets is not None and (not self.targets or not all(isinstance(t, str) and t for t in self.targets)):
             problems.append(f"targets must be a non-empty list of layer names, got {self.targets!r}; or omit it for"
                             " the attention and MLP projections")
+        if self.quantize_base is not None and self.quantize_base not in QUANTIZATIONS:
+            problems.append(f"quantize_base must be one of {list(QUANTIZATIONS)} or None, got {self.quantize_base!r}")
         if problems:
             raise LoRAConfigError("Invalid LoRA settings: " + "; ".join(problems))
 
@@ -91,9 +98,13 @@ class LoRA:
         return cls(**dict(value))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (hyperparameters, checkpoints)."""
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+        """Plain data (hyperparameters, checkpoints); ``quantize_base`` only when set, so the records of adapters
+        trained before it existed still compare equal."""
+        data = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "targets": list(self.targets) if self.targets is not None else None, "rslora": self.rslora}
+        if self.quantize_base is not None:
+            data["quantize_base"] = self.quantize_base
+        return data
 
 
 class LoRALinear(nn.Linear):
@@ -119,6 +130,7 @@ class LoRALinear(nn.Linear):
         self.lora_b = nn.Linear(lora.rank, self.out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
         self.scale = lora.scale
+        self.quantize_base = lora.quantize_base
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, lora: LoRA) -> "LoRALinear":
@@ -146,8 +158,10 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """``weight + scale · B A`` (plain tensors): the linear layer that computes what this one does."""
-        return self.weight + (self.lora_b.weight @ self.lora_a.weight) * self.scale
+        """``weight + scale · B A`` (plain tensors): the linear layer that computes what this one does (an NF4 base
+        dequantized)."""
+        weight = dequantize(self.weight) if is_nf4(self.weight) else self.weight
+        return weight + (self.lora_b.weight @ self.lora_a.weight) * self.scale
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scale={self.scale:g}"
@@ -204,4 +218,39 @@ def add_lora(
     return adapted
 
 
-__all__ = ["ADAPTERS", "LoRA", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter"]
+def quantized_bases(model: nn.Module) -> dict[str, "LoRALinear"]:
+    """The ``LoRALinear`` layers whose frozen weight is (to be) quantized (``LoRA.quantize_base``), by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.quantize_base}
+
+
+def quantize_lora_bases(model: nn.Module, device: Optional[torch.device] = None, shards: int = 1) -> list[str]:
+    """Store the frozen weights of ``model``'s QLoRA layers (``LoRA(quantize_base="nf4")``) as ``NF4Tensor``s, in place;
+    return the quantized weights' names. Layers already quantized are left alone.
+
+    A real weight is quantized now; a meta weight becomes a meta ``NF4Tensor`` that materialization fills
+    (``ops.nf4.fill_nf4_``), with its constants on ``device``. ``shards``: the row shards each weight will be cut into
+    (FSDP's); a weight that cannot be cut into whole scaler groups is refused before anything is allocated.
+
+    Raises:
+        LoRAConfigError: A weight's shape does not fit NF4 blocks or the shards (all such weights listed).
+        ImportError: torchao is missing or too old (the message says how to install it).
+    """
+    layers = {name: m for name, m in quantized_bases(model).items() if not is_nf4(m.weight)}
+    # One line per kind of layer: the blocks' numbers become ``*`` (``layers.*.feed_forward.w1.weight``).
+    problems = list(dict.fromkeys(
+        p for name, m in layers.items()
+        if (p := nf4_shard_problem(re.sub(r"(^|\.)\d+(?=\.)", r"\1*", f"{name}.weight"), tuple(m.weight.shape), shards))
+    ))
+    if problems:
+        raise LoRAConfigError(
+            "lora.quantize_base='nf4' cannot store these weights in NF4: " + "; ".join(problems)
+            + f". Leave them out of lora.targets, train with quantize_base=None, or use a data-parallel size whose"
+            f" shards hold whole groups of {NF4_GROUP:,} elements"
+        )
+    for m in layers.values():
+        m.weight = nn.Parameter(to_nf4_weight(m.weight, device), requires_grad=False)
+    return [f"{name}.weight" for name in layers]
+
+
+__all__ = ["ADAPTERS", "LoRA", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter", "quantize_lora_bases",
+           "quantized_bases"]

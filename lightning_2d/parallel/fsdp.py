@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_2d.ops.nf4 import is_nf4
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
 from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
@@ -57,11 +58,16 @@ def apply_fully_shard(
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     reshard = reshard_after_forward_by_unit(config.reshard_policy)
     ties = shared_parameters(model)  # once for every unit
+    # torch's one-rank FSDP2 shortcut (torch 2.11 and 2.13) copies one all-gather input per parameter; an NF4 weight
+    # (QLoRA) has three (codes, scalers, factors) and fails ("expected 3, got 1"). On one rank nothing is sharded:
+    # FSDP leaves the NF4 weights alone, plain tensors in their module.
+    ignored = {p for p in model.parameters() if is_nf4(p)} if dp_mesh.size() == 1 else set()
 
     def shard(module: nn.Module | list[nn.Module], kind: str) -> None:
         if kind != "root" and holds_shared_outside(module, model, ties):
             return  # a tied weight used outside this unit too (embedding = head): the root unit holds it
-        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard[kind])
+        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard[kind],
+                    ignored_params=ignored or None)
 
     for module in get_named_submodules(model, plan.input_units, "input_units"):
         shard(module, "input")

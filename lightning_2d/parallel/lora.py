@@ -14,16 +14,21 @@ Automodel's choice), with no collective of their own:
 
 Wrapping every column- and row-wise style of a plan (``with_adapter_placements``) keeps the plans themselves
 unaware of adapters: a module without them is parallelized by the style as before.
+
+QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``) are FSDP-sharded only: ``qlora_problems`` says which layouts cannot
+hold them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_2d.ops.lora import ADAPTERS, LoRALinear
+from lightning_2d.ops.nf4 import nf4_problem
+from lightning_2d.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -76,3 +81,36 @@ def with_adapter_placements(styles: dict[str, ParallelStyle]) -> dict[str, Paral
 
 def has_adapters(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def qlora_problems(config: ParallelConfig, tp: Optional[int]) -> list[str]:
+    """What keeps NF4 base weights (``LoRA(quantize_base="nf4")``) from the strategy's layout: they are FSDP-sharded
+    over one mesh dimension, by torchao's all-gather, and quantized whole (``lightning_2d.ops.nf4``). ``tp``: the
+    tensor-parallel size where known (``None``: not resolved yet)."""
+    what = "lora.quantize_base='nf4' (QLoRA)"
+    problems = []
+    if (problem := nf4_problem()) is not None:
+        problems.append(problem)
+    if tp is not None and tp > 1:
+        problems.append(
+            f"{what} with tensor_parallel_size={tp}: NF4 weights are quantized in blocks of the whole weight and"
+            " torchao shards them along their rows for FSDP only; a tensor-parallel column shard is not such a cut."
+            " Use tensor_parallel_size=1 (FSDP shards the NF4 bases), or quantize_base=None under tensor parallelism"
+        )
+    if config.data_parallel_replicate_size > 1:
+        problems.append(
+            f"{what} with data_parallel_replicate_size={config.data_parallel_replicate_size}: torchao's NF4 all-gather"
+            " runs over a 1-D FSDP mesh, and HSDP shards over a 2-D one. Use data_parallel_replicate_size=1"
+        )
+    if config.fsdp_backend != "fully_shard":
+        problems.append(
+            f"{what} with fsdp_backend={config.fsdp_backend!r}: the NF4 tensor's sharding hooks are FSDP2's"
+            " (fully_shard). Use fsdp_backend='fully_shard'"
+        )
+    if config.compile:
+        problems.append(
+            f"{what} with compile=True: a compiled block fails on the NF4 weights FSDP2 gathers (torch 2.13's AOT"
+            " autograd finds a DeviceMesh among the tensors saved for backward; a block without FSDP compiles). Use"
+            " compile=False with quantize_base='nf4'"
+        )
+    return problems

@@ -5,7 +5,9 @@ with rank-4 adapters on all seven projections and the adapters' gradients clippe
 ``Trainer`` with the same adapters: 2×2 with sequence parallelism (full activation checkpointing), 1×4 tensor
 parallel (per-op selective checkpointing), pipeline 2 × data parallel 2, context parallel 2 × data parallel 2 (two
 accumulated micro-batches per step), HSDP (2 replicas × 2 shards) and SimpleFSDP at 2×2 (full checkpointing), in one
-launch; every job on packed documents (document masks).
+launch; every job on packed documents (document masks). QLoRA (NF4 bases) in the same launches: one rank, FSDP over 4 ranks,
+context parallel 2 × data parallel 2 and pipeline 2 × data parallel 2 against the single-device QLoRA run, on a model whose projections split into whole
+NF4 scaler groups (dim 256).
 """
 
 from __future__ import annotations
@@ -33,18 +35,29 @@ LAYOUTS = {
     "hsdp": dict(dp=4, tp=1, data_parallel_replicate_size=2),
     "simple_fsdp_2x2": dict(dp=2, tp=2, fsdp_backend="simple_fsdp", activation_checkpointing="full"),
 }
+#: QLoRA: the frozen projections in NF4. Every projection of this model holds whole NF4 scaler groups (16,384
+#: elements) in each of 4 row shards: 256 × 256 attention weights, 768 × 256 MLP weights.
+QLORA = {**COMMON, "lora": {**LORA, "quantize_base": "nf4"},
+         "model_overrides": {"dim": 256, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 256}}
+QLORA_LAYOUTS = {
+    "qlora_fsdp1": dict(dp=1, tp=1),  # one rank: FSDP leaves the NF4 weights alone (torch's one-rank path cannot gather them)
+    "qlora_fsdp4": dict(dp=4, tp=1),
+    "qlora_cp2xdp2": dict(dp=2, tp=1, nprocs=4, context_parallel_size=2),
+    "qlora_pp2xdp2": dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2),
+}
 #: The seven projections, by how tensor parallelism splits their base weight.
 COLUMN_WISE, ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
 
 
 def layout_job(jobs, name: str):
-    options = dict(LAYOUTS[name])
-    return jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **COMMON)
+    options = dict(LAYOUTS[name] if name in LAYOUTS else QLORA_LAYOUTS[name])
+    return jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **(COMMON if name in LAYOUTS else QLORA))
 
 
 @pytest.fixture(scope="module")
 def runs(jobs) -> dict:
-    specs = {"reference": jobs.reference_job(**COMMON), **{name: layout_job(jobs, name) for name in LAYOUTS}}
+    specs = {"reference": jobs.reference_job(**COMMON), **{name: layout_job(jobs, name) for name in LAYOUTS},
+             "qlora_reference": jobs.reference_job(**QLORA), **{name: layout_job(jobs, name) for name in QLORA_LAYOUTS}}
     jobs.share("lora", list(specs.values()))
     return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
 
@@ -118,3 +131,47 @@ def test_adapters_take_their_base_layers_tensor_parallel_placements(runs):
                 assert a["placements"][tp] == "Shard(dim=1)" and b["placements"][tp] == "Replicate()", (base, a, b)
             dp = weight["mesh_dims"].index("data_parallel_shard") if "data_parallel_shard" in weight["mesh_dims"] else 0
             assert "Shard" in a["placements"][dp] and "Shard" in b["placements"][dp], (base, a, b)
+
+
+def _nf4_codes_per_block(weight: torch.Tensor) -> int:
+    """The most distinct values in any 64-element block: at most 16 for a weight stored in NF4."""
+    return max(len(torch.unique(block)) for block in weight.reshape(-1, 64))
+
+
+def test_the_qlora_reference_stores_its_bases_in_nf4_and_trains_only_its_adapters(runs):
+    out = runs["qlora_reference"].rank_output(0)
+    projections = [f"layers.{i}.{p}.weight" for i in range(4) for p in
+                   [f"attention.{n}" for n in ("wq", "wk", "wv", "wo")] + [f"feed_forward.{n}" for n in ("w1", "w2", "w3")]]
+    assert out["nf4"] == sorted(projections)
+    assert out["optimized"] and all(is_adapter_parameter(n) for n in out["optimized"])
+    initial = load_weights(runs["qlora_reference"], "initial")
+    assert _nf4_codes_per_block(initial["layers.0.attention.wq.weight"]) <= 16  # 4-bit codes × one scaler per block
+    assert _nf4_codes_per_block(initial["output.weight"]) > 16  # the head is not adapted: not quantized
+
+
+@pytest.mark.parametrize("layout", list(QLORA_LAYOUTS))
+def test_qlora_training_equals_one_device_with_the_same_nf4_bits(runs, layout):
+    """Each rank quantizes the whole weight and keeps its rows: the gathered NF4 bases equal the single device's
+    bit for bit (a per-shard quantization would not: the scalers' mean is the whole tensor's) after training."""
+    reference, run = runs["qlora_reference"], runs[layout]
+    ref_out = reference.rank_output(0)
+    held = set()
+    for rank in range(len(run.returncodes)):
+        out = run.rank_output(rank)
+        assert out["nf4"] and set(out["nf4"]) <= set(ref_out["nf4"])  # a pipeline rank: its stage's projections
+        held |= set(out["nf4"])
+        error = worst_relative_error(out["losses"], ref_out["losses"])
+        print(f"qlora {layout} rank {rank}: worst relative loss error {error:.2e}")
+        assert error <= LOSS_RTOL, (out["losses"], ref_out["losses"])
+        assert out["grad_norms"] == pytest.approx(ref_out["grad_norms"], rel=1e-5)
+        assert out["optimized"] == out["requires_grad"] == out["optimizer_state"]
+        assert out["optimized"] and set(out["optimized"]) <= set(ref_out["optimized"])
+    assert held == set(ref_out["nf4"])
+    ref_initial, ref_final, final = (load_weights(reference, "initial"), load_weights(reference, "final"),
+                                     load_weights(run, "final"))
+    for name in ref_out["nf4"]:  # the single device's NF4 bits, untouched by training
+        assert torch.equal(final[name], ref_initial[name]), name
+        assert torch.equal(ref_final[name], ref_initial[name]), name
+    for name, weight in final.items():
+        if is_adapter_parameter(name):
+            torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)

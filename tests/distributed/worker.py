@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
 
 REPO = Path(__file__).resolve().parents[2]
+from lightning_2d.ops.nf4 import dequantize, is_nf4
 from lightning_2d.parallel.grad_norm import total_grad_norm
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
@@ -61,7 +62,15 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     pipeline parallelism: this rank's stages only (``save_state`` writes one file per stage)."""
     out = {}
     for name, p in module.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if is_nf4(p):  # a QLoRA base: its dequantized values (the same bits give the same values), gathered
+            local = p.to_local() if hasattr(p, "to_local") else p
+            full = dequantize(local)
+            if hasattr(p, "to_local"):
+                from torch.distributed.tensor import DTensor
+
+                full = DTensor.from_local(full, p.device_mesh, p.placements).full_tensor()
+        else:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[canonical_name(name)] = full.detach().float().cpu().clone()
     return out
 
@@ -620,6 +629,7 @@ def fit(cfg: dict) -> None:
         result["optimized"] = sorted(names[id(p)] for group in optimizer.param_groups for p in group["params"])
         result["optimizer_state"] = sorted(names[id(p)] for p in optimizer.state)
         result["requires_grad"] = sorted(canonical_name(n) for n, p in module.model.named_parameters() if p.requires_grad)
+        result["nf4"] = sorted(canonical_name(n) for n, p in module.model.named_parameters() if is_nf4(p))
     if packed_masks is not None:
         result["packed_masks"] = packed_masks["n"]
     if datamodule is not None:  # the trained tokens each batch's loss was divided by (the optimizer step's)

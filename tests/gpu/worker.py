@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 from lightning_2d import LlamaLightningModule, ModelArgs, ModelParallel2DStrategy, TextDataModule  # noqa: E402
 from lightning_2d.integration.callbacks import TokenThroughputMonitor  # noqa: E402
+from lightning_2d.ops.nf4 import is_nf4, nf4_equal, nf4_state  # noqa: E402
 from lightning_2d.parallel.grad_norm import total_grad_norm  # noqa: E402
 from tests.gpu.lane import PARENT_PID_ENV, dense_bf16_peak_tflops  # noqa: E402
 
@@ -70,12 +71,13 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The frozen tensors as they start (this rank's shards), to show that training left them alone.
-        self._frozen = {name: _local(p).detach().clone() for name, p in pl_module.model.named_parameters()
+        self._frozen = {name: _snapshot(_local(p)) for name, p in pl_module.model.named_parameters()
                         if not p.requires_grad}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         params = dict(pl_module.model.named_parameters())
-        self.frozen_changed = [name for name, start in self._frozen.items() if not torch.equal(_local(params[name]), start)]
+        self.frozen_changed = [name for name, start in self._frozen.items() if not _same(_local(params[name]), start)]
+        self.nf4 = sum(is_nf4(p) for p in params.values())
         self.numel = {"trained": sum(_local(p).numel() for p in params.values() if p.requires_grad),
                       "frozen": sum(_local(p).numel() for p in params.values() if not p.requires_grad)}
 
@@ -87,6 +89,15 @@ class Recorder(L.Callback):
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor parameter, the tensor itself otherwise."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _snapshot(tensor: torch.Tensor) -> Any:
+    """A copy of a tensor's bits (an NF4 base's inner tensors: cloning an NF4Tensor quantizes it again)."""
+    return nf4_state(tensor) if is_nf4(tensor) else tensor.detach().clone()
+
+
+def _same(tensor: torch.Tensor, snapshot: Any) -> bool:
+    return nf4_equal(tensor, snapshot) if is_nf4(tensor) else torch.equal(tensor, snapshot)
 
 
 class WindowTimer(L.Callback):
@@ -213,6 +224,7 @@ def fit_one(run: dict[str, Any]) -> dict[str, Any]:
         "micro_pipeline_tp": inductor_micro_pipeline_tp(),
         "numel": recorder.numel,
         "frozen_changed": recorder.frozen_changed,
+        "nf4_weights": recorder.nf4,
         "device": str(device),
         "fit_seconds": time.perf_counter() - started,
     }

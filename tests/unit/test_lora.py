@@ -14,7 +14,8 @@ from lightning_2d import LlamaLightningModule, LoRA
 from lightning_2d.models.adapters import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.ops.init import SeededInit, WithOwnInit, module_init_specs
-from lightning_2d.ops.lora import LoRAConfigError, LoRALinear, add_lora, is_adapter_parameter
+from lightning_2d.ops.lora import LoRAConfigError, LoRALinear, add_lora, is_adapter_parameter, quantize_lora_bases
+from lightning_2d.ops.nf4 import dequantize, fill_nf4_, is_nf4, nf4_equal, nf4_state, to_nf4_weight
 
 ARGS = ModelArgs.from_name("debug")
 
@@ -23,6 +24,18 @@ def lora_model(lora: LoRA, seed: int = 7) -> Transformer:
     model = Transformer(ARGS)
     add_lora(model, lora, LLAMA_TARGETS, HF_TO_LLAMA)
     model.init_weights(seed)
+    return model
+
+
+#: Every projection a whole number of NF4 scaler groups (16,384 elements) in up to 4 row shards.
+QLORA_ARGS = ModelArgs.from_name("debug", dim=256, n_heads=4, n_kv_heads=4, multiple_of=256)
+
+
+def qlora_model(lora: LoRA, seed: int = 7) -> Transformer:
+    model = Transformer(QLORA_ARGS)
+    add_lora(model, lora, LLAMA_TARGETS, HF_TO_LLAMA)
+    model.init_weights(seed)
+    quantize_lora_bases(model)
     return model
 
 
@@ -130,6 +143,32 @@ def test_a_hugging_face_decoder_takes_adapters_on_its_own_projections_over_its_i
     tokens = torch.randint(0, 64, (2, 8))
     with torch.no_grad():  # the base read from the files, the adapters starting at zero: the saved model's logits
         torch.testing.assert_close(module(tokens), original(tokens).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hugging_face_decoder_with_nf4_bases_computes_with_its_files_weights_quantized(tmp_path):
+    """QLoRA on a Hugging Face decoder's own projections, from ``init_from``: each base is the NF4 of the file's
+    weight (quantized whole), and the logits are those of the saved model with those weights dequantized."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_2d.hf import HFCausalLMModule
+
+    config = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
+              "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    original.save_pretrained(tmp_path)
+    module = HFCausalLMModule(init_from=str(tmp_path), lora={"rank": 4, "quantize_base": "nf4"}, init_seed=1)
+    module.configure_model()
+    quantized = {n for n, p in module.model.named_parameters() if is_nf4(p)}
+    assert quantized == {f"model.layers.0.{p}.weight" for p in
+                         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    with torch.no_grad():
+        for name in quantized:
+            original.get_parameter(name).copy_(dequantize(to_nf4_weight(original.get_parameter(name))))
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(module(tokens), original(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
 def _fit(module, tmp_path, steps: int = 3):
@@ -243,17 +282,23 @@ def test_a_single_device_run_resumes_its_adapters_only_checkpoint_and_refuses_an
         resume(LlamaLightningModule("debug", lora=lora, init_seed=4, max_steps=4, warmup_steps=1))
 
 
-def test_an_adapted_block_compiles_as_one_graph_with_the_eager_gradients():
+@pytest.mark.parametrize("quantize_base", [None, "nf4"])
+def test_an_adapted_block_compiles_as_one_graph_with_the_eager_gradients(quantize_base):
     """The adapters add nothing dynamo cannot trace: a block with adapters on all seven projections compiles with
     ``fullgraph=True`` (a graph break would raise) and gives eager's output and adapter gradients (``aot_eager``: the
-    traced forward and backward without inductor's code generation, which the compiled 2×2 job exercises)."""
-    model = lora_model(LoRA(rank=4, alpha=8))
+    traced forward and backward without inductor's code generation, which the compiled 2×2 job exercises). With NF4
+    bases (QLoRA) too: torchao's dequantizing linear traces as well."""
+    if quantize_base:
+        model = qlora_model(LoRA(rank=4, alpha=8, quantize_base=quantize_base))
+        assert is_nf4(model.layers["1"].attention.wq.weight)
+    else:
+        model = lora_model(LoRA(rank=4, alpha=8))
     block = model.layers["1"]
     with torch.no_grad():
         for name, p in block.named_parameters():
             if name.endswith("lora_b.weight"):
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    x = torch.randn(2, 16, ARGS.dim, requires_grad=True)
+    x = torch.randn(2, 16, model.args.dim, requires_grad=True)
     rope = model.rope[:16]
 
     def run(fn):
@@ -268,3 +313,88 @@ def test_an_adapted_block_compiles_as_one_graph_with_the_eager_gradients():
     assert compiled_grads.keys() == eager_grads.keys() and len(eager_grads) == 14
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---- QLoRA: NF4 bases ---------------------------------------------------------------------------------------------
+def test_nf4_rows_filled_from_the_whole_weight_are_the_one_device_bits():
+    """A rank's rows are cut from the whole weight's quantization (``fill_nf4_``), not quantized alone: the scalers'
+    mean is the whole tensor's, so quantizing each shard by itself gives other values."""
+    weight = torch.randn(512, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    whole = to_nf4_weight(weight)
+    with torch.device("meta"):
+        meta = to_nf4_weight(torch.empty(512, 256))  # as the strategy holds it before materialization
+    rows = []
+    for shard in torch.chunk(meta, 4, dim=0):
+        local = torch.empty_like(shard, device="cpu")
+        fill_nf4_(local, weight, row_offset=len(rows) * 128)
+        rows.append(dequantize(local))
+    assert torch.equal(torch.cat(rows), dequantize(whole))
+    alone = torch.cat([dequantize(to_nf4_weight(part)) for part in torch.chunk(weight, 4, dim=0)])
+    assert not torch.equal(alone, dequantize(whole))
+    assert (dequantize(whole) - weight).abs().max() < 0.2 * weight.abs().max()  # 4-bit codes of the same weight
+
+
+def test_qlora_layers_compute_with_their_nf4_bases_and_only_the_adapters_move():
+    lora = LoRA(rank=4, alpha=8, quantize_base="nf4")
+    model = qlora_model(lora)
+    wq = model.layers["0"].attention.wq
+    assert is_nf4(wq.weight) and not wq.weight.requires_grad
+    assert not is_nf4(model.output.weight) and not is_nf4(model.layers["0"].attention_norm.weight)
+    # The same model with the dequantized bases as plain weights computes the same logits.
+    plain = lora_model_like(model)
+    tokens = torch.randint(0, QLORA_ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        wq.lora_b.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(wq.merged_weight(), dequantize(wq.weight) + wq.lora_b.weight @ wq.lora_a.weight * 2.0)
+    bases = {n: nf4_state(p) for n, p in model.named_parameters() if is_nf4(p)}
+    assert len(bases) == 4 * 7
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(tokens).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    params = dict(model.named_parameters())
+    assert all(nf4_equal(params[n], state) for n, state in bases.items())
+    assert all(p.grad is None for n, p in params.items() if not is_adapter_parameter(n))
+
+
+def lora_model_like(model: Transformer) -> Transformer:
+    """A plain-LoRA copy of a QLoRA ``model``: the same adapters, its NF4 bases dequantized."""
+    copy = Transformer(model.args)
+    add_lora(copy, LoRA(rank=4, alpha=8), LLAMA_TARGETS, HF_TO_LLAMA)
+    copy.load_state_dict({n: dequantize(p) if is_nf4(p) else p for n, p in model.state_dict().items()})
+    return copy
+
+
+def test_weights_that_do_not_split_into_whole_nf4_groups_are_refused_with_their_sizes():
+    model = Transformer(ARGS)  # dim 128: a 128 × 128 projection is one scaler group
+    add_lora(model, LoRA(quantize_base="nf4", targets=["wq", "w1"]), LLAMA_TARGETS, HF_TO_LLAMA)
+    with pytest.raises(LoRAConfigError) as refused:
+        quantize_lora_bases(model, shards=4)
+    assert str(refused.value) == (
+        "lora.quantize_base='nf4' cannot store these weights in NF4: layers.*.attention.wq.weight (128 × 128) does not"
+        " split into 4 row shards of whole NF4 scaler groups (16,384 elements): each shard would hold 4,096;"
+        " layers.*.feed_forward.w1.weight (352 × 128 = 45,056 elements) is not a whole number of NF4 scaler groups of"
+        " 16,384 (64 × 256) elements. Leave them out of lora.targets, train with quantize_base=None, or use a"
+        " data-parallel size whose shards hold whole groups of 16,384 elements")
+    assert not any(is_nf4(p) for p in model.parameters())  # refused before any weight was replaced
+    model = Transformer(ARGS)
+    add_lora(model, LoRA(quantize_base="nf4", targets=["wq"]), LLAMA_TARGETS, HF_TO_LLAMA)
+    assert len(quantize_lora_bases(model, shards=1)) == ARGS.n_layers  # one device: a whole group suffices
+
+
+def test_qlora_without_torchao_says_how_to_install_it(monkeypatch):
+    from lightning_2d.ops import nf4
+    from lightning_2d.parallel.config import ParallelConfig
+    from lightning_2d.parallel.lora import qlora_problems
+
+    monkeypatch.setattr(nf4, "torchao_version", lambda: None)
+    (problem,) = qlora_problems(ParallelConfig(), tp=1)
+    assert problem == ("lora.quantize_base='nf4' (QLoRA) needs torchao>=0.18, which is not installed; install it with"
+                       ' `pip install "lightning-2d[qlora]"` (or `pip install "torchao>=0.18"`)')
+    with pytest.raises(ImportError, match=r"lightning-2d\[qlora\]"):
+        qlora_model(LoRA(quantize_base="nf4"))
+
+
+def test_qlora_settings_are_recorded_only_when_set():
+    assert "quantize_base" not in LoRA(rank=2).to_dict()  # adapters saved before QLoRA existed compare equal
+    assert LoRA.of(LoRA(rank=2, quantize_base="nf4").to_dict()) == LoRA(rank=2, quantize_base="nf4")

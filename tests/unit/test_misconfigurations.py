@@ -34,6 +34,12 @@ def trainer(**strategy) -> L.Trainer:
                      max_steps=1, enable_progress_bar=False, enable_model_summary=False)
 
 
+def QLORA() -> LlamaLightningModule:
+    """A QLoRA module whose projections split into 4 FSDP shards of whole NF4 scaler groups."""
+    return LlamaLightningModule(model_overrides={"dim": 256, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 256},
+                                lora={"quantize_base": "nf4"})
+
+
 def fit_before_spawn(module: L.LightningModule, datamodule: L.LightningDataModule | None = None, **strategy) -> None:
     """``trainer.fit`` of a 4-process CPU job: must fail in this process, before any rank is started."""
     trainer(**strategy).fit(module, datamodule=datamodule)
@@ -283,7 +289,7 @@ if _hf_available():
         ("LoRA rank 0", lambda _: LlamaLightningModule(lora={"rank": 0}),
          LoRAConfigError, r"rank must be a positive integer, got 0"),
         ("LoRA setting misspelled", lambda _: LlamaLightningModule(lora={"r": 8}),
-         LoRAConfigError, r"Unknown LoRA setting\(s\) \['r'\]; the settings are \['alpha', 'dropout', 'rank'"),
+         LoRAConfigError, r"Unknown LoRA setting\(s\) \['r'\]; the settings are \['alpha', 'dropout', 'quantize_base', 'rank'"),
         ("LoRA target misspelled", lambda _: LlamaLightningModule(lora={"targets": ["q_porj"]}),
          LoRAConfigError, r"lora.targets \['q_porj'\] match no linear layer of Transformer; its linear layers are"
                           r" called \['output', 'w1'.*Hugging Face names accepted: \['down_proj'"),
@@ -296,6 +302,23 @@ if _hf_available():
                                                         sequence_parallel=False),
          ParallelConfigError, r"float8='emulate' with LoRA adapters \(LlamaLightningModule\(lora=...\)\).*Use"
                               r" float8=False with lora"),
+        ("QLoRA quantization misspelled", lambda _: LlamaLightningModule(lora={"quantize_base": "nf8"}),
+         LoRAConfigError, r"quantize_base must be one of \['nf4'\] or None, got 'nf8'"),
+        ("QLoRA under tensor parallelism", lambda _: fit_before_spawn(QLORA(), TextDataModule(seq_len=32, batch_size=2),
+                                                                      tensor_parallel_size=2),
+         ParallelConfigError, r"lora.quantize_base='nf4' \(QLoRA\) with tensor_parallel_size=2: NF4 weights are"
+                              r" quantized in blocks of the whole weight.*Use tensor_parallel_size=1"),
+        ("QLoRA under HSDP", lambda _: fit_before_spawn(QLORA(), TextDataModule(seq_len=32, batch_size=2),
+                                                        data_parallel_size=4, tensor_parallel_size=1,
+                                                        data_parallel_replicate_size=2),
+         ParallelConfigError, r"QLoRA\) with data_parallel_replicate_size=2: torchao's NF4 all-gather runs over a 1-D"),
+        ("QLoRA with SimpleFSDP", lambda _: fit_before_spawn(QLORA(), TextDataModule(seq_len=32, batch_size=2),
+                                                             tensor_parallel_size=1, fsdp_backend="simple_fsdp"),
+         ParallelConfigError, r"QLoRA\) with fsdp_backend='simple_fsdp'.*Use fsdp_backend='fully_shard'"),
+        ("QLoRA with compile", lambda _: fit_before_spawn(QLORA(), TextDataModule(seq_len=32, batch_size=2),
+                                                          tensor_parallel_size=1, compile=True),
+         ParallelConfigError, r"QLoRA\) with compile=True: a compiled block fails on the NF4 weights FSDP2 gathers.*"
+                              r"Use compile=False with quantize_base='nf4'"),
     ]
 
 

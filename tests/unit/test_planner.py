@@ -1271,3 +1271,26 @@ def test_simple_fsdp_under_a_pipeline_keeps_gathered_weights_per_micro_batch_in_
     assert checkpointed.pipeline[0]["all_gather_bytes"] == pytest.approx(2 * embedding + block, rel=0.02)
     assert all(r["accumulation_bytes"] == 0 for r in plain.pipeline + checkpointed.pipeline)
     assert any("pipeline under SimpleFSDP" in note for note in plain.notes)
+
+
+def test_qlora_plans_its_frozen_projections_in_nf4_and_refuses_tensor_parallelism():
+    """``lora.quantize_base='nf4'``: each adapted projection's fp32 shard (bf16-mixed) becomes its NF4 bytes, exactly,
+    and FSDP gathers those instead of bf16; tensor parallelism is refused as in the strategy."""
+    from lightning_2d.ops.nf4 import nf4_bytes
+
+    common = dict(model="llama3.1-8b", devices=8, seq_len=2048,
+                  config=ParallelConfig(data_parallel_size=8, tensor_parallel_size=1))
+    lora = plan_run(**common, lora={"rank": 16})
+    qlora = plan_run(**common, lora={"rank": 16, "quantize_base": "nf4"})
+    # Llama 3.1 8B's seven projections per block, each split into 8 row shards.
+    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (14336, 4096)]
+    saved = 32 * sum(r * c // 8 * 4 - nf4_bytes(r * c // 8, torch.float32) for r, c in shapes)
+    assert lora.param_bytes - qlora.param_bytes == saved
+    # The peak's gathered block: its base as NF4 codes instead of bf16 (the head and embedding stay bf16).
+    assert lora.all_gather_bytes - qlora.all_gather_bytes == sum(r * c * 2 - nf4_bytes(r * c, torch.float32)
+                                                                 for r, c in shapes)
+    assert (qlora.grad_bytes, qlora.optimizer_bytes) == (lora.grad_bytes, lora.optimizer_bytes)
+    assert any("are NF4 (about 0.52 bytes each" in note for note in qlora.notes)
+    with pytest.raises(ParallelConfigError, match=r"QLoRA\) with tensor_parallel_size=2: NF4 weights"):
+        plan_run(**{**common, "config": ParallelConfig(data_parallel_size=4, tensor_parallel_size=2)},
+                 lora={"rank": 16, "quantize_base": "nf4"})

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lora-rank", type=int, default=None, metavar="R",
                      help="plan LoRA fine-tuning: rank-R adapters on the attention and MLP projections, the base frozen"
                      " (a recipe's model.init_args.lora is read as it is)")
+    run.add_argument("--qlora", action="store_true",
+                     help="with --lora-rank: QLoRA, the adapted projections' frozen weights stored in NF4")
     run.add_argument("--loss-chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE,
                      help="tokens per chunk of the fused loss (default: 1024, LlamaLightningModule's)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -109,7 +111,10 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
     own = {name: getattr(args, name) for name in ("model", "model_overrides", "num_nodes", "devices", "precision",
                                                  "seq_len", "micro_batch_size", "accumulate_grad_batches",
                                                  "loss_chunk_size")}
-    lora = {"rank": args.lora_rank} if args.lora_rank is not None else None
+    if args.qlora and args.lora_rank is None:
+        raise RecipeError("--qlora plans QLoRA adapters: give their rank with --lora-rank R (e.g. --lora-rank 16 --qlora)")
+    lora = ({"rank": args.lora_rank, **({"quantize_base": "nf4"} if args.qlora else {})}
+            if args.lora_rank is not None else None)
     if run is None:
         return {**own, "config": ParallelConfig(**flags), "model_name": None, "lora": lora}
     from dataclasses import replace

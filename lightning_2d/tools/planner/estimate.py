@@ -18,6 +18,7 @@ import torch
 
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
+from lightning_2d.parallel.lora import qlora_problems
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
@@ -182,6 +183,9 @@ def plan_run(
     problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size)
     if accumulate_grad_batches < 1:
         problems.append(f"accumulate_grad_batches must be a positive integer, got {accumulate_grad_batches}")
+    if lora is not None and lora.quantize_base:
+        problems += qlora_problems(config, config.tensor_parallel_size if isinstance(config.tensor_parallel_size, int)
+                                   else None)
     dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len)
     assert args is not None and seq_len is not None
     resolved = config.resolve_dtypes(precision)
@@ -226,6 +230,8 @@ def plan_run(
             f"LoRA (rank {lora.rank}): {trained:,} of this device's {worst.shard.numel:,} parameters are adapters;"
             " the frozen base holds no gradients, optimizer state or reduce-scatter buffer, its norms keep no normalized"
             " value for a weight gradient"
+            + ("; the adapted projections' weights are NF4 (about 0.52 bytes each, gathered as such)"
+               if lora.quantize_base else "")
         )
 
     reserve = int(reserve_gib * GIB)

@@ -112,6 +112,7 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     "simple_fsdp"`` the same module groups, whose parameters SimpleFSDP gathers where they are used."""
     from torch.distributed.fsdp import FSDPModule
 
+    from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
     from lightning_2d.parallel.simple_fsdp import is_simple_fsdp
 
     from lightning_2d.parallel.fsdp import _only_embeddings
@@ -133,6 +134,9 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
                 sharded += numel
                 unsharded += full
                 trained += full if param.requires_grad else 0
+                if is_nf4(local):  # QLoRA's base: FSDP gathers the 4-bit codes, scalers and factors
+                    gathered += nf4_bytes(full, local.dtype)
+                    continue
                 # float8 all-gather: torchao's weight wrappers gather in float8 (one byte)
                 itemsize = 1 if "Float8" in type(local).__name__ else gather_dtype.itemsize
                 gathered += full * itemsize

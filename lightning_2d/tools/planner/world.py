@@ -19,7 +19,8 @@ import torch
 
 from lightning_2d._compat import fake_store
 from lightning_2d.models.adapters import add_family_lora
-from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.lora import LoRA, quantize_lora_bases
+from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.parallelize import Parallelized
@@ -151,6 +152,8 @@ def _shard(
         model_numel = sum(p.numel() for p in model.parameters())
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
+        if lora is not None and lora.quantize_base:  # as parallelize_and_materialize: NF4 bases before FSDP
+            quantize_lora_bases(model, torch.device("cpu"), shards=dims.dp_shard * dims.cp)
         pipeline = _parallelize(model, mesh, plan, config).pipeline
         if pipeline is None:
             units, stage_indices, split = _units(model, plan, dims, config.param_dtype, config.fsdp_backend), [], []
@@ -162,7 +165,7 @@ def _shard(
             local = param.to_local() if hasattr(param, "to_local") else param
             numel += local.numel()
             trained += local.numel() if param.requires_grad else 0
-            param_bytes += local.numel() * local.dtype.itemsize
+            param_bytes += nf4_bytes(local.numel(), local.dtype) if is_nf4(local) else local.numel() * local.dtype.itemsize
         buffer_bytes = sum(b.numel() * b.dtype.itemsize for b in model.buffers())
         del model, mesh, pipeline
     return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
