@@ -56,8 +56,10 @@ def _to_nf4() -> Any:
 
 def is_nf4(tensor: Any) -> bool:
     """Whether ``tensor`` (or a DTensor's local shard) is torchao's ``NF4Tensor``, without importing torchao."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    return type(local).__name__ == "NF4Tensor"
+    if hasattr(tensor, "to_local"):  # a DTensor
+        with torch.no_grad():
+            tensor = tensor.to_local()
+    return type(tensor).__name__ == "NF4Tensor"
 
 
 def nf4_shard_problem(name: str, shape: tuple[int, ...], shards: int) -> Optional[str]:

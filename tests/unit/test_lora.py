@@ -125,16 +125,21 @@ def test_the_module_optimizes_the_adapters_only_and_keeps_its_settings_as_plain_
     assert LlamaLightningModule("debug").lora is None
 
 
-def test_a_hugging_face_decoder_takes_adapters_on_its_own_projections_over_its_init_from_weights(tmp_path):
+def saved_qwen3(folder, **sizes):
+    """A small random transformers Qwen3 (vocabulary 64, 4 heads, untied head) saved to ``folder``; returned."""
     transformers = pytest.importorskip("transformers")
-    from lightning_2d.hf import HFCausalLMModule
-
-    config = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-              "tie_word_embeddings": False}
+    config = {"model_type": "qwen3", "vocab_size": 64, "num_attention_heads": 4, "tie_word_embeddings": False, **sizes}
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    original.save_pretrained(tmp_path)
+    original.save_pretrained(folder)
+    return original
+
+
+def test_a_hugging_face_decoder_takes_adapters_on_its_own_projections_over_its_init_from_weights(tmp_path):
+    from lightning_2d.hf import HFCausalLMModule
+
+    original = saved_qwen3(tmp_path, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                           head_dim=8)
     module = HFCausalLMModule(init_from=str(tmp_path), lora={"rank": 4, "targets": ["q_proj", "w2"]}, init_seed=1)
     module.configure_model()
     adapted = sorted(n for n, m in module.model.named_modules() if isinstance(m, LoRALinear))
@@ -148,15 +153,10 @@ def test_a_hugging_face_decoder_takes_adapters_on_its_own_projections_over_its_i
 def test_a_hugging_face_decoder_with_nf4_bases_computes_with_its_files_weights_quantized(tmp_path):
     """QLoRA on a Hugging Face decoder's own projections, from ``init_from``: each base is the NF4 of the file's
     weight (quantized whole), and the logits are those of the saved model with those weights dequantized."""
-    transformers = pytest.importorskip("transformers")
     from lightning_2d.hf import HFCausalLMModule
 
-    config = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 256, "intermediate_size": 512,
-              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
-              "tie_word_embeddings": False}
-    torch.manual_seed(0)
-    original = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    original.save_pretrained(tmp_path)
+    original = saved_qwen3(tmp_path, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_key_value_heads=4,
+                           head_dim=64)
     module = HFCausalLMModule(init_from=str(tmp_path), lora={"rank": 4, "quantize_base": "nf4"}, init_seed=1)
     module.configure_model()
     quantized = {n for n, p in module.model.named_parameters() if is_nf4(p)}
