@@ -1,0 +1,241 @@
+"""Mixture-of-experts feed-forward: a top-k router, dropless grouped experts, a deterministic combine.
+
+``MoE(dim, MoEArgs(...))`` replaces a block's dense MLP. For the ``T`` tokens of a batch (flattened):
+
+1. **Route** (``route``): the router's logits (``T × E``) become scores (softmax, or sigmoid as DeepSeek-V3), each
+   token picks its ``top_k`` experts; with load-balancing ``bias`` (aux-loss-free balancing) the bias shifts which
+   experts are picked but not their weights. The picked scores are renormalized when ``norm_topk_prob`` (Qwen3-MoE's
+   flag; Mixtral always) and multiplied by ``route_scale``.
+2. **Dispatch** (``dispatch``): the ``T · k`` (token, expert) assignments sorted by expert, stably (the same order
+   on every run and layout), with each expert's count. Dropless: every assignment is computed, none padded.
+3. **Experts** (``GroupedExperts``): SwiGLU experts whose weights are stacked ``(E, F, D)`` / ``(E, D, F)``, run on
+   the sorted tokens by ``torch.nn.functional.grouped_mm`` (one kernel over all experts) where it runs, else by a
+   loop over the experts that computes the same (float64, and tensors without data).
+4. **Combine** (``combine``): each token's ``k`` outputs weighted and summed in a fixed order, no atomics.
+
+Optional shared experts (a dense SwiGLU every token goes through, added) and the router's statistics for the load
+balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face auxiliary loss and the bias
+update read) complete the layer. Expert parallelism moves step 2's sorted tokens between ranks; that is
+``lightning_2d.parallel``'s, not this module's: here everything is local, pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MoEConfigError(ValueError):
+    """A mixture-of-experts setting that cannot work; says which value and what to use instead."""
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The experts of a mixture-of-experts layer and how tokens are routed to them.
+
+    Args:
+        num_experts: Routed experts ``E``.
+        top_k: Experts each token goes to.
+        hidden_dim: Each expert's SwiGLU hidden size (Qwen3-MoE's ``moe_intermediate_size``).
+        score_func: ``"softmax"`` over the experts (Qwen3-MoE, Mixtral) or ``"sigmoid"`` per expert (DeepSeek-V3).
+        norm_topk_prob: Renormalize the picked scores to sum to 1 per token.
+        route_scale: Multiplies the routing weights.
+        num_shared_experts: Dense SwiGLU experts every token goes through (``shared_hidden_dim`` each, fused).
+        shared_hidden_dim: The shared experts' hidden size (default ``hidden_dim``).
+        load_balancing: ``"aux_loss"``: the routing statistics feed the auxiliary loss (``auxiliary_loss``, as
+            transformers trains these models); ``"bias"``: aux-loss-free balancing, a per-expert bias
+            (``MoE.expert_bias``) shifts which experts are picked; ``"none"``.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_dim: int
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    num_shared_experts: int = 0
+    shared_hidden_dim: Optional[int] = None
+    load_balancing: Literal["aux_loss", "bias", "none"] = "aux_loss"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("num_experts", "top_k", "hidden_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.top_k > self.num_experts:
+            problems.append(f"top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
+        if self.score_func not in ("softmax", "sigmoid"):
+            problems.append(f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        if self.load_balancing not in ("aux_loss", "bias", "none"):
+            problems.append(f"load_balancing must be 'aux_loss', 'bias' or 'none', got {self.load_balancing!r}")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            problems.append(f"num_shared_experts must be 0 or more, got {self.num_shared_experts!r}")
+        if problems:
+            raise MoEConfigError("Invalid mixture-of-experts settings: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each token goes: ``experts`` and ``weights`` (``T × k``, best first), the scores of every expert
+    (``T × E``, float32, what the auxiliary loss reads) and the router's raw logits."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+    logits: torch.Tensor
+
+
+def route(logits: torch.Tensor, args: MoEArgs, bias: Optional[torch.Tensor] = None) -> Routing:
+    """Pick each token's ``top_k`` experts from the router's ``logits`` (``T × E``); see the module docstring.
+
+    Scores are computed in float32 whatever the logits' dtype (as transformers and torchtitan do). Ties between
+    scores go to the lower expert index (``torch.topk``'s order), the same on every rank.
+    """
+    scores = torch.softmax(logits.float(), dim=-1) if args.score_func == "softmax" else torch.sigmoid(logits.float())
+    select = scores if bias is None else scores + bias.float()
+    experts = torch.topk(select, args.top_k, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    if args.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if args.route_scale != 1.0:
+        weights = weights * args.route_scale
+    return Routing(experts, weights, scores, logits)
+
+
+def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``T · k`` assignments sorted by expert: ``order`` (indices into ``experts.flatten()``; token ``order //
+    k``) and ``counts`` (assignments per expert, ``E``). Stable: within an expert, tokens keep their order."""
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    # Not bincount: it has no meta kernel (a planner's model has no data). Integer adds: exact in any order.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's output: its ``k`` expert outputs (``expert_out``, in ``order``'s sorted layout) weighted by
+    ``weights`` (``T × k``) and summed over ``k`` in a fixed order (no scatter-add: the same bits every run)."""
+    tokens, k = weights.shape
+    unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # back to (token, slot) order
+    return (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1).to(expert_out.dtype)).sum(dim=1)
+
+
+def uses_grouped_mm(x: torch.Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs the experts for ``x``: on the CPU in float32 and bfloat16, on
+    CUDA in bfloat16 (compute capability 8.0+); elsewhere (float64, meta and fake tensors) the loop computes the
+    same."""
+    if not hasattr(F, "grouped_mm") or x.is_meta or type(x).__name__ == "FakeTensor":
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return False
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts, weights stacked: ``w1``/``w3`` ``(E, F, D)`` (gate/up), ``w2`` ``(E, D, F)`` (down), each
+    expert's slice laid out as an ``nn.Linear`` weight (out × in), as Hugging Face checkpoints store them."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x``: the dispatched tokens (``N × D``, sorted by expert); ``counts``: tokens per expert (sum ``N``)."""
+        if uses_grouped_mm(x):
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            gate = F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
+            up = F.grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+            return F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+        return self._loop(x, counts)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # no data, no counts to split by: the shape is all there is
+            return x.new_empty(x.shape[0], self.w2.shape[1])
+        outs = []
+        for expert, rows in enumerate(torch.split(x, counts.tolist())):
+            hidden = F.silu(rows @ self.w1[expert].t()) * (rows @ self.w3[expert].t())
+            outs.append(hidden @ self.w2[expert].t())
+        return torch.cat(outs)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP (the shared experts): ``w2(silu(w1 x) · w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """One forward's routing, what load balancing reads: assignments per expert (``E``, float32) and each expert's
+    summed score over the tokens (``E``, float32, with the graph: the auxiliary loss's gradient reaches the router
+    through it), over ``tokens`` tokens."""
+
+    counts: torch.Tensor
+    score_sums: torch.Tensor
+    tokens: int
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer (``router``, ``experts``, optional ``shared_experts``); see the module
+    docstring. ``forward`` keeps the routing's statistics in ``last_stats`` for the load balancing.
+
+    Args:
+        dim: The model width ``D``.
+        args: The experts and the routing.
+    """
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = nn.Linear(dim, args.num_experts, bias=False)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        shared = args.num_shared_experts * (args.shared_hidden_dim or args.hidden_dim)
+        self.shared_experts = SwiGLU(dim, shared) if shared else None
+        # Aux-loss-free balancing's per-expert bias (DeepSeek-V3): shifts selection only; updated outside the step.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=False)
+        self.last_stats: Optional[RouterStats] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        bias = self.expert_bias if self.args.load_balancing == "bias" else None
+        routing = route(self.router(tokens), self.args, bias)
+        order, counts = dispatch(routing.experts, self.args.num_experts)
+        expert_out = self.experts(tokens[order // self.args.top_k], counts)
+        out = combine(expert_out, order, routing.weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        self.last_stats = RouterStats(counts.float(), routing.scores.sum(dim=0), tokens.shape[0])
+        return out.view(shape)
+
+
+def auxiliary_loss(stats: list[RouterStats], num_experts: int, top_k: int) -> torch.Tensor:
+    """The Switch/Mixtral load-balancing loss as transformers computes it (``load_balancing_loss_func``): over every
+    MoE layer's tokens at once, ``E · Σ_e f_e · P_e`` with ``f_e`` the share of assignments and ``P_e`` the mean score
+    of expert ``e`` (``f`` sums to ``top_k``). Multiply by ``router_aux_loss_coef`` and add to the language-model loss.
+    """
+    counts = torch.stack([s.counts for s in stats]).sum(dim=0)
+    score_sums = torch.stack([s.score_sums for s in stats]).sum(dim=0)
+    rows = sum(s.tokens for s in stats)
+    return num_experts * torch.sum((counts / rows) * (score_sums / rows))
+
+
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU", "auxiliary_loss",
+           "combine", "dispatch", "route", "uses_grouped_mm"]
