@@ -16,12 +16,13 @@
 Optional shared experts (a dense SwiGLU every token goes through, added) and the router's statistics for the load
 balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face auxiliary loss and the bias
 update read) complete the layer. Expert parallelism moves step 2's sorted tokens between ranks; that is
-``lightning_2d.parallel``'s, not this module's: here everything is local, pure torch.
+``lightning_2d.parallel.expert``'s (``MoE.expert_exchange``), not this module's: here everything is local, pure torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Literal, Optional
 
 import torch
@@ -211,6 +212,10 @@ class MoE(nn.Module):
         # Aux-loss-free balancing's per-expert bias (DeepSeek-V3): shifts selection only; updated outside the step.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=False)
         self.last_stats: Optional[RouterStats] = None
+        #: Under expert parallelism, what runs the experts instead of ``self.experts`` alone: called with the sorted
+        #: tokens, their counts per expert and ``self.experts`` (which then holds this rank's experts only); it sends
+        #: the tokens to their experts' ranks and the outputs back (``lightning_2d.parallel.expert.ExpertExchange``).
+        self.expert_exchange: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -218,7 +223,11 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.args.load_balancing == "bias" else None
         routing = route(self.router(tokens), self.args, bias)
         order, counts = dispatch(routing.experts, self.args.num_experts)
-        expert_out = self.experts(tokens[order // self.args.top_k], counts)
+        dispatched = tokens[order // self.args.top_k]
+        if self.expert_exchange is None:
+            expert_out = self.experts(dispatched, counts)
+        else:
+            expert_out = self.expert_exchange(dispatched, counts, self.experts)
         out = combine(expert_out, order, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -1108,6 +1108,74 @@ def script(cfg: dict) -> None:
         runpy.run_path(cfg["script"], run_name="__main__")
 
 
+def expert_exchange(cfg: dict) -> None:
+    """Expert parallelism's token exchange (``parallel.expert.ExpertExchange``) against the whole layer on one process.
+
+    For each case (``cfg["cases"]``: ``ep``, the expert-parallel size, and ``idle``, whether the last expert-parallel
+    rank's experts are biased out of every choice so that it receives no token), each rank routes its own tokens
+    through an ``ops.moe.MoE`` holding only its ``E / ep`` experts, and compares with the whole layer run, in this
+    process, on the tokens of its expert-parallel group: its outputs and input gradients, its experts' gradients, and
+    the router's gradient summed over the group. Writes the worst differences to ``rank{N}.json``."""
+    import copy
+
+    import torch.distributed as dist
+
+    from lightning_2d.ops.moe import GroupedExperts, MoE, MoEArgs
+    from lightning_2d.parallel.expert import ExpertExchange
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dim, hidden, experts, top_k, tokens = 16, 24, 8, 2, 10
+    results = {}
+    for case in cfg["cases"]:
+        ep = case["ep"]
+        groups = [dist.new_group(list(range(start, start + ep))) for start in range(0, world, ep)]
+        members = list(range(rank // ep * ep, rank // ep * ep + ep))
+        torch.manual_seed(0)
+        whole = MoE(dim, MoEArgs(num_experts=experts, top_k=top_k, hidden_dim=hidden, load_balancing="bias"))
+        with torch.no_grad():
+            for param in whole.parameters():
+                param.normal_(0.0, 0.3)
+            if case["idle"]:  # the last expert-parallel rank's experts are never chosen
+                whole.expert_bias[experts - experts // ep:] = -10.0
+        inputs = [torch.randn(tokens, dim, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+        grads = [torch.randn(tokens, dim, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
+        layer = copy.deepcopy(whole)
+        exchange = ExpertExchange(groups[rank // ep], experts)
+        mine = slice(exchange.first_expert, exchange.first_expert + exchange.local_experts)
+        layer.experts = GroupedExperts(dim, hidden, exchange.local_experts)
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                getattr(layer.experts, name).copy_(getattr(whole.experts, name)[mine])
+        layer.expert_exchange = exchange
+
+        reference_in = torch.cat([inputs[r] for r in members]).requires_grad_(True)
+        reference = whole(reference_in)
+        reference.backward(torch.cat([grads[r] for r in members]))
+        x = inputs[rank].clone().requires_grad_(True)
+        out = layer(x)
+        out.backward(grads[rank])
+        counts = layer.last_stats.counts.clone()
+        dist.all_reduce(counts, group=groups[rank // ep])
+        router_grad = layer.router.weight.grad.clone()
+        dist.all_reduce(router_grad, group=groups[rank // ep])
+        at = members.index(rank) * tokens
+        error = lambda a, b: float((a - b).abs().max())  # noqa: E731
+        results[f"ep{ep}{'_idle' if case['idle'] else ''}"] = {
+            "output": error(out, reference[at:at + tokens]),
+            "input_grad": error(x.grad, reference_in.grad[at:at + tokens]),
+            "expert_grads": max(error(getattr(layer.experts, n).grad, getattr(whole.experts, n).grad[mine])
+                                for n in ("w1", "w2", "w3")),
+            "router_grad": error(router_grad, whole.router.weight.grad),
+            "assignments": int(counts.sum()),
+            "group_tokens": tokens * ep,
+            "received": int(layer.experts.w1.grad.abs().sum() > 0),
+            "output_scale": float(reference.abs().max()),
+        }
+    Path(cfg["out_dir"], f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
 SCENARIOS = {
     "fit": fit,
     "script": script,
@@ -1120,6 +1188,7 @@ SCENARIOS = {
     "fabric_hf": fabric_hf,
     "fabric_crash": fabric_crash,
     "old_checkpoints": old_checkpoints,
+    "expert_exchange": expert_exchange,
 }
 
 if __name__ == "__main__":

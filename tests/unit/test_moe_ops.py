@@ -162,3 +162,12 @@ def test_bad_settings_name_the_values():
         MoEArgs(num_experts=8, top_k=2, hidden_dim=16, load_balancing="loss")
     with pytest.raises(MoEConfigError, match=r"num_experts must be a positive integer, got 0"):
         MoEArgs(num_experts=0, top_k=1, hidden_dim=16)
+
+
+def test_tokens_received_from_each_rank_are_regrouped_by_local_expert():
+    """Expert parallelism receives tokens grouped by source rank, then local expert; the experts need them grouped by
+    local expert: ``[source 0: e0 ×1, e1 ×2][source 1: e0 ×3, e1 ×0]`` → ``e0: 0, 3, 4, 5`` then ``e1: 1, 2``."""
+    from lightning_2d.parallel.expert import _by_expert_order
+
+    assert _by_expert_order(torch.tensor([[1, 2], [3, 0]])).tolist() == [0, 3, 4, 5, 1, 2]
+    assert _by_expert_order(torch.tensor([[0, 0], [0, 0]])).tolist() == []
