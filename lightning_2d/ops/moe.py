@@ -170,7 +170,8 @@ class GroupedExperts(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """A dense SwiGLU MLP (the shared experts): ``w2(silu(w1 x) · w3 x)``."""
+    """A dense SwiGLU MLP, ``w2(silu(w1 x) · w3 x)``: the shared experts here, and a dense block's feed-forward
+    (``models.llama``)."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
