@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from datetime import timedelta
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
@@ -46,8 +47,16 @@ class PrivateAPI:
     def resolve(self) -> Any:
         """The object itself (raises ``ImportError``/``AttributeError`` when an upgrade removed it)."""
         obj: Any = importlib.import_module(self.module)
+        path = self.module
         for part in self.name.split("."):
-            obj = getattr(obj, part)
+            path = f"{path}.{part}"
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                # A submodule its package does not import by itself (torch 2.11's `torch.distributed._symmetric_memory`).
+                if not isinstance(obj, ModuleType):
+                    raise
+                obj = importlib.import_module(path)
         return obj
 
 
