@@ -200,7 +200,7 @@ def _fill_nf4_block(source: WeightSource, local: torch.Tensor, name: str, param:
     """Fill this rank's rows of an NF4 weight: the whole weight from ``source``, quantized, cut (``ops.nf4.fill_nf4_``).
     One full weight in its dtype is allocated at a time."""
     full = torch.empty(tuple(param.shape), dtype=local.dtype, device=device)
-    source.fill_block_(full, name, tuple(param.shape), (0,) * full.dim() if offset is not None else None)
+    source.fill_block_(full, name, tuple(param.shape), None)  # the whole weight
     fill_nf4_(local, full, offset[0] if offset is not None else None)
 
 
