@@ -83,6 +83,15 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch.distributed.device_mesh", "DeviceMesh._flatten",
                "the flattened data_parallel dim (replicate × shard) of the N-D mesh, as torchtitan does",
                "build the data_parallel group with dist.new_group and a separate 1-D DeviceMesh"),
+    PrivateAPI("torch.distributed.device_mesh", "DeviceMesh._unflatten",
+               "expert parallelism's (expert_data_shard, expert_parallel) mesh carved from the data-shard × context"
+               " ranks, sharing the root (fully_shard over the experts needs one root), as torchtitan does",
+               "a second DeviceMesh over the same ranks (init_device_mesh with the mesh tensor reshaped) if FSDP"
+               " accepts it; else plain new_group groups"),
+    PrivateAPI("torch", "_C._current_graph_task_id",
+               "a mixture-of-experts layer counts its routed tokens once per forward, not again when activation"
+               " checkpointing recomputes it inside backward (the id is -1 outside a backward)",
+               "count the tokens from the step's router statistics after the forward instead"),
     PrivateAPI("torch.distributed.device_mesh", "DeviceMesh._concatenate",
                "SimpleFSDP's parameters over the data-parallel × tensor-parallel mesh, as fully_shard lays them out"
                " (FSDP2 calls it for the same)",
@@ -206,6 +215,18 @@ def foreach_norm(tensors: list["torch.Tensor"], ord: float) -> list["torch.Tenso
 def flatten_mesh_dims(mesh: "DeviceMesh", dims: tuple[str, ...], name: str) -> "DeviceMesh":
     """``mesh[dims]`` flattened into one dimension called ``name`` (reachable as ``mesh[name]``)."""
     return mesh[dims]._flatten(name)
+
+
+def unflatten_mesh(mesh: "DeviceMesh", sizes: tuple[int, ...], names: tuple[str, ...]) -> "DeviceMesh":
+    """The 1-D ``mesh`` as a mesh of ``sizes`` (the last varying fastest) named ``names``, on the same root."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def in_backward() -> bool:
+    """Whether this runs inside a backward pass (an activation-checkpointing recompute, say)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
 
 
 def concatenate_meshes(meshes: list["DeviceMesh"]) -> "DeviceMesh":

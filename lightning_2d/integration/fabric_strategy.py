@@ -126,6 +126,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             watchdog_timeout: Optional[timedelta] = ...,
             context_parallel_size: int = 1,
             fsdp_backend: Literal["fully_shard", "simple_fsdp"] = "fully_shard",
+            expert_parallel_size: int = 1,
             *,
             parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
         ) -> None: ...
@@ -162,7 +163,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         self.validate(plan=plan)  # the model's constraints, before any collective touches it
         self.parallelized = parallelize_and_materialize(
-            module, self.device_mesh, self.parallel_config, plan, precision, self.root_device,
+            module, self.meshes or self.device_mesh, self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,
         )
         self._setup_modules.append(module)

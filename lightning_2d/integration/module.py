@@ -21,7 +21,9 @@ from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
 from lightning_2d.models.llama.plan import llama_plan
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.ops.moe import MoEArgs
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.modules import canonical_name
@@ -245,10 +247,17 @@ class CausalLMModule(L.LightningModule):
             )
         else:
             loss, global_mean, global_tokens = self._loss(batch)
+            router_loss = self._router_loss()
+            if router_loss is not None:  # a mixture of experts' load balancing, from this forward's routing
+                loss = loss + router_loss
         # Already reduced over the data-parallel group: no sync_dist needed.
         self.log("train_loss", global_mean, prog_bar=True)
         self.log("global_tokens", global_tokens)
         return loss
+
+    def _router_loss(self) -> torch.Tensor | None:
+        """The term a mixture of experts adds to the training loss (its load-balancing loss), else ``None``."""
+        return None
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.pipeline is None:
@@ -332,6 +341,10 @@ class CausalLMModule(L.LightningModule):
             optimizer, warmup_cosine_schedule(hp.warmup_steps, total, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _uses_aux_loss(moe: Optional[MoEArgs]) -> bool:
+    return moe is not None and moe.load_balancing == "aux_loss" and moe.aux_loss_coef > 0
 
 
 class LlamaLightningModule(CausalLMModule):
@@ -445,7 +458,31 @@ class LlamaLightningModule(CausalLMModule):
 
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
         """The Llama plan: Meta's module names, and the sizes tensor parallelism must divide."""
+        moe = self.model_args.moe
+        if config.pipeline_parallel_size > 1 and _uses_aux_loss(moe):
+            assert moe is not None
+            raise ParallelConfigError([
+                f"the mixture of experts' auxiliary loss (moe.load_balancing='aux_loss', aux_loss_coef="
+                f"{moe.aux_loss_coef}) with pipeline_parallel_size={config.pipeline_parallel_size}: the loss needs the"
+                " routing of every block at once, and the stages hold different blocks; use"
+                " model_overrides: {moe: {load_balancing: bias}} (aux-loss-free balancing, DeepSeek-V3's) or"
+                " aux_loss_coef: 0"
+            ])
         return llama_plan(self.model_args, config, module="model")
+
+    def _router_loss(self) -> torch.Tensor | None:
+        moe = self.model_args.moe
+        if self.model is None or not _uses_aux_loss(moe):
+            return None
+        assert moe is not None
+        term, value = moe_auxiliary_loss(self.model.router_stats(), moe.num_experts, moe.aux_loss_coef, self.meshes)
+        self.log("train_aux_loss", value)
+        return term
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.model is not None and self.model_args.moe is not None:
+            update_expert_bias(self.model, self.meshes)  # aux-loss-free balancing, if the layers use it
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -181,6 +181,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
             watchdog_timeout: Optional[timedelta] = ...,
             context_parallel_size: int = 1,
             fsdp_backend: Literal["fully_shard", "simple_fsdp"] = "fully_shard",
+            expert_parallel_size: int = 1,
         ) -> None: ...
         # END generated
     else:

@@ -140,7 +140,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         plan = resolve_plan(module, resolved, self.strategy_options.plan)
         self.parallelized = parallelize_and_materialize(
             module,
-            self.device_mesh,
+            self.meshes or self.device_mesh,  # the meshes built in setup_environment (expert parallelism's too)
             self.parallel_config,
             plan,
             precision,

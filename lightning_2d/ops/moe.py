@@ -29,8 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_2d._compat import in_backward
+from lightning_2d.errors import Lightning2DError
 
-class MoEConfigError(ValueError):
+
+class MoEConfigError(Lightning2DError, ValueError):
     """A mixture-of-experts setting that cannot work; says which value and what to use instead."""
 
 
@@ -50,6 +53,10 @@ class MoEArgs:
         load_balancing: ``"aux_loss"``: the routing statistics feed the auxiliary loss (``auxiliary_loss``, as
             transformers trains these models); ``"bias"``: aux-loss-free balancing, a per-expert bias
             (``MoE.expert_bias``) shifts which experts are picked; ``"none"``.
+        aux_loss_coef: The auxiliary loss's weight in the training loss (transformers' ``router_aux_loss_coef``;
+            Qwen3-MoE 0.001, Mixtral 0.02), with ``load_balancing="aux_loss"``.
+        bias_update_rate: How far each step moves an expert's bias towards balance (DeepSeek-V3's ``gamma``), with
+            ``load_balancing="bias"``.
     """
 
     num_experts: int
@@ -61,6 +68,8 @@ class MoEArgs:
     num_shared_experts: int = 0
     shared_hidden_dim: Optional[int] = None
     load_balancing: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    aux_loss_coef: float = 0.001
+    bias_update_rate: float = 1e-3
 
     def __post_init__(self) -> None:
         problems = []
@@ -76,8 +85,26 @@ class MoEArgs:
             problems.append(f"load_balancing must be 'aux_loss', 'bias' or 'none', got {self.load_balancing!r}")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             problems.append(f"num_shared_experts must be 0 or more, got {self.num_shared_experts!r}")
+        for name in ("aux_loss_coef", "bias_update_rate", "route_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or value == float("inf"):
+                problems.append(f"{name} must be a finite number of at least 0, got {value!r}")
+        if self.shared_hidden_dim is not None and (not isinstance(self.shared_hidden_dim, int)
+                                                   or self.shared_hidden_dim < 1):
+            problems.append(f"shared_hidden_dim must be a positive integer or None, got {self.shared_hidden_dim!r}")
         if problems:
             raise MoEConfigError("Invalid mixture-of-experts settings: " + "; ".join(problems))
+
+    @property
+    def shared_dim(self) -> int:
+        """The fused shared experts' hidden size (0: none)."""
+        return self.num_shared_experts * (self.shared_hidden_dim or self.hidden_dim)
+
+    def num_params(self, dim: int, active: bool = False) -> int:
+        """Parameters of one ``MoE`` layer of width ``dim``; ``active``: those one token goes through (the router,
+        its ``top_k`` experts, the shared experts), what its FLOPs are counted on."""
+        experts = self.top_k if active else self.num_experts
+        return dim * self.num_experts + 3 * dim * (experts * self.hidden_dim + self.shared_dim)
 
 
 @dataclass(frozen=True)
@@ -139,9 +166,19 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
     return False
 
 
+def _as_is(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts, weights stacked: ``w1``/``w3`` ``(E, F, D)`` (gate/up), ``w2`` ``(E, D, F)`` (down), each
-    expert's slice laid out as an ``nn.Linear`` weight (out × in), as Hugging Face checkpoints store them."""
+    expert's slice laid out as an ``nn.Linear`` weight (out × in), as Hugging Face checkpoints store them.
+
+    ``local_weight`` is how ``forward`` reads a weight (itself); expert and tensor parallelism
+    (``lightning_2d.parallel.expert``) replace it on the instance with the DTensor's local part: this rank's experts,
+    or its slice of every expert's hidden features."""
+
+    local_weight = staticmethod(_as_is)
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
         super().__init__()
@@ -152,20 +189,25 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: the dispatched tokens (``N × D``, sorted by expert); ``counts``: tokens per expert (sum ``N``)."""
-        if uses_grouped_mm(x):
-            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            gate = F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
-            up = F.grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
-            return F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
-        return self._loop(x, counts)
+        if not uses_grouped_mm(x):
+            return self._loop(x, counts)
+        w1, w2, w3 = self._weights()
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+        up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.local_weight(self.w1), self.local_weight(self.w2), self.local_weight(self.w3)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self._weights()
         if x.is_meta:  # no data, no counts to split by: the shape is all there is
-            return x.new_empty(x.shape[0], self.w2.shape[1])
+            return x.new_empty(x.shape[0], w2.shape[1])
         outs = []
         for expert, rows in enumerate(torch.split(x, counts.tolist())):
-            hidden = F.silu(rows @ self.w1[expert].t()) * (rows @ self.w3[expert].t())
-            outs.append(hidden @ self.w2[expert].t())
+            hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())
+            outs.append(hidden @ w2[expert].t())
         return torch.cat(outs)
 
 
@@ -208,10 +250,13 @@ class MoE(nn.Module):
         self.args = args
         self.router = nn.Linear(dim, args.num_experts, bias=False)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
-        shared = args.num_shared_experts * (args.shared_hidden_dim or args.hidden_dim)
-        self.shared_experts = SwiGLU(dim, shared) if shared else None
-        # Aux-loss-free balancing's per-expert bias (DeepSeek-V3): shifts selection only; updated outside the step.
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=False)
+        self.shared_experts = SwiGLU(dim, args.shared_dim) if args.shared_dim else None
+        # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias shifts selection only, updated after each optimizer
+        # step from the tokens each expert got since (`tokens_per_expert`, summed over the ranks by the caller:
+        # `lightning_2d.parallel.expert.update_expert_bias`). Saved with the model when it is used: it routes.
+        balancing = args.load_balancing == "bias"
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=balancing)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.last_stats: Optional[RouterStats] = None
         #: Under expert parallelism, what runs the experts instead of ``self.experts`` alone: called with the sorted
         #: tokens, their counts per expert and ``self.experts`` (which then holds this rank's experts only); it sends
@@ -233,7 +278,27 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         self.last_stats = RouterStats(counts.float(), routing.scores.sum(dim=0), tokens.shape[0])
+        if self.training and self.args.load_balancing == "bias" and not in_backward():  # not a checkpoint's recompute
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         return out.view(shape)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-loss-free balancing's step: each expert's bias moves by ``bias_update_rate`` towards balance (up when
+        it got fewer than the mean of ``tokens_per_expert``, the counts of every rank since the last update),
+        centered; then the counts restart."""
+        counts = tokens_per_expert.float()
+        delta = self.args.bias_update_rate * torch.sign(counts.mean() - counts)
+        self.expert_bias += (delta - delta.mean()).to(self.expert_bias.dtype)
+        self.tokens_per_expert.zero_()
+
+    @torch.no_grad()
+    def reset_buffers(self, device: Optional[torch.device] = None) -> None:
+        """Zero the balancing bias and the counts (``Transformer.init_buffers``, after ``to_empty``)."""
+        device = device if device is not None else self.expert_bias.device
+        self.expert_bias = torch.zeros(self.args.num_experts, device=device)
+        self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
 
 
 def auxiliary_loss(stats: list[RouterStats], num_experts: int, top_k: int) -> torch.Tensor:
@@ -241,11 +306,30 @@ def auxiliary_loss(stats: list[RouterStats], num_experts: int, top_k: int) -> to
     MoE layer's tokens at once, ``E · Σ_e f_e · P_e`` with ``f_e`` the share of assignments and ``P_e`` the mean score
     of expert ``e`` (``f`` sums to ``top_k``). Multiply by ``router_aux_loss_coef`` and add to the language-model loss.
     """
-    counts = torch.stack([s.counts for s in stats]).sum(dim=0)
+    return auxiliary_loss_terms(stats, num_experts)[0]
+
+
+def auxiliary_loss_terms(stats: list[RouterStats], num_experts: int,
+                         all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``auxiliary_loss`` over the tokens of several ranks, each holding some of them: ``(term, value)``.
+
+    The loss is a product of sums over *all* tokens, so a mean of each rank's own loss is not one device's. With the
+    counts known (summed over the ranks by ``all_reduce``, in place; they carry no gradient) the loss is linear in the
+    scores: each rank's ``term`` (its own scores against the global counts) carries exactly its share of the
+    gradient, and the ``term`` s of the ranks sum to the loss. ``value`` is the loss itself (detached), the same on
+    every rank. Without ``all_reduce`` (one process) both are the loss.
+    """
+    counts = torch.stack([s.counts for s in stats]).sum(dim=0).detach()
     score_sums = torch.stack([s.score_sums for s in stats]).sum(dim=0)
-    rows = sum(s.tokens for s in stats)
-    return num_experts * torch.sum((counts / rows) * (score_sums / rows))
+    rows = torch.tensor([float(sum(s.tokens for s in stats))], device=counts.device)
+    summed = torch.cat([counts, score_sums.detach(), rows])
+    if all_reduce is not None:
+        all_reduce(summed)
+    counts, global_scores, rows = summed[:num_experts], summed[num_experts:-1], summed[-1]
+    term = num_experts * torch.sum((counts / rows) * (score_sums / rows))
+    value = num_experts * torch.sum((counts / rows) * (global_scores / rows))
+    return term, value
 
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU", "auxiliary_loss",
-           "combine", "dispatch", "route", "uses_grouped_mm"]
+           "auxiliary_loss_terms", "combine", "dispatch", "route", "uses_grouped_mm"]

@@ -185,6 +185,12 @@ class ParallelConfig:
     parameters and checkpoints under both. Under ``"simple_fsdp"`` a block's gathered weights are freed after its
     forward only when activation checkpointing recomputes that block (else autograd keeps them to its backward),
     and every micro-batch's backward (a pipeline's too) reduces its gradients."""
+    expert_parallel_size: int = option(1, position=31)
+    """Expert parallelism for mixture-of-experts models: each layer's routed experts are split over this many ranks,
+    carved out of the data-shard × context ranks (which must be a multiple of it), and each token travels to its
+    experts' ranks and back by all-to-all (``lightning_2d.parallel.expert``); the experts are FSDP-sharded over the
+    remaining ``data-shard × context / expert_parallel_size`` ranks. Must divide the model's number of experts.
+    ``1`` (default): every rank holds every expert (FSDP-sharded, or tensor-parallel under ``tensor_parallel_size``)."""
     pipeline_parallel_size: int = option(1, position=3)
     """Number of pipeline stages' ranks (``torch.distributed.pipelining``): the transformer blocks are split
     into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded
@@ -301,7 +307,8 @@ def stages_per_rank(pipeline_schedule: str, pipeline_stages_per_rank: Optional[i
 # ---- the options' own checks (``parallel/checks.py``): each reads the options its parameters name ---------------
 @check
 def size_options(
-    data_parallel_size: Any, tensor_parallel_size: Any, data_parallel_replicate_size: Any, context_parallel_size: Any
+    data_parallel_size: Any, tensor_parallel_size: Any, data_parallel_replicate_size: Any, context_parallel_size: Any,
+    expert_parallel_size: Any = 1,
 ) -> list[str]:
     """The mesh sizes are positive integers (``data_parallel_size``/``tensor_parallel_size``: or ``"auto"``)."""
     problems = []
@@ -309,7 +316,8 @@ def size_options(
         if value != "auto" and not _is_positive_int(value):
             problems.append(f"{name} must be a positive integer or 'auto', got {value!r}")
     for name, value in (("data_parallel_replicate_size", data_parallel_replicate_size),
-                        ("context_parallel_size", context_parallel_size)):
+                        ("context_parallel_size", context_parallel_size),
+                        ("expert_parallel_size", expert_parallel_size)):
         if not _is_positive_int(value):
             problems.append(f"{name} must be a positive integer, got {value!r}")
     return problems
@@ -370,6 +378,18 @@ def simple_fsdp_resharding(fsdp_backend: Any, reshard_after_forward: Any, activa
             f" activation_checkpointing={activation_checkpointing!r}: the recomputation of a checkpointed block"
             " gathers its weights again, so they cannot stay gathered; use reshard_after_forward='default', or"
             " activation_checkpointing='none'"
+        ]
+    return []
+
+
+@check
+def expert_parallel_composition(expert_parallel_size: Any, fsdp_backend: Any) -> list[str]:
+    """What expert parallelism cannot run with: SimpleFSDP (its experts would need a second data-parallel mesh)."""
+    if _is_positive_int(expert_parallel_size) and expert_parallel_size > 1 and fsdp_backend == "simple_fsdp":
+        return [
+            f"expert_parallel_size={expert_parallel_size} with fsdp_backend='simple_fsdp': SimpleFSDP shards every"
+            " parameter over one data-parallel mesh, and the experts need their own (the ranks left beside expert"
+            " parallelism); use fsdp_backend='fully_shard' or expert_parallel_size=1"
         ]
     return []
 
@@ -734,6 +754,9 @@ class ParallelPlan:
             "output.weight"),)`` for tied embeddings), so that what cannot keep a tie (pipeline stages) is refused
             before any process starts; ``parallelize_model`` keeps every tie it finds in the model itself
             (``lightning_2d.parallel.ties``).
+        num_experts: The routed experts of each mixture-of-experts layer (``lightning_2d.ops.moe.MoE``), which
+            ``expert_parallel_size`` must divide (checked before any process starts); ``None``: no such layers
+            (``expert_parallel_size > 1`` is refused).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -749,6 +772,7 @@ class ParallelPlan:
     pipeline_stages: Optional["PipelineStages"] = None
     attention: Optional[str] = None
     tied_weights: tuple[tuple[str, ...], ...] = ()
+    num_experts: Optional[int] = None
 
     @property
     def supports_pipeline(self) -> bool:

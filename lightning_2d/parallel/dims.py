@@ -29,6 +29,8 @@ from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
     DP_REPLICATE_DIM,
     DP_SHARD_CP_DIM,
     DP_SHARD_DIM,
+    EP_DIM,
+    EP_SHARD_DIM,
     MESH_DIMS,
     PP_DIM,
     TP_DIM,
@@ -65,6 +67,7 @@ class ParallelDims:
     tp: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -101,9 +104,11 @@ class ParallelDims:
                 timeout: without this a rank stuck in a ``tensor_parallel`` or ``data_parallel``
                 collective would wait that long whatever the strategy's ``timeout`` says.
         """
-        meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)))
+        meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)), expert_parallel=self.ep)
         if timeout is not None:
             groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in FLATTENED)]
+            if self.ep > 1:
+                groups += [meshes.get(name).get_group() for name in (EP_DIM, EP_SHARD_DIM)]
             set_group_timeouts(groups, timeout)
         return meshes
 
@@ -117,6 +122,7 @@ class ParallelDims:
         sizes = {"data_parallel_replicate": self.dp_replicate, "data_parallel_shard": self.dp_shard}
         sizes.update({CP_DIM: self.cp} if self.cp > 1 else {})
         sizes["tensor_parallel"] = self.tp
+        sizes.update({EP_DIM: self.ep} if self.ep > 1 else {})
         return {PP_DIM: self.pp, **sizes} if self.pp > 1 else sizes
 
 
@@ -220,7 +226,7 @@ def validate_parallel_dims(
     raise_if_problems(run_checks(options, known))
     replicas = config.data_parallel_replicate_size
     return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=config.pipeline_parallel_size,
-                        cp=config.context_parallel_size)
+                        cp=config.context_parallel_size, ep=config.expert_parallel_size)
 
 
 # ---- the checks that need the world, the model or the hardware (``parallel/checks.py``), in report order ----------
@@ -274,6 +280,41 @@ def _world_product_message(pp: int, cp: int, dp: int, tp: int, world_size: int, 
         f"{names} ({sizes} = {pp * cp * dp * tp}) must equal the world size ({world_size} = {world}) [{given}];"
         f" valid (dp, tp) pairs{f' with {fixed}' if fixed else ''}: {pairs}"
     )
+
+
+@check
+def expert_parallel_layout(
+    expert_parallel_size: int, data_parallel_replicate_size: int, context_parallel_size: int, dp: int,
+) -> list[str]:
+    """Expert parallelism's ranks come out of the data-shard × context ranks."""
+    ep, replicas = expert_parallel_size, data_parallel_replicate_size
+    if ep == 1 or dp % replicas or (dp // replicas * context_parallel_size) % ep == 0:
+        return []
+    shards = dp // replicas * context_parallel_size
+    return [
+        f"expert_parallel_size ({ep}) must divide the data-shard × context ranks ({shards} = data_parallel_size"
+        f" {dp} / data_parallel_replicate_size {replicas} × context_parallel_size {context_parallel_size}): the"
+        f" experts are split over ranks that hold different tokens; use one of {_fmt_choices(_divisors(shards))}"
+    ]
+
+
+@check
+def expert_parallel_model(expert_parallel_size: int, plan: ParallelPlan) -> list[str]:
+    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides."""
+    ep = expert_parallel_size
+    if ep == 1:
+        return []
+    if plan.num_experts is None:
+        return [
+            f"expert_parallel_size={ep} but the model has no mixture-of-experts layers (its plan names no"
+            " num_experts); use expert_parallel_size=1, or a model with experts (model: debug-moe, mixtral-8x7b …)"
+        ]
+    if plan.num_experts % ep:
+        return [
+            f"expert_parallel_size ({ep}) must divide the model's {plan.num_experts} experts per layer (each rank"
+            f" holds the same number); use one of {_fmt_choices(_divisors(plan.num_experts))}"
+        ]
+    return []
 
 
 @check

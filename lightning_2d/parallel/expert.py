@@ -20,14 +20,23 @@ or a whole rank receiving nothing included.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_2d.ops.moe import MoE, RouterStats, auxiliary_loss_terms
+from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
+from lightning_2d.parallel.names import DP_CP_DIM, EP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_2d.parallel.config import ParallelConfig
 
 
 class ExpertExchange:
@@ -36,10 +45,13 @@ class ExpertExchange:
     Args:
         group: The expert-parallel process group (``EP`` ranks; rank ``r`` holds experts ``r·E/EP … (r+1)·E/EP − 1``).
         num_experts: The layer's experts ``E``; ``EP`` must divide it.
+        expert_grad_scale: Multiplies the gradients of the experts' weights (not of the tokens): under the strategy
+            ``1 / EP`` (``apply_expert_parallel``; see ``shard_experts``).
     """
 
-    def __init__(self, group: "ProcessGroup", num_experts: int) -> None:
+    def __init__(self, group: "ProcessGroup", num_experts: int, expert_grad_scale: float = 1.0) -> None:
         self.group = group
+        self.expert_grad_scale = expert_grad_scale
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if num_experts % self.size:
@@ -69,10 +81,28 @@ class ExpertExchange:
         received = all_to_all_single(tokens.new_empty(sum(receive_splits), tokens.shape[-1]), tokens,
                                      receive_splits, send_splits, group=self.group)
         grouped = _by_expert_order(by_source)
-        out = experts(received[grouped], by_source.sum(dim=0))
+        scale = self.expert_grad_scale
+        if scale == 1.0:
+            out = experts(received[grouped], by_source.sum(dim=0))
+        else:  # the weights' gradients scaled, the tokens' unchanged (scaled back on the way in)
+            out = _ScaleGrad.apply(experts(_ScaleGrad.apply(received[grouped], 1.0 / scale), by_source.sum(dim=0)),
+                                   scale)
         back = torch.empty_like(out).index_copy_(0, grouped, out)  # source-rank order again
         return all_to_all_single(out.new_empty(tokens.shape[0], out.shape[-1]), back, send_splits, receive_splits,
                                  group=self.group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _by_expert_order(by_source: torch.Tensor) -> torch.Tensor:
@@ -87,4 +117,206 @@ def _by_expert_order(by_source: torch.Tensor) -> torch.Tensor:
                       for s, n in zip(starts.tolist(), lengths.tolist())])
 
 
-__all__ = ["ExpertExchange"]
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The mixture-of-experts layers of ``model`` (``ops.moe.MoE``), in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (its gradient flows back to the DTensor), any other tensor as it is."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: "DeviceMesh") -> int:
+    """Split each mixture-of-experts layer's routed experts over ``ep_mesh``: the stacked weights become
+    ``Shard(0)`` DTensors (rank ``r`` holds experts ``r·E/EP …``), the experts compute on their local part, and the
+    layer's tokens travel by ``ExpertExchange``. Works on the meta model (before materialization, which then fills
+    each rank's experts). Returns the number of layers split."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layers = moe_layers(model)
+    for moe in layers:
+        experts = moe.experts
+        for name in ("w1", "w2", "w3"):
+            param = getattr(experts, name)
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
+                                                          requires_grad=param.requires_grad))
+        experts.local_weight = local_part
+        moe.expert_exchange = ExpertExchange(ep_mesh.get_group(), moe.args.num_experts,
+                                             expert_grad_scale=1.0 / ep_mesh.size())
+    return len(layers)
+
+
+def shard_experts(model: nn.Module, meshes: ParallelMeshes, config: "ParallelConfig", reshard: bool = True) -> None:
+    """FSDP2 over each layer's routed experts by itself, before the blocks' FSDP (which then leaves them out):
+    under expert parallelism over the ranks holding the same experts (``ParallelMeshes.expert_fsdp``).
+
+    Each expert's gradient gathers the tokens of its expert-parallel group only; the groups' gradients are then
+    averaged by the reduce-scatter over ``expert_fsdp``, ``D / EP`` ranks. Every rank's loss is scaled for FSDP's
+    average over all ``D`` ``data_context_parallel`` ranks (``parallel/loss.py``), so the experts' gradients would
+    come out ``EP`` times too large: the exchange scales them by ``1 / EP`` in backward (``ExpertExchange``'s
+    ``expert_grad_scale``). torchtitan sets FSDP's gradient divide factor to ``D`` instead; that is a
+    ``PREMUL_SUM`` reduction, which gloo does not run.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if meshes.size(EP_DIM) == 1:
+        return
+    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    for moe in moe_layers(model):
+        fully_shard(moe.experts, mesh=meshes.expert_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tensor-parallel ranks (each holds a partial one: its
+    slice of the experts' hidden features). Megatron's ``f``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: "ProcessGroup") -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward sums the partial outputs over the tensor-parallel ranks; backward passes the (full, equal) gradient
+    to each partial output unchanged. Megatron's ``g``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: "ProcessGroup") -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class TensorParallelExperts:
+    """A layer's routed experts split over the tensor-parallel ranks by their hidden features (``w1``/``w3`` rows,
+    ``w2`` columns: each rank computes a partial sum of every expert's output), the tokens the same on every rank.
+    Installed as ``MoE.expert_exchange``: the experts' outputs are summed over the ranks before the routing weights
+    combine them, so the router and everything after see full values, equal on every rank."""
+
+    def __init__(self, group: "ProcessGroup") -> None:
+        self.group = group
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
+                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        partial = experts(_CopyToTensorParallel.apply(tokens, self.group), counts)
+        return _ReduceFromTensorParallel.apply(partial, self.group)
+
+
+class MoETensorParallel(ParallelStyle):
+    """The tensor-parallel style of a mixture-of-experts layer (``ops.moe.MoE``), applied at the layer itself.
+
+    - Input: the whole sequence on every tensor-parallel rank (gathered under sequence parallelism, whose
+      backward keeps each rank's slice: the gradients there are full); output: scattered back to the sequence
+      slices under sequence parallelism.
+    - The router runs on every rank, on the same tokens (the same routing everywhere; a plain parameter,
+      FSDP-sharded over the data-parallel ranks only).
+    - Routed experts: split by their hidden features (``TensorParallelExperts``) when ``experts_tensor_parallel``;
+      else (under expert parallelism) whole on each rank, split over the expert-parallel ranks instead.
+    - Shared experts: column-wise ``w1``/``w3``, row-wise ``w2``, as a dense feed-forward.
+
+    Args:
+        sequence_parallel: The layer's input and output are sequence slices (``Shard(1)``).
+        experts_tensor_parallel: Split the routed experts over the tensor-parallel ranks.
+    """
+
+    def __init__(self, sequence_parallel: bool, experts_tensor_parallel: bool = True) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.experts_tensor_parallel = experts_tensor_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if not isinstance(module, MoE):
+            raise TypeError(f"MoETensorParallel applies to a mixture-of-experts layer (ops.moe.MoE), got {type(module).__name__}")
+        if self.experts_tensor_parallel:
+            experts = module.experts
+            for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+                param = getattr(experts, name)
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(dim)]),
+                                                              requires_grad=param.requires_grad))
+            experts.local_weight = local_part
+            module.expert_exchange = TensorParallelExperts(device_mesh.get_group())
+        if module.shared_experts is not None:
+            parallelize_module(module.shared_experts, device_mesh,
+                               {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+        sequence_parallel = self.sequence_parallel
+
+        def gather_input(_module: nn.Module, args: tuple) -> tuple:
+            x, *rest = args
+            if isinstance(x, DTensor):
+                x = x.redistribute(device_mesh, [Replicate()]).to_local()
+            elif sequence_parallel:
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+                x = x.redistribute(device_mesh, [Replicate()]).to_local()
+            return (x, *rest)
+
+        module.register_forward_pre_hook(gather_input)
+        if sequence_parallel:
+            def scatter_output(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+                full = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+                return full.redistribute(device_mesh, [Shard(1)]).to_local()
+
+            module.register_forward_hook(scatter_output)
+        return module
+
+
+def _data_context_group(mesh: Any) -> Optional["ProcessGroup"]:
+    """The ranks holding different tokens (``data_context_parallel``), or ``None`` outside a parallel job."""
+    meshes = as_meshes(mesh) if dist.is_available() and dist.is_initialized() else None
+    if meshes is None:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return meshes.get(DP_CP_DIM).get_group()
+
+
+def moe_auxiliary_loss(stats: list[RouterStats], num_experts: int, coef: float,
+                       mesh: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' load-balancing loss over the global batch, for the loss each rank differentiates:
+    ``(term, value)``.
+
+    ``term`` (with the router's graph) is this rank's share, scaled like the language-model loss of
+    ``parallel/loss.py`` (by the data × context size that FSDP's gradient average divides by) and by ``coef``: add
+    it to the loss to differentiate. ``value`` is ``coef`` × the loss of the whole batch, detached, the same on every
+    rank (to log). The counts and scores are summed over the ``data_context_parallel`` ranks in one all-reduce of
+    ``2E + 1`` numbers (``ops.moe.auxiliary_loss_terms``); tensor-parallel ranks hold the same tokens and are not
+    counted twice.
+    """
+    group = _data_context_group(mesh)
+    size = dist.get_world_size(group) if group is not None else 1
+    reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None and size > 1 else None
+    term, value = auxiliary_loss_terms(stats, num_experts, reduce)
+    return term * (coef * size), value * coef
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
+    """Aux-loss-free balancing's update after an optimizer step: the tokens each expert got since the last one,
+    summed over the ``data_context_parallel`` ranks (one all-reduce for every layer), move each layer's bias
+    (``MoE.update_bias``). Layers balanced otherwise are left alone; returns how many were updated."""
+    layers = [m for m in moe_layers(model) if m.args.load_balancing == "bias"]
+    if not layers:
+        return 0
+    counts = torch.stack([m.tokens_per_expert.float() for m in layers])
+    group = _data_context_group(mesh)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    for layer, row in zip(layers, counts):
+        layer.update_bias(row)
+    return len(layers)
+
+
+__all__ = ["ExpertExchange", "MoETensorParallel", "TensorParallelExperts", "apply_expert_parallel", "local_part", "moe_auxiliary_loss", "moe_layers",
+           "shard_experts", "update_expert_bias"]

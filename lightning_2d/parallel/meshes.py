@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_2d._compat import flatten_mesh_dims
+from lightning_2d._compat import flatten_mesh_dims, unflatten_mesh
 from lightning_2d.parallel.names import (
     CP_DIM,
     DP_CP_DIM,
@@ -33,6 +33,9 @@ from lightning_2d.parallel.names import (
     DP_REPLICATE_DIM,
     DP_SHARD_CP_DIM,
     DP_SHARD_DIM,
+    EP_DIM,
+    EP_REPLICATE_DIM,
+    EP_SHARD_DIM,
     PP_DIM,
     MESH_DIMS,
     TP_DIM,
@@ -78,7 +81,7 @@ class ParallelMeshes:
 
     def get(self, name: str) -> "DeviceMesh":
         """The 1-D mesh of dimension ``name`` (a root or flattened one), of size 1 when the layout does not use it."""
-        if name not in self._sizes and name != FSDP:
+        if name not in self._sizes and name not in _INTERNAL:
             raise KeyError(f"no mesh dimension {name!r}; the meshes are {', '.join(self._sizes)}")
         if name not in self._made:
             self._made[name] = self._make(name)
@@ -102,6 +105,13 @@ class ParallelMeshes:
         return self.get(FSDP)
 
     @property
+    def expert_fsdp(self) -> "DeviceMesh":
+        """What FSDP2 shards a layer's experts over: ``expert_data_shard`` (the data-shard × context ranks holding
+        the same experts), or the 2-D ``(expert_data_replicate, expert_data_shard)`` under HSDP. Without expert
+        parallelism, FSDP's mesh."""
+        return self.get(EXPERT_FSDP) if self.size(EP_DIM) > 1 else self.fsdp
+
+    @property
     def device_mesh(self) -> "DeviceMesh":
         """The root: Lightning's ``strategy.device_mesh``."""
         return self.root
@@ -112,9 +122,12 @@ class ParallelMeshes:
 
 #: The name ``ParallelMeshes.get`` gives FSDP's mesh (``ParallelMeshes.fsdp``).
 FSDP = "fsdp"
+#: The name ``ParallelMeshes.get`` gives the experts' FSDP mesh (``ParallelMeshes.expert_fsdp``).
+EXPERT_FSDP = "expert_fsdp"
+_INTERNAL = (FSDP, EXPERT_FSDP)
 
 
-def build_meshes(device_type: str, sizes: Mapping[str, int]) -> ParallelMeshes:
+def build_meshes(device_type: str, sizes: Mapping[str, int], expert_parallel: int = 1) -> ParallelMeshes:
     """Build the root mesh with every dimension of ``MESH_DIMS`` (sizes from ``sizes``, 1 where missing) and every
     sub-mesh. Needs the default process group; every rank calls it (creating process groups is collective).
 
@@ -125,13 +138,13 @@ def build_meshes(device_type: str, sizes: Mapping[str, int]) -> ParallelMeshes:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(sizes.get(name, 1)) for name in MESH_DIMS)
-    meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
-    for name in (*meshes.names, FSDP):
+    meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS), expert_parallel)
+    for name in (*meshes.names, FSDP, *((EXPERT_FSDP,) if expert_parallel > 1 else ())):
         meshes.get(name)
     return meshes
 
 
-def meshes_of_root(root: "DeviceMesh") -> ParallelMeshes:
+def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMeshes:
     """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s).
 
     Making a flattened mesh the first time creates its process groups (collective: every rank); torch keeps each
@@ -142,8 +155,23 @@ def meshes_of_root(root: "DeviceMesh") -> ParallelMeshes:
     for name, dims in FLATTENED.items():
         sizes[name] = math.prod(sizes[d] for d in dims)
     context = sizes[CP_DIM] > 1
+    if expert_parallel > 1:
+        shards = sizes[DP_SHARD_DIM] * sizes[CP_DIM]
+        if shards % expert_parallel:
+            raise ValueError(f"expert_parallel_size ({expert_parallel}) must divide data-shard × context ({shards})")
+        sizes.update({EP_REPLICATE_DIM: sizes[DP_REPLICATE_DIM], EP_SHARD_DIM: shards // expert_parallel,
+                      EP_DIM: expert_parallel})
+    expert_dims = (EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM)
 
     def make(name: str) -> "DeviceMesh":
+        if name in expert_dims or name == EXPERT_FSDP:
+            if "experts" not in sparse:  # the data × context ranks as (replicate, shard, expert): one root
+                sparse["experts"] = unflatten_mesh(meshes.get(DP_CP_DIM), tuple(sizes[d] for d in expert_dims),
+                                                   expert_dims)
+            experts = sparse["experts"]
+            if name == EXPERT_FSDP:
+                return experts[(EP_REPLICATE_DIM, EP_SHARD_DIM)] if sizes[EP_REPLICATE_DIM] > 1 else experts[EP_SHARD_DIM]
+            return experts[name]
         if name == FSDP:
             if sizes[DP_REPLICATE_DIM] > 1:  # HSDP: replicate over the first dim, shard over the second
                 shard = DP_SHARD_CP_DIM if context else DP_SHARD_DIM
@@ -156,6 +184,7 @@ def meshes_of_root(root: "DeviceMesh") -> ParallelMeshes:
             return flatten_mesh_dims(root, FLATTENED[name], name)
         return root[name]
 
+    sparse: dict[str, "DeviceMesh"] = {}
     meshes = ParallelMeshes(root, sizes, make)
     return meshes
 
@@ -191,4 +220,4 @@ def as_meshes(mesh: Optional[Any]) -> Optional[ParallelMeshes]:
     )
 
 
-__all__ = ["FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "as_meshes", "build_meshes", "meshes_of_root"]
+__all__ = ["EXPERT_FSDP", "FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "as_meshes", "build_meshes", "meshes_of_root"]

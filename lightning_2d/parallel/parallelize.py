@@ -40,7 +40,7 @@ from lightning_2d.parallel.lora import qlora_problems
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import apply_simple_fsdp, sharded_parameters
-from lightning_2d.parallel.names import CP_DIM, PP_DIM, TP_DIM
+from lightning_2d.parallel.names import CP_DIM, EP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -242,6 +242,11 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
             from lightning_2d.parallel.float8 import enable_async_tensor_parallel
 
             enable_async_tensor_parallel(tp_mesh)  # before the first compiled forward
+    ep_mesh = meshes.optional(EP_DIM)
+    if ep_mesh is not None:  # after tensor parallelism, as torchtitan: the experts' own placement over their ranks
+        from lightning_2d.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, ep_mesh)
     if config.activation_checkpointing != "none":
         _step(hooks, "apply_activation_checkpointing")(model, plan, config)
     if config.compile:
@@ -251,6 +256,10 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
     if config.fsdp_backend == "simple_fsdp":
         _step(hooks, "apply_simple_fsdp")(model, dp_mesh, plan, config)
     else:
+        if ep_mesh is not None:  # the experts first, over their own mesh; each block's unit then leaves them out
+            from lightning_2d.parallel.expert import shard_experts
+
+            shard_experts(model, meshes, config, reshard=config.reshard_policy != "never")
         _step(hooks, "apply_fully_shard")(model, dp_mesh, plan, config)
 
 

@@ -465,6 +465,7 @@ STRATEGY_OPTIONS = (
     "pipeline_stages_per_rank",
     "pipeline_layers_per_stage",
     "fsdp_backend",
+    "expert_parallel_size",
 )
 
 
@@ -494,6 +495,27 @@ def tied_parameters(model: torch.nn.Module) -> list[dict]:
     return ties
 
 
+class Routing(L.Callback):
+    """A mixture of experts' routing per step: each MoE layer's assignments per expert (this rank's tokens) and the
+    logged auxiliary loss; with ``idle_experts`` the last that many experts of every layer get a bias of -10 before
+    training (routing forced away from them: idle experts and ranks)."""
+
+    def __init__(self, idle_experts: int) -> None:
+        self.idle_experts, self.counts, self.aux = idle_experts, [], []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.idle_experts:
+            for layer in pl_module.model.moe_layers():
+                layer.expert_bias[-self.idle_experts:] = -10.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.counts.append({canonical_name(name): layer.last_stats.counts.tolist()
+                            for name, layer in pl_module.model.named_modules()
+                            if getattr(layer, "last_stats", None) is not None})
+        aux = trainer.callback_metrics.get("train_aux_loss")
+        self.aux.append(None if aux is None else float(aux))
+
+
 def fit(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
     # Started by Lightning's own launcher (no cluster environment): rank 0 is this process, the others its children.
@@ -515,10 +537,18 @@ def fit(cfg: dict) -> None:
         )
         vocab_size = module.vocab_size
     else:
+        overrides = cfg.get("model_overrides")
+        if "moe_bias_rate" in cfg:  # the model's experts balanced by the bias (a short job name: no dict in it)
+            from dataclasses import asdict, replace
+
+            from lightning_2d.models.llama.model import PRESETS
+
+            moe = replace(PRESETS[cfg["model"]].moe, load_balancing="bias", bias_update_rate=cfg["moe_bias_rate"])
+            overrides = {**(overrides or {}), "moe": asdict(moe)}
         module = LlamaLightningModule(
-            None if cfg.get("init_from") else "debug",
+            None if cfg.get("init_from") else cfg.get("model", "debug"),
             init_from=cfg.get("init_from"),
-            model_overrides=cfg.get("model_overrides"),
+            model_overrides=overrides,
             learning_rate=cfg.get("lr", 1e-3),
             warmup_steps=2,
             max_steps=cfg["steps"],
@@ -578,6 +608,10 @@ def fit(cfg: dict) -> None:
         callbacks.append(activations)
     positions = BlockPositions()
     callbacks.append(positions)
+    routing = None
+    if "moe" in cfg.get("model", "debug"):
+        routing = Routing(cfg.get("idle_experts", 0))
+        callbacks.append(routing)
     collectives = None
     if "count_collectives" in cfg:  # the training step (from 0) whose collectives are counted
         collectives = CollectiveCounter(cfg["count_collectives"])
@@ -623,6 +657,8 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+    if routing is not None:
+        result.update(router_counts=routing.counts, aux_losses=routing.aux)
     if cfg.get("lora"):  # what the optimizer steps and keeps state for (the adapters only), what requires gradients
         names = {id(p): canonical_name(n) for n, p in module.model.named_parameters()}
         optimizer = trainer.optimizers[0]

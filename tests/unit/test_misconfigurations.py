@@ -319,6 +319,34 @@ if _hf_available():
                                                           tensor_parallel_size=1, compile=True),
          ParallelConfigError, r"QLoRA\) with compile=True: a compiled block fails on the NF4 weights FSDP2 gathers.*"
                               r"Use compile=False with quantize_base='nf4'"),
+        ("expert parallelism on a dense model", lambda _: fit_before_spawn(
+            LlamaLightningModule(), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4,
+            tensor_parallel_size=1, expert_parallel_size=2),
+         ParallelConfigError, r"expert_parallel_size=2 but the model has no mixture-of-experts layers.*use"
+                              r" expert_parallel_size=1"),
+        ("experts not divisible by expert_parallel_size", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug-moe", model_overrides={"moe": {"num_experts": 6, "top_k": 2, "hidden_dim": 64}}),
+            TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4, tensor_parallel_size=1,
+            expert_parallel_size=4),
+         ParallelConfigError, r"expert_parallel_size \(4\) must divide the model's 6 experts.*use one of 1, 2, 3"
+                              r" or 6"),
+        ("expert_parallel_size not dividing the data-shard ranks", lambda _: trainer(
+            data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4),
+         ParallelConfigError, r"expert_parallel_size \(4\) must divide the data-shard × context ranks \(2 ="
+                              r" data_parallel_size 2.*use one of 1 or 2"),
+        ("expert parallelism with SimpleFSDP", lambda _: ModelParallel2DStrategy(
+            expert_parallel_size=2, fsdp_backend="simple_fsdp"),
+         ParallelConfigError, r"expert_parallel_size=2 with fsdp_backend='simple_fsdp'.*use"
+                              r" fsdp_backend='fully_shard'"),
+        ("mixture-of-experts auxiliary loss under pipeline parallelism", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=2,
+            tensor_parallel_size=1, pipeline_parallel_size=2),
+         ParallelConfigError, r"auxiliary loss \(moe.load_balancing='aux_loss', aux_loss_coef=0.01\) with"
+                              r" pipeline_parallel_size=2.*load_balancing: bias"),
+        ("mixture-of-experts setting misspelled", lambda _: LlamaLightningModule(
+            "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
+                                                  "load_balancing": "aux"}}),
+         ValueError, r"load_balancing must be 'aux_loss', 'bias' or 'none', got 'aux'"),
     ]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from lightning_2d.errors import Lightning2DError
 from lightning_2d.ops.attention import AttentionMask, attend, attention_mask, document_causal_mask  # noqa: F401
 from lightning_2d.ops.init import InitSpec, SeededInit, module_init_specs
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
-from lightning_2d.ops.moe import SwiGLU
+from lightning_2d.ops.moe import MoE, MoEArgs, MoEConfigError, RouterStats, SwiGLU
 
 
 #: The rotary scalings ``rope_table`` implements (``RopeScaling.rope_type``).
@@ -144,6 +144,12 @@ class ModelArgs:
             ``RopeScaling``); ``None``: no scaling.
         tie_word_embeddings: One weight serves the token embedding and the output head (Llama 3.2 1B/3B): the
             ``output.weight`` *is* ``tok_embeddings.weight``, its gradient the sum of both uses.
+        moe: Mixture-of-experts feed-forward layers (``lightning_2d.ops.moe.MoEArgs`` or the dict of its fields):
+            the blocks ``moe_layer_step`` and ``dense_layers`` pick have a router and routed experts instead of
+            the dense SwiGLU; ``None``: every block dense.
+        moe_layer_step: Every ``moe_layer_step``-th block is a mixture of experts (blocks ``step-1, 2·step-1, …``:
+            Qwen3-MoE's ``decoder_sparse_step``); 1: every block.
+        dense_layers: Blocks that stay dense whatever ``moe_layer_step`` says (Qwen3-MoE's ``mlp_only_layers``).
     """
 
     dim: int = 4096
@@ -160,9 +166,24 @@ class ModelArgs:
     hidden_dim: int | None = None
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
+    moe: MoEArgs | None = None
+    moe_layer_step: int = 1
+    dense_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         problems = []
+        if isinstance(self.moe, Mapping):  # a dict from yaml/JSON, or asdict() of these args (checkpoints)
+            try:
+                self.moe = MoEArgs(**self.moe)
+            except (MoEConfigError, TypeError) as err:
+                problems.append(f"moe: {err}")
+        elif self.moe is not None and not isinstance(self.moe, MoEArgs):
+            problems.append(f"moe must be None, a MoEArgs or the dict of its fields, got {self.moe!r}")
+        if not isinstance(self.moe_layer_step, int) or self.moe_layer_step < 1:
+            problems.append(f"moe_layer_step must be a positive integer, got {self.moe_layer_step!r}")
+        self.dense_layers = list(self.dense_layers)  # a list: what yaml, JSON and asdict() give back
+        if bad := [i for i in self.dense_layers if not isinstance(i, int) or not 0 <= i < max(self.n_layers, 1)]:
+            problems.append(f"dense_layers must be block indices in [0, {self.n_layers}), got {bad}")
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -187,6 +208,17 @@ class ModelArgs:
             )
         if problems:
             raise ModelArgsError("Invalid ModelArgs:\n  - " + "\n  - ".join(problems))
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` is a mixture of experts (Qwen3-MoE's rule: ``moe``, not among
+        ``dense_layers``, and ``(layer_id + 1) % moe_layer_step == 0``)."""
+        return (self.moe is not None and layer_id not in self.dense_layers
+                and (layer_id + 1) % self.moe_layer_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the mixture-of-experts blocks."""
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
 
     @property
     def kv_heads(self) -> int:
@@ -217,12 +249,19 @@ class ModelArgs:
             raise ModelArgsError(f"Unknown ModelArgs fields {sorted(unknown)}; fields are {[f.name for f in fields(cls)]}")
         return replace(PRESETS[name], **overrides)
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Number of parameters of a ``Transformer`` with these args."""
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Number of parameters of a ``Transformer`` with these args; ``active``: those one token goes through (a
+        mixture-of-experts block counts its router, ``top_k`` routed and its shared experts), what the FLOPs are
+        counted on."""
         d, kv_dim, h = self.dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
-        per_layer = d * (d + 2 * kv_dim + d) + 3 * d * h + 2 * d
+        attention_and_norms = d * (d + 2 * kv_dim + d) + 2 * d
+        sparse = len(self.moe_layers)
+        feed_forward = (self.n_layers - sparse) * 3 * d * h
+        if sparse:
+            assert self.moe is not None
+            feed_forward += sparse * self.moe.num_params(d, active=active)
         embedding = self.vocab_size * d
-        total = embedding * (1 if self.tie_word_embeddings else 2) + self.n_layers * per_layer + d
+        total = embedding * (1 if self.tie_word_embeddings else 2) + self.n_layers * attention_and_norms + feed_forward + d
         # A tied weight is also the output head's matmul: it stays in the count without the embedding.
         return total - embedding if exclude_embedding and not self.tie_word_embeddings else total
 
@@ -230,9 +269,10 @@ class ModelArgs:
         """Training FLOPs per token (forward + backward), torchtitan's convention.
 
         ``6 · N`` for the matmuls over the parameters except the embedding (a lookup), plus
-        ``12 · L · H · Dh · T`` for the attention scores and their weighted sums at sequence length ``T``.
+        ``12 · L · H · Dh · T`` for the attention scores and their weighted sums at sequence length ``T``. A
+        mixture of experts counts its active parameters (``num_params(active=True)``), as torchtitan.
         """
-        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * self.num_params(exclude_embedding=True, active=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 #: Published shapes. ``debug`` is ours: a model that trains on CPU in seconds and still has
@@ -261,6 +301,17 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_dim_multiplier=1.2, rope_theta=500000.0, max_seq_len=8192,
     ),
 }
+# Mixtures of experts. ``debug-moe`` is ours, ``debug``'s shape with 8 routed experts (top 2) and a shared one in
+# blocks 1-3 and a dense block 0 (as DeepSeek's first blocks): every path of the layer, trained on CPU in seconds.
+PRESETS["debug-moe"] = replace(
+    PRESETS["debug"], moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=64, num_shared_experts=1, aux_loss_coef=0.01),
+    dense_layers=[0],
+)
+# Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): 46.7 B parameters, 12.9 B active per token.
+PRESETS["mixtral-8x7b"] = ModelArgs(
+    dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, hidden_dim=14336, rope_theta=1e6,
+    max_seq_len=32768, moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=14336, aux_loss_coef=0.02),
+)
 # Llama 3.1: the Llama 3 shapes, 128K tokens of context through the scaled rotary frequencies. The rotary table
 # is then 131072 rows (64 MiB in fp32 at head size 128); the planner builds it on the meta device.
 _LLAMA31_SCALING = RopeScaling(
@@ -375,7 +426,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
-        self.feed_forward = SwiGLU(args.dim, args.ffn_hidden_dim)
+        # A mixture-of-experts block keeps the name: the norms, checkpoints and plans address `feed_forward`.
+        self.feed_forward: nn.Module = (MoE(args.dim, args.moe) if args.moe is not None and args.is_moe_layer(layer_id)
+                                        else SwiGLU(args.dim, args.ffn_hidden_dim))
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -499,10 +552,22 @@ class Transformer(nn.Module):
         for i in range(args.n_layers):
             out_std = 0.02 / math.sqrt(2 * ((i + 1) if args.depth_init else args.n_layers))
             prefix = f"layers.{i}."
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+            for name in ("attention.wq", "attention.wk", "attention.wv"):
                 specs[prefix + name + ".weight"] = InitSpec("trunc_normal", std=0.02)
-            for name in ("attention.wo", "feed_forward.w2", "feed_forward.w3"):
-                specs[prefix + name + ".weight"] = InitSpec("trunc_normal", std=out_std)
+            specs[prefix + "attention.wo.weight"] = InitSpec("trunc_normal", std=out_std)
+            if args.is_moe_layer(i):  # torchtitan's MoE init: router and gates 0.02, up and down by depth
+                specs[prefix + "feed_forward.router.weight"] = InitSpec("trunc_normal", std=0.02)
+                # The routed experts' stacked tensors (``experts.w1`` …), the shared experts' Linears (``….weight``).
+                names = ["feed_forward.experts.w1", "feed_forward.experts.w2", "feed_forward.experts.w3"]
+                if args.moe is not None and args.moe.shared_dim:
+                    names += [f"feed_forward.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
+                for name in names:
+                    gate = name.endswith("w1") or name.endswith("w1.weight")
+                    specs[prefix + name] = InitSpec("trunc_normal", std=0.02 if gate else out_std)
+            else:
+                specs[prefix + "feed_forward.w1.weight"] = InitSpec("trunc_normal", std=0.02)
+                for name in ("feed_forward.w2", "feed_forward.w3"):
+                    specs[prefix + name + ".weight"] = InitSpec("trunc_normal", std=out_std)
             for name in ("attention_norm", "ffn_norm"):
                 specs[prefix + name + ".weight"] = InitSpec("constant", value=1.0)
         specs["norm.weight"] = InitSpec("constant", value=1.0)
@@ -512,14 +577,24 @@ class Transformer(nn.Module):
         specs.update(module_init_specs(self))  # adapters (``ops.lora``), if any: their own init
         return specs
 
+    def moe_layers(self) -> list[MoE]:
+        """The mixture-of-experts feed-forward layers, in block order (those of this rank's pipeline stages)."""
+        return [layer.feed_forward for layer in self.layers.values() if isinstance(layer.feed_forward, MoE)]
+
+    def router_stats(self) -> list[RouterStats]:
+        """The last forward's routing statistics of every mixture-of-experts layer (what load balancing reads)."""
+        return [moe.last_stats for moe in self.moe_layers() if moe.last_stats is not None]
+
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:
-        """(Re)compute the rotary table in fp32, e.g. after ``to_empty``."""
+        """(Re)compute the rotary table in fp32, e.g. after ``to_empty``; zero the experts' balancing bias."""
         device = device if device is not None else self.rope.device
         args = self.args
         self.rope = rope_table(
             args.head_dim, args.max_seq_len, args.rope_theta, device=device, scaling=args.rope_scaling
         )
+        for moe in self.moe_layers():
+            moe.reset_buffers(device)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 def llama_tensor_parallel_plan(
-    sequence_parallel: bool = True, loss_parallel: bool = False, blocks: str = "layers"
+    sequence_parallel: bool = True, loss_parallel: bool = False, blocks: str = "layers",
+    moe_layers: tuple[int, ...] = (), n_layers: int = 0, experts_tensor_parallel: bool = True,
 ) -> dict[str, "ParallelStyle"]:
     """The tensor-parallel plan of a Meta-named Llama ``Transformer``.
 
@@ -32,6 +33,11 @@ def llama_tensor_parallel_plan(
         loss_parallel: Leave the logits sharded over the vocabulary (``Shard(-1)`` DTensor) for a
             vocabulary-parallel cross-entropy.
         blocks: Name of the transformer-block container.
+        moe_layers: The mixture-of-experts blocks (of ``n_layers``): their feed-forward takes
+            ``MoETensorParallel``, the dense blocks' the column/row-wise SwiGLU plan, each block by its index.
+        n_layers: The number of blocks (needed with ``moe_layers``).
+        experts_tensor_parallel: Split the routed experts over the tensor-parallel ranks (off under expert
+            parallelism: whole experts on each rank, split over the expert-parallel ranks instead).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -48,6 +54,8 @@ def llama_tensor_parallel_plan(
         "output": VocabParallelHead(input_layouts=between, output_layouts=logits, use_local_output=not loss_parallel),
     }
     block = f"{blocks}.*"
+    # The dense feed-forwards: every block's (one pattern), or each dense block's by index beside MoE blocks.
+    dense = [block] if not moe_layers else [f"{blocks}.{i}" for i in range(n_layers) if i not in moe_layers]
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
         plan[f"{block}.attention_norm"] = SequenceParallel()
@@ -56,13 +64,22 @@ def llama_tensor_parallel_plan(
         plan[f"{block}.attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         )
-        plan[f"{block}.feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        )
-    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        for prefix in dense:
+            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    for name in ("attention.wq", "attention.wk", "attention.wv"):
         plan[f"{block}.{name}"] = ColwiseParallel()
-    for name in ("attention.wo", "feed_forward.w2"):
-        plan[f"{block}.{name}"] = RowwiseParallel(output_layouts=between)
+    plan[f"{block}.attention.wo"] = RowwiseParallel(output_layouts=between)
+    for prefix in dense:
+        for name in ("feed_forward.w1", "feed_forward.w3"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=between)
+    if moe_layers:
+        from lightning_2d.parallel.expert import MoETensorParallel
+
+        for i in moe_layers:
+            plan[f"{blocks}.{i}.feed_forward"] = MoETensorParallel(sequence_parallel, experts_tensor_parallel)
     return plan
 
 
@@ -76,7 +93,10 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
             ``""`` when the plan applies to the ``Transformer`` itself, as in Fabric).
     """
     return ParallelPlan(
-        tensor_parallel=llama_tensor_parallel_plan(config.sequence_parallel, config.loss_parallel),
+        tensor_parallel=llama_tensor_parallel_plan(
+            config.sequence_parallel, config.loss_parallel, moe_layers=args.moe_layers, n_layers=args.n_layers,
+            experts_tensor_parallel=config.expert_parallel_size == 1,
+        ),
         blocks="layers",
         module=module,
         tp_divides={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
@@ -87,4 +107,5 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         pipeline_stages=LLAMA_PIPELINE_STAGES,
         attention="layers.*.attention",
         tied_weights=(("tok_embeddings.weight", "output.weight"),) if args.tie_word_embeddings else (),
+        num_experts=args.moe.num_experts if args.moe is not None and args.moe_layers else None,
     )

@@ -1,0 +1,129 @@
+"""A mixture of experts (``debug-moe``: 8 routed experts, top 2, a shared expert, dense block 0) trained under expert,
+tensor, context and pipeline parallelism equals one device: 6 fp32 AdamW steps on packed documents against the
+single-device ``Trainer``, in one launch of 4 CPU processes (gloo).
+
+Layouts: expert parallel 2 × FSDP 2 (full activation checkpointing: the exchange recomputed in backward), expert
+parallel 2 × tensor parallel 2 (sequence parallel; whole experts on each tensor-parallel rank), tensor parallel 2 ×
+data parallel 2 without expert parallelism (the experts split by their hidden features), context parallel 2 × expert
+parallel 2, pipeline 2 × expert parallel 2 (aux-loss-free balancing: the bias moves
+every step), and expert parallel 4 with routing forced off 5 of the 8 experts (an idle expert on a busy rank, two
+idle ranks). Besides the losses: every routed count of every layer and step (summed over the ranks holding different
+tokens) is the reference's (the same routing, no token dropped: counts sum to tokens × top_k), the final weights
+(router, experts, shared experts) are the reference's, and the experts' placements are asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.conftest import load_weights
+from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
+
+pytestmark = pytest.mark.distributed
+
+COMMON = {"model": "debug-moe", "documents": True, "even_labels": True}
+#: Aux-loss-free balancing whose bias moves fast enough to change the routing within 6 steps.
+BIAS = {**COMMON, "moe_bias_rate": 0.01}
+#: Experts 3-7 pushed out of every token's top 2 (a fixed bias): at EP 4, rank 1 holds a busy and an idle expert,
+#: ranks 2 and 3 receive no token at all.
+IDLE = {**COMMON, "moe_bias_rate": 0.0, "idle_experts": 5}
+LAYOUTS = {
+    "ep2_fsdp2": (dict(dp=4, tp=1, expert_parallel_size=2, activation_checkpointing="full"), COMMON),
+    "ep2_tp2": (dict(dp=2, tp=2, expert_parallel_size=2), COMMON),
+    "tp2_dp2": (dict(dp=2, tp=2), COMMON),
+    # No gradient accumulation here: the auxiliary loss of two half batches is not the whole batch's (a product of
+    # sums, as transformers' own under accumulation); the reference takes the batch at once.
+    "cp2_ep2": (dict(dp=2, tp=1, nprocs=4, context_parallel_size=2, expert_parallel_size=2), COMMON),
+    "pp2_ep2": (dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2, expert_parallel_size=2), BIAS),
+    "ep4_idle": (dict(dp=4, tp=1, expert_parallel_size=4), IDLE),
+}
+REFERENCES = {"common": COMMON, "bias": BIAS, "idle": IDLE}
+REFERENCE_OF = {"ep2_fsdp2": "common", "ep2_tp2": "common", "tp2_dp2": "common", "cp2_ep2": "common",
+                "pp2_ep2": "bias", "ep4_idle": "idle"}
+
+
+@pytest.fixture(scope="module")
+def runs(jobs) -> dict:
+    specs = {f"reference_{key}": jobs.reference_job(**extra) for key, extra in REFERENCES.items()}
+    for name, (layout, extra) in LAYOUTS.items():
+        options = dict(layout)
+        specs[name] = jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **extra)
+    jobs.share("moe", list(specs.values()))
+    return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mixture_of_experts_training_equals_one_device(runs, layout):
+    reference, run = runs[f"reference_{REFERENCE_OF[layout]}"], runs[layout]
+    ref_out = reference.rank_output(0)
+    for rank in range(4):
+        error = worst_relative_error(run.rank_output(rank)["losses"], ref_out["losses"])
+        print(f"moe {layout} rank {rank}: worst relative loss error {error:.2e}")
+        assert error <= LOSS_RTOL
+    ref_final, final = load_weights(reference, "final"), load_weights(run, "final")
+    assert final.keys() == ref_final.keys()
+    moved = [n for n, w in final.items() if ".feed_forward.experts." in n or ".router." in n]
+    assert len(moved) == 3 * 4  # blocks 1-3: router + w1/w2/w3
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "pp2_ep2"])
+def test_every_token_is_routed_as_on_one_device_and_none_is_dropped(runs, layout):
+    """Per step and layer, the assignments per expert summed over the ranks holding different tokens (tensor-parallel
+    rank 0 of each) are the reference's: the same routing (no score flipped by another summation order) and dropless
+    (tokens × top_k assignments)."""
+    reference, run = runs[f"reference_{REFERENCE_OF[layout]}"], runs[layout]
+    ref_counts = reference.rank_output(0)["router_counts"]
+    outs = [run.rank_output(rank) for rank in range(4)]
+    for step, expected in enumerate(ref_counts):
+        assert sorted(expected) == ["layers.1.feed_forward", "layers.2.feed_forward", "layers.3.feed_forward"]
+        for layer, counts in expected.items():
+            assert sum(counts) == 4 * 32 * 2  # global batch × sequence × top_k
+            summed = [0.0] * 8
+            for out in outs:
+                if out["tp_rank"] == 0:
+                    summed = [a + b for a, b in zip(summed, out["router_counts"][step][layer])]
+            assert summed == counts, (layout, step, layer, summed, counts)
+
+
+def test_the_auxiliary_loss_is_the_global_batchs(runs):
+    """transformers' load-balancing loss is a product of sums over the whole batch: each layout logs the reference's
+    (every rank the same value) and trains it (the weights above)."""
+    expected = runs["reference_common"].rank_output(0)["aux_losses"]
+    assert all(a > 0 for a in expected)
+    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2"):
+        for rank in range(4):
+            assert runs[layout].rank_output(rank)["aux_losses"] == pytest.approx(expected, rel=1e-5), (layout, rank)
+    assert runs["reference_bias"].rank_output(0)["aux_losses"] == [None] * 6  # balanced by the bias instead
+
+
+def test_routing_off_most_experts_leaves_experts_and_ranks_idle(runs):
+    counts = runs["reference_idle"].rank_output(0)["router_counts"]
+    for step in counts:
+        for layer in step.values():
+            assert all(c == 0 for c in layer[3:]) and all(c > 0 for c in layer[:3]), layer
+    # The bias of the common run moved routing against the aux-loss run (the balancing did something).
+    assert runs["reference_bias"].rank_output(0)["router_counts"] != runs["reference_common"].rank_output(0)["router_counts"]
+
+
+def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
+    expert_parallel = runs["ep2_fsdp2"].rank_output(0)["placements"]["layers.1.feed_forward.experts.w1"]
+    assert expert_parallel["mesh_dims"] == ["expert_data_shard", "expert_parallel"]
+    assert expert_parallel["placements"][1] == "Shard(dim=0)"  # whole experts: 4 of 8 per expert-parallel rank
+    assert expert_parallel["local_shape"] == [2, 64, 128]  # and FSDP halves them
+    ep4 = runs["ep4_idle"].rank_output(0)["placements"]["layers.1.feed_forward.experts.w2"]
+    assert ep4["local_shape"] == [2, 128, 64]
+    router = runs["ep2_fsdp2"].rank_output(0)["placements"]["layers.1.feed_forward.router.weight"]
+    assert "expert_parallel" not in router["mesh_dims"]  # the router is FSDP's like every other weight
+    tensor_parallel = runs["tp2_dp2"].rank_output(0)["placements"]
+    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        placed = tensor_parallel[f"layers.1.feed_forward.experts.{name}"]
+        tp = placed["mesh_dims"].index("tensor_parallel")
+        assert placed["placements"][tp] == f"Shard(dim={dim})", (name, placed)
+    shared = tensor_parallel["layers.1.feed_forward.shared_experts.w1.weight"]
+    assert shared["placements"][shared["mesh_dims"].index("tensor_parallel")] == "Shard(dim=0)"
+    # Under expert × tensor parallelism the experts are whole on each tensor-parallel rank.
+    both = runs["ep2_tp2"].rank_output(0)["placements"]["layers.1.feed_forward.experts.w1"]
+    assert "tensor_parallel" not in both["mesh_dims"] and both["local_shape"] == [4, 64, 128]

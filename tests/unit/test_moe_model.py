@@ -1,0 +1,152 @@
+"""Mixture-of-experts blocks in the Llama family (``ModelArgs.moe``) and the pure pieces of their training: which
+blocks are sparse, parameter and FLOP counts, the layout-independent init of the stacked experts, the auxiliary loss
+split over ranks, aux-loss-free balancing counted once per forward (not again in a checkpoint's recompute), and the
+expert-parallel refusals before launch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, ModelArgsError, Transformer
+from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.ops.init import SeededInit
+from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, SwiGLU, auxiliary_loss, auxiliary_loss_terms
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.dims import validate_parallel_dims
+
+
+def test_which_blocks_are_mixtures_of_experts_follows_qwen3_moe():
+    args = ModelArgs(dim=64, n_layers=6, n_heads=4, vocab_size=32, multiple_of=16,
+                     moe={"num_experts": 4, "top_k": 2, "hidden_dim": 16}, moe_layer_step=2, dense_layers=[3])
+    assert isinstance(args.moe, MoEArgs) and args.dense_layers == [3]
+    assert args.moe_layers == (1, 5)  # (i + 1) % 2 == 0, block 3 kept dense
+    model = Transformer(args)
+    kinds = [type(model.layers[str(i)].feed_forward) for i in range(6)]
+    assert kinds == [SwiGLU, MoE, SwiGLU, SwiGLU, SwiGLU, MoE]
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
+    assert ModelArgs(**asdict(args)) == args  # as checkpoints store them (plain data) and read them back
+    with pytest.raises(ModelArgsError, match=r"moe: Invalid mixture-of-experts settings: top_k \(9\) cannot exceed"):
+        ModelArgs(moe={"num_experts": 4, "top_k": 9, "hidden_dim": 16})
+    with pytest.raises(ModelArgsError, match=r"dense_layers must be block indices in \[0, 2\), got \[5\]"):
+        ModelArgs(n_layers=2, dense_layers=(5,))
+
+
+def test_presets_count_all_and_active_parameters():
+    mixtral = ModelArgs.from_name("mixtral-8x7b")
+    assert round(mixtral.num_params() / 1e9, 1) == 46.7  # Mistral's published 46.7 B, 12.9 B active
+    assert round(mixtral.num_params(active=True) / 1e9, 1) == 12.9
+    debug = PRESETS["debug-moe"]
+    assert debug.moe_layers == (1, 2, 3)
+    model = Transformer(debug)
+    assert sum(p.numel() for p in model.parameters()) == debug.num_params()
+    moe = debug.moe
+    assert debug.num_params() - debug.num_params(active=True) == 3 * 3 * 128 * 64 * (moe.num_experts - moe.top_k)
+    # The FLOPs of a token are its active parameters' (torchtitan's convention for mixtures of experts).
+    dense = ModelArgs.from_name("debug")
+    assert debug.flops_per_token(32) - dense.flops_per_token(32) == 6 * (
+        debug.num_params(exclude_embedding=True, active=True) - dense.num_params(exclude_embedding=True))
+
+
+def test_stacked_experts_take_the_same_init_in_any_shard():
+    """The seeded init draws a 3-D expert tensor by rows of its global shape: an expert-parallel rank's experts (a
+    dim-0 slice) and a tensor-parallel rank's features (a dim-1 slice) get the whole tensor's values."""
+    model = Transformer(PRESETS["debug-moe"])
+    specs = model.param_init_specs()
+    assert set(specs) == {n for n, _ in model.named_parameters()}
+    model.init_weights(5)
+    source = SeededInit(specs, 5)
+    for name in ("layers.1.feed_forward.experts.w1", "layers.3.feed_forward.experts.w2"):
+        whole = model.get_parameter(name)
+        block = torch.empty(3, *whole.shape[1:])
+        source.fill_block_(block, name, tuple(whole.shape), (4, 0, 0))
+        assert torch.equal(block, whole[4:7])
+        cut = torch.empty(whole.shape[0], whole.shape[1] // 2, whole.shape[2])
+        source.fill_block_(cut, name, tuple(whole.shape), (0, whole.shape[1] // 2, 0))
+        assert torch.equal(cut, whole[:, whole.shape[1] // 2:])
+    assert specs["layers.1.feed_forward.experts.w2"].std < specs["layers.1.feed_forward.experts.w1"].std == 0.02
+
+
+def test_the_auxiliary_loss_split_over_ranks_sums_to_the_whole_batchs_with_its_gradient():
+    """Each rank's term (its scores against the counts of all ranks) sums to transformers' loss of the whole batch,
+    and so do the router gradients; a mean of each rank's own loss does not."""
+    torch.manual_seed(0)
+    experts = 6
+    logits = [torch.randn(10 + 3 * r, experts, requires_grad=True) for r in range(3)]
+
+    def stats(chunk: torch.Tensor) -> RouterStats:
+        scores = torch.softmax(chunk, -1)
+        counts = torch.zeros(experts).scatter_add_(0, scores.topk(2).indices.flatten(), torch.ones(chunk.shape[0] * 2))
+        return RouterStats(counts, scores.sum(0), chunk.shape[0])
+
+    whole = auxiliary_loss([stats(torch.cat(logits))], experts, 2)
+    grads = torch.autograd.grad(whole, logits)
+    per_rank = [[stats(chunk)] for chunk in logits]
+    summed = torch.stack([torch.cat([s[0].counts, s[0].score_sums.detach(), torch.tensor([float(s[0].tokens)])])
+                          for s in per_rank]).sum(0)
+
+    def all_reduce(t: torch.Tensor) -> None:  # what the data-parallel all-reduce gives every rank
+        t.copy_(summed)
+
+    terms = [auxiliary_loss_terms(s, experts, all_reduce) for s in per_rank]
+    torch.testing.assert_close(sum(t for t, _ in terms), whole)
+    for _, value in terms:
+        torch.testing.assert_close(value, whole)
+    term_grads = [torch.autograd.grad(t, chunk)[0] for (t, _), chunk in zip(terms, logits)]
+    for got, want in zip(term_grads, grads):
+        torch.testing.assert_close(got, want)
+    own_mean = sum(auxiliary_loss(s, experts, 2) for s in per_rank) / 3
+    assert abs(own_mean.item() - whole.item()) > 1e-3
+
+
+def test_bias_balancing_counts_each_forward_once_under_activation_checkpointing():
+    layer = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8, load_balancing="bias", bias_update_rate=0.1))
+    torch.nn.init.normal_(layer.router.weight)
+    for p in layer.experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()  # the recompute must not count again
+    assert layer.tokens_per_expert.sum() == 2 * 5 * 2
+    counts = layer.tokens_per_expert.clone()
+    layer.update_bias(counts)
+    below = counts < counts.mean()
+    assert (layer.expert_bias[below] > layer.expert_bias[~below].max()).all()  # the starved experts move up
+    assert abs(float(layer.expert_bias.sum())) < 1e-6 and not layer.tokens_per_expert.any()
+    layer.eval()
+    layer(x)
+    assert not layer.tokens_per_expert.any()  # evaluation does not balance
+
+
+def _validate(plan_args: ModelArgs, world: int = 4, **options) -> None:
+    config = ParallelConfig(**options)
+    validate_parallel_dims(config, world_size=world, devices_per_node=world, plan=llama_plan(plan_args, config))
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_split_the_experts():
+    moe = PRESETS["debug-moe"]
+    _validate(moe, data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=4)  # accepted
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size \(4\) must divide the data-shard × context"
+                                                  r" ranks \(2 = data_parallel_size 2 / data_parallel_replicate_size 1 × context_parallel_size 1\).*use one of 1"
+                                                  r" or 2"):
+        _validate(moe, data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4)
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size \(3\) must divide the model's 8 experts"):
+        _validate(moe, world=6, data_parallel_size=6, tensor_parallel_size=1, expert_parallel_size=3)
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=2 but the model has no mixture-of-experts"):
+        _validate(PRESETS["debug"], data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=2)
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=2 with fsdp_backend='simple_fsdp'"):
+        ParallelConfig(expert_parallel_size=2, fsdp_backend="simple_fsdp")
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size must be a positive integer, got 0"):
+        ParallelConfig(expert_parallel_size=0)
+
+
+def test_the_auxiliary_loss_is_refused_under_pipeline_parallelism_before_launch():
+    from lightning_2d import LlamaLightningModule
+
+    with pytest.raises(ParallelConfigError, match=r"auxiliary loss .* with pipeline_parallel_size=2.*load_balancing"):
+        LlamaLightningModule("debug-moe").parallel_plan(ParallelConfig(pipeline_parallel_size=2))
+    module = LlamaLightningModule("debug-moe", model_overrides={"moe": {**asdict(PRESETS["debug-moe"].moe),
+                                                                          "load_balancing": "bias"}})
+    assert module.parallel_plan(ParallelConfig(pipeline_parallel_size=2)).num_experts == 8
