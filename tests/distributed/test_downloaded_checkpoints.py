@@ -8,6 +8,9 @@ parallelism, trained 6 fp32 AdamW steps, and exported back.
   trained, exported.
 - Qwen2.5-style: tied, q/k/v biases. SmolLM-style: tied, the plain Llama layout. Qwen3-style: per-head q/k
   norms (their weights perturbed away from 1 before saving, so a wrong load or an unsummed gradient shows).
+- Qwen3-MoE-style and Mixtral-style mixtures of experts, through our own Llama: imported from transformers'
+  per-expert files, the experts tensor-parallel (Qwen3-MoE) or expert-parallel × tensor-parallel (Mixtral), and
+  exported back to the per-expert layout transformers reads.
 
 For each: the first step's loss equals ``transformers``' own loss of the same files on the same batch (the weights
 really are loaded and sharded right), the 6 steps equal the same module on one device, and the trained checkpoint
@@ -39,7 +42,17 @@ FAMILIES = {  # name: (model_type, config fields, through our own Llama)
     "smollm": ("llama", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, False),
     "qwen3": ("qwen3", {"tie_word_embeddings": False, "head_dim": 16,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, False),
+    # Mixtures of experts through our own Llama: Qwen3-MoE (per-head q/k norms, a head size other than
+    # hidden / heads, a dense block 0) with its experts split by features over the tensor-parallel ranks, and
+    # Mixtral under expert parallel 2 × tensor parallel 2 (whole experts on each tensor-parallel rank).
+    "qwen3_moe_native": ("qwen3_moe", {"tie_word_embeddings": False, "head_dim": 32, "num_experts": 8,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0],
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, True),
+    "mixtral_native": ("mixtral", {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, True),
 }
+#: Options of a family's 2×2 run beyond the common ones.
+PARALLEL_OPTIONS = {"mixtral_native": {"expert_parallel_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +78,8 @@ def _run(name: str, directory, single: bool) -> dict:
         run["hf_config"] = None  # the Hugging Face path, its config read from init_from
     if single:
         return {**run, "strategy": "single", "transformers_first_loss": True}
-    return {**run, "strategy": "2d", "dp": 2, "tp": 2, "num_nodes": 1, "data_replicas": 2}
+    return {**run, "strategy": "2d", "dp": 2, "tp": 2, "num_nodes": 1, "data_replicas": 2,
+            **PARALLEL_OPTIONS.get(name, {})}
 
 
 #: A tied Llama 3.2-style checkpoint under context 2 × tensor 2 (sequence parallel), in the same launch.

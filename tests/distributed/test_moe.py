@@ -127,3 +127,47 @@ def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
     # Under expert × tensor parallelism the experts are whole on each tensor-parallel rank.
     both = runs["ep2_tp2"].rank_output(0)["placements"]["layers.1.feed_forward.experts.w1"]
     assert "tensor_parallel" not in both["mesh_dims"] and both["local_shape"] == [4, 64, 128]
+
+
+#: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text saves every 2
+#: steps; its step-2 checkpoint resumed at expert parallel 4 and at tensor parallel 2 × data parallel 2 (no expert
+#: parallelism: the experts split by features) must reproduce its steps 3-6.
+RESUME_SEQ_LEN, RESUME_BATCH = 64, 4
+
+
+@pytest.fixture(scope="module")
+def resumes(jobs, tmp_path_factory) -> dict:
+    from lightning_2d.data import stdlib_sources
+
+    root = tmp_path_factory.mktemp("moe_ckpt")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    text = "".join(p.read_text() for p in stdlib_sources()[:3])[: 12 * RESUME_SEQ_LEN]  # 3 batches per epoch
+    (corpus / "text.txt").write_text(text)
+    base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": RESUME_SEQ_LEN, "max_steps": 6,
+            "model": "debug-moe"}
+    saved = root / "ep2"
+    runs = {
+        "moe_ep2_saves": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
+                          "checkpoints": [{"dirpath": str(saved), "every_n_train_steps": 2, "save_top_k": -1}]},
+        "moe_ep4_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 4,
+                            "resume": str(saved / "epoch=0-step=2.ckpt")},
+        "moe_tp2_resumes": {**base, "dp": 2, "tp": 2, "batch_size": 2, "resume": str(saved / "epoch=0-step=2.ckpt")},
+    }
+    jobs.share("moe_resume", [(name, config, 4, 1) for name, config in runs.items()], scenario="train")
+    return {name: jobs.run(name, "train", config, nprocs=4) for name, config in runs.items()}
+
+
+@pytest.mark.parametrize("resumed", ["moe_ep4_resumes", "moe_tp2_resumes"])
+def test_a_checkpoint_resumes_at_another_expert_parallel_size(resumes, resumed):
+    saved, run = resumes["moe_ep2_saves"].rank_output(0), resumes[resumed].rank_output(0)
+    assert len(saved["losses"]) == 6 and len(run["losses"]) == 4 and run["global_step"] == 6
+    if resumed == "moe_ep4_resumes":  # the same data-parallel size: rank 0 gets the same batches from step 3 on
+        assert run["batches"] == saved["batches"][2:]
+    error = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], saved["losses"][2:]))
+    print(f"{resumed}: worst relative loss error of steps 3-6 {error:.2e}")
+    assert error <= LOSS_RTOL
+    final, expected = load_weights(resumes[resumed], "final"), load_weights(resumes["moe_ep2_saves"], "final")
+    assert any(".experts." in name for name in final)
+    for name, weight in expected.items():
+        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-5, msg=name)

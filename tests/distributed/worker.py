@@ -857,7 +857,7 @@ def train(cfg: dict) -> None:
     data = TextDataModule(cfg["corpus"], seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
                           cache_dir=cfg["cache_dir"], val_fraction=0.0)
     # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
-    module = LlamaLightningModule(None if cfg.get("init_from") else "debug", warmup_steps=2, max_steps=6,
+    module = LlamaLightningModule(None if cfg.get("init_from") else cfg.get("model", "debug"), warmup_steps=2, max_steps=6,
                                   init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
@@ -870,7 +870,7 @@ def train(cfg: dict) -> None:
         data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"],
         data_parallel_replicate_size=cfg.get("replicate", 1),
         **{k: cfg[k] for k in ("pipeline_parallel_size", "pipeline_schedule", "reduce_every_micro_batch",
-                               "context_parallel_size", "fsdp_backend") if k in cfg},
+                               "context_parallel_size", "fsdp_backend", "expert_parallel_size") if k in cfg},
         save_distributed_checkpoint=cfg.get("save_distributed", True),
         async_checkpoint=cfg.get("async_checkpoint", False),
         **strategy_timeouts(cfg),

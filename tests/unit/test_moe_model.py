@@ -5,7 +5,7 @@ expert-parallel refusals before launch."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -150,3 +150,83 @@ def test_the_auxiliary_loss_is_refused_under_pipeline_parallelism_before_launch(
     module = LlamaLightningModule("debug-moe", model_overrides={"moe": {**asdict(PRESETS["debug-moe"].moe),
                                                                           "load_balancing": "bias"}})
     assert module.parallel_plan(ParallelConfig(pipeline_parallel_size=2)).num_experts == 8
+
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+FAMILIES = {
+    "qwen3": {"head_dim": 32},
+    "qwen3_moe": {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "mlp_only_layers": [0], "norm_topk_prob": False},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def _saved(tmp_path, model_type: str, fused: bool = False):
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # norms away from 1, so an unpermuted q/k norm weight shows
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    directory = tmp_path / (model_type + ("_fused" if fused else ""))
+    model.save_pretrained(directory)
+    if fused:  # transformers 5's in-memory names and stacked experts, as some checkpoints ship them
+        from safetensors.torch import save_file
+
+        (directory / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors",
+                  metadata={"format": "pt"})
+    return model, directory
+
+
+@pytest.mark.parametrize("model_type,fused", [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True),
+                                              ("mixtral", True)])
+def test_a_hugging_face_directory_loads_into_our_model_with_transformers_logits(tmp_path, model_type, fused):
+    from lightning_2d.checkpoint.hf import HFWeights, hf_config, model_args_from_hf
+
+    model, directory = _saved(tmp_path, model_type, fused)
+    args = model_args_from_hf(directory)
+    assert args.qk_norm == model_type.startswith("qwen3") and args.head_dim == FAMILIES[model_type].get("head_dim", 16)
+    if model_type != "qwen3":
+        assert args.moe is not None and args.moe.load_balancing == "none"  # output_router_logits false: no aux loss
+        assert args.moe_layers == ((1, 2) if model_type == "qwen3_moe" else (0, 1, 2))
+        assert args.moe.norm_topk_prob == (model_type == "mixtral")
+    ours = Transformer(args)
+    ours.load_blocks(HFWeights(directory, args))
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), model(tokens).logits, rtol=1e-5, atol=1e-5)
+    written = tmp_path / "written"
+    written.mkdir()
+    import json
+
+    (written / "config.json").write_text(json.dumps(hf_config(args, torch.float32)))
+    assert model_args_from_hf(written) == args  # what export writes reads back as the same model
+    assert transformers.AutoConfig.from_pretrained(written).model_type == model_type
+
+
+def test_export_refuses_what_the_hugging_face_families_cannot_hold():
+    from lightning_2d.checkpoint.hf.layout import hf_export_problems, hf_model_type
+
+    debug = PRESETS["debug-moe"]  # a shared expert, a dense block 0 without q/k norms
+    assert hf_model_type(debug) == "mixtral"
+    problems = hf_export_problems(debug)
+    assert any("num_shared_experts=1: mixtral has no shared experts" in p for p in problems)
+    assert any("dense blocks [0]: every Mixtral block is a mixture of experts" in p for p in problems)
+    biased = ModelArgs.from_name("qwen3-30b-a3b", moe={**asdict(PRESETS["qwen3-30b-a3b"].moe), "load_balancing": "bias"})
+    assert hf_model_type(biased) == "qwen3_moe"
+    assert hf_export_problems(biased) == [
+        "load_balancing='bias': the experts' balancing bias routes tokens and qwen3_moe has no place for it"]
+    assert hf_export_problems(PRESETS["qwen3-30b-a3b"]) == hf_export_problems(PRESETS["mixtral-8x7b"]) == []
+
+
+def test_qwen3_30b_a3b_counts_its_published_parameters():
+    args = PRESETS["qwen3-30b-a3b"]
+    # Qwen's model card: 30.5 B in total, 3.3 B activated (3.35 B with both the embedding and the head).
+    assert round(args.num_params() / 1e9, 1) == 30.5 and 3.3e9 <= args.num_params(active=True) < 3.4e9
+    with torch.device("meta"):
+        model = Transformer(replace(args, n_layers=2))
+    assert sum(p.numel() for p in model.parameters()) == replace(args, n_layers=2).num_params()

@@ -27,7 +27,11 @@ from lightning_2d.checkpoint.hf.layout import (
     INDEX_FILE,
     SINGLE_FILE,
     WeightInfo,
+    expert_hf_name,
+    expert_name,
     hf_config,
+    hf_export_problems,
+    hf_model_type,
     hf_name,
     meta_to_hf,
     rotary_heads,
@@ -369,6 +373,18 @@ def _release_freed_memory() -> None:
         pass
 
 
+def to_hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """One of our weights as the Hugging Face tensors of ``hf_model_type(args)``: a stacked experts tensor becomes
+    one tensor per expert (the per-expert layout transformers writes and reads), any other one tensor."""
+    model_type = hf_model_type(args)
+    expert = expert_name(name)
+    if expert is None:
+        return {hf_name(name, model_type): to_hf_tensor(name, tensor, args, dtype)}
+    layer, which = expert
+    return {expert_hf_name(layer, which, e, model_type): tensor[e].to(dtype or tensor.dtype).contiguous()
+            for e in range(tensor.shape[0])}
+
+
 def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """One of our weights in the Hugging Face layout: ``dtype``, and the RoPE row permutation of ``wq``/``wk``."""
     tensor = tensor.to(dtype or tensor.dtype)
@@ -465,10 +481,8 @@ def export_hf(
                 f"{checkpoint} is a checkpoint of a Hugging Face model (HFCausalLMModule) and records its own"
                 " config; --model/--model-overrides apply to LlamaLightningModule checkpoints only: drop them"
             )
-        hf_key: Any = str
-
-        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(dtype or tensor.dtype).contiguous()
+        def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {name: tensor.to(dtype or tensor.dtype).contiguous()}
 
         config = {**native_config, "torch_dtype": str(out_dtype).removeprefix("torch."),
                   "dtype": str(out_dtype).removeprefix("torch.")}
@@ -476,12 +490,16 @@ def export_hf(
             source.weights = [w for w in source.weights if w.name != "lm_head.weight"]
     else:
         args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
+        if problems := hf_export_problems(args):
+            raise ExportError(
+                f"{checkpoint} holds a model that {hf_model_type(args)}'s Hugging Face layout cannot hold: "
+                + "; ".join(problems) + ". Nothing was written."
+            )
         if peft is None:  # (adapters: their shapes were checked against the model when the run resumed or saved)
             check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
-        hf_key = hf_name
 
-        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            return to_hf_tensor(name, tensor, args, dtype)
+        def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+            return to_hf_tensors(name, tensor, args, dtype)
 
         config = hf_config(args, out_dtype)
         # Tied: one tensor in the files (transformers ties lm_head to embed_tokens on load).
@@ -509,7 +527,9 @@ def export_hf(
             if peft is not None:
                 tensors = lora_export.peft_tensors(dict(source.read(names)), peft_args, dtype)
             else:
-                tensors = {hf_key(name): convert(name, tensor) for name, tensor in source.read(names)}
+                tensors = {}
+                for name, tensor in source.read(names):
+                    tensors.update(convert(name, tensor))
             save_file(tensors, staging / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.element_size() for t in tensors.values())

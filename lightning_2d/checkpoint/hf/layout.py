@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, rope_scaling_problems
+from lightning_2d.ops.moe import MoEArgs
 
 class WeightInfo(NamedTuple):
     """A weight of a checkpoint as its metadata describes it (no data read).
@@ -41,36 +42,108 @@ _LAYER_MAP = {
     "feed_forward.w2": "mlp.down_proj",
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
 }
+#: The Hugging Face architectures our ``Transformer`` is written as and read from (``hf_model_type``).
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "mixtral": "MixtralForCausalLM"}
+_FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}
+#: A mixture-of-experts family's files: the layer's module (``mlp`` / ``block_sparse_moe``) and each expert's
+#: gate, up and down projections (ours: ``w1``, ``w3``, ``w2``), per expert as ``….experts.E.<proj>.weight``. The
+#: router is ``….gate.weight``. transformers 5 keeps them fused in memory and may save them so: ``mlp.experts.
+#: gate_up_proj`` ``(E, 2F, D)`` (gate rows first) and ``mlp.experts.down_proj`` ``(E, D, F)``.
+MOE_LAYOUTS = {"qwen3_moe": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+               "mixtral": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"})}
+_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
+_ROUTER = re.compile(r"layers\.(\d+)\.feed_forward\.router\.weight$")
 _TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
 
 
-def hf_name(name: str) -> str:
-    """Our parameter name → the Hugging Face Llama name."""
+def hf_model_type(args: ModelArgs) -> str:
+    """The Hugging Face architecture a ``Transformer(args)`` is (``HF_ARCHITECTURES``): ``qwen3``/``qwen3_moe`` with
+    per-head q/k norms, ``mixtral`` for experts without them, else ``llama``; ``hf_export_problems`` says whether
+    the architecture can hold it."""
+    if args.qk_norm:
+        return "qwen3_moe" if args.moe is not None else "qwen3"
+    return "mixtral" if args.moe is not None else "llama"
+
+
+def hf_export_problems(args: ModelArgs) -> list[str]:
+    """What of ``args`` its Hugging Face architecture (``hf_model_type``) cannot hold (empty: nothing)."""
+    model_type, moe, problems = hf_model_type(args), args.moe, []
+    if moe is None:
+        return problems
+    if moe.num_shared_experts:
+        problems.append(f"num_shared_experts={moe.num_shared_experts}: {model_type} has no shared experts")
+    if moe.score_func != "softmax" or moe.route_scale != 1.0:
+        problems.append(f"score_func={moe.score_func!r}, route_scale={moe.route_scale}: {model_type} routes by softmax,"
+                        " unscaled")
+    if moe.load_balancing == "bias":
+        problems.append(f"load_balancing='bias': the experts' balancing bias routes tokens and {model_type} has no"
+                        " place for it")
+    if model_type == "mixtral":
+        if not moe.norm_topk_prob:
+            problems.append("norm_topk_prob=False: Mixtral always renormalizes the top-k weights")
+        if len(args.moe_layers) != args.n_layers:
+            problems.append(f"dense blocks {[i for i in range(args.n_layers) if not args.is_moe_layer(i)]}: every"
+                            " Mixtral block is a mixture of experts (Qwen3-MoE's layout has dense blocks: qk_norm)")
+    return problems
+
+
+def hf_name(name: str, model_type: str = "llama") -> str:
+    """Our parameter name → the Hugging Face name (of ``model_type``; not the stacked experts: ``expert_hf_name``)."""
+    if model_type in MOE_LAYOUTS and (router := _ROUTER.match(name)):
+        return f"model.layers.{router.group(1)}.{MOE_LAYOUTS[model_type][0]}.gate.weight"
     match = _LAYER_NAME.match(name)
     if match:
         return f"model.layers.{match.group(1)}.{_LAYER_MAP[match.group(2)]}.weight"
     return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
 
 
+def expert_name(name: str) -> Optional[tuple[int, str]]:
+    """``(block, "w1" | "w2" | "w3")`` of a stacked experts tensor of ours (``layers.N.feed_forward.experts.w1``)."""
+    match = _EXPERTS.match(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def expert_hf_name(layer: int, which: str, expert: int, model_type: str) -> str:
+    """The per-expert Hugging Face name of expert ``expert``'s ``which`` (``w1``/``w2``/``w3``) in block ``layer``."""
+    module, projections = MOE_LAYOUTS[model_type]
+    return f"model.layers.{layer}.{module}.experts.{expert}.{projections[which]}.weight"
+
+
+def fused_expert_name(layer: int, which: str) -> str:
+    """transformers 5's fused name holding ``which``: ``gate_up_proj`` (``w1`` rows first, then ``w3``) or
+    ``down_proj`` (``w2``)."""
+    return f"model.layers.{layer}.mlp.experts.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
+
+
 def rotary_heads(name: str, args: ModelArgs) -> Optional[int]:
-    """Number of heads whose rows are permuted between the layouts (``wq``: n_heads, ``wk``: n_kv_heads)."""
+    """Number of heads whose rows are permuted between the layouts (``wq``: n_heads, ``wk``: n_kv_heads; a per-head
+    norm's weight, one head's features: 1)."""
     if name.endswith("attention.wq.weight"):
         return args.n_heads
     if name.endswith("attention.wk.weight"):
         return args.kv_heads
+    if name.endswith("attention.q_norm.weight") or name.endswith("attention.k_norm.weight"):
+        return 1
     return None
 
 
 def meta_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of each head: interleaved pairs → halves."""
+    """Rows of each head: interleaved pairs → halves (a 1-D weight: its features, as rows)."""
+    if weight.dim() == 1:
+        return meta_to_hf(weight.unsqueeze(-1), n_heads).squeeze(-1)
     rows, cols = weight.shape
     return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def hf_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of each head: halves → interleaved pairs (inverse of ``meta_to_hf``)."""
+    if weight.dim() == 1:
+        return hf_to_meta(weight.unsqueeze(-1), n_heads).squeeze(-1)
     rows, cols = weight.shape
     return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -87,7 +160,8 @@ def _hf_rope_scaling(scaling: RopeScaling) -> dict[str, Any]:
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of a ``LlamaForCausalLM`` with these shapes.
+    """``config.json`` of the Hugging Face architecture of these args (``hf_model_type``: ``LlamaForCausalLM``,
+    ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``).
 
     The rotary embedding is written both ways: ``rope_parameters`` (transformers 5) and, with a scaling,
     ``rope_scaling`` + ``rope_theta`` as in Meta's Llama 3.1 files (what transformers 4 and other readers take;
@@ -97,9 +171,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta} if scaling is None else {
         **scaling, "rope_theta": args.rope_theta
     }
+    model_type = hf_model_type(args)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [HF_ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -121,6 +196,22 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     }
     if scaling is not None:
         config["rope_scaling"] = scaling
+    if model_type != "llama":  # Qwen3's and Mixtral's configs have no mlp_bias
+        del config["mlp_bias"]
+    if model_type in ("qwen3", "qwen3_moe"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
+    moe = args.moe
+    if moe is not None:
+        # transformers trains with the auxiliary loss only when the config asks for the router logits.
+        common = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_coef,
+                  "output_router_logits": moe.load_balancing == "aux_loss" and moe.aux_loss_coef > 0}
+        if model_type == "mixtral":
+            config.update(common, num_local_experts=moe.num_experts, intermediate_size=moe.hidden_dim,
+                          sliding_window=None)
+        else:
+            config.update(common, num_experts=moe.num_experts, moe_intermediate_size=moe.hidden_dim,
+                          norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=args.moe_layer_step,
+                          mlp_only_layers=list(args.dense_layers))
     return config
 
 
@@ -158,22 +249,40 @@ def _rope_scaling_from_hf(config: dict[str, Any], config_path: Path) -> tuple[fl
 
 
 def model_args_from_hf(directory: Path) -> ModelArgs:
-    """``ModelArgs`` from a Hugging Face Llama ``config.json`` (``multiple_of`` chosen to reproduce its FFN size)."""
+    """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama, Qwen3, Qwen3-MoE or Mixtral (``multiple_of``
+    chosen to reproduce its FFN size; a mixture of experts balanced as transformers would fine-tune it: by the
+    auxiliary loss when the config asks for the router logits, else not at all)."""
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; init_from needs a Hugging Face Llama directory")
     config = json.loads(config_path.read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"{config_path} describes a {config.get('model_type')!r} model, not 'llama'")
+    model_type = config.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        raise ValueError(f"{config_path} describes a {model_type!r} model, not one of {', '.join(HF_ARCHITECTURES)}")
     rope_theta, rope_scaling = _rope_scaling_from_hf(config, config_path)
     if problems := _unrepresentable(config):
         raise ValueError(
-            f"{config_path} describes a Llama this model cannot represent: " + "; ".join(problems)
+            f"{config_path} describes a {_FAMILY_NAMES[model_type]} this model cannot represent: " + "; ".join(problems)
             + ". Load it with the Hugging Face path instead (lightning_2d.hf.HFCausalLMModule)"
         )
-    n_heads = config["num_attention_heads"]
+    n_heads, dim = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim")
+    moe: Optional[MoEArgs] = None
+    moe_fields: dict[str, Any] = {}
+    if model_type in MOE_LAYOUTS:
+        coef = float(config.get("router_aux_loss_coef", 0.0) or 0.0)
+        balancing = "aux_loss" if config.get("output_router_logits") and coef > 0 else "none"
+        # Released Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both families.
+        experts = config.get("num_local_experts", config.get("num_experts"))
+        hidden = config["intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"]
+        moe = MoEArgs(num_experts=experts, top_k=config["num_experts_per_tok"], hidden_dim=hidden,
+                      norm_topk_prob=bool(config.get("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
+                      load_balancing=balancing, aux_loss_coef=coef)
+        if model_type == "qwen3_moe":
+            moe_fields = {"moe_layer_step": int(config.get("decoder_sparse_step", 1)),
+                          "dense_layers": list(config.get("mlp_only_layers") or [])}
     return ModelArgs(
-        dim=config["hidden_size"],
+        dim=dim,
         n_layers=config["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads", n_heads),
@@ -184,29 +293,42 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
         max_seq_len=config.get("max_position_embeddings", 4096),
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        head_size=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=moe,
+        **moe_fields,
     )
 
 
 def _unrepresentable(config: dict[str, Any]) -> list[str]:
-    """The fields of a Llama ``config.json`` whose values the native model does not implement (each named with its
-    value and the one it needs): importing them anyway would load the weights and compute something else."""
-    n_heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
+    """The fields of a ``config.json`` whose values the native model does not implement (each named with its value
+    and the one it needs): importing them anyway would load the weights and compute something else."""
+    n_heads, dim, model_type = config.get("num_attention_heads"), config.get("hidden_size"), config.get("model_type")
     needed = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
         "mlp_bias": (config.get("mlp_bias", False), False),
         "partial_rotary_factor": (config.get("partial_rotary_factor", 1.0), 1.0),
     }
-    if n_heads and dim and config.get("head_dim") is not None:
+    if model_type == "llama" and n_heads and dim and config.get("head_dim") is not None:
         needed["head_dim"] = (config["head_dim"], dim // n_heads)
-    return [f"{name} is {value!r} (needs {want!r})" for name, (value, want) in needed.items()
-            if value is not None and value != want]
+    if model_type in ("qwen3", "qwen3_moe"):
+        needed["use_sliding_window"] = (config.get("use_sliding_window", False), False)
+    problems = [f"{name} is {value!r} (needs {want!r})" for name, (value, want) in needed.items()
+                if value is not None and value != want]
+    if model_type == "mixtral" and config.get("sliding_window") is not None:
+        problems.append(f"sliding_window is {config['sliding_window']!r} (needs None: attention over the whole sequence)")
+    return problems
 
 
 def tied_aliases(args: ModelArgs) -> frozenset[str]:
     """Our names that are another name's weight under ``args`` (the head's, when tied): a checkpoint may hold them
     (DCP saves every name), a Hugging Face directory does not (``tie_word_embeddings``: one tensor)."""
     return frozenset({"output.weight"}) if args.tie_word_embeddings else frozenset()
+
+
+def _expert_shape(moe: Optional[MoEArgs]) -> Optional[tuple[int, int, int]]:
+    return None if moe is None else (moe.num_experts, moe.top_k, moe.hidden_dim)
 
 
 def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
@@ -217,5 +339,8 @@ def same_shapes(a: ModelArgs, b: ModelArgs) -> list[str]:
         "ffn_hidden_dim": (a.ffn_hidden_dim, b.ffn_hidden_dim), "rope_theta": (a.rope_theta, b.rope_theta),
         "norm_eps": (a.norm_eps, b.norm_eps), "rope_scaling": (a.rope_scaling, b.rope_scaling),
         "tie_word_embeddings": (a.tie_word_embeddings, b.tie_word_embeddings),
+        "head_dim": (a.head_dim, b.head_dim), "qk_norm": (a.qk_norm, b.qk_norm),
+        "moe_layers": (a.moe_layers, b.moe_layers),
+        "experts": (_expert_shape(a.moe), _expert_shape(b.moe)),
     }
     return [f"{k}: {x} vs {y}" for k, (x, y) in checks.items() if x != y]

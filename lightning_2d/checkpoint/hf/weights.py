@@ -7,6 +7,7 @@ RoPE rows back).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,9 @@ import torch
 from lightning_2d.checkpoint.hf.layout import (
     INDEX_FILE,
     SINGLE_FILE,
+    expert_hf_name,
+    expert_name,
+    fused_expert_name,
     hf_name,
     hf_to_meta,
     model_args_from_hf,
@@ -53,19 +57,23 @@ class SafetensorsWeights:
         if expected is not None:
             self._check(expected)
 
+    def stored_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """The stored tensors the model's parameter ``name`` (of ``shape``) is read from, with their shapes."""
+        return [(self.key(name), tuple(shape))]
+
     def _check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
         from safetensors import safe_open
 
         problems = []
         for name, shape in expected.items():
-            key = self.key(name)
-            if key not in self.files:
-                problems.append(f"{key}: missing")
-                continue
-            with safe_open(self.files[key], framework="pt") as f:
-                stored = tuple(f.get_slice(key).get_shape())
-            if stored != tuple(shape):
-                problems.append(f"{key}: stored {stored}, the model's is {tuple(shape)}")
+            for key, want in self.stored_parts(name, shape):
+                if key not in self.files:
+                    problems.append(f"{key}: missing")
+                    continue
+                with safe_open(self.files[key], framework="pt") as f:
+                    stored = tuple(f.get_slice(key).get_shape())
+                if stored != tuple(want):
+                    problems.append(f"{key}: stored {stored}, the model's is {tuple(want)}")
         if problems:
             raise ValueError(
                 f"{self.directory} does not hold the model's weights ({len(problems)} problem(s)):\n  - "
@@ -111,8 +119,10 @@ class SafetensorsWeights:
 
 
 class HFWeights(SafetensorsWeights):
-    """A Hugging Face Llama directory read into our ``Transformer``: names mapped (``hf_name``) and the
-    rows of ``wq``/``wk`` permuted back to Meta's rotary layout.
+    """A Hugging Face Llama, Qwen3, Qwen3-MoE or Mixtral directory read into our ``Transformer``: names mapped
+    (``hf_name``), the rows of ``wq``/``wk`` (and the per-head norms' features) permuted back to Meta's rotary
+    layout, and each block's experts stacked from their per-expert tensors or cut from transformers' fused ones
+    (each rank reads only its experts' rows).
 
     Args:
         directory: The Hugging Face directory (``config.json``, ``model.safetensors`` or shards + index).
@@ -121,6 +131,8 @@ class HFWeights(SafetensorsWeights):
 
     def __init__(self, directory: Path, args: ModelArgs) -> None:
         self.args = args
+        self.model_type = json.loads((Path(directory) / "config.json").read_text()).get("model_type", "llama") \
+            if (Path(directory) / "config.json").is_file() else "llama"
         loaded = model_args_from_hf(Path(directory))
         if mismatch := same_shapes(args, loaded):
             raise ValueError(f"The model does not match {directory}/config.json: " + "; ".join(mismatch))
@@ -130,7 +142,48 @@ class HFWeights(SafetensorsWeights):
         super().__init__(directory, expected)
 
     def key(self, name: str) -> str:
-        return hf_name(name)
+        key = hf_name(name, self.model_type)
+        router = re.match(r"layers\.(\d+)\.feed_forward\.router\.weight$", name)
+        if router and self._fused(int(router.group(1))):  # transformers 5's own names: the router under `mlp`
+            return f"model.layers.{router.group(1)}.mlp.gate.weight"
+        return key
+
+    def _fused(self, layer: int) -> bool:
+        return fused_expert_name(layer, "w1") in self.files
+
+    def stored_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        expert = expert_name(name)
+        if expert is None:
+            return super().stored_parts(name, shape)
+        layer, which = expert
+        experts, rows, cols = shape
+        if self._fused(layer):
+            return [(fused_expert_name(layer, which), (experts, 2 * rows, cols) if which != "w2" else tuple(shape))]
+        return [(expert_hf_name(layer, which, e, self.model_type), (rows, cols)) for e in range(experts)]
+
+    @torch.no_grad()
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
+    ) -> None:
+        expert = expert_name(name)
+        if expert is None or out.numel() == 0:
+            return super().fill_block_(out, name, global_shape, offset)
+        from safetensors import safe_open
+
+        layer, which = expert
+        offset = offset or (0, 0, 0)
+        first, rows, cols = offset[0], slice(offset[1], offset[1] + out.shape[1]), slice(offset[2], offset[2] + out.shape[2])
+        if self._fused(layer):  # transformers 5's (E, 2F, D) gate_up_proj / (E, D, F) down_proj
+            key = fused_expert_name(layer, which)
+            if which == "w3":  # the up rows follow the gate rows
+                rows = slice(rows.start + global_shape[1], rows.stop + global_shape[1])
+            with safe_open(self.files[key], framework="pt") as f:
+                out.copy_(f.get_slice(key)[first:first + out.shape[0], rows, cols])
+            return
+        for i in range(out.shape[0]):  # this rank's experts only, one file read each
+            key = expert_hf_name(layer, which, first + i, self.model_type)
+            with safe_open(self.files[key], framework="pt") as f:
+                out[i].copy_(f.get_slice(key)[rows, cols])
 
     def read(
         self, stored: Any, name: str, rows: slice, cols: tuple[slice, ...], global_shape: tuple[int, ...]
@@ -138,6 +191,8 @@ class HFWeights(SafetensorsWeights):
         heads = rotary_heads(name, self.args)
         if heads is None:
             return stored[(rows, *cols)]
+        if len(global_shape) == 1:  # a per-head norm's weight: one head's features, permuted whole
+            return hf_to_meta(stored[:], heads)[rows]
         # Rows of a head are permuted within the head: read the whole heads the block touches.
         head_rows = global_shape[0] // heads
         first, last = rows.start // head_rows, (rows.stop - 1) // head_rows + 1

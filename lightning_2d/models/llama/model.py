@@ -150,6 +150,10 @@ class ModelArgs:
         moe_layer_step: Every ``moe_layer_step``-th block is a mixture of experts (blocks ``step-1, 2·step-1, …``:
             Qwen3-MoE's ``decoder_sparse_step``); 1: every block.
         dense_layers: Blocks that stay dense whatever ``moe_layer_step`` says (Qwen3-MoE's ``mlp_only_layers``).
+        head_size: Each attention head's size when it is not ``dim / n_heads`` (Qwen3: 128 at ``dim`` 2048 with 32
+            heads; Hugging Face's ``head_dim``); ``None``: ``dim / n_heads``.
+        qk_norm: Normalize each query and key head (an RMSNorm over the head's features, one weight shared by the
+            heads) before the rotary embedding, as Qwen3 does (``q_norm``/``k_norm``).
     """
 
     dim: int = 4096
@@ -169,6 +173,8 @@ class ModelArgs:
     moe: MoEArgs | None = None
     moe_layer_step: int = 1
     dense_layers: list[int] = field(default_factory=list)
+    head_size: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -189,9 +195,11 @@ class ModelArgs:
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.n_kv_heads is not None and self.n_kv_heads < 1:
             problems.append(f"n_kv_heads must be a positive integer or None, got {self.n_kv_heads}")
-        if self.dim > 0 and self.n_heads > 0:
-            if self.dim % self.n_heads:
-                problems.append(f"n_heads ({self.n_heads}) must divide dim ({self.dim})")
+        if self.head_size is not None and (not isinstance(self.head_size, int) or self.head_size < 1):
+            problems.append(f"head_size must be a positive integer or None, got {self.head_size!r}")
+        elif self.dim > 0 and self.n_heads > 0:
+            if self.head_size is None and self.dim % self.n_heads:
+                problems.append(f"n_heads ({self.n_heads}) must divide dim ({self.dim}), or give head_size")
             elif self.head_dim % 2:
                 problems.append(f"the head size dim / n_heads ({self.head_dim}) must be even for rotary embeddings")
             if self.kv_heads > 0 and self.n_heads % self.kv_heads:
@@ -227,7 +235,8 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Each attention head's size: ``head_size``, else ``dim / n_heads``."""
+        return self.head_size if self.head_size is not None else self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -253,8 +262,8 @@ class ModelArgs:
         """Number of parameters of a ``Transformer`` with these args; ``active``: those one token goes through (a
         mixture-of-experts block counts its router, ``top_k`` routed and its shared experts), what the FLOPs are
         counted on."""
-        d, kv_dim, h = self.dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
-        attention_and_norms = d * (d + 2 * kv_dim + d) + 2 * d
+        d, q_dim, kv_dim, h = self.dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn_hidden_dim
+        attention_and_norms = d * (2 * q_dim + 2 * kv_dim) + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
         sparse = len(self.moe_layers)
         feed_forward = (self.n_layers - sparse) * 3 * d * h
         if sparse:
@@ -311,6 +320,13 @@ PRESETS["debug-moe"] = replace(
 PRESETS["mixtral-8x7b"] = ModelArgs(
     dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, hidden_dim=14336, rope_theta=1e6,
     max_seq_len=32768, moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=14336, aux_loss_coef=0.02),
+)
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json): 128 experts, 8 per token, per-head q/k norms and a head size of
+# 128 at width 2048; 30.5 B parameters, 3.3 B active per token.
+PRESETS["qwen3-30b-a3b"] = ModelArgs(
+    dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, qk_norm=True, vocab_size=151936,
+    hidden_dim=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+    moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=768, aux_loss_coef=0.001),
 )
 # Llama 3.1: the Llama 3 shapes, 128K tokens of context through the scaled rotary frequencies. The rotary table
 # is then 131072 rows (64 MiB in fp32 at head size 128); the planner builds it on the meta device.
@@ -405,6 +421,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3's per-head norms (their weight's features in our interleaved rotary order, as wq's rows).
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -412,6 +431,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hq, Dh)
         xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
+        if self.q_norm is not None and self.k_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_emb(xq, rope), apply_rotary_emb(xk, rope)
 
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, T, Dh), (B, H_kv, T, Dh)
@@ -568,7 +589,7 @@ class Transformer(nn.Module):
                 specs[prefix + "feed_forward.w1.weight"] = InitSpec("trunc_normal", std=0.02)
                 for name in ("feed_forward.w2", "feed_forward.w3"):
                     specs[prefix + name + ".weight"] = InitSpec("trunc_normal", std=out_std)
-            for name in ("attention_norm", "ffn_norm"):
+            for name in ("attention_norm", "ffn_norm") + (("attention.q_norm", "attention.k_norm") if args.qk_norm else ()):
                 specs[prefix + name + ".weight"] = InitSpec("constant", value=1.0)
         specs["norm.weight"] = InitSpec("constant", value=1.0)
         specs["output.weight"] = InitSpec("trunc_normal", std=args.dim**-0.5)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.styles import VocabParallelHead
+from lightning_2d.parallel.styles import HeadShardedNorm, VocabParallelHead
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def llama_tensor_parallel_plan(
     sequence_parallel: bool = True, loss_parallel: bool = False, blocks: str = "layers",
-    moe_layers: tuple[int, ...] = (), n_layers: int = 0, experts_tensor_parallel: bool = True,
+    moe_layers: tuple[int, ...] = (), n_layers: int = 0, experts_tensor_parallel: bool = True, qk_norm: bool = False,
 ) -> dict[str, "ParallelStyle"]:
     """The tensor-parallel plan of a Meta-named Llama ``Transformer``.
 
@@ -38,6 +38,7 @@ def llama_tensor_parallel_plan(
         n_layers: The number of blocks (needed with ``moe_layers``).
         experts_tensor_parallel: Split the routed experts over the tensor-parallel ranks (off under expert
             parallelism: whole experts on each rank, split over the expert-parallel ranks instead).
+        qk_norm: The attention normalizes each query and key head (Qwen3): ``HeadShardedNorm`` on this rank's heads.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -71,6 +72,9 @@ def llama_tensor_parallel_plan(
     for name in ("attention.wq", "attention.wk", "attention.wv"):
         plan[f"{block}.{name}"] = ColwiseParallel()
     plan[f"{block}.attention.wo"] = RowwiseParallel(output_layouts=between)
+    if qk_norm:
+        plan[f"{block}.attention.q_norm"] = HeadShardedNorm()
+        plan[f"{block}.attention.k_norm"] = HeadShardedNorm()
     for prefix in dense:
         for name in ("feed_forward.w1", "feed_forward.w3"):
             plan[f"{prefix}.{name}"] = ColwiseParallel()
@@ -95,7 +99,7 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
     return ParallelPlan(
         tensor_parallel=llama_tensor_parallel_plan(
             config.sequence_parallel, config.loss_parallel, moe_layers=args.moe_layers, n_layers=args.n_layers,
-            experts_tensor_parallel=config.expert_parallel_size == 1,
+            experts_tensor_parallel=config.expert_parallel_size == 1, qk_norm=args.qk_norm,
         ),
         blocks="layers",
         module=module,
