@@ -373,6 +373,31 @@ def test_compare_lora_runs_lora_beside_full_fine_tuning_and_reports_the_ratios()
     assert bench.RUNNERS["lora"] is not bench.RUNNERS["lightning_2d"]
 
 
+def test_compare_expert_parallel_runs_both_sizes_side_by_side_and_reports_the_ratios():
+    s = settings("--model", "debug-moe", "--compare-expert-parallel", "2", "--data-parallel-size", "4",
+                 "--tensor-parallel-size", "1", "--seq-len", "32", "--warmup", "0", "--rounds", "1")
+    assert s.variants == ["lightning_2d", "expert_parallel"] and s.expert_parallel == 2
+    assert s.strategy_kwargs("expert_parallel")["expert_parallel_size"] == 2
+    assert s.strategy_kwargs("lightning_2d")["expert_parallel_size"] == 1
+    assert "expert_parallel_size" not in settings().strategy_kwargs()
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-expert-parallel 2 needs a model with experts"):
+        settings("--compare-expert-parallel", "2")
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-expert-parallel \(the expert_parallel variant\):"
+                                                         r" expert_parallel_size \(3\) must divide"):
+        settings("--model", "debug-moe", "--compare-expert-parallel", "3", "--data-parallel-size", "4",
+                 "--tensor-parallel-size", "1")
+    medians, memory = {"lightning_2d": 0.1, "expert_parallel": 0.12}, {"lightning_2d": 2.0, "expert_parallel": 1.0}
+    runs = [{"variant": v, "round": 0, "ranks": [rank_record(r, [m, m, m], 5.5, memory=memory[v]) for r in range(4)]}
+            for v, m in medians.items()]
+    report = bench.summarize(s, runs)
+    assert report["expert_parallel"] == {"step_time": pytest.approx(1.2), "peak_memory": pytest.approx(0.5)}
+    assert report["ratios"] == {}
+    text = bench.format_report(report)
+    assert ("expert_parallel (expert_parallel_size 2) / lightning_2d (expert_parallel_size 1) = 1.200x step time,"
+            " 0.500x peak memory per device") in text
+    assert bench.RUNNERS["expert_parallel"] is not bench.RUNNERS["lightning_2d"]
+
+
 class _Event:
     def __init__(self, name, parent=None):
         self.name, self.cpu_parent = name, parent

@@ -27,6 +27,10 @@ Variants (``--compare`` runs all three, alternating ``a, b, c, a, b, c, ...`` fo
     The ``lightning_2d`` variant training rank-``RANK`` LoRA adapters on its frozen base (``lora=``): the report adds
     its step-time and peak-memory ratios over full fine-tuning at the same layout.
 
+``expert_parallel`` (``--compare-expert-parallel EP``)
+    The ``lightning_2d`` variant of a model with experts under ``expert_parallel_size=EP`` (``lightning_2d`` then
+    runs ``1``: every rank holds every expert, FSDP-sharded): the report adds its step-time and peak-memory ratios.
+
 All of them train the same seeded initial weights on the same synthetic tokens (the ranks of a
 tensor-parallel group draw the same batch; data-parallel ranks different ones), so their first
 losses agree. A step's time is the wall time between the ends of consecutive optimizer steps

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run lightning_2d training rank-RANK LoRA adapters on its frozen base (variant lora),"
                         " alternating with full fine-tuning at the same layout, and report their step-time and"
                         " peak-memory ratios")
+    parser.add_argument("--compare-expert-parallel", type=int, default=None, metavar="EP",
+                        help="also run lightning_2d with expert_parallel_size=EP (variant expert_parallel; lightning_2d"
+                        " then runs expert_parallel_size=1), alternating, on a model with experts, and report their"
+                        " step-time and peak-memory ratios")
     add_recipe_options(parser, RECIPE_KEYS)
     model = parser.add_argument_group(
         "model", "default: PyTorch's 2D example (dim 256, 2 layers, 16 heads, vocab 32000)"

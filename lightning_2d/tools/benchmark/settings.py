@@ -21,13 +21,15 @@ from lightning_2d.tools.benchmark.options import option_flag, strategy_options
 if TYPE_CHECKING:
     from lightning_2d.parallel.dims import ParallelDims
 
-VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp", "lora")
+VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp", "lora", "expert_parallel")
 OURS = "lightning_2d"
 #: The lightning_2d variant under ``fsdp_backend="simple_fsdp"`` (``--compare-backends``; ``lightning_2d`` then runs
 #: ``fully_shard``).
 SIMPLE_FSDP = "simple_fsdp"
 #: The lightning_2d variant training LoRA adapters on its frozen base (``--compare-lora RANK``).
 LORA_VARIANT = "lora"
+#: The lightning_2d variant under expert parallelism (``--compare-expert-parallel EP``; lightning_2d then runs EP 1).
+EXPERT_PARALLEL = "expert_parallel"
 #: PyTorch's 2D Llama example (``dtensor_2d_llama.py``): the shape the benchmark runs by default.
 REFERENCE_MODEL = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
 
@@ -64,6 +66,8 @@ class BenchmarkSettings:
         variants: Which of ``VARIANTS`` to run.
         timeout: Seconds one job may take before it is killed.
         lora_rank: The adapters' rank of the ``lora`` variant (``--compare-lora``), else ``None``.
+        expert_parallel: The ``expert_parallel`` variant's ``expert_parallel_size`` (``--compare-expert-parallel``),
+            else ``None``.
     """
 
     # No defaults here: the command line (build_parser) holds them.
@@ -85,6 +89,7 @@ class BenchmarkSettings:
     variants: list[str]
     timeout: float
     lora_rank: Optional[int] = None
+    expert_parallel: Optional[int] = None
 
     @property
     def model_args(self) -> ModelArgs:
@@ -112,6 +117,8 @@ class BenchmarkSettings:
         ``simple_fsdp``'s SimpleFSDP."""
         backend = {SIMPLE_FSDP: {"fsdp_backend": "simple_fsdp"}}.get(
             variant, {"fsdp_backend": "fully_shard"} if SIMPLE_FSDP in self.variants else {})
+        if self.expert_parallel is not None:  # --compare-expert-parallel: this size in its variant, 1 in the others
+            backend["expert_parallel_size"] = self.expert_parallel if variant == EXPERT_PARALLEL else 1
         return {**self.strategy_options, **backend, "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
 
     def to_json(self) -> str:
@@ -255,6 +262,17 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
     lora_rank = getattr(args, "compare_lora", None)
     if lora_rank is not None and lora_rank < 1:
         problems.append(f"--compare-lora takes the adapters' rank, a positive integer; got {lora_rank} (e.g. 16)")
+    expert_parallel = getattr(args, "compare_expert_parallel", None)
+    if expert_parallel is not None:
+        if model_args is None or model_args.moe is None or not model_args.moe_layers:
+            problems.append(f"--compare-expert-parallel {expert_parallel} needs a model with experts (--model debug-moe,"
+                            " mixtral-8x7b, qwen3-30b-a3b)")
+        elif dp:
+            try:
+                _validate_layout(ParallelConfig(**{**options, "expert_parallel_size": expert_parallel}), args,
+                                 model_args)
+            except ParallelConfigError as err:
+                problems.extend(f"--compare-expert-parallel (the expert_parallel variant): {p}" for p in err.problems)
     per_replica = getattr(args, "batch_size_per_replica", None)
     if dp and per_replica is not None:  # a recipe's data.batch_size: sequences per data-parallel replica
         args.global_batch_size = per_replica * dp
@@ -285,7 +303,9 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         tp=tp,
         variants=[OURS, *([SIMPLE_FSDP] if getattr(args, "compare_backends", False) else []),
                   *([LORA_VARIANT] if getattr(args, "compare_lora", None) else []),
+                  *([EXPERT_PARALLEL] if expert_parallel is not None else []),
                   *(["lightning", "plain"] if args.compare else [])],
         timeout=args.timeout,
         lora_rank=getattr(args, "compare_lora", None),
+        expert_parallel=expert_parallel,
     )

@@ -20,7 +20,7 @@ from lightning_2d.parallel.config import PRECISION_TO_DTYPES
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
 from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
 from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
-from lightning_2d.tools.benchmark.settings import LORA_VARIANT, OURS, SIMPLE_FSDP, BenchmarkSettings
+from lightning_2d.tools.benchmark.settings import EXPERT_PARALLEL, LORA_VARIANT, OURS, SIMPLE_FSDP, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
 
 
@@ -56,7 +56,8 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, *callba
 
 
 def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[StepClock, torch.device, torch.dtype]:
-    """Variants ``lightning_2d``, ``simple_fsdp`` and ``lora`` (the same with adapters, its base frozen): Trainer +
+    """Variants ``lightning_2d``, ``simple_fsdp``, ``lora`` (the same with adapters, its base frozen) and
+    ``expert_parallel`` (under ``expert_parallel_size``): Trainer +
     ``ModelParallel2DStrategy`` (its FSDP backend as the
     variant says, ``BenchmarkSettings.strategy_kwargs``) + ``LlamaLightningModule``. The collectives of the last
     warm-up step are counted (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
@@ -171,6 +172,7 @@ RUNNERS: dict[str, Callable[[BenchmarkSettings], tuple[StepClock, torch.device, 
     "plain": run_plain,
     SIMPLE_FSDP: lambda settings: run_lightning_2d(settings, SIMPLE_FSDP),
     LORA_VARIANT: lambda settings: run_lightning_2d(settings, LORA_VARIANT),
+    EXPERT_PARALLEL: lambda settings: run_lightning_2d(settings, EXPERT_PARALLEL),
 }
 
 

@@ -92,6 +92,32 @@ def hf_architecture(model_type: str) -> Architecture:
 
 
 @dataclass(frozen=True)
+class ExpertActivations:
+    """What a mixture-of-experts block computes on one rank, for ``ActivationModel``.
+
+    Args:
+        num_experts: Routed experts ``E`` of the layer (router scores are ``N × E``).
+        top_k: Experts per token ``k``.
+        hidden: Each expert's hidden size on this rank ``F_e`` (``/ tp`` when tensor parallelism splits the experts).
+        shared_hidden: The shared experts' hidden size on this rank (``/ tp``), 0 without.
+        routed_tokens: Assignments this rank's experts compute per token of the micro-batch: ``k`` without expert
+            parallelism; under it the worst case, every token of the ``EP`` ranks sending ``min(k, E / EP)``
+            assignments to this rank's experts (``EP · min(k, E / EP)``; dropless: nothing caps it).
+        expert_parallel: Whether the tokens are exchanged (the experts' input is then a regrouped copy).
+        layers: Which of the model's blocks are mixtures of experts (by index); a pipeline stage's blocks (fewer
+            than these) are all counted as such (the larger block: the estimate stays an upper bound).
+    """
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    shared_hidden: int
+    routed_tokens: int
+    expert_parallel: bool
+    layers: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class ActivationModel:
     """What autograd keeps for one micro-batch of the Llama ``Transformer`` on one device.
 
@@ -189,6 +215,7 @@ class ActivationModel:
     loss_parallel: bool = False
     document_mask: bool = False
     frozen_base: bool = False
+    experts: Optional[ExpertActivations] = None
 
     @property
     def _norm_row(self) -> int:
@@ -214,6 +241,7 @@ class ActivationModel:
         loss_parallel: bool = False,
         document_mask: bool = False,
         frozen_base: bool = False,
+        expert_parallel: int = 1,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
@@ -238,7 +266,20 @@ class ActivationModel:
             frozen_base: LoRA: the norms' and the head's weights get no gradient, so the norms keep no normalized
                 value and the fused loss no head-gradient accumulator (the adapted projections keep their inputs, as
                 for their weights' gradients: the adapters' ``A`` needs them).
+            expert_parallel: ``expert_parallel_size``: a mixture of experts' tokens are exchanged between that many
+                ranks (worst-case routing, ``ExpertActivations``), its experts whole on each tensor-parallel rank.
         """
+        moe = getattr(args, "moe", None)
+        experts = None
+        if moe is not None and getattr(args, "moe_layers", ()):
+            split = tp if expert_parallel == 1 else 1  # experts split by features only without expert parallelism
+            per_rank = min(moe.top_k, moe.num_experts // expert_parallel)
+            experts = ExpertActivations(
+                num_experts=moe.num_experts, top_k=moe.top_k, hidden=math.ceil(moe.hidden_dim / split),
+                shared_hidden=math.ceil(moe.shared_dim / tp), expert_parallel=expert_parallel > 1,
+                routed_tokens=moe.top_k if expert_parallel == 1 else expert_parallel * per_rank,
+                layers=tuple(args.is_moe_layer(i) for i in range(args.n_layers)),
+            )
         return cls(
             document_mask=document_mask,
             frozen_base=frozen_base,
@@ -260,7 +301,33 @@ class ActivationModel:
             loss_chunk_size=loss_chunk_size,
             has_embedding=has_embedding,
             has_head=has_head,
+            experts=experts,
         )
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether this device's block ``i`` is a mixture of experts (``ExpertActivations.layers``)."""
+        if self.experts is None:
+            return False
+        layers = self.experts.layers
+        return layers[i] if len(layers) == self.n_layers else any(layers)
+
+    def _experts_saved(self) -> dict[str, int]:
+        """A mixture-of-experts layer's saved tensors, in place of the SwiGLU's (``ops.moe.MoE``, forward order)."""
+        e, n, a, d = self.experts, self.tokens, self.act_bytes, self.dim
+        assert e is not None
+        routed = n * e.routed_tokens  # the assignments this rank's experts compute
+        saved = {
+            # softmax's fp32 output, top-k/sort/dispatch indices (int64), the routing weights and their sum (fp32)
+            "router scores and routing indices": 4 * n * e.num_experts + 3 * 8 * n * e.top_k + 2 * 4 * n * e.top_k,
+            # the tokens sorted by expert, and the experts' outputs back in (token, slot) order for the weighting
+            "dispatched tokens, combine input": 2 * a * n * e.top_k * d,
+            "experts gate, up, silu, product": 4 * a * routed * e.hidden,
+        }
+        if e.expert_parallel:  # the received tokens regrouped by local expert: the grouped products' input
+            saved["exchanged tokens (worst-case routing)"] = a * routed * d
+        if e.shared_hidden:
+            saved["shared experts w1, silu, w3, product"] = 4 * n * e.shared_hidden * a
+        return saved
 
     # -- per block -------------------------------------------------------------------------------
     @property
@@ -292,13 +359,23 @@ class ActivationModel:
     def _attention_width(self) -> int:
         return self.heads * self.head_dim
 
-    def block_saved(self, mode: str = "none") -> dict[str, int]:
+    def block_saved(self, mode: str = "none", moe: bool = False) -> dict[str, int]:
         """Bytes one block keeps from its forward to its backward, by tensor group.
 
         Args:
             mode: ``"none"`` (everything autograd saves), ``"full"`` (the checkpoint's input) or
                 ``"selective_op"`` (the input and the outputs of the per-op save list).
+            moe: The block's feed-forward is a mixture of experts (``_experts_saved`` instead of the SwiGLU's).
         """
+        saved = self._block_saved(mode)
+        if moe and mode == "none":
+            saved = {k: v for k, v in saved.items() if not k.startswith("SwiGLU")}
+            saved.update(self._experts_saved())
+        elif moe and mode == "selective_op":  # no mm of the experts is on the save list (grouped products)
+            saved.pop("w1 output", None)
+        return saved
+
+    def _block_saved(self, mode: str) -> dict[str, int]:
         n, a, d, s = self.tokens, self.act_bytes, self.dim, self.seq_shards
         if mode == "full":
             return {"block input": self._residual}
@@ -340,15 +417,16 @@ class ActivationModel:
             saved["q/k head norms (fp32 input, normalized, rsqrt)"] = rows * (self.head_dim * (4 + a) + 4)
         return saved
 
-    def recompute_extra(self, mode: str) -> int:
+    def recompute_extra(self, mode: str, moe: bool = False) -> int:
         """Bytes a checkpointed block adds while its backward runs: its recomputed forward, less what it kept.
 
         Args:
             mode: ``"none"`` (nothing recomputed), ``"full"`` or ``"selective_op"``.
+            moe: The block is a mixture of experts.
         """
         if mode == "none":
             return 0
-        saved = sum(self.block_saved("none").values())
+        saved = sum(self.block_saved("none", moe).values())
         # In fp32 the first norm's fp32 input is the block input itself, already kept.
         duplicate = self._residual if self.act_bytes == 4 else 0
         if mode == "full":
@@ -357,13 +435,13 @@ class ActivationModel:
         # Recomputation reuses the cached outputs: w1 out and SDPA out/logsumexp are saved tensors
         # already counted; wq and wv out (rotated, repeated) and under SP wo's reduce-scatter output
         # (added to the residual) are consumed and freed.
-        reused = n * (self.heads + self.kv_heads) * self.head_dim * a + n * self.ffn_hidden * a
+        reused = n * (self.heads + self.kv_heads) * self.head_dim * a + (0 if moe else n * self.ffn_hidden * a)
         reused += n * self._attention_width * a + n * self.heads * 4
         if self.seq_shards > 1:  # wo's reduce-scatter output, consumed by the residual add
             reused += self._residual
         return saved - duplicate - reused
 
-    def backward_transient(self) -> int:
+    def backward_transient(self, moe: bool = False) -> int:
         """Bytes a block's backward adds at its peak to what the block saved (net of what it freed).
 
         Two candidate moments, both with the residual gradient ``g`` (``a·N/s·D``) waiting:
@@ -382,6 +460,12 @@ class ActivationModel:
             swiglu = max(swiglu, n * d * a + n * self.ffn_hidden * a)
         rows = n // self.seq_shards
         norm = rows * d * NORM_BACKWARD_BYTES[a] - 4 * n * self.ffn_hidden * a - n * d * a
+        if moe and self.experts is not None:
+            # The experts' backward: the gradients of their silu and up outputs, then of their input tokens and of
+            # the dispatched tokens (all the rank's assignments) before they are summed back per token.
+            e = self.experts
+            swiglu = 2 * a * n * e.routed_tokens * e.hidden + 2 * a * n * e.top_k * d
+            norm = rows * d * NORM_BACKWARD_BYTES[a] - sum(self._experts_saved().values()) - n * d * a
         return self._residual + max(swiglu, norm)
 
     # -- head and loss ---------------------------------------------------------------------------
@@ -494,7 +578,7 @@ class ActivationModel:
             selective_ac_option: ``"op"`` or N (for ``"selective"``).
         """
         modes = self.block_modes(activation_checkpointing, selective_ac_option)
-        per_block = [sum(self.block_saved(m).values()) for m in modes]
+        per_block = [sum(self.block_saved(m, self.is_moe_block(i)).values()) for i, m in enumerate(modes)]
         if self.architecture.first_block_slices and self.has_embedding and modes and modes[0] != "none":
             # The checkpoint runs the slicing pre-hook inside: it keeps the whole sequence, not the slice.
             per_block[0] += self.tokens * self.dim * self.act_bytes - self._residual
@@ -520,7 +604,8 @@ class ActivationModel:
         below = blocks
         for i in reversed(range(self.n_layers)):  # backward order; blocks after i have freed theirs
             phase = f"backward of block {i}" + (" (recomputed)" if modes[i] != "none" else "")
-            moments.append((phase, below, inputs, self.recompute_extra(modes[i]) + self.backward_transient()))
+            moe = self.is_moe_block(i)
+            moments.append((phase, below, inputs, self.recompute_extra(modes[i], moe) + self.backward_transient(moe)))
             below -= per_block[i]
         phase, saved, head, transient = max(moments, key=lambda m: m[1] + m[2] + m[3])
         return ActivationEstimate(
@@ -536,7 +621,7 @@ class ActivationModel:
         )
 
     def _last_block_saved(self, modes: list[str]) -> dict[str, int]:
-        return self.block_saved(modes[-1]) if modes else {}
+        return self.block_saved(modes[-1], self.is_moe_block(len(modes) - 1)) if modes else {}
 
 
 @dataclass

@@ -207,6 +207,7 @@ def plan_run(
         args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
         micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
         loss_parallel=resolved.loss_parallel, document_mask=document_mask, frozen_base=lora is not None,
+        expert_parallel=resolved.expert_parallel_size,
     )
     microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
     plans = [

@@ -177,7 +177,9 @@ def format_report(report: PlanReport) -> str:
         + f"data_parallel_replicate {d['data_parallel_replicate']} x data_parallel_shard"
         f" {d['data_parallel_shard']} x "
         + (f"context_parallel {d['context_parallel']} x " if "context_parallel" in d else "")
-        + f"tensor_parallel {tp}{sp}",
+        + f"tensor_parallel {tp}{sp}"
+        + (f"; experts: expert_parallel {d['expert_parallel']} (of the data-shard x context ranks), FSDP over the"
+           " rest; activations at worst-case routing" if "expert_parallel" in d else ""),
         f"training: {report.precision} (params {stored}, compute {pd}, reduce {rd}), seq_len {report.seq_len},"
         f" micro batch {report.micro_batch_size}"
         + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")

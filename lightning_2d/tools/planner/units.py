@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_2d.parallel.dims import ParallelDims
+from lightning_2d.parallel.names import EP_DIM
 
 
 @dataclass
@@ -130,7 +131,10 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
                 # Shard 0 has FSDP's padded size (dim 0 rounded up to a multiple of the
                 # shard group), which every rank allocates; the gathered tensor is that × the group.
                 numel = local.numel()
-                full = numel * dims.dp_shard
+                # A mixture of experts' experts under expert parallelism: FSDP gathers them over the ranks holding the
+                # same experts (data-shard × context / expert-parallel), the rest over the data-shard ranks.
+                mesh_dims = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
+                full = numel * (dims.dp_shard * dims.cp // dims.ep if EP_DIM in mesh_dims else dims.dp_shard)
                 sharded += numel
                 unsharded += full
                 trained += full if param.requires_grad else 0
