@@ -17,13 +17,14 @@ from torch import nn
 from lightning_2d._compat import trainer_of
 from lightning_2d.integration.module import CausalLMModule
 from lightning_2d.models.hf_decoders import (
+    hf_moe_layers,
     HFDecoderInit,
     check_hf_decoder,
     hf_config_problems,
     hf_decoder_plan,
     load_hf_config,
 )
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
 from lightning_2d.parallel.modules import canonical_name
 
@@ -79,6 +80,14 @@ class HFCausalLMModule(CausalLMModule):
         self.hf_config = load_hf_config(config if config is not None else init_from, config_overrides)
         if problems := hf_config_problems(self.hf_config):
             raise ValueError("HFCausalLMModule cannot train this model:\n  - " + "\n  - ".join(problems))
+        if hf_moe_layers(self.hf_config) and getattr(self.hf_config, "output_router_logits", False):
+            raise ValueError(
+                f"HFCausalLMModule trains the language-model loss of a {self.hf_config.model_type} model, without"
+                " transformers' auxiliary load-balancing loss, but its config asks for it (output_router_logits=True);"
+                " transformers would compute it over each rank's tokens, not the global batch. Use"
+                " LlamaLightningModule(init_from=...) (the auxiliary loss over the global batch, expert parallelism),"
+                " or config_overrides: {output_router_logits: false}"
+            )
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
         self._set_lora(lora)
@@ -95,16 +104,29 @@ class HFCausalLMModule(CausalLMModule):
         return int(self.hf_config.vocab_size)
 
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
+        if config.expert_parallel_size > 1 and hf_moe_layers(self.hf_config):
+            raise ParallelConfigError([
+                f"expert_parallel_size={config.expert_parallel_size} with HFCausalLMModule: transformers' experts"
+                " run whole on every rank (data and tensor parallel); expert parallelism runs on our own Llama:"
+                f" LlamaLightningModule(init_from=<the {self.hf_config.model_type} folder>) reads the same files"
+            ])
         return hf_decoder_plan(self.hf_config, config, module="model")
 
     def weights_source(self) -> Any:
         """The ``init_from`` directory read block by block (names as in the model), if given."""
         from lightning_2d.checkpoint.hf import SafetensorsWeights
+        from lightning_2d.checkpoint.hf.weights import TransformersExpertsWeights
 
         init_from = self.hparams.get("init_from")
         assert self.model is not None
-        base = SafetensorsWeights(Path(init_from), {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
-                                                    if not is_adapter_parameter(n)}) if init_from else None
+        expected = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
+                    if not is_adapter_parameter(n)}
+        if not init_from:
+            base = None
+        elif hf_moe_layers(self.hf_config):  # transformers' fused experts, from fused or per-expert files
+            base = TransformersExpertsWeights(Path(init_from), expected, self.hf_config.model_type)
+        else:
+            base = SafetensorsWeights(Path(init_from), expected)
         return self._with_lora_init(base, self.model, None)  # adapters: their own init, or lora_init_from's
 
     def build_model(self) -> nn.Module:
@@ -160,5 +182,11 @@ class HFCausalLMModule(CausalLMModule):
         kv = getattr(c, "num_key_value_heads", None) or heads
         attention = c.hidden_size * head_dim * (2 * heads + 2 * kv)
         mlp = 3 * c.hidden_size * c.intermediate_size
+        sparse = len(hf_moe_layers(c))
+        if sparse:  # a mixture of experts' active parameters: the router and the top-k experts (torchtitan's count)
+            experts = getattr(c, "num_experts", None) or c.num_local_experts
+            hidden = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+            active = c.hidden_size * experts + 3 * c.hidden_size * hidden * c.num_experts_per_tok
+            mlp = (mlp * (c.num_hidden_layers - sparse) + active * sparse) // c.num_hidden_layers
         matmul_params = c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size
         return 6 * matmul_params + 12 * c.num_hidden_layers * heads * head_dim * seq_len

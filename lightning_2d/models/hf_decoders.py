@@ -50,7 +50,10 @@ from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import canonical_name
 
 #: ``model_type`` values whose ``*ForCausalLM`` has the layout above.
-HF_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+#: The mixtures of experts among them: some blocks' ``mlp`` is a sparse block (``mlp.gate`` router,
+#: ``mlp.experts.gate_up_proj`` ``(E, 2F, D)`` and ``down_proj`` ``(E, D, F)``, transformers 5's fused experts).
+HF_MOE_TYPES = ("qwen3_moe", "mixtral")
 
 #: Every parameter of the Llama layout the built-in plan knows how to shard (names relative to the ``*ForCausalLM``).
 _KNOWN_PARAMETER = re.compile(
@@ -60,9 +63,26 @@ _KNOWN_PARAMETER = re.compile(
     r"|model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias))"
 )
 #: The model types whose attention normalizes each query and key head (``HeadShardedNorm`` in the plan).
-_PER_HEAD_NORM_TYPES = ("qwen3",)
+_PER_HEAD_NORM_TYPES = ("qwen3", "qwen3_moe")
 #: Their norms' parameters, known only for those types: on another model a ``q_norm`` is not one the plan knows.
 _PER_HEAD_NORM_PARAMETER = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight")
+
+
+_MOE_PARAMETER = re.compile(r"model\.layers\.\d+\.mlp\.(gate\.weight|experts\.(gate_up_proj|down_proj))")
+
+
+def hf_moe_layers(hf_config: Any) -> tuple[int, ...]:
+    """The blocks whose ``mlp`` is a mixture of experts (Mixtral: all; Qwen3-MoE: not in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th), empty for a dense model."""
+    model_type, layers = getattr(hf_config, "model_type", None), int(hf_config.num_hidden_layers)
+    if model_type == "mixtral":
+        return tuple(range(layers))
+    if model_type == "qwen3_moe":
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+        return tuple(i for i in range(layers) if i not in dense and experts and (i + 1) % step == 0)
+    return ()
 
 
 def hf_config_problems(hf_config: Any) -> list[str]:
@@ -80,6 +100,8 @@ def hf_config_problems(hf_config: Any) -> list[str]:
 
 def _is_known_parameter(name: str, model_type: Any) -> bool:
     if _KNOWN_PARAMETER.fullmatch(name):
+        return True
+    if model_type in HF_MOE_TYPES and _MOE_PARAMETER.fullmatch(name):
         return True
     return model_type in _PER_HEAD_NORM_TYPES and _PER_HEAD_NORM_PARAMETER.fullmatch(name) is not None
 
@@ -117,7 +139,7 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         SequenceParallel,
     )
 
-    from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput
+    from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput, WholeOnEachRank
 
     if problems := hf_config_problems(hf_config):
         raise ValueError("The built-in Hugging Face decoder plan does not apply:\n  - " + "\n  - ".join(problems))
@@ -131,10 +153,18 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
             input_layouts=between, output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
         ),
     }
-    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+    # The dense MLPs: every block's (one pattern), or each dense block's by index beside mixtures of experts, whose
+    # sparse block runs whole on every tensor-parallel rank (WholeOnEachRank: the same routing everywhere).
+    moe_layers = hf_moe_layers(hf_config)
+    dense = [block] if not moe_layers else [f"model.layers.{i}" for i in range(int(hf_config.num_hidden_layers))
+                                             if i not in moe_layers]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
         styles[f"{block}.{name}"] = ColwiseParallel()
-    for name in ("self_attn.o_proj", "mlp.down_proj"):
-        styles[f"{block}.{name}"] = RowwiseParallel(output_layouts=between)
+    styles[f"{block}.self_attn.o_proj"] = RowwiseParallel(output_layouts=between)
+    for prefix in dense:
+        styles[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+        styles[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
+        styles[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=between)
     if hf_config.model_type in _PER_HEAD_NORM_TYPES:
         # On the projections' local heads, with or without SP (the attention sees the whole sequence):
         # a replicated weight whose gradient is summed over the TP ranks.
@@ -148,9 +178,13 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         styles[f"{block}.self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         )
-        styles[f"{block}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for prefix in dense:
+            styles[f"{prefix}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                         desired_input_layouts=(Replicate(),))
         # A plain tensor out of the base model (as without SP): lm_head gathers it.
         styles["model.norm"] = SequenceParallel(use_local_output=True)
+    for i in moe_layers:
+        styles[f"model.layers.{i}.mlp"] = WholeOnEachRank(sp)
     n_heads = hf_config.num_attention_heads
     return ParallelPlan(
         tensor_parallel=styles,
@@ -191,6 +225,8 @@ class HFDecoderInit:
                 if param_name == "bias":
                     specs[name] = InitSpec("constant", value=0.0)
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
+                    specs[name] = InitSpec("normal", std=std)
+                elif type(module).__name__.endswith(("Experts", "TopKRouter")):  # MoE: stacked experts, router
                     specs[name] = InitSpec("normal", std=std)
                 elif "Norm" in type(module).__name__ and param_name == "weight":
                     specs[name] = InitSpec("constant", value=1.0)

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_2d.ops.moe import MoE, RouterStats, auxiliary_loss_terms
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.names import DP_CP_DIM, EP_DIM
+from lightning_2d.parallel.styles import gather_sequence_around
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -43,7 +44,8 @@ class ExpertExchange:
     """Send tokens to the ranks of their experts and the outputs back, over ``group``.
 
     Args:
-        group: The expert-parallel process group (``EP`` ranks; rank ``r`` holds experts ``r·E/EP … (r+1)·E/EP − 1``).
+        group: The expert-parallel process group (``EP`` ranks; rank ``r`` holds experts ``r·E/EP`` to
+            ``(r+1)·E/EP − 1``).
         num_experts: The layer's experts ``E``; ``EP`` must divide it.
         expert_grad_scale: Multiplies the gradients of the experts' weights (not of the tokens): under the strategy
             ``1 / EP`` (``apply_expert_parallel``; see ``shard_experts``).
@@ -237,11 +239,13 @@ class MoETensorParallel(ParallelStyle):
         self.experts_tensor_parallel = experts_tensor_parallel
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         if not isinstance(module, MoE):
-            raise TypeError(f"MoETensorParallel applies to a mixture-of-experts layer (ops.moe.MoE), got {type(module).__name__}")
+            raise TypeError(
+                f"MoETensorParallel applies to a mixture-of-experts layer (ops.moe.MoE), got {type(module).__name__}"
+            )
         if self.experts_tensor_parallel:
             experts = module.experts
             for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
@@ -253,24 +257,7 @@ class MoETensorParallel(ParallelStyle):
         if module.shared_experts is not None:
             parallelize_module(module.shared_experts, device_mesh,
                                {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
-        sequence_parallel = self.sequence_parallel
-
-        def gather_input(_module: nn.Module, args: tuple) -> tuple:
-            x, *rest = args
-            if isinstance(x, DTensor):
-                x = x.redistribute(device_mesh, [Replicate()]).to_local()
-            elif sequence_parallel:
-                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-                x = x.redistribute(device_mesh, [Replicate()]).to_local()
-            return (x, *rest)
-
-        module.register_forward_pre_hook(gather_input)
-        if sequence_parallel:
-            def scatter_output(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-                full = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
-                return full.redistribute(device_mesh, [Shard(1)]).to_local()
-
-            module.register_forward_hook(scatter_output)
+        gather_sequence_around(module, device_mesh, self.sequence_parallel)
         return module
 
 
@@ -318,5 +305,5 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
     return len(layers)
 
 
-__all__ = ["ExpertExchange", "MoETensorParallel", "TensorParallelExperts", "apply_expert_parallel", "local_part", "moe_auxiliary_loss", "moe_layers",
-           "shard_experts", "update_expert_bias"]
+__all__ = ["ExpertExchange", "MoETensorParallel", "TensorParallelExperts", "apply_expert_parallel", "local_part",
+           "moe_auxiliary_loss", "moe_layers", "shard_experts", "update_expert_bias"]

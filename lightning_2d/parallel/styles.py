@@ -108,6 +108,53 @@ class SequenceShardInput(ParallelStyle):
         return module
 
 
+def gather_sequence_around(module: nn.Module, device_mesh: "DeviceMesh", sequence_parallel: bool) -> None:
+    """Run ``module`` on the whole sequence on every tensor-parallel rank: its first input gathered from this rank's
+    sequence slice (``Shard(1)``, a plain tensor or a DTensor) under sequence parallelism, and its output cut back to
+    the slice. The gather's backward keeps this rank's slice of the gradient (no reduce-scatter) and the cut's
+    gathers it: the module's gradients are whole and equal on every rank, as its computation is. Without sequence
+    parallelism the input is whole already (a DTensor's local tensor is taken)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def gather_input(_module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        if isinstance(x, DTensor):
+            x = x.redistribute(device_mesh, [Replicate()]).to_local()
+        elif sequence_parallel:
+            x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            x = x.redistribute(device_mesh, [Replicate()]).to_local()
+        return (x, *rest)
+
+    module.register_forward_pre_hook(gather_input)
+    if sequence_parallel:
+        def scatter_output(_module: nn.Module, _args: tuple, out: Any) -> Any:
+            tensor = out[0] if isinstance(out, tuple) else out
+            full = DTensor.from_local(tensor, device_mesh, [Replicate()], run_check=False)
+            local = full.redistribute(device_mesh, [Shard(1)]).to_local()
+            return (local, *out[1:]) if isinstance(out, tuple) else local
+
+        module.register_forward_hook(scatter_output)
+
+
+class WholeOnEachRank(ParallelStyle):
+    """A module computed whole on every tensor-parallel rank, on the whole sequence (``gather_sequence_around``):
+    its parameters stay plain (FSDP-sharded over the data-parallel ranks only). For a Hugging Face mixture-of-experts
+    block (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``): the same routing and experts on every rank, so
+    their gradients agree; the experts' FLOPs are repeated on each rank, their memory is not split.
+
+    Args:
+        sequence_parallel: The module's input and output are sequence slices.
+    """
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        gather_sequence_around(module, device_mesh, self.sequence_parallel)
+        return module
+
+
 class HeadShardedNorm(SequenceParallel):
     """A norm applied to each attention head, on this rank's heads: Qwen3's ``self_attn.q_norm``/``k_norm``
     (an RMSNorm over ``head_dim``, between ``q_proj``/``k_proj`` and the rotary embedding).

@@ -10,7 +10,9 @@ parallelism, trained 6 fp32 AdamW steps, and exported back.
   norms (their weights perturbed away from 1 before saving, so a wrong load or an unsummed gradient shows).
 - Qwen3-MoE-style and Mixtral-style mixtures of experts, through our own Llama: imported from transformers'
   per-expert files, the experts tensor-parallel (Qwen3-MoE) or expert-parallel × tensor-parallel (Mixtral), and
-  exported back to the per-expert layout transformers reads.
+  exported back to the per-expert layout transformers reads; the same two through the Hugging Face path
+  (``HFCausalLMModule``: transformers' fused experts read from the per-expert files, each sparse block whole on every
+  tensor-parallel rank).
 
 For each: the first step's loss equals ``transformers``' own loss of the same files on the same batch (the weights
 really are loaded and sharded right), the 6 steps equal the same module on one device, and the trained checkpoint
@@ -50,6 +52,13 @@ FAMILIES = {  # name: (model_type, config fields, through our own Llama)
                                        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, True),
     "mixtral_native": ("mixtral", {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
                                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, True),
+    # The same two through transformers' own model (HFCausalLMModule): its fused experts read from the per-expert files,
+    # each sparse block whole on both tensor-parallel ranks, exported back per expert.
+    "qwen3_moe_hf": ("qwen3_moe", {"tie_word_embeddings": False, "head_dim": 32, "num_experts": 8,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0],
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, False),
+    "mixtral_hf": ("mixtral", {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, False),
 }
 #: Options of a family's 2×2 run beyond the common ones.
 PARALLEL_OPTIONS = {"mixtral_native": {"expert_parallel_size": 2}}
@@ -121,13 +130,14 @@ def test_a_downloaded_checkpoint_loads_trains_at_2x2_and_exports_as_transformers
         steps = worst_relative_error(parallel.rank_output(rank)["losses"], ref["losses"])
         assert steps <= LOSS_RTOL, (rank, parallel.rank_output(rank)["losses"], ref["losses"])
     print(f"6 steps vs one device {steps:.2e}")
-    # The weights, within 5e-5 of the one-device run's (they moved by ~4e-3): AdamW divides each gradient by its own
+    # The weights, within 1e-4 of the one-device run's (they moved by ~4e-3): AdamW divides each gradient by its own
     # size, so a parameter whose gradient is only rounding (the key bias: softmax ignores a shift all keys share)
     # moves by up to lr per step in a direction the summation order decides, on one device as at 2×2 (measured
-    # 3.8e-5 for Qwen's k_proj bias, 1.2e-5 elsewhere; a wrongly sharded weight would be off by its whole update).
+    # 3.8e-5 for Qwen's k_proj bias, 5.5e-5 for one of Mixtral's 4,096 o_proj elements on the Hugging Face path,
+    # 1.2e-5 elsewhere; a wrongly sharded weight would be off by its whole update).
     trained, ref_trained = load_weights(parallel, "final"), load_weights(single, "final")
     for weight_name, weight in ref_trained.items():
-        torch.testing.assert_close(trained[weight_name], weight, rtol=0, atol=5e-5,
+        torch.testing.assert_close(trained[weight_name], weight, rtol=0, atol=1e-4,
                                    msg=lambda message, weight_name=weight_name: f"{weight_name}: {message}")
     tied = FAMILIES[name][1]["tie_word_embeddings"]
     if tied:  # still one parameter under both names after TP and FSDP, sharded over the vocabulary by both

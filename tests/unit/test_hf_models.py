@@ -142,7 +142,8 @@ def test_a_tied_decoder_declares_its_tie_and_an_untied_one_none():
 
 
 def test_models_the_plan_would_shard_wrongly_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of .*llama, mistral, qwen2, qwen3\)"):
+    with pytest.raises(ValueError,
+                       match=r"model_type 'gpt2' is not one of .*llama, mistral, qwen2, qwen3, qwen3_moe, mixtral\)"):
         hf_decoder_plan(transformers.GPT2Config(), ParallelConfig())
     # A per-head norm is planned for Qwen3 only: on a Llama it is a parameter the plan does not know.
     model = meta_model()

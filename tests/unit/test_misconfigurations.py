@@ -343,6 +343,14 @@ if _hf_available():
             tensor_parallel_size=1, pipeline_parallel_size=2),
          ParallelConfigError, r"auxiliary loss \(moe.load_balancing='aux_loss', aux_loss_coef=0.01\) with"
                               r" pipeline_parallel_size=2.*load_balancing: bias"),
+        ("Hugging Face mixture of experts asking for transformers' per-rank auxiliary loss", lambda _: hf(
+            model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+         ValueError, r"output_router_logits=True\); transformers would compute it over each rank's tokens.*"
+                     r"config_overrides: \{output_router_logits: false\}"),
+        ("expert parallelism on the Hugging Face path", lambda _: fit_before_spawn(
+            hf(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), TextDataModule(seq_len=32,
+            batch_size=2), data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=2),
+         ParallelConfigError, r"expert_parallel_size=2 with HFCausalLMModule.*LlamaLightningModule\(init_from="),
         ("mixture-of-experts setting misspelled", lambda _: LlamaLightningModule(
             "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
                                                   "load_balancing": "aux"}}),

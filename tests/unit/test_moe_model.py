@@ -230,3 +230,46 @@ def test_qwen3_30b_a3b_counts_its_published_parameters():
     with torch.device("meta"):
         model = Transformer(replace(args, n_layers=2))
     assert sum(p.numel() for p in model.parameters()) == replace(args, n_layers=2).num_params()
+
+
+@pytest.mark.parametrize("model_type,fused", [("qwen3_moe", False), ("mixtral", False), ("mixtral", True)])
+def test_the_hugging_face_path_reads_its_fused_experts_from_either_layout_and_exports_per_expert(tmp_path, model_type,
+                                                                                                 fused):
+    """HFCausalLMModule: transformers' own model, its experts fused in memory, filled from per-expert files (what
+    save_pretrained writes) or fused ones; the logits are transformers'. The export writes them back per expert."""
+    from lightning_2d.checkpoint.hf.layout import transformers_to_files
+    from lightning_2d.hf import HFCausalLMModule
+
+    model, directory = _saved(tmp_path, model_type, fused)
+    module = HFCausalLMModule(init_from=str(directory), attn_implementation="eager")
+    module.configure_model()
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(module(tokens), model(tokens).logits, rtol=1e-5, atol=1e-5)
+    from safetensors.torch import load_file
+
+    files: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        files.update(transformers_to_files(name, tensor, model_type))
+    if not fused:  # exactly what save_pretrained wrote
+        written = load_file(directory / "model.safetensors")
+        assert files.keys() == written.keys()
+        for name, tensor in written.items():
+            assert torch.equal(files[name], tensor), name
+
+
+def test_the_hugging_face_path_refuses_what_it_would_silently_drop(tmp_path):
+    from lightning_2d.hf import HFCausalLMModule
+
+    _, directory = _saved(tmp_path, "mixtral")
+    with pytest.raises(ValueError, match=r"output_router_logits=True.*LlamaLightningModule\(init_from=...\)"):
+        HFCausalLMModule(init_from=str(directory), config_overrides={"output_router_logits": True})
+    module = HFCausalLMModule(init_from=str(directory))
+    with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=2 with HFCausalLMModule.*LlamaLightningModule"):
+        module.parallel_plan(ParallelConfig(expert_parallel_size=2))
+    plan = module.parallel_plan(ParallelConfig(tensor_parallel_size=2))
+    from lightning_2d.parallel.styles import WholeOnEachRank
+
+    assert [k for k, v in plan.tensor_parallel.items() if isinstance(v, WholeOnEachRank)] == [
+        f"model.layers.{i}.mlp" for i in range(3)]
+    assert not any(k.endswith("gate_proj") for k in plan.tensor_parallel)  # Mixtral has no dense MLP

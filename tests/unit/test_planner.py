@@ -1061,7 +1061,7 @@ def test_a_model_the_planner_cannot_plan_is_refused_naming_it_before_anything_is
         raise AssertionError("a config was built for a model the planner refuses")
 
     monkeypatch.setattr(hf_decoders, "load_hf_config", built)  # where read_model looks it up
-    known = r"model_type llama, mistral, qwen2, qwen3"
+    known = r"model_type llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"
     cases = {
         "gpt2.json": (json.dumps({**HF_SMALL, "model_type": "gpt2"}), rf"has model_type 'gpt2'; .*{known}$"),
         "untyped.json": (json.dumps(HF_SMALL), rf"has no model_type; .*{known}$"),

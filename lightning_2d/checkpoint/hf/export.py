@@ -37,6 +37,7 @@ from lightning_2d.checkpoint.hf.layout import (
     rotary_heads,
     same_shapes,
     tied_aliases,
+    transformers_to_files,
 )
 from lightning_2d.checkpoint.hf.tokenizer import (
     HF_TOKENIZER_FILES,
@@ -481,8 +482,11 @@ def export_hf(
                 f"{checkpoint} is a checkpoint of a Hugging Face model (HFCausalLMModule) and records its own"
                 " config; --model/--model-overrides apply to LlamaLightningModule checkpoints only: drop them"
             )
+        model_type = str(native_config.get("model_type"))
+
         def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {name: tensor.to(dtype or tensor.dtype).contiguous()}
+            # A mixture of experts' fused experts: per expert, the layout transformers saves and every reader loads.
+            return transformers_to_files(name, tensor.to(dtype or tensor.dtype).contiguous(), model_type)
 
         config = {**native_config, "torch_dtype": str(out_dtype).removeprefix("torch."),
                   "dtype": str(out_dtype).removeprefix("torch.")}

@@ -120,6 +120,26 @@ def fused_expert_name(layer: int, which: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
 
 
+def transformers_to_files(name: str, tensor: torch.Tensor, model_type: str) -> dict[str, torch.Tensor]:
+    """A tensor of transformers' own mixture-of-experts model (``HFCausalLMModule``) as ``save_pretrained`` writes
+    it: the fused experts split per expert (``gate_up_proj``'s gate rows, then its up rows; ``down_proj``), Mixtral's
+    router and experts under ``block_sparse_moe``; any other tensor as it is."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)", name)
+    if model_type not in MOE_LAYOUTS or match is None:
+        return {name: tensor}
+    layer, what = int(match.group(1)), match.group(2)
+    if what == "gate.weight":
+        return {f"model.layers.{layer}.{MOE_LAYOUTS[model_type][0]}.gate.weight": tensor}
+    if what == "experts.down_proj":
+        return {expert_hf_name(layer, "w2", e, model_type): tensor[e].contiguous() for e in range(tensor.shape[0])}
+    half = tensor.shape[1] // 2
+    out = {}
+    for e in range(tensor.shape[0]):
+        out[expert_hf_name(layer, "w1", e, model_type)] = tensor[e, :half].contiguous()
+        out[expert_hf_name(layer, "w3", e, model_type)] = tensor[e, half:].contiguous()
+    return out
+
+
 def rotary_heads(name: str, args: ModelArgs) -> Optional[int]:
     """Number of heads whose rows are permuted between the layouts (``wq``: n_heads, ``wk``: n_kv_heads; a per-head
     norm's weight, one head's features: 1)."""
@@ -317,7 +337,9 @@ def _unrepresentable(config: dict[str, Any]) -> list[str]:
     problems = [f"{name} is {value!r} (needs {want!r})" for name, (value, want) in needed.items()
                 if value is not None and value != want]
     if model_type == "mixtral" and config.get("sliding_window") is not None:
-        problems.append(f"sliding_window is {config['sliding_window']!r} (needs None: attention over the whole sequence)")
+        problems.append(
+            f"sliding_window is {config['sliding_window']!r} (needs None: attention over the whole sequence)"
+        )
     return problems
 
 

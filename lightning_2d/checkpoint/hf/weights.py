@@ -172,7 +172,9 @@ class HFWeights(SafetensorsWeights):
 
         layer, which = expert
         offset = offset or (0, 0, 0)
-        first, rows, cols = offset[0], slice(offset[1], offset[1] + out.shape[1]), slice(offset[2], offset[2] + out.shape[2])
+        first = offset[0]
+        rows = slice(offset[1], offset[1] + out.shape[1])
+        cols = slice(offset[2], offset[2] + out.shape[2])
         if self._fused(layer):  # transformers 5's (E, 2F, D) gate_up_proj / (E, D, F) down_proj
             key = fused_expert_name(layer, which)
             if which == "w3":  # the up rows follow the gate rows
@@ -198,3 +200,73 @@ class HFWeights(SafetensorsWeights):
         first, last = rows.start // head_rows, (rows.stop - 1) // head_rows + 1
         whole = stored[(slice(first * head_rows, last * head_rows), *cols)]
         return hf_to_meta(whole, last - first)[rows.start - first * head_rows : rows.stop - first * head_rows]
+
+
+class TransformersExpertsWeights(SafetensorsWeights):
+    """A Hugging Face mixture-of-experts folder read into transformers' own model (``HFCausalLMModule``), whose
+    experts are fused in memory (``mlp.experts.gate_up_proj`` ``(E, 2F, D)``, ``mlp.experts.down_proj``
+    ``(E, D, F)``): from files of the same fused layout as they are, or stacked from the per-expert files transformers
+    saves (``….experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe.experts.E.w1`` …),
+    each rank reading only the experts and rows it holds.
+
+    Args:
+        directory: The folder.
+        expected: The model's parameter names and shapes (transformers' names).
+        model_type: ``"qwen3_moe"`` or ``"mixtral"``.
+    """
+
+    def __init__(self, directory: Path, expected: Mapping[str, tuple[int, ...]], model_type: str) -> None:
+        self.model_type = model_type
+        super().__init__(directory, None)
+        self._check(expected)
+
+    def _per_expert(self, name: str) -> Optional[tuple[int, str]]:
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        if match is None or name in self.files:  # not an experts tensor, or stored fused
+            return None
+        return int(match.group(1)), match.group(2)
+
+    def key(self, name: str) -> str:
+        router = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.weight", name)
+        if router and name not in self.files and self.model_type == "mixtral":
+            return f"model.layers.{router.group(1)}.block_sparse_moe.gate.weight"
+        return name
+
+    def stored_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        experts = self._per_expert(name)
+        if experts is None:
+            return super().stored_parts(name, shape)
+        layer, which = experts
+        count, rows, cols = shape
+        if which == "down_proj":
+            return [(expert_hf_name(layer, "w2", e, self.model_type), (rows, cols)) for e in range(count)]
+        return [(expert_hf_name(layer, w, e, self.model_type), (rows // 2, cols))
+                for e in range(count) for w in ("w1", "w3")]
+
+    @torch.no_grad()
+    def fill_block_(
+        self, out: torch.Tensor, name: str, global_shape: tuple[int, ...], offset: Optional[tuple[int, ...]]
+    ) -> None:
+        experts = self._per_expert(name)
+        if experts is None or out.numel() == 0:
+            return super().fill_block_(out, name, global_shape, offset)
+        from safetensors import safe_open
+
+        layer, which = experts
+        first, row, col = offset or (0, 0, 0)
+        cols = slice(col, col + out.shape[2])
+        half = global_shape[1] // 2  # gate_up_proj: the gate's rows, then the up projection's
+        for i in range(out.shape[0]):
+            if which == "down_proj":
+                parts = [("w2", slice(row, row + out.shape[1]))]
+            else:  # the block's rows of the gate (below half) and of the up projection (from half on)
+                stop = row + out.shape[1]
+                parts = [(w, slice(max(row, lo) - lo, min(stop, lo + half) - lo)) for w, lo in (("w1", 0), ("w3", half))
+                         if max(row, lo) < min(stop, lo + half)]
+            filled = 0
+            for w, rows in parts:
+                key = expert_hf_name(layer, w, first + i, self.model_type)
+                with safe_open(self.files[key], framework="pt") as f:
+                    block = f.get_slice(key)[rows, cols]
+                out[i, filled:filled + block.shape[0]].copy_(block)
+                filled += block.shape[0]

@@ -87,7 +87,8 @@ NATIVE = Architecture()
 
 def hf_architecture(model_type: str) -> Architecture:
     """A Hugging Face Llama-family decoder's (``model_type`` in ``HF_DECODER_TYPES``) under SDPA attention."""
-    return Architecture(fused_loss=False, repeat_kv=False, head_norms=model_type == "qwen3", rotary_per_forward=True,
+    return Architecture(fused_loss=False, repeat_kv=False, head_norms=model_type in ("qwen3", "qwen3_moe"),
+                        rotary_per_forward=True,
                         first_block_slices=True)
 
 

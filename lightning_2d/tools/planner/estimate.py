@@ -351,6 +351,14 @@ def _hf_notes(args: HFDecoderArgs, seq_len: int, micro_batch_size: int) -> list[
         + "), and the loss as HFCausalLMModule computes it: the logits of the whole sequence"
         " and F.cross_entropy (no fused loss)"
     ]
+    from lightning_2d.models.hf_decoders import hf_moe_layers
+
+    if sparse := hf_moe_layers(args.config):
+        notes.append(
+            f"{len(sparse)} of {args.n_layers} blocks are mixtures of experts, run whole on every tensor-parallel rank;"
+            " their parameters are counted exactly, their activations as a dense MLP of intermediate_size (the"
+            " experts' own are not modelled on this path: plan LlamaLightningModule(init_from=...) for them)"
+        )
     window = getattr(args.config, "sliding_window", None)
     if (sliding := args.sliding_layers) and window is not None and window < seq_len:  # else the mask is skipped
         mask = micro_batch_size * seq_len * seq_len
