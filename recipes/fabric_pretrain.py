@@ -7,12 +7,15 @@
     python recipes/fabric_pretrain.py --resume checkpoints/step-000020    # continue, at any layout
     python recipes/fabric_pretrain.py --resume latest --save-every 20     # the newest in --checkpoint-dir
     python recipes/fabric_pretrain.py --lora-rank 16                      # LoRA adapters, the base frozen
+    python recipes/fabric_pretrain.py --model debug-moe --tensor-parallel-size 1 --expert-parallel-size 2  # experts
 
 The loop shows what the strategy does not hide: a meta-device model that ``fabric.setup`` shards
 and initializes, gradient accumulation that synchronizes gradients only on the last micro-batch
 (``fabric.no_backward_sync``), clipping to the global norm over the sharded gradients
 (``fabric.clip_gradients``), a loss normalized by the tokens of the global batch, and sharded
-checkpoints with the data position in them.
+checkpoints with the data position in them. A mixture of experts adds its load balancing: the auxiliary loss over
+the global batch (``moe_auxiliary_loss``) to each micro-batch's loss, or the aux-loss-free bias updated after each
+optimizer step (``update_expert_bias``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from lightning_2d.integration.module import warmup_cosine_schedule
 from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
+from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
@@ -51,6 +55,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--pipeline-schedule", default="1F1B", choices=list(PIPELINE_SCHEDULES))
     parser.add_argument("--context-parallel-size", type=int, default=1,
                         help="ranks each sequence is split over (long context)")
+    parser.add_argument("--expert-parallel-size", type=int, default=1,
+                        help="ranks each mixture-of-experts layer's experts are split over (--model debug-moe …)")
     parser.add_argument("--data-parallel-replicate-size", type=int, default=1,
                         help="HSDP: replica groups of the data-parallel ranks (FSDP shards inside each)")
     parser.add_argument("--precision", default="32-true")
@@ -119,6 +125,11 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
 
     model_args = ModelArgs.from_name(args.model)
     data.check_model(model_args.vocab_size)
+    moe = model_args.moe
+    aux_loss = moe is not None and moe.load_balancing == "aux_loss" and moe.aux_loss_coef > 0
+    if aux_loss and args.pipeline_parallel_size > 1:
+        raise SystemExit(f"{args.model}'s auxiliary loss needs every block's routing at once, which pipeline stages"
+                         " split; use a model balanced by its bias (load_balancing: bias) under a pipeline")
     sharded = isinstance(fabric.strategy, ModelParallel2DStrategy)
     with fabric.init_module(empty_init=sharded):
         model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet
@@ -172,11 +183,17 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
                     # divided by the global batch's target tokens.
                     loss_sum = model(batch["input_ids"], labels=batch["labels"], **positions)
                     loss, global_mean, _ = normalize_by_global_tokens(loss_sum, batch["labels"], mesh)
+                    if aux_loss:  # this rank's share of the global batch's load-balancing loss (scaled as the loss)
+                        assert moe is not None
+                        loss = loss + moe_auxiliary_loss(model.router_stats(), moe.num_experts, moe.aux_loss_coef,
+                                                         mesh)[0]
                     fabric.backward(loss / args.accumulate)
             step_loss += global_mean / args.accumulate
         grad_norm = fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
+        if moe is not None:
+            update_expert_bias(model, mesh)  # aux-loss-free balancing (layers balanced by their bias), else nothing
         scheduler.step()
         state["step"] += 1
         history["loss"].append(step_loss.item())
@@ -209,6 +226,7 @@ def main() -> None:
             pipeline_parallel_size=args.pipeline_parallel_size,
             pipeline_schedule=args.pipeline_schedule,
             context_parallel_size=args.context_parallel_size,
+            expert_parallel_size=args.expert_parallel_size,
         ),
         precision=args.precision,
     )

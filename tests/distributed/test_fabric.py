@@ -155,3 +155,22 @@ def test_lora_under_fabric_equals_the_single_device_loop_and_leaves_the_base_bit
         else:
             start = initial.get_parameter(name.removeprefix("_forward_module."))  # Fabric's wrapper
             assert torch.equal(weight, start) and torch.equal(ref_final[name], start), name
+
+
+def test_a_mixture_of_experts_under_fabric_with_expert_parallelism_equals_the_single_device_loop(fabric_jobs):
+    """debug-moe in the recipe's loop at expert parallel 2 × FSDP 2: the auxiliary loss over the global batch added to
+    each rank's loss (the loop's moe_auxiliary_loss), the experts split over the expert-parallel ranks by
+    fabric.setup; the losses, gradient norms and final weights are the single-device loop's."""
+    root, run = fabric_jobs
+    single = run("fabric_moe_single", strategy="single", model="debug-moe")
+    parallel = run("fabric_moe_ep2", dp=4, model="debug-moe", ep=2)
+    ref = single.rank_output(0)
+    for rank in range(4):
+        out = parallel.rank_output(rank)
+        assert relative_errors(out["loss"], ref["loss"]) <= LOSS_RTOL, (rank, out["loss"], ref["loss"])
+        assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        placed = out["expert_placements"]["layers.1.feed_forward.experts.w1"]
+        assert placed["mesh_dims"] == ["expert_data_shard", "expert_parallel"] and placed["local_shape"][0] == 2
+    final, expected = load_weights(parallel, "final"), load_weights(single, "final")
+    for name, weight in expected.items():
+        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-5, msg=name)

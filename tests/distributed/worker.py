@@ -965,6 +965,8 @@ def fabric_loop(cfg: dict) -> None:
         argv += ["--resume", cfg["resume"]]
     if cfg.get("lora_rank"):
         argv += ["--lora-rank", str(cfg["lora_rank"])]
+    if cfg.get("model"):
+        argv += ["--model", cfg["model"]]
     args = recipe.parse_args(argv)
     if cfg["strategy"] == "single":
         strategy = "auto"
@@ -983,7 +985,8 @@ def fabric_loop(cfg: dict) -> None:
         strategy = FabricStrategy(cfg["dp"], cfg["tp"], data_parallel_replicate_size=cfg.get("replicate", 1),
                                   pipeline_parallel_size=cfg.get("pp", 1),
                                   pipeline_schedule=cfg.get("pipeline_schedule", "1F1B"),
-                                  fsdp_backend=cfg.get("fsdp_backend", "fully_shard"))
+                                  fsdp_backend=cfg.get("fsdp_backend", "fully_shard"),
+                                  expert_parallel_size=cfg.get("ep", 1))
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
     fabric.launch()
 
@@ -994,14 +997,18 @@ def fabric_loop(cfg: dict) -> None:
             save_state(model, getattr(fabric.strategy, "device_mesh", None), fabric.global_rank, out_dir, "final")
 
     trained: list[str] = []
+    experts: dict[str, dict] = {}
 
     def on_step_and_record(step: int, model) -> None:
         if step == 1:  # what requires gradients once fabric.setup parallelized the model
             trained.extend(canonical_name(n) for n, p in model.named_parameters() if p.requires_grad)
+            experts.update({n.removeprefix("_forward_module."): v for n, v in placements(model).items()
+                            if ".experts." in n})  # the names under Fabric's wrapper
         on_step(step, model)
 
     history = recipe.train(fabric, args, on_step=on_step_and_record)
-    result = {**history, "reduce_scatters": reduce_scatters["n"], "requires_grad": sorted(trained)}
+    result = {**history, "reduce_scatters": reduce_scatters["n"], "requires_grad": sorted(trained),
+              "expert_placements": experts}
     (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
 
 
