@@ -9,6 +9,10 @@ as torchtitan's ``ParallelDims.get_mesh``/``get_optional_mesh``:
 
 - ``meshes.get(name)`` (or ``meshes[name]``) always returns a mesh, of size 1 when the layout does not use it;
 - ``meshes.optional(name)`` returns ``None`` at size 1 (a step that only runs when the dimension is used);
+- expert parallelism's ``expert_parallel`` / ``expert_data_shard`` / ``expert_data_replicate`` (the
+  ``data_context_parallel`` ranks unflattened) exist only when ``expert_parallel_size > 1``: ``get`` refuses them
+  otherwise, ``optional`` and ``size`` answer ``None`` / 1 (a size-1 expert mesh would be a process group per rank
+  for nothing); ``meshes.expert_fsdp`` is always a mesh (FSDP's without expert parallelism);
 - ``meshes.fsdp`` is what FSDP2 shards over, ``meshes.root`` is Lightning's ``strategy.device_mesh`` (so
   ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` keep working in code written for Lightning's
   strategy).
@@ -145,7 +149,9 @@ def build_meshes(device_type: str, sizes: Mapping[str, int], expert_parallel: in
 
 
 def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMeshes:
-    """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s).
+    """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s), with
+    expert parallelism over ``expert_parallel`` ranks (its size is not in the root's shape: a caller holding only
+    the root gets the meshes without it; the strategies pass their ``ParallelMeshes`` on).
 
     Making a flattened mesh the first time creates its process groups (collective: every rank); torch keeps each
     on the root, so a later ``ParallelMeshes`` of the same root (user code passing ``strategy.device_mesh`` back)
