@@ -351,6 +351,10 @@ if _hf_available():
             hf(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), TextDataModule(seq_len=32,
             batch_size=2), data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=2),
          ParallelConfigError, r"expert_parallel_size=2 with HFCausalLMModule.*LlamaLightningModule\(init_from="),
+        ("compile with mixture-of-experts blocks", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4,
+            tensor_parallel_size=1, compile=True),
+         ParallelConfigError, r"compile=True with mixture-of-experts blocks: .*use compile=False"),
         ("mixture-of-experts setting misspelled", lambda _: LlamaLightningModule(
             "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
                                                   "load_balancing": "aux"}}),
