@@ -94,7 +94,7 @@ class HFCausalLMModule(CausalLMModule):
         self.model: Optional[nn.Module] = None
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
         # any process starts.
-        if init_from is not None or lora_init_from is not None or (self.lora is not None and self.lora.targets):
+        if init_from is not None or lora_init_from is not None or self.lora is not None:
             self.model = self.build_model()
             self.weights_source()
             self.model = None

@@ -431,7 +431,7 @@ class LlamaLightningModule(CausalLMModule):
         self.model: Transformer | None = None
         if init_from is not None or lora_init_from is not None:  # the files against the model now, before any process
             self.weights_source()
-        if self.lora is not None and self.lora.targets:  # the targets against the model now (a meta build: no memory)
+        if self.lora is not None:  # the targets (and the model's kind) against the model now (a meta build: no memory)
             with torch.device("meta"):
                 self._add_lora(Transformer(self.model_args))
 

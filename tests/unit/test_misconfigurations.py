@@ -355,6 +355,9 @@ if _hf_available():
             LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4,
             tensor_parallel_size=1, compile=True),
          ParallelConfigError, r"compile=True with mixture-of-experts blocks: .*use compile=False"),
+        ("LoRA on a mixture of experts", lambda _: LlamaLightningModule("debug-moe", lora={"rank": 4}),
+         LoRAConfigError, r"LoRA on a mixture of experts is not supported yet: the routed experts are stacked tensors"
+                          r".*fine-tune the whole model \(no lora\)"),
         ("mixture-of-experts setting misspelled", lambda _: LlamaLightningModule(
             "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
                                                   "load_balancing": "aux"}}),
