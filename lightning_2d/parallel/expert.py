@@ -20,7 +20,7 @@ or a whole rank receiving nothing included.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,8 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_2d.ops.moe import MoE, RouterStats, auxiliary_loss_terms
-from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
+from lightning_2d.parallel.loss import data_context_group
+from lightning_2d.parallel.meshes import ParallelMeshes
 from lightning_2d.parallel.names import DP_CP_DIM, EP_DIM
 from lightning_2d.parallel.styles import gather_sequence_around
 
@@ -261,14 +262,6 @@ class MoETensorParallel(ParallelStyle):
         return module
 
 
-def _data_context_group(mesh: Any) -> Optional["ProcessGroup"]:
-    """The ranks holding different tokens (``data_context_parallel``), or ``None`` outside a parallel job."""
-    meshes = as_meshes(mesh) if dist.is_available() and dist.is_initialized() else None
-    if meshes is None:
-        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    return meshes.get(DP_CP_DIM).get_group()
-
-
 def moe_auxiliary_loss(stats: list[RouterStats], num_experts: int, coef: float,
                        mesh: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' load-balancing loss over the global batch, for the loss each rank differentiates:
@@ -281,7 +274,7 @@ def moe_auxiliary_loss(stats: list[RouterStats], num_experts: int, coef: float,
     ``2E + 1`` numbers (``ops.moe.auxiliary_loss_terms``); tensor-parallel ranks hold the same tokens and are not
     counted twice.
     """
-    group = _data_context_group(mesh)
+    group = data_context_group(mesh)
     size = dist.get_world_size(group) if group is not None else 1
     reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None and size > 1 else None
     term, value = auxiliary_loss_terms(stats, num_experts, reduce)
@@ -297,7 +290,7 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
     if not layers:
         return 0
     counts = torch.stack([m.tokens_per_expert.float() for m in layers])
-    group = _data_context_group(mesh)
+    group = data_context_group(mesh)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     for layer, row in zip(layers, counts):

@@ -47,7 +47,7 @@ def backward_context(loss: torch.Tensor, loss_parallel_enabled: bool) -> Abstrac
     return nullcontext()
 
 
-def _data_parallel_group(mesh: "ParallelMeshes | DeviceMesh | None"):  # type: ignore[no-untyped-def]
+def data_context_group(mesh: "ParallelMeshes | DeviceMesh | None"):  # type: ignore[no-untyped-def]
     """The ranks holding distinct tokens: replicas × shards × context ranks (``data_context_parallel``, the same
     ranks as ``data_parallel`` at context size 1). Not the world: the tensor- and pipeline-parallel ranks of a
     replica hold the same tokens (counting them would log tp·pp times the global tokens and all-reduce across every
@@ -136,7 +136,7 @@ def normalize_by_global_tokens(
     if step_tokens is not None:  # counted over whole sequences: once per context-parallel group
         local.append(step_tokens.to(local_sum.device).float() * float(_first_context_rank(mesh)))
     stats = torch.stack(local)
-    group = _data_parallel_group(mesh)
+    group = data_context_group(mesh)
     dp_size = 1
     if group is not None:
         dist.all_reduce(stats, group=group)
@@ -166,7 +166,7 @@ def count_step_tokens(
     import torch.distributed as dist
 
     count = (step_tokens.float() * float(_first_context_rank(mesh))).reshape(1)
-    group = _data_parallel_group(mesh)
+    group = data_context_group(mesh)
     if group is None:
         return count.reshape(()), 1
     dist.all_reduce(count, group=group)
@@ -191,7 +191,7 @@ def count_global_tokens(
     import torch.distributed as dist
 
     count = (labels != IGNORE_INDEX).sum().to(torch.float32).reshape(1)
-    group = _data_parallel_group(mesh)
+    group = data_context_group(mesh)
     if group is None:
         return count.reshape(()), 1
     dist.all_reduce(count, group=group)

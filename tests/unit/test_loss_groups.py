@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_2d.parallel.dims import ParallelDims
-from lightning_2d.parallel.loss import _data_parallel_group
+from lightning_2d.parallel.loss import data_context_group
 from lightning_2d.tools.planner.world import fake_world
 
 
@@ -23,5 +23,5 @@ def test_the_loss_group_is_the_data_parallel_one(dims, members):
     rank = 1
     with fake_world(dims.world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        group = _data_parallel_group(dims.build_mesh("cpu"))
+        group = data_context_group(dims.build_mesh("cpu"))
         assert dist.get_process_group_ranks(group) == members

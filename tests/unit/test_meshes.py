@@ -96,14 +96,14 @@ def test_lightnings_own_2d_mesh_is_read_as_no_pipeline_no_context():
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_2d.parallel.context import context_shard
-    from lightning_2d.parallel.loss import _data_parallel_group
+    from lightning_2d.parallel.loss import data_context_group
 
     with fake_world(4, rank=2):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(DP_DIM, TP_DIM))
         meshes = as_meshes(mesh)
         assert meshes.optional(PP_DIM) is None and meshes.optional(CP_DIM) is None and meshes.size(CP_DIM) == 1
         assert members(meshes.get(DP_CP_DIM)) == members(meshes.fsdp) == [0, 2]
-        assert dist.get_process_group_ranks(_data_parallel_group(mesh)) == [0, 2]
+        assert dist.get_process_group_ranks(data_context_group(mesh)) == [0, 2]
         batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
         assert context_shard(batch, mesh) is batch
         bad = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
