@@ -17,6 +17,12 @@ class Lightning2DError(Exception):
     """
 
 
+class CheckpointError(Lightning2DError, FileNotFoundError):
+    """The checkpoint asked for cannot be loaded (missing, interrupted, damaged, or holding objects a weights-only
+    load refuses); names it and the way on. Defined here, below ``checkpoint/``, so that every module of that package
+    (the weights-only reader included) raises the one class."""
+
+
 class Lightning2DWarning(UserWarning):
     """A warning of the library's mechanics (``parallel/``: an option without effect, a skipped step, an init that
     depends on the layout), issued with ``warnings.warn`` on every rank. ``parallel/`` knows nothing of ranks or

@@ -10,6 +10,10 @@ releases the GIL, so a background save does not stall the training thread):
   each bytes-io item), in the thread that writes (also under ``dcp.async_save``). The coordinator's ``finish``
   writes the digests of every rank as one manifest, ``digests.json``, before DCP's ``.metadata`` (and so
   before ``meta.pt``, the completeness mark): a complete checkpoint of this version always has its manifest.
+  Each rank's whole files (``meta.pt`` on the coordinator, ``rng/rank{r}.pt``) are hashed from their bytes before
+  they are written and ride to the coordinator in DCP's local plans; DCP's ``.metadata`` is hashed as DCP writes it.
+  The manifest lists them under ``whole`` (a whole file's size must match too) and carries a digest of itself, so a
+  damaged manifest is told from a damaged checkpoint. It is written after ``.metadata`` and before ``meta.pt``.
 * full files: ``tensor_digests`` of every tensor of the checkpoint dict, stored in it (``lightning_2d.digests``)
   by the writer before ``torch.save``; the pickle itself is covered by the zip's CRC-32, which torch writes.
 
@@ -20,6 +24,7 @@ mismatch is an ``Item`` with what was found. Policy (who checks what, the error,
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -36,7 +41,7 @@ import torch
 HASH = "xxh3_64"
 #: The manifest of a sharded checkpoint, beside DCP's ``.metadata``.
 MANIFEST_FILE = "digests.json"
-MANIFEST_FORMAT = "lightning_2d.digests/1"
+MANIFEST_FORMAT = "lightning_2d.digests/2"  # /1 (before whole files and the manifest's own digest) is still read
 #: Where a full file keeps its digests (inside its ``lightning_2d`` entry).
 FULL_FILE_KEY = "digests"
 _READ_BLOCK = 16 * 1024 * 1024  # re-reading: one block in memory at a time
@@ -126,7 +131,7 @@ def _file_system_class() -> type:
         @contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
             with super().create_stream(path, mode) as stream:
-                if mode != "wb" or not str(path).endswith(".distcp"):
+                if mode != "wb" or not str(path).endswith((".distcp", ".metadata.tmp")):
                     yield stream
                     return
                 hashing = _HashingStream(stream, _hasher(HASH))
@@ -152,8 +157,18 @@ class Item:
     length: int
     digest: str
     found: Optional[str] = None
+    #: A whole file (``meta.pt``, ``rng/rank0.pt``, DCP's ``.metadata``): its size must be ``length`` too.
+    whole: bool = False
+
+    def change(self) -> str:
+        """How the item found differs from the one saved (after ``check_items``)."""
+        if self.found is not None and self.found.endswith(" bytes"):
+            return f"is {self.found} long, saved {self.length:,} bytes long"
+        return f"reads as {self.found}, saved as {self.digest}"
 
     def describe(self) -> str:
+        if self.whole:
+            return "the whole file"
         where = f" (chunk at {list(self.chunk)})" if any(self.chunk) else ""
         return f"{self.fqn}{where}"
 
@@ -173,9 +188,26 @@ def _writer_class() -> type:
 
         rereads = 0  # items whose digest came from re-reading the file (DCP wrote them without a tell())
 
-        def __init__(self, path: Any, **kwargs: Any) -> None:
+        def __init__(self, path: Any, whole_files: Optional[Mapping[str, tuple[int, str]]] = None, **kwargs: Any) -> None:
             super().__init__(path, **kwargs)
             self.fs = file_system()
+            self.whole_files = dict(whole_files or {})  # this rank's: name → (length, digest)
+            self.all_whole_files: dict[str, tuple[int, str]] = {}  # every rank's, on the coordinator
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            # This rank's whole files travel to the coordinator inside its local plan (DCP gathers the plans).
+            plan = super().prepare_local_plan(plan)
+            return replace(plan, storage_data=_WithWholeFiles(plan.storage_data, self.whole_files))
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            unwrapped = []
+            for plan in plans:
+                carried = plan.storage_data
+                if isinstance(carried, _WithWholeFiles):
+                    self.all_whole_files.update(carried.files)
+                    plan = replace(plan, storage_data=carried.inner)
+                unwrapped.append(plan)
+            return super().prepare_global_plan(unwrapped)
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             written = super().write_data(plan, planner)  # a torch Future; FileSystemWriter wrote before returning
@@ -205,56 +237,114 @@ def _writer_class() -> type:
                     chunk = tuple(int(o) for o in index.offset) if index.offset is not None else ()
                     items.append(Item(info.relative_path, index.fqn, chunk, int(info.offset), int(info.length), digest))
                     plain[-1].append(replace(result, storage_data=info))
-            write_manifest(Path(self.path), items)
-            super().finish(metadata, plain)
+            super().finish(metadata, plain)  # DCP's .metadata, hashed as it is written
+            whole = dict(self.all_whole_files)
+            for name, segments in self.fs.segments.items():
+                if name.endswith(".metadata.tmp") and segments:
+                    (_, length), digest = next(iter(segments.items()))
+                    whole[".metadata"] = (length, digest)
+            write_manifest(Path(self.path), items, whole)
 
     return DigestingWriter
+
+
+@dataclass(frozen=True)
+class _WithWholeFiles:
+    """A local plan's ``storage_data`` (the writer's own, usually ``None``) with this rank's whole files' digests."""
+
+    inner: Any
+    files: Mapping[str, tuple[int, str]]
 
 
 _WRITER: Optional[type] = None
 
 
-def digesting_writer(path: Path) -> Any:
-    """A DCP storage writer for folder ``path`` that writes ``digests.json`` (``dcp.save(storage_writer=...)``)."""
+def digesting_writer(path: Path, whole_files: Optional[Mapping[str, tuple[int, str]]] = None) -> Any:
+    """A DCP storage writer for folder ``path`` that writes ``digests.json`` (``dcp.save(storage_writer=...)``).
+
+    Args:
+        path: The checkpoint folder.
+        whole_files: This rank's files written beside DCP's (``meta.pt``, ``rng/rank0.pt``): relative name →
+            ``(length, digest)`` (``file_digest`` of the bytes written), listed in the manifest as whole files.
+    """
     global _WRITER
     if _WRITER is None:
         _WRITER = _writer_class()
-    return _WRITER(str(path))
+    return _WRITER(str(path), whole_files)
 
 
-def write_manifest(folder: Path, items: Sequence[Item]) -> None:
-    """``digests.json``: per file, per item ``[fqn, chunk offsets, offset, length, digest]``; under a temporary
-    name, then renamed (a manifest exists only whole)."""
+def file_digest(data: bytes) -> tuple[int, str]:
+    """``(length, digest)`` of a whole file's bytes, as the manifest lists it."""
+    return len(data), digest_of(data)
+
+
+def _manifest_body_digest(body: Mapping[str, Any]) -> str:
+    return digest_of(json.dumps(body, separators=(",", ":")).encode())
+
+
+def write_manifest(folder: Path, items: Sequence[Item], whole: Optional[Mapping[str, tuple[int, str]]] = None) -> None:
+    """``digests.json``: per file, per item ``[fqn, chunk offsets, offset, length, digest]``; the whole files
+    (``name: [length, digest]``); and ``self``, the digest of all that. Under a temporary name, then renamed (a
+    manifest exists only whole)."""
     files: dict[str, list[list[Any]]] = {}
     for item in sorted(items, key=lambda i: (i.file, i.offset)):
         files.setdefault(item.file, []).append([item.fqn, list(item.chunk), item.offset, item.length, item.digest])
+    body = {"format": MANIFEST_FORMAT, "hash": HASH, "files": files,
+            "whole": {name: [int(length), digest] for name, (length, digest) in sorted((whole or {}).items())}}
     tmp = folder / f".{MANIFEST_FILE}.incomplete"
     # No fsync (as for meta.pt): one more flush doubled a small save's time; after a power loss a lost manifest
     # reads as "no digests" (a note), a cut one as damaged (refused, "last" falls back).
     with open(tmp, "w") as f:
-        json.dump({"format": MANIFEST_FORMAT, "hash": HASH, "files": files}, f, separators=(",", ":"))
+        json.dump({**body, "self": _manifest_body_digest(body)}, f, separators=(",", ":"))
     os.replace(tmp, folder / MANIFEST_FILE)
 
 
+class ManifestError(ValueError):
+    """``digests.json`` itself is damaged (cut short, or not the bytes written): the checkpoint cannot be checked."""
+
+
 def read_manifest(folder: Path) -> Optional[tuple[str, list[Item]]]:
-    """``(hash name, items)`` of a sharded checkpoint's manifest; ``None`` when it has none (saved before digests).
+    """``(hash name, items)`` of a sharded checkpoint's manifest, whole files included (``Item.whole``); ``None``
+    when it has none (saved before digests). Cached by the file's path, size and modification time.
 
     Raises:
-        ValueError: the manifest is unreadable (damaged itself).
+        ManifestError: the manifest is damaged itself (unreadable, or its own digest does not match).
     """
     file = Path(folder) / MANIFEST_FILE
     if not file.is_file():
         return None
+    stat = file.stat()
+    name, items = _read_manifest(str(file.resolve()), stat.st_size, stat.st_mtime_ns)
+    return name, list(items)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_manifest(file: str, size: int, mtime_ns: int) -> tuple[str, tuple[Item, ...]]:
     try:
-        manifest = json.loads(file.read_text())
+        manifest = json.loads(Path(file).read_text())
+        recorded = manifest.pop("self", None)
+        if manifest.get("format") != "lightning_2d.digests/1":
+            if recorded is None or _manifest_body_digest(manifest) != recorded:
+                raise ManifestError(
+                    f"{MANIFEST_FILE} is damaged: its content does not match its own digest"
+                    f" ({'none recorded' if recorded is None else f'saved as {recorded}'}), so it cannot vouch for"
+                    " the checkpoint's files"
+                )
         items = [
             Item(name, fqn, tuple(chunk), int(offset), int(length), str(digest))
             for name, entries in manifest["files"].items()
             for fqn, chunk, offset, length, digest in entries
         ]
-        return str(manifest["hash"]), items
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{MANIFEST_FILE} is unreadable ({type(err).__name__}: {err})") from err
+        items += [Item(name, name, (), 0, int(length), str(digest), whole=True)
+                  for name, (length, digest) in manifest.get("whole", {}).items()]
+        return str(manifest["hash"]), tuple(items)
+    except ManifestError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ManifestError(
+            f"{MANIFEST_FILE} is unreadable ({type(err).__name__}: {err}): cut short or overwritten, so it cannot"
+            " vouch for the checkpoint's files"
+        ) from err
 
 
 def _digest_range(file: Path, offset: int, length: int, name: str = HASH) -> str:
@@ -273,11 +363,16 @@ def _digest_range(file: Path, offset: int, length: int, name: str = HASH) -> str
 
 def check_items(folder: Path, items: Iterable[Item], name: str = HASH) -> list[Item]:
     """The items of ``folder`` whose stored bytes no longer have their digest (``found``: what they have now,
-    ``"missing"`` for a file that is gone), in file order."""
+    ``"missing"`` for a file that is gone), in file order. A whole file is read whole: a byte appended changes it."""
     wrong = []
     for item in sorted(items, key=lambda i: (i.file, i.offset)):
         file = Path(folder) / item.file
-        found = _digest_range(file, item.offset, item.length, name) if file.is_file() else "missing"
+        if not file.is_file():
+            found = "missing"
+        elif item.whole and file.stat().st_size != item.length:
+            found = f"{file.stat().st_size:,} bytes"
+        else:
+            found = _digest_range(file, item.offset, item.length, name)
         if found != item.digest:
             wrong.append(replace(item, found=found))
     return wrong

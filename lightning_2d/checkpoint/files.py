@@ -26,7 +26,7 @@ import re
 import shutil
 import threading
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from lightning_2d.errors import Lightning2DError
+from lightning_2d.errors import CheckpointError
 
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 DCP_METADATA_FILE = ".metadata"
@@ -114,11 +114,21 @@ def shard_size_problems(folder: Path, metadata: Any) -> list[str]:
 
 def damage(path: Path) -> list[str]:
     """What is wrong with a checkpoint that looks complete (empty: nothing found). Reads metadata and
-    file sizes only, never the tensors: DCP's ``.metadata`` must unpickle, every shard must hold the
+    file sizes only, never the tensors: its ``digests.json`` must be intact and vouch for DCP's ``.metadata`` and
+    ``meta.pt`` (both checked before either is read), DCP's ``.metadata`` must unpickle, every shard must hold the
     bytes it lists, ``meta.pt`` must be an intact archive (CRC-checked; it is small); a full file's
     archive directory (at its end) must be readable."""
     path = Path(path)
     if path.is_dir():
+        from lightning_2d.checkpoint import digests
+
+        try:  # the manifest first: it vouches for .metadata and meta.pt before either is read
+            manifest = digests.read_manifest(path)
+        except digests.ManifestError as err:
+            return [str(err)]
+        small = [i for i in (manifest[1] if manifest else ()) if i.whole and i.file in (DCP_METADATA_FILE, METADATA_FILE)]
+        if manifest is not None and (changed := digests.check_items(path, small, manifest[0])):
+            return [f"{i.file} changed after it was saved: it {i.change()}" for i in changed]
         try:
             metadata = read_dcp_metadata(path)
         except Exception as err:  # a truncated or garbage pickle raises anything from EOFError on
@@ -181,11 +191,13 @@ _verified: dict[str, tuple[int, int]] = {}  # checkpoints this process checked w
 _warned_undigested: set[str] = set()
 
 
-def _fingerprint(path: Path) -> tuple[int, int]:
-    from lightning_2d.checkpoint.digests import MANIFEST_FILE
-
-    stat = (path / MANIFEST_FILE if path.is_dir() else path).stat()
-    return stat.st_size, stat.st_mtime_ns
+def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Size and modification time of every file of a checkpoint: a write to any of them after the check (a shard
+    copied again, a byte patched in place) changes it. What it cannot see, a byte flipped by the disk itself in the
+    seconds between the launcher's check and the ranks' load, is left unchecked there (CONTRIBUTING)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return tuple((str(p.relative_to(path)) if path.is_dir() else p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                 for p in files)
 
 
 def checked_whole(path: Path) -> bool:
@@ -197,11 +209,11 @@ def checked_whole(path: Path) -> bool:
         return False
 
 
-def saved_step(path: Path) -> Optional[int]:
-    """The step a checkpoint was saved at: from its name, else its ``global_step``/``step`` entry (a sharded
-    checkpoint's ``meta.pt``, read weights-only; it is small)."""
+def saved_step(path: Path, read: bool = True) -> Optional[int]:
+    """The step a checkpoint was saved at: from its name, else (``read``) its ``global_step``/``step`` entry (a
+    sharded checkpoint's ``meta.pt``, read weights-only; it is small)."""
     step = checkpoint_step(path)
-    if step is not None:
+    if step is not None or not read:
         return step
     from lightning_2d.checkpoint.safe_load import load_checkpoint_file  # weights-only, with our few safe types
 
@@ -219,7 +231,7 @@ def saved_step(path: Path) -> Optional[int]:
 
 def digest_problems(
     path: Path, prefixes: Optional[tuple[str, ...]] = None, rank: int = 0, world_size: int = 1,
-    size_limit: Optional[int] = None,
+    size_limit: Optional[int] = None, allow_globals: Sequence[str] = (),
 ) -> Optional[list[str]]:
     """Check this process's share of the digests of checkpoint ``path``: what changed, one short line each
     (empty: intact). ``None`` when there is nothing to check: a checkpoint saved before digests (warned once by
@@ -234,6 +246,10 @@ def digest_problems(
         prefixes: Only the items whose name starts with one of these (what the load reads).
         rank, world_size: This process's share.
         size_limit: Check nothing (``None``) when the checkpoint's items are larger than this.
+        allow_globals: Further types a full file may hold (``safe_load.load_checkpoint_file``).
+
+    Raises:
+        UnsafeCheckpointError: a full file holds a type a weights-only load refuses (nothing in it was built).
     """
     from lightning_2d.checkpoint import digests
 
@@ -242,24 +258,24 @@ def digest_problems(
     if path.is_dir():
         try:
             manifest = digests.read_manifest(path)
-        except ValueError as err:
+        except digests.ManifestError as err:
             return [str(err)]
         if manifest is None:
             return None
         name, items = manifest
-        if prefixes is not None:
-            items = [i for i in items if i.fqn.startswith(prefixes)]
+        if prefixes is not None:  # whole files (meta.pt, RNG, .metadata) are read by every load
+            items = [i for i in items if i.whole or i.fqn.startswith(prefixes)]
         if size_limit is not None and sum(i.length for i in items) > size_limit:
             return None
         try:
             wrong = digests.check_items(path, digests.share_of(items, rank, world_size), name)
         except ValueError as err:  # a hash this version does not know
             return [str(err)]
-        problems = [f"{i.file}: {i.describe()} reads as {i.found}, saved as {i.digest}" for i in wrong]
+        problems = [f"{i.file}: {i.describe()} {i.change()}" for i in wrong]
     else:
         if rank != 0:
             return []
-        problems = _full_file_digest_problems(path, prefixes)
+        problems = _full_file_digest_problems(path, prefixes, allow_globals)
         if problems is None:
             return None
     if not problems and whole:
@@ -267,7 +283,9 @@ def digest_problems(
     return problems
 
 
-def _full_file_digest_problems(path: Path, prefixes: Optional[tuple[str, ...]]) -> Optional[list[str]]:
+def _full_file_digest_problems(
+    path: Path, prefixes: Optional[tuple[str, ...]], allow_globals: Sequence[str] = ()
+) -> Optional[list[str]]:
     from lightning_2d.checkpoint import digests
     from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 
@@ -282,10 +300,8 @@ def _full_file_digest_problems(path: Path, prefixes: Optional[tuple[str, ...]]) 
                     archive.read(entry)
         except (zipfile.BadZipFile, OSError) as err:
             return [f"{path.name}: the pickled non-tensor part fails its check ({err})"]
-    try:
-        loaded = load_checkpoint_file(path, mmap=True)
-    except Exception:  # noqa: BLE001 - types a weights-only load refuses: the loader's own error names them
-        return None
+    # A file holding a type a weights-only load refuses raises its one-line UnsafeCheckpointError here.
+    loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
     recorded = (loaded.get("lightning_2d") or {}).get(digests.FULL_FILE_KEY) if isinstance(loaded, dict) else None
     if not recorded:
         return None
@@ -301,7 +317,12 @@ def _full_file_digest_problems(path: Path, prefixes: Optional[tuple[str, ...]]) 
 def describe_changed(path: Path, problems: list[str]) -> str:
     """The reason a checkpoint with changed bytes is refused, one line: the first item (file, tensor), how
     many more, the step."""
-    step = saved_step(path)
+    from lightning_2d.checkpoint.digests import MANIFEST_FILE
+
+    if problems[0].startswith(MANIFEST_FILE):  # the manifest itself: nothing can be checked against it
+        return f"is damaged: {problems[0]} (a disk, copy or transfer error)"
+    # meta.pt is read for the step only when it is not among what changed.
+    step = saved_step(path, read=not any(p.startswith(METADATA_FILE) for p in problems))
     more = f" (and {len(problems) - 1} more item(s))" if len(problems) > 1 else ""
     return (
         f"is damaged: its bytes changed after it was saved{f' at step {step}' if step is not None else ''}"
@@ -443,7 +464,7 @@ def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None
                 def described(problems: list[str]) -> str:
                     if problems == ["incomplete"]:
                         return "is incomplete"
-                    changed = problems[0].startswith("is damaged: its bytes")  # describe_changed's whole reason
+                    changed = problems[0].startswith("is damaged: ")  # describe_changed's whole reason
                     return problems[0] if changed else "is damaged: " + "; ".join(problems)
 
                 names = ", ".join(f"{p.name} {described(r)}" for p, r in skipped)
@@ -468,10 +489,6 @@ def newest_complete_checkpoint(folder: Path, exclude: Optional[Path] = None) -> 
 def incomplete_checkpoints(folder: Path) -> list[Path]:
     """Checkpoints of ``folder`` whose save started but did not finish, oldest first."""
     return [p for p in checkpoints_in(folder) if not is_complete(p)]
-
-
-class CheckpointError(Lightning2DError, FileNotFoundError):
-    """The checkpoint asked for cannot be loaded (missing, interrupted, damaged); names it and the way on."""
 
 
 def resolve_checkpoint(
@@ -532,7 +549,7 @@ def resolve_checkpoint(
             warn(f"Skipping interrupted save(s) in {path.parent} ({names}); resuming from {path} ({resolved.name})")
         return path
     folder = path.parent
-    if len(problems) == 1 and problems[0].startswith("is damaged: its bytes changed"):
+    if len(problems) == 1 and problems[0].startswith("is damaged: "):  # describe_changed's whole reason
         reason = problems[0]
     elif problems:
         reason = "is damaged (" + "; ".join(problems) + ")"
@@ -583,6 +600,7 @@ def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
 
     Raises:
         CheckpointError: missing, interrupted or damaged, naming the file and the way on.
+        UnsafeCheckpointError: it holds a pickled object a weights-only load refuses (it could run code).
     """
     if ckpt_path is None:
         return None
@@ -592,10 +610,18 @@ def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
     # The process that launches the ranks (or rank 0 under torchrun) reads a file or a small sharded checkpoint
     # whole: changed bytes are an error before any rank starts. The ranks check again what it did not.
     launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
-    return resolve_checkpoint(
+    resolved = resolve_checkpoint(
         Path(text), warn=lambda _: None, fall_back=may_fall_back(text),  # the ranks warn
         check_digests=LAUNCHER_CHECK_BYTES if launcher else None,
     )
+    if launcher:
+        # Its non-tensor part read weights-only now (small; a full file's tensors are mapped, not read): a pickled
+        # callable is refused in one line before any process starts, and before LightningCLI's own torch.load of a
+        # full file for its hyper-parameters.
+        from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+
+        load_checkpoint_file(resolved / METADATA_FILE if resolved.is_dir() else resolved, mmap=not resolved.is_dir())
+    return resolved
 
 
 def remove_path(path: Path) -> None:
@@ -631,17 +657,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_rng(folder: Path, rank: int) -> None:
+def save_rng(folder: Path, rank: int) -> dict[str, tuple[int, str]]:
+    """This rank's generators into ``rng/rank{rank}.pt``; returns the file's ``{name: (length, digest)}`` for the
+    manifest (hashed from the bytes written, never read back)."""
+    import io
+
+    from lightning_2d.checkpoint.digests import file_digest
+
     (folder / RNG_FOLDER).mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), folder / RNG_FOLDER / f"rank{rank}.pt")
+    buffer = io.BytesIO()
+    torch.save(rng_state(), buffer)
+    name = f"{RNG_FOLDER}/rank{rank}.pt"
+    (folder / name).write_bytes(buffer.getvalue())
+    return {name: file_digest(buffer.getvalue())}
 
 
 def load_rng(folder: Path, rank: int) -> bool:
     """Restore this rank's generators from a sharded checkpoint; ``False`` if it has none for this rank."""
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+
     file = folder / RNG_FOLDER / f"rank{rank}.pt"
     if not file.is_file():
         return False
-    set_rng_state(torch.load(file, weights_only=True))
+    set_rng_state(load_checkpoint_file(file))
     return True
 
 
@@ -709,11 +747,14 @@ class ShardedCheckpointWriter:
             remove_path(path)
             path.mkdir(parents=True)
         self.barrier()
-        save_rng(path, self.global_rank)
+        whole_files = save_rng(path, self.global_rank)
         # Serialize now: the objects behind the metadata may change while a background save runs.
         buffer = io.BytesIO()
         if self.global_rank == 0:
+            from lightning_2d.checkpoint.digests import file_digest
+
             torch.save(metadata, buffer)
+            whole_files[METADATA_FILE] = file_digest(buffer.getvalue())  # listed before it is written, last
 
         def finish() -> None:
             if self.global_rank == 0:
@@ -723,8 +764,9 @@ class ShardedCheckpointWriter:
 
         from lightning_2d.checkpoint.digests import digesting_writer
 
-        # The writer hashes each item as it writes it and writes digests.json before DCP's .metadata.
-        writer = digesting_writer(path)
+        # The writer hashes each item as it writes it and writes digests.json (with every rank's whole files and
+        # DCP's .metadata) after .metadata, before meta.pt.
+        writer = digesting_writer(path, whole_files)
         if not self.async_save:
             dcp.save(state, checkpoint_id=path, storage_writer=writer)
             finish()
@@ -822,15 +864,18 @@ def resolve_on_rank_zero(
 ) -> Path:
     """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared: an error
     there is raised on every rank with the same message."""
+    from lightning_2d.checkpoint.safe_load import UnreadableCheckpointError, UnsafeCheckpointError
+
+    kinds = {cls.__name__: cls for cls in (CheckpointError, UnreadableCheckpointError, UnsafeCheckpointError)}
     answer: Any = None
     if global_rank == 0:
         try:
             answer = str(resolve_checkpoint(Path(path), warn=warn, fall_back=fall_back, rejected=rejected))
-        except CheckpointError as err:
-            answer = err
-    answer = broadcast(answer if not isinstance(answer, CheckpointError) else ("error", str(answer)))
-    if isinstance(answer, (tuple, list)) and len(answer) == 2 and answer[0] == "error":
-        raise CheckpointError(answer[1])
+        except CheckpointError as err:  # sent as plain data: its class by name, its message
+            answer = ("error", str(err), type(err).__name__ if type(err).__name__ in kinds else "CheckpointError")
+    answer = broadcast(answer)
+    if isinstance(answer, (tuple, list)) and len(answer) == 3 and answer[0] == "error":
+        raise kinds[answer[2]](answer[1])
     return Path(answer)
 
 
@@ -896,7 +941,9 @@ def load_trained_subset(path: Path, key: str, module: torch.nn.Module, optimizer
         dcp.load(optim_state, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[optim_key],
                                  options=StateDictOptions(cpu_offload=True))
-    return torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+
+    return load_checkpoint_file(path / METADATA_FILE)
 
 
 #: The key of a checkpoint's adapters record (``meta.pt``): their settings and the base they were trained on.
@@ -909,5 +956,7 @@ def adapter_record(path: Path) -> Optional[dict[str, Any]]:
     file = Path(path) / METADATA_FILE
     if not file.exists():
         return None
-    record = torch.load(file, map_location="cpu", weights_only=False).get(ADAPTERS_KEY)
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+
+    record = load_checkpoint_file(file).get(ADAPTERS_KEY)
     return record if isinstance(record, dict) else None

@@ -7,8 +7,9 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
 - ``save_checkpoint`` (Lightning's checkpoint dict) and ``save`` (tensors and metadata, as Fabric splits
   them) write a sharded folder (DCP, optionally in the background) or a full file, complete or recognisably
   incomplete (``checkpoint.files``);
-- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint) and has
-  the ranks check its digests together before anything is read, ``check_fits``
+- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint), has
+  the ranks check its digests together before anything is read, then reads its non-tensor part weights-only (a
+  pickled callable is refused there, in one line, before any tensor is read), ``check_fits``
   refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
   load at the same layout;
 - ``remove_checkpoint`` and ``teardown`` wait for the write in flight.
@@ -37,6 +38,7 @@ from lightning_2d.checkpoint.files import (
     shape_mismatches,
     stored_shapes,
 )
+from lightning_2d.checkpoint.safe_load import check_weights_only, load_checkpoint_file
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
@@ -105,10 +107,24 @@ class DistributedCheckpointIO(CheckpointIO):
         items the load reads), else an error naming it; only a "last" checkpoint (``ckpt_path="last"`` resolves
         to ``last*.ckpt``) falls back to the newest intact one."""
         self.wait()
-        return resolve_and_check(
+        chosen = resolve_and_check(
             path, self.global_rank, self.world_size, self.broadcast, self._all_gather, rank_zero_warn,
             fall_back=may_fall_back(path), prefixes=prefixes,
         )
+        self.read_metadata(chosen)  # every rank raises the same one-line refusal for a file that would run code
+        return chosen
+
+    def read_metadata(self, path: Path) -> dict[str, Any]:
+        """The non-tensor part of checkpoint ``path`` (a folder's ``meta.pt``; a full file, its tensors mapped, not
+        read), weights-only (``load_checkpoint_file``).
+
+        Raises:
+            UnsafeCheckpointError: the file holds a pickled object that could run code; nothing in it was built.
+        """
+        path = Path(path)
+        if path.is_dir():
+            return load_checkpoint_file(path / METADATA_FILE)
+        return load_checkpoint_file(path, mmap=True)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
@@ -123,9 +139,8 @@ class DistributedCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The non-tensor part of a checkpoint (a sharded folder's ``meta.pt``, or a whole full file); the
         strategies load tensors in place (DCP), into the model and optimizers they hold."""
-        path = self.resolve(path)
-        file = path / METADATA_FILE if path.is_dir() else path
-        return torch.load(file, map_location=map_location or "cpu", weights_only=bool(weights_only))
+        check_weights_only(weights_only, path)
+        return self.read_metadata(self.resolve(path))
 
     def check_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True, pipelined: bool = False,
                    trained_only: bool = False) -> None:

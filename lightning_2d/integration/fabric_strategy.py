@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
+from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
 from lightning_2d.integration.options import takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
 from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
@@ -240,7 +241,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout."""
+        """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout; weights-only."""
+        check_weights_only(weights_only, path)  # every load is weights-only: False is refused, not ignored
         # Digests checked for what the load reads: the modules' and optimizers' entries (a full file: all of it).
         parts = state if isinstance(state, dict) else {}
         loaded = [key for key, obj in parts.items() if isinstance(obj, (nn.Module, Optimizer))]
@@ -256,7 +258,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             for key, obj in state.items():
                 if isinstance(obj, nn.Module):
                     self._check_checkpoint_fits(resolved, key, obj, strict=strict)
-        remainder = super().load_checkpoint(resolved, state, strict=strict, weights_only=weights_only)
+        with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
+            remainder = super().load_checkpoint(resolved, state, strict=strict, weights_only=True)
         for key, obj in stateful.items():
             if isinstance(state, dict) and state.get(key) is not obj:
                 obj.load_state_dict(state[key])

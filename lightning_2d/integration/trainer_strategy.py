@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_of, trainer_precision_plugin
 from lightning_2d.checkpoint.files import adapter_record, load_trained_subset
+from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher
 from lightning_2d.integration.precision import FSDP2Precision
@@ -201,6 +202,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.lightning_module is not None
+        check_weights_only(weights_only, checkpoint_path)  # every load is weights-only: False is refused, not ignored
         # Digests checked for what the load reads: validate/test/predict read the weights only.
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path = self._checkpoint_to_load(checkpoint_path, prefixes=None if fitting else ("state_dict.",))
@@ -218,7 +220,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             with sharded_parameters():
                 metadata = load_trained_subset(path, "state_dict", self.model, optimizers)
         else:
-            metadata = super().load_checkpoint(path, weights_only=weights_only)
+            with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
+                metadata = super().load_checkpoint(path, weights_only=True)
         self.distributed_checkpoint_io.restore_random_state(path, metadata.get("lightning_2d"))
         return metadata
 

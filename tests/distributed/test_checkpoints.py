@@ -67,7 +67,7 @@ def setup(jobs, tmp_path_factory):
     # step are paid once, not 16 times. Each test still calls run() with its own arguments and reads its own
     # folder; arguments other than these here are an error naming both (Jobs.run).
     step4 = str(ckpt_dir / "epoch=1-step=4.ckpt")
-    context, pipeline, simple = root / "context", root / "pipeline", root / "simple_fsdp"
+    context, pipeline, simple, untrusted = root / "context", root / "pipeline", root / "simple_fsdp", root / "untrusted"
     jobs.share("ckpt_resumes", [
         job("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4]),
         *(job(f"resume_{done}", 2, 2, resume=str(ckpt_dir / name)) for name, done in SAME_LAYOUT_RESUMES),
@@ -99,12 +99,49 @@ def setup(jobs, tmp_path_factory):
         job("lora_resume_2x2", 2, 2, lora=LORA, resume=str(root / "lora" / "epoch=1-step=4.ckpt")),
         job("lora_reshard_1x4", 1, 4, lora=LORA, resume=str(root / "lora" / "epoch=0-step=2.ckpt")),
         job("lora_other_base", 2, 2, lora=LORA, init_seed=8, max_steps=1, refuse=str(root / "lora" / "epoch=1-step=4.ckpt")),
+        # A "last" whose checkpoint changed after its save (in rank 3's shard): the ranks' check falls back to the
+        # intact step 2; then checkpoints carrying a payload, loaded as fit/validate/test/predict would: refused.
+        job("untrusted", 2, 2, resume=str(untrusted / "last" / "last.ckpt"), prepare=untrusted_files(root, step4),
+            refusals=untrusted_loads(root)),
         # One process: a pipelined and an HSDP checkpoint resumed without either.
         job("single_from_pp2_dp2", 1, 1, resume=str(pipeline / "epoch=1-step=5.ckpt")),
         job("hsdp_resume_single", 1, 1, resume=str(root / "hsdp" / "epoch=1-step=4.ckpt")),
     ], scenario="train")
     reference = run("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4])
     return {"root": root, "run": run, "reference": reference, "dir": ckpt_dir, "checkpoints": checkpoints}
+
+
+#: Where the payload planted in the untrusted run's checkpoints would create its file.
+PAYLOAD_MARKER = "payload_ran"
+#: The weight whose bits are flipped in rank 3's shard of the "last" checkpoint.
+CHANGED_WEIGHT = "state_dict.model.layers.0.attention.wq.weight"
+
+
+def untrusted_files(root, step4):
+    """What rank 0 of the untrusted run makes before it starts (``worker.prepare_files``): a folder whose last.ckpt
+    links to a copy of step 4 with bits flipped in rank 3's shard (and an intact step 2), a step-4 copy whose
+    meta.pt holds the payload (its digest recorded again, and not), and a full file holding it."""
+    untrusted, marker = root / "untrusted", str(root / PAYLOAD_MARKER)
+    return [
+        {"op": "changed_last", "from_dir": str(root / "sharded"), "to_dir": str(untrusted / "last"),
+         "keep": ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"], "last": "epoch=1-step=4.ckpt", "fqn": CHANGED_WEIGHT,
+         "file": "__3_0.distcp"},
+        {"op": "plant_meta", "from": step4, "to": str(untrusted / "meta" / "epoch=1-step=4.ckpt"), "marker": marker,
+         "redigested": True},
+        {"op": "plant_meta", "from": step4, "to": str(untrusted / "changed" / "epoch=1-step=4.ckpt"), "marker": marker,
+         "redigested": False},
+        {"op": "plant_full", "from": str(root / "full" / "epoch=0-step=3.ckpt"),
+         "to": str(untrusted / "full" / "epoch=0-step=3.ckpt"), "marker": marker},
+    ]
+
+
+def untrusted_loads(root):
+    """``[label, checkpoint, Trainer function]`` of each load the untrusted run tries after its fit."""
+    untrusted = root / "untrusted"
+    meta, full = untrusted / "meta" / "epoch=1-step=4.ckpt", untrusted / "full" / "epoch=0-step=3.ckpt"
+    return [*([f"meta_{fn}", str(meta), fn] for fn in ("fit", "validate", "test", "predict")),
+            *([f"full_{fn}", str(full), fn] for fn in ("fit", "validate")),
+            ["meta_changed_fit", str(untrusted / "changed" / "epoch=1-step=4.ckpt"), "fit"]]
 
 
 def outputs(job, n):
@@ -304,6 +341,37 @@ def test_async_checkpoints_hold_the_state_of_their_step(setup):
         assert out["refused"] is not None and out["refused"].startswith(
             f"Checkpoint {changed} is damaged: its bytes changed after it was saved at step 2 (__1_0.distcp: {weight}"
         ), out["refused"]
+
+
+def test_a_changed_last_falls_back_at_2x2_and_no_payload_runs_on_any_load(setup):
+    """The ranks split the digests: rank 3 finds the flipped bits of "last"'s step 4, so every rank resumes the intact
+    step 2 (rank 0 says why) and continues as the reference did. Then checkpoints carrying a pickled ``os.system``
+    (in ``meta.pt`` with its digest recorded again, in a full file) are refused on every rank in one line for every
+    Trainer function, and one whose ``meta.pt`` changed since its save is refused by its digest before it is read;
+    the payload's file never appears."""
+    root = setup["root"]
+    run = setup["run"]("untrusted", 2, 2, resume=str(root / "untrusted" / "last" / "last.ckpt"),
+                       prepare=untrusted_files(root, str(setup["dir"] / "epoch=1-step=4.ckpt")),
+                       refusals=untrusted_loads(root))
+    last, step2 = root / "untrusted" / "last" / "last.ckpt", root / "untrusted" / "last" / "epoch=0-step=2.ckpt"
+    assert (f"Checkpoint {last} is damaged: its bytes changed after it was saved at step 4 (__3_0.distcp:"
+            f" {CHANGED_WEIGHT}") in run.logs[0]
+    assert f"resuming from the newest complete checkpoint instead: {step2}" in run.logs[0]
+    reference = setup["reference"].rank_output(0)["losses"]
+    for out in outputs(run, 4):
+        assert out["losses"] == reference[2:]  # resumed from step 2 exactly
+        refusals = out["refusals"]
+        assert sorted(refusals) == sorted(label for label, _, _ in untrusted_loads(root))
+        for label, message in refusals.items():
+            assert message is not None and "\n" not in message, (label, message)
+            if label.startswith(("meta_fit", "meta_validate", "meta_test", "meta_predict", "full_")):
+                assert message.startswith("UnsafeCheckpointError: "), message
+                assert " holds a pickled posix.system, which a weights-only load refuses" in message, message
+                assert "the file was not loaded" in message, message
+        assert refusals["meta_fit"].startswith(f"UnsafeCheckpointError: {root / 'untrusted' / 'meta'}"), refusals
+        assert re.search(r"is damaged \(meta\.pt changed after it was saved: it is [\d,]+ bytes long",
+                         refusals["meta_changed_fit"]), refusals
+    assert not (root / PAYLOAD_MARKER).exists()
 
 
 def test_a_save_killed_midway_is_never_resumed_from(setup):

@@ -73,13 +73,27 @@ def test_gradient_accumulation_equals_one_double_batch_and_syncs_once(fabric_job
 def test_save_then_load_at_another_layout_with_hsdp(fabric_jobs):
     """Saved at (dp, tp) = (2, 2), resumed under HSDP (replicate, shard, tp) = (2, 2, 1): steps 4-6 equal
     the single-device loop's."""
+    from tests.unit.test_safe_loading import plant_meta
+
     root, run = fabric_jobs
     run("fabric_2x2", dp=2, tp=2, save_every=3, checkpoint_dir=str(root / "ckpt"))
-    resumed = run("fabric_resume_hsdp_2x2x1", dp=4, tp=1, replicate=2, resume=str(root / "ckpt" / "step-000003"))
+    # The same run then loads a copy whose meta.pt holds a pickled os.system (its digest recorded again): refused
+    # by fabric.load on every rank in one line, nothing built; and any checkpoint with weights_only=False.
+    marker = root / "payload_ran"
+    planted = plant_meta(root / "ckpt" / "step-000003", root / "planted" / "step-000003", marker)
+    resumed = run("fabric_resume_hsdp_2x2x1", dp=4, tp=1, replicate=2, resume=str(root / "ckpt" / "step-000003"),
+                  refuse=[["payload", str(planted), None], ["not_weights_only", str(root / "ckpt" / "step-000003"), False]])
     ref = run("fabric_single", strategy="single").rank_output(0)
     out = resumed.rank_output(0)
     assert len(out["loss"]) == 3  # steps 4-6 only
     assert max(abs(x - y) / y for x, y in zip(out["loss"], ref["loss"][3:])) <= LOSS_RTOL
+    for rank in range(4):
+        refused = resumed.rank_output(rank)["refused"]
+        assert refused["payload"].startswith(f"UnsafeCheckpointError: {planted / 'meta.pt'} holds a pickled"
+                                             " posix.system, which a weights-only load refuses"), refused
+        assert "the file was not loaded" in refused["payload"] and "\n" not in refused["payload"]
+        assert refused["not_weights_only"].startswith("CheckpointError: weights_only=False was passed"), refused
+    assert not marker.exists()
 
 
 def test_simple_fsdp_under_fabric_resumes_fully_shard_s_checkpoint_and_accumulates(fabric_jobs):

@@ -828,6 +828,62 @@ class WriteObserver(L.Callback):
         self.train_ended = True
 
 
+def prepare_files(actions: list[dict], rank: int, out_dir: Path, timeout_s: float = 120.0) -> None:
+    """Rank 0 makes files from checkpoints an earlier run of the launch saved (before the launch they do not exist):
+    a copy with a payload planted (``plant_meta``, ``plant_full``: tests/unit/test_safe_loading.py), a checkpoint
+    folder whose ``last.ckpt`` links to a copy with flipped bits (``changed_last``). The other ranks wait for its
+    ``prepared`` file (no process group exists before the run's fit)."""
+    import shutil
+
+    from tests.unit.test_checkpoint_digests import flip_exponent_bits
+    from tests.unit.test_safe_loading import plant_full, plant_meta
+
+    done = out_dir / "prepared"
+    if rank == 0:
+        for action in actions:
+            if action["op"] == "plant_meta":
+                plant_meta(Path(action["from"]), Path(action["to"]), Path(action["marker"]), action["redigested"])
+            elif action["op"] == "plant_full":
+                plant_full(Path(action["from"]), Path(action["to"]), Path(action["marker"]))
+            elif action["op"] == "changed_last":
+                source, folder = Path(action["from_dir"]), Path(action["to_dir"])
+                folder.mkdir(parents=True)
+                for name in action["keep"]:
+                    shutil.copytree(source / name, folder / name)
+                (folder / "last.ckpt").symlink_to(action["last"])
+                flip_exponent_bits(folder / action["last"], action["fqn"], file_name=action["file"])
+            else:
+                raise ValueError(f"unknown prepare action {action}")
+        done.write_text("ok")
+        return
+    deadline = time.monotonic() + timeout_s
+    while not done.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not prepare {actions} within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def try_loads(trainer: L.Trainer, refusals: list[list[str]]) -> dict[str, Any]:
+    """Each ``[label, path, fn]``: the checkpoint loaded as ``Trainer.fit/validate/test/predict(ckpt_path=...)`` loads
+    it (the strategy's ``load_checkpoint`` with the Trainer in that state), the refusal's message (``None``: loaded).
+    Every rank raises the same refusal by itself, before any weight is read."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_2d.checkpoint import CheckpointError
+
+    found: dict[str, Any] = {}
+    was = trainer.state.fn
+    for label, path, fn in refusals:
+        trainer.state.fn = TrainerFn(fn)
+        try:
+            trainer.strategy.load_checkpoint(path)
+            found[label] = None
+        except CheckpointError as err:
+            found[label] = f"{type(err).__name__}: {err}"
+    trainer.state.fn = was
+    return found
+
+
 def train(cfg: dict) -> None:
     """One fit on TextDataModule with configurable checkpointing, resuming and a crash during a save."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -837,6 +893,8 @@ def train(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
+    if cfg.get("prepare"):
+        prepare_files(cfg["prepare"], rank, out_dir)
     crash = cfg.get("crash")  # {"save": n, "rank": r}: rank r dies once its shard of the n-th save is written
     if crash:
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -905,6 +963,8 @@ def train(cfg: dict) -> None:
             result["refused"] = None
         except CheckpointError as err:
             result["refused"] = str(err)
+    if cfg.get("refusals"):
+        result["refusals"] = try_loads(trainer, cfg["refusals"])
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -1009,6 +1069,17 @@ def fabric_loop(cfg: dict) -> None:
     history = recipe.train(fabric, args, on_step=on_step_and_record)
     result = {**history, "reduce_scatters": reduce_scatters["n"], "requires_grad": sorted(trained),
               "expert_placements": experts}
+    if cfg.get("refuse"):
+        # Checkpoints the test planted a payload in, loaded as fabric.load loads: each rank's refusal (None: loaded).
+        from lightning_2d.checkpoint import CheckpointError
+
+        result["refused"] = {}
+        for label, path, weights_only in cfg["refuse"]:
+            try:
+                fabric.load(path, {}, weights_only=weights_only)
+                result["refused"][label] = None
+            except CheckpointError as err:
+                result["refused"][label] = f"{type(err).__name__}: {err}"
     (out_dir / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -5,6 +5,7 @@ loading with a note. Single process, the real ``ShardedCheckpointWriter`` (DCP w
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -81,8 +82,15 @@ def one_process(path, fall_back=False, prefixes=None, warn=print):
 
 def test_the_writer_records_a_digest_of_every_item_as_it_writes(tmp_path):
     path = save(tmp_path, "epoch=0-step=8.ckpt")
-    hash_name, items = digests.read_manifest(path)
+    hash_name, listed = digests.read_manifest(path)
     assert hash_name == "xxh3_64"
+    items = [i for i in listed if not i.whole]
+    # Every other file a load reads is listed whole, at its size, with the digest of its bytes.
+    whole = {i.file: i for i in listed if i.whole}
+    assert sorted(whole) == [".metadata", "meta.pt", "rng/rank0.pt"]
+    for name, item in whole.items():
+        data = (path / name).read_bytes()
+        assert (item.offset, item.length, item.digest) == (0, len(data), digests.digest_of(data)), name
     by_index = {(i.fqn, i.chunk): i for i in items}
     metadata = read_dcp_metadata(path)
     # One digest per item DCP stored, at DCP's offsets, equal to the hash of those bytes.
@@ -99,7 +107,10 @@ def test_the_writer_records_a_digest_of_every_item_as_it_writes(tmp_path):
 def test_async_saves_write_the_same_manifest(tmp_path):
     sync_items = digests.read_manifest(save(tmp_path, "sync"))[1]
     async_items = digests.read_manifest(save(tmp_path, "async", async_save=True))[1]
-    assert sync_items == async_items and digests._WRITER.rereads == 0
+    # The items alike; the whole files the same ones (DCP's .metadata records the folder's name and a save id).
+    assert [i for i in sync_items if not i.whole] == [i for i in async_items if not i.whole]
+    assert [i.file for i in sync_items if i.whole] == [i.file for i in async_items if i.whole]
+    assert digests._WRITER.rereads == 0
 
 
 def test_flipped_exponent_bits_are_refused_naming_file_tensor_and_step(tmp_path):
@@ -221,3 +232,97 @@ def test_only_the_launching_process_reads_the_checkpoint_before_the_ranks_start(
     monkeypatch.delenv("LOCAL_RANK")
     with pytest.raises(CheckpointError, match="its bytes changed after it was saved at step 8"):
         check_ckpt_path(str(path))
+
+
+# ---- the whole checkpoint: meta.pt, RNG, DCP's .metadata, the manifest itself (#42) ------------------------------
+def change_byte(file: Path, at: int = -20) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["meta.pt", "rng/rank0.pt", ".metadata"])
+@pytest.mark.parametrize("how", ["changed", "appended"])
+def test_every_file_a_load_reads_is_checked_before_it_is_unpickled(name, how, tmp_path, monkeypatch):
+    """Before #42 only the shards' items were digested: a ``meta.pt`` re-saved with one more key resumed and
+    trained. Now a byte changed in (or added to) ``meta.pt``, an RNG file or DCP's ``.metadata`` is refused naming
+    the file, and nothing unpickles it first."""
+    from lightning_2d.checkpoint import files
+
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    file = path / name
+    if how == "changed":
+        change_byte(file)
+    else:
+        file.write_bytes(file.read_bytes() + b"\0")
+    unpickled: list[str] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: unpickled.append(str(f)) or real_load(f, *a, **k))
+    monkeypatch.setattr(files, "read_dcp_metadata", lambda folder: unpickled.append(".metadata"))
+    with pytest.raises(CheckpointError) as err:
+        one_process(path)
+    message = str(err.value)
+    assert "\n" not in message and "Not resuming from another checkpoint" in message
+    if name == "rng/rank0.pt":  # found by the ranks' check, after the (intact) .metadata was read for the sizes
+        assert f"its bytes changed after it was saved at step 8 ({name}: the whole file " in message, message
+        assert unpickled == [".metadata"], unpickled
+    else:  # found by rank 0 before anything is read
+        assert f"is damaged ({name} changed after it was saved: it " in message, message
+        assert unpickled == [], unpickled
+
+
+def test_a_meta_pt_saved_again_with_another_key_is_refused(tmp_path):
+    """The issue's case: ``meta.pt`` re-saved with one added key used to resume and train (exit 0)."""
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    torch.save({**load_checkpoint_file(path / "meta.pt"), "added": 1}, path / "meta.pt")
+    with pytest.raises(CheckpointError, match=r"is damaged \(meta\.pt changed after it was saved: it is [\d,]+ bytes"):
+        one_process(path)
+
+
+def test_a_damaged_manifest_is_refused_as_such_and_last_falls_back(tmp_path):
+    older = save(tmp_path, "epoch=0-step=4.ckpt", seed=1)
+    path = save(tmp_path, "last.ckpt")
+    manifest = path / digests.MANIFEST_FILE
+    intact = manifest.read_bytes()
+    manifest.write_bytes(intact[: len(intact) // 2])  # cut short
+    with pytest.raises(CheckpointError, match=r"is damaged \(digests\.json is unreadable \(JSONDecodeError: .*\): cut"
+                                              r" short or overwritten, so it cannot vouch for the checkpoint's files\)"):
+        one_process(path)
+    # Parseable but not as written (one digest's hex digit changed): the manifest's own digest tells.
+    first = json.loads(intact)["whole"]["meta.pt"][1]
+    manifest.write_bytes(intact.replace(first.encode(), (first[:-1] + ("0" if first[-1] != "0" else "1")).encode()))
+    with pytest.raises(CheckpointError, match=r"digests\.json is damaged: its content does not match its own digest"):
+        one_process(path)
+    warned: list[str] = []
+    assert one_process(path, fall_back=True, warn=warned.append) == older
+    assert "digests.json is damaged" in warned[0] and warned[0].endswith(f"instead: {older}")
+
+
+def test_a_manifest_of_the_first_format_is_still_read(tmp_path):
+    """Checkpoints of 0.x wrote ``lightning_2d.digests/1`` (items only, no whole files, no digest of itself)."""
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    manifest = json.loads((path / digests.MANIFEST_FILE).read_text())
+    old = {"format": "lightning_2d.digests/1", "hash": manifest["hash"], "files": manifest["files"]}
+    (path / digests.MANIFEST_FILE).write_text(json.dumps(old))
+    assert one_process(path) == path
+    flip_exponent_bits(path)
+    with pytest.raises(CheckpointError, match="its bytes changed after it was saved at step 8"):
+        one_process(path)
+
+
+def test_a_shard_changed_after_the_launchers_check_is_checked_again_by_the_ranks(tmp_path, monkeypatch):
+    """The launcher (``check_ckpt_path``) reads a checkpoint whole and the ranks skip what it checked; a shard written
+    after that check (here: bits flipped in place, the manifest untouched) must not be skipped."""
+    from lightning_2d.checkpoint import check_ckpt_path
+    from lightning_2d.checkpoint.files import checked_whole
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    assert check_ckpt_path(str(path)) == path and checked_whole(path)
+    flip_exponent_bits(path)
+    assert not checked_whole(path)
+    with pytest.raises(CheckpointError, match="its bytes changed after it was saved at step 8"):
+        one_process(path)

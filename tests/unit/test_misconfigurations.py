@@ -23,10 +23,28 @@ from lightning_2d import (
     ParallelPlan,
     TextDataModule,
 )
-from lightning_2d.checkpoint.files import CheckpointError, resolve_checkpoint
+from lightning_2d.checkpoint.files import CheckpointError, check_ckpt_path, resolve_checkpoint
 from lightning_2d.checkpoint.safe_load import ExportError
 from lightning_2d.data import DataError
 from lightning_2d.ops.lora import LoRAConfigError
+
+
+def planted_checkpoint(tmp: Path) -> str:
+    """A sharded checkpoint whose meta.pt holds a pickled ``os.system`` (its digest recorded again)."""
+    from tests.unit.test_checkpoint_digests import save
+    from tests.unit.test_safe_loading import plant_meta
+
+    return str(plant_meta(save(tmp, "saved"), tmp / "planted" / "epoch=0-step=8.ckpt", tmp / "ran"))
+
+
+def cut_manifest(tmp: Path) -> str:
+    """A sharded checkpoint whose digests.json lost its second half."""
+    from tests.unit.test_checkpoint_digests import save
+
+    path = save(tmp / "cut", "epoch=0-step=8.ckpt")
+    manifest = path / "digests.json"
+    manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
+    return str(path)
 
 
 def trainer(**strategy) -> L.Trainer:
@@ -265,6 +283,12 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      ExportError, r"--tokenizer .*tokenizer\.json: no such file or folder; give a tokenizer file or a model folder"),
     ("explicit checkpoint that does not exist", lambda tmp: resolve_checkpoint(tmp / "epoch=0-step=9.ckpt", print),
      CheckpointError, r"epoch=0-step=9\.ckpt does not exist\. Not resuming from another checkpoint"),
+    ("checkpoint holding a pickled callable", lambda tmp: check_ckpt_path(planted_checkpoint(tmp)),
+     CheckpointError, r"meta\.pt holds a pickled posix\.system, which a weights-only load refuses to build .*the file"
+                      r" was not loaded.*looks like a function, which no checkpoint needs to hold"),
+    ("checkpoint whose digests.json is cut short", lambda tmp: check_ckpt_path(cut_manifest(tmp)),
+     CheckpointError, r"is damaged \(digests\.json is unreadable \(JSONDecodeError: .*\): cut short or overwritten, so it"
+                      r" cannot vouch for the checkpoint's files\)\. Not resuming from another checkpoint"),
     ("export of a file that is not a checkpoint", export_of,
      SystemExit, r"1"),
     ("SimpleFSDP asked to reshard without activation checkpointing",

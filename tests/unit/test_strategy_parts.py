@@ -83,7 +83,9 @@ def test_the_checkpoint_io_is_a_lightning_checkpoint_io_that_writes_complete_che
     checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [], "global_step": 7}
     io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
     assert is_complete(tmp_path / "a.ckpt")
-    metadata = io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False)
+    metadata = io.load_checkpoint(tmp_path / "a.ckpt")  # weights-only always: weights_only=False is refused (#42)
+    with pytest.raises(CheckpointError, match="weights_only=False was passed"):
+        io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False)
     assert metadata["global_step"] == 7
     assert metadata["lightning_2d"]["layout"] == {"world_size": 1, "data_parallel": 1, "tensor_parallel": 1}
     io.check_fits(io.resolve(tmp_path / "a.ckpt"), "state_dict", model)

@@ -103,16 +103,36 @@ class _ShardedCheckpoint:
         # Each tensor's stored chunks are checked against their digests just before DCP reads them (``read``).
         try:
             manifest = read_manifest(path)
-        except ValueError as err:
-            raise CheckpointError(f"Checkpoint {path} is damaged ({err}); export an earlier checkpoint") from err
+        except ValueError as err:  # digests.ManifestError
+            raise CheckpointError(f"Checkpoint {path} is damaged: {err}. Export an earlier checkpoint") from err
         self.digest_hash = manifest[0] if manifest else None
         self.digests: dict[str, list[Any]] = {}
+        whole = []
         for item in manifest[1] if manifest else ():
-            self.digests.setdefault(item.fqn, []).append(item)
+            if item.whole:
+                whole.append(item)
+            else:
+                self.digests.setdefault(item.fqn, []).append(item)
         if manifest is None:
             warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
+        from lightning_2d.checkpoint.digests import check_items
+        from lightning_2d.checkpoint.files import describe_changed
+
+        # DCP's .metadata (just read, by a reader that builds DCP's types only) and meta.pt before it is read.
+        read_whole = [i for i in whole if i.file in (DCP_METADATA_FILE, METADATA_FILE)]
+        changed = {i.file: i for i in check_items(path, read_whole, self.digest_hash)} if read_whole else {}
+        problems = [f"{i.file}: {i.describe()} {i.change()}" for i in changed.values()]
+        if DCP_METADATA_FILE in changed or (METADATA_FILE in changed and need_metadata):
+            raise CheckpointError(
+                f"Checkpoint {path} {describe_changed(path, problems)}. Nothing was exported: export an earlier"
+                " checkpoint, or copy this one again."
+                + (f" Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
+                   if DCP_METADATA_FILE not in changed else "")
+            )
         self.metadata: Optional[dict[str, Any]] = None
         try:
+            if METADATA_FILE in changed:
+                raise ExportError(f"Checkpoint {path} {describe_changed(path, problems)}.")
             self.metadata = load_checkpoint_file(path / METADATA_FILE, allow_globals=allow_globals)
         except ExportError as err:
             if need_metadata:
@@ -167,7 +187,7 @@ class _FullCheckpoint:
 
         self.path, self.allow_globals = path, allow_globals
         # The weights' digests, before any is read (the file is mapped: this reads them once more).
-        changed = digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",))
+        changed = digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",), allow_globals=allow_globals)
         if changed:
             raise CheckpointError(
                 f"Checkpoint {path} {describe_changed(path, changed)}. Nothing was exported: export an earlier"

@@ -196,8 +196,11 @@ class PeftAdapterWeights:
         problems = []
         config_file, weights_file = folder / ADAPTER_CONFIG_FILE, folder / ADAPTER_WEIGHTS_FILE
         if not config_file.is_file() or not weights_file.is_file():
+            pickled = sorted(p.name for p in folder.glob("*.bin"))
+            never = (f" ({', '.join(pickled)} is never read: a pickle, which could run code when loaded; peft's"
+                     " save_pretrained writes safetensors)") if pickled else ""
             raise ValueError(f"lora_init_from={str(folder)!r} is not a peft LoRA folder: it needs {ADAPTER_CONFIG_FILE}"
-                             f" and {ADAPTER_WEIGHTS_FILE}")
+                             f" and {ADAPTER_WEIGHTS_FILE}{never}")
         config = json.loads(config_file.read_text())
         if config.get("peft_type", "LORA") != "LORA":
             problems.append(f"its peft_type is {config.get('peft_type')!r}, not 'LORA'")

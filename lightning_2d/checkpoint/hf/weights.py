@@ -53,7 +53,10 @@ class SafetensorsWeights:
             with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
                 self.files = {k: self.directory / SINGLE_FILE for k in f.keys()}
         else:
-            raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+            pickled = sorted(p.name for p in self.directory.glob("*.bin"))
+            never = (f"; its {', '.join(pickled)} is never read (a pickle, which could run code when loaded): write"
+                     " safetensors where you trust the file, e.g. transformers' save_pretrained") if pickled else ""
+            raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}{never}")
         if expected is not None:
             self._check(expected)
 
