@@ -1,8 +1,11 @@
-"""The GPU lane's pure parts, without a GPU: a ranks-agree check needs two ranks, and ``run.sh`` calls a lane
-with skipped tests NOT RUN (exit 3), never PASSED."""
+"""The GPU lane's pure parts, without a GPU: a ranks-agree check needs two ranks; ``run.sh`` calls a lane with
+skipped tests NOT RUN (exit 3), never PASSED; the time budget (every part limited, none eating the time of the parts
+after it, the whole within 8 minutes)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -11,10 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu import budget
 from tests.gpu.summary import NOT_RUN_EXIT, verdict
 from tests.gpu.test_parity import assert_ranks_agree
 
 REPO = Path(__file__).resolve().parents[2]
+GPU = REPO / "tests" / "gpu"
+#: The first GPU session's reports (one H200, 2026-12-04): the budget's estimates are read from them.
+FIRST_RESULTS = GPU / "results" / "2026-12-04_h200"
 
 
 def runs(*losses: list[float]) -> dict:
@@ -96,3 +103,71 @@ def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
     assert out[-1].startswith("NOT RUN: 2 test(s) skipped"), out[-5:]  # one per step
     assert sum(line.startswith("NOT RUN tests") or "test_needs_two_gpus" in line for line in out) == 2
     assert not any("PASSED" in line for line in out), out
+
+
+# The budget.
+
+def test_the_guarantees_and_the_reserve_fill_the_deadline_under_8_minutes():
+    assert budget.DEADLINE_S < 8 * 60
+    assert sum(p.guaranteed_s for p in budget.PARTS) + budget.RESERVE_S == budget.DEADLINE_S
+    for part in budget.PARTS:  # room for the machine's noise, the H100's slower memory, the code added since
+        assert part.guaranteed_s >= 1.15 * part.estimate_s, part
+    assert sum(p.estimate_s for p in budget.PARTS) <= 0.8 * budget.DEADLINE_S
+
+
+def test_every_gpu_test_module_is_in_exactly_one_part():
+    modules = sorted(str(p.relative_to(REPO)) for p in GPU.glob("test_*.py"))
+    in_parts = sorted(t for p in budget.PARTS for t in p.tests)
+    assert in_parts == modules
+
+
+def test_the_estimates_cover_the_first_sessions_recorded_job_times():
+    """The jobs each part launches took this long on the H200 (the parity part's reference and eager jobs at their
+    latest, with LoRA and QLoRA); each estimate adds the part's pytest start (~10 s) to them."""
+    jobs = {}
+    for name in ("report_correctness.json", "report_lora.json", "report_mfu.json"):  # later reports win
+        jobs.update({job: entry["seconds"] for job, entry in
+                     json.loads((FIRST_RESULTS / name).read_text())["jobs"].items()})
+    launched = {"parity": ("reference", "eager", "compile", "float8"), "resume": ("checkpoint", "resume"),
+                "mfu": ("mfu",)}
+    for part, names in launched.items():
+        assert budget.BY_NAME[part].estimate_s >= sum(jobs[n] for n in names) + 5, (part, jobs)
+
+
+def test_a_part_gets_its_guarantee_plus_what_earlier_parts_left():
+    selected = budget.selected_parts()
+    elapsed = 0.0
+    for name in selected:  # every part uses its whole limit: each gets exactly its guarantee
+        limit, grace = budget.allot(name, elapsed, selected)
+        assert limit == budget.BY_NAME[name].guaranteed_s and 1 <= grace <= budget.KILL_GRACE_S
+        elapsed += limit
+    assert elapsed + budget.RESERVE_S == budget.DEADLINE_S
+    # setup took 20 of its 60 s and moe 5 of its 45: attention may use the 80 s they left
+    assert budget.allot("attention", 25, selected)[0] == 75 + 40 + 40
+
+
+@pytest.mark.parametrize("elapsed", [0, 3.5, 61, 200, 399.9, 455])
+def test_no_part_takes_the_time_guaranteed_to_the_parts_after_it(elapsed):
+    selected = budget.selected_parts()
+    for i, name in enumerate(selected):
+        limit, _ = budget.allot(name, elapsed, selected)
+        later = sum(budget.BY_NAME[n].guaranteed_s for n in selected[i + 1:])
+        assert elapsed + limit + later + budget.RESERVE_S <= budget.DEADLINE_S or limit == 0
+
+
+def test_a_part_left_no_time_is_not_started():
+    selected = budget.selected_parts()
+    later = sum(budget.BY_NAME[n].guaranteed_s for n in selected[2:])  # attention's to parity's
+    assert budget.allot("moe", 470 - 10 - later - 1.5, selected) == (0, 0)  # 1.5 s left: less than MIN_PART_S
+    assert budget.allot("parity", 470, selected) == (0, 0)
+
+
+def test_the_budget_scales_with_the_deadline_and_the_parts_selected():
+    selected = budget.selected_parts("parity, moe")
+    assert selected == ["setup", "moe", "parity"]  # the lane's order, setup always
+    assert budget.allot("setup", 0, selected, deadline=47) == (math.floor(47 - 1 - 4.5 - 15), 5)
+    assert budget.allot("parity", 0, selected) == (460, 5)  # alone after setup and moe: every second left
+    plan = budget.plan(selected, deadline=940)
+    assert [p["guaranteed_s"] for p in plan["parts"]] == [120, 90, 300] and plan["reserve_s"] == 20
+    with pytest.raises(ValueError, match="no part parityy; the parts are moe, attention"):
+        budget.selected_parts("parityy")
