@@ -1,12 +1,13 @@
 """The GPU lane's pure parts, without a GPU: a ranks-agree check needs two ranks; ``run.sh`` calls a lane with
 skipped tests NOT RUN (exit 3), never PASSED; the time budget (every part limited, none eating the time of the parts
-after it, the whole within 8 minutes)."""
+after it, the whole within 8 minutes); the record of a run against its commit; the summary a session pastes."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu import budget
-from tests.gpu.summary import NOT_RUN_EXIT, verdict
+from tests.gpu import budget, record
+from tests.gpu.summary import NOT_RUN_EXIT, short_summary, verdict
 from tests.gpu.test_parity import assert_ranks_agree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,21 +48,26 @@ def test_ran():
 
 def test_needs_two_gpus():
     pytest.skip("1 process(es): no second rank")
+
+def test_fails():
+    assert 1 == 2, "the loss diverged"
 """
 
 
 @pytest.fixture(scope="module")
 def junit_reports(tmp_path_factory) -> dict[str, Path]:
-    """Real pytest JUnit reports (the format run.sh reads): one with a skipped test, one without."""
+    """Real pytest JUnit reports (the format run.sh reads): one with a skipped test, one without, one with a
+    failure."""
     root = tmp_path_factory.mktemp("junit")
     (root / "test_sample.py").write_text(SAMPLE_TESTS)
     reports = {}
-    for name, select in (("skipped", []), ("all_ran", ["-k", "test_ran"])):
+    for name, select, rc in (("skipped", ["-k", "not test_fails"], 0), ("all_ran", ["-k", "test_ran"], 0),
+                             ("failed", [], 1)):
         reports[name] = root / f"{name}.xml"
         done = subprocess.run([sys.executable, "-m", "pytest", str(root / "test_sample.py"), "-q", "-p",
                                "no:cacheprovider", f"--junitxml={reports[name]}", "--rootdir", str(root), *select],
                               capture_output=True, text=True, cwd=root, check=False)
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.returncode == rc, done.stdout + done.stderr
     return reports
 
 
@@ -77,32 +83,10 @@ def test_verdict_is_passed_only_when_every_test_ran(junit_reports, tmp_path):
     assert code == 1 and lines[-1].startswith("FAILED: no JUnit report at")
 
 
-def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
-    """run.sh end to end on CPU, its environment check and two pytest steps replaced by a stub: both steps
-    pass and leave a JUnit report with a skipped test (the lane printed PASSED before)."""
-    stub = tmp_path / "python"
-    stub.write_text(textwrap.dedent(f"""\
-        #!/usr/bin/env bash
-        if [ "$1" = "-" ]; then cat >/dev/null; echo "environment check skipped by the test"; exit 0; fi
-        if [ "$1 $2" = "-m pytest" ]; then
-            for arg in "$@"; do
-                case $arg in --junitxml=*) cp "{junit_reports["skipped"]}" "${{arg#--junitxml=}}";; esac
-            done
-            exit 0
-        fi
-        exec "{sys.executable}" "$@"
-        """))
-    stub.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(stub), "LIGHTNING_2D_GPU_WORK": str(tmp_path / "work"),
-           "LIGHTNING_2D_GPU_SKIP_INSTALL": "1"}
-    env.pop("OUT", None)
-    done = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "run.sh")], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
-    out = done.stdout.strip().splitlines()
-    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
-    assert out[-1].startswith("NOT RUN: 2 test(s) skipped"), out[-5:]  # one per step
-    assert sum(line.startswith("NOT RUN tests") or "test_needs_two_gpus" in line for line in out) == 2
-    assert not any("PASSED" in line for line in out), out
+def test_a_partial_run_is_not_run_at_best(junit_reports):
+    lines, code = verdict(0, [junit_reports["all_ran"]], ["parts left out by LIGHTNING_2D_GPU_PARTS: mfu"])
+    assert code == NOT_RUN_EXIT and lines[0] == "NOT RUN parts left out by LIGHTNING_2D_GPU_PARTS: mfu"
+    assert lines[-1].startswith("NOT RUN: 0 test(s) skipped, the run partial (1 reason(s))")
 
 
 # The budget.
@@ -171,3 +155,138 @@ def test_the_budget_scales_with_the_deadline_and_the_parts_selected():
     assert [p["guaranteed_s"] for p in plan["parts"]] == [120, 90, 300] and plan["reserve_s"] == 20
     with pytest.raises(ValueError, match="no part parityy; the parts are moe, attention"):
         budget.selected_parts("parityy")
+
+
+# The record of a run, and its summary.
+
+def test_a_tree_without_git_takes_the_commit_it_is_given_and_digests_like_the_checkout(tmp_path):
+    """The device's copy of the tree has no .git: the commit is the one the session passed, and the digest of the
+    copy (pytest's caches in it) equals the checkout's, which is how the session checks what ran."""
+    for top in ("lightning_2d", "tests"):
+        shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("results"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "tests" / "gpu" / "results" / "old").mkdir(parents=True)
+    (tmp_path / "tests" / "gpu" / "results" / "old" / "lane.json").write_text("{}")
+    (tmp_path / "lightning_2d" / "__pycache__").mkdir(exist_ok=True)
+    (tmp_path / "lightning_2d" / "__pycache__" / "x.cpython-312.pyc").write_bytes(b"compiled")
+    given = record.describe_source(tmp_path, "a" * 40)
+    assert given["commit"] == "a" * 40 and given["commit_source"] == "given"
+    assert given["source_digest"] == record.source_digest(REPO)
+    assert record.describe_source(tmp_path, None)["commit"] is None
+    (tmp_path / "lightning_2d" / "__init__.py").write_text("changed = True\n")
+    assert record.source_digest(tmp_path) != record.source_digest(REPO)
+
+
+def test_a_part_records_its_status_time_limit_report_and_tests(junit_reports, tmp_path):
+    manifest = tmp_path / "lane.json"
+    record.start(manifest, "cuda", budget.plan(budget.selected_parts()), root=REPO)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"checks": {"moe_error": {"value": 1e-3, "bound": 2e-2}}}))
+    entry = record.record_part(manifest, "moe", 1, 12.3, 105, report, junit_reports["failed"])
+    assert entry["status"] == "failed" and entry["guaranteed_s"] == 45 and entry["report"]["checks"]
+    outcomes = {t["test"].rpartition("::")[2]: (t["outcome"], t["message"]) for t in entry["tests"]}
+    assert outcomes["test_ran"] == ("passed", "")
+    assert outcomes["test_needs_two_gpus"] == ("skipped", "1 process(es): no second rank")
+    assert outcomes["test_fails"][0] == "failed" and "the loss diverged" in outcomes["test_fails"][1]
+    assert record.part_status(124, 60) == record.part_status(137, 60) == "timeout"
+    assert record.part_status(0, 60) == "passed" and record.part_status(1, 0) == "not run"
+    record.finish(manifest, 1, 1, 300.04, ["parts left out by LIGHTNING_2D_GPU_PARTS: mfu"])
+    done = json.loads(manifest.read_text())
+    assert done["verdict"] == "FAILED" and done["total_seconds"] == 300.0 and list(done["parts"]) == ["moe"]
+
+
+def _first_session_manifest(commit: str | None = "c0ffee" * 6 + "beef") -> dict:
+    """The first GPU session (2026-12-04) as the lane now records a run: its reports, its job times as parts."""
+    reports = {n: json.loads((FIRST_RESULTS / f"report_{n}.json").read_text()) for n in ("correctness", "mfu")}
+    parts = {
+        "setup": {"status": "passed", "rc": 0, "seconds": 44, "limit_s": 60, "guaranteed_s": 60, "tests": None},
+        "parity": {"status": "passed", "rc": 0, "seconds": 217, "limit_s": 300, "guaranteed_s": 150,
+                   "report": reports["correctness"],
+                   "tests": [{"test": "tests/gpu/test_parity.py::test_reference_learns", "outcome": "passed",
+                              "message": ""},
+                             {"test": "tests/gpu/test_parity.py::test_Nx1_matches_single_device", "outcome": "skipped",
+                              "message": "(N, 1) is the same layout as (1, N) with one GPU"}]},
+        "mfu": {"status": "passed", "rc": 0, "seconds": 46, "limit_s": 55, "guaranteed_s": 55,
+                "report": reports["mfu"], "tests": [{"test": "tests/gpu/test_mfu.py::test_mfu_of_a_1b_llama",
+                                                     "outcome": "passed", "message": ""}]},
+    }
+    return {"format": 1, "commit": commit, "commit_source": "given", "tree_differs_from_commit": None,
+            "source_digest": "sha256:" + "0" * 64, "mode": "cuda", "started_at": "2026-12-04T10:00:00+00:00",
+            "environment": {"device_name": "NVIDIA H200", "torch": "2.11.0+cu130", "cuda": "13.0", "nccl": "2.28.9"},
+            "budget": budget.plan(["setup", "parity", "mfu"]), "parts": parts, "total_seconds": 307.0,
+            "verdict": "NOT RUN", "exit": 3, "partial": []}
+
+
+def test_the_summary_names_the_commit_the_parts_the_checks_and_what_did_not_run():
+    text = short_summary(_first_session_manifest())
+    assert text.startswith("**GPU lane** (cuda) at `c0ffeec0ff` (given; sources sha256:000000000000) on NVIDIA H200"
+                           " (torch 2.11.0+cu130, cuda 13.0, nccl 2.28.9): **NOT RUN** (exit 3), 307 s of the 470 s")
+    assert "| parity | passed | 217 | 300 (150) | 1 / 0 / 1 |" in text
+    assert "| mfu | passed | 46 | 55 (55) | 1 / 0 / 0 |" in text
+    assert "Checks: 31 within their bounds, 0 outside; closest to its bound: `flex_document_grad_k_max_abs`" in text
+    assert "MFU 43.9 % (target 45 %): 433.7 TFLOP/s, 55,476 tokens/s per device, peak 43.2 GiB" in text
+    assert "`tests/gpu/test_parity.py::test_Nx1_matches_single_device`: (N, 1) is the same layout" in text
+    assert len(text.splitlines()) < 20
+
+
+def test_the_summary_lists_a_check_outside_its_bound_and_a_part_killed_without_a_report():
+    manifest = _first_session_manifest(commit=None)
+    manifest["parts"]["parity"]["report"]["checks"]["compile_vs_eager"]["value"] = 0.5
+    manifest["parts"]["mfu"].update(status="timeout", rc=124, tests=None)
+    text = short_summary(manifest)
+    assert "at an unrecorded commit" in text
+    assert "1 outside (`compile_vs_eager` 5.00e-01 > 1e-02)" in text
+    assert "- part `mfu` (timeout): no JUnit report, its tests' outcomes are unknown" in text
+
+
+def test_saving_files_a_run_against_its_commit(tmp_path):
+    files_at, results = tmp_path / "files", tmp_path / "results"
+    files_at.mkdir()
+    manifest = _first_session_manifest(commit=None)
+    manifest["source_digest"] = record.source_digest(REPO)
+    (files_at / "lane.json").write_text(json.dumps(manifest))
+    folder = record.save(files_at, commit="1234567890abcdef", results=results)
+    assert folder == results / "2026-12-04_h200_1234567890"
+    filed = json.loads((folder / "lane.json").read_text())
+    assert filed["commit"] == "1234567890abcdef" and filed["commit_source"] == "given at filing"
+    assert filed["filed"] == {"at": filed["filed"]["at"], "same_sources_as_commit": None,  # no such commit here
+                              "same_sources_as_working_tree": True}
+    assert (folder / "summary.md").read_text().startswith("**GPU lane** (cuda) at `1234567890` (given at filing")
+    with pytest.raises(ValueError, match="ran on 1234567890abcdef, not ffff"):  # the device's commit wins
+        (files_at / "lane.json").write_text(json.dumps(filed))
+        record.save(files_at, commit="ffff", results=results)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (files_at / "lane.json").write_text(json.dumps({**manifest, "source_digest": record.commit_digest(REPO, head)}))
+    filed = json.loads((record.save(files_at, commit=head, results=results) / "lane.json").read_text())
+    assert filed["filed"]["same_sources_as_commit"] is True  # what a clean checkout of HEAD sends
+    (files_at / "lane.json").write_text(json.dumps({**manifest, "mode": "dry-run"}))
+    with pytest.raises(ValueError, match="dry run measured nothing"):
+        record.save(files_at, commit="1234567890abcdef", results=results)
+
+
+def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
+    """run.sh end to end on CPU, its environment check and two pytest steps replaced by a stub: both steps
+    pass and leave a JUnit report with a skipped test (the lane printed PASSED before)."""
+    stub = tmp_path / "python"
+    stub.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        if [ "$1" = "-" ]; then cat >/dev/null; echo "environment check skipped by the test"; exit 0; fi
+        if [ "$1 $2" = "-m pytest" ]; then
+            for arg in "$@"; do
+                case $arg in --junitxml=*) cp "{junit_reports["skipped"]}" "${{arg#--junitxml=}}";; esac
+            done
+            exit 0
+        fi
+        exec "{sys.executable}" "$@"
+        """))
+    stub.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(stub), "LIGHTNING_2D_GPU_WORK": str(tmp_path / "work"),
+           "LIGHTNING_2D_GPU_SKIP_INSTALL": "1"}
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "run.sh")], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    out = done.stdout.strip().splitlines()
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    assert out[-1].startswith("NOT RUN: 2 test(s) skipped"), out[-5:]  # one per step
+    assert sum(line.startswith("NOT RUN tests") or "test_needs_two_gpus" in line for line in out) == 2
+    assert not any("PASSED" in line for line in out), out
