@@ -264,29 +264,86 @@ def test_saving_files_a_run_against_its_commit(tmp_path):
         record.save(files_at, commit="1234567890abcdef", results=results)
 
 
-def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
-    """run.sh end to end on CPU, its environment check and two pytest steps replaced by a stub: both steps
-    pass and leave a JUnit report with a skipped test (the lane printed PASSED before)."""
+# run.sh end to end, on CPU.
+
+def _stub_python(tmp_path: Path, junit: Path, hang: str | None = None) -> Path:
+    """A ``$PYTHON`` for run.sh: the environment check and every pytest part replaced (each part copies ``junit``;
+    part ``hang`` sleeps until it is killed); the lane's own scripts run on the real interpreter."""
     stub = tmp_path / "python"
     stub.write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
         if [ "$1" = "-" ]; then cat >/dev/null; echo "environment check skipped by the test"; exit 0; fi
         if [ "$1 $2" = "-m pytest" ]; then
+            case " $* " in *"tests/gpu/test_{hang}.py "*) sleep 600;; esac
             for arg in "$@"; do
-                case $arg in --junitxml=*) cp "{junit_reports["skipped"]}" "${{arg#--junitxml=}}";; esac
+                case $arg in --junitxml=*) cp "{junit}" "${{arg#--junitxml=}}";; esac
             done
             exit 0
         fi
         exec "{sys.executable}" "$@"
         """))
     stub.chmod(0o755)
+    return stub
+
+
+def _run_lane(tmp_path: Path, stub: Path, **env_vars: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHON": str(stub), "LIGHTNING_2D_GPU_WORK": str(tmp_path / "work"),
-           "LIGHTNING_2D_GPU_SKIP_INSTALL": "1"}
-    env.pop("OUT", None)
-    done = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "run.sh")], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+           "LIGHTNING_2D_GPU_SKIP_INSTALL": "1", "OUT": str(tmp_path / "out"), **env_vars}
+    for name in (budget.PARTS_ENV, record.COMMIT_ENV, "LIGHTNING_2D_GPU_PYTEST_ARGS", "LIGHTNING_2D_GPU_DRY_RUN"):
+        if name not in env_vars:
+            env.pop(name, None)
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(["bash", str(GPU / "run.sh")], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    return done, json.loads((tmp_path / "out" / "lane.json").read_text())
+
+
+def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
+    """run.sh end to end on CPU, its environment check and the pytest parts replaced by a stub: every part passes
+    and leaves a JUnit report with a skipped test (the lane printed PASSED before). What comes back from the device
+    ($OUT) is at most 8 files; the manifest records the checkout's commit and every part."""
+    done, manifest = _run_lane(tmp_path, _stub_python(tmp_path, junit_reports["skipped"]))
     out = done.stdout.strip().splitlines()
+    parts = [p.name for p in budget.PARTS if p.tests]
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
-    assert out[-1].startswith("NOT RUN: 2 test(s) skipped"), out[-5:]  # one per step
-    assert sum(line.startswith("NOT RUN tests") or "test_needs_two_gpus" in line for line in out) == 2
+    assert out[-1].startswith(f"NOT RUN: {len(parts)} test(s) skipped"), out[-5:]  # one per part
+    assert sum(line.startswith("NOT RUN ") and "test_needs_two_gpus" in line for line in out) == len(parts)
     assert not any("PASSED" in line for line in out), out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["job_logs.tar.gz", "lane.json", "run.log",
+                                                                    "summary.md"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert manifest["commit"] == head.strip() and manifest["commit_source"] == "git"
+    assert manifest["source_digest"] == record.source_digest(REPO)
+    assert list(manifest["parts"]) == ["setup", *parts]
+    assert all(p["status"] == "passed" for p in manifest["parts"].values()), manifest["parts"]
+    assert manifest["verdict"] == "NOT RUN" and manifest["exit"] == 3
+    assert manifest["total_seconds"] <= budget.DEADLINE_S
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.startswith(f"**GPU lane** (cuda) at `{head[:10]}` (git") and "**NOT RUN** (exit 3)" in summary
+    assert f"{len(parts)} tests (`test_needs_two_gpus`" in summary
+
+
+def test_run_sh_kills_a_hanging_part_at_its_limit_and_runs_the_others(junit_reports, tmp_path):
+    """A 30-second lane (every limit scaled down) whose MoE part hangs: it is killed at its limit, the parts after
+    it still run with their own time, the lane ends within its deadline and says FAILED, and the session's commit
+    (the device's tree has no .git there) is recorded even though this checkout's git would say the same."""
+    deadline = 30
+    done, manifest = _run_lane(tmp_path, _stub_python(tmp_path, junit_reports["all_ran"], hang="moe"),
+                               **{budget.DEADLINE_ENV: str(deadline), record.COMMIT_ENV: "f" * 40})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    moe = manifest["parts"]["moe"]
+    assert moe["status"] == "timeout" and moe["rc"] in (124, 137) and moe["tests"] is None
+    assert moe["seconds"] <= moe["limit_s"] + 1
+    assert all(manifest["parts"][p]["status"] == "passed" for p in ("attention", "mfu", "resume", "parity"))
+    assert manifest["total_seconds"] <= deadline
+    assert manifest["commit"] == subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip()
+    assert manifest["given_commit"] == "f" * 40  # kept beside git's, not trusted over it
+    assert "part `moe` (timeout): no JUnit report" in (tmp_path / "out" / "summary.md").read_text()
+    assert done.stdout.strip().splitlines()[-1] == "FAILED"
+
+
+def test_run_sh_and_setup_sh_parse():
+    for script in ("run.sh", "setup.sh"):
+        done = subprocess.run(["bash", "-n", str(GPU / script)], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
