@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.gpu.lane import PARENT_PID_ENV, REPORT_ENV, SKIP_REASON, Lane, current_lane
+from tests.gpu.record import COMMIT_ENV
 
 GPU_TESTS = Path(__file__).resolve().parent
 REPO = GPU_TESTS.parents[1]
@@ -60,7 +61,8 @@ class Report:
     def __init__(self, lane: Lane, path: Path) -> None:
         self.path = path
         self.data: dict[str, Any] = {
-            "lane": {"mode": lane.mode, "nprocs": lane.nprocs},
+            # The commit run.sh ran on (git's, or the one the session passed), so a report read alone says it too.
+            "lane": {"mode": lane.mode, "nprocs": lane.nprocs, "commit": os.environ.get(COMMIT_ENV)},
             "jobs": {},
             "checks": {},
         }

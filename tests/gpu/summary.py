@@ -3,15 +3,21 @@
 Each judged check is shown against its bound; the MFU measurement against the issue's target.
 The verdicts are pytest's; this only lays the numbers out (it exits 0 unless no report exists).
 
-``python tests/gpu/summary.py --verdict RC JUNIT.xml ...`` is the lane's last word (``run.sh``): the
-tests pytest skipped, listed as NOT RUN from its JUnit reports, then one line — ``PASSED`` only when
-``RC`` (the steps' status) is 0 and every test ran (exit 0); ``NOT RUN`` when everything that ran
-passed but some tests were skipped (exit 3: a skip proves nothing); ``FAILED`` otherwise (exit 1).
+``python tests/gpu/summary.py --verdict RC [--partial REASON]... JUNIT.xml ...`` is the lane's last word
+(``run.sh``): the tests pytest skipped, listed as NOT RUN from its JUnit reports, then one line — ``PASSED`` only
+when ``RC`` (the steps' status) is 0, every test ran and the run was not partial (exit 0); ``NOT RUN`` when
+everything that ran passed but some tests were skipped or left out (``--partial``: parts not selected, tests
+filtered; exit 3: a skip proves nothing); ``FAILED`` otherwise (exit 1).
+
+``python tests/gpu/summary.py --short LANE.json`` prints the run in a few lines of Markdown (``summary.md``: what a
+session pastes into its closing note): the commit, the device, the verdict, each part's time against its limit,
+the checks against their bounds, MFU, and every test that failed or did not run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -75,12 +81,13 @@ def skipped_tests(junit: Path) -> list[str]:
     return entries
 
 
-def verdict(status: int, junit_paths: list[Path]) -> tuple[list[str], int]:
+def verdict(status: int, junit_paths: list[Path], partial: list[str] = ()) -> tuple[list[str], int]:
     """The lines to print and the lane's exit status (see the module docstring).
 
     Args:
         status: The steps' own status (``run.sh``'s ``rc``: 0 when every step passed in time).
         junit_paths: The JUnit XML reports of the pytest steps; a missing one means outcomes unknown.
+        partial: What the run left out on purpose (parts not selected, a ``-k`` filter): NOT RUN at best.
     """
     lines, skipped, missing = [], [], []
     for path in junit_paths:
@@ -89,24 +96,140 @@ def verdict(status: int, junit_paths: list[Path]) -> tuple[list[str], int]:
         else:
             missing.append(str(path))
     lines += [f"NOT RUN {entry}" for entry in skipped]
+    lines += [f"NOT RUN {reason}" for reason in partial]
     if status != 0:
         lines.append("FAILED")
         return lines, 1
     if missing:
         lines.append(f"FAILED: no JUnit report at {', '.join(missing)} (which tests ran is unknown)")
         return lines, 1
-    if skipped:
-        lines.append(f"NOT RUN: {len(skipped)} test(s) skipped (listed above); what ran passed, the lane did not")
+    if skipped or partial:
+        left_out = f"{len(skipped)} test(s) skipped"
+        if partial:
+            left_out += f", the run partial ({len(partial)} reason(s))"
+        lines.append(f"NOT RUN: {left_out} (listed above); what ran passed, the lane did not")
         return lines, NOT_RUN_EXIT
     lines.append("PASSED")
     return lines, 0
 
 
+def _ratio(check: dict[str, Any]) -> float | None:
+    value, bound = check.get("value"), check.get("bound")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (value, bound))
+    if not numbers:
+        return None
+    if bound == 0:  # held to exact equality
+        return 0.0 if value == 0 else math.inf
+    return value / bound
+
+
+def _short_message(text: str, limit: int = 160) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _grouped_by_reason(skipped: list[dict[str, str]]) -> list[str]:
+    """One line per skip reason: the test, or how many tests (their names without the file) when several share it."""
+    by_reason: dict[str, list[str]] = {}
+    for test in skipped:
+        by_reason.setdefault(test["message"], []).append(test["test"])
+    lines = []
+    for reason, names in by_reason.items():
+        if len(names) == 1:
+            lines.append(f"`{names[0]}`: {_short_message(reason)}")
+        else:
+            shown = ", ".join(f"`{n.rpartition('::')[2]}`" for n in names)
+            lines.append(f"{len(names)} tests ({shown}): {_short_message(reason)}")
+    return lines
+
+
+def short_summary(manifest: dict[str, Any]) -> str:
+    """A run's manifest (``lane.json``, ``tests/gpu/record.py``) in a few lines of Markdown."""
+    env = manifest.get("environment") or {}
+    commit = manifest.get("commit")
+    where = (f"`{commit[:10]}` ({manifest.get('commit_source')}"
+             + (", tree differed from it" if manifest.get("tree_differs_from_commit") else "")
+             + f"; sources {(manifest.get('source_digest') or '?')[:19]})") if commit else (
+        f"an unrecorded commit (sources {(manifest.get('source_digest') or '?')[:19]})")
+    device = env.get("device_name") or "no GPU"
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda", "nccl", "torchao") if env.get(k))
+    budget = manifest.get("budget") or {}
+    seconds = manifest.get("total_seconds")
+    took = f"{seconds:.0f} s" if seconds is not None else "unfinished"
+    head = (f"**GPU lane** ({manifest.get('mode')}) at {where} on {device}" + (f" ({versions})" if versions else "")
+            + f": **{manifest.get('verdict') or 'NO VERDICT'}** (exit {manifest.get('exit')}), {took} of the"
+            f" {budget.get('deadline_s', 0):.0f} s budget.")
+    lines = [head, "", "| part | status | seconds | limit (guaranteed) | passed / failed / skipped |",
+             "| --- | --- | ---: | ---: | --- |"]
+    checks: dict[str, dict[str, Any]] = {}
+    failed, not_run, skipped = [], [], []
+    parts = manifest.get("parts") or {}
+    for planned in budget.get("parts", []):
+        name = planned["name"]
+        part = parts.get(name)
+        if part is None:
+            lines.append(f"| {name} | not reached | | ({planned['guaranteed_s']:.0f}) | |")
+            not_run.append(f"part `{name}`: not reached (the run stopped before it)")
+            continue
+        tests = part.get("tests")
+        if tests is None:
+            counts = "no JUnit report" if planned.get("tests") else "—"
+            if planned.get("tests") and part["status"] != "not run":
+                failed.append(f"part `{name}` ({part['status']}): no JUnit report, its tests' outcomes are unknown")
+        else:
+            count = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}
+            counts = f"{count['passed']} / {count['failed'] + count['error']} / {count['skipped']}"
+            failed += [f"`{t['test']}`: {_short_message(t['message'])}" for t in tests
+                       if t["outcome"] in ("failed", "error")]
+            skipped += [t for t in tests if t["outcome"] == "skipped"]
+        if part["status"] == "not run":
+            not_run.append(f"part `{name}`: no time left in the budget")
+        elif part["status"] != "passed" and name == "setup":
+            failed.append(f"part `setup` {part['status']} (rc {part['rc']}): see run.log")
+        lines.append(f"| {name} | {part['status']} | {part['seconds']:.0f} | {part['limit_s']}"
+                     f" ({part.get('guaranteed_s') or 0:.0f}) | {counts} |")
+        checks.update((part.get("report") or {}).get("checks", {}))
+    not_run += _grouped_by_reason(skipped) + list(manifest.get("partial") or [])
+    judged = {name: r for name, c in checks.items() if (r := _ratio(c)) is not None}
+    if checks:
+        outside = sorted(name for name, r in judged.items() if r > 1)
+        line = f"Checks: {len(judged) - len(outside)} within their bounds, {len(outside)} outside"
+        if outside:
+            line += " (" + ", ".join(f"`{n}` {checks[n]['value']:.2e} > {checks[n]['bound']:.0e}"
+                                     for n in outside) + ")"
+        inside = [n for n in judged if judged[n] <= 1]
+        if inside:
+            worst = max(inside, key=judged.get)
+            line += (f"; closest to its bound: `{worst}` {checks[worst]['value']:.2e} of {checks[worst]['bound']:.0e}"
+                     f" ({1 / judged[worst]:.1f}x headroom)" if judged[worst] > 0 else "; every judged error is 0")
+        lines += ["", line + "."]
+    mfu = checks.get("mfu_percent")
+    if mfu is not None:
+        shown = "n/a" if mfu["value"] is None else f"{mfu['value']:.1f} %"
+        peak = mfu.get("peak_memory_gib")
+        peak = f"{peak:.1f}" if isinstance(peak, (int, float)) else "n/a"
+        lines.append(f"MFU {shown} (target {mfu.get('target_percent', 0):.0f} %): {mfu.get('tflops_per_device', 0):.1f}"
+                     f" TFLOP/s, {mfu.get('tokens_per_sec_per_device', 0):,.0f} tokens/s per device, peak"
+                     f" {peak} GiB, micro batch {mfu.get('micro_batch')} x {mfu.get('seq_len')}.")
+    if failed:
+        lines += ["", "Failed:"] + [f"- {f}" for f in failed]
+    if not_run:
+        lines += ["", "Not run:"] + [f"- {n}" for n in not_run]
+    return "\n".join(lines)
+
+
 def main(paths: list[str]) -> int:
     if paths[:1] == ["--verdict"]:
-        lines, code = verdict(int(paths[1]), [Path(p) for p in paths[2:]])
+        rest, partial = paths[2:], []
+        while rest[:1] == ["--partial"]:
+            partial.append(rest[1])
+            rest = rest[2:]
+        lines, code = verdict(int(paths[1]), [Path(p) for p in rest], partial)
         print("\n".join(lines))
         return code
+    if paths[:1] == ["--short"]:
+        print(short_summary(json.loads(Path(paths[1]).read_text())))
+        return 0
     reports = []
     for path in map(Path, paths):
         if path.is_file():
