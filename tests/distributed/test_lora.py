@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import is_adapter_parameter
 from tests.distributed.conftest import load_weights
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
@@ -113,24 +114,30 @@ def test_lora_training_equals_one_device_and_leaves_the_base_bit_for_bit(runs, l
 
 def test_adapters_take_their_base_layers_tensor_parallel_placements(runs):
     """Column-wise base (output features split): A replicated, B split like the base. Row-wise base (input
-    features split): A split like the base's input, B replicated. FSDP shards both over the data-parallel ranks."""
+    features split): A split like the base's input, B replicated. FSDP shards both over the data-parallel ranks.
+    Every adapter the job placed is checked, and they must be all of them: each block's seven projections."""
     placed = runs["2x2_sp"].rank_output(0)["placements"]
-    for layer in ("layers.0.attention.", "layers.3.feed_forward."):
-        for projection in (*COLUMN_WISE, *ROW_WISE):
-            base = layer + projection
-            if base + ".weight" not in placed:
-                continue
-            weight, a, b = (placed[f"{base}{suffix}.weight"] for suffix in ("", ".lora_a", ".lora_b"))
-            tp = weight["mesh_dims"].index("tensor_parallel")
-            assert a["mesh_dims"] == b["mesh_dims"] == weight["mesh_dims"]
-            if projection in COLUMN_WISE:
-                assert weight["placements"][tp] == "Shard(dim=0)"
-                assert a["placements"][tp] == "Replicate()" and b["placements"][tp] == "Shard(dim=0)", (base, a, b)
-            else:
-                assert weight["placements"][tp] == "Shard(dim=1)"
-                assert a["placements"][tp] == "Shard(dim=1)" and b["placements"][tp] == "Replicate()", (base, a, b)
-            dp = weight["mesh_dims"].index("data_parallel_shard") if "data_parallel_shard" in weight["mesh_dims"] else 0
-            assert "Shard" in a["placements"][dp] and "Shard" in b["placements"][dp], (base, a, b)
+    checked = []
+    for name in placed:
+        if not name.endswith(".lora_a.weight"):
+            continue
+        base = name.removesuffix(".lora_a.weight")
+        projection = base.rpartition(".")[2]
+        weight, a, b = (placed[f"{base}{suffix}.weight"] for suffix in ("", ".lora_a", ".lora_b"))
+        tp = weight["mesh_dims"].index("tensor_parallel")
+        assert a["mesh_dims"] == b["mesh_dims"] == weight["mesh_dims"]
+        if projection in COLUMN_WISE:
+            assert weight["placements"][tp] == "Shard(dim=0)"
+            assert a["placements"][tp] == "Replicate()" and b["placements"][tp] == "Shard(dim=0)", (base, a, b)
+        else:
+            assert weight["placements"][tp] == "Shard(dim=1)"
+            assert a["placements"][tp] == "Shard(dim=1)" and b["placements"][tp] == "Replicate()", (base, a, b)
+        dp = weight["mesh_dims"].index("data_parallel_shard") if "data_parallel_shard" in weight["mesh_dims"] else 0
+        assert "Shard" in a["placements"][dp] and "Shard" in b["placements"][dp], (base, a, b)
+        checked.append(base)
+    # LORA names no targets: the seven projections of every block (the debug model's 4), 28 adapted layers.
+    expected = ModelArgs.from_name("debug").n_layers * len(COLUMN_WISE + ROW_WISE)
+    assert len(checked) == expected, f"{len(checked)} adapted layers checked, {expected} expected: {sorted(checked)}"
 
 
 def _nf4_codes_per_block(weight: torch.Tensor) -> int:

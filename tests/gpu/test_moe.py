@@ -1,7 +1,8 @@
 """The mixture-of-experts CUDA path the CPU suite cannot run, in one process: ``torch.nn.functional.grouped_mm`` on
 CUDA (bfloat16 only, compute capability 8.0+, by its docstring), forward and backward.
 
-On CPU the grouped product is bit-exact to the per-expert loop in float32 and bfloat16 (tests/unit/test_moe_ops.py).
+On CPU the grouped product equals the per-expert loop in float32 and bfloat16 up to accumulation order
+(tests/unit/test_moe_ops.py; bit-exact on some CPUs, not on others).
 On CUDA the kernels differ, so both are held against a float64 loop on the same bf16-rounded weights and tokens:
 the grouped product must be no further from it than the bf16 loop is (within 2x, plus a floor), empty experts
 included. Then a ``debug-moe`` model trains a few bf16 steps on CUDA through the grouped path and stays within bf16

@@ -25,7 +25,7 @@ from lightning_2d.data.chat import (
 from lightning_2d.data.tokenizers import load_tokenizer
 from lightning_2d.models.llama.model import PRESETS, Transformer
 from lightning_2d.parallel.loss import normalize_by_global_tokens
-from tests.chat_tokenizers import CHATML, CHATML_GENERATION, make_tokenizer_folder
+from tests.chat_tokenizers import CHATML, CHATML_GENERATION, UINT16_IDS, make_tokenizer_folder, wide_vocabulary_folder
 
 CONVERSATION = [
     {"role": "system", "content": "Answer in one sentence."},
@@ -506,6 +506,32 @@ def test_the_cache_is_keyed_by_the_template_and_rows_without_targets_are_counted
                     ChatDataModule(path, "byte", cache_dir=str(tmp_path / "c"))):
         assert changed.cache_folder != plain.cache_folder
     assert ChatDataModule(path, str(chatml), seq_len=64, cache_dir=str(tmp_path / "c")).cache_folder == plain.cache_folder
+
+
+def test_a_vocabulary_over_65536_ids_is_cached_as_uint32_and_its_high_ids_come_back_exactly(tmp_path):
+    """Every Llama 3 and Qwen tokenizer has more than 65,536 ids: its cache is uint32, and an id above 65,535 must
+    come back as itself (stored as uint16 it would wrap to another token), in the cache and in the batches."""
+    rows = qa_rows(12)
+    folder = wide_vocabulary_folder(tmp_path / "wide", [m["content"] for r in rows for m in r["messages"]])
+    data = ChatDataModule(write_rows(tmp_path / "d.jsonl", rows), str(folder), seq_len=64, batch_size=1,
+                          val_fraction=0, pack=False, shuffle=False, cache_dir=str(tmp_path / "cache"))
+    assert data.tokenizer.vocab_size > UINT16_IDS
+    assert data.check_prepared()
+    assert json.loads((data.cache_folder / "meta.json").read_text())["dtype"] == "uint32"
+    encoded = [data.encoder.encode(to_conversation(row)) for row in rows]
+    stored = np.fromfile(data.cache_folder / "tokens.bin", dtype=np.uint32)
+    assert np.array_equal(stored, np.concatenate([e.ids for e in encoded]))
+    assert stored.max() >= UINT16_IDS and stored.min() < UINT16_IDS  # both sides of the uint16 range
+    data.setup("fit")
+    high = 0
+    for index in range(len(data.train_dataset)):
+        (conversation,) = data.train_dataset.conversations[data.train_dataset.windows.window(index)].tolist()
+        ids, trained = torch.from_numpy(encoded[conversation].ids), torch.from_numpy(encoded[conversation].trained)
+        sample, n = data.train_dataset[index], len(ids) - 1
+        assert torch.equal(sample["input_ids"][:n], ids[:-1])
+        assert torch.equal(sample["labels"][:n], torch.where(trained[1:], ids[1:], -100))
+        high += int((sample["labels"] >= UINT16_IDS).sum())
+    assert high > 0  # trained targets above 65,535 reached the loss's labels
 
 
 def test_the_training_loader_resumes_at_the_next_unseen_batch(chatml, tmp_path):

@@ -76,16 +76,27 @@ def test_our_ids_are_transformers_apply_chat_template(folders, family, variant):
     assert len(ours) > 20 and any(i in load_tokenizer(str(folder)).special_ids for i in ours)
 
 
-def trained_runs(folder, encoded) -> list[str]:
-    tok = load_tokenizer(str(folder))
+def trained_runs(folder, encoded) -> list[tuple[str, list[int]]]:
+    """Each run of consecutive trained tokens: the characters of the rendering its tokens cover, exactly (no decoding,
+    which drops a SentencePiece token's leading space, and no strip), and its ids."""
+    _, offsets = load_tokenizer(str(folder)).encode_with_offsets(encoded.text)
     runs, run = [], []
-    for token, trained in zip(encoded.ids.tolist() + [None], encoded.trained.tolist() + [False]):
+    for j, trained in enumerate(encoded.trained.tolist() + [False]):
         if trained:
-            run.append(token)
+            run.append(j)
         elif run:
-            runs.append(tok.decode_keep_special(run))
+            runs.append((encoded.text[offsets[run[0]][0]:offsets[run[-1]][1]], [encoded.ids[i].item() for i in run]))
             run = []
     return runs
+
+
+def answers(folder, family: str, *contents: str) -> list[tuple[str, list[int]]]:
+    """What each assistant turn should train: its text as the family's template writes it after the turn's header,
+    through the end-of-turn token (Mistral v3 writes ``" " + content|trim + eos_token`` after ``[/INST]``; the others
+    the content right after the header), nothing before or after it, and that text's tokens."""
+    tokenizer = load_tokenizer(str(folder))
+    texts = [(" " if family == "mistral" else "") + content + FAMILIES[family].end_of_turn for content in contents]
+    return [(text, tokenizer.encode_with_offsets(text)[0]) for text in texts]
 
 
 #: Families whose template renders a conversation's start the same whatever follows (without a system message for
@@ -99,8 +110,7 @@ def test_each_assistant_turn_and_its_end_of_turn_token_are_trained(folders, fami
     encoder = ChatEncoder(load_tokenizer(str(folder)), ChatTemplate.from_folder(folder), template_kwargs=FIXED)
     encoded = encoder.encode(to_conversation({"messages": TURNS}))
     end = FAMILIES[family].end_of_turn
-    assert [run.strip() for run in trained_runs(folder, encoded)] == [
-        TURNS[1]["content"] + end, TURNS[3]["content"] + end]
+    assert trained_runs(folder, encoded) == answers(folder, family, TURNS[1]["content"], TURNS[3]["content"])
     assert encoded.end_of_turn == {load_tokenizer(str(folder)).token_to_id(end)}
 
 
@@ -115,11 +125,10 @@ def test_qwen3s_template_rewrites_earlier_turns_so_prefix_masks_are_refused(fold
         ChatEncoder(tokenizer, template).encode(conversation, where="chats.jsonl:4")
     last = ChatEncoder(tokenizer, template, train_on="last_assistant").encode(conversation)
     assert "<think>\n\n</think>\n\n" + TURNS[3]["content"] in last.text
-    assert [run.strip() for run in trained_runs(folder, last)] == [TURNS[3]["content"] + "<|im_end|>"]
+    assert trained_runs(folder, last) == answers(folder, "qwen3", TURNS[3]["content"])
     # With enable_thinking=False the empty think block is the generation prompt's: in the prompt, not trained.
     quiet = ChatEncoder(tokenizer, template, train_on="last_assistant", template_kwargs={"enable_thinking": False})
-    assert [run.strip() for run in trained_runs(folder, quiet.encode(conversation))] == [
-        TURNS[3]["content"] + "<|im_end|>"]
+    assert trained_runs(folder, quiet.encode(conversation)) == answers(folder, "qwen3", TURNS[3]["content"])
 
 
 def test_mistral_writes_the_system_message_only_into_a_last_user_turn_so_prefix_masks_are_refused(folders):
