@@ -30,6 +30,30 @@ RESHARDS = [(4, 1, 1), (1, 4, 1), (4, 1, 2)]
 #: The adapters of the LoRA runs.
 LORA = {"rank": 4, "alpha": 8.0}
 LLAMA_TO_HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: QLoRA: the same adapters over NF4 bases, on an init_from folder (``saved_qlora_base``) whose every projection
+#: splits into 4 row shards of whole NF4 scaler groups (16,384 elements): 256 × 256 attention, 768 × 256 MLP weights.
+QLORA = {**LORA, "quantize_base": "nf4"}
+QLORA_BASE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}
+#: Our names of the adapted projections → transformers' (the seven of every block).
+QLORA_PROJECTIONS = {
+    f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
+    for i in range(QLORA_BASE["num_hidden_layers"])
+    for ours, theirs in (("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
+                         ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.o_proj"),
+                         ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w2", "mlp.down_proj"),
+                         ("feed_forward.w3", "mlp.up_proj"))
+}
+
+
+def saved_qlora_base(folder):
+    """A seeded random transformers Llama (``QLORA_BASE``, float32) saved to ``folder``: a QLoRA run's init_from."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", tie_word_embeddings=False, **QLORA_BASE)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +92,7 @@ def setup(jobs, tmp_path_factory):
     # folder; arguments other than these here are an error naming both (Jobs.run).
     step4 = str(ckpt_dir / "epoch=1-step=4.ckpt")
     context, pipeline, simple, untrusted = root / "context", root / "pipeline", root / "simple_fsdp", root / "untrusted"
+    qlora = qlora_jobs(job, root)
     jobs.share("ckpt_resumes", [
         job("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4]),
         *(job(f"resume_{done}", 2, 2, resume=str(ckpt_dir / name)) for name, done in SAME_LAYOUT_RESUMES),
@@ -103,12 +128,29 @@ def setup(jobs, tmp_path_factory):
         # intact step 2; then checkpoints carrying a payload, loaded as fit/validate/test/predict would: refused.
         job("untrusted", 2, 2, resume=str(untrusted / "last" / "last.ckpt"), prepare=untrusted_files(root, step4),
             refusals=untrusted_loads(root)),
+        # QLoRA: 4 steps at FSDP 4 saving at step 2, resumed from it at FSDP 4 (and on one process, below).
+        qlora["qlora_reference"], qlora["qlora_resume_dp4"],
         # One process: a pipelined and an HSDP checkpoint resumed without either.
         job("single_from_pp2_dp2", 1, 1, resume=str(pipeline / "epoch=1-step=5.ckpt")),
         job("hsdp_resume_single", 1, 1, resume=str(root / "hsdp" / "epoch=1-step=4.ckpt")),
+        qlora["qlora_resume_single"],
     ], scenario="train")
     reference = run("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4])
-    return {"root": root, "run": run, "reference": reference, "dir": ckpt_dir, "checkpoints": checkpoints}
+    return {"root": root, "run": run, "reference": reference, "dir": ckpt_dir, "checkpoints": checkpoints,
+            "qlora": lambda name: jobs.run(name, "train", qlora[name][1], nprocs=qlora[name][2])}
+
+
+def qlora_jobs(job, root):
+    """The QLoRA runs (``job`` tuples by name), on a base folder written now: 4 steps at FSDP 4 saving every 2 steps
+    (its adapters, their optimizer state and its NF4 bits recorded at the end), and its step-2 checkpoint resumed at
+    FSDP 4 and on one process (where FSDP leaves the NF4 weights alone)."""
+    base, saved = saved_qlora_base(root / "qlora_base"), root / "qlora"
+    common = {"lora": QLORA, "init_from": str(base), "max_steps": 4, "save_trained_state": True}
+    step2 = str(saved / "epoch=0-step=2.ckpt")
+    return {"qlora_reference": job("qlora_reference", 4, 1, **common, checkpoints=[
+                {"dirpath": str(saved), "every_n_train_steps": 2, "save_top_k": -1}]),
+            "qlora_resume_dp4": job("qlora_resume_dp4", 4, 1, **common, resume=step2),
+            "qlora_resume_single": job("qlora_resume_single", 1, 1, **common, resume=step2)}
 
 
 #: Where the payload planted in the untrusted run's checkpoints would create its file.
@@ -522,3 +564,122 @@ def test_a_sharded_lora_checkpoint_exports_merged_on_its_seeded_base_and_for_pef
     assert len(tensors) == 56 and "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight" in tensors
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["target_modules"] == sorted(LLAMA_TO_HF_NAMES) and config["base_model_name_or_path"] is None
+
+
+def _rotary_heads(module: str):
+    """The heads whose rows our layout orders otherwise than transformers' (``wq``, ``wk``), else ``None``."""
+    heads = {"wq": QLORA_BASE["num_attention_heads"], "wk": QLORA_BASE["num_key_value_heads"]}
+    return heads.get(module.rsplit(".")[-1])
+
+
+def _original_in_our_layout(original: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """The init_from file's weight of an adapted projection in our layout (``wq``/``wk``: Meta's rotary row order)."""
+    from lightning_2d.hf import hf_to_meta
+
+    weight, heads = original[QLORA_PROJECTIONS[module] + ".weight"], _rotary_heads(module)
+    return hf_to_meta(weight, heads) if heads else weight
+
+
+def test_qlora_saves_its_adapters_and_resumes_them_at_any_layout_over_the_same_nf4_bits(setup):
+    """A QLoRA run at FSDP 4 (init_from a Hugging Face folder, NF4 bases) checkpoints its adapters only, with a record
+    of its settings and base; its step-2 checkpoint resumed at FSDP 4 continues it exactly (losses, adapters, their
+    AdamW state), on one process within 1e-5. Every run's NF4 bits are one device's quantization of the original
+    weights, after training as before it."""
+    from safetensors.torch import load_file
+
+    from lightning_2d.checkpoint.files import adapter_record, read_dcp_metadata, stored_shapes
+    from lightning_2d.ops.lora import is_adapter_parameter
+    from lightning_2d.ops.nf4 import nf4_state, to_nf4_weight
+
+    root = setup["root"]
+    reference = setup["qlora"]("qlora_reference")
+    step2 = root / "qlora" / "epoch=0-step=2.ckpt"
+    adapters = sorted(f"{m}.{ab}.weight" for m in QLORA_PROJECTIONS for ab in ("lora_a", "lora_b"))
+    assert sorted(stored_shapes(step2, "state_dict")) == [f"model.{name}" for name in adapters]  # no NF4 base
+    optimizer_items = [n for n in read_dcp_metadata(step2).state_dict_metadata if n.startswith("optimizer_0.state.")]
+    assert optimizer_items and all(is_adapter_parameter(n.split(".", 2)[2].rpartition(".")[0]) for n in optimizer_items)
+    assert adapter_record(step2) == {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None, "rslora": False,
+                                              "quantize_base": "nf4"},
+                                     "base": {"init_from": str((root / "qlora_base").resolve()), "init_seed": None}}
+
+    original = load_file(root / "qlora_base" / "model.safetensors")
+    one_device = {f"{module}.weight": nf4_state(to_nf4_weight(_original_in_our_layout(original, module)))
+                  for module in QLORA_PROJECTIONS}  # each original weight quantized whole, on one device
+    ref_losses, ref_final = reference.rank_output(0)["losses"], load_weights(reference, "final")
+    ref_optimizer = torch.load(reference.out_dir / "final_optimizer.pt")
+    assert sorted(ref_optimizer) == adapters  # the adapters, and only they, hold AdamW state
+    same, single = setup["qlora"]("qlora_resume_dp4"), setup["qlora"]("qlora_resume_single")
+    for run in (reference, same, single):
+        nf4 = torch.load(run.out_dir / "final_nf4.pt")
+        assert nf4.keys() == one_device.keys()
+        for name, bits in one_device.items():
+            for part, value in bits.items():
+                assert torch.equal(nf4[name][part], value), (run.out_dir.name, name, part)
+    for out in outputs(same, 4):
+        assert out["global_step"] == 4 and out["losses"] == ref_losses[2:]  # exact: no tolerance
+    for name, weight in load_weights(same, "final").items():
+        assert torch.equal(weight, ref_final[name]), name
+    for name, state in torch.load(same.out_dir / "final_optimizer.pt").items():
+        assert state.keys() == ref_optimizer[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in state.items():
+            assert torch.equal(value, ref_optimizer[name][key]), (name, key)
+    out = single.rank_output(0)
+    assert out["global_step"] == 4 and out["losses"] == pytest.approx(ref_losses[2:], rel=1e-5, abs=0)
+    for name, weight in load_weights(single, "final").items():
+        if is_adapter_parameter(name):
+            torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-6, msg=name)
+        else:  # the NF4 bases (dequantized), the norms, the embedding and the head: the same base
+            assert torch.equal(weight, ref_final[name]), name
+    for name, state in torch.load(single.out_dir / "final_optimizer.pt").items():
+        assert torch.equal(state["step"], ref_optimizer[name]["step"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = float(ref_optimizer[name][key].abs().max())
+            torch.testing.assert_close(state[key], ref_optimizer[name][key], rtol=1e-5, atol=1e-5 * scale,
+                                       msg=f"{name} {key}")
+
+
+def test_a_qlora_checkpoint_merges_into_its_original_init_from_weights_and_exports_for_peft(setup, tmp_path):
+    """``lightning-2d export --merge-lora`` of the QLoRA run's last checkpoint writes, for each adapted projection, the
+    init_from file's own weight plus ``(alpha/r) · B A`` (not the dequantized NF4 weight the run trained over), every
+    other weight that file's bit for bit; the peft folder on the original base computes what the merged model does."""
+    import json
+
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    from lightning_2d.hf import export_hf, meta_to_hf
+    from lightning_2d.tools.export import main as export_main
+
+    reference = setup["qlora"]("qlora_reference")
+    step4, base = setup["root"] / "qlora" / "epoch=1-step=4.ckpt", setup["root"] / "qlora_base"
+    adapters = load_weights(reference, "final")  # the run's adapters at step 4, gathered from the live model
+    original = load_file(base / "model.safetensors")
+    scale = QLORA["alpha"] / QLORA["rank"]
+    export_main([str(step4), str(tmp_path / "merged"), "--merge-lora"])
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert merged.keys() == original.keys()
+    for module, hf in QLORA_PROJECTIONS.items():
+        delta = scale * (adapters[f"{module}.lora_b.weight"] @ adapters[f"{module}.lora_a.weight"])
+        heads = _rotary_heads(module)
+        expected = original[hf + ".weight"] + (meta_to_hf(delta, heads) if heads else delta)
+        assert delta.abs().max() > 1e-4, module  # the adapters moved: the merge has something to show
+        off = float((merged[hf + ".weight"] - expected).abs().max())
+        assert torch.equal(merged[hf + ".weight"], expected), f"{hf}: off by up to {off:.3g}"
+    adapted = {hf + ".weight" for hf in QLORA_PROJECTIONS.values()}
+    for name, weight in original.items():
+        if name not in adapted:
+            off = float((merged[name] - weight).abs().max())
+            assert torch.equal(merged[name], weight), f"{name}: off by up to {off:.3g}"  # the file's bits
+
+    folder = export_hf(step4, tmp_path / "peft", log=lambda line: None)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    assert len(tensors) == len(QLORA_PROJECTIONS) * 2
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(LLAMA_TO_HF_NAMES) and config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    on_base = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), folder).eval()
+    alone = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(on_base(tokens).logits, alone(tokens).logits, rtol=1e-5, atol=1e-5)

@@ -101,6 +101,43 @@ def save_state(model: torch.nn.Module, mesh, global_rank: int, out_dir: Path, wh
         torch.save(state, out_dir / f"{which}.pt")
 
 
+def save_trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_rank: int,
+                       out_dir: Path) -> None:
+    """``final_optimizer.pt`` (each optimized parameter's full optimizer state, by canonical name) and, for QLoRA,
+    ``final_nf4.pt`` (each NF4 weight's inner tensors, the row shards' pieces joined in rank order: the bits one device
+    would hold) from rank 0; a collective on every rank. Not under pipeline parallelism (a rank holds its stages)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from lightning_2d.ops.nf4 import nf4_state
+
+    def full(value):
+        return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu().clone()
+
+    optimizer_state, nf4 = {}, {}
+    for name, p in model.named_parameters():
+        if p in optimizer.state:
+            optimizer_state[canonical_name(name)] = {k: full(v) if isinstance(v, torch.Tensor) else v
+                                                     for k, v in sorted(optimizer.state[p].items())}
+        if not is_nf4(p):
+            continue
+        with torch.no_grad():
+            state = nf4_state(p.to_local() if hasattr(p, "to_local") else p)
+        rows = [d for d, pl in enumerate(getattr(p, "placements", ())) if isinstance(pl, Shard) and pl.dim == 0]
+        if rows:  # torchao cuts the codes, scalers and factors of row shards contiguously (nf4_split)
+            group = p.device_mesh.get_group(rows[0])
+            pieces: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(pieces, state, group=group)
+            state = {k: torch.cat([piece[k] for piece in pieces]) if k in ("quantized_data", "quantized_scalers",
+                                                                            "quantization_factor") else v
+                     for k, v in state.items()}
+        nf4[canonical_name(name)] = {k: v.cpu() for k, v in state.items()}
+    if global_rank == 0:
+        torch.save(optimizer_state, out_dir / "final_optimizer.pt")
+        if nf4:
+            torch.save(nf4, out_dir / "final_nf4.pt")
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's own shards of every parameter, by canonical name (no collective)."""
     return {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
@@ -940,6 +977,8 @@ def train(cfg: dict) -> None:
     )
     reduce_scatters = count_reduce_scatters()
     trainer.fit(module, datamodule=data, ckpt_path=cfg.get("resume"))
+    if cfg.get("save_trained_state"):
+        save_trained_state(module.model, trainer.optimizers[0], trainer.global_rank, out_dir)
     mesh = module.device_mesh
     result = {
         "reduce_scatters": reduce_scatters["n"],
