@@ -7,9 +7,12 @@ parallel 2 × tensor parallel 2 (sequence parallel; whole experts on each tensor
 data parallel 2 without expert parallelism (the experts split by their hidden features), context parallel 2 × expert
 parallel 2, pipeline 2 × expert parallel 2 (aux-loss-free balancing: the bias moves
 every step), and expert parallel 4 with routing forced off 5 of the 8 experts (an idle expert on a busy rank, two
-idle ranks). Besides the losses: every routed count of every layer and step (summed over the ranks holding different
-tokens) is the reference's (the same routing, no token dropped: counts sum to tokens × top_k), the final weights
-(router, experts, shared experts) are the reference's, and the experts' placements are asserted.
+idle ranks). Every job clips its gradients, and each step's gradient norm (the total and the routed experts' own) is
+the reference's: AdamW's update barely changes when a tensor's gradient is off by a constant factor (the experts'
+``1 / EP`` scale, say; only its epsilon tells, on near-zero gradients), the norms show the factor itself. Besides the
+losses and norms: every routed count of every layer and step (summed over the ranks holding different tokens) is the
+reference's (the same routing, no token dropped: counts sum to tokens × top_k), the final weights (router, experts,
+shared experts) are the reference's, and the experts' placements are asserted.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
 
-COMMON = {"model": "debug-moe", "documents": True, "even_labels": True}
+#: Clipped every step (the reference's norms are 2.1-2.5 × this): the norm decides each update's size.
+CLIP = 0.5
+COMMON = {"model": "debug-moe", "documents": True, "even_labels": True, "gradient_clip_val": CLIP}
+#: What every layout records beyond a multi-rank job's default (worker.fit); the references record it anyway.
+RECORD = {"grad_norms": True}
 #: Aux-loss-free balancing whose bias moves fast enough to change the routing within 6 steps.
 BIAS = {**COMMON, "moe_bias_rate": 0.01}
 #: Experts 3-7 pushed out of every token's top 2 (a fixed bias): at EP 4, rank 1 holds a busy and an idle expert,
@@ -48,7 +55,7 @@ def runs(jobs) -> dict:
     specs = {f"reference_{key}": jobs.reference_job(**extra) for key, extra in REFERENCES.items()}
     for name, (layout, extra) in LAYOUTS.items():
         options = dict(layout)
-        specs[name] = jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **extra)
+        specs[name] = jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **extra, **RECORD)
     jobs.share("moe", list(specs.values()))
     return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
 
@@ -57,10 +64,18 @@ def runs(jobs) -> dict:
 def test_mixture_of_experts_training_equals_one_device(runs, layout):
     reference, run = runs[f"reference_{REFERENCE_OF[layout]}"], runs[layout]
     ref_out = reference.rank_output(0)
+    assert min(ref_out["grad_norms"]) > CLIP  # every step clipped
     for rank in range(4):
-        error = worst_relative_error(run.rank_output(rank)["losses"], ref_out["losses"])
-        print(f"moe {layout} rank {rank}: worst relative loss error {error:.2e}")
+        out = run.rank_output(rank)
+        error = worst_relative_error(out["losses"], ref_out["losses"])
+        norm_error = worst_relative_error(out["grad_norms"], ref_out["grad_norms"])
+        # The routed experts' own norm: under 1e-3 of the total's square, which a scale error of theirs barely moves.
+        expert_error = worst_relative_error(out["expert_grad_norms"], ref_out["expert_grad_norms"])
+        print(f"moe {layout} rank {rank}: worst relative loss error {error:.2e}, gradient norm error {norm_error:.2e},"
+              f" experts' {expert_error:.2e}")
         assert error <= LOSS_RTOL
+        assert norm_error <= LOSS_RTOL, (out["grad_norms"], ref_out["grad_norms"])
+        assert expert_error <= LOSS_RTOL, (out["expert_grad_norms"], ref_out["expert_grad_norms"])
     ref_final, final = load_weights(reference, "final"), load_weights(run, "final")
     assert final.keys() == ref_final.keys()
     moved = [n for n, w in final.items() if ".feed_forward.experts." in n or ".router." in n]

@@ -112,7 +112,8 @@ class Recorder(L.Callback):
 
     ``save_weights``: the full weights at train end (``final.pt``) and, with ``initial_weights``, at train start
     (``initial.pt``). ``grad_norms``: each step's total gradient norm before clipping and after the step (each a
-    norm over the DTensor gradients with its all-reduces).
+    norm over the DTensor gradients with its all-reduces); of a mixture of experts also the routed experts' own norm
+    before clipping (``expert_grad_norms``: a small share of the total, which a scale error of theirs barely moves).
 
     ``local_weights_at_steps`` and ``local_weights_on_exception``: every rank writes its own shards
     (``local_rank{R}_step{S}.pt``, ``local_rank{R}_exception.pt`` with the step reached), so a test can
@@ -132,6 +133,7 @@ class Recorder(L.Callback):
         self.batches: list[str] = []
         self.draws: list[float] = []
         self.grad_norms: list[float] = []  # before clipping
+        self.expert_grad_norms: list[float] = []  # the routed experts' alone, before clipping
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
         self.step_tokens: list[float] = []
         self.global_tokens: list[float] = []
@@ -142,6 +144,9 @@ class Recorder(L.Callback):
             return
         group = pipeline_group_of(trainer.strategy)
         self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters(), pipeline_group=group)))
+        if getattr(getattr(pl_module, "model_args", None), "moe", None) is not None:  # every rank: a collective
+            experts = [p for name, p in pl_module.model.named_parameters() if ".experts." in name]
+            self.expert_grad_norms.append(float(total_grad_norm(experts, pipeline_group=group)))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.save_initial_weights:
@@ -657,6 +662,8 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+        if recorder.expert_grad_norms:
+            result["expert_grad_norms"] = recorder.expert_grad_norms
     if routing is not None:
         result.update(router_counts=routing.counts, aux_losses=routing.aux)
     if cfg.get("lora"):  # what the optimizer steps and keeps state for (the adapters only), what requires gradients
