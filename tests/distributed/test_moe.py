@@ -11,8 +11,8 @@ idle ranks). Every job clips its gradients, and each step's gradient norm (the t
 the reference's: AdamW's update barely changes when a tensor's gradient is off by a constant factor (the experts'
 ``1 / EP`` scale, say; only its epsilon tells, on near-zero gradients), the norms show the factor itself. Besides the
 losses and norms: every routed count of every layer and step (summed over the ranks holding different tokens) is the
-reference's (the same routing, no token dropped: counts sum to tokens × top_k), the final weights (router, experts,
-shared experts) are the reference's, and the experts' placements are asserted.
+reference's (the same routing, no token dropped: counts sum to tokens × top_k), the auxiliary loss is the reference's,
+the final weights (router, experts, shared experts) are the reference's, and the experts' placements are asserted.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_the_auxiliary_loss_is_the_global_batchs(runs):
     (every rank the same value) and trains it (the weights above)."""
     expected = runs["reference_common"].rank_output(0)["aux_losses"]
     assert all(a > 0 for a in expected)
-    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2"):
+    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2", "cp2_ep2"):
         for rank in range(4):
             assert runs[layout].rank_output(rank)["aux_losses"] == pytest.approx(expected, rel=1e-5), (layout, rank)
     assert runs["reference_bias"].rank_output(0)["aux_losses"] == [None] * 6  # balanced by the bias instead
