@@ -12,7 +12,8 @@ the reference's: AdamW's update barely changes when a tensor's gradient is off b
 ``1 / EP`` scale, say; only its epsilon tells, on near-zero gradients), the norms show the factor itself. Besides the
 losses and norms: every routed count of every layer and step (summed over the ranks holding different tokens) is the
 reference's (the same routing, no token dropped: counts sum to tokens × top_k), the auxiliary loss is the reference's,
-the final weights (router, experts, shared experts) are the reference's, and the experts' placements are asserted.
+the final weights (router, experts, shared experts) and the balancing bias (a buffer) are the reference's, and the
+experts' placements are asserted.
 """
 
 from __future__ import annotations
@@ -112,6 +113,24 @@ def test_the_auxiliary_loss_is_the_global_batchs(runs):
         for rank in range(4):
             assert runs[layout].rank_output(rank)["aux_losses"] == pytest.approx(expected, rel=1e-5), (layout, rank)
     assert runs["reference_bias"].rank_output(0)["aux_losses"] == [None] * 6  # balanced by the bias instead
+
+
+@pytest.mark.parametrize("layout", ["pp2_ep2", "ep4_idle"])
+def test_the_balancing_bias_is_the_references_on_every_rank(runs, layout):
+    """``expert_bias`` is a buffer, which the final weights leave out: each rank's (under pipeline parallelism its
+    stage's layers) equals the reference's bit for bit (the counts it moves by are integers, summed over the ranks)."""
+    expected = runs[f"reference_{REFERENCE_OF[layout]}"].rank_output(0)["buffers"]
+    assert sorted(expected) == [f"layers.{i}.feed_forward.expert_bias" for i in (1, 2, 3)]
+    held = set()
+    for rank in range(4):
+        buffers = runs[layout].rank_output(rank)["buffers"]
+        assert buffers and buffers.keys() <= expected.keys(), (rank, sorted(buffers))
+        held |= buffers.keys()
+        for name, bias in buffers.items():
+            assert bias == expected[name], (layout, rank, name, bias, expected[name])
+    assert held == expected.keys()
+    if layout == "pp2_ep2":  # the bias moved: 6 updates of ± 0.01 (centered), not the zeros it started from
+        assert all(any(abs(b) >= 0.005 for b in bias) for bias in expected.values()), expected
 
 
 def test_routing_off_most_experts_leaves_experts_and_ranks_idle(runs):

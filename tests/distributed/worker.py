@@ -101,6 +101,15 @@ def save_state(model: torch.nn.Module, mesh, global_rank: int, out_dir: Path, wh
         torch.save(state, out_dir / f"{which}.pt")
 
 
+def persistent_buffers(module: torch.nn.Module) -> dict[str, list[float]]:
+    """This rank's buffers that a checkpoint saves (``state_dict``'s, not the derived ones such as the rotary table),
+    by canonical name, as lists (exact for float32 values): a bias-balanced mixture of experts' ``expert_bias``, which
+    routes but is no parameter (``full_state`` reads parameters only). Under pipeline parallelism: this rank's stages'."""
+    saved = module.state_dict().keys()
+    return {canonical_name(name): (b.full_tensor() if hasattr(b, "full_tensor") else b).detach().float().cpu().tolist()
+            for name, b in module.named_buffers() if name in saved}
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's own shards of every parameter, by canonical name (no collective)."""
     return {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
@@ -666,6 +675,9 @@ def fit(cfg: dict) -> None:
             result["expert_grad_norms"] = recorder.expert_grad_norms
     if routing is not None:
         result.update(router_counts=routing.counts, aux_losses=routing.aux)
+    buffers = persistent_buffers(module.model)
+    if buffers:
+        result["buffers"] = buffers
     if cfg.get("lora"):  # what the optimizer steps and keeps state for (the adapters only), what requires gradients
         names = {id(p): canonical_name(n) for n, p in module.model.named_parameters()}
         optimizer = trainer.optimizers[0]
