@@ -163,9 +163,10 @@ def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
     assert "tensor_parallel" not in both["mesh_dims"] and both["local_shape"] == [4, 64, 128]
 
 
-#: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text saves every 2
-#: steps; its step-2 checkpoint resumed at expert parallel 4 and at tensor parallel 2 × data parallel 2 (no expert
-#: parallelism: the experts split by features) must reproduce its steps 3-6.
+#: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text, its experts
+#: balanced by the bias (a buffer the checkpoint must carry: it routes), saves every 2 steps; its step-2 checkpoint
+#: resumed at expert parallel 4 and at tensor parallel 2 × data parallel 2 (no expert parallelism: the experts split
+#: by features) must reproduce its steps 3-6, and its step-4 checkpoint resumed at its own layout steps 5-6 exactly.
 RESUME_SEQ_LEN, RESUME_BATCH = 64, 4
 
 
@@ -179,7 +180,7 @@ def resumes(jobs, tmp_path_factory) -> dict:
     text = "".join(p.read_text() for p in stdlib_sources()[:3])[: 12 * RESUME_SEQ_LEN]  # 3 batches per epoch
     (corpus / "text.txt").write_text(text)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": RESUME_SEQ_LEN, "max_steps": 6,
-            "model": "debug-moe"}
+            "model": "debug-moe", "moe_bias_rate": BIAS["moe_bias_rate"]}
     saved = root / "ep2"
     runs = {
         "moe_ep2_saves": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
@@ -187,6 +188,8 @@ def resumes(jobs, tmp_path_factory) -> dict:
         "moe_ep4_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 4,
                             "resume": str(saved / "epoch=0-step=2.ckpt")},
         "moe_tp2_resumes": {**base, "dp": 2, "tp": 2, "batch_size": 2, "resume": str(saved / "epoch=0-step=2.ckpt")},
+        "moe_ep2_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
+                            "resume": str(saved / "epoch=1-step=4.ckpt")},
     }
     jobs.share("moe_resume", [(name, config, 4, 1) for name, config in runs.items()], scenario="train")
     return {name: jobs.run(name, "train", config, nprocs=4) for name, config in runs.items()}
@@ -205,3 +208,21 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(resumes, resumed):
     assert any(".experts." in name for name in final)
     for name, weight in expected.items():
         torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+    # The bias restored, then moved by the same integer counts: the same bits at any layout.
+    assert len(saved["buffers"]) == 3 and run["buffers"] == saved["buffers"]
+
+
+def test_a_bias_balanced_run_resumed_at_its_own_layout_is_the_uninterrupted_run_bit_for_bit(resumes):
+    """Steps 5-6 resumed from the step-4 checkpoint at the saving layout: the same losses, final weights and, on every
+    rank, balancing bias (a buffer: restored from the checkpoint, not zeroed by the init), bit for bit."""
+    saved, resumed = resumes["moe_ep2_saves"], resumes["moe_ep2_resumes"]
+    for rank in range(4):
+        before, after = saved.rank_output(rank), resumed.rank_output(rank)
+        assert after["global_step"] == 6 and after["batches"] == before["batches"][4:], rank
+        assert len(before["buffers"]) == 3 and after["buffers"] == before["buffers"], rank
+        assert after["losses"] == before["losses"][4:], rank  # exact: no tolerance
+    assert any(b != 0.0 for bias in saved.rank_output(0)["buffers"].values() for b in bias)
+    final, expected = load_weights(resumed, "final"), load_weights(saved, "final")
+    assert final.keys() == expected.keys()
+    for name, weight in expected.items():
+        assert torch.equal(final[name], weight), name

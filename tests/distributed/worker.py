@@ -110,6 +110,20 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, list[float]]:
             for name, b in module.named_buffers() if name in saved}
 
 
+def moe_overrides(cfg: dict) -> dict | None:
+    """``model_overrides`` of ``cfg``, with ``moe_bias_rate`` (a short job name: no dict in it) turning the preset's
+    experts into aux-loss-free, bias-balanced ones moving by that rate."""
+    overrides = cfg.get("model_overrides")
+    if "moe_bias_rate" not in cfg:
+        return overrides
+    from dataclasses import asdict, replace
+
+    from lightning_2d.models.llama.model import PRESETS
+
+    moe = replace(PRESETS[cfg["model"]].moe, load_balancing="bias", bias_update_rate=cfg["moe_bias_rate"])
+    return {**(overrides or {}), "moe": asdict(moe)}
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's own shards of every parameter, by canonical name (no collective)."""
     return {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
@@ -551,18 +565,10 @@ def fit(cfg: dict) -> None:
         )
         vocab_size = module.vocab_size
     else:
-        overrides = cfg.get("model_overrides")
-        if "moe_bias_rate" in cfg:  # the model's experts balanced by the bias (a short job name: no dict in it)
-            from dataclasses import asdict, replace
-
-            from lightning_2d.models.llama.model import PRESETS
-
-            moe = replace(PRESETS[cfg["model"]].moe, load_balancing="bias", bias_update_rate=cfg["moe_bias_rate"])
-            overrides = {**(overrides or {}), "moe": asdict(moe)}
         module = LlamaLightningModule(
             None if cfg.get("init_from") else cfg.get("model", "debug"),
             init_from=cfg.get("init_from"),
-            model_overrides=overrides,
+            model_overrides=moe_overrides(cfg),
             learning_rate=cfg.get("lr", 1e-3),
             warmup_steps=2,
             max_steps=cfg["steps"],
@@ -877,7 +883,8 @@ def train(cfg: dict) -> None:
                           cache_dir=cfg["cache_dir"], val_fraction=0.0)
     # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
     module = LlamaLightningModule(None if cfg.get("init_from") else cfg.get("model", "debug"), warmup_steps=2, max_steps=6,
-                                  init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"))
+                                  init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"),
+                                  model_overrides=moe_overrides(cfg))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
     observer = WriteObserver(cfg["observe_writes_timeout_s"]) if "observe_writes_timeout_s" in cfg else None
@@ -912,6 +919,9 @@ def train(cfg: dict) -> None:
         "batch_started_at": recorder.batch_started_at,
         "data_parallel_modules": data_parallel_modules(module.model),
     }
+    buffers = persistent_buffers(module.model)
+    if buffers:
+        result["buffers"] = buffers
     if observer is not None:
         result["writes"] = observer.writes
     if cfg.get("refuse"):
