@@ -40,6 +40,9 @@ def clipped(name: str) -> dict:
 #: The compiled jobs, FSDP2's and SimpleFSDP's (its collectives counted in step 1), in a launch of their own.
 COMPILED = {"compile": True}
 SIMPLE_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "count_collectives": 1}
+#: Its eager counterpart: test_simple_fsdp.py's 2x2 job (the same options, so launched once per session), clipped and
+#: recording its norms there (after the backward whose collectives are counted).
+SIMPLE_EAGER = {"fsdp_backend": "simple_fsdp", "count_collectives": 1, "gradient_clip_val": CLIP, "grad_norms": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +59,7 @@ def shared_launches(jobs):
         jobs.layout_job(2, 2, **ACCUMULATED),
         jobs.layout_job(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True),
         jobs.layout_job(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False),
-        jobs.layout_job(2, 2, fsdp_backend="simple_fsdp", count_collectives=1),  # test_simple_fsdp's too
+        jobs.layout_job(2, 2, **SIMPLE_EAGER),  # test_simple_fsdp's too
     ])
 
 
@@ -166,7 +169,7 @@ def test_compiled_simple_fsdp_buckets_its_collectives_and_matches_single_device(
     for rank in range(4):
         assert jobs.layout(2, 2, **SIMPLE_COMPILED).rank_output(rank)["compiled_blocks"] == ["0", "1", "2", "3"]
     assert out["dynamo_unique_graphs"] == 1  # one graph for the 4 blocks (a fresh one: the classes are SimpleFSDP's)
-    eager = jobs.layout(2, 2, fsdp_backend="simple_fsdp", count_collectives=1).rank_output(0)["collectives"]
+    eager = jobs.layout(2, 2, **SIMPLE_EAGER).rank_output(0)["collectives"]
     compiled = out["collectives"]
     print(f"collectives of step 1 at 2x2 under SimpleFSDP: eager {eager}, compiled {compiled}")
 
