@@ -6,7 +6,7 @@ of every step is the reference's: AdamW's update barely changes when a gradient 
 epsilon tells, on near-zero gradients), the norms show the factor itself, and the clipping makes them decide each
 update's size. Each test asserts that SimpleFSDP ran: no FSDP2 unit anywhere, every parameter-holding module
 gathering, and the parameters laid out as ``fully_shard`` lays them (compared with the FSDP2 job of the same layout in
-the same launch).
+the same launch). bf16-mixed at 2×2 trains as ``fully_shard`` does at the same precision.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from lightning_2d.parallel.schedules import SCHEDULES
 from tests.distributed.conftest import load_weights
-from tests.distributed.test_options import CLIP
+from tests.distributed.test_options import BF16_MIXED, CLIP
 from tests.distributed.test_parity import LOSS_RTOL, RECORD, worst_relative_error
 
 pytestmark = pytest.mark.distributed
@@ -54,6 +54,9 @@ NAN_SKIP = {"non_finite": "skip", "weights_at_steps": [2, 3], "inject_nan": {"st
 FLOAT8 = {"float8": "emulate", "sequence_parallel": False}
 #: FSDP2 at 2x2, as test_parity records it (the same job, so launched once per session): the placements to match.
 FSDP2 = (2, 2, RECORD)
+#: bf16-mixed at 2x2, clipped, gradient norms recorded, the rotary table rounded to bf16 values: FSDP2's is
+#: test_options.py's job (shared).
+BF16 = BF16_MIXED
 
 
 def run_of(jobs, name):
@@ -70,6 +73,7 @@ def shared_launches(jobs):
         jobs.layout_job(FSDP2[0], FSDP2[1], **FSDP2[2]),
         jobs.layout_job(1, 1, float8="emulate"), jobs.layout_job(2, 2, **SIMPLE, **FLOAT8),
         jobs.layout_job(2, 2, **SIMPLE, **NAN_SKIP),
+        jobs.layout_job(2, 2, **BF16), jobs.layout_job(2, 2, **SIMPLE, **BF16),
     ])
 
 
@@ -192,3 +196,36 @@ def test_a_nan_gradient_on_one_rank_is_skipped_on_every_rank(jobs):
     assert any(not torch.equal(final[n], before[n]) for n in before)  # steps 4-6 trained
     assert "Step 3 skipped on every rank (non-finite gradients on rank(s) [1])" in run.logs[0]
     assert run.rank_output(0)["data_parallel_modules"]["simple_fsdp"] > 0
+
+
+def test_bf16_mixed_trains_as_fully_shard_does(jobs):
+    """bf16-mixed at 2x2, gradients clipped: SimpleFSDP casts each fp32 shard to bf16 before its gather and reduces
+    the gradients in fp32, as FSDP2's ``MixedPrecisionPolicy`` does, so both compute the same bf16 products and the
+    same fp32 sums: the same losses, gradient norms and final weights, held to the fp32 tolerance (1e-5; measured:
+    equal bit for bit, a sum of two ranks' gradients and its halving being exact in any order). A bf16 rounding that
+    FSDP2 does not make shows at once: gathering in fp32 moves the first loss by 2.6e-4 and the norms by up to 1.4e-3,
+    reducing in bf16 the norms by up to 5.7e-5 and the weights by 1.3e-3.
+
+    Both runs' rotary tables hold bf16 values (``bf16_rope``): FSDP2 casts every floating input of a block to bf16,
+    the fp32 table included, where SimpleFSDP casts none; with the table as it is, the runs differ by that alone
+    (losses by up to 7e-5, norms 2.4e-5 over 6 steps), enough to hide a bf16 reduction."""
+    simple, fsdp2 = jobs.layout(2, 2, **SIMPLE, **BF16), jobs.layout(2, 2, **BF16)
+    fp32 = jobs.reference(gradient_clip_val=CLIP).rank_output(0)["losses"]
+    for rank in range(4):
+        ours, theirs = simple.rank_output(rank), fsdp2.rank_output(rank)
+        assert ours["placements"] == theirs["placements"]  # fp32 shards, laid out alike
+        assert {p["dtype"] for p in ours["placements"].values()} == {"torch.float32"}
+        assert ours["data_parallel_modules"]["fully_shard"] == 0 and ours["data_parallel_modules"]["simple_fsdp"]
+        error = worst_relative_error(ours["losses"], theirs["losses"])
+        norm_error = worst_relative_error(ours["grad_norms"], theirs["grad_norms"])
+        print(f"simple_fsdp bf16-mixed 2x2 rank {rank}: worst relative loss error {error:.3e}, gradient norm "
+              f"{norm_error:.3e} vs fully_shard")
+        assert error <= LOSS_RTOL, (ours["losses"], theirs["losses"])
+        assert norm_error <= LOSS_RTOL, (ours["grad_norms"], theirs["grad_norms"])
+        assert ours["stepped_grad_norms"] == pytest.approx([CLIP] * 6, rel=1e-5)  # clipped
+        # And bf16: not the fp32 run's losses, but within bf16's rounding of them.
+        assert 1e-5 < worst_relative_error(ours["losses"], fp32) <= 2e-3
+    final, expected = load_weights(simple, "final"), load_weights(fsdp2, "final")
+    assert final.keys() == expected.keys()
+    for name, weight in expected.items():
+        torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-5, msg=name)

@@ -544,6 +544,18 @@ class Routing(L.Callback):
         self.aux.append(None if aux is None else float(aux))
 
 
+class Bf16Rope(L.Callback):
+    """Rounds the rotary table (``Transformer.rope``, fp32) to bf16 values before training, kept in fp32: FSDP2's
+    ``MixedPrecisionPolicy`` casts every floating input of a unit to ``param_dtype`` (the table a block receives, too),
+    SimpleFSDP casts none; with the values bf16 already, that cast changes nothing and the two backends' bf16-mixed
+    runs compute the same products, so what differs between them is their gathers and reductions only."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        rope = pl_module.model.rope
+        with torch.no_grad():
+            rope.copy_(rope.to(torch.bfloat16))
+
+
 def fit(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
     # Started by Lightning's own launcher (no cluster environment): rank 0 is this process, the others its children.
@@ -636,6 +648,8 @@ def fit(cfg: dict) -> None:
     if "count_collectives" in cfg:  # the training step (from 0) whose collectives are counted
         collectives = CollectiveCounter(cfg["count_collectives"])
         callbacks.append(collectives)
+    if cfg.get("bf16_rope"):
+        callbacks.append(Bf16Rope())
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
