@@ -7,9 +7,13 @@ parallel 2 × tensor parallel 2 (sequence parallel; whole experts on each tensor
 data parallel 2 without expert parallelism (the experts split by their hidden features), context parallel 2 × expert
 parallel 2, pipeline 2 × expert parallel 2 (aux-loss-free balancing: the bias moves
 every step), and expert parallel 4 with routing forced off 5 of the 8 experts (an idle expert on a busy rank, two
-idle ranks). Besides the losses: every routed count of every layer and step (summed over the ranks holding different
-tokens) is the reference's (the same routing, no token dropped: counts sum to tokens × top_k), the final weights
-(router, experts, shared experts) are the reference's, and the experts' placements are asserted.
+idle ranks). Every job clips its gradients, and each step's gradient norm (the total and the routed experts' own) is
+the reference's: AdamW's update barely changes when a tensor's gradient is off by a constant factor (the experts'
+``1 / EP`` scale, say; only its epsilon tells, on near-zero gradients), the norms show the factor itself. Besides the
+losses and norms: every routed count of every layer and step (summed over the ranks holding different tokens) is the
+reference's (the same routing, no token dropped: counts sum to tokens × top_k), the auxiliary loss is the reference's,
+the final weights (router, experts, shared experts) and the balancing bias (a buffer) are the reference's, and the
+experts' placements are asserted.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
 
-COMMON = {"model": "debug-moe", "documents": True, "even_labels": True}
+#: Clipped every step (the reference's norms are 2.1-2.5 × this): the norm decides each update's size.
+CLIP = 0.5
+COMMON = {"model": "debug-moe", "documents": True, "even_labels": True, "gradient_clip_val": CLIP}
+#: What every layout records beyond a multi-rank job's default (worker.fit); the references record it anyway.
+RECORD = {"grad_norms": True}
 #: Aux-loss-free balancing whose bias moves fast enough to change the routing within 6 steps.
 BIAS = {**COMMON, "moe_bias_rate": 0.01}
 #: Experts 3-7 pushed out of every token's top 2 (a fixed bias): at EP 4, rank 1 holds a busy and an idle expert,
@@ -48,7 +56,7 @@ def runs(jobs) -> dict:
     specs = {f"reference_{key}": jobs.reference_job(**extra) for key, extra in REFERENCES.items()}
     for name, (layout, extra) in LAYOUTS.items():
         options = dict(layout)
-        specs[name] = jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **extra)
+        specs[name] = jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **extra, **RECORD)
     jobs.share("moe", list(specs.values()))
     return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
 
@@ -57,10 +65,18 @@ def runs(jobs) -> dict:
 def test_mixture_of_experts_training_equals_one_device(runs, layout):
     reference, run = runs[f"reference_{REFERENCE_OF[layout]}"], runs[layout]
     ref_out = reference.rank_output(0)
+    assert min(ref_out["grad_norms"]) > CLIP  # every step clipped
     for rank in range(4):
-        error = worst_relative_error(run.rank_output(rank)["losses"], ref_out["losses"])
-        print(f"moe {layout} rank {rank}: worst relative loss error {error:.2e}")
+        out = run.rank_output(rank)
+        error = worst_relative_error(out["losses"], ref_out["losses"])
+        norm_error = worst_relative_error(out["grad_norms"], ref_out["grad_norms"])
+        # The routed experts' own norm: under 1e-3 of the total's square, which a scale error of theirs barely moves.
+        expert_error = worst_relative_error(out["expert_grad_norms"], ref_out["expert_grad_norms"])
+        print(f"moe {layout} rank {rank}: worst relative loss error {error:.2e}, gradient norm error {norm_error:.2e},"
+              f" experts' {expert_error:.2e}")
         assert error <= LOSS_RTOL
+        assert norm_error <= LOSS_RTOL, (out["grad_norms"], ref_out["grad_norms"])
+        assert expert_error <= LOSS_RTOL, (out["expert_grad_norms"], ref_out["expert_grad_norms"])
     ref_final, final = load_weights(reference, "final"), load_weights(run, "final")
     assert final.keys() == ref_final.keys()
     moved = [n for n, w in final.items() if ".feed_forward.experts." in n or ".router." in n]
@@ -93,10 +109,28 @@ def test_the_auxiliary_loss_is_the_global_batchs(runs):
     (every rank the same value) and trains it (the weights above)."""
     expected = runs["reference_common"].rank_output(0)["aux_losses"]
     assert all(a > 0 for a in expected)
-    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2"):
+    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2", "cp2_ep2"):
         for rank in range(4):
             assert runs[layout].rank_output(rank)["aux_losses"] == pytest.approx(expected, rel=1e-5), (layout, rank)
     assert runs["reference_bias"].rank_output(0)["aux_losses"] == [None] * 6  # balanced by the bias instead
+
+
+@pytest.mark.parametrize("layout", ["pp2_ep2", "ep4_idle"])
+def test_the_balancing_bias_is_the_references_on_every_rank(runs, layout):
+    """``expert_bias`` is a buffer, which the final weights leave out: each rank's (under pipeline parallelism its
+    stage's layers) equals the reference's bit for bit (the counts it moves by are integers, summed over the ranks)."""
+    expected = runs[f"reference_{REFERENCE_OF[layout]}"].rank_output(0)["buffers"]
+    assert sorted(expected) == [f"layers.{i}.feed_forward.expert_bias" for i in (1, 2, 3)]
+    held = set()
+    for rank in range(4):
+        buffers = runs[layout].rank_output(rank)["buffers"]
+        assert buffers and buffers.keys() <= expected.keys(), (rank, sorted(buffers))
+        held |= buffers.keys()
+        for name, bias in buffers.items():
+            assert bias == expected[name], (layout, rank, name, bias, expected[name])
+    assert held == expected.keys()
+    if layout == "pp2_ep2":  # the bias moved: 6 updates of ± 0.01 (centered), not the zeros it started from
+        assert all(any(abs(b) >= 0.005 for b in bias) for bias in expected.values()), expected
 
 
 def test_routing_off_most_experts_leaves_experts_and_ranks_idle(runs):
@@ -129,9 +163,10 @@ def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
     assert "tensor_parallel" not in both["mesh_dims"] and both["local_shape"] == [4, 64, 128]
 
 
-#: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text saves every 2
-#: steps; its step-2 checkpoint resumed at expert parallel 4 and at tensor parallel 2 × data parallel 2 (no expert
-#: parallelism: the experts split by features) must reproduce its steps 3-6.
+#: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text, its experts
+#: balanced by the bias (a buffer the checkpoint must carry: it routes), saves every 2 steps; its step-2 checkpoint
+#: resumed at expert parallel 4 and at tensor parallel 2 × data parallel 2 (no expert parallelism: the experts split
+#: by features) must reproduce its steps 3-6, and its step-4 checkpoint resumed at its own layout steps 5-6 exactly.
 RESUME_SEQ_LEN, RESUME_BATCH = 64, 4
 
 
@@ -145,7 +180,7 @@ def resumes(jobs, tmp_path_factory) -> dict:
     text = "".join(p.read_text() for p in stdlib_sources()[:3])[: 12 * RESUME_SEQ_LEN]  # 3 batches per epoch
     (corpus / "text.txt").write_text(text)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": RESUME_SEQ_LEN, "max_steps": 6,
-            "model": "debug-moe"}
+            "model": "debug-moe", "moe_bias_rate": BIAS["moe_bias_rate"]}
     saved = root / "ep2"
     runs = {
         "moe_ep2_saves": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
@@ -153,6 +188,8 @@ def resumes(jobs, tmp_path_factory) -> dict:
         "moe_ep4_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 4,
                             "resume": str(saved / "epoch=0-step=2.ckpt")},
         "moe_tp2_resumes": {**base, "dp": 2, "tp": 2, "batch_size": 2, "resume": str(saved / "epoch=0-step=2.ckpt")},
+        "moe_ep2_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
+                            "resume": str(saved / "epoch=1-step=4.ckpt")},
     }
     jobs.share("moe_resume", [(name, config, 4, 1) for name, config in runs.items()], scenario="train")
     return {name: jobs.run(name, "train", config, nprocs=4) for name, config in runs.items()}
@@ -171,3 +208,21 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(resumes, resumed):
     assert any(".experts." in name for name in final)
     for name, weight in expected.items():
         torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+    # The bias restored, then moved by the same integer counts: the same bits at any layout.
+    assert len(saved["buffers"]) == 3 and run["buffers"] == saved["buffers"]
+
+
+def test_a_bias_balanced_run_resumed_at_its_own_layout_is_the_uninterrupted_run_bit_for_bit(resumes):
+    """Steps 5-6 resumed from the step-4 checkpoint at the saving layout: the same losses, final weights and, on every
+    rank, balancing bias (a buffer: restored from the checkpoint, not zeroed by the init), bit for bit."""
+    saved, resumed = resumes["moe_ep2_saves"], resumes["moe_ep2_resumes"]
+    for rank in range(4):
+        before, after = saved.rank_output(rank), resumed.rank_output(rank)
+        assert after["global_step"] == 6 and after["batches"] == before["batches"][4:], rank
+        assert len(before["buffers"]) == 3 and after["buffers"] == before["buffers"], rank
+        assert after["losses"] == before["losses"][4:], rank  # exact: no tolerance
+    assert any(b != 0.0 for bias in saved.rank_output(0)["buffers"].values() for b in bias)
+    final, expected = load_weights(resumed, "final"), load_weights(saved, "final")
+    assert final.keys() == expected.keys()
+    for name, weight in expected.items():
+        assert torch.equal(final[name], weight), name

@@ -26,6 +26,11 @@ OPTIONS = {
 }
 #: The option jobs whose reshard policy is checked: what stays gathered after a forward.
 RESHARD = {"loss-parallel": "all", "no-sequence-parallel-reshard-always": "none"}
+#: The precision jobs; bf16-mixed clipped with its gradient norms recorded, as test_simple_fsdp.py's SimpleFSDP run it
+#: is compared with (the same job, launched once per session). ``bf16_rope`` (the rotary table rounded to bf16 values)
+#: changes nothing here: FSDP2 casts the table a block receives to bf16 itself (worker.Bf16Rope).
+BF16_MIXED = {"precision": "bf16-mixed", "gradient_clip_val": CLIP, "grad_norms": True, "bf16_rope": True}
+PRECISIONS = {"bf16-mixed": BF16_MIXED, "bf16-true": {"precision": "bf16-true"}}
 #: The accumulation job whose gradient norms are compared with one device's on the double batch.
 ACCUMULATED = {"even_labels": True, "accumulate": 2, "grad_norms": True}
 
@@ -40,6 +45,9 @@ def clipped(name: str) -> dict:
 #: The compiled jobs, FSDP2's and SimpleFSDP's (its collectives counted in step 1), in a launch of their own.
 COMPILED = {"compile": True}
 SIMPLE_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "count_collectives": 1}
+#: Its eager counterpart: test_simple_fsdp.py's 2x2 job (the same options, so launched once per session), clipped and
+#: recording its norms there (after the backward whose collectives are counted).
+SIMPLE_EAGER = {"fsdp_backend": "simple_fsdp", "count_collectives": 1, "gradient_clip_val": CLIP, "grad_norms": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,11 +60,11 @@ def shared_launches(jobs):
         jobs.reference_job(), jobs.reference_job(gradient_clip_val=CLIP), jobs.reference_job(even_labels=True),
         jobs.layout_job(1, 1, float8="emulate"),
         *(jobs.layout_job(2, 2, **clipped(name)) for name in OPTIONS),
-        *(jobs.layout_job(2, 2, precision=precision) for precision in ("bf16-mixed", "bf16-true")),
+        *(jobs.layout_job(2, 2, **options) for options in PRECISIONS.values()),
         jobs.layout_job(2, 2, **ACCUMULATED),
         jobs.layout_job(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True),
         jobs.layout_job(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False),
-        jobs.layout_job(2, 2, fsdp_backend="simple_fsdp", count_collectives=1),  # test_simple_fsdp's too
+        jobs.layout_job(2, 2, **SIMPLE_EAGER),  # test_simple_fsdp's too
     ])
 
 
@@ -135,9 +143,11 @@ def test_reshard_policy_decides_what_stays_gathered_after_forward(jobs, name, ga
 
 @pytest.mark.parametrize(("precision", "shard_dtype"), [("bf16-mixed", "torch.float32"), ("bf16-true", "torch.bfloat16")])
 def test_bf16_precisions(jobs, precision, shard_dtype):
-    out = jobs.layout(2, 2, precision=precision).rank_output(0)
-    # bf16 compute follows the fp32 run within bf16 rounding over 6 steps.
-    assert worst_relative_error(out["losses"], jobs.reference().rank_output(0)["losses"]) <= 2e-3
+    options = PRECISIONS[precision]
+    out = jobs.layout(2, 2, **options).rank_output(0)
+    # bf16 compute follows the fp32 run (clipped as the job is) within bf16 rounding over 6 steps.
+    reference = jobs.reference(**{k: v for k, v in options.items() if k == "gradient_clip_val"})
+    assert worst_relative_error(out["losses"], reference.rank_output(0)["losses"]) <= 2e-3
     assert {p["dtype"] for p in out["placements"].values()} == {shard_dtype}
 
 
@@ -166,7 +176,7 @@ def test_compiled_simple_fsdp_buckets_its_collectives_and_matches_single_device(
     for rank in range(4):
         assert jobs.layout(2, 2, **SIMPLE_COMPILED).rank_output(rank)["compiled_blocks"] == ["0", "1", "2", "3"]
     assert out["dynamo_unique_graphs"] == 1  # one graph for the 4 blocks (a fresh one: the classes are SimpleFSDP's)
-    eager = jobs.layout(2, 2, fsdp_backend="simple_fsdp", count_collectives=1).rank_output(0)["collectives"]
+    eager = jobs.layout(2, 2, **SIMPLE_EAGER).rank_output(0)["collectives"]
     compiled = out["collectives"]
     print(f"collectives of step 1 at 2x2 under SimpleFSDP: eager {eager}, compiled {compiled}")
 

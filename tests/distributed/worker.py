@@ -138,6 +138,29 @@ def save_trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             torch.save(nf4, out_dir / "final_nf4.pt")
 
 
+def persistent_buffers(module: torch.nn.Module) -> dict[str, list[float]]:
+    """This rank's buffers that a checkpoint saves (``state_dict``'s, not the derived ones such as the rotary table),
+    by canonical name, as lists (exact for float32 values): a bias-balanced mixture of experts' ``expert_bias``, which
+    routes but is no parameter (``full_state`` reads parameters only). Under pipeline parallelism: this rank's stages'."""
+    saved = module.state_dict().keys()
+    return {canonical_name(name): (b.full_tensor() if hasattr(b, "full_tensor") else b).detach().float().cpu().tolist()
+            for name, b in module.named_buffers() if name in saved}
+
+
+def moe_overrides(cfg: dict) -> dict | None:
+    """``model_overrides`` of ``cfg``, with ``moe_bias_rate`` (a short job name: no dict in it) turning the preset's
+    experts into aux-loss-free, bias-balanced ones moving by that rate."""
+    overrides = cfg.get("model_overrides")
+    if "moe_bias_rate" not in cfg:
+        return overrides
+    from dataclasses import asdict, replace
+
+    from lightning_2d.models.llama.model import PRESETS
+
+    moe = replace(PRESETS[cfg["model"]].moe, load_balancing="bias", bias_update_rate=cfg["moe_bias_rate"])
+    return {**(overrides or {}), "moe": asdict(moe)}
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's own shards of every parameter, by canonical name (no collective)."""
     return {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
@@ -149,7 +172,8 @@ class Recorder(L.Callback):
 
     ``save_weights``: the full weights at train end (``final.pt``) and, with ``initial_weights``, at train start
     (``initial.pt``). ``grad_norms``: each step's total gradient norm before clipping and after the step (each a
-    norm over the DTensor gradients with its all-reduces).
+    norm over the DTensor gradients with its all-reduces); of a mixture of experts also the routed experts' own norm
+    before clipping (``expert_grad_norms``: a small share of the total, which a scale error of theirs barely moves).
 
     ``local_weights_at_steps`` and ``local_weights_on_exception``: every rank writes its own shards
     (``local_rank{R}_step{S}.pt``, ``local_rank{R}_exception.pt`` with the step reached), so a test can
@@ -169,6 +193,7 @@ class Recorder(L.Callback):
         self.batches: list[str] = []
         self.draws: list[float] = []
         self.grad_norms: list[float] = []  # before clipping
+        self.expert_grad_norms: list[float] = []  # the routed experts' alone, before clipping
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
         self.step_tokens: list[float] = []
         self.global_tokens: list[float] = []
@@ -179,6 +204,9 @@ class Recorder(L.Callback):
             return
         group = pipeline_group_of(trainer.strategy)
         self.grad_norms.append(float(total_grad_norm(pl_module.model.parameters(), pipeline_group=group)))
+        if getattr(getattr(pl_module, "model_args", None), "moe", None) is not None:  # every rank: a collective
+            experts = [p for name, p in pl_module.model.named_parameters() if ".experts." in name]
+            self.expert_grad_norms.append(float(total_grad_norm(experts, pipeline_group=group)))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.save_initial_weights:
@@ -553,6 +581,18 @@ class Routing(L.Callback):
         self.aux.append(None if aux is None else float(aux))
 
 
+class Bf16Rope(L.Callback):
+    """Rounds the rotary table (``Transformer.rope``, fp32) to bf16 values before training, kept in fp32: FSDP2's
+    ``MixedPrecisionPolicy`` casts every floating input of a unit to ``param_dtype`` (the table a block receives, too),
+    SimpleFSDP casts none; with the values bf16 already, that cast changes nothing and the two backends' bf16-mixed
+    runs compute the same products, so what differs between them is their gathers and reductions only."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        rope = pl_module.model.rope
+        with torch.no_grad():
+            rope.copy_(rope.to(torch.bfloat16))
+
+
 def fit(cfg: dict) -> None:
     out_dir = Path(cfg["out_dir"])
     # Started by Lightning's own launcher (no cluster environment): rank 0 is this process, the others its children.
@@ -574,18 +614,10 @@ def fit(cfg: dict) -> None:
         )
         vocab_size = module.vocab_size
     else:
-        overrides = cfg.get("model_overrides")
-        if "moe_bias_rate" in cfg:  # the model's experts balanced by the bias (a short job name: no dict in it)
-            from dataclasses import asdict, replace
-
-            from lightning_2d.models.llama.model import PRESETS
-
-            moe = replace(PRESETS[cfg["model"]].moe, load_balancing="bias", bias_update_rate=cfg["moe_bias_rate"])
-            overrides = {**(overrides or {}), "moe": asdict(moe)}
         module = LlamaLightningModule(
             None if cfg.get("init_from") else cfg.get("model", "debug"),
             init_from=cfg.get("init_from"),
-            model_overrides=overrides,
+            model_overrides=moe_overrides(cfg),
             learning_rate=cfg.get("lr", 1e-3),
             warmup_steps=2,
             max_steps=cfg["steps"],
@@ -653,6 +685,8 @@ def fit(cfg: dict) -> None:
     if "count_collectives" in cfg:  # the training step (from 0) whose collectives are counted
         collectives = CollectiveCounter(cfg["count_collectives"])
         callbacks.append(collectives)
+    if cfg.get("bf16_rope"):
+        callbacks.append(Bf16Rope())
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
@@ -694,8 +728,13 @@ def fit(cfg: dict) -> None:
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
+        if recorder.expert_grad_norms:
+            result["expert_grad_norms"] = recorder.expert_grad_norms
     if routing is not None:
         result.update(router_counts=routing.counts, aux_losses=routing.aux)
+    buffers = persistent_buffers(module.model)
+    if buffers:
+        result["buffers"] = buffers
     if cfg.get("lora"):  # what the optimizer steps and keeps state for (the adapters only), what requires gradients
         names = {id(p): canonical_name(n) for n, p in module.model.named_parameters()}
         optimizer = trainer.optimizers[0]
@@ -953,7 +992,8 @@ def train(cfg: dict) -> None:
                           cache_dir=cfg["cache_dir"], val_fraction=0.0)
     # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
     module = LlamaLightningModule(None if cfg.get("init_from") else cfg.get("model", "debug"), warmup_steps=2, max_steps=6,
-                                  init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"))
+                                  init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"),
+                                  model_overrides=moe_overrides(cfg))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
     observer = WriteObserver(cfg["observe_writes_timeout_s"]) if "observe_writes_timeout_s" in cfg else None
@@ -990,6 +1030,9 @@ def train(cfg: dict) -> None:
         "batch_started_at": recorder.batch_started_at,
         "data_parallel_modules": data_parallel_modules(module.model),
     }
+    buffers = persistent_buffers(module.model)
+    if buffers:
+        result["buffers"] = buffers
     if observer is not None:
         result["writes"] = observer.writes
     if cfg.get("refuse"):
