@@ -27,11 +27,11 @@ from lightning_2d.data.pieces import (
     Piece,
     PieceTokenizer,
     PieceTokens,
-    _tokenized_in_order,
     group_tasks,
     plan_pieces,
+    tokenized_in_order,
 )
-from lightning_2d.data.sources import DataError, _stat, corpus_bytes
+from lightning_2d.data.sources import DataError, corpus_bytes, stat_source
 from lightning_2d.data.tokenizers import Tokenizer
 
 #: Version of the cache layout and of the way text is cut into pieces (part of the cache key).
@@ -51,7 +51,7 @@ def cache_key(
     bos = f"|bos{getattr(tokenizer, 'bos_id', None)}" if add_bos else ""
     h = hashlib.sha256(f"v{CACHE_FORMAT}|{tokenizer.fingerprint}|{text_field}|chunk{chunk_bytes}{bos}".encode())
     for path in sources:
-        stat = _stat(path)
+        stat = stat_source(path)
         h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return h.hexdigest()[:24]
 
@@ -269,7 +269,7 @@ def _build(
     partial = folder / _partial_name()
     done = 0
     try:
-        with partial.open("wb") as out, closing(_tokenized_in_order(tasks, tokenize, num_workers)) as tokenized:
+        with partial.open("wb") as out, closing(tokenized_in_order(tasks, tokenize, num_workers)) as tokenized:
             writer = _Writer(out, strict, dtype.itemsize)
             problems: list[str] = []
             for task, results in zip(tasks, tokenized):

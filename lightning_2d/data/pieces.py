@@ -3,7 +3,8 @@
 ``plan_pieces`` cuts text and JSONL files into byte ranges of about ``CHUNK_BYTES`` (each worker finds its
 own boundary at a newline) and Parquet files into row groups; ``group_tasks`` groups them into tasks;
 ``PieceTokenizer`` reads and tokenizes a task in a worker (forked: it inherits the loaded tokenizer), and
-``_tokenized_in_order`` yields the results in task order with a bounded number of tasks in flight.
+``tokenized_in_order`` yields the results in task order with a bounded number of tasks in flight (the chat cache
+runs its own worker through the same pool).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Optional, TypeVar
 
 import numpy as np
 
-from lightning_2d.data.sources import DataError, _file_kind, _stat
+from lightning_2d.data.sources import DataError, stat_source
 from lightning_2d.data.tokenizers import Tokenizer
 
 #: Pieces of work and of text: a text/JSONL file larger than this is read and tokenized as byte
@@ -31,6 +32,8 @@ CHUNK_BYTES = 1 << 20
 #: Parquet rows converted to Python strings and tokenized at a time.
 PARQUET_BATCH_ROWS = 1024
 _BLOCK = 1 << 16  # read size when looking for a piece boundary
+
+T = TypeVar("T")
 
 
 # ---- pieces: what one tokenizing task reads ----------------------------------------------------
@@ -78,7 +81,7 @@ def plan_pieces(sources: list[Path], text_field: str, chunk_bytes: int = CHUNK_B
     """
     pieces: list[Piece] = []
     for index, path in enumerate(sources):
-        size, kind = _stat(path).st_size, _file_kind(path)
+        size, kind = stat_source(path).st_size, _file_kind(path)
         if kind == "parquet":
             groups = _parquet_row_groups(path, text_field)
             shares = [size * (g + 1) // groups - size * g // groups for g in range(groups)]
@@ -91,8 +94,16 @@ def plan_pieces(sources: list[Path], text_field: str, chunk_bytes: int = CHUNK_B
     return pieces
 
 
+def _file_kind(path: Path) -> str:
+    """How a corpus file is read, by its suffix: ``"jsonl"``, ``"parquet"`` or ``"text"`` (one document)."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    return "parquet" if suffix == ".parquet" else "text"
+
+
 def _parquet_row_groups(path: Path, text_field: str) -> int:
-    pq = _pyarrow_parquet(path)
+    pq = pyarrow_parquet(path)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:
@@ -103,9 +114,11 @@ def _parquet_row_groups(path: Path, text_field: str) -> int:
     return parquet.num_row_groups
 
 
-def _pyarrow_parquet(path: Path | str) -> Any:
+def pyarrow_parquet(path: Path | str) -> Any:
+    """``pyarrow.parquet``, imported when a Parquet file is read (pyarrow is optional); without it, an
+    ``ImportError`` naming the file and the install."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # the `parquet` extra: optional, imported for Parquet files only
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(f"Reading {path} needs pyarrow: pip install pyarrow") from err
     return pq
@@ -143,7 +156,7 @@ def _find_newline(f: BinaryIO, begin: int, limit: int) -> int:
     return -1
 
 
-def _piece_boundary(f: BinaryIO, nominal: int, file_size: int, window: Optional[int]) -> int:
+def piece_boundary(f: BinaryIO, nominal: int, file_size: int, window: Optional[int]) -> int:
     """Where the piece whose nominal start is ``nominal`` really starts.
 
     Just after the first newline at or after ``nominal - 1`` (so a line that starts exactly at
@@ -262,8 +275,8 @@ class PieceTokenizer:
     def _read(self, piece: Piece, window: Optional[int]) -> tuple[bytes, int]:
         try:
             with open(piece.path, "rb") as f:
-                begin = _piece_boundary(f, piece.start, piece.file_size, window)
-                end = piece.file_size if piece.last else _piece_boundary(f, piece.stop, piece.file_size, window)
+                begin = piece_boundary(f, piece.start, piece.file_size, window)
+                end = piece.file_size if piece.last else piece_boundary(f, piece.stop, piece.file_size, window)
                 f.seek(begin)
                 return f.read(max(0, end - begin)), begin
         except OSError as err:
@@ -317,7 +330,7 @@ class PieceTokenizer:
         return lines + index + 1
 
     def _parquet(self, piece: Piece) -> PieceTokens:
-        pq = _pyarrow_parquet(piece.path)
+        pq = pyarrow_parquet(piece.path)
         arrays, documents = [], 0
         try:
             parquet = pq.ParquetFile(piece.path)
@@ -341,10 +354,10 @@ class PieceTokenizer:
         return PieceTokens(tokens, documents=documents, bytes_read=bytes_read)
 
 
-_WORKER: Optional[PieceTokenizer] = None
+_WORKER: Optional[Callable[[list[Piece]], Any]] = None
 
 
-def _init_worker(tokenize: PieceTokenizer) -> None:
+def _init_worker(tokenize: Callable[[list[Piece]], Any]) -> None:
     global _WORKER
     _WORKER = tokenize
     # Ctrl-C reaches the whole process group: the parent stops the pool and removes its partial
@@ -354,7 +367,7 @@ def _init_worker(tokenize: PieceTokenizer) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _run_task(task: list[Piece]) -> list[PieceTokens]:
+def _run_task(task: list[Piece]) -> Any:
     assert _WORKER is not None
     return _WORKER(task)
 
@@ -367,10 +380,18 @@ def default_num_workers() -> int:
         return os.cpu_count() or 1
 
 
-def _tokenized_in_order(
-    tasks: list[list[Piece]], tokenize: PieceTokenizer, num_workers: int
-) -> Iterator[list[PieceTokens]]:
-    """Each task's results, in task order; at most ``2 · num_workers`` tasks in flight (bounded memory)."""
+def tokenized_in_order(
+    tasks: list[list[Piece]], tokenize: Callable[[list[Piece]], T], num_workers: int
+) -> Iterator[T]:
+    """``tokenize(task)`` of each task, in task order, by ``num_workers`` forked processes (1: in this one); at
+    most ``2 · num_workers`` tasks in flight (bounded memory).
+
+    Args:
+        tasks: Lists of pieces (``group_tasks``).
+        tokenize: What a worker runs on a task (``PieceTokenizer``; the chat cache's encoder); forked workers
+            inherit it, so it need not be picklable where ``fork`` exists.
+        num_workers: Processes.
+    """
     if num_workers <= 1 or len(tasks) <= 1:
         for task in tasks:
             yield tokenize(task)

@@ -93,20 +93,14 @@ def resolve_sources(paths: Union[str, list[str], None]) -> list[Path]:
                            lambda pattern: f"No files matched {pattern!r} (relative to {Path.cwd()})")
 
 
-def _stat(path: Path) -> os.stat_result:
+def stat_source(path: Path) -> os.stat_result:
+    """``path.stat()``; a file that cannot be read raises ``DataError`` naming it."""
     try:
         return path.stat()
     except OSError as err:
         raise DataError(f"Cannot read {path}: {err.strerror or err}") from err
 
 
-def _file_kind(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        return "jsonl"
-    return "parquet" if suffix == ".parquet" else "text"
-
-
 def corpus_bytes(sources: list[Path]) -> int:
     """Total size of the source files."""
-    return sum(_stat(p).st_size for p in sources)
+    return sum(stat_source(p).st_size for p in sources)

@@ -182,15 +182,15 @@ def chat_preview(data: ChatDataModule, count: int) -> str:
     then the packing efficiency of the whole data set (encoded in memory, nothing written)."""
     import numpy as np
 
-    from lightning_2d.data.chat.cache import _plan, _rows, _where
+    from lightning_2d.data.chat.cache import plan_chat_pieces, read_rows, row_location
     from lightning_2d.data.chat.formats import to_conversation
     from lightning_2d.data.chat.packing import pack_windows
 
     out, lengths, trained = [], [], 0
     shown = 0
-    for piece in _plan(data.sources, 1 << 62):
-        for row, record, error in _rows(piece):
-            where = _where(piece, row)
+    for piece in plan_chat_pieces(data.sources, 1 << 62):
+        for row, record, error in read_rows(piece):
+            where = row_location(piece, row)
             if error is not None:
                 raise DataError(f"{where} {error}")
             encoded = data.encoder.encode(to_conversation(record, data.format, data.fields, where), where)

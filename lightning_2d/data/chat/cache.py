@@ -9,7 +9,7 @@ from (``rows.bin``: file index and row number, for messages) and its trained tok
 happens when training starts, in a fraction of a second.
 
 Rows are read in pieces (JSONL by byte ranges ending at a newline, Parquet by row groups, a JSON list or a
-``datasets`` Arrow file whole) by the same pool as ``TextDataModule``'s corpus (``pieces._tokenized_in_order``):
+``datasets`` Arrow file whole) by the same pool as ``TextDataModule``'s corpus (``pieces.tokenized_in_order``):
 the cache is the same for any number of processes. Every bad row is reported at once (``file:line`` and the fix,
 the first 20), and nothing is cached then.
 """
@@ -32,8 +32,8 @@ import numpy as np
 from lightning_2d.data.cache import DEFAULT_CACHE_DIR, _exclusive, token_dtype
 from lightning_2d.data.chat.encode import ChatEncoder
 from lightning_2d.data.chat.formats import to_conversation
-from lightning_2d.data.pieces import CHUNK_BYTES, Piece, _piece_boundary, _pyarrow_parquet, _tokenized_in_order
-from lightning_2d.data.sources import DataError, _stat, expand_patterns
+from lightning_2d.data.pieces import CHUNK_BYTES, Piece, piece_boundary, pyarrow_parquet, tokenized_in_order
+from lightning_2d.data.sources import DataError, expand_patterns, stat_source
 
 #: Version of the chat cache's layout (part of its key).
 CHAT_CACHE_FORMAT = 1
@@ -41,7 +41,8 @@ CHAT_CACHE_FORMAT = 1
 CHAT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 MAX_PROBLEMS = 20
 
-__all__ = ["ChatCacheReport", "chat_cache_folder", "prepare_chat_cache", "resolve_chat_sources"]
+__all__ = ["ChatCacheReport", "chat_cache_folder", "plan_chat_pieces", "prepare_chat_cache", "read_rows",
+           "resolve_chat_sources", "row_location"]
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -94,16 +95,18 @@ def resolve_chat_sources(paths: Union[str, list[str]]) -> list[Path]:
     return files
 
 
-def _plan(sources: list[Path], chunk_bytes: int) -> list[Piece]:
+def plan_chat_pieces(sources: list[Path], chunk_bytes: int) -> list[Piece]:
+    """The files cut into pieces read on their own: JSONL by byte ranges of ``chunk_bytes`` (each ending at a
+    newline), Parquet by row groups, a JSON list or a ``datasets`` Arrow file whole."""
     pieces = []
     for index, path in enumerate(sources):
-        size, kind = _stat(path).st_size, _kind(path)
+        size, kind = stat_source(path).st_size, _kind(path)
         if kind == "jsonl":
             for start in range(0, max(size, 1), chunk_bytes):
                 stop = min(start + chunk_bytes, size)
                 pieces.append(Piece(index, str(path), kind, start, stop, size, stop >= size, stop - start))
         elif kind == "parquet":
-            pq = _pyarrow_parquet(path)
+            pq = pyarrow_parquet(path)
             try:
                 groups = pq.ParquetFile(path).num_row_groups
             except Exception as err:
@@ -128,12 +131,12 @@ def _tasks(pieces: list[Piece], chunk_bytes: int) -> list[list[Piece]]:
 
 
 # ---- reading and encoding rows (in the worker processes) -----------------------------------------
-def _rows(piece: Piece) -> Iterator[tuple[int, Any, Optional[str]]]:
+def read_rows(piece: Piece) -> Iterator[tuple[int, Any, Optional[str]]]:
     """``(row number, record, error)`` of a piece: a JSONL line number (from 1), else the row index (from 0)."""
     if piece.kind == "jsonl":
         with open(piece.path, "rb") as f:
-            begin = _piece_boundary(f, piece.start, piece.file_size, None)
-            end = piece.file_size if piece.last else _piece_boundary(f, piece.stop, piece.file_size, None)
+            begin = piece_boundary(f, piece.start, piece.file_size, None)
+            end = piece.file_size if piece.last else piece_boundary(f, piece.stop, piece.file_size, None)
             f.seek(0)
             before = f.read(begin).count(b"\n") if begin else 0
             f.seek(begin)
@@ -155,19 +158,20 @@ def _rows(piece: Piece) -> Iterator[tuple[int, Any, Optional[str]]]:
             return
         yield from ((i, r, None) for i, r in enumerate(records))
     elif piece.kind == "parquet":
-        pq = _pyarrow_parquet(piece.path)
+        pq = pyarrow_parquet(piece.path)
         table = pq.ParquetFile(piece.path).read_row_group(piece.start)
         offset = sum(pq.ParquetFile(piece.path).metadata.row_group(g).num_rows for g in range(piece.start))
         yield from ((offset + i, r, None) for i, r in enumerate(table.to_pylist()))
     else:  # a datasets Arrow file: an IPC stream
-        import pyarrow as pa
+        import pyarrow as pa  # the `parquet` extra: optional, imported for Arrow files only
 
         with pa.memory_map(piece.path) as source:
             table = pa.ipc.open_stream(source).read_all()
         yield from ((i, r, None) for i, r in enumerate(table.to_pylist()))
 
 
-def _where(piece: Piece, row: int) -> str:
+def row_location(piece: Piece, row: int) -> str:
+    """How messages name a row: ``file:line`` in JSONL, else ``file row N``."""
     return f"{piece.path}:{row}" if piece.kind == "jsonl" else f"{piece.path} row {row}"
 
 
@@ -194,12 +198,12 @@ class ChatPieceEncoder:
     def _piece(self, piece: Piece) -> _PieceResult:
         out = _PieceResult()
         try:
-            rows = list(_rows(piece))
+            rows = list(read_rows(piece))
         except (OSError, Exception) as err:  # noqa: BLE001 - a file that cannot be read is the row's problem
             out.problems.append(f"Cannot read {piece.path}: {err}")
             return out
         for row, record, error in rows:
-            where = _where(piece, row)
+            where = row_location(piece, row)
             out.rows_read += 1
             if error is not None:
                 out.problems.append(f"{where} {error}")
@@ -258,7 +262,7 @@ def chat_cache_key(sources: list[Path], tokenizer: Any, settings: Mapping[str, A
                          sort_keys=True, default=str)
     h = hashlib.sha256(payload.encode())
     for path in sources:
-        stat = _stat(path)
+        stat = stat_source(path)
         h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return "chat-" + h.hexdigest()[:24]
 
@@ -325,7 +329,7 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
            fields: Optional[Mapping[str, str]], num_workers: int, chunk_bytes: int,
            progress: Optional[Callable[[int, int, int], None]]) -> ChatCacheReport:
     started = time.perf_counter()
-    pieces = _plan(sources, chunk_bytes)
+    pieces = plan_chat_pieces(sources, chunk_bytes)
     tasks = _tasks(pieces, chunk_bytes)
     total = sum(p.nbytes for p in pieces)
     dtype = token_dtype(encoder.tokenizer.vocab_size)
@@ -336,7 +340,7 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
     rows = no_target = conversations = tokens = targets = done = 0
     end_of_turn: set[int] = set()
     try:
-        with closing(_tokenized_in_order(tasks, ChatPieceEncoder(encoder, format, fields), num_workers)) as results, \
+        with closing(tokenized_in_order(tasks, ChatPieceEncoder(encoder, format, fields), num_workers)) as results, \
                 open(partial["tokens.bin"], "wb") as f_ids, open(partial["trained.bin"], "wb") as f_trained, \
                 open(partial["offsets.bin"], "wb") as f_offsets, open(partial["rows.bin"], "wb") as f_rows, \
                 open(partial["targets.bin"], "wb") as f_targets:
