@@ -21,8 +21,9 @@ The training loader is stateful: checkpoints record how many samples of the curr
 consumed, and a resumed run continues with the next unseen batch.
 
 One module per job, bottom to top: ``sources`` (files, folders, globs; ``DataError``), ``tokenizers``,
-``pieces`` (the corpus cut into pieces and tokenized by a process pool), ``cache`` (the token cache on
-disk, built under a file lock), ``loading`` (windows, ``DataParallelSampler``, ``ResumableDataLoader``)
+``pieces`` (the corpus cut into pieces and tokenized by a process pool), ``cache_folders`` (what every cache
+shares: where it lives, its name, the file lock, partial files, ``meta.json`` written last), ``cache`` (the token
+cache on disk), ``loading`` (windows, ``DataParallelSampler``, ``ResumableDataLoader``)
 and ``datamodule`` (``TextDataModule``); ``chat/`` holds the instruction fine-tuning data (``ChatDataModule``). Knows nothing of models or parallelism beyond the data-parallel
 rank and size it is given.
 """

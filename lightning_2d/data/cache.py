@@ -4,24 +4,20 @@
 tokenizer, the text field, the piece size and whether documents start with the BOS token) or builds it: the
 tokens of the pieces (``pieces``) are
 appended in corpus order to a temporary file, which is synced and renamed, and ``meta.json``, written last,
-marks the cache complete. Processes of one machine building the same cache take turns on a file lock.
+marks the cache complete. Processes of one machine building the same cache take turns on a file lock. That
+protocol, and where caches live, is the chat cache's too (``cache_folders``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Union
+from typing import BinaryIO, Optional, Union
 
-import numpy as np
-
+from lightning_2d.data.cache_folders import build_once, folder_key, partial_files, token_dtype, write_meta
 from lightning_2d.data.pieces import (
     CHUNK_BYTES,
     Piece,
@@ -31,16 +27,11 @@ from lightning_2d.data.pieces import (
     plan_pieces,
     tokenized_in_order,
 )
-from lightning_2d.data.sources import DataError, corpus_bytes, stat_source
+from lightning_2d.data.sources import DataError, corpus_bytes
 from lightning_2d.data.tokenizers import Tokenizer
 
 #: Version of the cache layout and of the way text is cut into pieces (part of the cache key).
 CACHE_FORMAT = 2
-DEFAULT_CACHE_DIR = Path(os.environ.get("LIGHTNING_2D_CACHE", Path.home() / ".cache" / "lightning_2d"))
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
 def cache_key(
@@ -49,11 +40,7 @@ def cache_key(
     """The cache folder's name: the sources (path, size, mtime), the tokenizer, the text field, the piece size
     and, with ``add_bos``, the beginning-of-text token (a cache without it keeps its earlier key)."""
     bos = f"|bos{getattr(tokenizer, 'bos_id', None)}" if add_bos else ""
-    h = hashlib.sha256(f"v{CACHE_FORMAT}|{tokenizer.fingerprint}|{text_field}|chunk{chunk_bytes}{bos}".encode())
-    for path in sources:
-        stat = stat_source(path)
-        h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return h.hexdigest()[:24]
+    return folder_key(f"v{CACHE_FORMAT}|{tokenizer.fingerprint}|{text_field}|chunk{chunk_bytes}{bos}", sources)
 
 
 def cache_folder(
@@ -96,53 +83,6 @@ class CacheReport:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def _read_meta(folder: Path) -> Optional[dict[str, Any]]:
-    try:
-        return json.loads((folder / "meta.json").read_text())
-    except FileNotFoundError:
-        return None
-
-
-@contextmanager
-def _exclusive(lock_path: Path, on_wait: Callable[[str], None]) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path``: processes of one machine build a cache one at a time.
-
-    The others wait, then find the cache complete. Where ``flock`` is unavailable (Windows, some
-    network file systems) builds may overlap; each writes its own temporary file, so the result is
-    still complete and correct, only computed twice.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            on_wait(f"Waiting for another process that is building {lock_path.parent}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # pragma: no cover - no locks on this file system
-            pass
-        yield  # closing the file releases the lock, also when this process dies
-
-
-def _partial_name() -> str:
-    return f"tokens.bin.tmp-{socket.gethostname()}-{os.getpid()}"
-
-
-def _remove_dead_partials(folder: Path) -> None:
-    """Delete temporary token files left by killed builds of this machine (not those of live processes)."""
-    host = socket.gethostname()
-    for path in folder.glob(f"tokens.bin.tmp-{host}-*"):
-        try:
-            os.kill(int(path.name.rsplit("-", 1)[1]), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (ValueError, PermissionError):
-            pass
 
 
 class _Writer:
@@ -244,16 +184,13 @@ def prepare_token_cache(
     if add_bos and getattr(tokenizer, "bos_id", None) is None:
         raise DataError(f"add_bos=True, but the tokenizer ({tokenizer.fingerprint}) has no beginning-of-text token")
     folder = cache_folder(sources, tokenizer, cache_dir, text_field, chunk_bytes, add_bos)
-    meta = _read_meta(folder)
-    if meta is None:
-        folder.mkdir(parents=True, exist_ok=True)
-        with _exclusive(folder / ".lock", log or (lambda message: None)):
-            meta = _read_meta(folder)  # another process may have finished it while this one waited
-            if meta is None:
-                return _build(folder, sources, tokenizer, text_field, strict, num_workers, chunk_bytes, progress,
-                              add_bos)
-    return CacheReport(folder, False, meta["num_sources"], meta.get("num_bytes", 0), meta["num_tokens"],
-                       meta["num_documents"])
+    return build_once(
+        folder,
+        lambda: _build(folder, sources, tokenizer, text_field, strict, num_workers, chunk_bytes, progress, add_bos),
+        lambda meta: CacheReport(folder, False, meta["num_sources"], meta.get("num_bytes", 0), meta["num_tokens"],
+                                 meta["num_documents"]),
+        log,
+    )
 
 
 def _build(
@@ -261,39 +198,32 @@ def _build(
     chunk_bytes: int, progress: Optional[Callable[[int, int, int], None]], add_bos: bool = False,
 ) -> CacheReport:
     started = time.perf_counter()
-    _remove_dead_partials(folder)
     tasks = group_tasks(plan_pieces(sources, text_field, chunk_bytes), chunk_bytes)
     total = corpus_bytes(sources)
     dtype = token_dtype(tokenizer.vocab_size)
     tokenize = PieceTokenizer(tokenizer, text_field, dtype, chunk_bytes, add_bos)
-    partial = folder / _partial_name()
     done = 0
-    try:
-        with partial.open("wb") as out, closing(tokenized_in_order(tasks, tokenize, num_workers)) as tokenized:
-            writer = _Writer(out, strict, dtype.itemsize)
-            problems: list[str] = []
-            for task, results in zip(tasks, tokenized):
-                for piece, result in zip(task, results):
-                    try:
-                        writer.add(piece, result)
-                    except DataError as err:  # go on: every bad file is reported at once, not one per run
-                        problems.append(str(err))
-                        writer.skip_file()
-                done += sum(p.nbytes for p in task)
-                if progress is not None:
-                    progress(min(done, total), total, writer.tokens)
-            if problems:
-                raise DataError(
-                    f"{len(problems)} problem(s) in the corpus (nothing was cached):\n  - "
-                    + "\n  - ".join(problems[:20])
-                    + (f"\n  - … and {len(problems) - 20} more" if len(problems) > 20 else "")
-                )
-            n_tokens = writer.tokens
-            out.flush()
-            os.fsync(out.fileno())  # the data is on disk before meta.json can say it is complete
-        os.replace(partial, folder / "tokens.bin")
-    finally:
-        partial.unlink(missing_ok=True)
+    with partial_files(folder, ["tokens.bin"]) as files, \
+            closing(tokenized_in_order(tasks, tokenize, num_workers)) as tokenized:
+        writer = _Writer(files["tokens.bin"], strict, dtype.itemsize)
+        problems: list[str] = []
+        for task, results in zip(tasks, tokenized):
+            for piece, result in zip(task, results):
+                try:
+                    writer.add(piece, result)
+                except DataError as err:  # go on: every bad file is reported at once, not one per run
+                    problems.append(str(err))
+                    writer.skip_file()
+            done += sum(p.nbytes for p in task)
+            if progress is not None:
+                progress(min(done, total), total, writer.tokens)
+        if problems:
+            raise DataError(
+                f"{len(problems)} problem(s) in the corpus (nothing was cached):\n  - "
+                + "\n  - ".join(problems[:20])
+                + (f"\n  - … and {len(problems) - 20} more" if len(problems) > 20 else "")
+            )
+        n_tokens = writer.tokens
     meta = {
         "format": CACHE_FORMAT,
         "num_tokens": n_tokens,
@@ -308,12 +238,7 @@ def _build(
         "sources": [str(p) for p in sources[:1000]],
         "num_sources": len(sources),
     }
-    partial_meta = folder / f"meta.json.tmp-{socket.gethostname()}-{os.getpid()}"
-    with partial_meta.open("w") as f:
-        f.write(json.dumps(meta, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial_meta, folder / "meta.json")
+    write_meta(folder, meta)
     return CacheReport(folder, True, len(sources), total, n_tokens, writer.documents, time.perf_counter() - started,
                        min(num_workers, max(1, len(tasks))), len(tasks), writer.largest_read)
 

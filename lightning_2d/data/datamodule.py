@@ -20,7 +20,8 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from lightning_2d.data.base import DataParallelDataModule, common_problems
-from lightning_2d.data.cache import DEFAULT_CACHE_DIR, CacheReport, cache_folder, prepare_token_cache
+from lightning_2d.data.cache import CacheReport, cache_folder, prepare_token_cache
+from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR
 from lightning_2d.data.loading import TokenWindows
 from lightning_2d.data.pieces import default_num_workers
 from lightning_2d.data.sources import DataError, corpus_bytes, resolve_sources

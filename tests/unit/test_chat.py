@@ -4,6 +4,8 @@ packing, the step's token count, bad input named by row. Tokenizers are made her
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 
 import numpy as np
@@ -304,6 +306,30 @@ def test_a_packed_window_equals_its_conversations_one_at_a_time(chatml, tmp_path
     torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-6)
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_interrupted_chat_build_leaves_no_file_and_a_killed_ones_partial_files_are_removed(chatml, tmp_path):
+    """The token cache's protocol (``cache_folders``): partial files renamed only on success, removed on an error, and
+    those of a dead process of this machine removed by the next build."""
+    data = ChatDataModule(write_rows(tmp_path / "d.jsonl", qa_rows(10)), str(chatml), cache_dir=str(tmp_path / "c"))
+    folder = data.cache_folder
+    folder.mkdir(parents=True)
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    for name in ("trained.bin", "meta.json"):
+        (folder / f"{name}.tmp-{socket.gethostname()}-{dead}").write_bytes(b"\1" * 10)
+
+    def ctrl_c(done, total, conversations):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(num_workers=1, progress=ctrl_c)
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # no cache file, no partial file, no meta.json
+    report = data.prepare(num_workers=1)
+    assert report.built and report.conversations == 10 and (folder / "meta.json").is_file()
+    assert not data.prepare(num_workers=1).built
 
 
 def test_bad_input_is_refused_before_any_process_starts(chatml, tmp_path):

@@ -2,8 +2,9 @@
 pool, cached on disk.
 
 The cache of a data set is a folder keyed by its files (path, size, mtime), the tokenizer, the template (its
-text and special tokens), the template arguments, the format and the masking rule; ``meta.json``, written last,
-marks it complete. It holds every kept conversation's tokens (``tokens.bin``), which of them are trained
+text and special tokens), the template arguments, the format and the masking rule; it is built as the token cache
+is (``cache_folders``: one process of a machine at a time, partial files synced and renamed, and ``meta.json``,
+written last, marks it complete). It holds every kept conversation's tokens (``tokens.bin``), which of them are trained
 (``trained.bin``, one byte each), where each conversation starts (``offsets.bin``, int64), the row it came
 from (``rows.bin``: file index and row number, for messages) and its trained tokens (``targets.bin``). It does not depend on ``seq_len``: packing
 happens when training starts, in a fraction of a second.
@@ -16,10 +17,7 @@ the first 20), and nothing is cached then.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -29,7 +27,14 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
-from lightning_2d.data.cache import DEFAULT_CACHE_DIR, _exclusive, token_dtype
+from lightning_2d.data.cache_folders import (
+    DEFAULT_CACHE_DIR,
+    build_once,
+    folder_key,
+    partial_files,
+    token_dtype,
+    write_meta,
+)
 from lightning_2d.data.chat.encode import ChatEncoder
 from lightning_2d.data.chat.formats import to_conversation
 from lightning_2d.data.pieces import CHUNK_BYTES, Piece, piece_boundary, pyarrow_parquet, tokenized_in_order
@@ -40,9 +45,11 @@ CHAT_CACHE_FORMAT = 1
 #: The files a folder contributes (a ``datasets`` folder: its Arrow files).
 CHAT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 MAX_PROBLEMS = 20
+#: The files of a chat cache besides ``meta.json``.
+CHAT_FILES = ("tokens.bin", "trained.bin", "offsets.bin", "rows.bin", "targets.bin")
 
-__all__ = ["ChatCacheReport", "chat_cache_folder", "plan_chat_pieces", "prepare_chat_cache", "read_rows",
-           "resolve_chat_sources", "row_location"]
+__all__ = ["CHAT_FILES", "ChatCacheReport", "chat_cache_folder", "plan_chat_pieces", "prepare_chat_cache",
+           "read_rows", "resolve_chat_sources", "row_location"]
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -260,23 +267,12 @@ def chat_cache_key(sources: list[Path], tokenizer: Any, settings: Mapping[str, A
     template arguments, format, masking rule)."""
     payload = json.dumps({"v": CHAT_CACHE_FORMAT, "tokenizer": tokenizer.fingerprint, **settings},
                          sort_keys=True, default=str)
-    h = hashlib.sha256(payload.encode())
-    for path in sources:
-        stat = stat_source(path)
-        h.update(f"|{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return "chat-" + h.hexdigest()[:24]
+    return "chat-" + folder_key(payload, sources)
 
 
 def chat_cache_folder(sources: list[Path], tokenizer: Any, settings: Mapping[str, Any],
                       cache_dir: Union[str, Path, None] = None) -> Path:
     return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / chat_cache_key(sources, tokenizer, settings)
-
-
-def read_chat_meta(folder: Path) -> Optional[dict[str, Any]]:
-    try:
-        return json.loads((folder / "meta.json").read_text())
-    except FileNotFoundError:
-        return None
 
 
 def _report(folder: Path, meta: Mapping[str, Any], built: bool, seconds: float = 0.0) -> ChatCacheReport:
@@ -314,15 +310,12 @@ def prepare_chat_cache(
         DataError: Bad rows (each one named, the first 20); nothing is cached.
     """
     folder = chat_cache_folder(sources, encoder.tokenizer, settings, cache_dir)
-    meta = read_chat_meta(folder)
-    if meta is not None:
-        return _report(folder, meta, built=False)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder / ".lock", log or (lambda line: None)):
-        meta = read_chat_meta(folder)
-        if meta is not None:
-            return _report(folder, meta, built=False)
-        return _build(folder, sources, encoder, settings, format, fields, num_workers, chunk_bytes, progress)
+    return build_once(
+        folder,
+        lambda: _build(folder, sources, encoder, settings, format, fields, num_workers, chunk_bytes, progress),
+        lambda meta: _report(folder, meta, built=False),
+        log,
+    )
 
 
 def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Mapping[str, Any], format: str,
@@ -333,54 +326,41 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
     tasks = _tasks(pieces, chunk_bytes)
     total = sum(p.nbytes for p in pieces)
     dtype = token_dtype(encoder.tokenizer.vocab_size)
-    suffix = f".tmp-{socket.gethostname()}-{os.getpid()}"
-    names = ("tokens.bin", "trained.bin", "offsets.bin", "rows.bin", "targets.bin")
-    partial = {name: folder / (name + suffix) for name in names}
     problems: list[str] = []
     rows = no_target = conversations = tokens = targets = done = 0
     end_of_turn: set[int] = set()
-    try:
-        with closing(tokenized_in_order(tasks, ChatPieceEncoder(encoder, format, fields), num_workers)) as results, \
-                open(partial["tokens.bin"], "wb") as f_ids, open(partial["trained.bin"], "wb") as f_trained, \
-                open(partial["offsets.bin"], "wb") as f_offsets, open(partial["rows.bin"], "wb") as f_rows, \
-                open(partial["targets.bin"], "wb") as f_targets:
-            np.zeros(1, dtype=np.int64).tofile(f_offsets)
-            for task, task_results in zip(tasks, results):
-                for piece, result in zip(task, task_results):
-                    problems += result.problems
-                    rows += result.rows_read
-                    no_target += result.no_target
-                    end_of_turn |= result.end_of_turn
-                    if problems:
-                        continue  # keep reading: every bad row is reported at once
-                    for ids, trained, row in zip(result.ids, result.trained, result.rows):
-                        ids.astype(dtype).tofile(f_ids)
-                        trained.astype(np.uint8).tofile(f_trained)
-                        tokens += len(ids)
-                        count = int(trained[1:].sum())
-                        targets += count
-                        np.asarray([count], dtype=np.int64).tofile(f_targets)
-                        np.asarray([tokens], dtype=np.int64).tofile(f_offsets)
-                        np.asarray([piece.file, row], dtype=np.int64).tofile(f_rows)
-                        conversations += 1
-                done += sum(p.nbytes for p in task)
-                if progress is not None:
-                    progress(min(done, total), total, conversations)
-            if problems:
-                shown = problems[:MAX_PROBLEMS]
-                raise DataError(f"{len(problems)} bad row(s) in the chat data (nothing was cached):\n  - "
-                                + "\n  - ".join(shown) + ("\n  - …" if len(problems) > len(shown) else ""))
-            if conversations == 0:
-                raise DataError(f"No conversation of the chat data ({rows} row(s)) has a token to train on"
-                                f" ({no_target} without one): check train_on ({encoder.train_on!r}) and the roles")
-            for f in (f_ids, f_trained, f_offsets, f_rows, f_targets):
-                f.flush()
-                os.fsync(f.fileno())
-        for name in names:
-            os.replace(partial[name], folder / name)
-    finally:
-        for path in partial.values():
-            path.unlink(missing_ok=True)
+    with partial_files(folder, CHAT_FILES) as files, \
+            closing(tokenized_in_order(tasks, ChatPieceEncoder(encoder, format, fields), num_workers)) as results:
+        f_ids, f_trained, f_offsets, f_rows, f_targets = (files[name] for name in CHAT_FILES)
+        np.zeros(1, dtype=np.int64).tofile(f_offsets)
+        for task, task_results in zip(tasks, results):
+            for piece, result in zip(task, task_results):
+                problems += result.problems
+                rows += result.rows_read
+                no_target += result.no_target
+                end_of_turn |= result.end_of_turn
+                if problems:
+                    continue  # keep reading: every bad row is reported at once
+                for ids, trained, row in zip(result.ids, result.trained, result.rows):
+                    ids.astype(dtype).tofile(f_ids)
+                    trained.astype(np.uint8).tofile(f_trained)
+                    tokens += len(ids)
+                    count = int(trained[1:].sum())
+                    targets += count
+                    np.asarray([count], dtype=np.int64).tofile(f_targets)
+                    np.asarray([tokens], dtype=np.int64).tofile(f_offsets)
+                    np.asarray([piece.file, row], dtype=np.int64).tofile(f_rows)
+                    conversations += 1
+            done += sum(p.nbytes for p in task)
+            if progress is not None:
+                progress(min(done, total), total, conversations)
+        if problems:
+            shown = problems[:MAX_PROBLEMS]
+            raise DataError(f"{len(problems)} bad row(s) in the chat data (nothing was cached):\n  - "
+                            + "\n  - ".join(shown) + ("\n  - …" if len(problems) > len(shown) else ""))
+        if conversations == 0:
+            raise DataError(f"No conversation of the chat data ({rows} row(s)) has a token to train on"
+                            f" ({no_target} without one): check train_on ({encoder.train_on!r}) and the roles")
     meta = {
         "format": CHAT_CACHE_FORMAT, "dtype": dtype.name, "vocab_size": encoder.tokenizer.vocab_size,
         "tokenizer": encoder.tokenizer.fingerprint, "settings": dict(settings), "rows": rows,
@@ -388,10 +368,5 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
         "end_of_turn": sorted(end_of_turn), "sources": [str(p) for p in sources[:1000]],
         "num_sources": len(sources),
     }
-    partial_meta = folder / ("meta.json" + suffix)
-    with partial_meta.open("w") as f:
-        f.write(json.dumps(meta, indent=1, default=str))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial_meta, folder / "meta.json")
+    write_meta(folder, meta)
     return _report(folder, meta, built=True, seconds=time.perf_counter() - started)

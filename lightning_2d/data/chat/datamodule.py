@@ -21,15 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_2d.data.base import DataParallelDataModule, common_problems
-from lightning_2d.data.cache import DEFAULT_CACHE_DIR
+from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR, read_meta
 from lightning_2d.data.chat.builtin import byte_chat_folder, stdlib_chat_file
-from lightning_2d.data.chat.cache import (
-    ChatCacheReport,
-    chat_cache_folder,
-    prepare_chat_cache,
-    read_chat_meta,
-    resolve_chat_sources,
-)
+from lightning_2d.data.chat.cache import ChatCacheReport, chat_cache_folder, prepare_chat_cache, resolve_chat_sources
 from lightning_2d.data.chat.encode import TRAIN_ON, ChatEncoder
 from lightning_2d.data.chat.formats import check_format
 from lightning_2d.data.chat.packing import OVERFLOW, Windows, pack_windows
@@ -104,7 +98,7 @@ class ChatWindows(Dataset):
 
     def __init__(self, folder: Path, windows: Windows, conversations: np.ndarray, seq_len: int, pad_id: int,
                  position_ids: bool) -> None:
-        meta = read_chat_meta(folder)
+        meta = read_meta(folder)
         assert meta is not None, f"{folder} is not a complete chat cache"
         self.folder, self.dtype = folder, np.dtype(meta["dtype"])
         self.windows, self.conversations = windows, conversations
@@ -286,7 +280,7 @@ class ChatDataModule(DataParallelDataModule):
         """Before any process starts (the CLI calls it): a small data set is encoded now, so a bad row, a template
         that fails and a conversation over ``seq_len`` under ``overflow="error"`` are reported here; a large one
         without a cache raises ``DataError`` with the command that prepares it."""
-        if read_chat_meta(self.cache_folder) is None:
+        if read_meta(self.cache_folder) is None:
             size = corpus_bytes(self.sources)
             if self.max_unprepared_mb is not None and size > self.max_unprepared_mb * 1e6:
                 raise DataError(
@@ -304,10 +298,10 @@ class ChatDataModule(DataParallelDataModule):
     # ---- splits and windows ----
     def _split(self) -> tuple[ChatWindows, Optional[ChatWindows]]:
         folder = self.cache_folder
-        meta = read_chat_meta(folder)
+        meta = read_meta(folder)
         if meta is None:
             self.prepare(num_workers=1)
-            meta = read_chat_meta(folder)
+            meta = read_meta(folder)
         assert meta is not None
         offsets = np.fromfile(folder / "offsets.bin", dtype=np.int64)
         lengths = np.diff(offsets) - 1  # positions each conversation takes
@@ -378,7 +372,7 @@ class ChatDataModule(DataParallelDataModule):
     @property
     def end_of_turn_ids(self) -> list[int]:
         """The end-of-turn token ids the cache's conversations end their assistant turns with (stop ids)."""
-        meta = read_chat_meta(self.cache_folder)
+        meta = read_meta(self.cache_folder)
         return list(meta["end_of_turn"]) if meta else []
 
 
