@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.names import CP_DIM, DP_REPLICATE_DIM, DP_SHARD_DIM, PP_DIM, TP_DIM
 from lightning_2d.tools.planner.report import GIB, PlanReport
+from lightning_2d.tools.planner.world import fake_world
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -191,8 +192,6 @@ def mesh_table(dims: ParallelDims, devices_per_node: int) -> list[RankPlace]:
         dims: The mesh sizes.
         devices_per_node: Ranks per node.
     """
-    from lightning_2d.tools.planner.world import fake_world
-
     layout = dims.as_dict()
     with fake_world(dims.world_size):
         root = dims.build_mesh("cpu").root

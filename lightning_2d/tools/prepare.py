@@ -16,13 +16,18 @@ The Python equivalent is ``TextDataModule(...).prepare(num_workers=...)``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 import sys
 import time
 from typing import Any, Optional, Union
 
+import numpy as np
+from docstring_parser import parse
+
 from lightning_2d.data import CacheReport, ChatDataModule, DataError, TextDataModule, corpus_bytes, default_num_workers
-from lightning_2d.data.chat import ChatCacheReport
+from lightning_2d.data.chat import ChatCacheReport, pack_windows, to_conversation
+from lightning_2d.data.chat.cache import plan_chat_pieces, read_rows, row_location
 from lightning_2d.tools.recipe import RecipeError, add_recipe_options, data_arguments, data_class, fit_config, split_argv
 
 DESCRIPTION = (
@@ -39,10 +44,6 @@ CACHE_OPTIONS = ("paths", "tokenizer", "eos_token", "text_field", "cache_dir")
 
 def _data_options(group: argparse._ArgumentGroup) -> None:
     """One help line per ``TextDataModule`` argument (``--data.NAME``), from its signature and docstring."""
-    import inspect
-
-    from docstring_parser import parse
-
     docs = {p.arg_name: " ".join(p.description.split()) for p in parse(TextDataModule.__doc__ or "").params}
     for name, parameter in inspect.signature(TextDataModule).parameters.items():
         if name not in CACHE_OPTIONS:
@@ -180,12 +181,6 @@ def _prepare_chat(data: ChatDataModule, workers: int) -> ChatCacheReport:
 def chat_preview(data: ChatDataModule, count: int) -> str:
     """``count`` rows rendered as the model will see them, the trained text inside ``[[ ]]``, with token counts;
     then the packing efficiency of the whole data set (encoded in memory, nothing written)."""
-    import numpy as np
-
-    from lightning_2d.data.chat.cache import plan_chat_pieces, read_rows, row_location
-    from lightning_2d.data.chat.formats import to_conversation
-    from lightning_2d.data.chat.packing import pack_windows
-
     out, lengths, trained = [], [], 0
     shown = 0
     for piece in plan_chat_pieces(data.sources, 1 << 62):

@@ -15,14 +15,23 @@ and checks that they agree with ``RecipeRun``.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_2d.data import ChatDataModule, TextDataModule
 from lightning_2d.errors import Lightning2DError
+from lightning_2d.integration.hf_module import HFCausalLMModule
+from lightning_2d.integration.module import LlamaLightningModule
+from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
+from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.parallel.config import ParallelConfigError
+from lightning_2d.tools.cli import MODEL_AND_DATA, Lightning2DCLI
 
 #: The top-level keys of a ``fit`` recipe; ``--KEY...`` options of these go to ``fit``'s parser.
 RECIPE_KEYS = ("config", "trainer", "model", "data", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler",
@@ -80,8 +89,6 @@ def data_class(spec: Any, source: str = "the recipe") -> type:
     Raises:
         RecipeError: Another class: the tools read those two.
     """
-    from lightning_2d.data import ChatDataModule, TextDataModule
-
     class_path = str(spec.get("class_path") or "lightning_2d.TextDataModule")
     module, _, name = class_path.rpartition(".")
     try:
@@ -120,10 +127,6 @@ def fit_config(recipe_argv: list[str], prog: str) -> Any:
     Raises:
         RecipeError: a missing file, an unknown key, a value of the wrong type: jsonargparse's message.
     """
-    from lightning.pytorch.cli import LightningArgumentParser
-
-    from lightning_2d.tools.cli import MODEL_AND_DATA, Lightning2DCLI
-
     class ParseOnly(Lightning2DCLI):
         def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
             super().add_arguments_to_parser(parser)
@@ -236,15 +239,11 @@ class RecipeRun:
 
     @property
     def is_llama(self) -> bool:
-        from lightning_2d.models.llama.model import ModelArgs
-
         return isinstance(self.model, ModelArgs)
 
 
 def _strategy(value: Any) -> tuple[Any, dict[str, Any]]:
     """The recipe's strategy, built (its ``ParallelConfig`` checked), and its ``init_args`` as written."""
-    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
-
     if isinstance(value, str) and value == ModelParallel2DStrategy.strategy_name:
         return ModelParallel2DStrategy(), {}
     spec = value.as_dict() if hasattr(value, "as_dict") else value
@@ -260,8 +259,6 @@ def _strategy(value: Any) -> tuple[Any, dict[str, Any]]:
         raise RecipeError(f"trainer.strategy is {spec['class_path']}; the tools read runs of"
                           " lightning_2d.ModelParallel2DStrategy")
     options = dict(spec.get("init_args") or {})
-    from lightning_2d.parallel.config import ParallelConfigError
-
     try:
         return cls(**options), options
     except (ParallelConfigError, ValueError, TypeError) as err:
@@ -270,9 +267,6 @@ def _strategy(value: Any) -> tuple[Any, dict[str, Any]]:
 
 def run_of(config: Any) -> RecipeRun:
     """``RecipeRun`` of a parsed recipe (``fit_config``): the module and the strategy are built, nothing else."""
-    from lightning_2d.integration.hf_module import HFCausalLMModule
-    from lightning_2d.integration.module import LlamaLightningModule
-
     model_spec = config["model"]
     spec = model_spec.as_dict() if hasattr(model_spec, "as_dict") else dict(model_spec)
     # A recipe for downloaded weights names their folder, which the machine that plans may not have: the shapes
@@ -332,8 +326,6 @@ def given_options(parser: Any, argv: list[str]) -> tuple[Any, set[str]]:
     argparse fills in a default only for a destination the namespace lacks: parsing into a namespace that
     already holds a marker for every destination leaves the marker exactly where nothing was given.
     """
-    import argparse
-
     marker = object()
     defaults = vars(parser.parse_args([]))
     namespace = parser.parse_args(argv, namespace=argparse.Namespace(**{k: marker for k in defaults}))

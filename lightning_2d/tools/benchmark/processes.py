@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from lightning_2d.tools import launch  # launch.launch_processes looked up per job: tests stand in for it
 from lightning_2d.tools.benchmark.settings import BenchmarkSettings
 from lightning_2d.tools.benchmark.variants import _rank, run_variant
 
@@ -36,11 +37,9 @@ def _child_env(settings: BenchmarkSettings) -> dict[str, str]:
 
 def run_job(variant: str, settings: BenchmarkSettings, settings_path: Path, job_dir: Path) -> list[dict[str, Any]]:
     """Start ``settings.world_size`` local processes running ``variant``; each rank's result, by rank."""
-    from lightning_2d.tools.launch import launch_processes
-
     argv = [sys.executable, "-m", "lightning_2d.tools.benchmark", "--worker", variant,
             "--settings", str(settings_path), "--out", str(job_dir)]
-    job = launch_processes(
+    job = launch.launch_processes(
         argv, job_dir, nprocs=settings.world_size, num_nodes=settings.num_nodes, timeout=settings.timeout,
         env=_child_env(settings),
     )

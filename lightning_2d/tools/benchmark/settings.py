@@ -9,17 +9,17 @@ import argparse
 import inspect
 import json
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from lightning_2d.errors import Lightning2DError
+from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.benchmark.options import option_flag, strategy_options
-
-if TYPE_CHECKING:
-    from lightning_2d.parallel.dims import ParallelDims
 
 VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp", "lora", "expert_parallel")
 OURS = "lightning_2d"
@@ -149,15 +149,10 @@ def _model_args(args: argparse.Namespace, problems: list[str]) -> Optional[Model
 
 
 def _strategy_accepts() -> set[str]:
-    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
-
     return set(inspect.signature(ModelParallel2DStrategy).parameters)
 
 
 def _validate_layout(config: ParallelConfig, args: argparse.Namespace, model_args: Optional[ModelArgs]) -> ParallelDims:
-    from lightning_2d.models.llama.plan import llama_plan
-    from lightning_2d.parallel.dims import validate_parallel_dims
-
     return validate_parallel_dims(
         config,
         world_size=args.devices * args.num_nodes,

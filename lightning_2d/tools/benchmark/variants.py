@@ -15,8 +15,11 @@ import lightning as L
 import torch
 
 from lightning_2d.integration.callbacks import peak_memory_gib, peak_tflops
+from lightning_2d.integration.module import LlamaLightningModule
+from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import Transformer
 from lightning_2d.parallel.config import PRECISION_TO_DTYPES
+from lightning_2d.parallel.dims import destroy_process_group_at_exit
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
 from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
 from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
@@ -61,9 +64,6 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
     ``ModelParallel2DStrategy`` (its FSDP backend as the
     variant says, ``BenchmarkSettings.strategy_kwargs``) + ``LlamaLightningModule``. The collectives of the last
     warm-up step are counted (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
-    from lightning_2d.integration.module import LlamaLightningModule
-    from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
-
     module = LlamaLightningModule(
         model=settings.model_args,
         init_seed=settings.seed,
@@ -178,8 +178,6 @@ RUNNERS: dict[str, Callable[[BenchmarkSettings], tuple[StepClock, torch.device, 
 
 def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
     """Run one variant on this rank; returns its step times, losses, peak memory and the device's peak."""
-    from lightning_2d.parallel.dims import destroy_process_group_at_exit
-
     _quiet_lightning()
     clock, device, dtype = RUNNERS[variant](settings)
     destroy_process_group_at_exit()

@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
+from lightning_2d.integration.module import LlamaLightningModule, fused_adamw, warmup_cosine_schedule
 from lightning_2d.models.llama.model import Transformer
+from lightning_2d.ops.init import SeededInit
+from lightning_2d.parallel.materialize import local_block
+from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.tools.benchmark.settings import BenchmarkSettings
 
 
@@ -52,8 +56,6 @@ def synthetic_loader(settings: BenchmarkSettings, rank: int) -> torch.utils.data
 
 def adamw_defaults() -> dict[str, Any]:
     """``LlamaLightningModule``'s optimizer hyper-parameters (its constructor defaults): one source of truth."""
-    from lightning_2d.integration.module import LlamaLightningModule
-
     parameters = inspect.signature(LlamaLightningModule.__init__).parameters
     names = ("learning_rate", "weight_decay", "betas", "eps", "fused", "warmup_steps", "min_lr_ratio")
     return {name: parameters[name].default for name in names}
@@ -68,8 +70,6 @@ def build_adamw(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its schedule for the hand-written variants, following ``LlamaLightningModule.configure_optimizers``:
     weight decay on matrices only, fused on CUDA and CPU and foreach elsewhere, linear warm-up then cosine."""
-    from lightning_2d.integration.module import fused_adamw, warmup_cosine_schedule
-
     hp = adamw_defaults()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -90,10 +90,6 @@ def build_adamw(
 def load_seeded_init(model: Transformer, seed: int) -> None:
     """Overwrite each rank's shards with the values ``Transformer.init_weights(seed)`` gives the full
     model, and recompute the rotary table: every variant then starts from the same weights."""
-    from lightning_2d.ops.init import SeededInit
-    from lightning_2d.parallel.materialize import local_block
-    from lightning_2d.parallel.modules import canonical_name
-
     source = SeededInit(model.param_init_specs(), seed)
     device = torch.device("cpu")
     for name, param in model.named_parameters():
