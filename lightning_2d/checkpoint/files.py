@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from lightning_2d.errors import CheckpointError
+from lightning_2d.checkpoint.errors import CheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
 
 METADATA_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 DCP_METADATA_FILE = ".metadata"
@@ -864,8 +864,6 @@ def resolve_on_rank_zero(
 ) -> Path:
     """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared: an error
     there is raised on every rank with the same message."""
-    from lightning_2d.checkpoint.safe_load import UnreadableCheckpointError, UnsafeCheckpointError
-
     kinds = {cls.__name__: cls for cls in (CheckpointError, UnreadableCheckpointError, UnsafeCheckpointError)}
     answer: Any = None
     if global_rank == 0:

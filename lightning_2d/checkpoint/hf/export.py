@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_2d.checkpoint.errors import CheckpointError, ExportError
 from lightning_2d.checkpoint.hf.layout import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -46,8 +47,7 @@ from lightning_2d.checkpoint.hf.tokenizer import (
     resolve_export_tokenizer,
     write_tokenizer,
 )
-from lightning_2d.checkpoint.files import CheckpointError
-from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
+from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
 #: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
