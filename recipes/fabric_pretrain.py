@@ -95,7 +95,7 @@ def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional
     newest complete checkpoint in ``--checkpoint-dir``.
 
     Newer saves that never finished are skipped with a warning naming them
-    (``lightning_2d.checkpoint.files.latest_checkpoint``); rank 0 decides and every rank gets its answer.
+    (``lightning_2d.checkpoint.latest_checkpoint``); rank 0 decides and every rank gets its answer.
 
     Args:
         fabric: The launched Fabric.

@@ -5,7 +5,7 @@ Every load of a checkpoint file in the package goes through ``load_checkpoint_fi
 ``meta.pt`` and RNG files, a full file, export), and Lightning's own loads run inside ``trusted_globals`` with
 ``weights_only=True``: a file carrying a pickled callable (``os.system``, ``exec``) is refused before anything in it
 is built, with one line naming the file and what it holds (``UnsafeCheckpointError``). DCP's ``.metadata`` is read
-by ``files.DCPMetadataUnpickler``, which builds DCP's own types only. The errors
+by ``dcp_metadata.DCPMetadataUnpickler``, which builds DCP's own types only. The errors
 raised here are defined in ``checkpoint.errors``.
 """
 

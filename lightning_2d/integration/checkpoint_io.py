@@ -6,9 +6,9 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
 
 - ``save_checkpoint`` (Lightning's checkpoint dict) and ``save`` (tensors and metadata, as Fabric splits
   them) write a sharded folder (DCP, optionally in the background) or a full file, complete or recognisably
-  incomplete (``checkpoint.files``);
-- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint), has
-  the ranks check its digests together before anything is read, then reads its non-tensor part weights-only (a
+  incomplete (``checkpoint.writer``);
+- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint,
+  ``checkpoint.resolution``), has the ranks check its digests together before anything is read, then reads its non-tensor part weights-only (a
   pickled callable is refused there, in one line, before any tensor is read), ``check_fits``
   refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
   load at the same layout;
@@ -26,19 +26,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_2d.checkpoint.files import (
-    METADATA_FILE,
-    CheckpointError,
-    make_writer,
-    may_fall_back,
-    remove_path,
-    resolve_and_check,
-    restore_random_state,
-    save_full_checkpoint,
-    shape_mismatches,
-    stored_shapes,
-)
+from lightning_2d.checkpoint.dcp_metadata import shape_mismatches, stored_shapes
+from lightning_2d.checkpoint.errors import CheckpointError
+from lightning_2d.checkpoint.names import METADATA_FILE
+from lightning_2d.checkpoint.resolution import may_fall_back, resolve_and_check
+from lightning_2d.checkpoint.rng import restore_random_state
 from lightning_2d.checkpoint.safe_load import check_weights_only, load_checkpoint_file
+from lightning_2d.checkpoint.writer import make_writer, remove_path, save_full_checkpoint
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
@@ -51,7 +45,7 @@ class DistributedCheckpointIO(CheckpointIO):
         barrier, broadcast: The strategy's collectives (``broadcast(obj)`` from rank 0).
         sharded: One shard per rank (DCP) or a full file assembled on rank 0.
         async_save: Write sharded checkpoints in a background thread.
-        layout: What a checkpoint records of the current layout (``checkpoint.files.layout_of``).
+        layout: What a checkpoint records of the current layout (``checkpoint.rng.layout_of``).
     """
 
     def __init__(

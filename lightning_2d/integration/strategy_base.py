@@ -44,7 +44,7 @@ from lightning_2d._compat import (
     strategy_timeout,
     trainer_of,
 )
-from lightning_2d.checkpoint.files import layout_of
+from lightning_2d.checkpoint.rng import layout_of
 from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.options import split_options, takes_options

@@ -15,16 +15,12 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint import digests
-from lightning_2d.checkpoint.files import (
-    CheckpointError,
-    ShardedCheckpointWriter,
-    damage,
-    latest_checkpoint,
-    read_dcp_metadata,
-    resolve_and_check,
-    resolve_checkpoint,
-    save_full_file,
-)
+from lightning_2d.checkpoint.dcp_metadata import read_dcp_metadata
+from lightning_2d.checkpoint.discovery import latest_checkpoint
+from lightning_2d.checkpoint.errors import CheckpointError
+from lightning_2d.checkpoint.integrity import damage
+from lightning_2d.checkpoint.resolution import resolve_and_check, resolve_checkpoint
+from lightning_2d.checkpoint.writer import ShardedCheckpointWriter, save_full_file
 
 WEIGHT = "state_dict.layers.0.attention.wq.weight"
 
@@ -247,7 +243,7 @@ def test_every_file_a_load_reads_is_checked_before_it_is_unpickled(name, how, tm
     """Before #42 only the shards' items were digested: a ``meta.pt`` re-saved with one more key resumed and
     trained. Now a byte changed in (or added to) ``meta.pt``, an RNG file or DCP's ``.metadata`` is refused naming
     the file, and nothing unpickles it first."""
-    from lightning_2d.checkpoint import files
+    from lightning_2d.checkpoint import integrity
 
     path = save(tmp_path, "epoch=0-step=8.ckpt")
     file = path / name
@@ -258,7 +254,7 @@ def test_every_file_a_load_reads_is_checked_before_it_is_unpickled(name, how, tm
     unpickled: list[str] = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda f, *a, **k: unpickled.append(str(f)) or real_load(f, *a, **k))
-    monkeypatch.setattr(files, "read_dcp_metadata", lambda folder: unpickled.append(".metadata"))
+    monkeypatch.setattr(integrity, "read_dcp_metadata", lambda folder: unpickled.append(".metadata"))
     with pytest.raises(CheckpointError) as err:
         one_process(path)
     message = str(err.value)
@@ -316,7 +312,7 @@ def test_a_shard_changed_after_the_launchers_check_is_checked_again_by_the_ranks
     """The launcher (``check_ckpt_path``) reads a checkpoint whole and the ranks skip what it checked; a shard written
     after that check (here: bits flipped in place, the manifest untouched) must not be skipped."""
     from lightning_2d.checkpoint import check_ckpt_path
-    from lightning_2d.checkpoint.files import checked_whole
+    from lightning_2d.checkpoint.integrity import checked_whole
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("NODE_RANK", raising=False)

@@ -66,12 +66,8 @@ class _ShardedCheckpoint:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-        from lightning_2d.checkpoint.files import (
-            DCP_METADATA_FILE,
-            METADATA_FILE,
-            DCPMetadataUnpickler,
-            shard_size_problems,
-        )
+        from lightning_2d.checkpoint.dcp_metadata import DCPMetadataUnpickler, shard_size_problems
+        from lightning_2d.checkpoint.names import DCP_METADATA_FILE, METADATA_FILE
 
         try:
             with open(path / DCP_METADATA_FILE, "rb") as f:
@@ -98,7 +94,7 @@ class _ShardedCheckpoint:
             if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
         ]
         from lightning_2d.checkpoint.digests import read_manifest
-        from lightning_2d.checkpoint.files import warn_undigested
+        from lightning_2d.checkpoint.integrity import warn_undigested
 
         # Each tensor's stored chunks are checked against their digests just before DCP reads them (``read``).
         try:
@@ -116,7 +112,7 @@ class _ShardedCheckpoint:
         if manifest is None:
             warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         from lightning_2d.checkpoint.digests import check_items
-        from lightning_2d.checkpoint.files import describe_changed
+        from lightning_2d.checkpoint.integrity import describe_changed
 
         # DCP's .metadata (just read, by a reader that builds DCP's types only) and meta.pt before it is read.
         read_whole = [i for i in whole if i.file in (DCP_METADATA_FILE, METADATA_FILE)]
@@ -146,7 +142,7 @@ class _ShardedCheckpoint:
         import torch.distributed.checkpoint as dcp
 
         from lightning_2d.checkpoint.digests import check_items
-        from lightning_2d.checkpoint.files import describe_changed
+        from lightning_2d.checkpoint.integrity import describe_changed
 
         shapes = {w.name: w for w in self.weights}
         for name in names:
@@ -183,7 +179,7 @@ class _FullCheckpoint:
     """
 
     def __init__(self, path: Path, allow_globals: Sequence[str]) -> None:
-        from lightning_2d.checkpoint.files import describe_changed, digest_problems, warn_undigested
+        from lightning_2d.checkpoint.integrity import describe_changed, digest_problems, warn_undigested
 
         self.path, self.allow_globals = path, allow_globals
         # The weights' digests, before any is read (the file is mapped: this reads them once more).
@@ -225,7 +221,7 @@ def open_checkpoint(
         need_metadata: Whether a sharded checkpoint's ``meta.pt`` that cannot be loaded safely is an
             error (``False``: the model args come from elsewhere; only the weights are needed).
     """
-    from lightning_2d.checkpoint.files import is_complete
+    from lightning_2d.checkpoint.discovery import is_complete
 
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
