@@ -12,10 +12,12 @@ from lightning_2d.checkpoint.discovery import (
     latest_checkpoint,
 )
 from lightning_2d.checkpoint.errors import CheckpointError
+from lightning_2d.checkpoint.integrity import Integrity
 from lightning_2d.checkpoint.resolution import check_ckpt_path, resolve_checkpoint
 
 __all__ = [
     "CheckpointError",
+    "Integrity",
     "check_ckpt_path",
     "checkpoints_in",
     "incomplete_checkpoints",

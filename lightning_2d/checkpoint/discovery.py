@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from lightning_2d.checkpoint.integrity import checked_whole, damage, describe_changed, digest_problems, warn_undigested
+from lightning_2d.checkpoint.integrity import Integrity
 from lightning_2d.checkpoint.names import (
     CHECKPOINT_SUFFIXES,
     DCP_METADATA_FILE,
@@ -117,7 +117,9 @@ def checkpoints_in(folder: Path) -> list[Path]:
     return sorted(found.values(), key=save_order)
 
 
-def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None) -> Optional[Path]:
+def latest_checkpoint(
+    folder: Path, warn: Optional[Callable[[str], None]] = None, integrity: Optional[Integrity] = None
+) -> Optional[Path]:
     """The newest complete, intact checkpoint of ``folder`` (``--resume latest``), or ``None``.
 
     Newer saves that never finished (or were damaged since, changed bytes included: the one returned is read
@@ -127,16 +129,14 @@ def latest_checkpoint(folder: Path, warn: Optional[Callable[[str], None]] = None
     Args:
         folder: Where a run saves its checkpoints.
         warn: Where to report skipped saves.
+        integrity: The checks of the strategy that will load the answer (``strategy.checkpoint_integrity``): it then
+            does not read again what was read whole here. ``None``: this call's own.
     """
+    integrity = integrity if integrity is not None else Integrity()
     skipped = []
     for candidate in reversed(checkpoints_in(folder)):
-        problems = damage(candidate) if is_complete(candidate) else ["incomplete"]
-        if not problems and not checked_whole(candidate):
-            # Read whole here, by the one process that decides (the load then knows it was checked).
-            changed = digest_problems(candidate)
-            if changed is None and warn is not None:
-                warn_undigested(candidate, warn)
-            problems = [describe_changed(candidate, changed)] if changed else []
+        # Read whole here, by the one process that decides (the load then knows it was checked).
+        problems = integrity.problems(candidate, warn) if is_complete(candidate) else ["incomplete"]
         if not problems:
             if skipped and warn is not None:
                 def described(problems: list[str]) -> str:

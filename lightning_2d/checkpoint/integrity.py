@@ -1,13 +1,17 @@
-"""Whether a complete checkpoint is intact.
+"""Whether a complete checkpoint is intact, and what a process remembers of the checks it made.
 
 Two kinds of harm, found two ways:
 
 * damage (``damage``): what metadata and file sizes show, never reading a tensor: a shard cut short or missing, a
   ``.metadata`` that does not unpickle, a ``meta.pt`` failing its CRC, a manifest that does not vouch for them;
-* changed bytes (``digest_problems``): the stored bytes re-read and compared with the digests written with them
-  (``digests``), a share of them per rank or the whole checkpoint by one process.
+* changed bytes (``Integrity.digest_problems``): the stored bytes re-read and compared with the digests written
+  with them (``digests``), a share of them per rank or the whole checkpoint by one process.
 
-``describe_changed`` words changed bytes as every refusal and warning shows them.
+``Integrity`` holds what its owner learnt: the checkpoints it read whole and found intact (by a fingerprint of every
+file, so a rewrite is seen) and those saved before digests it already warned about. Each owner has its own, never a
+process-wide one: a strategy (handed to each of its checkpoint IOs), the CLI's check of ``--ckpt_path`` (handed to
+the strategy it instantiates, whose rank 0 then runs in the same process), an export. ``describe_changed`` words
+changed bytes as every refusal and warning shows them.
 """
 
 from __future__ import annotations
@@ -15,15 +19,15 @@ from __future__ import annotations
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from lightning_2d.checkpoint import digests
 from lightning_2d.checkpoint.dcp_metadata import read_dcp_metadata, shard_size_problems
 from lightning_2d.checkpoint.names import DCP_METADATA_FILE, METADATA_FILE, checkpoint_step
 from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 
-_verified: dict[str, tuple[int, int]] = {}  # checkpoints this process checked whole, by path → fingerprint
-_warned_undigested: set[str] = set()
+#: A checkpoint's fingerprint: ``(name, size, mtime_ns)`` of every one of its files.
+Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def damage(path: Path) -> list[str]:
@@ -93,7 +97,7 @@ def describe_changed(path: Path, problems: list[str]) -> str:
     )
 
 
-def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
+def fingerprint(path: Path) -> Fingerprint:
     """Size and modification time of every file of a checkpoint: a write to any of them after the check (a shard
     copied again, a byte patched in place) changes it. What it cannot see, a byte flipped by the disk itself in the
     seconds between the launcher's check and the ranks' load, is left unchecked there (CONTRIBUTING)."""
@@ -102,65 +106,115 @@ def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
                  for p in files)
 
 
-def checked_whole(path: Path) -> bool:
-    """Whether this process already found every digest of ``path`` intact (and the checkpoint has not been
-    rewritten since): a load need not read it again."""
-    try:
-        return _verified.get(str(Path(path).resolve())) == _fingerprint(Path(path))
-    except OSError:
-        return False
+class Integrity:
+    """The digest checks of one owner (a checkpoint IO and its strategy, the CLI's check, an export), with what it
+    remembers of them: the checkpoints it read whole and found intact (``checked_whole``), and those without digests
+    it already warned about (``warn_undigested``: once each).
 
-
-def digest_problems(
-    path: Path, prefixes: Optional[tuple[str, ...]] = None, rank: int = 0, world_size: int = 1,
-    size_limit: Optional[int] = None, allow_globals: Sequence[str] = (),
-) -> Optional[list[str]]:
-    """Check this process's share of the digests of checkpoint ``path``: what changed, one short line each
-    (empty: intact). ``None`` when there is nothing to check: a checkpoint saved before digests (warned once by
-    the caller, ``warn_undigested``), or one over ``size_limit`` bytes (left to the ranks).
-
-    Sharded: the items named in ``digests.json`` (those under ``prefixes``, e.g. ``("state_dict.",)``, if given),
-    split among ``world_size`` processes (``share_of``); full file: rank 0 checks it whole (the pickle's CRC-32,
-    then each tensor).
-
-    Args:
-        path: A complete checkpoint (folder or file).
-        prefixes: Only the items whose name starts with one of these (what the load reads).
-        rank, world_size: This process's share.
-        size_limit: Check nothing (``None``) when the checkpoint's items are larger than this.
-        allow_globals: Further types a full file may hold (``safe_load.load_checkpoint_file``).
-
-    Raises:
-        UnsafeCheckpointError: a full file holds a type a weights-only load refuses (nothing in it was built).
+    The memory is the owner's, not the process's: whoever should skip what another check read whole is handed that
+    check's ``Integrity`` (the CLI hands its own to the strategy it instantiates).
     """
-    path = Path(path)
-    whole = world_size == 1 and prefixes is None
-    if path.is_dir():
+
+    def __init__(self) -> None:
+        self._intact: dict[str, Fingerprint] = {}  # read whole and intact: resolved path → fingerprint then
+        self._warned: set[str] = set()  # saved before digests, already warned about: resolved paths
+
+    def checked_whole(self, path: Path) -> bool:
+        """Whether this owner already found every digest of ``path`` intact (and the checkpoint has not been
+        rewritten since): a load need not read it again."""
         try:
-            manifest = digests.read_manifest(path)
-        except digests.ManifestError as err:
-            return [str(err)]
-        if manifest is None:
-            return None
-        name, items = manifest
-        if prefixes is not None:  # whole files (meta.pt, RNG, .metadata) are read by every load
-            items = [i for i in items if i.whole or i.fqn.startswith(prefixes)]
-        if size_limit is not None and sum(i.length for i in items) > size_limit:
-            return None
-        try:
-            wrong = digests.check_items(path, digests.share_of(items, rank, world_size), name)
-        except ValueError as err:  # a hash this version does not know
-            return [str(err)]
-        problems = [f"{i.file}: {i.describe()} {i.change()}" for i in wrong]
-    else:
-        if rank != 0:
-            return []
-        problems = _full_file_digest_problems(path, prefixes, allow_globals)
-        if problems is None:
-            return None
-    if not problems and whole:
-        _verified[str(path.resolve())] = _fingerprint(path)
-    return problems
+            return self._intact.get(str(Path(path).resolve())) == fingerprint(Path(path))
+        except OSError:
+            return False
+
+    def digest_problems(
+        self, path: Path, prefixes: Optional[tuple[str, ...]] = None, rank: int = 0, world_size: int = 1,
+        size_limit: Optional[int] = None, allow_globals: Sequence[str] = (),
+    ) -> Optional[list[str]]:
+        """Check this process's share of the digests of checkpoint ``path``: what changed, one short line each
+        (empty: intact; remembered when the whole checkpoint was checked). ``None`` when there is nothing to check:
+        a checkpoint saved before digests (warned once by the caller, ``warn_undigested``), or one over
+        ``size_limit`` bytes (left to the ranks).
+
+        Sharded: the items named in ``digests.json`` (those under ``prefixes``, e.g. ``("state_dict.",)``, if
+        given), split among ``world_size`` processes (``share_of``); full file: rank 0 checks it whole (the pickle's
+        CRC-32, then each tensor).
+
+        Args:
+            path: A complete checkpoint (folder or file).
+            prefixes: Only the items whose name starts with one of these (what the load reads).
+            rank, world_size: This process's share.
+            size_limit: Check nothing (``None``) when the checkpoint's items are larger than this.
+            allow_globals: Further types a full file may hold (``safe_load.load_checkpoint_file``).
+
+        Raises:
+            UnsafeCheckpointError: a full file holds a type a weights-only load refuses (nothing in it was built).
+        """
+        path = Path(path)
+        whole = world_size == 1 and prefixes is None
+        if path.is_dir():
+            try:
+                manifest = digests.read_manifest(path)
+            except digests.ManifestError as err:
+                return [str(err)]
+            if manifest is None:
+                return None
+            name, items = manifest
+            if prefixes is not None:  # whole files (meta.pt, RNG, .metadata) are read by every load
+                items = [i for i in items if i.whole or i.fqn.startswith(prefixes)]
+            if size_limit is not None and sum(i.length for i in items) > size_limit:
+                return None
+            try:
+                wrong = digests.check_items(path, digests.share_of(items, rank, world_size), name)
+            except ValueError as err:  # a hash this version does not know
+                return [str(err)]
+            problems = [f"{i.file}: {i.describe()} {i.change()}" for i in wrong]
+        else:
+            if rank != 0:
+                return []
+            problems = _full_file_digest_problems(path, prefixes, allow_globals)
+            if problems is None:
+                return None
+        if not problems and whole:
+            self._intact[str(path.resolve())] = fingerprint(path)
+        return problems
+
+    def warn_undigested(self, path: Path, warn: Callable[[str], None]) -> None:
+        """Once per checkpoint: it was saved before digests, so changed bytes in it cannot be noticed."""
+        key = str(Path(path).resolve())
+        if key not in self._warned:
+            self._warned.add(key)
+            warn(
+                f"Checkpoint {path} carries no digests (saved before lightning_2d wrote them): it loads, but bytes"
+                " changed since it was saved would go unnoticed. Save it again to add them."
+            )
+
+    def problems(
+        self, path: Path, warn: Optional[Callable[[str], None]] = None, check_digests: Union[bool, int, None] = True
+    ) -> list[str]:
+        """What is wrong with complete checkpoint ``path`` (empty: nothing found): its ``damage``, else, as
+        ``check_digests`` asks, its bytes changed since it was saved (one line, ``describe_changed``). A checkpoint
+        without digests is warned about (with ``warn``, once).
+
+        Args:
+            path: A complete checkpoint.
+            warn: Where to say that it carries no digests (``None``: say nothing).
+            check_digests: Re-read it here and check its digests: ``True`` whole; a number: a sharded checkpoint
+                only up to that many bytes (a larger one is left to the ranks, which split the work); ``False``:
+                only a full file, which rank 0 reads whole anyway; ``None``: none.
+        """
+        path = Path(path)
+        found = damage(path)
+        skip = check_digests is None or (path.is_dir() and check_digests is False)
+        if found or skip or self.checked_whole(path):
+            return found
+        limit = None if isinstance(check_digests, bool) else int(check_digests)
+        changed = self.digest_problems(path, size_limit=limit if path.is_dir() else None)
+        if changed is None and path.is_dir() and limit is not None:
+            return []  # too large to check here: the ranks check it (and warn if it has no digests)
+        if changed is None and warn is not None:
+            self.warn_undigested(path, warn)
+        return [describe_changed(path, changed)] if changed else []
 
 
 def _full_file_digest_problems(
@@ -189,14 +243,3 @@ def _full_file_digest_problems(
     except ValueError as err:
         return [str(err)]
     return [f"{path.name}: {name} reads as {found}, saved as {saved}" for name, saved, found in wrong]
-
-
-def warn_undigested(path: Path, warn: Callable[[str], None]) -> None:
-    """Once per checkpoint: it was saved before digests, so changed bytes in it cannot be noticed."""
-    key = str(Path(path).resolve())
-    if key not in _warned_undigested:
-        _warned_undigested.add(key)
-        warn(
-            f"Checkpoint {path} carries no digests (saved before lightning_2d wrote them): it loads, but bytes"
-            " changed since it was saved would go unnoticed. Save it again to add them."
-        )

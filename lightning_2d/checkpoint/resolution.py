@@ -4,7 +4,8 @@
 Checked three times over, by whoever can do it soonest: the process that launches the ranks (``check_ckpt_path``:
 a file or a small sharded checkpoint read whole, an error before any rank starts), rank 0 for the job
 (``resolve_on_rank_zero``: one warning, one answer, broadcast), and the ranks together (``resolve_and_check``:
-each re-reads its share of the digests). What one of them read whole, the next skips (``checked_whole``).
+each re-reads its share of the digests). What one of them read whole, the next skips when handed its
+``Integrity``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Optional, Union
 
 from lightning_2d.checkpoint.discovery import checkpoints_in, incomplete_checkpoints, is_complete, save_order
 from lightning_2d.checkpoint.errors import CheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
-from lightning_2d.checkpoint.integrity import checked_whole, damage, describe_changed, digest_problems, warn_undigested
+from lightning_2d.checkpoint.integrity import Integrity, damage, describe_changed
 from lightning_2d.checkpoint.names import METADATA_FILE
 from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 
@@ -34,6 +35,7 @@ def resolve_checkpoint(
     fall_back: bool = False,
     check_digests: Union[bool, int, None] = False,
     rejected: Optional[Mapping[Path, list[str]]] = None,
+    integrity: Optional[Integrity] = None,
 ) -> Path:
     """``path`` if it is complete and intact; otherwise an error naming it, or, with ``fall_back``
     (``ckpt_path="last"``), the newest complete sibling with a warning.
@@ -47,31 +49,24 @@ def resolve_checkpoint(
         warn: Where to report a fall-back or lost saves (rank 0's warning).
         fall_back: Whether another checkpoint may stand in for ``path``: only when the user asked
             for "the last one", never for a checkpoint named explicitly.
-        check_digests: Also re-read the checkpoint and check its digests here (``digest_problems``): ``True``
+        check_digests: Also re-read the checkpoint and check its digests here (``Integrity.problems``): ``True``
             whole, a number: only a sharded checkpoint up to that many bytes (larger ones are left to the
             ranks, which split the work); ``False``: only full files, which rank 0 reads whole anyway; ``None``:
             none (a launched rank's early check: rank 0 checks, then the ranks together).
         rejected: Checkpoints already found damaged elsewhere (by the ranks' digest check), with the problems.
+        integrity: The checks this process made before (what it read whole is not read again) and keeps making.
+            ``None``: this call's own.
 
     Raises:
         CheckpointError: ``path`` cannot be loaded and no fall-back is allowed (or none exists).
     """
+    integrity = integrity if integrity is not None else Integrity()
     rejected = {Path(p).resolve(): problems for p, problems in (rejected or {}).items()}
 
     def problems_of(candidate: Path) -> list[str]:
         if candidate.resolve() in rejected:
             return [describe_changed(candidate, rejected[candidate.resolve()])]
-        found = damage(candidate)
-        skip = check_digests is None or (candidate.is_dir() and check_digests is False)
-        if found or skip or checked_whole(candidate):
-            return found
-        limit = None if isinstance(check_digests, bool) else int(check_digests)
-        changed = digest_problems(candidate, size_limit=limit if candidate.is_dir() else None)
-        if changed is None and candidate.is_dir() and limit is not None:
-            return []  # too large to check here: the ranks check it (and warn if it has no digests)
-        if changed is None:
-            warn_undigested(candidate, warn)
-        return [describe_changed(candidate, changed)] if changed else []
+        return integrity.problems(candidate, warn, check_digests=check_digests)
 
     path = Path(path)
     problems = problems_of(path) if is_complete(path) else []
@@ -119,13 +114,15 @@ def may_fall_back(path: Any) -> bool:
     return Path(str(path)).name.startswith("last")
 
 
-def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
+def check_ckpt_path(ckpt_path: Any, integrity: Optional[Integrity] = None) -> Optional[Path]:
     """What loading will check, done before any process starts: a local ``ckpt_path`` must be a complete and
     intact checkpoint (``resolve_checkpoint``, with the same fall-back rule as the strategies' loading).
 
     Args:
         ckpt_path: A Trainer's ``ckpt_path``; ``None``, Lightning's names (``LIGHTNING_CKPT_NAMES``,
             ``registry:…``) and remote URLs are left to Lightning (returns ``None``).
+        integrity: Where to remember what was read whole, for the strategy whose rank 0 runs in this process
+            (``strategy.checkpoint_integrity``, as ``lightning-2d`` hands it over). ``None``: this call's own.
 
     Returns:
         The checkpoint that will be loaded.
@@ -144,7 +141,7 @@ def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
     launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
     resolved = resolve_checkpoint(
         Path(text), warn=lambda _: None, fall_back=may_fall_back(text),  # the ranks warn
-        check_digests=LAUNCHER_CHECK_BYTES if launcher else None,
+        check_digests=LAUNCHER_CHECK_BYTES if launcher else None, integrity=integrity,
     )
     if launcher:
         # Its non-tensor part read weights-only now (small; a full file's tensors are mapped, not read): a pickled
@@ -156,7 +153,7 @@ def check_ckpt_path(ckpt_path: Any) -> Optional[Path]:
 
 def resolve_on_rank_zero(
     path: Any, global_rank: int, broadcast: Callable[[Any], Any], warn: Callable[[str], None], fall_back: bool = False,
-    rejected: Optional[Mapping[Path, list[str]]] = None,
+    rejected: Optional[Mapping[Path, list[str]]] = None, integrity: Optional[Integrity] = None,
 ) -> Path:
     """``resolve_checkpoint`` decided once, by rank 0 (one warning, one answer), and shared: an error
     there is raised on every rank with the same message."""
@@ -164,7 +161,8 @@ def resolve_on_rank_zero(
     answer: Any = None
     if global_rank == 0:
         try:
-            answer = str(resolve_checkpoint(Path(path), warn=warn, fall_back=fall_back, rejected=rejected))
+            answer = str(resolve_checkpoint(Path(path), warn=warn, fall_back=fall_back, rejected=rejected,
+                                            integrity=integrity))
         except CheckpointError as err:  # sent as plain data: its class by name, its message
             answer = ("error", str(err), type(err).__name__ if type(err).__name__ in kinds else "CheckpointError")
     answer = broadcast(answer)
@@ -176,30 +174,34 @@ def resolve_on_rank_zero(
 def resolve_and_check(
     path: Any, global_rank: int, world_size: int, broadcast: Callable[[Any], Any],
     all_gather: Callable[[Any], list[Any]], warn: Callable[[str], None], fall_back: bool = False,
-    prefixes: Optional[tuple[str, ...]] = None,
+    prefixes: Optional[tuple[str, ...]] = None, integrity: Optional[Integrity] = None,
 ) -> Path:
     """What every rank loads: ``resolve_on_rank_zero``, then the digests of that checkpoint checked by all ranks
-    together (each re-reads its share of the items, ``digest_problems``) before any weight is read. Changed
-    bytes are an error on every rank naming the file, the tensor and the step, or, with ``fall_back``, the next
-    intact checkpoint is taken (and checked), with rank 0's warning.
+    together (each re-reads its share of the items, ``Integrity.digest_problems``) before any weight is read.
+    Changed bytes are an error on every rank naming the file, the tensor and the step, or, with ``fall_back``, the
+    next intact checkpoint is taken (and checked), with rank 0's warning.
 
     Args:
         path, global_rank, broadcast, warn, fall_back: As for ``resolve_on_rank_zero``.
         world_size: How many ranks share the check.
         all_gather: Every rank's object, in rank order (``torch.distributed.all_gather_object``).
         prefixes: Only the items whose names start with these (what the load reads), e.g. ``("state_dict.",)``.
+        integrity: This rank's checks (the checkpoint IO's): rank 0 skips the ranks' check of a checkpoint it read
+            whole before. ``None``: this call's own.
     """
+    integrity = integrity if integrity is not None else Integrity()
     rejected: dict[Path, list[str]] = {}
     while True:
-        chosen = resolve_on_rank_zero(path, global_rank, broadcast, warn, fall_back=fall_back, rejected=rejected)
+        chosen = resolve_on_rank_zero(path, global_rank, broadcast, warn, fall_back=fall_back, rejected=rejected,
+                                      integrity=integrity)
         # Rank 0 may have read it whole already (check_ckpt_path, latest_checkpoint, a full file).
-        done = broadcast(checked_whole(chosen) or not chosen.is_dir() if global_rank == 0 else None)
+        done = broadcast(integrity.checked_whole(chosen) or not chosen.is_dir() if global_rank == 0 else None)
         if done:
             return chosen
-        mine = digest_problems(chosen, prefixes, global_rank, world_size)
+        mine = integrity.digest_problems(chosen, prefixes, global_rank, world_size)
         parts = all_gather(mine)
         if global_rank == 0 and all(part is None for part in parts):
-            warn_undigested(chosen, warn)
+            integrity.warn_undigested(chosen, warn)
         problems = [problem for part in parts if part for problem in part]
         if not problems:
             return chosen

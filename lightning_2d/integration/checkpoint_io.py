@@ -8,7 +8,8 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
   them) write a sharded folder (DCP, optionally in the background) or a full file, complete or recognisably
   incomplete (``checkpoint.writer``);
 - ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint,
-  ``checkpoint.resolution``), has the ranks check its digests together before anything is read, then reads its non-tensor part weights-only (a
+  ``checkpoint.resolution``), has the ranks check its digests together before anything is read (its
+  ``integrity``: what was read whole is not read again), then reads its non-tensor part weights-only (a
   pickled callable is refused there, in one line, before any tensor is read), ``check_fits``
   refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
   load at the same layout;
@@ -28,6 +29,7 @@ from typing_extensions import override
 
 from lightning_2d.checkpoint.dcp_metadata import shape_mismatches, stored_shapes
 from lightning_2d.checkpoint.errors import CheckpointError
+from lightning_2d.checkpoint.integrity import Integrity
 from lightning_2d.checkpoint.names import METADATA_FILE
 from lightning_2d.checkpoint.resolution import may_fall_back, resolve_and_check
 from lightning_2d.checkpoint.rng import restore_random_state
@@ -46,6 +48,8 @@ class DistributedCheckpointIO(CheckpointIO):
         sharded: One shard per rank (DCP) or a full file assembled on rank 0.
         async_save: Write sharded checkpoints in a background thread.
         layout: What a checkpoint records of the current layout (``checkpoint.rng.layout_of``).
+        integrity: The digest checks of checkpoints made so far and kept making (the strategy's
+            ``checkpoint_integrity``, which the CLI's check of ``--ckpt_path`` fills); ``None``: its own.
     """
 
     def __init__(
@@ -57,8 +61,10 @@ class DistributedCheckpointIO(CheckpointIO):
         sharded: bool,
         async_save: bool,
         layout: dict[str, Any],
+        integrity: Optional[Integrity] = None,
     ) -> None:
         self.global_rank, self.world_size = global_rank, world_size
+        self.integrity = integrity if integrity is not None else Integrity()
         self.barrier, self.broadcast = barrier, broadcast
         self.sharded, self.layout = sharded, layout
         self.writer = make_writer(global_rank, barrier, sharded, async_save)
@@ -103,7 +109,7 @@ class DistributedCheckpointIO(CheckpointIO):
         self.wait()
         chosen = resolve_and_check(
             path, self.global_rank, self.world_size, self.broadcast, self._all_gather, rank_zero_warn,
-            fall_back=may_fall_back(path), prefixes=prefixes,
+            fall_back=may_fall_back(path), prefixes=prefixes, integrity=self.integrity,
         )
         self.read_metadata(chosen)  # every rank raises the same one-line refusal for a file that would run code
         return chosen

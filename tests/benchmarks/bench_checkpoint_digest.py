@@ -70,12 +70,12 @@ def save(state: dict[str, Any], path: Path, digests: bool) -> tuple[float, float
 def load(state: dict[str, Any], path: Path, digests: bool) -> float:
     import torch.distributed.checkpoint as dcp
 
-    from lightning_2d.checkpoint.integrity import digest_problems
+    from lightning_2d.checkpoint.integrity import Integrity
 
     target = {key: {k: torch.empty_like(v) for k, v in part.items()} for key, part in state.items()}
     start = time.perf_counter()
     if digests:
-        assert digest_problems(path) == []
+        assert Integrity().digest_problems(path) == []
     dcp.load(target, checkpoint_id=path, no_dist=True)
     return time.perf_counter() - start
 

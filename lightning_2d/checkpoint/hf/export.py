@@ -47,6 +47,7 @@ from lightning_2d.checkpoint.hf.tokenizer import (
     resolve_export_tokenizer,
     write_tokenizer,
 )
+from lightning_2d.checkpoint.integrity import Integrity
 from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
@@ -62,7 +63,7 @@ class _ShardedCheckpoint:
     tensor's chunks (one per saving rank) from the ``.distcp`` files and copies them in place.
     """
 
-    def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool) -> None:
+    def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool, integrity: Integrity) -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
@@ -94,7 +95,6 @@ class _ShardedCheckpoint:
             if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
         ]
         from lightning_2d.checkpoint.digests import read_manifest
-        from lightning_2d.checkpoint.integrity import warn_undigested
 
         # Each tensor's stored chunks are checked against their digests just before DCP reads them (``read``).
         try:
@@ -110,7 +110,7 @@ class _ShardedCheckpoint:
             else:
                 self.digests.setdefault(item.fqn, []).append(item)
         if manifest is None:
-            warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
+            integrity.warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         from lightning_2d.checkpoint.digests import check_items
         from lightning_2d.checkpoint.integrity import describe_changed
 
@@ -178,19 +178,20 @@ class _FullCheckpoint:
     export would end up holding every page read).
     """
 
-    def __init__(self, path: Path, allow_globals: Sequence[str]) -> None:
-        from lightning_2d.checkpoint.integrity import describe_changed, digest_problems, warn_undigested
+    def __init__(self, path: Path, allow_globals: Sequence[str], integrity: Integrity) -> None:
+        from lightning_2d.checkpoint.integrity import describe_changed
 
         self.path, self.allow_globals = path, allow_globals
         # The weights' digests, before any is read (the file is mapped: this reads them once more).
-        changed = digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",), allow_globals=allow_globals)
+        changed = integrity.digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",),
+                                            allow_globals=allow_globals)
         if changed:
             raise CheckpointError(
                 f"Checkpoint {path} {describe_changed(path, changed)}. Nothing was exported: export an earlier"
                 " checkpoint, or copy this one again."
             )
         if changed is None:
-            warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
+            integrity.warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
         if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), Mapping):
             raise ExportError(f"{path} is not a Lightning checkpoint: it has no 'state_dict' dictionary")
@@ -228,9 +229,10 @@ def open_checkpoint(
         raise FileNotFoundError(
             f"{checkpoint} is not a complete checkpoint (a folder with .metadata and meta.pt, or a file)"
         )
+    integrity = Integrity()  # the export's own checks: one process, nothing checked before
     if checkpoint.is_dir():
-        return _ShardedCheckpoint(checkpoint, allow_globals, need_metadata)
-    return _FullCheckpoint(checkpoint, allow_globals)
+        return _ShardedCheckpoint(checkpoint, allow_globals, need_metadata, integrity)
+    return _FullCheckpoint(checkpoint, allow_globals, integrity)
 
 
 def _describe_model(model: Union[str, ModelArgs, Mapping[str, Any], None], overrides: Mapping[str, Any]) -> str:
