@@ -168,7 +168,7 @@ class Integrity:
                 wrong = digests.check_items(path, digests.share_of(items, rank, world_size), name)
             except ValueError as err:  # a hash this version does not know
                 return [str(err)]
-            problems = [f"{i.file}: {i.describe()} {i.change()}" for i in wrong]
+            problems = [i.problem() for i in wrong]
         else:
             if rank != 0:
                 return []
@@ -239,7 +239,7 @@ def _full_file_digest_problems(
     if prefixes is not None:
         recorded = {**recorded, "tensors": {k: v for k, v in recorded["tensors"].items() if k.startswith(prefixes)}}
     try:
-        wrong = digests.check_tensors(loaded, recorded)
+        wrong = digests.check_tensors(loaded, recorded, path.name)
     except ValueError as err:
         return [str(err)]
-    return [f"{path.name}: {name} reads as {found}, saved as {saved}" for name, saved, found in wrong]
+    return [i.problem() for i in wrong]

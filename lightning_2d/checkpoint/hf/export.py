@@ -23,6 +23,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_2d.checkpoint.dcp_metadata import DCPMetadataUnpickler, shard_size_problems
+from lightning_2d.checkpoint.digests import check_items, read_manifest
+from lightning_2d.checkpoint.discovery import is_complete
 from lightning_2d.checkpoint.errors import CheckpointError, ExportError
 from lightning_2d.checkpoint.hf.layout import (
     INDEX_FILE,
@@ -47,13 +50,22 @@ from lightning_2d.checkpoint.hf.tokenizer import (
     resolve_export_tokenizer,
     write_tokenizer,
 )
-from lightning_2d.checkpoint.integrity import Integrity
+from lightning_2d.checkpoint.integrity import Integrity, describe_changed
+from lightning_2d.checkpoint.names import DCP_METADATA_FILE, METADATA_FILE
 from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
 #: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
 #: checkpoint's ``state_dict`` (``state_dict.model.<our name>`` among DCP's flattened keys).
 STATE_DICT_PREFIX = "model."
+
+
+def _refusal(path: Path, problems: list[str], more: str = "") -> CheckpointError:
+    """The export's refusal of a checkpoint whose bytes changed (``problems``: the changed items' lines)."""
+    return CheckpointError(
+        f"Checkpoint {path} {describe_changed(path, problems)}. Nothing was exported: export an earlier checkpoint, or"
+        f" copy this one again.{more}"
+    )
 
 
 class _ShardedCheckpoint:
@@ -66,9 +78,6 @@ class _ShardedCheckpoint:
     def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool, integrity: Integrity) -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-
-        from lightning_2d.checkpoint.dcp_metadata import DCPMetadataUnpickler, shard_size_problems
-        from lightning_2d.checkpoint.names import DCP_METADATA_FILE, METADATA_FILE
 
         try:
             with open(path / DCP_METADATA_FILE, "rb") as f:
@@ -94,8 +103,6 @@ class _ShardedCheckpoint:
             for key, meta in dcp_metadata.state_dict_metadata.items()
             if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
         ]
-        from lightning_2d.checkpoint.digests import read_manifest
-
         # Each tensor's stored chunks are checked against their digests just before DCP reads them (``read``).
         try:
             manifest = read_manifest(path)
@@ -111,20 +118,13 @@ class _ShardedCheckpoint:
                 self.digests.setdefault(item.fqn, []).append(item)
         if manifest is None:
             integrity.warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
-        from lightning_2d.checkpoint.digests import check_items
-        from lightning_2d.checkpoint.integrity import describe_changed
-
         # DCP's .metadata (just read, by a reader that builds DCP's types only) and meta.pt before it is read.
         read_whole = [i for i in whole if i.file in (DCP_METADATA_FILE, METADATA_FILE)]
         changed = {i.file: i for i in check_items(path, read_whole, self.digest_hash)} if read_whole else {}
-        problems = [f"{i.file}: {i.describe()} {i.change()}" for i in changed.values()]
+        problems = [i.problem() for i in changed.values()]
         if DCP_METADATA_FILE in changed or (METADATA_FILE in changed and need_metadata):
-            raise CheckpointError(
-                f"Checkpoint {path} {describe_changed(path, problems)}. Nothing was exported: export an earlier"
-                " checkpoint, or copy this one again."
-                + (f" Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
-                   if DCP_METADATA_FILE not in changed else "")
-            )
+            weights_only = f" Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
+            raise _refusal(path, problems, weights_only if DCP_METADATA_FILE not in changed else "")
         self.metadata: Optional[dict[str, Any]] = None
         try:
             if METADATA_FILE in changed:
@@ -141,20 +141,13 @@ class _ShardedCheckpoint:
         """``(name, full tensor)`` for each of ``names``, one tensor read at a time."""
         import torch.distributed.checkpoint as dcp
 
-        from lightning_2d.checkpoint.digests import check_items
-        from lightning_2d.checkpoint.integrity import describe_changed
-
         shapes = {w.name: w for w in self.weights}
         for name in names:
             info = shapes[name]
             if self.digest_hash is not None:
                 changed = check_items(self.path, self.digests.get(self.key_prefix + name, ()), self.digest_hash)
                 if changed:
-                    problems = [f"{i.file}: {i.describe()} reads as {i.found}, saved as {i.digest}" for i in changed]
-                    raise CheckpointError(
-                        f"Checkpoint {self.path} {describe_changed(self.path, problems)}. Nothing was exported:"
-                        " export an earlier checkpoint, or copy this one again."
-                    )
+                    raise _refusal(self.path, [i.problem() for i in changed])
             tensor = torch.empty(info.shape, dtype=info.dtype)
             with warnings.catch_warnings():
                 # On purpose: one process, no process group.
@@ -179,17 +172,12 @@ class _FullCheckpoint:
     """
 
     def __init__(self, path: Path, allow_globals: Sequence[str], integrity: Integrity) -> None:
-        from lightning_2d.checkpoint.integrity import describe_changed
-
         self.path, self.allow_globals = path, allow_globals
         # The weights' digests, before any is read (the file is mapped: this reads them once more).
         changed = integrity.digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",),
                                             allow_globals=allow_globals)
         if changed:
-            raise CheckpointError(
-                f"Checkpoint {path} {describe_changed(path, changed)}. Nothing was exported: export an earlier"
-                " checkpoint, or copy this one again."
-            )
+            raise _refusal(path, changed)
         if changed is None:
             integrity.warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
@@ -222,8 +210,6 @@ def open_checkpoint(
         need_metadata: Whether a sharded checkpoint's ``meta.pt`` that cannot be loaded safely is an
             error (``False``: the model args come from elsewhere; only the weights are needed).
     """
-    from lightning_2d.checkpoint.discovery import is_complete
-
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
         raise FileNotFoundError(
