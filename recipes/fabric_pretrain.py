@@ -95,7 +95,8 @@ def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional
     newest complete checkpoint in ``--checkpoint-dir``.
 
     Newer saves that never finished are skipped with a warning naming them
-    (``lightning_2d.checkpoint.files.latest_checkpoint``); rank 0 decides and every rank gets its answer.
+    (``lightning_2d.checkpoint.latest_checkpoint``); rank 0 decides and every rank gets its answer. Rank 0 reads the
+    one it takes whole: the 2D strategy's load, handed that check (``checkpoint_integrity``), does not read it again.
 
     Args:
         fabric: The launched Fabric.
@@ -103,7 +104,10 @@ def checkpoint_to_resume(fabric: L.Fabric, args: argparse.Namespace) -> Optional
     """
     if args.resume != "latest":
         return args.resume or None
-    found = latest_checkpoint(Path(args.checkpoint_dir), warn=fabric.print) if fabric.global_rank == 0 else None
+    found = None
+    if fabric.global_rank == 0:
+        checks = fabric.strategy.checkpoint_integrity if isinstance(fabric.strategy, ModelParallel2DStrategy) else None
+        found = latest_checkpoint(Path(args.checkpoint_dir), warn=fabric.print, integrity=checks)
     found = fabric.broadcast(None if found is None else str(found))
     if found is None:
         fabric.print(f"No checkpoint in {args.checkpoint_dir}: starting from scratch")

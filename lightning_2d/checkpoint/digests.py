@@ -1,6 +1,6 @@
 """Digests of every item a checkpoint stores, computed while it is written and checked before it is loaded.
 
-Truncation and missing files show in sizes (``files.damage``); a changed byte does not: a flipped exponent bit
+Truncation and missing files show in sizes (``integrity.damage``); a changed byte does not: a flipped exponent bit
 in a weight loads, trains and may never go non-finite. So each item a save writes gets an ``xxh3_64`` digest
 (``HASH``; measured against ``hashlib.blake2b`` and ``zlib.crc32`` in CONTRIBUTING: several times faster, and it
 releases the GIL, so a background save does not stall the training thread):
@@ -18,8 +18,8 @@ releases the GIL, so a background save does not stall the training thread):
   by the writer before ``torch.save``; the pickle itself is covered by the zip's CRC-32, which torch writes.
 
 Checking re-reads the stored bytes of the items asked for (``check_items``), never deserializing them; a
-mismatch is an ``Item`` with what was found. Policy (who checks what, the error, the fall-back) lives in
-``files``.
+mismatch is an ``Item`` with what was found (``Item.problem``: the one line every check reports). Policy (who
+checks what, what a process remembers, the error) lives in ``integrity``; the fall-back in ``resolution``.
 """
 
 from __future__ import annotations
@@ -171,6 +171,11 @@ class Item:
             return "the whole file"
         where = f" (chunk at {list(self.chunk)})" if any(self.chunk) else ""
         return f"{self.fqn}{where}"
+
+    def problem(self) -> str:
+        """The line a check reports for this changed item (after ``check_items``): ``FILE: WHAT reads as FOUND, saved
+        as DIGEST`` (a whole file's ``FILE: the whole file is N bytes long, …``)."""
+        return f"{self.file}: {self.describe()} {self.change()}"
 
 
 def _writer_class() -> type:
@@ -416,9 +421,10 @@ def tensor_digests(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return {"hash": HASH, "tensors": {name: _tensor_digest(t) for name, t in _tensors(checkpoint)}}
 
 
-def check_tensors(checkpoint: Mapping[str, Any], recorded: Mapping[str, Any]) -> list[tuple[str, str, str]]:
-    """``(name, recorded, found)`` for each tensor of a loaded full checkpoint whose digest changed (or that is
-    gone); ``recorded`` is its ``lightning_2d.digests`` entry."""
+def check_tensors(checkpoint: Mapping[str, Any], recorded: Mapping[str, Any], file: str) -> list[Item]:
+    """The tensors of a loaded full checkpoint (the file named ``file``) whose digest changed, or that are gone
+    (``found``: ``"missing"``); ``recorded`` is its ``lightning_2d.digests`` entry. A full file's tensor is found by
+    its name: its ``Item`` has no offset or length."""
     name = str(recorded.get("hash", HASH))
     expected: Mapping[str, str] = recorded.get("tensors", {})
     present = dict(_tensors(checkpoint))
@@ -426,5 +432,5 @@ def check_tensors(checkpoint: Mapping[str, Any], recorded: Mapping[str, Any]) ->
     for key, digest in expected.items():
         found = _tensor_digest(present[key], name) if key in present else "missing"
         if found != digest:
-            wrong.append((key, digest, found))
+            wrong.append(Item(file, key, (), 0, 0, digest, found=found))
     return wrong

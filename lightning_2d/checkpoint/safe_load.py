@@ -5,7 +5,8 @@ Every load of a checkpoint file in the package goes through ``load_checkpoint_fi
 ``meta.pt`` and RNG files, a full file, export), and Lightning's own loads run inside ``trusted_globals`` with
 ``weights_only=True``: a file carrying a pickled callable (``os.system``, ``exec``) is refused before anything in it
 is built, with one line naming the file and what it holds (``UnsafeCheckpointError``). DCP's ``.metadata`` is read
-by ``files.DCPMetadataUnpickler``, which builds DCP's own types only.
+by ``dcp_metadata.DCPMetadataUnpickler``, which builds DCP's own types only. The errors
+raised here are defined in ``checkpoint.errors``.
 """
 
 from __future__ import annotations
@@ -22,23 +23,13 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_2d.errors import CheckpointError, Lightning2DError
+from lightning_2d.checkpoint.errors import (
+    CheckpointError,
+    ExportError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+)
 from lightning_2d.models.llama.model import ModelArgs
-
-
-class ExportError(Lightning2DError, ValueError):
-    """A checkpoint that cannot be exported as asked; the message names the problem and the fix."""
-
-
-class UnreadableCheckpointError(CheckpointError, ExportError):
-    """A checkpoint file that cannot be read (cut short, not a ``torch.save`` archive): refused by a load and by an
-    export alike."""
-
-
-class UnsafeCheckpointError(UnreadableCheckpointError):
-    """A checkpoint file holding a pickled object a weights-only load refuses to build (its unpickling could run
-    code): the file was not loaded. Raised by every load path (Trainer, Fabric, export, the CLI's check)."""
-
 
 #: Types besides tensors and plain containers that a weights-only load of a checkpoint may build:
 #: ``ModelArgs`` (the hyper-parameters of older checkpoints) and paths (LightningCLI/jsonargparse

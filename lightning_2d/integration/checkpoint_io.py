@@ -6,9 +6,10 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
 
 - ``save_checkpoint`` (Lightning's checkpoint dict) and ``save`` (tensors and metadata, as Fabric splits
   them) write a sharded folder (DCP, optionally in the background) or a full file, complete or recognisably
-  incomplete (``checkpoint.files``);
-- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint), has
-  the ranks check its digests together before anything is read, then reads its non-tensor part weights-only (a
+  incomplete (``checkpoint.writer``);
+- ``resolve`` picks what to load (falling back from an incomplete or changed "last" checkpoint,
+  ``checkpoint.resolution``), has the ranks check its digests together before anything is read (its
+  ``integrity``: what was read whole is not read again), then reads its non-tensor part weights-only (a
   pickled callable is refused there, in one line, before any tensor is read), ``check_fits``
   refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
   load at the same layout;
@@ -26,19 +27,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_2d.checkpoint.files import (
-    METADATA_FILE,
-    CheckpointError,
-    make_writer,
-    may_fall_back,
-    remove_path,
-    resolve_and_check,
-    restore_random_state,
-    save_full_checkpoint,
-    shape_mismatches,
-    stored_shapes,
-)
+from lightning_2d.checkpoint.dcp_metadata import shape_mismatches, stored_shapes
+from lightning_2d.checkpoint.errors import CheckpointError
+from lightning_2d.checkpoint.integrity import Integrity
+from lightning_2d.checkpoint.names import METADATA_FILE
+from lightning_2d.checkpoint.resolution import may_fall_back, resolve_and_check
+from lightning_2d.checkpoint.rng import restore_random_state
 from lightning_2d.checkpoint.safe_load import check_weights_only, load_checkpoint_file
+from lightning_2d.checkpoint.writer import make_writer, remove_path, save_full_checkpoint
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
@@ -51,7 +47,9 @@ class DistributedCheckpointIO(CheckpointIO):
         barrier, broadcast: The strategy's collectives (``broadcast(obj)`` from rank 0).
         sharded: One shard per rank (DCP) or a full file assembled on rank 0.
         async_save: Write sharded checkpoints in a background thread.
-        layout: What a checkpoint records of the current layout (``checkpoint.files.layout_of``).
+        layout: What a checkpoint records of the current layout (``checkpoint.rng.layout_of``).
+        integrity: The digest checks of checkpoints made so far and kept making (the strategy's
+            ``checkpoint_integrity``, which the CLI's check of ``--ckpt_path`` fills); ``None``: its own.
     """
 
     def __init__(
@@ -63,8 +61,10 @@ class DistributedCheckpointIO(CheckpointIO):
         sharded: bool,
         async_save: bool,
         layout: dict[str, Any],
+        integrity: Optional[Integrity] = None,
     ) -> None:
         self.global_rank, self.world_size = global_rank, world_size
+        self.integrity = integrity if integrity is not None else Integrity()
         self.barrier, self.broadcast = barrier, broadcast
         self.sharded, self.layout = sharded, layout
         self.writer = make_writer(global_rank, barrier, sharded, async_save)
@@ -109,7 +109,7 @@ class DistributedCheckpointIO(CheckpointIO):
         self.wait()
         chosen = resolve_and_check(
             path, self.global_rank, self.world_size, self.broadcast, self._all_gather, rank_zero_warn,
-            fall_back=may_fall_back(path), prefixes=prefixes,
+            fall_back=may_fall_back(path), prefixes=prefixes, integrity=self.integrity,
         )
         self.read_metadata(chosen)  # every rank raises the same one-line refusal for a file that would run code
         return chosen

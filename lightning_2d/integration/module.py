@@ -14,8 +14,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
-from lightning_2d.checkpoint.files import ADAPTERS_KEY, CheckpointError
+from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
+from lightning_2d.checkpoint.subset import ADAPTERS_KEY
 from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs

@@ -44,7 +44,8 @@ from lightning_2d._compat import (
     strategy_timeout,
     trainer_of,
 )
-from lightning_2d.checkpoint.files import layout_of
+from lightning_2d.checkpoint.integrity import Integrity
+from lightning_2d.checkpoint.rng import layout_of
 from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.options import split_options, takes_options
@@ -134,6 +135,10 @@ class ModelParallel2DBase(LightningStrategyMembers):
         #: The parts (see the module docstring); the checkpoint IO is created with the process group.
         self.step_guard = StepGuard(parallel.non_finite)
         self._checkpoint_part: Optional[DistributedCheckpointIO] = None
+        #: The digest checks of checkpoints this strategy's loads made, handed to each checkpoint IO it creates:
+        #: what one check read whole (``lightning-2d``'s check of ``--ckpt_path`` hands its own over, the Fabric
+        #: recipe's ``latest_checkpoint`` fills it) is not read again.
+        self.checkpoint_integrity = Integrity()
         self._watchdog: Optional[Watchdog] = None
         self._optimizer_steps = 0
         self._meshes: Optional[ParallelMeshes] = None
@@ -290,6 +295,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
             sharded=saves_distributed_checkpoint(self),
             async_save=self.strategy_options.async_checkpoint,
             layout=layout_of(self.world_size, self.parallel_dims),
+            integrity=self.checkpoint_integrity,
         )
         self._use_checkpoint_io(self._checkpoint_part)
 

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_of, trainer_precision_plugin
-from lightning_2d.checkpoint.files import adapter_record, load_trained_subset
+from lightning_2d.checkpoint.subset import adapter_record, load_trained_subset
 from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher

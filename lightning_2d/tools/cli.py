@@ -32,11 +32,12 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_2d.integration.trainer_strategy  # noqa: F401  (registers the "model_parallel_2d" strategy name)
-from lightning_2d.checkpoint import check_ckpt_path
+from lightning_2d.checkpoint import Integrity, check_ckpt_path
 from lightning_2d.data import ChatDataModule, TextDataModule
 from lightning_2d.errors import Lightning2DError
 from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import CausalLMModule
+from lightning_2d.integration.strategy_base import ModelParallel2DBase
 
 
 class Lightning2DCLI(LightningCLI):
@@ -53,8 +54,17 @@ class Lightning2DCLI(LightningCLI):
         # (mistyped, interrupted, damaged). Next, LightningCLI torch.loads a checkpoint *file* whole to read its
         # hyper-parameters: a damaged one would fail there with torch's traceback.
         subcommand = self.config.get("subcommand")
+        #: What that check read whole: handed to the strategy (``instantiate_classes``), whose rank 0 runs in this
+        #: process and so does not read it again.
+        self.checkpoint_integrity = Integrity()
         if subcommand:
-            check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+            check_ckpt_path(self.config[subcommand].get("ckpt_path"), self.checkpoint_integrity)
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ModelParallel2DBase):
+            strategy.checkpoint_integrity = self.checkpoint_integrity
 
     def _check_before_launch(self) -> None:
         # Before any process is launched: a model that cannot embed every token id, a big corpus without its

@@ -53,12 +53,12 @@ def save(state: dict[str, Any], path: Path, digests: bool) -> tuple[float, float
     """``ShardedCheckpointWriter.save``; without digests, with DCP's own ``FileSystemWriter`` in place of ours."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    import lightning_2d.checkpoint.digests as module
-    from lightning_2d.checkpoint.files import ShardedCheckpointWriter
+    import lightning_2d.checkpoint.writer as module  # where the writer looks digesting_writer up
+    from lightning_2d.checkpoint.writer import ShardedCheckpointWriter
 
     original = module.digesting_writer
     if not digests:
-        module.digesting_writer = lambda folder: FileSystemWriter(str(folder))
+        module.digesting_writer = lambda folder, whole_files=None: FileSystemWriter(str(folder))
     try:
         start, cpu = time.perf_counter(), time.process_time()
         ShardedCheckpointWriter(0, lambda: None).save(state, {"global_step": 1}, path)
@@ -70,12 +70,12 @@ def save(state: dict[str, Any], path: Path, digests: bool) -> tuple[float, float
 def load(state: dict[str, Any], path: Path, digests: bool) -> float:
     import torch.distributed.checkpoint as dcp
 
-    from lightning_2d.checkpoint.files import digest_problems
+    from lightning_2d.checkpoint.integrity import Integrity
 
     target = {key: {k: torch.empty_like(v) for k, v in part.items()} for key, part in state.items()}
     start = time.perf_counter()
     if digests:
-        assert digest_problems(path) == []
+        assert Integrity().digest_problems(path) == []
     dcp.load(target, checkpoint_id=path, no_dist=True)
     return time.perf_counter() - start
 

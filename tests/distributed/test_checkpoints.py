@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_2d.checkpoint.files import is_complete
+from lightning_2d.checkpoint.discovery import is_complete
 from lightning_2d.data import stdlib_sources
 from tests.distributed.conftest import load_weights
 from tests.unit.test_checkpoint_digests import flip_exponent_bits
@@ -492,7 +492,8 @@ def test_lora_saves_only_its_adapters_and_resumes_them_at_any_layout_on_the_same
     """A LoRA run's checkpoints hold the adapters, their optimizer state and the loop's position, and record the
     base (here the seeded init); resumed at the same layout it continues exactly, at 1×4 within 1e-5, the base
     rebuilt bit for bit. A run on another base is refused before anything is read."""
-    from lightning_2d.checkpoint.files import adapter_record, read_dcp_metadata, stored_shapes
+    from lightning_2d.checkpoint.dcp_metadata import read_dcp_metadata, stored_shapes
+    from lightning_2d.checkpoint.subset import adapter_record
     from lightning_2d.ops.lora import is_adapter_parameter
 
     root = setup["root"]
@@ -587,7 +588,8 @@ def test_qlora_saves_its_adapters_and_resumes_them_at_any_layout_over_the_same_n
     weights, after training as before it."""
     from safetensors.torch import load_file
 
-    from lightning_2d.checkpoint.files import adapter_record, read_dcp_metadata, stored_shapes
+    from lightning_2d.checkpoint.dcp_metadata import read_dcp_metadata, stored_shapes
+    from lightning_2d.checkpoint.subset import adapter_record
     from lightning_2d.ops.lora import is_adapter_parameter
     from lightning_2d.ops.nf4 import nf4_state, to_nf4_weight
 

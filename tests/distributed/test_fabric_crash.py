@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_2d.checkpoint.files import is_complete
+from lightning_2d.checkpoint.discovery import is_complete
 from lightning_2d.data import stdlib_sources
 from lightning_2d.tools.launch import JobResult
 from tests.distributed.launcher import launch

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_2d.checkpoint.files import is_complete
+from lightning_2d.checkpoint.discovery import is_complete
 from tests.gpu.conftest import worst_relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]  # jobs of launched processes

@@ -15,16 +15,12 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint import digests
-from lightning_2d.checkpoint.files import (
-    CheckpointError,
-    ShardedCheckpointWriter,
-    damage,
-    latest_checkpoint,
-    read_dcp_metadata,
-    resolve_and_check,
-    resolve_checkpoint,
-    save_full_file,
-)
+from lightning_2d.checkpoint.dcp_metadata import read_dcp_metadata
+from lightning_2d.checkpoint.discovery import latest_checkpoint
+from lightning_2d.checkpoint.errors import CheckpointError
+from lightning_2d.checkpoint.integrity import Integrity, damage
+from lightning_2d.checkpoint.resolution import resolve_and_check, resolve_checkpoint
+from lightning_2d.checkpoint.writer import ShardedCheckpointWriter, save_full_file
 
 WEIGHT = "state_dict.layers.0.attention.wq.weight"
 
@@ -74,10 +70,10 @@ def flip_exponent_bits(folder: Path, fqn: str = WEIGHT, count: int = 100, file_n
     return file
 
 
-def one_process(path, fall_back=False, prefixes=None, warn=print):
-    """``resolve_and_check`` as one rank sees it (world size 1)."""
+def one_process(path, fall_back=False, prefixes=None, warn=print, integrity=None):
+    """``resolve_and_check`` as one rank sees it (world size 1); ``integrity``: its checkpoint IO's."""
     return resolve_and_check(path, 0, 1, lambda obj: obj, lambda obj: [obj], warn, fall_back=fall_back,
-                             prefixes=prefixes)
+                             prefixes=prefixes, integrity=integrity)
 
 
 def test_the_writer_records_a_digest_of_every_item_as_it_writes(tmp_path):
@@ -163,8 +159,9 @@ def test_checkpoints_without_digests_load_with_one_note(tmp_path):
     path = save(tmp_path, "epoch=0-step=8.ckpt")
     (path / digests.MANIFEST_FILE).unlink()  # as saved before digests
     warned: list[str] = []
+    integrity = Integrity()  # one checkpoint IO's: it warns once
     for _ in range(2):
-        assert one_process(path, warn=warned.append) == path
+        assert one_process(path, warn=warned.append, integrity=integrity) == path
     assert len(warned) == 1 and "carries no digests" in warned[0]
 
 
@@ -247,7 +244,7 @@ def test_every_file_a_load_reads_is_checked_before_it_is_unpickled(name, how, tm
     """Before #42 only the shards' items were digested: a ``meta.pt`` re-saved with one more key resumed and
     trained. Now a byte changed in (or added to) ``meta.pt``, an RNG file or DCP's ``.metadata`` is refused naming
     the file, and nothing unpickles it first."""
-    from lightning_2d.checkpoint import files
+    from lightning_2d.checkpoint import integrity
 
     path = save(tmp_path, "epoch=0-step=8.ckpt")
     file = path / name
@@ -258,7 +255,7 @@ def test_every_file_a_load_reads_is_checked_before_it_is_unpickled(name, how, tm
     unpickled: list[str] = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda f, *a, **k: unpickled.append(str(f)) or real_load(f, *a, **k))
-    monkeypatch.setattr(files, "read_dcp_metadata", lambda folder: unpickled.append(".metadata"))
+    monkeypatch.setattr(integrity, "read_dcp_metadata", lambda folder: unpickled.append(".metadata"))
     with pytest.raises(CheckpointError) as err:
         one_process(path)
     message = str(err.value)
@@ -316,13 +313,33 @@ def test_a_shard_changed_after_the_launchers_check_is_checked_again_by_the_ranks
     """The launcher (``check_ckpt_path``) reads a checkpoint whole and the ranks skip what it checked; a shard written
     after that check (here: bits flipped in place, the manifest untouched) must not be skipped."""
     from lightning_2d.checkpoint import check_ckpt_path
-    from lightning_2d.checkpoint.files import checked_whole
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("NODE_RANK", raising=False)
     path = save(tmp_path, "epoch=0-step=8.ckpt")
-    assert check_ckpt_path(str(path)) == path and checked_whole(path)
+    launcher = Integrity()  # handed to the strategy whose rank 0 runs in the launching process
+    assert check_ckpt_path(str(path), launcher) == path and launcher.checked_whole(path)
     flip_exponent_bits(path)
-    assert not checked_whole(path)
+    assert not launcher.checked_whole(path)
     with pytest.raises(CheckpointError, match="its bytes changed after it was saved at step 8"):
-        one_process(path)
+        one_process(path, integrity=launcher)
+
+
+def test_a_checkpoint_the_launcher_read_whole_is_not_read_again_by_the_ranks(tmp_path, monkeypatch):
+    """The launcher's check (``check_ckpt_path``) and the load share one ``Integrity`` (the CLI hands its own to the
+    strategy): the load re-reads none of the items the launcher read whole; another owner's load reads them all."""
+    from lightning_2d.checkpoint import check_ckpt_path
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    path = save(tmp_path, "epoch=0-step=8.ckpt")
+    launcher = Integrity()
+    assert check_ckpt_path(str(path), launcher) == path
+    read: list[str] = []
+    real_check = digests.check_items
+    monkeypatch.setattr(digests, "check_items", lambda folder, items, *a: real_check(
+        folder, [read.append(i.fqn) or i for i in items], *a))
+    assert one_process(path, integrity=launcher) == path
+    assert [name for name in read if name not in (".metadata", "meta.pt")] == []  # damage() reads those two only
+    assert one_process(path) == path  # a load that was not handed the launcher's check
+    assert WEIGHT in read

@@ -8,19 +8,18 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint.digests import digesting_writer
-from lightning_2d.checkpoint.files import (
-    checkpoint_step,
+from lightning_2d.checkpoint.discovery import (
     checkpoints_in,
     incomplete_checkpoints,
     is_checkpoint,
     is_complete,
     latest_checkpoint,
     newest_complete_checkpoint,
-    resolve_checkpoint,
-    rng_state,
-    save_full_file,
-    set_rng_state,
 )
+from lightning_2d.checkpoint.names import checkpoint_step
+from lightning_2d.checkpoint.resolution import resolve_checkpoint
+from lightning_2d.checkpoint.rng import rng_state, set_rng_state
+from lightning_2d.checkpoint.writer import save_full_file
 
 
 def sharded(folder, name, complete=True):
@@ -260,7 +259,7 @@ def test_no_checkpoint_at_all(tmp_path):
 def test_an_explicit_checkpoint_loads_exactly_or_fails_naming_it(tmp_path):
     """Only "last" may stand in for another checkpoint: a mistyped or interrupted explicit path is an
     error naming it and the newest complete alternative, never a silent resume from another step."""
-    from lightning_2d.checkpoint.files import CheckpointError
+    from lightning_2d.checkpoint.errors import CheckpointError
 
     good = sharded(tmp_path, "step-000002")
     broken = sharded(tmp_path, "step-000003", complete=False)
@@ -273,7 +272,8 @@ def test_an_explicit_checkpoint_loads_exactly_or_fails_naming_it(tmp_path):
 
 
 def test_a_damaged_checkpoint_is_named_with_its_file_and_skipped_only_for_last(tmp_path):
-    from lightning_2d.checkpoint.files import CheckpointError, damage
+    from lightning_2d.checkpoint.errors import CheckpointError
+    from lightning_2d.checkpoint.integrity import damage
 
     older = sharded(tmp_path, "step-000002")
     newer = sharded(tmp_path, "step-000004")

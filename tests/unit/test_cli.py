@@ -234,6 +234,24 @@ def test_ckpt_paths_checked_before_launch(tmp_path):
         check_ckpt_path(str(interrupted))
 
 
+def test_the_launchers_check_of_ckpt_path_is_handed_to_the_strategy(tmp_path, corpus, monkeypatch):
+    """``fit --ckpt_path`` reads a small checkpoint whole before any process starts; rank 0 runs in this process, and
+    its strategy is handed what that check read (its loads then skip it, ``test_checkpoint_digests``)."""
+    from lightning_2d.tools.cli import Lightning2DCLI
+    from tests.unit.test_checkpoint_digests import save
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    monkeypatch.setattr(Lightning2DCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not run
+    checkpoint = save(tmp_path / "ckpts", "epoch=0-step=8.ckpt")
+    cli = cli_main(["fit", *common(tmp_path, corpus), "--trainer.strategy=model_parallel_2d",
+                    f"--ckpt_path={checkpoint}"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ModelParallel2DStrategy)
+    assert strategy.checkpoint_integrity is cli.checkpoint_integrity
+    assert strategy.checkpoint_integrity.checked_whole(checkpoint)
+
+
 def test_a_tool_s_error_is_one_message_and_the_variable_shows_its_traceback(tmp_path, monkeypatch, capsys):
     from lightning_2d.tools.cli import main
 

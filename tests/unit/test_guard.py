@@ -108,7 +108,7 @@ def _fit(module, tmp_path, ckpt_path=None, save_to=None):
 
 def test_resuming_into_another_model_size_is_refused_quoting_both_shapes(tmp_path):
     from lightning_2d import LlamaLightningModule
-    from lightning_2d.checkpoint.files import CheckpointError
+    from lightning_2d.checkpoint.errors import CheckpointError
 
     saved = tmp_path / "two_layers.ckpt"
     _fit(LlamaLightningModule("debug", model_overrides={"n_layers": 2}, warmup_steps=1, max_steps=2), tmp_path,

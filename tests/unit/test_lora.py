@@ -258,7 +258,7 @@ def test_a_single_device_run_resumes_its_adapters_only_checkpoint_and_refuses_an
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_2d.checkpoint.files import CheckpointError
+    from lightning_2d.checkpoint.errors import CheckpointError
 
     lora = {"rank": 2, "targets": ["wq", "w2"]}
     first = LlamaLightningModule("debug", lora=lora, init_seed=3, max_steps=4, warmup_steps=1)

@@ -23,8 +23,8 @@ from lightning_2d import (
     ParallelPlan,
     TextDataModule,
 )
-from lightning_2d.checkpoint.files import CheckpointError, check_ckpt_path, resolve_checkpoint
-from lightning_2d.checkpoint.safe_load import ExportError
+from lightning_2d.checkpoint.errors import CheckpointError, ExportError
+from lightning_2d.checkpoint.resolution import check_ckpt_path, resolve_checkpoint
 from lightning_2d.data import DataError
 from lightning_2d.ops.lora import LoRAConfigError
 

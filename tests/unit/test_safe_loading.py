@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from lightning_2d.checkpoint import digests
-from lightning_2d.checkpoint.files import CheckpointError, load_rng, save_full_file
-from lightning_2d.checkpoint.safe_load import UnsafeCheckpointError, load_checkpoint_file
+from lightning_2d.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from lightning_2d.checkpoint.rng import load_rng
+from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+from lightning_2d.checkpoint.writer import save_full_file
 from tests.unit.test_checkpoint_digests import save, state
 
 REFUSED = r"holds a pickled posix\.system, which a weights-only load refuses to build .*: the file was not loaded"
@@ -232,6 +234,6 @@ def test_every_load_in_the_package_is_weights_only():
             elif name in ("pickle.load", "pickle.loads", "np.load", "numpy.load", "dill.load", "joblib.load"):
                 found.append(f"{where}:{node.lineno} {name}")
     assert sorted(found) == [
-        "lightning_2d/checkpoint/files.py: unpickler DCPMetadataUnpickler",
+        "lightning_2d/checkpoint/dcp_metadata.py: unpickler DCPMetadataUnpickler",
         "lightning_2d/checkpoint/safe_load.py: torch.load weights_only=True",
     ], found

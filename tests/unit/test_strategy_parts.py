@@ -12,7 +12,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_2d import ModelParallel2DStrategy, ParallelConfigError
-from lightning_2d.checkpoint.files import CheckpointError, is_complete
+from lightning_2d.checkpoint.discovery import is_complete
+from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.integration import strategy_base
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.precision import FSDP2Precision, fsdp2_precision

@@ -47,7 +47,7 @@ from lightning_2d.checkpoint.hf.layout import (
     same_shapes,
 )
 from lightning_2d.checkpoint.hf.weights import HFWeights, SafetensorsWeights
-from lightning_2d.checkpoint.safe_load import ExportError
+from lightning_2d.checkpoint.errors import ExportError
 
 __all__ = [
     "INDEX_FILE",

@@ -1,9 +1,11 @@
 """A Lightning checkpoint exported as a Hugging Face directory (``export_hf``), streamed file by file.
 
 The checkpoint (a DCP folder read tensor by tensor without a process group, or a memory-mapped full file)
-is opened with its metadata only; the model args are resolved and checked against the weights' shapes;
-the output files are planned from the metadata, then each is read, converted (names, RoPE rows, dtype),
-written into a staging folder and freed before the next, and the folder moved in once complete.
+is opened with its metadata only (``open_checkpoint``). What is written is chosen once, from that metadata
+(``plan_export``: the full Hugging Face model, a LoRA checkpoint's adapters for peft, or its base with them merged;
+the model args resolved and checked against the weights' shapes; the output files and the one conversion of every
+weight). One writer (``write_export``) then reads, converts and writes each file into a staging folder, freeing it
+before the next, and moves the folder in once complete.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 
+from lightning_2d.checkpoint.dcp_metadata import DCPMetadataUnpickler, shard_size_problems
+from lightning_2d.checkpoint.digests import check_items, read_manifest
+from lightning_2d.checkpoint.discovery import is_complete
+from lightning_2d.checkpoint.errors import CheckpointError, ExportError
 from lightning_2d.checkpoint.hf.layout import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -39,20 +46,40 @@ from lightning_2d.checkpoint.hf.layout import (
     tied_aliases,
     transformers_to_files,
 )
+from lightning_2d.checkpoint.hf.lora import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    MergedWeights,
+    adapter_config,
+    base_weights_of,
+    hf_module_name,
+    peft_tensors,
+    split_adapter_name,
+)
 from lightning_2d.checkpoint.hf.tokenizer import (
     HF_TOKENIZER_FILES,
+    TokenizerExport,
     add_stop_ids,
     recorded_stop_ids,
     resolve_export_tokenizer,
     write_tokenizer,
 )
-from lightning_2d.checkpoint.files import CheckpointError
-from lightning_2d.checkpoint.safe_load import ExportError, load_checkpoint_file
+from lightning_2d.checkpoint.integrity import Integrity, describe_changed
+from lightning_2d.checkpoint.names import DCP_METADATA_FILE, METADATA_FILE
+from lightning_2d.checkpoint.safe_load import load_checkpoint_file
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 
 #: Where ``LlamaLightningModule`` keeps the transformer: its weights are ``model.<our name>`` in the
 #: checkpoint's ``state_dict`` (``state_dict.model.<our name>`` among DCP's flattened keys).
 STATE_DICT_PREFIX = "model."
+
+
+def _refusal(path: Path, problems: list[str], more: str = "") -> CheckpointError:
+    """The export's refusal of a checkpoint whose bytes changed (``problems``: the changed items' lines)."""
+    return CheckpointError(
+        f"Checkpoint {path} {describe_changed(path, problems)}. Nothing was exported: export an earlier checkpoint, or"
+        f" copy this one again.{more}"
+    )
 
 
 class _ShardedCheckpoint:
@@ -62,16 +89,9 @@ class _ShardedCheckpoint:
     tensor's chunks (one per saving rank) from the ``.distcp`` files and copies them in place.
     """
 
-    def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool) -> None:
+    def __init__(self, path: Path, allow_globals: Sequence[str], need_metadata: bool, integrity: Integrity) -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-
-        from lightning_2d.checkpoint.files import (
-            DCP_METADATA_FILE,
-            METADATA_FILE,
-            DCPMetadataUnpickler,
-            shard_size_problems,
-        )
 
         try:
             with open(path / DCP_METADATA_FILE, "rb") as f:
@@ -97,9 +117,6 @@ class _ShardedCheckpoint:
             for key, meta in dcp_metadata.state_dict_metadata.items()
             if key.startswith(self.key_prefix) and isinstance(meta, TensorStorageMetadata)
         ]
-        from lightning_2d.checkpoint.digests import read_manifest
-        from lightning_2d.checkpoint.files import warn_undigested
-
         # Each tensor's stored chunks are checked against their digests just before DCP reads them (``read``).
         try:
             manifest = read_manifest(path)
@@ -114,21 +131,14 @@ class _ShardedCheckpoint:
             else:
                 self.digests.setdefault(item.fqn, []).append(item)
         if manifest is None:
-            warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
-        from lightning_2d.checkpoint.digests import check_items
-        from lightning_2d.checkpoint.files import describe_changed
-
+            integrity.warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         # DCP's .metadata (just read, by a reader that builds DCP's types only) and meta.pt before it is read.
         read_whole = [i for i in whole if i.file in (DCP_METADATA_FILE, METADATA_FILE)]
         changed = {i.file: i for i in check_items(path, read_whole, self.digest_hash)} if read_whole else {}
-        problems = [f"{i.file}: {i.describe()} {i.change()}" for i in changed.values()]
+        problems = [i.problem() for i in changed.values()]
         if DCP_METADATA_FILE in changed or (METADATA_FILE in changed and need_metadata):
-            raise CheckpointError(
-                f"Checkpoint {path} {describe_changed(path, problems)}. Nothing was exported: export an earlier"
-                " checkpoint, or copy this one again."
-                + (f" Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
-                   if DCP_METADATA_FILE not in changed else "")
-            )
+            weights_only = f" Or pass --model PRESET: the export then reads the weights only, not {METADATA_FILE}."
+            raise _refusal(path, problems, weights_only if DCP_METADATA_FILE not in changed else "")
         self.metadata: Optional[dict[str, Any]] = None
         try:
             if METADATA_FILE in changed:
@@ -145,20 +155,13 @@ class _ShardedCheckpoint:
         """``(name, full tensor)`` for each of ``names``, one tensor read at a time."""
         import torch.distributed.checkpoint as dcp
 
-        from lightning_2d.checkpoint.digests import check_items
-        from lightning_2d.checkpoint.files import describe_changed
-
         shapes = {w.name: w for w in self.weights}
         for name in names:
             info = shapes[name]
             if self.digest_hash is not None:
                 changed = check_items(self.path, self.digests.get(self.key_prefix + name, ()), self.digest_hash)
                 if changed:
-                    problems = [f"{i.file}: {i.describe()} reads as {i.found}, saved as {i.digest}" for i in changed]
-                    raise CheckpointError(
-                        f"Checkpoint {self.path} {describe_changed(self.path, problems)}. Nothing was exported:"
-                        " export an earlier checkpoint, or copy this one again."
-                    )
+                    raise _refusal(self.path, [i.problem() for i in changed])
             tensor = torch.empty(info.shape, dtype=info.dtype)
             with warnings.catch_warnings():
                 # On purpose: one process, no process group.
@@ -182,19 +185,15 @@ class _FullCheckpoint:
     export would end up holding every page read).
     """
 
-    def __init__(self, path: Path, allow_globals: Sequence[str]) -> None:
-        from lightning_2d.checkpoint.files import describe_changed, digest_problems, warn_undigested
-
+    def __init__(self, path: Path, allow_globals: Sequence[str], integrity: Integrity) -> None:
         self.path, self.allow_globals = path, allow_globals
         # The weights' digests, before any is read (the file is mapped: this reads them once more).
-        changed = digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",), allow_globals=allow_globals)
+        changed = integrity.digest_problems(path, prefixes=(f"state_dict.{STATE_DICT_PREFIX}",),
+                                            allow_globals=allow_globals)
         if changed:
-            raise CheckpointError(
-                f"Checkpoint {path} {describe_changed(path, changed)}. Nothing was exported: export an earlier"
-                " checkpoint, or copy this one again."
-            )
+            raise _refusal(path, changed)
         if changed is None:
-            warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
+            integrity.warn_undigested(path, lambda message: warnings.warn(message, stacklevel=3))
         loaded = load_checkpoint_file(path, mmap=True, allow_globals=allow_globals)
         if not isinstance(loaded, dict) or not isinstance(loaded.get("state_dict"), Mapping):
             raise ExportError(f"{path} is not a Lightning checkpoint: it has no 'state_dict' dictionary")
@@ -225,16 +224,15 @@ def open_checkpoint(
         need_metadata: Whether a sharded checkpoint's ``meta.pt`` that cannot be loaded safely is an
             error (``False``: the model args come from elsewhere; only the weights are needed).
     """
-    from lightning_2d.checkpoint.files import is_complete
-
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
         raise FileNotFoundError(
             f"{checkpoint} is not a complete checkpoint (a folder with .metadata and meta.pt, or a file)"
         )
+    integrity = Integrity()  # the export's own checks: one process, nothing checked before
     if checkpoint.is_dir():
-        return _ShardedCheckpoint(checkpoint, allow_globals, need_metadata)
-    return _FullCheckpoint(checkpoint, allow_globals)
+        return _ShardedCheckpoint(checkpoint, allow_globals, need_metadata, integrity)
+    return _FullCheckpoint(checkpoint, allow_globals, integrity)
 
 
 def _describe_model(model: Union[str, ModelArgs, Mapping[str, Any], None], overrides: Mapping[str, Any]) -> str:
@@ -436,8 +434,8 @@ def export_hf(
     (``lightning_2d.checkpoint.hf.lora``).
 
     Streams: the output files are planned from the checkpoint's metadata (DCP's ``.metadata``, or
-    the memory-mapped full file), then each is read, converted, written and freed before the next
-    is read. Peak memory is about one output file plus one tensor, whatever the model size.
+    the memory-mapped full file; ``plan_export``), then each is read, converted, written and freed before the next
+    is read (``write_export``). Peak memory is about one output file plus one tensor, whatever the model size.
 
     Torch DCP's ``HuggingFaceStorageWriter`` is not used: it writes what one ``dcp.save`` call is
     given (the whole state dict in memory, or one call per file, each overwriting the index with
@@ -468,117 +466,163 @@ def export_hf(
             weights-only load refuses; a ``tokenizer`` that does not exist. Nothing is written then.
         FileNotFoundError: Not a complete checkpoint.
     """
-    from safetensors.torch import save_file
-
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)
     if not source.weights:
         raise ExportError(f"{checkpoint} holds no model weights (expected keys under '{STATE_DICT_PREFIX}')")
     tokenizer_spec, eos_token, where = resolve_export_tokenizer(tokenizer, source.metadata)
-    # The last weight's dtype (all weights share one in our checkpoints).
-    out_dtype = dtype or source.weights[-1].dtype
-    native_config = (source.metadata or {}).get("hf_config")
-    adapters = (source.metadata or {}).get("adapters")
-    peft: Optional[dict[str, Any]] = None  # a LoRA checkpoint exported for peft: its adapter_config.json
+    plan = plan_export(checkpoint, source, dtype, max_shard_bytes, model, model_overrides, merge_lora)
+    written = write_export(plan, out_dir, tokenizer_spec, eos_token, where)
+    if log is not None:
+        log(written.message)
+    elif not written.complete:
+        warnings.warn(f"{out_dir}: {written.message}", stacklevel=2)
+    return out_dir
+
+
+@dataclass
+class ExportPlan:
+    """What ``export_hf`` writes, chosen once from the checkpoint (``plan_export``); ``write_export`` writes any plan
+    the same way."""
+
+    #: ``"full"``: the whole model as a Hugging Face folder (our Llama's weights converted, a Hugging Face module's as
+    #: they are); ``"peft"``: a LoRA checkpoint's adapters as a peft folder; ``"merged"``: its base with them merged.
+    kind: Literal["full", "peft", "merged"]
+    #: The weights: ``read(names)`` yields ``(name, tensor)``; ``metadata``, the checkpoint's non-tensor part.
+    source: Any
+    #: Each output weights file and the source's weights in it, in order.
+    files: list[tuple[str, list[str]]]
+    #: One source weight → its tensors in the files (names mapped, RoPE rows permuted, experts split, dtype).
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+    #: The model's ``config.json`` (written unless ``kind`` is ``"peft"``); the tokenizer's ids are added once written.
+    config: dict[str, Any]
+    #: peft's ``adapter_config.json``, written instead of ``config.json`` when ``kind`` is ``"peft"``.
+    adapter_config: Optional[dict[str, Any]] = None
+
+
+def plan_export(
+    checkpoint: Path,
+    source: Any,
+    dtype: Optional[torch.dtype],
+    max_shard_bytes: int,
+    model: Union[str, ModelArgs, Mapping[str, Any], None],
+    model_overrides: Optional[Mapping[str, Any]],
+    merge_lora: bool,
+) -> ExportPlan:
+    """What to write for ``source`` (``open_checkpoint(checkpoint)``), refusing what cannot be exported; the
+    arguments are ``export_hf``'s.
+
+    Raises:
+        ExportError: ``merge_lora`` for a checkpoint of the whole model; model args missing, disagreeing, not
+            fitting the weights or the Hugging Face layout; ``model``/``model_overrides`` for a Hugging Face module's
+            checkpoint (it records its own config).
+    """
+    metadata = source.metadata or {}
+    native_config = metadata.get("hf_config")  # a Hugging Face module's checkpoint: its weights as transformers has them
+    adapters = metadata.get("adapters")  # a LoRA run's checkpoint: the adapters only
+    out_dtype = dtype or source.weights[-1].dtype  # the last weight's dtype (all weights share one in our checkpoints)
     if adapters is None and merge_lora:
         raise ExportError(f"{checkpoint} holds the whole model, not LoRA adapters: export it without --merge-lora")
-    if adapters is not None:
-        from lightning_2d.checkpoint.hf import lora as lora_export
-
-        args_or_none = None if native_config is not None else resolve_model_args(checkpoint, source.metadata, model,
-                                                                                model_overrides)
-        if merge_lora:
-            base, shapes = lora_export.base_weights_of(source.metadata or {}, args_or_none)
-            source = lora_export.MergedWeights(source, base, shapes, out_dtype)
-        else:
-            n_layers = int(native_config["num_hidden_layers"]) if native_config is not None else args_or_none.n_layers
-            modules = sorted({lora_export.hf_module_name(lora_export.split_adapter_name(w.name)[0],
-                                                         native_config is not None) for w in source.weights})
-            peft = lora_export.adapter_config(adapters, modules, n_layers)
+    kind: Literal["full", "peft", "merged"] = "full" if adapters is None else "merged" if merge_lora else "peft"
+    args = None if native_config is not None else resolve_model_args(checkpoint, source.metadata, model, model_overrides)
+    peft = None
+    if kind == "merged":
+        source = MergedWeights(source, *base_weights_of(metadata, args), out_dtype)
+    elif kind == "peft":
+        n_layers = int(native_config["num_hidden_layers"]) if native_config is not None else args.n_layers
+        modules = sorted({hf_module_name(split_adapter_name(w.name)[0], native_config is not None)
+                          for w in source.weights})
+        peft = adapter_config(adapters, modules, n_layers)
+    # The model's Hugging Face config, and the names not written (tied: one tensor in the files, as transformers saves
+    # it and ties on load).
     if native_config is not None:
-        # An HFCausalLMModule checkpoint: the weights already have the model's names and layout.
         if model is not None or model_overrides:
             raise ExportError(
                 f"{checkpoint} is a checkpoint of a Hugging Face model (HFCausalLMModule) and records its own"
                 " config; --model/--model-overrides apply to LlamaLightningModule checkpoints only: drop them"
             )
-        model_type = str(native_config.get("model_type"))
-
-        def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-            # A mixture of experts' fused experts: per expert, the layout transformers saves and every reader loads.
-            return transformers_to_files(name, tensor.to(dtype or tensor.dtype).contiguous(), model_type)
-
         config = {**native_config, "torch_dtype": str(out_dtype).removeprefix("torch."),
                   "dtype": str(out_dtype).removeprefix("torch.")}
-        if native_config.get("tie_word_embeddings"):  # one tensor in the files, as transformers saves it
-            source.weights = [w for w in source.weights if w.name != "lm_head.weight"]
+        tied = {"lm_head.weight"} if native_config.get("tie_word_embeddings") else set()
     else:
-        args = resolve_model_args(checkpoint, source.metadata, model, model_overrides)
+        assert args is not None
         if problems := hf_export_problems(args):
             raise ExportError(
                 f"{checkpoint} holds a model that {hf_model_type(args)}'s Hugging Face layout cannot hold: "
                 + "; ".join(problems) + ". Nothing was written."
             )
-        if peft is None:  # (adapters: their shapes were checked against the model when the run resumed or saved)
+        if kind != "peft":  # (adapters: their shapes were checked against the model when the run resumed or saved)
             check_weight_shapes(args, source.weights, checkpoint, _describe_model(model, model_overrides or {}))
-
-        def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-            return to_hf_tensors(name, tensor, args, dtype)
-
         config = hf_config(args, out_dtype)
-        # Tied: one tensor in the files (transformers ties lm_head to embed_tokens on load).
-        source.weights = [w for w in source.weights if w.name not in tied_aliases(args)]
-    if peft is not None:  # one file of adapters, under peft's names
-        from lightning_2d.checkpoint.hf import lora as lora_export
-
-        peft_args = None if native_config is not None else args
-        shards = [[w.name for w in source.weights]]
-        files = [lora_export.ADAPTER_WEIGHTS_FILE]
-        n = 1
+        tied = set(tied_aliases(args))
+    weights = [w for w in source.weights if w.name not in tied]
+    if kind == "peft":  # one file of adapters, under peft's names
+        files = [(ADAPTER_WEIGHTS_FILE, [w.name for w in weights])]
+        return ExportPlan(kind, source, files, partial(peft_tensors, args=args, dtype=dtype), config, peft)
+    shards = plan_shards(weights, dtype, max_shard_bytes)
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    if native_config is not None:
+        convert = partial(transformers_tensors, model_type=str(native_config.get("model_type")), dtype=dtype)
     else:
-        shards = plan_shards(source.weights, dtype, max_shard_bytes)
-        n = len(shards)
-        files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        convert = partial(to_hf_tensors, args=args, dtype=dtype)
+    return ExportPlan(kind, source, list(zip(names, shards)), convert, config)
 
-    # Written into a staging folder next to out_dir and moved in only once complete: a failure (a
-    # corrupt shard, a full disk) leaves out_dir as it was (absent, or an earlier export, intact).
+
+def transformers_tensors(name: str, tensor: torch.Tensor, model_type: str,
+                         dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """A Hugging Face module's weight as it goes in the files: ``dtype``, and a mixture of experts' fused experts per
+    expert (the layout transformers saves and every reader loads)."""
+    return transformers_to_files(name, tensor.to(dtype or tensor.dtype).contiguous(), model_type)
+
+
+def write_export(
+    plan: ExportPlan, out_dir: Path, tokenizer_spec: Optional[str], eos_token: Optional[str], where: str
+) -> TokenizerExport:
+    """Write ``plan`` into ``out_dir``, one weights file at a time, and the tokenizer (``resolve_export_tokenizer``'s
+    answer); return what ``write_tokenizer`` wrote.
+
+    Written into a staging folder next to ``out_dir`` and moved in only once complete: a failure (a corrupt shard, a
+    full disk) leaves ``out_dir`` as it was (absent, or an earlier export, intact).
+    """
+    from safetensors.torch import save_file
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    config = plan.config
     try:
         weight_map: dict[str, str] = {}
         total = 0
-        for file, names in zip(files, shards):
-            if peft is not None:
-                tensors = lora_export.peft_tensors(dict(source.read(names)), peft_args, dtype)
-            else:
-                tensors = {}
-                for name, tensor in source.read(names):
-                    tensors.update(convert(name, tensor))
+        for file, names in plan.files:
+            tensors: dict[str, torch.Tensor] = {}
+            for name, tensor in plan.source.read(names):
+                tensors.update(plan.convert(name, tensor))
             save_file(tensors, staging / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors  # before the next file is read: one file's tensors in memory at a time
             _release_freed_memory()
-        if n > 1:
+        if len(plan.files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
         written = write_tokenizer(tokenizer_spec, eos_token, where, staging,
                                   int(config.get("max_position_embeddings") or 0) or 2048)
-        stop_ids = recorded_stop_ids(source.metadata)
+        stop_ids = recorded_stop_ids(plan.source.metadata)
         if written.complete and stop_ids:  # fine-tuned on chats: generation stops at the end of a turn
             added = add_stop_ids(staging, stop_ids)
             written.message += (f"; stop ids {stop_ids} (the end of a turn, from the chat data) in"
                                 f" generation_config.json{' (added)' if added else ''}")
         config.update({k: v for k, v in (("bos_token_id", written.bos_id), ("eos_token_id", written.eos_id))
                        if v is not None and k not in config})
-        if peft is not None:
-            (staging / lora_export.ADAPTER_CONFIG_FILE).write_text(json.dumps(peft, indent=1))
+        if plan.adapter_config is not None:
+            (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(plan.adapter_config, indent=1))
         else:
             (staging / "config.json").write_text(json.dumps(config, indent=1))
         out_dir.mkdir(exist_ok=True)
         # Files of an earlier export to the same folder would be read instead of ours or beside them
         # (transformers prefers model.safetensors to an index; peft an adapter beside a model): only this export's
         # names remain.
+        files = [file for file, _ in plan.files]
         for stale in [out_dir / SINGLE_FILE, out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors"),
                       out_dir / "config.json", out_dir / "adapter_config.json", out_dir / "adapter_model.safetensors"]:
             if stale.is_file() and stale.name not in files:
@@ -593,11 +637,7 @@ def export_hf(
             os.replace(staged, out_dir / staged.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    if log is not None:
-        log(written.message)
-    elif not written.complete:
-        warnings.warn(f"{out_dir}: {written.message}", stacklevel=2)
-    return out_dir
+    return written
 
 
 def _metadata_once_reader(reader_class: type, path: Path, metadata: Any) -> Any:

@@ -21,8 +21,11 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_2d.checkpoint.hf.layout import WeightInfo, hf_name, meta_to_hf, rotary_heads
-from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.checkpoint.hf.layout import WeightInfo, hf_name, hf_to_meta, meta_to_hf, rotary_heads
+from lightning_2d.checkpoint.hf.weights import HFWeights, SafetensorsWeights
+from lightning_2d.models.hf_decoders import HFDecoderInit
+from lightning_2d.models.llama.model import ModelArgs, Transformer
+from lightning_2d.ops.init import SeededInit
 from lightning_2d.ops.lora import ADAPTERS, LoRA
 
 #: peft's prefix of every key: ``PeftModel.base_model`` (the LoRA model) → ``.model`` (the transformers model).
@@ -47,26 +50,25 @@ def hf_module_name(module: str, native: bool) -> str:
 
 
 def peft_tensors(
-    adapters: Mapping[str, torch.Tensor], args: Optional[ModelArgs], dtype: Optional[torch.dtype] = None
+    name: str, tensor: torch.Tensor, args: Optional[ModelArgs], dtype: Optional[torch.dtype] = None
 ) -> dict[str, torch.Tensor]:
-    """Our adapter weights (names as in the checkpoint's model) under peft's keys, in the Hugging Face layout.
+    """One of our adapter weights (its name as in the checkpoint's model) under peft's key, in the Hugging Face
+    layout: what ``adapter_model.safetensors`` holds of it.
 
     Args:
-        adapters: ``{name: tensor}`` of every adapter weight.
+        name: The adapter weight's name (``layers.0.attention.wq.lora_b.weight``).
+        tensor: Its value.
         args: Our Llama's args (its ``wq``/``wk`` rotary row order is permuted); ``None`` for a Hugging Face
             module's checkpoint (names and layout already transformers').
         dtype: The exported dtype (default: as stored).
     """
-    out = {}
-    for name, tensor in adapters.items():
-        module, which = split_adapter_name(name)
-        tensor = tensor.to(dtype or tensor.dtype)
-        heads = rotary_heads(module + ".weight", args) if args is not None else None
-        if heads is not None and which == "lora_b":
-            tensor = meta_to_hf(tensor, heads)  # B's rows are the base's output rows
-        key = f"{PEFT_PREFIX}{hf_module_name(module, args is None)}.{'lora_A' if which == 'lora_a' else 'lora_B'}.weight"
-        out[key] = tensor.contiguous()
-    return out
+    module, which = split_adapter_name(name)
+    tensor = tensor.to(dtype or tensor.dtype)
+    heads = rotary_heads(module + ".weight", args) if args is not None else None
+    if heads is not None and which == "lora_b":
+        tensor = meta_to_hf(tensor, heads)  # B's rows are the base's output rows
+    key = f"{PEFT_PREFIX}{hf_module_name(module, args is None)}.{'lora_A' if which == 'lora_a' else 'lora_B'}.weight"
+    return {key: tensor.contiguous()}
 
 
 def target_modules(modules: Sequence[str], n_layers: int) -> list[str]:
@@ -139,34 +141,24 @@ class MergedWeights:
 def base_weights_of(metadata: Mapping[str, Any], args: Optional[ModelArgs]) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
     """The base of a LoRA checkpoint as a weight source (our names for our Llama, transformers' for a Hugging Face
     module's) and its ``(name, shape)`` list: ``init_from`` read again, else the seeded init drawn again."""
-    from lightning_2d.ops.init import SeededInit
-
     base = metadata["adapters"].get("base") or {}
     init_from = base.get("init_from")
     hf_config = metadata.get("hf_config")
     if hf_config is not None:
-        import transformers
-
-        from lightning_2d.models.hf_decoders import HFDecoderInit
+        import transformers  # an optional dependency, needed by a Hugging Face module's checkpoint only
 
         config = transformers.AutoConfig.for_model(**hf_config)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         if init_from:
-            from lightning_2d.checkpoint.hf.weights import SafetensorsWeights
-
             return SafetensorsWeights(Path(init_from), dict(shapes)), shapes
         return SeededInit(HFDecoderInit(model).param_init_specs(), int(base["init_seed"])), shapes
     assert args is not None
-    from lightning_2d.models.llama.model import Transformer
-
     with torch.device("meta"):
         model = Transformer(args)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     if init_from:
-        from lightning_2d.checkpoint.hf.weights import HFWeights
-
         return HFWeights(Path(init_from), args), shapes
     return SeededInit(model.param_init_specs(), int(base["init_seed"])), shapes
 
@@ -221,8 +213,6 @@ class PeftAdapterWeights:
                 continue
             heads = rotary_heads(module + ".weight", args) if args is not None else None
             if heads is not None and which == "lora_b":
-                from lightning_2d.checkpoint.hf.layout import hf_to_meta
-
                 tensor = hf_to_meta(tensor, heads)
             self.tensors[name] = tensor
         if problems:

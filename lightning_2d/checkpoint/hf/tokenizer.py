@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_2d.checkpoint.safe_load import ExportError
+from lightning_2d.checkpoint.errors import ExportError
 from lightning_2d.models.llama.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
