@@ -452,20 +452,84 @@ def sequence_parallel_seq_len(
     ]
 
 
+# float8 and async tensor parallelism (``parallel/float8.py``) on this hardware, checked in two places: in the
+# launching process without ``device_index`` (the package, the device type, the options together), and in each rank
+# with it, whose GPU's compute capability is read then (CUDA initialized before a fork would break it). torchao and
+# CUDA are only touched when these options are on.
 @check
-def float8_hardware(
-    float8: Any, async_tensor_parallel: bool, compile: bool, sequence_parallel: bool, tp: int, device_type: str,
-    device_index: int | None = None,
-) -> list[str]:
-    """``float8``/``async_tensor_parallel`` on this hardware (``float8_problems``), with the resolved
-    ``tensor_parallel_size``."""
-    from lightning_2d.parallel.float8 import float8_problems  # torchao and CUDA are only touched when needed
+def float8_device(float8: Any, device_type: str, device_index: int | None = None) -> list[str]:
+    """``float8`` needs torchao and, unless emulated, float8 tensor cores: CUDA, and this process's GPU once known."""
+    if not float8:
+        return []
+    from lightning_2d.parallel.float8 import _float8_device_problem, _torchao_problem, float8_off_cuda_problem
 
-    return float8_problems(
-        float8=bool(float8), emulate=float8 == "emulate", async_tensor_parallel=async_tensor_parallel,
-        compile=compile, tensor_parallel_size=tp, sequence_parallel=sequence_parallel, device_type=device_type,
-        device_index=device_index,
-    )
+    problems = [problem for problem in (_torchao_problem(),) if problem is not None]
+    if float8 == "emulate":  # the same rounding in high precision: any device
+        return problems
+    if device_type != "cuda":
+        problems.append(float8_off_cuda_problem(device_type))
+    elif device_index is not None and (device := _float8_device_problem(device_index)) is not None:
+        problems.append(device)
+    return problems
+
+
+@check
+def float8_emulated_over_gloo(float8: Any, sequence_parallel: bool, tp: int, device_type: str) -> list[str]:
+    """Emulated float8 off CUDA under sequence parallelism: its styles would all-gather float8 over gloo."""
+    if float8 != "emulate" or device_type == "cuda" or not sequence_parallel or tp == 1:
+        return []
+    return [
+        f"float8='emulate' with sequence_parallel=True and tensor_parallel_size {tp} on {device_type!r}: the float8"
+        " tensor-parallel styles all-gather activations already cast to float8, and gloo cannot carry float8 tensors."
+        " Set sequence_parallel=False for emulated float8 off CUDA."
+    ]
+
+
+@check
+def async_tensor_parallel_options(
+    async_tensor_parallel: bool, compile: bool, sequence_parallel: bool, tp: int
+) -> list[str]:
+    """Async tensor parallelism rewrites the sequence-parallel collectives of compiled graphs."""
+    if not async_tensor_parallel:
+        return []
+    problems = []
+    if not compile:
+        problems.append("async_tensor_parallel=True needs compile=True: the overlap is an inductor pass"
+                        " (torch._inductor.config._micro_pipeline_tp) that only rewrites compiled graphs. Set"
+                        " compile=True or async_tensor_parallel=False.")
+    if tp == 1:
+        problems.append("async_tensor_parallel=True with tensor_parallel_size=1: there is no tensor-parallel"
+                        " communication to overlap. Use tensor_parallel_size > 1 or async_tensor_parallel=False.")
+    if not sequence_parallel:
+        problems.append("async_tensor_parallel=True with sequence_parallel=False: async TP overlaps the"
+                        " all-gather/reduce-scatter pairs of sequence parallelism with the matmuls and leaves plain"
+                        " TP's all-reduces as they are, so it would do nothing. Set sequence_parallel=True or"
+                        " async_tensor_parallel=False.")
+    return problems
+
+
+@check
+def async_tensor_parallel_device(async_tensor_parallel: bool, device_type: str) -> list[str]:
+    """Async tensor parallelism needs CUDA with NCCL, and torch's symmetric memory."""
+    if not async_tensor_parallel:
+        return []
+    import torch
+    import torch.distributed as dist
+
+    from lightning_2d.parallel.float8 import _has_symmetric_memory
+
+    problems = []
+    if device_type != "cuda":
+        problems.append(f"async_tensor_parallel=True needs CUDA GPUs with NCCL (symmetric memory), but the accelerator"
+                        f" is {device_type!r}. Set async_tensor_parallel=False.")
+    elif not (dist.is_available() and dist.is_nccl_available()):
+        problems.append(f"async_tensor_parallel=True needs NCCL, which this torch build ({torch.__version__}) lacks."
+                        " Install a CUDA build of torch or set async_tensor_parallel=False.")
+    if not _has_symmetric_memory():
+        problems.append(f"async_tensor_parallel=True needs symmetric memory (torch.distributed._symmetric_memory),"
+                        f" which torch {torch.__version__} does not provide. Upgrade torch or set"
+                        " async_tensor_parallel=False.")
+    return problems
 
 
 @check
