@@ -20,6 +20,7 @@ from lightning_2d.models.hf_decoders import (
     hf_moe_layers,
     HFDecoderInit,
     check_hf_decoder,
+    hf_validation_inputs,
     hf_config_problems,
     hf_decoder_plan,
     load_hf_config,
@@ -92,6 +93,7 @@ class HFCausalLMModule(CausalLMModule):
         self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
         self._set_lora(lora)
         self.model: Optional[nn.Module] = None
+        self._refuse_now()  # LoRA on its experts …
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
         # any process starts.
         if init_from is not None or lora_init_from is not None or self.lora is not None:
@@ -102,6 +104,9 @@ class HFCausalLMModule(CausalLMModule):
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    def validation_inputs(self) -> dict[str, Any]:
+        return {**super().validation_inputs(), **hf_validation_inputs(self.hf_config)}
 
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
         if config.expert_parallel_size > 1 and hf_moe_layers(self.hf_config):

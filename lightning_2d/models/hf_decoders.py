@@ -203,6 +203,12 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
     )
 
 
+def hf_validation_inputs(hf_config: Any) -> dict[str, Any]:
+    """What the registered checks may know of ``HFCausalLMModule``'s decoder before its plan
+    (``parallel.checks.INPUTS``): whether it has mixture-of-experts layers."""
+    return {"experts": bool(hf_moe_layers(hf_config))}
+
+
 class HFDecoderInit:
     """Layout-independent initialization of a Hugging Face Llama-family decoder (``ModelInitHooks``).
 

@@ -82,8 +82,18 @@ def float8_recipe_problems(recipe: str, fsdp_float8_all_gather: bool, name: str)
 
 
 def raise_if_problems(problems: list[str]) -> None:
-    if problems:
+    """Raise every problem at once: a ``ParallelConfigError`` listing them, or, when each comes from checks declaring
+    one other error (``@check(error=...)``, ``parallel/checks.py``), that error with their messages (one problem: its
+    message alone, as the refusal always read). Either has the list as ``problems``."""
+    if not problems:
+        return
+    errors = {getattr(problem, "error", None) for problem in problems}
+    error = errors.pop() if len(errors) == 1 else None
+    if error is None:
         raise ParallelConfigError(problems)
+    raised = error("\n".join(problems))
+    raised.problems = list(problems)  # type: ignore[attr-defined]
+    raise raised
 
 
 def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:

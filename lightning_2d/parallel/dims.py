@@ -2,8 +2,9 @@
 
 Everything but ``build_device_mesh`` runs before the process group exists, so a bad layout is
 reported in one message instead of a hang or a deep traceback from a collective. ``validate_parallel_dims`` runs
-the registered checks (``parallel/checks.py``): the options' own (``parallel/config.py``) and, below it, those
-needing the world, the model, the batch or the hardware.
+the registered checks (``parallel/checks.py``): the options' own (``parallel/config.py``), LoRA's
+(``parallel/lora.py``, imported here so that they register in this order) and, below, those needing the world, the
+model, the batch or the hardware.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_2d._compat import group_timeout, set_group_timeout
-from lightning_2d.parallel.checks import check, run_checks
+from lightning_2d.parallel import lora as _lora_checks  # noqa: F401 - registers LoRA's checks (parallel/lora.py)
+from lightning_2d.parallel.checks import INPUTS, check, run_checks
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
     ParallelConfig,
@@ -195,6 +197,7 @@ def validate_parallel_dims(
     num_nodes: int = 1,
     device_type: str | None = None,
     device_index: int | None = None,
+    **inputs: Any,
 ) -> ParallelDims:
     """Resolve the mesh sizes and run every check whose inputs are known (``parallel/checks.py``), at once.
 
@@ -211,16 +214,21 @@ def validate_parallel_dims(
             hardware checks of float8 and async tensor parallelism.
         device_index: This process's CUDA device, once chosen: checks that it has float8 tensor
             cores (this initializes CUDA in the process, so not before processes are forked).
+        inputs: The other inputs of ``parallel.checks.INPUTS`` known here, by name: what the trained module or model
+            says of itself (``owner``, ``lora``, ``experts``, ``hf_config`` …) and the datamodule's
+            ``document_mask``; ``None``: unknown.
 
     Raises:
         ParallelConfigError: listing every problem, with the values and a fix.
     """
+    if unknown := sorted(set(inputs) - set(INPUTS) | set(inputs) & {"dp", "tp"}):  # dp/tp: resolved here
+        raise TypeError(f"validate_parallel_dims got {unknown}, which are not inputs it takes by name")
     options = vars(config)
     raise_if_problems(run_checks(options))  # the options' own: the sizes must be valid to be resolved
     dp, tp = resolve_parallel_dims(config, world_size, devices_per_node)
     known = dict(
-        world_size=world_size, devices_per_node=devices_per_node, num_nodes=num_nodes, dp=dp, tp=tp, plan=plan,
-        precision=precision, seq_len=seq_len, batch_size=batch_size, device_type=device_type,
+        inputs, world_size=world_size, devices_per_node=devices_per_node, num_nodes=num_nodes, dp=dp, tp=tp,
+        plan=plan, precision=precision, seq_len=seq_len, batch_size=batch_size, device_type=device_type,
         device_index=device_index,
     )
     raise_if_problems(run_checks(options, known))
