@@ -23,7 +23,7 @@ from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_base
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.parallel.checks import run_checks
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan, raise_if_problems
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
@@ -356,7 +356,7 @@ class CausalLMModule(L.LightningModule):
 
 
 def _uses_aux_loss(moe: Optional[MoEArgs]) -> bool:
-    return moe is not None and moe.load_balancing == "aux_loss" and moe.aux_loss_coef > 0
+    return moe is not None and moe.uses_aux_loss
 
 
 class LlamaLightningModule(CausalLMModule):
@@ -473,17 +473,8 @@ class LlamaLightningModule(CausalLMModule):
         return {**super().validation_inputs(), **llama_validation_inputs(self.model_args)}
 
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
-        """The Llama plan: Meta's module names, and the sizes tensor parallelism must divide."""
-        moe = self.model_args.moe
-        if config.pipeline_parallel_size > 1 and _uses_aux_loss(moe):
-            assert moe is not None
-            raise ParallelConfigError([
-                f"the mixture of experts' auxiliary loss (moe.load_balancing='aux_loss', aux_loss_coef="
-                f"{moe.aux_loss_coef}) with pipeline_parallel_size={config.pipeline_parallel_size}: the loss needs the"
-                " routing of every block at once, and the stages hold different blocks; use"
-                " model_overrides: {moe: {load_balancing: bias}} (aux-loss-free balancing, DeepSeek-V3's) or"
-                " aux_loss_coef: 0"
-            ])
+        """The Llama plan: Meta's module names, the sizes tensor parallelism must divide, and the model's facts the
+        checks read (``num_experts``, ``aux_loss_coef``)."""
         return llama_plan(self.model_args, config, module="model")
 
     def _router_loss(self) -> torch.Tensor | None:

@@ -15,10 +15,11 @@ fix. ``run_checks`` runs every check whose options and inputs are known, in regi
 
 Every refusal of a combination (an option against the world, the model, the batch, the hardware or how the model is
 trained) is a check here, wherever it is defined: the options' own in ``parallel/config.py`` (and the strategies'
-in ``integration/options.py``), those needing inputs in ``parallel/dims.py``, LoRA's in ``parallel/lora.py``, the
-datamodule's against the module in ``integration/validation.py``. What a check may read besides the options is ``INPUTS``: the world and the batch
-from the strategy, the model's structure on its ``ParallelPlan`` (``num_experts`` …), and what
-the trained thing says of itself (``owner``, ``lora``, ``experts`` …:
+in ``integration/options.py``), those needing inputs in ``parallel/dims.py``, LoRA's in ``parallel/lora.py``, a
+model family's in its module of ``models/`` (``models/hf_decoders.py``), the datamodule's against the module in
+``integration/validation.py``. What a check may read besides the options is ``INPUTS``: the world and the batch
+from the strategy, the model's structure on its ``ParallelPlan`` (``num_experts``, ``aux_loss_coef`` …), and what
+the trained thing says of itself (``owner``, ``lora``, ``experts``, ``hf_config`` …:
 ``CausalLMModule.validation_inputs``, ``models.registry.validation_inputs_of`` for a model given to Fabric, the
 planner's ``validation_inputs_of``).
 
@@ -58,6 +59,7 @@ INPUTS: dict[str, str] = {
             " given to Fabric, the planner's lora; None: the whole model is trained",
     "experts": "whether the model has mixture-of-experts layers (ours or transformers'), known before its plan",
     "supports_document_mask": "whether the module takes packed documents' positions (its supports_document_mask)",
+    "hf_config": "the Hugging Face config of the HFCausalLMModule trained (the planner's, for a config.json)",
 }
 #: The options an input is made of, for the options' metadata (a check reading ``tp`` reads ``tensor_parallel_size``).
 INPUT_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -308,9 +308,10 @@ def expert_parallel_layout(
 
 @check
 def expert_parallel_model(expert_parallel_size: int, plan: ParallelPlan) -> list[str]:
-    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides."""
+    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides. (Experts the plan runs
+    whole on every rank, ``plan.whole_experts``, are their family's to refuse: ``models.hf_decoders``.)"""
     ep = expert_parallel_size
-    if ep == 1:
+    if ep == 1 or plan.whole_experts is not None:
         return []
     if plan.num_experts is None:
         return [
@@ -400,6 +401,20 @@ def pipeline_split_problems(
             plan.num_blocks,
         )
     return problems
+
+
+@check
+def auxiliary_loss_pipeline(pipeline_parallel_size: int, plan: ParallelPlan) -> list[str]:
+    """A mixture of experts' auxiliary loss (``plan.aux_loss_coef``) reads the routing of every block of a step at
+    once, which pipeline stages split."""
+    if pipeline_parallel_size == 1 or plan.aux_loss_coef is None:
+        return []
+    return [
+        f"the mixture of experts' auxiliary loss (moe.load_balancing='aux_loss', aux_loss_coef={plan.aux_loss_coef})"
+        f" with pipeline_parallel_size={pipeline_parallel_size}: the loss needs the routing of every block at once,"
+        " and the stages hold different blocks; use model_overrides: {moe: {load_balancing: bias}} (aux-loss-free"
+        " balancing, DeepSeek-V3's) or aux_loss_coef: 0"
+    ]
 
 
 @check

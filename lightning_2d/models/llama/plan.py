@@ -112,6 +112,7 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         attention="layers.*.attention",
         tied_weights=(("tok_embeddings.weight", "output.weight"),) if args.tie_word_embeddings else (),
         num_experts=args.moe.num_experts if args.moe is not None and args.moe_layers else None,
+        aux_loss_coef=args.moe.aux_loss_coef if args.moe is not None and args.moe.uses_aux_loss else None,
     )
 
 
