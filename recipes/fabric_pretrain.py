@@ -130,10 +130,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     model_args = ModelArgs.from_name(args.model)
     data.check_model(model_args.vocab_size)
     moe = model_args.moe
-    aux_loss = moe is not None and moe.load_balancing == "aux_loss" and moe.aux_loss_coef > 0
-    if aux_loss and args.pipeline_parallel_size > 1:
-        raise SystemExit(f"{args.model}'s auxiliary loss needs every block's routing at once, which pipeline stages"
-                         " split; use a model balanced by its bias (load_balancing: bias) under a pipeline")
+    aux_loss = moe is not None and moe.uses_aux_loss  # under a pipeline refused by fabric.setup (the model's plan)
     sharded = isinstance(fabric.strategy, ModelParallel2DStrategy)
     with fabric.init_module(empty_init=sharded):
         model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet

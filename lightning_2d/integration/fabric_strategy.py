@@ -32,7 +32,7 @@ from lightning_2d.integration.options import takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
 from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
 from lightning_2d.models import registry
-from lightning_2d.models.registry import resolve_plan
+from lightning_2d.models.registry import validation_inputs_of, resolve_plan
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
@@ -162,7 +162,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             materialize_model(module, self.root_device, seed=self._init_seed(module))
             return module
         plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
-        self.validate(plan=plan)  # the model's constraints, before any collective touches it
+        # The model's constraints (its plan, its adapters, its experts), before any collective touches it.
+        self.validate(plan=plan, **validation_inputs_of(module))
         self.parallelized = parallelize_and_materialize(
             module, self.meshes or self.device_mesh, self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,

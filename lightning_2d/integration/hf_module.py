@@ -20,11 +20,12 @@ from lightning_2d.models.hf_decoders import (
     hf_moe_layers,
     HFDecoderInit,
     check_hf_decoder,
+    hf_validation_inputs,
     hf_config_problems,
     hf_decoder_plan,
     load_hf_config,
 )
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
 from lightning_2d.parallel.modules import canonical_name
 
@@ -80,18 +81,11 @@ class HFCausalLMModule(CausalLMModule):
         self.hf_config = load_hf_config(config if config is not None else init_from, config_overrides)
         if problems := hf_config_problems(self.hf_config):
             raise ValueError("HFCausalLMModule cannot train this model:\n  - " + "\n  - ".join(problems))
-        if hf_moe_layers(self.hf_config) and getattr(self.hf_config, "output_router_logits", False):
-            raise ValueError(
-                f"HFCausalLMModule trains the language-model loss of a {self.hf_config.model_type} model, without"
-                " transformers' auxiliary load-balancing loss, but its config asks for it (output_router_logits=True);"
-                " transformers would compute it over each rank's tokens, not the global batch. Use"
-                " LlamaLightningModule(init_from=...) (the auxiliary loss over the global batch, expert parallelism),"
-                " or config_overrides: {output_router_logits: false}"
-            )
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
         self._set_lora(lora)
         self.model: Optional[nn.Module] = None
+        self._refuse_now()  # transformers' per-rank auxiliary loss, LoRA on its experts …
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
         # any process starts.
         if init_from is not None or lora_init_from is not None or self.lora is not None:
@@ -103,13 +97,10 @@ class HFCausalLMModule(CausalLMModule):
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    def validation_inputs(self) -> dict[str, Any]:
+        return {**super().validation_inputs(), **hf_validation_inputs(self.hf_config)}
+
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
-        if config.expert_parallel_size > 1 and hf_moe_layers(self.hf_config):
-            raise ParallelConfigError([
-                f"expert_parallel_size={config.expert_parallel_size} with HFCausalLMModule: transformers' experts"
-                " run whole on every rank (data and tensor parallel); expert parallelism runs on our own Llama:"
-                f" LlamaLightningModule(init_from=<the {self.hf_config.model_type} folder>) reads the same files"
-            ])
         return hf_decoder_plan(self.hf_config, config, module="model")
 
     def weights_source(self) -> Any:

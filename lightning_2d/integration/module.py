@@ -21,9 +21,10 @@ from lightning_2d.models.adapters import add_family_lora
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
-from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.ops.moe import MoEArgs
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.checks import run_checks
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
@@ -111,6 +112,17 @@ class CausalLMModule(L.LightningModule):
     def lora(self) -> Optional[LoRA]:
         """The adapters' settings (``lora=``), else ``None``: full fine-tuning."""
         return LoRA.of(self.hparams.get("lora"))
+
+    def validation_inputs(self) -> dict[str, Any]:
+        """What the registered checks (``parallel.checks.INPUTS``) may read of this module, before its model is built:
+        its class (``owner``), its ``lora`` settings, ``supports_document_mask``; a family adds its model's
+        (``experts`` …). The strategies pass them to every validation (``models.registry.validation_inputs_of``)."""
+        return {"owner": type(self).__name__, "lora": self.lora, "supports_document_mask": self.supports_document_mask}
+
+    def _refuse_now(self) -> None:
+        """Raise the problems of the registered checks that read nothing but ``validation_inputs`` (no option, no world:
+        LoRA on a mixture of experts …), at construction, before anything is built or launched."""
+        raise_if_problems(run_checks({}, self.validation_inputs()))
 
     def _set_lora(self, lora: "LoRA | dict | None") -> None:
         """Check ``lora`` now (before any process starts) and keep it as plain data in the hyperparameters. Under
@@ -345,7 +357,7 @@ class CausalLMModule(L.LightningModule):
 
 
 def _uses_aux_loss(moe: Optional[MoEArgs]) -> bool:
-    return moe is not None and moe.load_balancing == "aux_loss" and moe.aux_loss_coef > 0
+    return moe is not None and moe.uses_aux_loss
 
 
 class LlamaLightningModule(CausalLMModule):
@@ -430,6 +442,7 @@ class LlamaLightningModule(CausalLMModule):
         else:
             self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
+        self._refuse_now()
         if init_from is not None or lora_init_from is not None:  # the files against the model now, before any process
             self.weights_source()
         if self.lora is not None:  # the targets (and the model's kind) against the model now (a meta build: no memory)
@@ -457,18 +470,12 @@ class LlamaLightningModule(CausalLMModule):
         # The exact shapes, so `lightning-2d export` needs neither the preset table nor the overrides.
         checkpoint["model_args"] = asdict(self.model_args)
 
+    def validation_inputs(self) -> dict[str, Any]:
+        return {**super().validation_inputs(), **llama_validation_inputs(self.model_args)}
+
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
-        """The Llama plan: Meta's module names, and the sizes tensor parallelism must divide."""
-        moe = self.model_args.moe
-        if config.pipeline_parallel_size > 1 and _uses_aux_loss(moe):
-            assert moe is not None
-            raise ParallelConfigError([
-                f"the mixture of experts' auxiliary loss (moe.load_balancing='aux_loss', aux_loss_coef="
-                f"{moe.aux_loss_coef}) with pipeline_parallel_size={config.pipeline_parallel_size}: the loss needs the"
-                " routing of every block at once, and the stages hold different blocks; use"
-                " model_overrides: {moe: {load_balancing: bias}} (aux-loss-free balancing, DeepSeek-V3's) or"
-                " aux_loss_coef: 0"
-            ])
+        """The Llama plan: Meta's module names, the sizes tensor parallelism must divide, and the model's facts the
+        checks read (``num_experts``, ``aux_loss_coef``)."""
         return llama_plan(self.model_args, config, module="model")
 
     def _router_loss(self) -> torch.Tensor | None:

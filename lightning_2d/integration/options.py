@@ -22,7 +22,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_2d.parallel.checks import check, checks_reading, run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
-from lightning_2d.parallel.dims import validate_parallel_dims  # noqa: F401 - registers the layout checks
+from lightning_2d.models import hf_decoders  # noqa: F401 - registers the Hugging Face decoders' checks
+from lightning_2d.parallel.dims import validate_parallel_dims  # noqa: F401 - registers the layout (and LoRA's) checks
 from lightning_2d.parallel.options import Option, args_section, documented, markdown, option, options_of
 from lightning_2d.parallel.watchdog import DEFAULT_WATCHDOG_TIMEOUT
 

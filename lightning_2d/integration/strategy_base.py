@@ -223,6 +223,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
         plan: Optional[ParallelPlan] = None,
         seq_len: Optional[int] = None,
         batch_size: Optional[int] = None,
+        **inputs: Any,
     ) -> ParallelDims:
         """Check the layout against the world, the model, the precision and the hardware; raises
         ``ParallelConfigError`` listing every problem.
@@ -231,15 +232,13 @@ class ModelParallel2DBase(LightningStrategyMembers):
         process group, in the launching process once the Trainer/Fabric is constructed (world size,
         precision, float8/async-TP requirements) and once the launcher knows the LightningModule and the
         datamodule, and in each process once the model's plan, the sequence length and the process's GPU
-        (``device_index``: float8 tensor cores) are known.
+        (``device_index``: float8 tensor cores) are known, and once the model is built, before parallelizing it.
+        ``inputs``: other check inputs known here (``parallel.checks.INPUTS``: what the model says of itself).
         """
         context = self._validation_context()
-        if plan is not None:
-            context["plan"] = plan
-        if seq_len is not None:
-            context["seq_len"] = seq_len
-        if batch_size is not None:
-            context["batch_size"] = batch_size
+        for name, value in dict(inputs, plan=plan, seq_len=seq_len, batch_size=batch_size).items():
+            if value is not None:
+                context[name] = value
         plugin = self._precision_plugin_2d()
         devices = self.parallel_devices
         return validate_parallel_dims(

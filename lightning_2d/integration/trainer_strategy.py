@@ -139,6 +139,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         precision = self.precision_plugin.precision
         resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
         plan = resolve_plan(module, resolved, self.strategy_options.plan)
+        self.validate(plan=plan)  # the model as built (adapters added by configure_model too), before any allocation
         self.parallelized = parallelize_and_materialize(
             module,
             self.meshes or self.device_mesh,  # the meshes built in setup_environment (expert parallelism's too)

@@ -9,32 +9,36 @@ before a process group exists for what it checks:
   hardware), and when the Trainer's launcher starts ``fit``/``validate``/``test``/``predict`` (the
   LightningModule's plan, the datamodule's sequence length and batch size: ``ValidatingLauncher``);
 - in each rank, before its process group (``setup_environment``: the rank's GPU; under torchrun or SLURM,
-  where no launching process of ours exists, everything); Fabric meets the model only in
-  ``setup_module``, and checks its plan there, before any collective touches it.
+  where no launching process of ours exists, everything), and once the model is built, before it is parallelized
+  (``setup``: adapters a ``configure_model`` added itself); Fabric meets the model only in ``setup_module``, and
+  checks its plan and what its modules show there, before any collective touches it.
 
 ``model_context`` derives the model-dependent part from a LightningModule and a datamodule, the same way
-in the launching process and in each rank.
+in the launching process and in each rank: the plan, the batch's shape, and the check inputs the module gives of
+itself (``models.registry.validation_inputs_of``). The one check of the datamodule against the module is registered
+here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_2d.models.registry import resolve_plan
-from lightning_2d.parallel.lora import qlora_problems
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan, raise_if_problems
+from lightning_2d.models.registry import validation_inputs_of, resolve_plan
+from lightning_2d.parallel.checks import check
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
 
 
 def model_context(
     module: Any, datamodule: Any, config: ParallelConfig, plan: Optional[ParallelPlan], before_launch: bool = False
 ) -> dict[str, Any]:
     """``plan``, ``seq_len`` and ``batch_size`` for ``validate`` from a LightningModule and a datamodule
-    (either may be ``None``).
+    (either may be ``None``), with the other check inputs they know (``parallel.checks.INPUTS``): what the module says
+    of itself (``models.registry.validation_inputs_of``: ``owner``, ``lora`` …) and the datamodule's
+    ``document_mask``.
 
     ``before_launch``: a plan that cannot be resolved before the model is built (it reads the model) is left
     to the check in each process; a ``ParallelConfigError`` is raised in any case.
     """
-    raise_if_problems(document_mask_problems(module, datamodule) + lora_problems(module, config))
     resolved = None
     if module is not None:
         try:
@@ -46,42 +50,26 @@ def model_context(
                 raise
     else:
         resolved = plan
+    known = {**validation_inputs_of(module), "document_mask": getattr(datamodule, "document_mask", None)}
     return {
         "plan": resolved,
         "seq_len": _int_or_none(getattr(datamodule, "seq_len", None)),
         "batch_size": _int_or_none(getattr(datamodule, "batch_size", None)),
+        **{name: value for name, value in known.items() if value is not None},  # unknown: left out
     }
 
 
-def document_mask_problems(module: Any, datamodule: Any) -> list[str]:
-    """What keeps a datamodule's document masking (``TextDataModule(document_mask=True)``) from working."""
-    if not getattr(datamodule, "document_mask", False):
+@check
+def document_mask_support(document_mask: bool, supports_document_mask: bool, owner: str) -> list[str]:
+    """A datamodule's document masking (``TextDataModule(document_mask=True)``) needs a module that takes each packed
+    document's positions."""
+    if not document_mask or supports_document_mask:
         return []
-    problems = []
-    if module is not None and not getattr(module, "supports_document_mask", False):
-        problems.append(
-            f"TextDataModule(document_mask=True) gives each packed document its own positions, but"
-            f" {type(module).__name__} cannot take them (its supports_document_mask is False). Use"
-            " LlamaLightningModule or HFCausalLMModule, or document_mask=False"
-        )
-    return problems
-
-
-def lora_problems(module: Any, config: ParallelConfig) -> list[str]:
-    """What keeps a module's LoRA adapters (``lora=``) from composing with the strategy's options."""
-    lora = getattr(module, "lora", None)
-    if lora is None:
-        return []
-    problems = []
-    if config.float8:
-        problems.append(
-            f"float8={config.float8!r} with LoRA adapters ({type(module).__name__}(lora=...)): float8 swaps the"
-            " projections for torchao's Float8Linear, which the adapters cannot wrap, and a frozen base gains little"
-            " from float8 training. Use float8=False with lora, or train without lora"
-        )
-    if lora.quantize_base is not None:
-        problems += qlora_problems(config, _int_or_none(config.tensor_parallel_size))
-    return problems
+    return [
+        f"TextDataModule(document_mask=True) gives each packed document its own positions, but {owner} cannot take"
+        " them (its supports_document_mask is False). Use LlamaLightningModule or HFCausalLMModule, or"
+        " document_mask=False"
+    ]
 
 
 def _int_or_none(value: Any) -> Optional[int]:

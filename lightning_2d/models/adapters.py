@@ -22,19 +22,12 @@ LLAMA_TO_HF = {ours: hf for hf, ours in HF_TO_LLAMA.items()}
 
 def add_family_lora(model: "nn.Module", lora: "LoRA") -> list[str]:
     """``ops.lora.add_lora`` with the model family's default targets and other names: our Llama ``Transformer``'s
-    (Meta's names, Hugging Face's accepted), else a Hugging Face decoder's (theirs, ours accepted)."""
+    (Meta's names, Hugging Face's accepted), else a Hugging Face decoder's (theirs, ours accepted). What the adapters
+    cannot train with (a mixture of experts, float8, QLoRA's layouts) is refused by the registered checks
+    (``parallel/lora.py``), which read the adapters' settings from the module or the model (``ops.lora.lora_of``)."""
     from lightning_2d.models.llama.model import Transformer
-    from lightning_2d.ops.lora import LoRAConfigError, add_lora
-    from lightning_2d.ops.moe import MoE
+    from lightning_2d.ops.lora import add_lora
 
-    # Ours (ops.moe.MoE) or transformers' (Qwen3MoeExperts, MixtralExperts).
-    if any(isinstance(m, MoE) or type(m).__name__.endswith("Experts") for m in model.modules()):
-        # Adapters would reach the shared experts (Linears) but not the routed ones (stacked tensors), and the
-        # experts' tensor-parallel style places no adapters: untested, so refused rather than trained half-right.
-        raise LoRAConfigError(
-            "LoRA on a mixture of experts is not supported yet: the routed experts are stacked tensors that take no"
-            " adapter, and their parallel styles place none; fine-tune the whole model (no lora), or use a dense model"
-        )
     if isinstance(model, Transformer):
         return add_lora(model, lora, LLAMA_TARGETS, HF_TO_LLAMA)
     return add_lora(model, lora, HF_TARGETS, LLAMA_TO_HF)

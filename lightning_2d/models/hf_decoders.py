@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from lightning_2d.ops.init import InitSpec
+from lightning_2d.parallel.checks import check
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import canonical_name
 
@@ -200,7 +201,42 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         # Tied: one weight for both (both styles shard it over the vocabulary); kept by parallelize_model.
         tied_weights=(("model.embed_tokens.weight", "lm_head.weight"),)
         if getattr(hf_config, "tie_word_embeddings", False) else (),
+        whole_experts=hf_config.model_type if moe_layers else None,  # WholeOnEachRank: expert parallelism refused
     )
+
+
+def hf_validation_inputs(hf_config: Any) -> dict[str, Any]:
+    """What the registered checks may know of ``HFCausalLMModule``'s decoder before its plan
+    (``parallel.checks.INPUTS``): whether it has mixture-of-experts layers, and its config."""
+    return {"experts": bool(hf_moe_layers(hf_config)), "hf_config": hf_config}
+
+
+# ---- the checks (``parallel/checks.py``) of what a Hugging Face decoder cannot train with ------------------------
+@check
+def hf_expert_parallel(expert_parallel_size: int, plan: ParallelPlan, owner: str = "HFCausalLMModule") -> list[str]:
+    """transformers' experts run whole on every rank (``plan.whole_experts``): expert parallelism is our Llama's."""
+    if expert_parallel_size == 1 or plan.whole_experts is None:
+        return []
+    return [
+        f"expert_parallel_size={expert_parallel_size} with {owner}: transformers' experts run whole on every rank"
+        " (data and tensor parallel); expert parallelism runs on our own Llama:"
+        f" LlamaLightningModule(init_from=<the {plan.whole_experts} folder>) reads the same files"
+    ]
+
+
+@check(error=ValueError)
+def hf_router_logits(hf_config: Any) -> list[str]:
+    """``HFCausalLMModule`` trains the language-model loss alone: transformers' auxiliary loss, which a mixture of
+    experts' config may ask for, would be each rank's, not the global batch's."""
+    if not (hf_moe_layers(hf_config) and getattr(hf_config, "output_router_logits", False)):
+        return []
+    return [
+        f"HFCausalLMModule trains the language-model loss of a {hf_config.model_type} model, without"
+        " transformers' auxiliary load-balancing loss, but its config asks for it (output_router_logits=True);"
+        " transformers would compute it over each rank's tokens, not the global batch. Use"
+        " LlamaLightningModule(init_from=...) (the auxiliary loss over the global batch, expert parallelism),"
+        " or config_overrides: {output_router_logits: false}"
+    ]
 
 
 class HFDecoderInit:

@@ -1,12 +1,17 @@
 """What the library knows of a model given without a plan: its family's plan (our Llama ``Transformer``,
-a Hugging Face Llama-family decoder) and init hooks; ``resolve_plan`` picks the plan the strategies apply."""
+a Hugging Face Llama-family decoder), init hooks and the checks' inputs; ``resolve_plan`` picks the plan the
+strategies apply, ``validation_inputs_of`` what the registered checks may read of the module or model trained."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from lightning_2d.models.llama.model import Transformer
 from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.ops.lora import LoRA, lora_of
+from lightning_2d.ops.moe import MoE
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 
 
@@ -48,3 +53,28 @@ def resolve_plan(owner: Any, config: ParallelConfig, plan: ParallelPlan | None) 
     if callable(plan_fn):
         return plan_fn(config)
     return known_plan(owner, config) or ParallelPlan()
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether ``model`` holds mixture-of-experts layers: ours (``ops.moe.MoE``) or transformers' (``Qwen3MoeExperts``,
+    ``MixtralExperts``)."""
+    return any(isinstance(m, MoE) or type(m).__name__.endswith("Experts") for m in model.modules())
+
+
+def validation_inputs_of(owner: Any) -> dict[str, Any]:
+    """What the registered checks (``parallel.checks.INPUTS``) may read of ``owner``, the LightningModule or the model
+    trained: its own ``validation_inputs()`` (``CausalLMModule``'s: its settings, before the model is built), else what
+    its modules show (a model given to Fabric, a LightningModule of one's own: the class, the adapters found, whether
+    it has experts); ``{}`` for anything else. ``None``: unknown."""
+    own = getattr(owner, "validation_inputs", None)
+    if callable(own):
+        return dict(own())
+    if not isinstance(owner, nn.Module):
+        return {}
+    lora = getattr(owner, "lora", None)
+    return {
+        "owner": type(owner).__name__,
+        "lora": lora if isinstance(lora, LoRA) else lora_of(owner),
+        "experts": has_experts(owner),
+        "supports_document_mask": bool(getattr(owner, "supports_document_mask", False)),
+    }

@@ -131,6 +131,7 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
         self.scale = lora.scale
         self.quantize_base = lora.quantize_base
+        self.settings = lora  # what the checks read of a model given with its adapters (``lora_of``)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, lora: LoRA) -> "LoRALinear":
@@ -216,6 +217,11 @@ def add_lora(
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_parameter(name))
     return adapted
+
+
+def lora_of(model: nn.Module) -> Optional[LoRA]:
+    """The settings ``model``'s adapters were added with (``add_lora``), or ``None`` if it has none."""
+    return next((m.settings for m in model.modules() if isinstance(m, LoRALinear)), None)
 
 
 def quantized_bases(model: nn.Module) -> dict[str, "LoRALinear"]:

@@ -96,6 +96,12 @@ class MoEArgs:
             raise MoEConfigError("Invalid mixture-of-experts settings: " + "; ".join(problems))
 
     @property
+    def uses_aux_loss(self) -> bool:
+        """Whether the training loss adds the auxiliary load-balancing loss (``load_balancing="aux_loss"``, a weight
+        above 0)."""
+        return self.load_balancing == "aux_loss" and self.aux_loss_coef > 0
+
+    @property
     def shared_dim(self) -> int:
         """The fused shared experts' hidden size (0: none)."""
         return self.num_shared_experts * (self.shared_hidden_dim or self.hidden_dim)

@@ -8,7 +8,23 @@ fix. ``run_checks`` runs every check whose options and inputs are known, in regi
 
 - with no inputs (``known=None``): the options' own problems, when an options dataclass is constructed;
 - with inputs: the rest, wherever ``validate_parallel_dims`` runs (the Trainer's/Fabric's construction, the
-  launcher, each rank's ``setup_environment``, Fabric's ``setup_module``, the planner), every problem at once.
+  launcher, each rank's ``setup_environment``, the strategies' ``setup`` before parallelizing, the planner), every
+  problem at once;
+- with no options (``values={}``): the checks needing nothing but what a LightningModule says of itself
+  (``CausalLMModule.validation_inputs``), at its construction.
+
+Every refusal of a combination (an option against the world, the model, the batch, the hardware or how the model is
+trained) is a check here, wherever it is defined: the options' own in ``parallel/config.py`` (and the strategies'
+in ``integration/options.py``), those needing inputs in ``parallel/dims.py``, LoRA's in ``parallel/lora.py``, a
+model family's in its module of ``models/`` (``models/hf_decoders.py``), the datamodule's against the module in
+``integration/validation.py``. What a check may read besides the options is ``INPUTS``: the world and the batch
+from the strategy, the model's structure on its ``ParallelPlan`` (``num_experts``, ``aux_loss_coef`` …), and what
+the trained thing says of itself (``owner``, ``lora``, ``experts``, ``hf_config`` …:
+``CausalLMModule.validation_inputs``, ``models.registry.validation_inputs_of`` for a model given to Fabric, the
+planner's ``validation_inputs_of``).
+
+A problem is raised as a ``ParallelConfigError`` listing every problem, unless its check declares another error
+(``@check(error=LoRAConfigError)``: a refusal that keeps the class it always had); ``Problem`` carries it.
 
 Because a check can read nothing but its parameters, the options' metadata (which checks report an option's
 problems: ``Option.checks``, the README's and the tests' view) is derived from the registry
@@ -37,6 +53,13 @@ INPUTS: dict[str, str] = {
     "batch_size": "the per-rank batch size",
     "device_type": "the accelerator's device type",
     "device_index": "this process's CUDA device (initializes CUDA: each rank, after forking)",
+    "document_mask": "whether the batches keep packed documents apart (the datamodule's document_mask)",
+    "owner": "the class name of what is trained (the LightningModule; the model given to Fabric), named by messages",
+    "lora": "the LoRA settings (ops.lora.LoRA) the model trains with: the module's lora=, the adapters of a model"
+            " given to Fabric, the planner's lora; None: the whole model is trained",
+    "experts": "whether the model has mixture-of-experts layers (ours or transformers'), known before its plan",
+    "supports_document_mask": "whether the module takes packed documents' positions (its supports_document_mask)",
+    "hf_config": "the Hugging Face config of the HFCausalLMModule trained (the planner's, for a config.json)",
 }
 #: The options an input is made of, for the options' metadata (a check reading ``tp`` reads ``tensor_parallel_size``).
 INPUT_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -44,14 +67,32 @@ INPUT_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+class Problem(str):
+    """A problem a check reported (its message) that is raised as its check's ``error`` (``@check(error=...)``),
+    not as the usual ``ParallelConfigError``."""
+
+    error: type[Exception]
+
+    @classmethod
+    def of(cls, message: str, error: Optional[type[Exception]]) -> str:
+        """``message`` as it is (raised as a ``ParallelConfigError``), or carrying ``error``."""
+        if error is None:
+            return message
+        problem = cls(message)
+        problem.error = error
+        return problem
+
+
 @dataclass(frozen=True)
 class Check:
-    """One registered check: its function and, read from its parameters, the options and inputs it needs."""
+    """One registered check: its function and, read from its parameters, the options and inputs it needs; ``error``:
+    the exception its problems are raised as (``None``: ``ParallelConfigError``)."""
 
     function: ProblemsFunction
     options: tuple[str, ...]
     required: tuple[str, ...]
     optional: tuple[str, ...]
+    error: Optional[type[Exception]] = None
 
     @property
     def name(self) -> str:
@@ -71,14 +112,19 @@ class Check:
     def __call__(self, values: Mapping[str, Any], known: Mapping[str, Any]) -> list[str]:
         given = {o: values[o] for o in self.options}
         given.update({i: known[i] for i in (*self.required, *self.optional) if known.get(i) is not None})
-        return list(self.function(**given))
+        return [Problem.of(problem, self.error) for problem in self.function(**given)]
 
 
 CHECKS: list[Check] = []
 
 
-def check(function: ProblemsFunction) -> ProblemsFunction:
-    """Register ``function`` as a check (a decorator); its parameters name the options and inputs it needs."""
+def check(
+    function: Optional[ProblemsFunction] = None, *, error: Optional[type[Exception]] = None
+) -> Any:
+    """Register ``function`` as a check (a decorator, bare or ``@check(error=...)``); its parameters name the options
+    and inputs it needs. ``error``: the exception its problems are raised as, when not ``ParallelConfigError``."""
+    if function is None:
+        return lambda decorated: check(decorated, error=error)
     options, required, optional = [], [], []
     for param in inspect.signature(function).parameters.values():
         if param.name not in INPUTS:
@@ -90,13 +136,14 @@ def check(function: ProblemsFunction) -> ProblemsFunction:
     if any(c.function.__qualname__ == function.__qualname__ and c.function.__module__ == function.__module__
            for c in CHECKS):
         raise TypeError(f"check {function.__module__}.{function.__qualname__} is registered twice")
-    CHECKS.append(Check(function, tuple(options), tuple(required), tuple(optional)))
+    CHECKS.append(Check(function, tuple(options), tuple(required), tuple(optional), error))
     return function
 
 
 def run_checks(values: Mapping[str, Any], known: Optional[Mapping[str, Any]] = None) -> list[str]:
     """The problems of every check that can run: with ``known=None`` those needing no input (the options' own),
-    else those needing at least one input, all of them known (``None``: unknown)."""
+    else those needing at least one input, all of them known (``None``: unknown), and reading only options in
+    ``values`` (``{}``: the checks of what a module says of itself)."""
     problems: list[str] = []
     for registered in CHECKS:
         if (known is None) != bool(registered.required):
@@ -106,6 +153,6 @@ def run_checks(values: Mapping[str, Any], known: Optional[Mapping[str, Any]] = N
 
 
 def checks_reading(option: str) -> tuple[str, ...]:
-    """The dotted names of the registered checks that read ``option`` (its ``Option.checks``; the checks of
-    ``parallel/config.py``, ``parallel/dims.py`` and the strategies' options register when those are imported)."""
+    """The dotted names of the registered checks that read ``option`` (its ``Option.checks``; the checks register
+    when their modules are imported, all of them by ``integration/options.py``, which reads this)."""
     return tuple(c.name for c in CHECKS if option in c.reads)

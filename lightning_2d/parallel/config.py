@@ -82,8 +82,18 @@ def float8_recipe_problems(recipe: str, fsdp_float8_all_gather: bool, name: str)
 
 
 def raise_if_problems(problems: list[str]) -> None:
-    if problems:
+    """Raise every problem at once: a ``ParallelConfigError`` listing them, or, when each comes from checks declaring
+    one other error (``@check(error=...)``, ``parallel/checks.py``), that error with their messages (one problem: its
+    message alone, as the refusal always read). Either has the list as ``problems``."""
+    if not problems:
+        return
+    errors = {getattr(problem, "error", None) for problem in problems}
+    error = errors.pop() if len(errors) == 1 else None
+    if error is None:
         raise ParallelConfigError(problems)
+    raised = error("\n".join(problems))
+    raised.problems = list(problems)  # type: ignore[attr-defined]
+    raise raised
 
 
 def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
@@ -757,6 +767,12 @@ class ParallelPlan:
         num_experts: The routed experts of each mixture-of-experts layer (``lightning_2d.ops.moe.MoE``), which
             ``expert_parallel_size`` must divide (checked before any process starts); ``None``: no such layers
             (``expert_parallel_size > 1`` is refused).
+        aux_loss_coef: The weight of the mixture of experts' auxiliary load-balancing loss
+            (``ops.moe.MoEArgs.uses_aux_loss``), which reads the routing of every block of a step at once, so every
+            block must run in one process each step (pipeline stages are refused); ``None``: no such loss.
+        whole_experts: The model type of a model whose mixture-of-experts layers run whole on every rank
+            (``parallel.styles.WholeOnEachRank``: a Hugging Face decoder's, whose experts the library cannot split),
+            which the family's check names when it refuses ``expert_parallel_size > 1``; ``None``: none such.
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -773,6 +789,8 @@ class ParallelPlan:
     attention: Optional[str] = None
     tied_weights: tuple[tuple[str, ...], ...] = ()
     num_experts: Optional[int] = None
+    aux_loss_coef: Optional[float] = None
+    whole_experts: Optional[str] = None
 
     @property
     def supports_pipeline(self) -> bool:

@@ -2,8 +2,9 @@
 
 Everything but ``build_device_mesh`` runs before the process group exists, so a bad layout is
 reported in one message instead of a hang or a deep traceback from a collective. ``validate_parallel_dims`` runs
-the registered checks (``parallel/checks.py``): the options' own (``parallel/config.py``) and, below it, those
-needing the world, the model, the batch or the hardware.
+the registered checks (``parallel/checks.py``): the options' own (``parallel/config.py``), LoRA's
+(``parallel/lora.py``, imported here so that they register in this order) and, below, those needing the world, the
+model, the batch or the hardware.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_2d._compat import group_timeout, set_group_timeout
-from lightning_2d.parallel.checks import check, run_checks
+from lightning_2d.parallel import lora as _lora_checks  # noqa: F401 - registers LoRA's checks (parallel/lora.py)
+from lightning_2d.parallel.checks import INPUTS, check, run_checks
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
     ParallelConfig,
@@ -195,6 +197,7 @@ def validate_parallel_dims(
     num_nodes: int = 1,
     device_type: str | None = None,
     device_index: int | None = None,
+    **inputs: Any,
 ) -> ParallelDims:
     """Resolve the mesh sizes and run every check whose inputs are known (``parallel/checks.py``), at once.
 
@@ -211,16 +214,21 @@ def validate_parallel_dims(
             hardware checks of float8 and async tensor parallelism.
         device_index: This process's CUDA device, once chosen: checks that it has float8 tensor
             cores (this initializes CUDA in the process, so not before processes are forked).
+        inputs: The other inputs of ``parallel.checks.INPUTS`` known here, by name: what the trained module or model
+            says of itself (``owner``, ``lora``, ``experts``, ``hf_config`` …) and the datamodule's
+            ``document_mask``; ``None``: unknown.
 
     Raises:
         ParallelConfigError: listing every problem, with the values and a fix.
     """
+    if unknown := sorted(set(inputs) - set(INPUTS) | set(inputs) & {"dp", "tp"}):  # dp/tp: resolved here
+        raise TypeError(f"validate_parallel_dims got {unknown}, which are not inputs it takes by name")
     options = vars(config)
     raise_if_problems(run_checks(options))  # the options' own: the sizes must be valid to be resolved
     dp, tp = resolve_parallel_dims(config, world_size, devices_per_node)
     known = dict(
-        world_size=world_size, devices_per_node=devices_per_node, num_nodes=num_nodes, dp=dp, tp=tp, plan=plan,
-        precision=precision, seq_len=seq_len, batch_size=batch_size, device_type=device_type,
+        inputs, world_size=world_size, devices_per_node=devices_per_node, num_nodes=num_nodes, dp=dp, tp=tp,
+        plan=plan, precision=precision, seq_len=seq_len, batch_size=batch_size, device_type=device_type,
         device_index=device_index,
     )
     raise_if_problems(run_checks(options, known))
@@ -300,9 +308,10 @@ def expert_parallel_layout(
 
 @check
 def expert_parallel_model(expert_parallel_size: int, plan: ParallelPlan) -> list[str]:
-    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides."""
+    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides. (Experts the plan runs
+    whole on every rank, ``plan.whole_experts``, are their family's to refuse: ``models.hf_decoders``.)"""
     ep = expert_parallel_size
-    if ep == 1:
+    if ep == 1 or plan.whole_experts is not None:
         return []
     if plan.num_experts is None:
         return [
@@ -395,6 +404,20 @@ def pipeline_split_problems(
 
 
 @check
+def auxiliary_loss_pipeline(pipeline_parallel_size: int, plan: ParallelPlan) -> list[str]:
+    """A mixture of experts' auxiliary loss (``plan.aux_loss_coef``) reads the routing of every block of a step at
+    once, which pipeline stages split."""
+    if pipeline_parallel_size == 1 or plan.aux_loss_coef is None:
+        return []
+    return [
+        f"the mixture of experts' auxiliary loss (moe.load_balancing='aux_loss', aux_loss_coef={plan.aux_loss_coef})"
+        f" with pipeline_parallel_size={pipeline_parallel_size}: the loss needs the routing of every block at once,"
+        " and the stages hold different blocks; use model_overrides: {moe: {load_balancing: bias}} (aux-loss-free"
+        " balancing, DeepSeek-V3's) or aux_loss_coef: 0"
+    ]
+
+
+@check
 def pipeline_batch(
     pipeline_parallel_size: int, pipeline_schedule: str, pipeline_stages_per_rank: int | None,
     pipeline_microbatches: int | None, batch_size: int, plan: ParallelPlan | None = None,
@@ -452,20 +475,84 @@ def sequence_parallel_seq_len(
     ]
 
 
+# float8 and async tensor parallelism (``parallel/float8.py``) on this hardware, checked in two places: in the
+# launching process without ``device_index`` (the package, the device type, the options together), and in each rank
+# with it, whose GPU's compute capability is read then (CUDA initialized before a fork would break it). torchao and
+# CUDA are only touched when these options are on.
 @check
-def float8_hardware(
-    float8: Any, async_tensor_parallel: bool, compile: bool, sequence_parallel: bool, tp: int, device_type: str,
-    device_index: int | None = None,
-) -> list[str]:
-    """``float8``/``async_tensor_parallel`` on this hardware (``float8_problems``), with the resolved
-    ``tensor_parallel_size``."""
-    from lightning_2d.parallel.float8 import float8_problems  # torchao and CUDA are only touched when needed
+def float8_device(float8: Any, device_type: str, device_index: int | None = None) -> list[str]:
+    """``float8`` needs torchao and, unless emulated, float8 tensor cores: CUDA, and this process's GPU once known."""
+    if not float8:
+        return []
+    from lightning_2d.parallel.float8 import _float8_device_problem, _torchao_problem, float8_off_cuda_problem
 
-    return float8_problems(
-        float8=bool(float8), emulate=float8 == "emulate", async_tensor_parallel=async_tensor_parallel,
-        compile=compile, tensor_parallel_size=tp, sequence_parallel=sequence_parallel, device_type=device_type,
-        device_index=device_index,
-    )
+    problems = [problem for problem in (_torchao_problem(),) if problem is not None]
+    if float8 == "emulate":  # the same rounding in high precision: any device
+        return problems
+    if device_type != "cuda":
+        problems.append(float8_off_cuda_problem(device_type))
+    elif device_index is not None and (device := _float8_device_problem(device_index)) is not None:
+        problems.append(device)
+    return problems
+
+
+@check
+def float8_emulated_over_gloo(float8: Any, sequence_parallel: bool, tp: int, device_type: str) -> list[str]:
+    """Emulated float8 off CUDA under sequence parallelism: its styles would all-gather float8 over gloo."""
+    if float8 != "emulate" or device_type == "cuda" or not sequence_parallel or tp == 1:
+        return []
+    return [
+        f"float8='emulate' with sequence_parallel=True and tensor_parallel_size {tp} on {device_type!r}: the float8"
+        " tensor-parallel styles all-gather activations already cast to float8, and gloo cannot carry float8 tensors."
+        " Set sequence_parallel=False for emulated float8 off CUDA."
+    ]
+
+
+@check
+def async_tensor_parallel_options(
+    async_tensor_parallel: bool, compile: bool, sequence_parallel: bool, tp: int
+) -> list[str]:
+    """Async tensor parallelism rewrites the sequence-parallel collectives of compiled graphs."""
+    if not async_tensor_parallel:
+        return []
+    problems = []
+    if not compile:
+        problems.append("async_tensor_parallel=True needs compile=True: the overlap is an inductor pass"
+                        " (torch._inductor.config._micro_pipeline_tp) that only rewrites compiled graphs. Set"
+                        " compile=True or async_tensor_parallel=False.")
+    if tp == 1:
+        problems.append("async_tensor_parallel=True with tensor_parallel_size=1: there is no tensor-parallel"
+                        " communication to overlap. Use tensor_parallel_size > 1 or async_tensor_parallel=False.")
+    if not sequence_parallel:
+        problems.append("async_tensor_parallel=True with sequence_parallel=False: async TP overlaps the"
+                        " all-gather/reduce-scatter pairs of sequence parallelism with the matmuls and leaves plain"
+                        " TP's all-reduces as they are, so it would do nothing. Set sequence_parallel=True or"
+                        " async_tensor_parallel=False.")
+    return problems
+
+
+@check
+def async_tensor_parallel_device(async_tensor_parallel: bool, device_type: str) -> list[str]:
+    """Async tensor parallelism needs CUDA with NCCL, and torch's symmetric memory."""
+    if not async_tensor_parallel:
+        return []
+    import torch
+    import torch.distributed as dist
+
+    from lightning_2d.parallel.float8 import _has_symmetric_memory
+
+    problems = []
+    if device_type != "cuda":
+        problems.append(f"async_tensor_parallel=True needs CUDA GPUs with NCCL (symmetric memory), but the accelerator"
+                        f" is {device_type!r}. Set async_tensor_parallel=False.")
+    elif not (dist.is_available() and dist.is_nccl_available()):
+        problems.append(f"async_tensor_parallel=True needs NCCL, which this torch build ({torch.__version__}) lacks."
+                        " Install a CUDA build of torch or set async_tensor_parallel=False.")
+    if not _has_symmetric_memory():
+        problems.append(f"async_tensor_parallel=True needs symmetric memory (torch.distributed._symmetric_memory),"
+                        f" which torch {torch.__version__} does not provide. Upgrade torch or set"
+                        " async_tensor_parallel=False.")
+    return problems
 
 
 @check

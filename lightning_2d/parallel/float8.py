@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_2d._compat import enable_micro_pipeline_tp, has_symmetric_memory, symmetric_memory
 from lightning_2d.ops.torchao import quiet_torchao_import, torchao_problem, torchao_version
-from lightning_2d.parallel.config import Size, float8_recipe_problems
+from lightning_2d.parallel.config import float8_recipe_problems
 from lightning_2d.parallel.modules import canonical_name
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ FLOAT8_ROCM_ARCHS = ("gfx942", "gfx950")
 FLOAT8_DIM_MULTIPLE = 16
 
 
-# ---- checks before any process group ------------------------------------------------------------
+# ---- what the checks before any process group ask (``parallel/dims.py``: ``float8_device`` …) ---------------
 def _torchao_version() -> str | None:
     return torchao_version()
 
@@ -90,109 +90,15 @@ def _has_symmetric_memory() -> bool:
     return has_symmetric_memory()
 
 
-def float8_problems(
-    *,
-    float8: bool,
-    async_tensor_parallel: bool,
-    compile: bool,
-    tensor_parallel_size: Size,
-    device_type: str,
-    sequence_parallel: bool = True,
-    device_index: int | None = None,
-    emulate: bool = False,
-) -> list[str]:
-    """Every reason the float8 / async-TP options cannot run here, each with the values and the fix.
-
-    Safe to call before any process group exists and before processes are forked or spawned: it
-    neither imports torchao nor touches CUDA, unless ``device_index`` is given. Call it twice:
-
-    * in the Trainer/Fabric constructor without ``device_index`` (package, device type, option
-      combinations), and
-    * in each process once its device is chosen (``setup_environment``) with ``device_index``,
-      which reads that GPU's compute capability. This initializes CUDA in the calling process,
-      harmless there but fatal to a later ``fork``, which is why the constructor call skips it.
-
-    Args:
-        float8: Float8 training is requested.
-        async_tensor_parallel: Async tensor parallelism is requested.
-        compile: ``torch.compile`` is on (async TP only changes compiled graphs).
-        tensor_parallel_size: The tensor-parallel size; ``"auto"`` skips the size check (call
-            again once it is resolved).
-        device_type: The accelerator's device type (``"cuda"``, ``"cpu"``, …).
-        sequence_parallel: Sequence parallelism is on: async TP overlaps its all-gathers and
-            reduce-scatters with the matmuls; plain TP's all-reduces are left as they are.
-        device_index: The CUDA device of this process; ``None`` skips the compute-capability check.
-        emulate: Float8 will be emulated (``convert_to_float8(..., emulate=True)``), which runs on
-            any device: skip the device checks (for tests and debugging; slower than not converting).
-
-    Returns:
-        The problems; empty when everything can run.
-    """
-    problems: list[str] = []
-    if float8:
-        torchao = _torchao_problem()
-        if torchao is not None:
-            problems.append(torchao)
-        if emulate:
-            if device_type != "cuda" and sequence_parallel and tensor_parallel_size not in ("auto", 1):
-                problems.append(
-                    "float8='emulate' with sequence_parallel=True and tensor_parallel_size"
-                    f" {tensor_parallel_size} on {device_type!r}: the float8 tensor-parallel styles all-gather"
-                    " activations already cast to float8, and gloo cannot carry float8 tensors. Set"
-                    " sequence_parallel=False for emulated float8 off CUDA."
-                )
-        elif device_type != "cuda":
-            wanted = ".".join(map(str, MIN_FLOAT8_CAPABILITY))
-            problems.append(
-                f"float8=True runs on GPUs with float8 tensor cores (CUDA compute capability >= {wanted}:"
-                f" {FLOAT8_GPUS}), but the accelerator is {device_type!r}. Float8 training is GPU-only: on"
-                " CPU torchao can only emulate it (`convert_to_float8(model, emulate=True)`, used by this"
-                " library's tests), which is slower than fp32. Set float8=False or train on such GPUs."
-            )
-        elif device_index is not None:
-            device = _float8_device_problem(device_index)
-            if device is not None:
-                problems.append(device)
-
-    if async_tensor_parallel:
-        if not compile:
-            problems.append(
-                "async_tensor_parallel=True needs compile=True: the overlap is an inductor pass"
-                " (torch._inductor.config._micro_pipeline_tp) that only rewrites compiled graphs. Set"
-                " compile=True or async_tensor_parallel=False."
-            )
-        if tensor_parallel_size != "auto" and tensor_parallel_size == 1:
-            problems.append(
-                "async_tensor_parallel=True with tensor_parallel_size=1: there is no tensor-parallel"
-                " communication to overlap. Use tensor_parallel_size > 1 or async_tensor_parallel=False."
-            )
-        if not sequence_parallel:
-            problems.append(
-                "async_tensor_parallel=True with sequence_parallel=False: async TP overlaps the"
-                " all-gather/reduce-scatter pairs of sequence parallelism with the matmuls and leaves"
-                " plain TP's all-reduces as they are, so it would do nothing. Set sequence_parallel=True"
-                " or async_tensor_parallel=False."
-            )
-        if device_type != "cuda":
-            problems.append(
-                f"async_tensor_parallel=True needs CUDA GPUs with NCCL (symmetric memory), but the"
-                f" accelerator is {device_type!r}. Set async_tensor_parallel=False."
-            )
-        else:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_nccl_available()):
-                problems.append(
-                    f"async_tensor_parallel=True needs NCCL, which this torch build ({torch.__version__}) lacks."
-                    " Install a CUDA build of torch or set async_tensor_parallel=False."
-                )
-        if not _has_symmetric_memory():
-            problems.append(
-                f"async_tensor_parallel=True needs symmetric memory (torch.distributed._symmetric_memory),"
-                f" which torch {torch.__version__} does not provide. Upgrade torch or set"
-                " async_tensor_parallel=False."
-            )
-    return problems
+def float8_off_cuda_problem(device_type: str) -> str:
+    """Why (non-emulated) float8 cannot train on ``device_type`` (not CUDA), and what to do."""
+    wanted = ".".join(map(str, MIN_FLOAT8_CAPABILITY))
+    return (
+        f"float8=True runs on GPUs with float8 tensor cores (CUDA compute capability >= {wanted}:"
+        f" {FLOAT8_GPUS}), but the accelerator is {device_type!r}. Float8 training is GPU-only: on"
+        " CPU torchao can only emulate it (`convert_to_float8(model, emulate=True)`, used by this"
+        " library's tests), which is slower than fp32. Set float8=False or train on such GPUs."
+    )
 
 
 # ---- torchao ------------------------------------------------------------------------------------
@@ -440,7 +346,8 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
     memory for the tensor-parallel group. Call it on every rank after the process group exists and
     before the first compiled forward (compilation is lazy, so right after tensor parallelism is
     applied). Only graphs compiled afterwards are rewritten, which is why it needs ``compile=True``;
-    ``float8_problems`` checks the combination beforehand.
+    the registered checks (``parallel/dims.py``: ``async_tensor_parallel_options`` …) refuse the combination
+    beforehand.
 
     Args:
         tp_mesh: The tensor-parallel (1D) sub-mesh.

@@ -15,20 +15,21 @@ Automodel's choice), with no collective of their own:
 Wrapping every column- and row-wise style of a plan (``with_adapter_placements``) keeps the plans themselves
 unaware of adapters: a module without them is parallelized by the style as before.
 
-QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``) are FSDP-sharded only: ``qlora_problems`` says which layouts cannot
-hold them.
+What LoRA cannot run with is refused before any process group by the registered checks below (``parallel/checks.py``;
+``parallel/dims.py`` imports this module so they register before the layout's): float8, a mixture of experts, and the
+layouts QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``, FSDP-sharded only) cannot hold.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_2d.ops.lora import ADAPTERS, LoRALinear
+from lightning_2d.ops.lora import ADAPTERS, LoRA, LoRAConfigError, LoRALinear
 from lightning_2d.ops.nf4 import nf4_problem
-from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.checks import check
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -83,34 +84,76 @@ def has_adapters(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
-def qlora_problems(config: ParallelConfig, tp: Optional[int]) -> list[str]:
-    """What keeps NF4 base weights (``LoRA(quantize_base="nf4")``) from the strategy's layout: they are FSDP-sharded
-    over one mesh dimension, by torchao's all-gather, and quantized whole (``lightning_2d.ops.nf4``). ``tp``: the
-    tensor-parallel size where known (``None``: not resolved yet)."""
-    what = "lora.quantize_base='nf4' (QLoRA)"
-    problems = []
-    if (problem := nf4_problem()) is not None:
-        problems.append(problem)
-    if tp is not None and tp > 1:
+# ---- the checks (``parallel/checks.py``): what the adapters cannot run with -------------------------------------
+QLORA = "lora.quantize_base='nf4' (QLoRA)"
+
+
+@check
+def lora_float8(float8: Any, lora: LoRA, owner: str) -> list[str]:
+    """float8 swaps the projections for torchao's ``Float8Linear``, which adapters cannot wrap."""
+    if lora is None or not float8:
+        return []
+    return [
+        f"float8={float8!r} with LoRA adapters ({owner}(lora=...)): float8 swaps the projections for torchao's"
+        " Float8Linear, which the adapters cannot wrap, and a frozen base gains little from float8 training. Use"
+        " float8=False with lora, or train without lora"
+    ]
+
+
+@check(error=LoRAConfigError)
+def lora_experts(lora: LoRA, experts: bool) -> list[str]:
+    """Adapters would reach the shared experts (Linears) but not the routed ones (stacked tensors), and the experts'
+    tensor-parallel style places no adapters: untested, so refused rather than trained half-right."""
+    if lora is None or not experts:
+        return []
+    return [
+        "LoRA on a mixture of experts is not supported yet: the routed experts are stacked tensors that take no"
+        " adapter, and their parallel styles place none; fine-tune the whole model (no lora), or use a dense model"
+    ]
+
+
+@check
+def qlora_weights(lora: LoRA, tp: int) -> list[str]:
+    """NF4 bases need torchao, and whole weights: quantized in blocks, sharded along their rows by FSDP only
+    (``lightning_2d.ops.nf4``)."""
+    if lora.quantize_base is None:
+        return []
+    problems = [problem for problem in (nf4_problem(),) if problem is not None]
+    if tp > 1:
         problems.append(
-            f"{what} with tensor_parallel_size={tp}: NF4 weights are quantized in blocks of the whole weight and"
+            f"{QLORA} with tensor_parallel_size={tp}: NF4 weights are quantized in blocks of the whole weight and"
             " torchao shards them along their rows for FSDP only; a tensor-parallel column shard is not such a cut."
             " Use tensor_parallel_size=1 (FSDP shards the NF4 bases), or quantize_base=None under tensor parallelism"
         )
-    if config.data_parallel_replicate_size > 1:
+    return problems
+
+
+@check
+def qlora_sharding(lora: LoRA, data_parallel_replicate_size: int, fsdp_backend: str) -> list[str]:
+    """NF4 bases are gathered by torchao's all-gather, an FSDP2 (``fully_shard``) hook over a 1-D mesh."""
+    if lora.quantize_base is None:
+        return []
+    problems = []
+    if data_parallel_replicate_size > 1:
         problems.append(
-            f"{what} with data_parallel_replicate_size={config.data_parallel_replicate_size}: torchao's NF4 all-gather"
+            f"{QLORA} with data_parallel_replicate_size={data_parallel_replicate_size}: torchao's NF4 all-gather"
             " runs over a 1-D FSDP mesh, and HSDP shards over a 2-D one. Use data_parallel_replicate_size=1"
         )
-    if config.fsdp_backend != "fully_shard":
+    if fsdp_backend != "fully_shard":
         problems.append(
-            f"{what} with fsdp_backend={config.fsdp_backend!r}: the NF4 tensor's sharding hooks are FSDP2's"
+            f"{QLORA} with fsdp_backend={fsdp_backend!r}: the NF4 tensor's sharding hooks are FSDP2's"
             " (fully_shard). Use fsdp_backend='fully_shard'"
         )
-    if config.compile:
-        problems.append(
-            f"{what} with compile=True: a compiled block fails on the NF4 weights FSDP2 gathers (torch 2.13's AOT"
-            " autograd finds a DeviceMesh among the tensors saved for backward; a block without FSDP compiles). Use"
-            " compile=False with quantize_base='nf4'"
-        )
     return problems
+
+
+@check
+def qlora_compile(lora: LoRA, compile: bool) -> list[str]:
+    """A compiled block fails on the NF4 weights FSDP2 gathers (torch 2.13)."""
+    if lora.quantize_base is None or not compile:
+        return []
+    return [
+        f"{QLORA} with compile=True: a compiled block fails on the NF4 weights FSDP2 gathers (torch 2.13's AOT"
+        " autograd finds a DeviceMesh among the tensors saved for backward; a block without FSDP compiles). Use"
+        " compile=False with quantize_base='nf4'"
+    ]

@@ -33,10 +33,9 @@ from lightning_2d.ops.lora import quantize_lora_bases, quantized_bases
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
-from lightning_2d.parallel.lora import qlora_problems
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import apply_simple_fsdp, sharded_parameters
@@ -141,9 +140,8 @@ def parallelize_and_materialize(
             model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
         if quantized_bases(model):
             # QLoRA: NF4 frozen bases before FSDP, which then shards the NF4 tensors themselves (torchao's all-gather);
-            # the layout (Fabric meets the model only here) and each weight's split into the FSDP shards on whole
-            # scaler groups are checked first, before any allocation.
-            raise_if_problems(qlora_problems(config, meshes.get(TP_DIM).size()))
+            # each weight's split into the FSDP shards on whole scaler groups is checked first, before any allocation
+            # (the layout was, by the strategies' validation of the model: parallel/lora.py's checks).
             quantize_lora_bases(model, device, shards=meshes.fsdp.shape[-1])
         result = parallelize_model(model, meshes, plan, config, hooks=owner)
     if has_meta_tensors(owner):

@@ -14,6 +14,7 @@ from lightning_2d.integration.module import CausalLMModule, LlamaLightningModule
 from lightning_2d.integration.validation import model_context
 from lightning_2d.models.llama.model import PRESETS, Transformer, document_causal_mask
 from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.dims import validate_parallel_dims
 
 EOS = 0
 
@@ -133,7 +134,8 @@ def test_document_masking_is_refused_before_launch_where_it_cannot_work():
     data = type("Data", (), {"document_mask": True, "seq_len": 16, "batch_size": 2})()
     with pytest.raises(ParallelConfigError, match=r"_NoPositions cannot take them .*Use LlamaLightningModule or"
                                                   r" HFCausalLMModule"):
-        model_context(_NoPositions(), data, ParallelConfig(), None, before_launch=True)
+        validate_parallel_dims(ParallelConfig(), world_size=1, devices_per_node=1,
+                               **model_context(_NoPositions(), data, ParallelConfig(), None, before_launch=True))
     for config in (ParallelConfig(), ParallelConfig(pipeline_parallel_size=2)):  # the stages take positions too
         assert model_context(LlamaLightningModule("debug"), data, config, None)["seq_len"] == 16
 

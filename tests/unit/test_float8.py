@@ -22,6 +22,7 @@ from torch import nn
 from lightning_2d.models.llama.model import ModelArgs, Transformer, VocabProjection
 from lightning_2d.parallel import float8 as f8
 from lightning_2d.ops import torchao as ops_torchao
+from lightning_2d.parallel.checks import run_checks
 
 requires_torchao = pytest.mark.skipif(
     f8._torchao_problem() is not None, reason=f"torchao unusable here: {f8._torchao_problem()}"
@@ -352,11 +353,17 @@ def test_async_tensor_parallel_enables_the_pass_and_symmetric_memory(gloo_world,
 
 
 # ---- problems before any process group ------------------------------------------------------------
-def _problems(**overrides: object) -> list[str]:
-    options: dict[str, object] = {"float8": False, "async_tensor_parallel": False, "compile": True}
-    options.update(tensor_parallel_size=2, device_type="cuda")
-    options.update(overrides)
-    return f8.float8_problems(**options)
+def _problems(
+    *, float8: bool = False, emulate: bool = False, async_tensor_parallel: bool = False, compile: bool = True,
+    tensor_parallel_size: object = 2, device_type: str = "cuda", sequence_parallel: bool = True,
+    device_index: int | None = None,
+) -> list[str]:
+    """The problems of the registered checks (``parallel/dims.py``: ``float8_device`` …) for these options and inputs;
+    ``tensor_parallel_size="auto"``: not resolved yet (the checks needing it wait)."""
+    values = {"float8": "emulate" if float8 and emulate else float8, "async_tensor_parallel": async_tensor_parallel,
+              "compile": compile, "sequence_parallel": sequence_parallel}
+    tp = None if tensor_parallel_size == "auto" else tensor_parallel_size
+    return run_checks(values, {"tp": tp, "device_type": device_type, "device_index": device_index})
 
 
 @pytest.fixture
@@ -417,7 +424,7 @@ def test_float8_on_a_gpu_without_float8_tensor_cores(torchao_installed, monkeypa
 
 def test_capability_is_read_only_when_a_device_index_is_given(torchao_installed, monkeypatch):
     def no_cuda(index):
-        raise AssertionError("float8_problems initialized CUDA in the Trainer constructor")
+        raise AssertionError("the float8 checks initialized CUDA in the Trainer constructor")
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
     assert _problems(float8=True) == []

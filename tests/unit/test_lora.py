@@ -384,11 +384,13 @@ def test_weights_that_do_not_split_into_whole_nf4_groups_are_refused_with_their_
 
 def test_qlora_without_torchao_says_how_to_install_it(monkeypatch):
     from lightning_2d.ops import nf4
-    from lightning_2d.parallel.config import ParallelConfig
-    from lightning_2d.parallel.lora import qlora_problems
+    from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+    from lightning_2d.parallel.dims import validate_parallel_dims
 
     monkeypatch.setattr(nf4, "torchao_version", lambda: None)
-    (problem,) = qlora_problems(ParallelConfig(), tp=1)
+    with pytest.raises(ParallelConfigError) as refused:  # the registered check qlora_weights, at tp=1
+        validate_parallel_dims(ParallelConfig(), world_size=1, devices_per_node=1, lora=LoRA(quantize_base="nf4"))
+    (problem,) = refused.value.problems
     assert problem == ("lora.quantize_base='nf4' (QLoRA) needs torchao>=0.18, which is not installed; install it with"
                        ' `pip install "lightning-2d[qlora]"` (or `pip install "torchao>=0.18"`)')
     with pytest.raises(ImportError, match=r"lightning-2d\[qlora\]"):
@@ -398,3 +400,32 @@ def test_qlora_without_torchao_says_how_to_install_it(monkeypatch):
 def test_qlora_settings_are_recorded_only_when_set():
     assert "quantize_base" not in LoRA(rank=2).to_dict()  # adapters saved before QLoRA existed compare equal
     assert LoRA.of(LoRA(rank=2, quantize_base="nf4").to_dict()) == LoRA(rank=2, quantize_base="nf4")
+
+
+def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
+    """Fabric meets a model the recipe adapted itself: the checks read its adapters' settings and experts from its
+    modules (``validation_inputs_of``), as they read a module's ``lora=``; ``add_family_lora`` refuses nothing
+    itself."""
+    from lightning_2d.models.adapters import add_family_lora
+    from lightning_2d.models.llama.model import PRESETS
+    from lightning_2d.models.registry import validation_inputs_of, known_plan
+    from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+    from lightning_2d.parallel.dims import validate_parallel_dims
+
+    with torch.device("meta"):
+        moe, dense = Transformer(PRESETS["debug-moe"]), Transformer(ARGS)
+    add_family_lora(moe, LoRA(rank=4))
+    add_family_lora(dense, LoRA(rank=4, quantize_base="nf4"))
+    assert validation_inputs_of(moe) == {"owner": "Transformer", "lora": LoRA(rank=4), "experts": True,
+                                    "supports_document_mask": False}
+    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(LoRAConfigError, match=r"^LoRA on a mixture of experts is not supported yet"):
+        validate_parallel_dims(config, world_size=4, devices_per_node=4, plan=known_plan(moe, config),
+                               **validation_inputs_of(moe))
+    with pytest.raises(ParallelConfigError, match=r"QLoRA\) with tensor_parallel_size=2: NF4 weights"):
+        validate_parallel_dims(config, world_size=4, devices_per_node=4, plan=known_plan(dense, config),
+                               **validation_inputs_of(dense))
+    mixed = ParallelConfig(data_parallel_size=4, tensor_parallel_size=1, float8="emulate")
+    with pytest.raises(ParallelConfigError) as both:  # problems of two kinds: one ParallelConfigError listing both
+        validate_parallel_dims(mixed, world_size=4, devices_per_node=4, **validation_inputs_of(moe))
+    assert [p.split(" ")[0] for p in both.value.problems] == ["float8='emulate'", "LoRA"]

@@ -145,11 +145,20 @@ def test_expert_parallelism_is_refused_where_it_cannot_split_the_experts():
 def test_the_auxiliary_loss_is_refused_under_pipeline_parallelism_before_launch():
     from lightning_2d import LlamaLightningModule
 
+    config = ParallelConfig(pipeline_parallel_size=2)
     with pytest.raises(ParallelConfigError, match=r"auxiliary loss .* with pipeline_parallel_size=2.*load_balancing"):
-        LlamaLightningModule("debug-moe").parallel_plan(ParallelConfig(pipeline_parallel_size=2))
+        validate_parallel_dims(config, world_size=2, devices_per_node=2,
+                               plan=LlamaLightningModule("debug-moe").parallel_plan(config))
     module = LlamaLightningModule("debug-moe", model_overrides={"moe": {**asdict(PRESETS["debug-moe"].moe),
                                                                           "load_balancing": "bias"}})
     assert module.parallel_plan(ParallelConfig(pipeline_parallel_size=2)).num_experts == 8
+    # A Transformer given to Fabric (the recipe's loop adds the loss): its family's plan carries the same fact.
+    from lightning_2d.models.registry import known_plan
+
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug-moe"])
+    with pytest.raises(ParallelConfigError, match=r"auxiliary loss .* with pipeline_parallel_size=2.*load_balancing"):
+        validate_parallel_dims(config, world_size=2, devices_per_node=2, plan=known_plan(model, config))
 
 
 transformers = pytest.importorskip("transformers")
@@ -265,8 +274,10 @@ def test_the_hugging_face_path_refuses_what_it_would_silently_drop(tmp_path):
     with pytest.raises(ValueError, match=r"output_router_logits=True.*LlamaLightningModule\(init_from=...\)"):
         HFCausalLMModule(init_from=str(directory), config_overrides={"output_router_logits": True})
     module = HFCausalLMModule(init_from=str(directory))
+    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=1, expert_parallel_size=2)
     with pytest.raises(ParallelConfigError, match=r"expert_parallel_size=2 with HFCausalLMModule.*LlamaLightningModule"):
-        module.parallel_plan(ParallelConfig(expert_parallel_size=2))
+        validate_parallel_dims(config, world_size=2, devices_per_node=2, plan=module.parallel_plan(config),
+                               **module.validation_inputs())
     plan = module.parallel_plan(ParallelConfig(tensor_parallel_size=2))
     from lightning_2d.parallel.styles import WholeOnEachRank
 

@@ -11,7 +11,7 @@ activations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES
@@ -112,4 +112,11 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         attention="layers.*.attention",
         tied_weights=(("tok_embeddings.weight", "output.weight"),) if args.tie_word_embeddings else (),
         num_experts=args.moe.num_experts if args.moe is not None and args.moe_layers else None,
+        aux_loss_coef=args.moe.aux_loss_coef if args.moe is not None and args.moe.uses_aux_loss else None,
     )
+
+
+def llama_validation_inputs(args: ModelArgs) -> dict[str, Any]:
+    """What the registered checks may know of a Llama of ``args`` before its plan (``parallel.checks.INPUTS``):
+    whether it has mixture-of-experts layers."""
+    return {"experts": args.moe is not None and bool(args.moe_layers)}

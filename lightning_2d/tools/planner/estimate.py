@@ -18,13 +18,13 @@ import torch
 
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
-from lightning_2d.parallel.lora import qlora_problems
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, raise_if_problems
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
 from lightning_2d.tools.planner.models import (
     HFDecoderArgs,
     PlannedArgs,
+    validation_inputs_of,
     max_seq_len_field,
     model_fields,
     plan_of,
@@ -81,11 +81,14 @@ def _validate(
     devices: int,
     precision: str,
     seq_len: Optional[int],
+    lora: Optional[LoRA] = None,
 ) -> ParallelDims:
-    """``validate_parallel_dims`` for the target (CUDA) world, merged with the planner's own problems."""
+    """``validate_parallel_dims`` for the target (CUDA) world, with what the module training ``args`` says of itself
+    (``validation_inputs_of``: ``lora`` …), merged with the planner's own problems."""
     if num_nodes < 1 or devices < 1:
         problems.append(f"num_nodes ({num_nodes}) and devices ({devices}) must be positive integers")
         raise ParallelConfigError(problems)
+    found: list[str] = []
     try:
         dims = validate_parallel_dims(
             config,
@@ -97,11 +100,13 @@ def _validate(
             num_nodes=num_nodes,
             device_type="cuda",  # the target's rules (float8, async TP), not this machine's
             device_index=None,  # no GPU to ask for its compute capability
+            **(validation_inputs_of(args, lora) if args is not None else {}),
         )
-    except ParallelConfigError as err:
-        raise ParallelConfigError(problems + err.problems) from None
-    if problems:
-        raise ParallelConfigError(problems)
+    except ValueError as err:  # a ParallelConfigError, or the error a check declares (LoRA's)
+        if not hasattr(err, "problems"):
+            raise
+        found = err.problems
+    raise_if_problems(problems + found)
     return dims
 
 
@@ -183,10 +188,8 @@ def plan_run(
     problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size)
     if accumulate_grad_batches < 1:
         problems.append(f"accumulate_grad_batches must be a positive integer, got {accumulate_grad_batches}")
-    if lora is not None and lora.quantize_base:
-        problems += qlora_problems(config, config.tensor_parallel_size if isinstance(config.tensor_parallel_size, int)
-                                   else None)
-    dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len)
+    dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len,
+                     lora=lora)
     assert args is not None and seq_len is not None
     resolved = config.resolve_dtypes(precision)
     notes: list[str] = []

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_2d.models.hf_decoders import HF_DECODER_TYPES
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.ops.lora import LoRA
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.tools.planner.activations import Architecture, hf_architecture
 
@@ -200,6 +201,18 @@ def plan_of(args: PlannedArgs, config: ParallelConfig) -> ParallelPlan:
     from lightning_2d.models.llama.plan import llama_plan
 
     return llama_plan(args, config)
+
+
+def validation_inputs_of(args: PlannedArgs, lora: Optional[LoRA]) -> dict[str, Any]:
+    """What the module that trains ``args`` says of itself to the checks (``CausalLMModule.validation_inputs``):
+    ``LlamaLightningModule``'s for a preset, ``HFCausalLMModule``'s for a ``config.json``, with ``lora``."""
+    if isinstance(args, HFDecoderArgs):
+        from lightning_2d.models.hf_decoders import hf_validation_inputs
+
+        return {"owner": "HFCausalLMModule", "lora": lora, **hf_validation_inputs(args.config)}
+    from lightning_2d.models.llama.plan import llama_validation_inputs
+
+    return {"owner": "LlamaLightningModule", "lora": lora, **llama_validation_inputs(args)}
 
 
 def build_meta(args: PlannedArgs, loss_chunk_size: Optional[int] = None) -> nn.Module:
