@@ -484,14 +484,14 @@ def float8_device(float8: Any, device_type: str, device_index: int | None = None
     """``float8`` needs torchao and, unless emulated, float8 tensor cores: CUDA, and this process's GPU once known."""
     if not float8:
         return []
-    from lightning_2d.parallel.float8 import _float8_device_problem, _torchao_problem, float8_off_cuda_problem
+    from lightning_2d.parallel.float8 import float8_device_problem, float8_torchao_problem, float8_off_cuda_problem
 
-    problems = [problem for problem in (_torchao_problem(),) if problem is not None]
+    problems = [problem for problem in (float8_torchao_problem(),) if problem is not None]
     if float8 == "emulate":  # the same rounding in high precision: any device
         return problems
     if device_type != "cuda":
         problems.append(float8_off_cuda_problem(device_type))
-    elif device_index is not None and (device := _float8_device_problem(device_index)) is not None:
+    elif device_index is not None and (device := float8_device_problem(device_index)) is not None:
         problems.append(device)
     return problems
 
@@ -539,7 +539,7 @@ def async_tensor_parallel_device(async_tensor_parallel: bool, device_type: str) 
     import torch
     import torch.distributed as dist
 
-    from lightning_2d.parallel.float8 import _has_symmetric_memory
+    from lightning_2d.parallel.float8 import symmetric_memory_available
 
     problems = []
     if device_type != "cuda":
@@ -548,7 +548,7 @@ def async_tensor_parallel_device(async_tensor_parallel: bool, device_type: str) 
     elif not (dist.is_available() and dist.is_nccl_available()):
         problems.append(f"async_tensor_parallel=True needs NCCL, which this torch build ({torch.__version__}) lacks."
                         " Install a CUDA build of torch or set async_tensor_parallel=False.")
-    if not _has_symmetric_memory():
+    if not symmetric_memory_available():
         problems.append(f"async_tensor_parallel=True needs symmetric memory (torch.distributed._symmetric_memory),"
                         f" which torch {torch.__version__} does not provide. Upgrade torch or set"
                         " async_tensor_parallel=False.")

@@ -60,11 +60,11 @@ def _torchao_version() -> str | None:
     return torchao_version()
 
 
-def _torchao_problem() -> str | None:
+def float8_torchao_problem() -> str | None:
     return torchao_problem("float8=True", "float8", _torchao_version())
 
 
-def _float8_device_problem(device_index: int) -> str | None:
+def float8_device_problem(device_index: int) -> str | None:
     """Why ``cuda:device_index`` has no float8 tensor cores, or ``None``. Initializes CUDA."""
     props = torch.cuda.get_device_properties(device_index)
     if torch.version.hip:
@@ -86,7 +86,7 @@ def _float8_device_problem(device_index: int) -> str | None:
     return None
 
 
-def _has_symmetric_memory() -> bool:
+def symmetric_memory_available() -> bool:
     return has_symmetric_memory()
 
 
@@ -104,7 +104,7 @@ def float8_off_cuda_problem(device_type: str) -> str:
 # ---- torchao ------------------------------------------------------------------------------------
 def _torchao_float8() -> ModuleType:
     """``torchao.float8``, or an ImportError that says how to install it."""
-    problem = _torchao_problem()
+    problem = float8_torchao_problem()
     if problem is not None:
         raise ImportError(problem)
     with quiet_torchao_import():

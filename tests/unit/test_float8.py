@@ -25,7 +25,7 @@ from lightning_2d.ops import torchao as ops_torchao
 from lightning_2d.parallel.checks import run_checks
 
 requires_torchao = pytest.mark.skipif(
-    f8._torchao_problem() is not None, reason=f"torchao unusable here: {f8._torchao_problem()}"
+    f8.float8_torchao_problem() is not None, reason=f"torchao unusable here: {f8.float8_torchao_problem()}"
 )
 
 ATTENTION = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
@@ -507,7 +507,7 @@ def test_async_tensor_parallel_needs_symmetric_memory(nccl, monkeypatch):
 
 def test_every_problem_is_reported_at_once(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
-    monkeypatch.setattr(f8, "_has_symmetric_memory", lambda: True)
+    monkeypatch.setattr(f8, "symmetric_memory_available", lambda: True)
     problems = _problems(
         float8=True, async_tensor_parallel=True, compile=False, tensor_parallel_size=1, device_type="cpu"
     )
