@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import get_submodule_container, replace_blocks
+
+if TYPE_CHECKING:
+    from lightning_2d.parallel.fsdp import FSDPUnit
 
 
 def _ops(*names: str) -> set[Any]:
@@ -103,3 +106,16 @@ def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan, config:
     else:
         every = int(config.selective_ac_option)
         replace_blocks(blocks, lambda i, block: _wrap(block, plan) if (i + 1) % every == 0 else block)
+
+
+def recomputed_blocks(units: list["FSDPUnit"], activation_checkpointing: str, selective_ac_option: Any) -> set[str]:
+    """The block units whose forward activation checkpointing runs again in backward (``apply_activation_checkpointing``:
+    every block under ``"full"`` and per-op ``"selective"``, whose policy recomputes all but the matmul and attention
+    outputs, the gathers included; every N-th under ``selective_ac_option=N``)."""
+    blocks = [u.name for u in units if u.kind == "block"]
+    if activation_checkpointing == "none":
+        return set()
+    if activation_checkpointing == "selective" and selective_ac_option != "op":
+        every = int(selective_ac_option)
+        return {name for i, name in enumerate(blocks) if (i + 1) % every == 0}
+    return set(blocks)

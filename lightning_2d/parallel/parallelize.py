@@ -34,11 +34,10 @@ from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.parallel.fsdp import apply_fully_shard
+from lightning_2d.parallel.fsdp_backend import BACKENDS, fsdp_backend
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.modules import canonical_name
-from lightning_2d.parallel.simple_fsdp import apply_simple_fsdp, sharded_parameters
 from lightning_2d.parallel.names import CP_DIM, EP_DIM, PP_DIM, TP_DIM
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -47,10 +46,11 @@ if TYPE_CHECKING:
 
     from lightning_2d.parallel.pipeline import Pipeline
 
-STEPS: dict[str, Callable[..., None]] = dict(
-    zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile, apply_fully_shard,
-                     apply_simple_fsdp))
-)
+#: The library's function of each step hook; the FSDP step is each backend's (``parallel.fsdp_backend``).
+STEPS: dict[str, Callable[..., None]] = {
+    **dict(zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile))),
+    **{backend.hook: backend.step for backend in BACKENDS.values()},
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +151,8 @@ def parallelize_and_materialize(
         # Init hooks: the model's own, else the owner's (for a model class the user cannot change),
         # else those of an architecture this library knows (a Hugging Face decoder given to Fabric).
         hooks = [h for h in (owner, known_init_hooks(model)) if h is not None and h is not model]
-        with sharded_parameters():  # SimpleFSDP's modules: the stored shards are what initialization fills
+        # The stored shards are what initialization fills (the backend's attribute read may gather otherwise).
+        with fsdp_backend(config.fsdp_backend).state_access():
             materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
             materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
         result = replace(result, init_seed=init_seed)
@@ -251,14 +252,8 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
         _step(hooks, "apply_compile")(model, plan, config)
     # FSDP also at dp == 1: it carries the mixed-precision policy, and every parameter becomes a
     # DTensor, so checkpoints and gradient clipping handle one kind of parameter at every layout.
-    if config.fsdp_backend == "simple_fsdp":
-        _step(hooks, "apply_simple_fsdp")(model, dp_mesh, plan, config)
-    else:
-        if ep_mesh is not None:  # the experts first, over their own mesh; each block's unit then leaves them out
-            from lightning_2d.parallel.expert import shard_experts
-
-            shard_experts(model, meshes, config, reshard=config.reshard_policy != "never")
-        _step(hooks, "apply_fully_shard")(model, dp_mesh, plan, config)
+    backend = fsdp_backend(config.fsdp_backend)
+    backend.apply(model, meshes, plan, config, _step(hooks, backend.hook))
 
 
 def _frozen_parameters(model: nn.Module) -> set[str]:

@@ -23,21 +23,26 @@ What differs from FSDP2, by construction:
   autograd graph); the sharded gradients accumulate between micro-batches.
 - **Parameter access outside a forward.** ``module.weight`` gathers (a collective every rank must join); the
   stored shard is read with ``named_parameters()``/``state_dict()`` (which never gather), or as an attribute
-  inside ``sharded_parameters()``, as this library's initialization does.
+  inside ``sharded_parameters()`` (the backend's ``state_access()``), as this library's initialization and the
+  strategies' checkpoint IO do.
 
 Each wrapped module keeps its own mesh and policy (on the instance: the generated subclass, cached per class and
 parameter names, holds none of it); a parameter registered under several names (a tied embedding and head) stays
 one parameter, sharded once.
+
+``SimpleFSDP`` is the backend object (``lightning_2d.parallel.fsdp_backend``): how it applies itself, its state
+access, its inductor options and what the planner counts of it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -46,6 +51,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+    from lightning_2d.parallel.fsdp import FSDPUnit
+    from lightning_2d.parallel.meshes import ParallelMeshes
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Placement
 
@@ -237,3 +244,123 @@ def apply_simple_fsdp(model: nn.Module, dp_mesh: "DeviceMesh", plan: "ParallelPl
     ``apply_fully_shard``): ``data_parallel`` with the config's resolved ``param_dtype``/``reduce_dtype``. The plan's
     units play no part: every parameter is gathered where it is used."""
     data_parallel(model, dp_mesh, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+
+
+def simple_fsdp_gathered_peak(units: list["FSDPUnit"], recomputed: set[str]) -> int:
+    """The most bytes of gathered parameters alive at once under SimpleFSDP: a weight gathered in forward stays
+    alive to its backward (autograd saves it for the gradient of its input), unless activation checkpointing
+    recomputes its block (``recomputed``: unit names): then it lives only while that block computes, in forward
+    and again in the recomputation.
+
+    Args:
+        units: The module groups (as ``apply_fully_shard`` would make them), in forward order.
+        recomputed: The names of the blocks activation checkpointing recomputes (``recomputed_blocks``).
+    """
+    kept = sum(u.gathered_bytes for u in units if u.name not in recomputed)
+    return kept + max((u.gathered_bytes for u in units if u.name in recomputed), default=0)
+
+
+#: Inductor's passes over SimpleFSDP's collectives (torch 2.13 names), which run on any device: one all-gather per
+#: block's weights in forward and one reduce-scatter per block's gradients in backward, and the collectives moved
+#: to overlap the computation before/after them.
+SIMPLE_FSDP_INDUCTOR_OPTIONS = {
+    "bucket_all_gathers_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+}
+#: The overlap scheduler that places the buckets by a roofline estimate of the GPU (it imports triton): CUDA only.
+CUDA_OVERLAP_OPTIONS = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+
+
+def _on_nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logging.getLogger(__name__).info(message)
+
+
+class SimpleFSDP:
+    """``fsdp_backend="simple_fsdp"``: every parameter a sharded DTensor gathered where it is read
+    (``apply_simple_fsdp``). Reading one as an attribute outside a forward is a collective, so whoever walks the
+    modules for their state (the checkpoint IO, initialization) does so inside ``state_access()``."""
+
+    name = "simple_fsdp"
+    #: The owner's method that replaces ``step`` (``lightning_2d.parallel.hooks``).
+    hook = "apply_simple_fsdp"
+    step = staticmethod(apply_simple_fsdp)
+
+    def apply(self, model: nn.Module, meshes: "ParallelMeshes", plan: "ParallelPlan", config: "ParallelConfig",
+              step: Optional[Callable[..., None]] = None) -> None:
+        """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_simple_fsdp``, or the owner's replacement)."""
+        (step or self.step)(model, meshes.fsdp, plan, config)
+
+    def state_access(self) -> AbstractContextManager[Any]:
+        """``sharded_parameters()``: attribute reads are the stored shards (torch's state-dict APIs ``getattr`` down
+        to every parameter), never a gather."""
+        return sharded_parameters()
+
+    def gradient_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[Any]:
+        """Nothing to switch: every micro-batch's backward reduces its gradients (the reduction is part of the
+        autograd graph); the sharded gradients accumulate between micro-batches."""
+        return nullcontext()
+
+    def inductor_options(self) -> Optional[dict[str, Any]]:
+        """The inductor options of the compiled blocks: the collective bucketing and reordering passes, plus the
+        overlap scheduler when the job runs on CUDA (said once, else skipped)."""
+        options: dict[str, Any] = dict(SIMPLE_FSDP_INDUCTOR_OPTIONS)
+        if _on_nccl():
+            options.update(CUDA_OVERLAP_OPTIONS)
+        else:
+            _say_once(
+                "SimpleFSDP under compile: the collectives are bucketed and reordered; inductor's overlap scheduler"
+                " is left off (it estimates collective and compute times from a GPU roofline, which needs CUDA and"
+                " NCCL)"
+            )
+        return options
+
+    # ---- what the planner counts -------------------------------------------------------------------------------
+    def unit_problem(self, name: str, modules: list[nn.Module]) -> Optional[str]:
+        """Why the planner cannot read module group ``name`` as wrapped by this backend, else ``None``."""
+        holders = [m for group in modules for m in group.modules() if any(True for _ in m.parameters(False))]
+        if all(is_simple_fsdp(m) for m in holders):
+            return None
+        return f"{name} holds parameters SimpleFSDP did not wrap after parallelize_model"
+
+    def buffer_bytes(self, units: list["FSDPUnit"], config: "ParallelConfig", accumulate_grad_batches: int,
+                     pipeline_in_flight: Optional[int] = None) -> tuple[int, int]:
+        """The gathered weights' and the accumulated unsharded gradients' peak bytes on one rank (the latter 0:
+        every micro-batch's backward reduces, the sharded gradients accumulate). Arguments as
+        ``FullyShard.buffer_bytes``."""
+        from lightning_2d.parallel.activation_checkpoint import recomputed_blocks
+
+        recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
+        if pipeline_in_flight is None:
+            return simple_fsdp_gathered_peak(units, recomputed), 0
+        # Every micro-batch's forward gathers its stage's weights and its backward reduces them: each micro-batch
+        # in flight keeps the gathered weights of the blocks not recomputed (an upper bound when the rank runs
+        # several stages: all of its stages' counted per micro-batch in flight).
+        kept = sum(u.gathered_bytes for u in units if u.name not in recomputed)
+        return kept * max(pipeline_in_flight, 1) + simple_fsdp_gathered_peak(
+            [u for u in units if u.name in recomputed], recomputed), 0
+
+    def pipeline_notes(self, config: "ParallelConfig", accumulate_grad_batches: int) -> list[str]:
+        """What the planner's report says of this backend's buffers under a pipeline."""
+        return [
+            "pipeline under SimpleFSDP: every micro-batch's forward gathers its stage's weights and its backward"
+            " reduces its gradients; each micro-batch in flight keeps the gathered weights of the blocks"
+            " activation checkpointing does not recompute (counted × the micro-batches in flight)"
+        ]
+
+    def all_gather_row(self, param_dtype: str, activation_checkpointing: str, pipeline_keeps: bool) -> str:
+        """The report's row of the gathered weights."""
+        kept = "kept to backward" + ("; recomputed blocks' only while they compute"
+                                     if activation_checkpointing != "none" else "")
+        return f"SimpleFSDP gathered weights ({param_dtype}, {kept})"

@@ -121,7 +121,7 @@ def eager(gpu_jobs, lane):
 
 
 #: SimpleFSDP compiled with full activation checkpointing: its collectives bucketed and, on NCCL, placed by inductor's
-#: overlap scheduler (lightning_2d.parallel.compile.CUDA_OVERLAP_OPTIONS).
+#: overlap scheduler (lightning_2d.parallel.simple_fsdp.CUDA_OVERLAP_OPTIONS).
 SIMPLE_FSDP_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "activation_checkpointing": "full"}
 
 

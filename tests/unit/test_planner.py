@@ -1268,7 +1268,8 @@ def test_simple_fsdp_keeps_gathered_weights_unless_their_block_is_recomputed(ac,
     """Under SimpleFSDP autograd keeps each gathered weight to its backward: without activation checkpointing the
     whole (tensor-parallel share of the) model is gathered at once; a recomputed block gathers its weights only
     while it computes (then again in its recomputation)."""
-    from lightning_2d.tools.planner.units import recomputed_blocks, simple_fsdp_gathered_peak
+    from lightning_2d.parallel.activation_checkpoint import recomputed_blocks
+    from lightning_2d.parallel.simple_fsdp import simple_fsdp_gathered_peak
 
     def plan(backend):
         return plan_run("debug", num_nodes=1, devices=4, precision="bf16-mixed", config=ParallelConfig(

@@ -113,3 +113,50 @@ def test_an_unknown_backend_is_named():
     with pytest.raises(ParallelConfigError, match=r"fsdp_backend='fsdp1' is not a backend; choose one of"
                                                   r" 'fully_shard', 'simple_fsdp'"):
         ParallelConfig(fsdp_backend="fsdp1")
+
+
+# ---- the backend object (#43: "the FSDP backend is an object") -----------------------------------------------------
+def test_the_backends_table_is_the_options_values():
+    """A backend is one module plus a row of ``BACKENDS``; the option lists the same names (config.py cannot import
+    the backends, which import it)."""
+    from typing import get_args, get_type_hints
+
+    from lightning_2d.parallel.config import FSDP_BACKENDS
+    from lightning_2d.parallel.fsdp_backend import BACKENDS, FSDPBackend, fsdp_backend
+
+    assert tuple(BACKENDS) == FSDP_BACKENDS == get_args(get_type_hints(ParallelConfig)["fsdp_backend"])
+    for name, backend in BACKENDS.items():
+        assert isinstance(backend, FSDPBackend) and backend.name == name and fsdp_backend(name) is backend
+
+
+def test_each_backend_applies_itself_with_the_owners_step_and_says_how_state_is_read():
+    """SimpleFSDP's state access reads the stored shard (an attribute read gathers otherwise); FSDP2's needs nothing.
+    ``apply`` runs the owner's replacement of the backend's step (``apply_simple_fsdp``) over the FSDP mesh."""
+    from lightning_2d.parallel.config import ParallelPlan
+    from lightning_2d.parallel.dims import ParallelDims
+    from lightning_2d.parallel.fsdp_backend import BACKENDS
+
+    simple, fully_shard = BACKENDS["simple_fsdp"], BACKENDS["fully_shard"]
+    config = ParallelConfig(fsdp_backend="simple_fsdp")
+    with fake_world(4, 0), torch.device("meta"):
+        meshes = ParallelDims(dp_replicate=1, dp_shard=4, tp=1).build_mesh("cpu")
+        calls = []
+        model = nn.Sequential(nn.Linear(6, 6))
+        simple.apply(model, meshes, ParallelPlan(), config, step=lambda *args: calls.append(args))
+        assert calls == [(model, meshes.fsdp, ParallelPlan(), config)] and not simple_fsdp_modules(model)
+        simple.apply(model, meshes, ParallelPlan(), config)  # the library's step
+        stored = dict(model.named_parameters())["0.weight"]
+        with simple.state_access():
+            assert model[0].weight is stored
+        with fully_shard.state_access():
+            assert model[0].weight is not stored  # FSDP2's access changes nothing of SimpleFSDP's reads
+        with simple.gradient_sync(model, enabled=False):  # nothing to defer: every micro-batch reduces
+            pass
+
+
+def test_only_simple_fsdp_brings_its_own_inductor_options():
+    from lightning_2d.parallel.fsdp_backend import BACKENDS
+    from lightning_2d.parallel.simple_fsdp import SIMPLE_FSDP_INDUCTOR_OPTIONS
+
+    assert BACKENDS["fully_shard"].inductor_options() is None
+    assert BACKENDS["simple_fsdp"].inductor_options() == SIMPLE_FSDP_INDUCTOR_OPTIONS  # no NCCL: no overlap scheduler

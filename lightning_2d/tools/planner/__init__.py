@@ -97,7 +97,7 @@ from lightning_2d.tools.planner.estimate import DEFAULT_DEVICE_MEMORY_GIB, DEFAU
 from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport, format_report
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate, schedule_order
 from lightning_2d.tools.planner.suggestions import _suggestions as _suggestions  # the tests call it
-from lightning_2d.tools.planner.units import FSDPUnit, gathered_peak
+from lightning_2d.parallel.fsdp import FSDPUnit, gathered_peak
 from lightning_2d.tools.planner.world import fake_world
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The planner's arguments are checked together with the layout (``validate_parallel_dims``, every problem at
 once), each planned rank is built in the simulated world (``world._shard``), and its states, FSDP buffers
-(``units.gathered_peak``) and activations (``ActivationModel``, under a pipeline
+(the FSDP backend's ``buffer_bytes``) and activations (``ActivationModel``, under a pipeline
 ``pipeline_activation_estimate``) are added up; the fullest rank decides the ``PlanReport``'s verdict, with
 ``suggestions`` when it does not fit.
 """
@@ -20,6 +20,7 @@ from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, raise_if_problems
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.parallel.fsdp_backend import fsdp_backend
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
 from lightning_2d.tools.planner.models import (
     HFDecoderArgs,
@@ -33,7 +34,6 @@ from lightning_2d.tools.planner.models import (
 from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
 from lightning_2d.tools.planner.suggestions import _suggestions
-from lightning_2d.tools.planner.units import gathered_peak, recomputed_blocks, simple_fsdp_gathered_peak
 from lightning_2d.tools.planner.world import _Retry, _shard, _Shards
 
 #: H100 / A100 80GB: the nominal size. ``torch.cuda.get_device_properties().total_memory`` reports
@@ -387,27 +387,7 @@ def _pipeline_notes(config: ParallelConfig, microbatches: int, accumulate_grad_b
             " rank) micro-batches of micro_batch_size sequences per step. At run time it defaults to the per-rank"
             " batch size (one sequence per micro-batch); pass --pipeline-microbatches for the count you will use"
         )
-    if config.fsdp_backend == "simple_fsdp":
-        notes.append(
-            "pipeline under SimpleFSDP: every micro-batch's forward gathers its stage's weights and its backward"
-            " reduces its gradients; each micro-batch in flight keeps the gathered weights of the blocks"
-            " activation checkpointing does not recompute (counted × the micro-batches in flight)"
-        )
-        return notes
-    if config.reduce_every_micro_batch:
-        notes.append(
-            "pipeline: reduce_every_micro_batch: each micro-batch's backward reshards and reduce-scatters (FSDP"
-            " buffers as without a pipeline; an all-gather and a reduce-scatter per unit and micro-batch)"
-        )
-        return notes
-    notes.append(
-        "pipeline: torch's PipelineStage keeps each FSDP unit of this rank's stages unsharded from its first"
-        " backward to the end of the step and accumulates its unsharded gradients (reduce_dtype) over the"
-        " micro-batches, reduce-scattered once at the end: both are counted for every unit"
-        + (", every batch (accumulate_grad_batches adds nothing)" if accumulate_grad_batches > 1 else "")
-        + "; --reduce-every-micro-batch trades that memory for a reduce-scatter per micro-batch"
-    )
-    return notes
+    return notes + fsdp_backend(config.fsdp_backend).pipeline_notes(config, accumulate_grad_batches)
 
 
 def _plan_rank(
@@ -432,8 +412,6 @@ def _plan_rank(
         accumulate_grad_batches: Micro-batches per optimizer step.
         microbatches: Pipeline micro-batches per step (1 without a pipeline).
     """
-    from lightning_2d.parallel.fsdp import reshard_after_forward_by_unit
-
     param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
     stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
     units = shard.units
@@ -445,39 +423,10 @@ def _plan_rank(
             microbatches=microbatches, activation_checkpointing=config.activation_checkpointing,
             selective_ac_option=config.selective_ac_option,
         )
-        if config.fsdp_backend == "simple_fsdp":
-            # Every micro-batch's forward gathers its stage's weights and its backward reduces them: each micro-batch
-            # in flight keeps the gathered weights of the blocks not recomputed (an upper bound when the rank runs
-            # several stages: all of its stages' counted per micro-batch in flight).
-            recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
-            kept = sum(u.gathered_bytes for u in units if u.name not in recomputed)
-            all_gather = kept * max(estimate.in_flight, 1) + simple_fsdp_gathered_peak(
-                [u for u in units if u.name in recomputed], recomputed)
-            accumulation = 0
-        elif config.reduce_every_micro_batch:
-            # Each micro-batch's backward reshards and reduce-scatters (the stage hidden from
-            # PipelineStage's FSDP handling, lightning_2d.parallel.pipeline): FSDP's peaks as without a pipeline.
-            all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_policy))
-            accumulation = 0
-        else:
-            # PipelineStage runs each micro-batch's backward with set_reshard_after_backward(False) and
-            # set_requires_gradient_sync(False) and reduce-scatters once after the last (perform_reduce_grad):
-            # from its first backward to the end of the step every unit stays gathered and keeps its
-            # unsharded gradient, upcast to reduce_dtype by FSDP2 between backwards.
-            all_gather = sum(u.gathered_bytes for u in units)
-            accumulation = sum(u.gradient_numel for u in units) * reduce_dtype.itemsize
-    elif config.fsdp_backend == "simple_fsdp":
-        recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
-        all_gather = simple_fsdp_gathered_peak(units, recomputed)
-        accumulation = 0  # every micro-batch's backward reduces: the sharded gradients accumulate
-        estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
     else:
-        all_gather = gathered_peak(units, reshard_after_forward_by_unit(config.reshard_policy))
-        accumulation = 0
-        if accumulate_grad_batches > 1 and not config.reduce_every_micro_batch:
-            # FSDP2 without gradient sync accumulates each unit's unsharded gradient in reduce_dtype.
-            accumulation = sum(u.gradient_numel for u in units) * reduce_dtype.itemsize
         estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
+    all_gather, accumulation = fsdp_backend(config.fsdp_backend).buffer_bytes(
+        units, config, accumulate_grad_batches, pipeline_in_flight=estimate.in_flight if dims.pp > 1 else None)
     return _RankPlan(
         pp_rank=pp_rank,
         global_rank=pp_rank * dims.dp * dims.cp * dims.tp,

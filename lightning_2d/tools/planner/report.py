@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from lightning_2d.parallel.fsdp_backend import fsdp_backend
+
 GIB = 2**30
 #: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (like the parameter; the step counts are scalars).
 ADAMW_STATES = 2
@@ -228,8 +230,6 @@ def _pipeline_table(pipeline: list[dict[str, Any]], worst: dict[str, Any]) -> li
 
 
 def _all_gather_row(report: Any, param_dtype: str, pipeline_keeps: bool) -> str:
-    if report.parallel_config.get("fsdp_backend") == "simple_fsdp":
-        ac = report.parallel_config.get("activation_checkpointing", "none")
-        kept = "kept to backward" + ("; recomputed blocks' only while they compute" if ac != "none" else "")
-        return f"SimpleFSDP gathered weights ({param_dtype}, {kept})"
-    return f"FSDP all-gather buffers ({param_dtype}{'; a pipeline keeps every unit' if pipeline_keeps else ''})"
+    config = report.parallel_config
+    backend = fsdp_backend(config.get("fsdp_backend", "fully_shard"))  # the option's default if left out
+    return backend.all_gather_row(param_dtype, config.get("activation_checkpointing", "none"), pipeline_keeps)

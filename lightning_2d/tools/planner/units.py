@@ -1,121 +1,32 @@
-"""FSDP units as the planner sees them: read off a parallelized model, and how many are gathered at once.
+"""FSDP units as the planner sees them, read off a parallelized model.
 
 ``_units`` lists the ``fully_shard`` groups ``apply_fully_shard`` made (a ``Transformer`` or a pipeline stage
-view), with their sharded and unsharded sizes on the planned rank; ``gathered_peak`` simulates FSDP2's
-all-gathers and prefetches unit by unit over a forward and a backward to find the most unsharded
-parameters alive at once.
+view), with their sharded and unsharded sizes on the planned rank. How many are gathered at once is the FSDP
+backend's to say (``FSDPBackend.buffer_bytes``; FSDP2's ``gathered_peak`` simulates its all-gathers and prefetches
+unit by unit over a forward and a backward).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_2d.parallel.dims import ParallelDims
+from lightning_2d.parallel.fsdp import FSDPUnit, gathered_peak
+from lightning_2d.parallel.fsdp_backend import FSDPBackend
 from lightning_2d.parallel.names import EP_DIM
 
-
-@dataclass
-class FSDPUnit:
-    """One ``fully_shard`` group as the planner sees it.
-
-    Args:
-        name: Module name(s).
-        kind: ``"input"``, ``"block"``, ``"output"`` or ``"root"`` (see ``reshard_after_forward_by_unit``).
-        sharded_numel: Elements this rank holds (FSDP-padded local shards).
-        gathered_bytes: Bytes of its unsharded parameters on this rank (in the all-gather dtype).
-        unsharded_numel: Elements of its unsharded parameters on this rank.
-        unshard_in_backward: Whether backward all-gathers it again (an embedding's does not).
-        trained_numel: Of ``unsharded_numel``, the elements that get gradients (under LoRA the adapters': a frozen
-            weight has no gradient to reduce or accumulate); ``None``: all of them.
-    """
-
-    name: str
-    kind: str
-    sharded_numel: int
-    gathered_bytes: int
-    unsharded_numel: int
-    unshard_in_backward: bool = True
-    trained_numel: int | None = None
-
-    @property
-    def gradient_numel(self) -> int:
-        """Unsharded elements with a gradient (reduced, accumulated)."""
-        return self.unsharded_numel if self.trained_numel is None else self.trained_numel
-
-
-def gathered_peak(units: list[FSDPUnit], reshard: dict[str, bool]) -> int:
-    """The most bytes of unsharded parameters alive at once over a forward and a backward.
-
-    While a unit computes, the next one's all-gather is in flight (FSDP2's implicit prefetch in
-    forward, its default one-unit prefetch in backward). A unit whose kind does not reshard after
-    forward stays gathered until its backward; every unit reshards after its backward.
-
-    Args:
-        units: In forward order.
-        reshard: ``reshard_after_forward_by_unit(policy)``.
-    """
-    gathered: set[int] = set()
-    peak = 0
-
-    def size(indices: set[int]) -> int:
-        return sum(units[i].gathered_bytes for i in indices)
-
-    for i, unit in enumerate(units):
-        gathered.add(i)
-        prefetch = {i + 1} if i + 1 < len(units) else set()
-        peak = max(peak, size(gathered | prefetch))
-        if reshard[unit.kind]:
-            gathered.discard(i)
-    order = [i for i in reversed(range(len(units))) if units[i].unshard_in_backward or i in gathered]
-    for k, i in enumerate(order):
-        gathered.add(i)
-        prefetch = {order[k + 1]} if k + 1 < len(order) and units[order[k + 1]].unshard_in_backward else set()
-        peak = max(peak, size(gathered | prefetch))
-        gathered.discard(i)
-    return peak
-
-
-def simple_fsdp_gathered_peak(units: list[FSDPUnit], recomputed: set[str]) -> int:
-    """The most bytes of gathered parameters alive at once under SimpleFSDP: a weight gathered in forward stays
-    alive to its backward (autograd saves it for the gradient of its input), unless activation checkpointing
-    recomputes its block (``recomputed``: unit names): then it lives only while that block computes, in forward
-    and again in the recomputation.
-
-    Args:
-        units: The module groups (as ``apply_fully_shard`` would make them), in forward order.
-        recomputed: The names of the blocks activation checkpointing recomputes (``recomputed_blocks``).
-    """
-    kept = sum(u.gathered_bytes for u in units if u.name not in recomputed)
-    return kept + max((u.gathered_bytes for u in units if u.name in recomputed), default=0)
-
-
-def recomputed_blocks(units: list[FSDPUnit], activation_checkpointing: str, selective_ac_option: Any) -> set[str]:
-    """The block units whose forward activation checkpointing runs again in backward (``apply_activation_checkpointing``:
-    every block under ``"full"`` and per-op ``"selective"``, whose policy recomputes all but the matmul and attention
-    outputs, the gathers included; every N-th under ``selective_ac_option=N``)."""
-    blocks = [u.name for u in units if u.kind == "block"]
-    if activation_checkpointing == "none":
-        return set()
-    if activation_checkpointing == "selective" and selective_ac_option != "op":
-        every = int(selective_ac_option)
-        return {name for i, name in enumerate(blocks) if (i + 1) % every == 0}
-    return set(blocks)
+__all__ = ["FSDPUnit", "gathered_peak"]  # the planner's names since 0.1.0, now the FSDP backends'
 
 
 def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.dtype,
-           backend: str = "fully_shard") -> list[FSDPUnit]:
+           backend: FSDPBackend) -> list[FSDPUnit]:
     """The FSDP units ``apply_fully_shard`` made on ``model`` (a ``Transformer`` or a pipeline stage view),
-    in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size). Under ``backend=
-    "simple_fsdp"`` the same module groups, whose parameters SimpleFSDP gathers where they are used."""
-    from torch.distributed.fsdp import FSDPModule
-
+    in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size). Under another
+    ``backend`` the same module groups, each checked to be what that backend made of it (``unit_problem``)."""
     from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
-    from lightning_2d.parallel.simple_fsdp import is_simple_fsdp
-
     from lightning_2d.parallel.fsdp import _only_embeddings
     from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
     from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
@@ -160,14 +71,9 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     for name, kind, modules in groups:
         if kind != "root" and modules and holds_shared_outside(modules, model, ties):
             continue  # holds a tied weight (embedding = head): apply_fully_shard leaves it to the root unit
-        if backend == "simple_fsdp":
-            holders = [m for group in modules for m in group.modules() if any(True for _ in m.parameters(False))]
-            if not all(is_simple_fsdp(m) for m in holders):
-                raise RuntimeError(f"{name} holds parameters SimpleFSDP did not wrap after parallelize_model")
-        elif not all(isinstance(m, FSDPModule) for m in modules):
-            raise RuntimeError(
-                f"{name} is not an FSDP unit after parallelize_model; the planner assumes apply_fully_shard's units"
-            )
+        problem = backend.unit_problem(name, modules)
+        if problem is not None:
+            raise RuntimeError(problem)
         sharded, unsharded, gathered, trained = sizes(modules, seen)
         if unsharded:
             in_backward = not (kind == "input" and all(_only_embeddings(m) for m in modules))

@@ -23,6 +23,7 @@ from lightning_2d.ops.lora import LoRA, quantize_lora_bases
 from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
+from lightning_2d.parallel.fsdp_backend import FSDPBackend, fsdp_backend
 from lightning_2d.parallel.parallelize import Parallelized
 from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of
 from lightning_2d.tools.planner.units import FSDPUnit, _units
@@ -89,7 +90,7 @@ class _Shards:
 
 
 def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torch.dtype,
-                 backend: str = "fully_shard") -> list[FSDPUnit]:
+                 backend: FSDPBackend) -> list[FSDPUnit]:
     """The FSDP units of every stage this rank runs. Each stage view is its own FSDP root with the usual units (the
     embedding on the first, the output unit on the last); the pruned model holds exactly the stages' parameters. (A
     function of its own: no loop variable outlives it to keep a stage alive past the collection.)"""
@@ -155,10 +156,11 @@ def _shard(
         if lora is not None and lora.quantize_base:  # as parallelize_and_materialize: NF4 bases before FSDP
             quantize_lora_bases(model, torch.device("cpu"), shards=dims.dp_shard * dims.cp)
         pipeline = _parallelize(model, mesh, plan, config).pipeline
+        backend = fsdp_backend(config.fsdp_backend)
         if pipeline is None:
-            units, stage_indices, split = _units(model, plan, dims, config.param_dtype, config.fsdp_backend), [], []
+            units, stage_indices, split = _units(model, plan, dims, config.param_dtype, backend), [], []
         else:
-            units = _stage_units(pipeline, plan, dims, config.param_dtype, config.fsdp_backend)
+            units = _stage_units(pipeline, plan, dims, config.param_dtype, backend)
             stage_indices, split = list(pipeline.stage_indices), list(pipeline.split)
         numel = param_bytes = trained = 0
         for param in model.parameters():
