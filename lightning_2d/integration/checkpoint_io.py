@@ -14,12 +14,17 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
   refuses a checkpoint of another model before anything is loaded, ``restore_random_state`` follows a
   load at the same layout;
 - ``remove_checkpoint`` and ``teardown`` wait for the write in flight.
+
+Every state-dict path, save and load, of both strategies runs through ``state_dict_call`` (Fabric's save state
+through ``state_dicts``), the one place that enters the FSDP backend's ``state_access()``: torch's state-dict APIs
+``getattr`` down to every parameter, and a backend whose parameters are gathered on use would gather there.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -27,6 +32,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_2d._compat import is_stateful
 from lightning_2d.checkpoint.dcp_metadata import shape_mismatches, stored_shapes
 from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.checkpoint.integrity import Integrity
@@ -36,7 +42,8 @@ from lightning_2d.checkpoint.rng import restore_random_state
 from lightning_2d.checkpoint.safe_load import check_weights_only, load_checkpoint_file
 from lightning_2d.checkpoint.writer import make_writer, remove_path, save_full_checkpoint
 from lightning_2d.parallel.modules import canonical_name
-from lightning_2d.parallel.simple_fsdp import sharded_parameters
+
+T = TypeVar("T")
 
 
 class DistributedCheckpointIO(CheckpointIO):
@@ -50,6 +57,7 @@ class DistributedCheckpointIO(CheckpointIO):
         layout: What a checkpoint records of the current layout (``checkpoint.rng.layout_of``).
         integrity: The digest checks of checkpoints made so far and kept making (the strategy's
             ``checkpoint_integrity``, which the CLI's check of ``--ckpt_path`` fills); ``None``: its own.
+        state_access: The FSDP backend's ``state_access`` (``FSDPBackend``): entered around every state-dict path.
     """
 
     def __init__(
@@ -62,12 +70,49 @@ class DistributedCheckpointIO(CheckpointIO):
         async_save: bool,
         layout: dict[str, Any],
         integrity: Optional[Integrity] = None,
+        state_access: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         self.global_rank, self.world_size = global_rank, world_size
+        self.state_access = state_access
         self.integrity = integrity if integrity is not None else Integrity()
         self.barrier, self.broadcast = barrier, broadcast
         self.sharded, self.layout = sharded, layout
         self.writer = make_writer(global_rank, barrier, sharded, async_save)
+
+    # ---- the model's and optimizers' state ----------------------------------------------------------
+    def state_dict_call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, a state-dict path (torch's state-dict APIs, or Lightning's strategy methods and
+        loaders over them), with every parameter read as a module attribute the stored shard (the FSDP backend's
+        ``state_access``), never a gather: a collective the ranks would not all join in the same order."""
+        with self.state_access():
+            return fn(*args, **kwargs)
+
+    def state_dicts(self, state: dict[str, Any], module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Fabric's save state split as ``save`` takes it: the tensors (``module``'s state dict under its key, each
+        optimizer's over ``module`` under its own; sharded, or full on rank 0, on CPU) and the metadata (every other
+        object's ``state_dict()``, or the object)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+        from torch.optim import Optimizer
+
+        options = StateDictOptions(full_state_dict=not self.sharded, cpu_offload=True)
+
+        def split() -> tuple[dict[str, Any], dict[str, Any]]:
+            tensors: dict[str, Any] = {}
+            metadata: dict[str, Any] = {}
+            for key, obj in state.items():
+                if isinstance(obj, nn.Module):
+                    tensors[key] = get_model_state_dict(obj, options=options)
+                elif isinstance(obj, Optimizer):
+                    tensors[key] = get_optimizer_state_dict(module, obj, options=options)
+                else:
+                    metadata[key] = obj.state_dict() if is_stateful(obj) else obj
+            return tensors, metadata
+
+        return self.state_dict_call(split)
 
     # ---- save -------------------------------------------------------------------------------------
     def path_to_save(self, path: Any, storage_options: Optional[Any] = None) -> Path:
@@ -155,8 +200,7 @@ class DistributedCheckpointIO(CheckpointIO):
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             # The names DCP saved under (wrapper prefixes of AC/compile removed); DTensors give full shapes.
-            with sharded_parameters():
-                state = get_model_state_dict(module)
+            state = self.state_dict_call(get_model_state_dict, module)
             expected = {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
             if trained_only:
                 trained = {canonical_name(n) for n, p in module.named_parameters() if p.requires_grad}

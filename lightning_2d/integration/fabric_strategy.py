@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_2d._compat import backward_sync_control_class, is_stateful, saves_distributed_checkpoint
+from lightning_2d._compat import backward_sync_control_class, is_stateful
 from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
 from lightning_2d.integration.options import takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
@@ -34,13 +34,12 @@ from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2
 from lightning_2d.models import registry
 from lightning_2d.models.registry import validation_inputs_of, resolve_plan
 from lightning_2d.parallel.config import ParallelConfig
-from lightning_2d.parallel.fsdp import gradient_sync
+from lightning_2d.parallel.fsdp_backend import FSDPBackend
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.materialize import materialize_model
 from lightning_2d.parallel.options import Option
 from lightning_2d.parallel.parallelize import parallelize_and_materialize
-from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 __all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy"]
 
@@ -53,14 +52,15 @@ if TYPE_CHECKING:
 
 
 class _GradientSyncControl(backward_sync_control_class()):  # type: ignore[misc]
-    """``fabric.no_backward_sync``: the FSDP2 switch the Trainer strategy uses too."""
+    """``fabric.no_backward_sync``: the FSDP backend's switch (``gradient_sync``), which the Trainer strategy uses
+    too."""
 
-    def __init__(self, config: ParallelConfig) -> None:
-        self.config = config
+    def __init__(self, backend: FSDPBackend, config: ParallelConfig) -> None:
+        self.backend, self.config = backend, config
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return gradient_sync(module, enabled=not enabled or self.config.reduce_every_micro_batch)
+        return self.backend.gradient_sync(module, enabled=not enabled or self.config.reduce_every_micro_batch)
 
 
 #: Fabric's own constructor argument, after the options.
@@ -88,7 +88,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         self._user_parallelize_fn = parallelize_fn
         self._setup_modules: list[nn.Module] = []  # whose float8 all-gather scales follow each step
         super().__init__(**options)
-        self._backward_sync_control = _GradientSyncControl(self.parallel_config)
+        self._backward_sync_control = _GradientSyncControl(self.fsdp_backend, self.parallel_config)
 
     # The Trainer strategy's parameters, then Fabric's own, keyword-only: type checkers and IDEs read the generated
     # declaration, ``takes_options`` makes the one that runs (see ``ModelParallel2DBase``).
@@ -195,7 +195,6 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
-    @sharded_parameters()  # the state-dict APIs' getattr walk reads SimpleFSDP's stored shards, never gathers
     def save_checkpoint(
         self,
         path: Any,
@@ -204,12 +203,6 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """``fabric.save``: a sharded folder (default) or a full file; complete or recognisably incomplete."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support filtered checkpoints")
         io = self.distributed_checkpoint_io
@@ -220,21 +213,10 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 f"fabric.save needs exactly one model in the state (got {len(modules)}): state={{'model': model, ...}}"
             )
         check_finite_weights(modules[0], path)  # never a checkpoint of NaN weights
-        sharded = saves_distributed_checkpoint(self)
-        options = StateDictOptions(full_state_dict=not sharded, cpu_offload=True)
-        tensors: dict[str, Any] = {}
-        metadata: dict[str, Any] = {}
-        for key, obj in state.items():
-            if isinstance(obj, nn.Module):
-                tensors[key] = get_model_state_dict(obj, options=options)
-            elif isinstance(obj, Optimizer):
-                tensors[key] = get_optimizer_state_dict(modules[0], obj, options=options)
-            else:
-                metadata[key] = obj.state_dict() if is_stateful(obj) else obj
+        tensors, metadata = io.state_dicts(state, modules[0])
         io.save(tensors, metadata, path)
 
     @override
-    @sharded_parameters()
     def load_checkpoint(
         self,
         path: Any,
@@ -260,7 +242,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 if isinstance(obj, nn.Module):
                     self._check_checkpoint_fits(resolved, key, obj, strict=strict)
         with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
-            remainder = super().load_checkpoint(resolved, state, strict=strict, weights_only=True)
+            remainder = self.distributed_checkpoint_io.state_dict_call(
+                super().load_checkpoint, resolved, state, strict=strict, weights_only=True)
         for key, obj in stateful.items():
             if isinstance(state, dict) and state.get(key) is not obj:
                 obj.load_state_dict(state[key])

@@ -15,8 +15,14 @@ layout and validation  ``parallel.dims`` (``validate_parallel_dims``,  ``validat
 precision              ``integration.precision`` (a Lightning         swapped in at construction
                        precision plugin)
 step guard             ``integration.step_guard``                     ``backward``, ``optimizer_step``
+FSDP backend           ``parallel.fsdp_backend`` (an object: what     resolved once at construction
+                       the ``fsdp_backend`` option names)             (``fsdp_backend``): applied by
+                                                                      ``parallelize_model``, its state access
+                                                                      handed to the checkpoint IO, its gradient
+                                                                      sync entered during accumulation
 checkpoint IO          ``integration.checkpoint_io`` (a Lightning     ``setup_environment`` creates it; the
-                       ``CheckpointIO``)                              strategies' save/load/remove delegate
+                       ``CheckpointIO``)                              strategies' save/load/remove delegate,
+                                                                      every state-dict path through it
 pipeline               ``parallel.pipeline`` (stepped by the          kept after parallelizing (``parallelized``):
                        LightningModule or the Fabric loop)            read by the module, the loop, the precision
                                                                       plugin (clipping spans the stages)
@@ -54,6 +60,7 @@ from lightning_2d.integration.step_guard import NonFiniteLossError, StepGuard, c
 from lightning_2d.parallel.config import ParallelPlan
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
+from lightning_2d.parallel.fsdp_backend import FSDPBackend, fsdp_backend
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
 from lightning_2d.parallel.meshes import ParallelMeshes
@@ -124,6 +131,9 @@ class ModelParallel2DBase(LightningStrategyMembers):
         # Validate the options first: a typo fails here, at construction, with every problem listed.
         parallel, strategy = split_options(options)
         self.parallel_config, self.strategy_options = parallel, strategy
+        #: The FSDP backend ``fsdp_backend`` names (``parallel.fsdp_backend``): how the model is sharded over the
+        #: data-parallel ranks, how its state is read outside a forward, how gradient reduction is deferred.
+        self.fsdp_backend: FSDPBackend = fsdp_backend(parallel.fsdp_backend)
         # Lightning's own size fields are left "auto": the mesh is ours (``setup_environment``).
         super().__init__(
             **self._lightning_strategy_kwargs(),
@@ -295,6 +305,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
             async_save=self.strategy_options.async_checkpoint,
             layout=layout_of(self.world_size, self.parallel_dims),
             integrity=self.checkpoint_integrity,
+            state_access=self.fsdp_backend.state_access,
         )
         self._use_checkpoint_io(self._checkpoint_part)
 

@@ -12,7 +12,7 @@ checkpoint IO, watchdog); launching and the sampler are Lightning's.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional
@@ -36,10 +36,8 @@ from lightning_2d.integration.validation import model_context
 from lightning_2d.models import registry
 from lightning_2d.models.registry import resolve_plan
 from lightning_2d.parallel.config import ParallelConfigError
-from lightning_2d.parallel.fsdp import gradient_sync
 from lightning_2d.parallel.guard import check_finite_weights
 from lightning_2d.parallel.parallelize import parallelize_and_materialize
-from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
 __all__ = ["FSDP2Precision", "ModelParallel2DStrategy"]
 
@@ -178,27 +176,16 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             check_finite_weights(self.lightning_module, path)  # never a checkpoint of NaN weights
         io.save_checkpoint(checkpoint, path)
 
-    # The state-dict APIs walk the modules with getattr down to each parameter: under SimpleFSDP that read must be the
-    # stored shard, not a gather (a collective the ranks would not all join).
+    # Lightning's state-dict methods run through the checkpoint IO, which has the FSDP backend read the stored shards
+    # where the state-dict APIs' getattr walk reaches each parameter (never a gather). Its load_model_state_dict and
+    # load_optimizer_state_dict read nothing: load_checkpoint loads the states.
     @override
-    @sharded_parameters()
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return super().lightning_module_state_dict()
+        return self.distributed_checkpoint_io.state_dict_call(super().lightning_module_state_dict)
 
     @override
-    @sharded_parameters()
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    @sharded_parameters()
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return super().optimizer_state(optimizer)
-
-    @override
-    @sharded_parameters()
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
+        return self.distributed_checkpoint_io.state_dict_call(super().optimizer_state, optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -216,23 +203,25 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
                 check(adapters, path)
         self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading,
                                     trained_only=adapters is not None)
+        io = self.distributed_checkpoint_io
         if adapters is not None:
             optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)} if fitting else {}
-            with sharded_parameters():
-                metadata = load_trained_subset(path, "state_dict", self.model, optimizers)
+            metadata = io.state_dict_call(load_trained_subset, path, "state_dict", self.model, optimizers)
         else:
             with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
-                metadata = super().load_checkpoint(path, weights_only=True)
-        self.distributed_checkpoint_io.restore_random_state(path, metadata.get("lightning_2d"))
+                metadata = io.state_dict_call(super().load_checkpoint, path, weights_only=True)
+        io.restore_random_state(path, metadata.get("lightning_2d"))
         return metadata
 
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for the non-final micro-batches of gradient accumulation. Its own
-        version only knows DDP; here FSDP2 skips the gradient reduce-scatter until the last one."""
+        version only knows DDP; here FSDP2 skips the gradient reduce-scatter until the last one (the FSDP backend's
+        ``gradient_sync``)."""
         assert self.lightning_module is not None
-        with gradient_sync(self.lightning_module, enabled=self.parallel_config.reduce_every_micro_batch):
+        with self.fsdp_backend.gradient_sync(self.lightning_module,
+                                             enabled=self.parallel_config.reduce_every_micro_batch):
             yield
 
 

@@ -98,6 +98,57 @@ def test_the_checkpoint_io_is_a_lightning_checkpoint_io_that_writes_complete_che
         io.path_to_save(tmp_path / "b.ckpt", storage_options={"bucket": "x"})
 
 
+def test_the_checkpoint_io_enters_the_fsdp_backends_state_access_around_every_state_dict_path(tmp_path):
+    """SimpleFSDP's "reading a parameter is a collective" stays behind the FSDP backend object: the strategy resolves
+    it once, hands its ``state_access`` to the checkpoint IO, and the IO enters it around each state-dict path
+    (Fabric's save state, ``check_fits``, and what the strategies run through ``state_dict_call``: Lightning's
+    state-dict methods and loads). Fails with the access left out of any of them."""
+    from contextlib import contextmanager
+
+    from lightning_2d.parallel.fsdp_backend import BACKENDS
+
+    inside: list[bool] = [False]
+    entered: list[str] = []
+
+    @contextmanager
+    def access():
+        entered.append("state")
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    io = DistributedCheckpointIO(
+        0, 1, barrier=lambda *a, **k: None, broadcast=lambda obj, src=0: obj, sharded=True, async_save=False,
+        layout={"world_size": 1}, state_access=access,
+    )
+    model = nn.Linear(4, 2)
+    tensors, metadata = io.state_dicts({"state_dict": model, "step": 3}, model)
+    assert entered == ["state"] and set(tensors["state_dict"]) == {"weight", "bias"} and metadata == {"step": 3}
+    io.save(tensors, metadata, tmp_path / "a.ckpt")
+    io.check_fits(io.resolve(tmp_path / "a.ckpt"), "state_dict", model)
+    assert entered == ["state", "state"]
+    assert io.state_dict_call(lambda value: (inside[0], value), 5) == (True, 5) and not inside[0]
+    assert _io().state_dict_call(lambda: 1) == 1  # no backend given: nothing to enter
+    strategy = ModelParallel2DStrategy(fsdp_backend="simple_fsdp")
+    assert strategy.fsdp_backend is BACKENDS["simple_fsdp"]
+    assert ModelParallel2DStrategy().fsdp_backend is BACKENDS["fully_shard"]
+
+
+def test_only_simple_fsdp_and_the_checkpoint_io_know_how_state_is_read():
+    """#43: ``sharded_parameters()`` was entered at 9 sites outside its module; now SimpleFSDP's backend object is its
+    one user in the package, and in ``integration/`` only the checkpoint IO calls torch's state-dict APIs."""
+    from pathlib import Path
+
+    package = Path(strategy_base.__file__).resolve().parents[1]
+    naming = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "sharded_parameters" in p.read_text())
+    assert naming == ["parallel/simple_fsdp.py"]
+    state_dict_apis = sorted(str(p.relative_to(package)) for p in (package / "integration").rglob("*.py")
+                             if "torch.distributed.checkpoint.state_dict" in p.read_text())
+    assert state_dict_apis == ["integration/checkpoint_io.py"]
+
+
 # ---- precision -----------------------------------------------------------------------------------
 def test_stock_precision_plugins_give_way_to_fsdp2s_policy_and_custom_ones_stay():
     swapped = fsdp2_precision(MixedPrecision("bf16-mixed", "cpu"), FSDP2Precision)
