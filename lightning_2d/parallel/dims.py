@@ -539,7 +539,7 @@ def async_tensor_parallel_device(async_tensor_parallel: bool, device_type: str) 
     import torch
     import torch.distributed as dist
 
-    from lightning_2d.parallel.float8 import symmetric_memory_available
+    from lightning_2d.parallel.async_tensor_parallel import symmetric_memory_available
 
     problems = []
     if device_type != "cuda":

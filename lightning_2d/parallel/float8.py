@@ -1,4 +1,4 @@
-"""Float8 training (torchao) and async tensor parallelism.
+"""Float8 training (torchao); async tensor parallelism is ``parallel/async_tensor_parallel.py``.
 
 Float8 training swaps the transformer blocks' ``nn.Linear`` layers for torchao's ``Float8Linear``:
 each matmul casts its operands to float8 with dynamic scales (weight and input to e4m3, the
@@ -8,11 +8,6 @@ meta-device model, before any parallelism, as torchtitan does it. Under tensor p
 ``Float8ColwiseParallel``/``Float8RowwiseParallel``/``PrepareFloat8ModuleInput`` cast the
 activations to float8 *before* the sequence-parallel all-gather, so those collectives move half the
 bytes of bf16; with FSDP, ``fsdp_float8_all_gather`` does the same for the parameters' all-gather.
-
-Async tensor parallelism (``_micro_pipeline_tp``) lets inductor split each sequence-parallel
-all-gather → matmul and matmul → reduce-scatter pair into chunks that overlap communication with
-compute through symmetric memory. It only changes compiled graphs, so it needs ``compile=True``,
-CUDA and NCCL.
 
 Order inside ``parallelize_model``::
 
@@ -28,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatch
 from types import ModuleType
@@ -37,13 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_2d._compat import enable_micro_pipeline_tp, has_symmetric_memory, symmetric_memory
 from lightning_2d.ops.torchao import quiet_torchao_import, torchao_problem, torchao_version
 from lightning_2d.parallel.config import float8_recipe_problems
 from lightning_2d.parallel.modules import canonical_name
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
 #: NVIDIA GPUs with float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
@@ -84,10 +76,6 @@ def float8_device_problem(device_index: int) -> str | None:
             " Set float8=False (bf16-mixed is the fast option on this GPU)."
         )
     return None
-
-
-def symmetric_memory_available() -> bool:
-    return has_symmetric_memory()
 
 
 def float8_off_cuda_problem(device_type: str) -> str:
@@ -337,46 +325,6 @@ def float8_tensor_parallel_plan(plan: Mapping[str, ParallelStyle], model: nn.Mod
             new.src_data_rank = getattr(style, "src_data_rank", 0)
             result[pattern] = new
     return result
-
-
-def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
-    """Let inductor overlap the tensor-parallel collectives with the matmuls (micro-pipelined TP).
-
-    Sets ``torch._inductor.config._micro_pipeline_tp`` (process-wide) and enables symmetric
-    memory for the tensor-parallel group. Call it on every rank after the process group exists and
-    before the first compiled forward (compilation is lazy, so right after tensor parallelism is
-    applied). Only graphs compiled afterwards are rewritten, which is why it needs ``compile=True``;
-    the registered checks (``parallel/dims.py``: ``async_tensor_parallel_options`` …) refuse the combination
-    beforehand.
-
-    Args:
-        tp_mesh: The tensor-parallel (1D) sub-mesh.
-
-    Raises:
-        ValueError: If the mesh is not a CUDA mesh of at least two ranks.
-    """
-    if tp_mesh.device_type != "cuda":
-        raise ValueError(
-            f"Async tensor parallelism needs CUDA and NCCL; the tensor-parallel mesh is on {tp_mesh.device_type!r}."
-            " Set async_tensor_parallel=False."
-        )
-    if tp_mesh.size() < 2:
-        raise ValueError(
-            f"Async tensor parallelism overlaps tensor-parallel communication, but the tensor-parallel mesh has"
-            f" {tp_mesh.size()} rank. Use tensor_parallel_size > 1 or async_tensor_parallel=False."
-        )
-    symm_mem = symmetric_memory()
-    enable_micro_pipeline_tp()
-    group_name = tp_mesh.get_group().group_name
-    # torch 2.13 marks enable_symm_mem_for_group deprecated ("no need to call"), yet its
-    # micro-pipeline pass still skips any group for which is_symm_mem_enabled_for_group() is False,
-    # which only that call makes True: without it async TP silently does nothing.
-    is_enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None and (is_enabled is None or not is_enabled(group_name)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            enable(group_name)
 
 
 # ---- after each optimizer step ------------------------------------------------------------------

@@ -238,7 +238,7 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
         retie(model, ties)
         _refreeze(model, frozen)
         if config.async_tensor_parallel:
-            from lightning_2d.parallel.float8 import enable_async_tensor_parallel
+            from lightning_2d.parallel.async_tensor_parallel import enable_async_tensor_parallel
 
             enable_async_tensor_parallel(tp_mesh)  # before the first compiled forward
     ep_mesh = meshes.optional(EP_DIM)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_2d.models.llama.model import ModelArgs, Transformer, VocabProjection
+from lightning_2d.parallel import async_tensor_parallel as atp
 from lightning_2d.parallel import float8 as f8
 from lightning_2d.ops import torchao as ops_torchao
 from lightning_2d.parallel.checks import run_checks
@@ -329,24 +330,28 @@ def _mesh(device_type: str, size: int, group=None) -> types.SimpleNamespace:
 
 def test_async_tensor_parallel_refuses_meshes_it_cannot_speed_up():
     with pytest.raises(ValueError, match=r"needs CUDA and NCCL; the tensor-parallel mesh is on 'cpu'"):
-        f8.enable_async_tensor_parallel(_mesh("cpu", 2))
+        atp.enable_async_tensor_parallel(_mesh("cpu", 2))
     with pytest.raises(ValueError, match=r"tensor-parallel mesh has 1 rank. Use tensor_parallel_size > 1"):
-        f8.enable_async_tensor_parallel(_mesh("cuda", 1))
+        atp.enable_async_tensor_parallel(_mesh("cuda", 1))
 
 
-def test_async_tensor_parallel_enables_the_pass_and_symmetric_memory(gloo_world, monkeypatch):
+def test_async_tensor_parallel_enables_the_pass_and_symmetric_memory(gloo_world, monkeypatch, request):
     import torch._inductor.config as inductor_config
     from torch.distributed import _symmetric_memory as symm_mem
 
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
+    # inductor's config.patch, not monkeypatch: undoing a monkeypatch of a config entry left the module without it,
+    # and test_compat's check of the private name failed when it ran after this test.
+    config_patch = inductor_config.patch(_micro_pipeline_tp=False)
+    config_patch.__enter__()
+    request.addfinalizer(lambda: config_patch.__exit__(None, None, None))
     monkeypatch.setattr(symm_mem, "_group_name_to_store", {})  # forget the registration afterwards
     group_name = gloo_world.group_name
     assert not symm_mem.is_symm_mem_enabled_for_group(group_name)
     # A CUDA-looking mesh over the real gloo group: registration only needs the group's store.
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's "deprecated" FutureWarning must not reach users
-        f8.enable_async_tensor_parallel(_mesh("cuda", 2, gloo_world))
-        f8.enable_async_tensor_parallel(_mesh("cuda", 2, gloo_world))  # idempotent
+        atp.enable_async_tensor_parallel(_mesh("cuda", 2, gloo_world))
+        atp.enable_async_tensor_parallel(_mesh("cuda", 2, gloo_world))  # idempotent
     assert inductor_config._micro_pipeline_tp is True
     # torch 2.13's micro-pipeline pass skips groups for which this is False.
     assert symm_mem.is_symm_mem_enabled_for_group(group_name)
@@ -507,7 +512,7 @@ def test_async_tensor_parallel_needs_symmetric_memory(nccl, monkeypatch):
 
 def test_every_problem_is_reported_at_once(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
-    monkeypatch.setattr(f8, "symmetric_memory_available", lambda: True)
+    monkeypatch.setattr(atp, "symmetric_memory_available", lambda: True)
     problems = _problems(
         float8=True, async_tensor_parallel=True, compile=False, tensor_parallel_size=1, device_type="cpu"
     )
