@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful
 from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
-from lightning_2d.integration.options import takes_options
+from lightning_2d.integration.strategy_options import takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
 from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
 from lightning_2d.models import registry
@@ -76,7 +76,7 @@ PARALLELIZE_FN = Option(
 class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     """2D parallelism (FSDP2 or HSDP × tensor/sequence parallel) for Fabric, applied by the strategy.
 
-    Takes the options of the Trainer strategy (``lightning_2d.integration.options``), plus
+    Takes the options of the Trainer strategy (``lightning_2d.integration.strategy_options``), plus
     ``parallelize_fn``: see ``__init__``.
     """
 

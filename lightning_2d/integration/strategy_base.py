@@ -54,7 +54,7 @@ from lightning_2d.checkpoint.integrity import Integrity
 from lightning_2d.checkpoint.rng import layout_of
 from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
-from lightning_2d.integration.options import split_options, takes_options
+from lightning_2d.integration.strategy_options import split_options, takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision, FSDP2Precision, fsdp2_precision
 from lightning_2d.integration.step_guard import NonFiniteLossError, StepGuard, check_first_loss
 from lightning_2d.parallel.config import ParallelPlan
@@ -116,7 +116,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
     """Mixin in front of Lightning's ``ModelParallelStrategy`` (Trainer or Fabric); see the module docstring.
 
     Its constructor takes the options of ``ParallelConfig`` and ``StrategyOptions``
-    (``lightning_2d.integration.options``) as parameters generated from the fields (names, annotations, defaults,
+    (``lightning_2d.integration.strategy_options``) as parameters generated from the fields (names, annotations, defaults,
     positional order and docstring).
     """
 

@@ -15,7 +15,7 @@ fix. ``run_checks`` runs every check whose options and inputs are known, in regi
 
 Every refusal of a combination (an option against the world, the model, the batch, the hardware or how the model is
 trained) is a check here, wherever it is defined: the options' own in ``parallel/config.py`` (and the strategies'
-in ``integration/options.py``), those needing inputs in ``parallel/dims.py``, LoRA's in ``parallel/lora.py``, a
+in ``integration/strategy_options.py``), those needing inputs in ``parallel/dims.py``, LoRA's in ``parallel/lora.py``, a
 model family's in its module of ``models/`` (``models/hf_decoders.py``), the datamodule's against the module in
 ``integration/validation.py``. What a check may read besides the options is ``INPUTS``: the world and the batch
 from the strategy, the model's structure on its ``ParallelPlan`` (``num_experts``, ``aux_loss_coef`` …), and what
@@ -154,5 +154,5 @@ def run_checks(values: Mapping[str, Any], known: Optional[Mapping[str, Any]] = N
 
 def checks_reading(option: str) -> tuple[str, ...]:
     """The dotted names of the registered checks that read ``option`` (its ``Option.checks``; the checks register
-    when their modules are imported, all of them by ``integration/options.py``, which reads this)."""
+    when their modules are imported, all of them by ``integration/strategy_options.py``, which reads this)."""
     return tuple(c.name for c in CHECKS if option in c.reads)

@@ -109,7 +109,7 @@ class ParallelConfig:
 
     Each field's docstring is the option's documentation everywhere: the strategies' signatures and
     docstrings, the CLI's ``--help`` and the README's table are built from these fields (with the
-    strategy-only options of ``lightning_2d.integration.options.StrategyOptions``).
+    strategy-only options of ``lightning_2d.integration.strategy_options.StrategyOptions``).
     """
 
     data_parallel_size: Size = option("auto", position=0)

@@ -10,7 +10,7 @@ paragraph, reST inline markup)::
 ``option()`` records the option's ``position`` among the strategies' parameters (the positional order of
 0.1.0: fields of two dataclasses interleave there) and, where the README shows something else than the
 default's value, what it shows (``shown``). ``options_of(cls)`` reads it all back as ``Option`` records: the
-strategies' constructors are generated from them (``lightning_2d.integration.options.takes_options``: signature,
+strategies' constructors are generated from them (``lightning_2d.integration.strategy_options.takes_options``: signature,
 annotations, defaults and docstring, what LightningCLI/jsonargparse reads for ``--help`` and ``--print_config``),
 and a unit test compares the README's table with them. Which checks report an option's problems is not written
 here but read from the checks' registry (``Option.checks``, ``lightning_2d.parallel.checks``).
@@ -47,7 +47,7 @@ class Option:
     shown: Optional[str] = None
     #: The registered checks that report its problems, as dotted names (``lightning_2d.parallel.dims.replica_groups``),
     #: filled in from the checks' registry (``lightning_2d.parallel.checks.checks_reading``) by
-    #: ``lightning_2d.integration.options.strategy_options``; empty when any value is accepted.
+    #: ``lightning_2d.integration.strategy_options.strategy_options``; empty when any value is accepted.
     checks: tuple[str, ...] = ()
 
     @property

@@ -1,4 +1,4 @@
-"""The README's "Strategy options" table, made from the options' fields (``lightning_2d.integration.options``)::
+"""The README's "Strategy options" table, made from the options' fields (``lightning_2d.integration.strategy_options``)::
 
     python -m lightning_2d.tools.options_table                    # print it
     python -m lightning_2d.tools.options_table --write README.md  # replace it in the README
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_2d.integration.fabric_strategy import PARALLELIZE_FN
-from lightning_2d.integration.options import init_stub, options_table
+from lightning_2d.integration.strategy_options import init_stub, options_table
 from lightning_2d.parallel.options import Option
 
 #: The README section whose first table is the options'.

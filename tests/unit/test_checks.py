@@ -12,7 +12,7 @@ from dataclasses import fields
 
 import pytest
 
-from lightning_2d.integration.options import OPTIONS, StrategyOptions
+from lightning_2d.integration.strategy_options import OPTIONS, StrategyOptions
 from lightning_2d.parallel.checks import CHECKS, INPUT_OPTIONS, INPUTS, check, checks_reading, run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
 from lightning_2d.parallel.dims import validate_parallel_dims

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_2d import ModelParallel2DStrategy
 from lightning_2d.data import DataError, stdlib_sources
-from lightning_2d.integration.options import OPTIONS
+from lightning_2d.integration.strategy_options import OPTIONS
 from lightning_2d.tools.cli import cli_main
 
 

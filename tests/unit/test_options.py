@@ -22,8 +22,8 @@ import pytest
 
 import lightning_2d
 import lightning_2d.fabric
-from lightning_2d.integration import options as options_module
-from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER, StrategyOptions, init_stub, options_table
+from lightning_2d.integration import strategy_options as options_module
+from lightning_2d.integration.strategy_options import OPTIONS, PARAMETER_ORDER, StrategyOptions, init_stub, options_table
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.options import Option, markdown, option, options_of
 from lightning_2d.parallel.schedules import ScheduleName

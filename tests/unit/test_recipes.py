@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from lightning_2d import LlamaLightningModule, ParallelConfig
-from lightning_2d.integration.options import OPTIONS, PARAMETER_ORDER
+from lightning_2d.integration.strategy_options import OPTIONS, PARAMETER_ORDER
 from lightning_2d.parallel import validate_parallel_dims
 from lightning_2d.tools.cli import cli_main
 
