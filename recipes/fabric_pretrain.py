@@ -34,7 +34,7 @@ from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.integration.module import warmup_cosine_schedule
-from lightning_2d.models.adapters import add_family_lora
+from lightning_2d.models.lora_targets import add_family_lora
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias

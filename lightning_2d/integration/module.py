@@ -17,7 +17,7 @@ from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
 from lightning_2d.checkpoint.subset import ADAPTERS_KEY
-from lightning_2d.models.adapters import add_family_lora
+from lightning_2d.models.lora_targets import add_family_lora
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
@@ -151,7 +151,7 @@ class CausalLMModule(L.LightningModule):
 
     def _add_lora(self, model: torch.nn.Module) -> None:
         """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen
-        (``models.adapters.add_family_lora``)."""
+        (``models.lora_targets.add_family_lora``)."""
         if self.lora is not None:
             add_family_lora(model, self.lora)
 

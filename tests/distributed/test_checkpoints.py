@@ -545,7 +545,7 @@ def test_a_sharded_lora_checkpoint_exports_merged_on_its_seeded_base_and_for_pef
     from safetensors.torch import load_file
 
     from lightning_2d.hf import export_hf
-    from lightning_2d.models.adapters import HF_TO_LLAMA, LLAMA_TARGETS
+    from lightning_2d.models.lora_targets import HF_TO_LLAMA, LLAMA_TARGETS
     from lightning_2d.models.llama.model import ModelArgs, Transformer
     from lightning_2d.ops.lora import LoRA, add_lora
 

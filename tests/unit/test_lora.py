@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_2d import LlamaLightningModule, LoRA
-from lightning_2d.models.adapters import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS
+from lightning_2d.models.lora_targets import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.ops.init import SeededInit, WithOwnInit, module_init_specs
 from lightning_2d.ops.lora import LoRAConfigError, LoRALinear, add_lora, is_adapter_parameter, quantize_lora_bases
@@ -406,7 +406,7 @@ def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
     """Fabric meets a model the recipe adapted itself: the checks read its adapters' settings and experts from its
     modules (``validation_inputs_of``), as they read a module's ``lora=``; ``add_family_lora`` refuses nothing
     itself."""
-    from lightning_2d.models.adapters import add_family_lora
+    from lightning_2d.models.lora_targets import add_family_lora
     from lightning_2d.models.llama.model import PRESETS
     from lightning_2d.models.registry import validation_inputs_of, known_plan
     from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError

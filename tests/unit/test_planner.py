@@ -481,7 +481,7 @@ def test_expert_parallelism_keeps_the_experts_out_of_the_fsdp_gathers_and_plans_
 
 MEASURE_STEP = MEASURE_PRELUDE + textwrap.dedent(
     """
-    from lightning_2d.models.adapters import LLAMA_TARGETS
+    from lightning_2d.models.lora_targets import LLAMA_TARGETS
     from lightning_2d.ops.lora import LoRA, add_lora
 
     for rank in spec["ranks"]:  # 0: full fine-tuning

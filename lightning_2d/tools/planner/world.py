@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_2d._compat import fake_store
-from lightning_2d.models.adapters import add_family_lora
+from lightning_2d.models.lora_targets import add_family_lora
 from lightning_2d.ops.lora import LoRA, quantize_lora_bases
 from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
 from lightning_2d.parallel.config import ParallelConfig
