@@ -37,7 +37,7 @@ from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
     PP_DIM,
     TP_DIM,
 )
-from lightning_2d.parallel.meshes import FLATTENED, ParallelMeshes, as_meshes, build_meshes
+from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes, build_meshes
 
 if TYPE_CHECKING:
     import torch
@@ -107,10 +107,8 @@ class ParallelDims:
                 collective would wait that long whatever the strategy's ``timeout`` says.
         """
         meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)), expert_parallel=self.ep)
-        if timeout is not None:
-            groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in FLATTENED)]
-            if self.ep > 1:
-                groups += [meshes.get(name).get_group() for name in (EP_DIM, EP_SHARD_DIM)]
+        if timeout is not None:  # every named mesh's group (an alias's is its mesh's: set once)
+            groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in meshes.names)]
             set_group_timeouts(groups, timeout)
         return meshes
 

@@ -132,7 +132,7 @@ def parallelize_and_materialize(
 
     config = config.resolve_dtypes(precision)
     model = target_module(owner, plan)
-    meshes = as_meshes(mesh)
+    meshes = as_meshes(mesh, config)  # the public boundary: a root read as its meshes, a missing dimension refused
     assert meshes is not None
     result = Parallelized(model, meshes)
     if not is_parallelized(model):
@@ -175,7 +175,10 @@ def parallelize_model(
         model: The model, preferably on the meta device (then materialize it afterwards with
             ``lightning_2d.parallel.materialize_model``).
         mesh: The meshes of ``ParallelDims.build_mesh``, their root ``DeviceMesh`` (``strategy.device_mesh``, as
-            Fabric's ``parallelize_fn`` receives it), or Lightning's 2D ``(data_parallel, tensor_parallel)`` mesh.
+            Fabric's ``parallelize_fn`` receives it: read as the meshes it was built with, expert parallelism
+            included), a root built by hand (with ``config``'s expert parallelism), or Lightning's 2D
+            ``(data_parallel, tensor_parallel)`` mesh. A size above 1 that ``config`` asks for and the mesh does not
+            have raises ``ValueError`` here, before anything is changed.
         plan: Module names to parallelize.
         config: The options, with ``param_dtype``/``reduce_dtype`` resolved
             (``ParallelConfig.resolve_dtypes``).
@@ -184,7 +187,7 @@ def parallelize_model(
     Returns:
         ``Parallelized``: ``model``, the meshes, and under pipeline parallelism the ``Pipeline`` that steps it.
     """
-    meshes = as_meshes(mesh)
+    meshes = as_meshes(mesh, config)  # the public boundary: a root read as its meshes, a missing dimension refused
     assert meshes is not None
     cp_mesh = meshes.optional(CP_DIM)
     if cp_mesh is not None:
