@@ -16,7 +16,8 @@
 Optional shared experts (a dense SwiGLU every token goes through, added) and the router's statistics for the load
 balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face auxiliary loss and the bias
 update read) complete the layer. Expert parallelism moves step 2's sorted tokens between ranks; that is
-``lightning_2d.parallel.expert``'s (``MoE.expert_exchange``), not this module's: here everything is local, pure torch.
+``lightning_2d.parallel.expert``'s (its styles' forward hooks around ``MoE.experts``, applied by the plan), not this
+module's: here everything is local, pure torch.
 """
 
 from __future__ import annotations
@@ -172,19 +173,21 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
     return False
 
 
-def _as_is(weight: torch.Tensor) -> torch.Tensor:
-    return weight
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """A distributed tensor's local part (its ``to_local()``: the gradient flows back to it), any other tensor as it
+    is. Duck-typed: this layer imports nothing of ``torch.distributed``."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
 
 
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts, weights stacked: ``w1``/``w3`` ``(E, F, D)`` (gate/up), ``w2`` ``(E, D, F)`` (down), each
     expert's slice laid out as an ``nn.Linear`` weight (out × in), as Hugging Face checkpoints store them.
 
-    ``local_weight`` is how ``forward`` reads a weight (itself); expert and tensor parallelism
-    (``lightning_2d.parallel.expert``) replace it on the instance with the DTensor's local part: this rank's experts,
-    or its slice of every expert's hidden features."""
-
-    local_weight = staticmethod(_as_is)
+    ``forward`` computes on each weight's local part (``local_part``): the whole weight here; under expert or tensor
+    parallelism (``lightning_2d.parallel.expert``'s styles, which make the weights DTensors) this rank's experts, or
+    its slice of every expert's hidden features, the tokens then brought and taken away by the style's forward
+    hooks."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
         super().__init__()
@@ -204,7 +207,7 @@ class GroupedExperts(nn.Module):
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.local_weight(self.w1), self.local_weight(self.w2), self.local_weight(self.w3)
+        return local_part(self.w1), local_part(self.w2), local_part(self.w3)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._weights()
@@ -264,10 +267,6 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=balancing)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.last_stats: Optional[RouterStats] = None
-        #: Under expert parallelism, what runs the experts instead of ``self.experts`` alone: called with the sorted
-        #: tokens, their counts per expert and ``self.experts`` (which then holds this rank's experts only); it sends
-        #: the tokens to their experts' ranks and the outputs back (``lightning_2d.parallel.expert.ExpertExchange``).
-        self.expert_exchange: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -276,10 +275,9 @@ class MoE(nn.Module):
         routing = route(self.router(tokens), self.args, bias)
         order, counts = dispatch(routing.experts, self.args.num_experts)
         dispatched = tokens[order // self.args.top_k]
-        if self.expert_exchange is None:
-            expert_out = self.experts(dispatched, counts)
-        else:
-            expert_out = self.expert_exchange(dispatched, counts, self.experts)
+        # Under expert parallelism the experts' forward hooks send the tokens to their experts' ranks and the outputs
+        # back (``lightning_2d.parallel.expert``): the same call, this rank's sorted tokens in and their outputs out.
+        expert_out = self.experts(dispatched, counts)
         out = combine(expert_out, order, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -338,4 +336,4 @@ def auxiliary_loss_terms(stats: list[RouterStats], num_experts: int,
 
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU", "auxiliary_loss",
-           "auxiliary_loss_terms", "combine", "dispatch", "route", "uses_grouped_mm"]
+           "auxiliary_loss_terms", "combine", "dispatch", "local_part", "route", "uses_grouped_mm"]

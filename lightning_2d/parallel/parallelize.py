@@ -1,5 +1,5 @@
-"""The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → activation
-checkpointing → compile → FSDP2.
+"""The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → expert parallelism →
+activation checkpointing → compile → FSDP2.
 
 The Trainer strategy (``lightning_2d.integration.trainer_strategy``) and the Fabric strategy (``lightning_2d.integration.fabric_strategy``)
 both call ``parallelize_model``; neither has a copy of these steps. It returns one result, ``Parallelized`` (the
@@ -13,6 +13,7 @@ LightningModule or model may define is listed in ``lightning_2d.parallel.hooks``
 
 ====================================  ==============================================
 ``apply_tensor_parallel``             ``(model, tp_mesh, plan, config)``
+``apply_expert_parallel``             ``(model, ep_mesh, plan, config)``
 ``apply_activation_checkpointing``    ``(model, plan, config)``
 ``apply_compile``                     ``(model, plan, config)``
 ``apply_fully_shard``                 ``(model, dp_mesh, plan, config)``
@@ -34,6 +35,7 @@ from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.expert import apply_expert_parallel, expert_modules, shard_experts
 from lightning_2d.parallel.fsdp import apply_fully_shard
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
@@ -48,8 +50,8 @@ if TYPE_CHECKING:
     from lightning_2d.parallel.pipeline import Pipeline
 
 STEPS: dict[str, Callable[..., None]] = dict(
-    zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile, apply_fully_shard,
-                     apply_simple_fsdp))
+    zip(STEP_HOOKS, (apply_tensor_parallel, apply_expert_parallel, apply_activation_checkpointing, apply_compile,
+                     apply_fully_shard, apply_simple_fsdp))
 )
 
 
@@ -165,7 +167,8 @@ def parallelize_model(
     config: ParallelConfig,
     hooks: Any = None,
 ) -> Parallelized:
-    """Apply (float8) → TP/SP → activation checkpointing → compile → FSDP2 to ``model`` in place.
+    """Apply (float8) → TP/SP → expert parallelism → activation checkpointing → compile → FSDP2 to ``model``, in
+    place.
 
     Under context parallelism the plan's attention modules first get the context-parallel attention core
     (``lightning_2d.parallel.context``). Under pipeline parallelism the model is then split into this rank's stages
@@ -196,6 +199,13 @@ def parallelize_model(
         if plan.attention is None:
             raise ValueError("context parallelism needs the plan's attention modules (ParallelPlan.attention)")
         apply_context_parallel(model, cp_mesh, plan.attention)
+    if meshes.optional(EP_DIM) is not None and not expert_modules(model, plan):
+        raise ValueError(
+            f"expert_parallel_size={meshes.size(EP_DIM)} but ParallelPlan.expert_parallel names no module of"
+            f" {type(model).__name__} ({', '.join(plan.expert_parallel) or 'it is empty'}): its experts would train"
+            " unsplit. Name each layer's stacked experts there (module name → ExpertParallel()), or use"
+            " expert_parallel_size=1"
+        )
     if meshes.optional(PP_DIM) is not None:
         if ties := shared_parameters(model):
             raise ValueError(tied_pipeline_message(ties))
@@ -244,10 +254,10 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
 
             enable_async_tensor_parallel(tp_mesh)  # before the first compiled forward
     ep_mesh = meshes.optional(EP_DIM)
-    if ep_mesh is not None:  # after tensor parallelism, as torchtitan: the experts' own placement over their ranks
-        from lightning_2d.parallel.expert import apply_expert_parallel
-
-        apply_expert_parallel(model, ep_mesh)
+    # The plan's expert modules, found before any wrapper renames their path (activation checkpointing).
+    experts = expert_modules(model, plan) if ep_mesh is not None else []
+    if experts:  # after tensor parallelism, as torchtitan: the experts' own placement over their ranks
+        _step(hooks, "apply_expert_parallel")(model, ep_mesh, plan, config)
     if config.activation_checkpointing != "none":
         _step(hooks, "apply_activation_checkpointing")(model, plan, config)
     if config.compile:
@@ -257,10 +267,8 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
     if config.fsdp_backend == "simple_fsdp":
         _step(hooks, "apply_simple_fsdp")(model, dp_mesh, plan, config)
     else:
-        if ep_mesh is not None:  # the experts first, over their own mesh; each block's unit then leaves them out
-            from lightning_2d.parallel.expert import shard_experts
-
-            shard_experts(model, meshes, config, reshard=config.reshard_policy != "never")
+        if experts:  # the experts first, over their own mesh; each block's unit then leaves them out
+            shard_experts(experts, meshes.expert_fsdp, config, reshard=config.reshard_policy != "never")
         _step(hooks, "apply_fully_shard")(model, dp_mesh, plan, config)
 
 
