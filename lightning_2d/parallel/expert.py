@@ -21,12 +21,14 @@ Every permutation and split follows from the counts alone: the same on every run
 or a whole rank receiving nothing included.
 
 Tensor parallelism of a mixture-of-experts layer is a style too (``MoETensorParallel``, in the model's tensor-parallel
-plan).
+plan), and the load balancing that training adds (the auxiliary loss over the global batch, the bias update) is
+``LoadBalancing``'s, one object for the Trainer's module and a Fabric loop.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_2d.ops.moe import MoE, RouterStats, auxiliary_loss_terms, local_part
+from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, auxiliary_loss_terms, local_part
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import data_context_group
 from lightning_2d.parallel.modules import matching_modules
@@ -329,7 +331,47 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
     return len(layers)
 
 
-__all__ = ["ExpertExchange", "ExpertParallel", "MoETensorParallel", "TensorParallelExperts",
+__all__ = ["ExpertExchange", "ExpertParallel", "LoadBalancing", "MoETensorParallel", "TensorParallelExperts",
            "apply_expert_parallel", "expert_modules", "local_part", "moe_auxiliary_loss", "moe_layers", "shard_experts",
            "update_expert_bias"]
 
+
+@dataclass(frozen=True)
+class LoadBalancing:
+    """A mixture of experts' training contract, written once for every loop (``LlamaLightningModule``, a Fabric loop
+    such as ``recipes/fabric_pretrain.py``):
+
+    - ``loss(model)``: what each micro-batch's loss adds, ``(term, value)``: this rank's share of transformers'
+      auxiliary loss over the global batch, scaled like the language-model loss (``moe_auxiliary_loss``), and the
+      whole batch's value to log; ``None`` when the experts are not balanced by it (``MoEArgs.uses_aux_loss``).
+      Under pipeline parallelism the auxiliary loss is refused before launch; a pipelined step does not ask.
+    - ``after_optimizer_step(model)``: aux-loss-free balancing's bias update (``update_expert_bias``: the tokens each
+      expert got since the last step, summed over the ranks holding different tokens); layers balanced otherwise
+      are left alone.
+
+    Both read the model's ``ops.moe.MoE`` layers (``moe_layers``: their routing statistics, their bias), in module
+    order, whatever the wrappers (FSDP, activation checkpointing, Fabric's).
+
+    Args:
+        moe: The model's experts (``ModelArgs.moe``); ``None`` for a dense model (both then do nothing).
+        meshes: The strategy's meshes (``strategy.meshes``) or its ``device_mesh``; ``None`` on one device.
+    """
+
+    moe: Optional[MoEArgs]
+    meshes: Any = None
+
+    @property
+    def uses_aux_loss(self) -> bool:
+        """Whether the training loss adds the auxiliary loss (``MoEArgs.uses_aux_loss``)."""
+        return self.moe is not None and self.moe.uses_aux_loss
+
+    def loss(self, model: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(term, value)`` of this forward's routing (see the class docstring), else ``None``."""
+        if self.moe is None or not self.moe.uses_aux_loss:
+            return None
+        stats = [layer.last_stats for layer in moe_layers(model) if layer.last_stats is not None]
+        return moe_auxiliary_loss(stats, self.moe.num_experts, self.moe.aux_loss_coef, self.meshes)
+
+    def after_optimizer_step(self, model: nn.Module) -> int:
+        """The bias update of the layers balanced by their bias; returns how many were updated."""
+        return update_expert_bias(model, self.meshes) if self.moe is not None else 0

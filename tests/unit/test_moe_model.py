@@ -120,6 +120,34 @@ def test_bias_balancing_counts_each_forward_once_under_activation_checkpointing(
     assert not layer.tokens_per_expert.any()  # evaluation does not balance
 
 
+@pytest.mark.parametrize("load_balancing", ["aux_loss", "bias"])
+def test_one_load_balancing_object_is_the_training_contract_of_every_loop(load_balancing):
+    """``LoadBalancing`` (what ``LlamaLightningModule`` and the Fabric recipe both use) on one process: the auxiliary
+    loss of the last forward's routing over every MoE block, weighted, or nothing under bias balancing, whose bias
+    it moves after the optimizer step instead."""
+    from dataclasses import replace
+
+    from lightning_2d.parallel.expert import LoadBalancing
+
+    args = replace(PRESETS["debug-moe"], moe=replace(PRESETS["debug-moe"].moe, load_balancing=load_balancing))
+    model = Transformer(args)
+    model.init_weights(0)
+    model(torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    balancing = LoadBalancing(args.moe)
+    assert balancing.uses_aux_loss == (load_balancing == "aux_loss")
+    if load_balancing == "aux_loss":
+        term, value = balancing.loss(model)
+        expected = args.moe.aux_loss_coef * auxiliary_loss(model.router_stats(), args.moe.num_experts, args.moe.top_k)
+        torch.testing.assert_close(term, expected)
+        torch.testing.assert_close(value, expected.detach())
+        assert term.requires_grad and balancing.after_optimizer_step(model) == 0
+    else:
+        assert balancing.loss(model) is None
+        assert balancing.after_optimizer_step(model) == len(args.moe_layers) == 3
+        assert all(layer.expert_bias.abs().sum() > 0 for layer in model.moe_layers())
+    assert LoadBalancing(None).loss(model) is None and LoadBalancing(None).after_optimizer_step(model) == 0
+
+
 def _validate(plan_args: ModelArgs, world: int = 4, **options) -> None:
     config = ParallelConfig(**options)
     validate_parallel_dims(config, world_size=world, devices_per_node=world, plan=llama_plan(plan_args, config))
