@@ -17,14 +17,15 @@ Optional shared experts (a dense SwiGLU every token goes through, added) and the
 balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face auxiliary loss and the bias
 update read) complete the layer. Expert parallelism moves step 2's sorted tokens between ranks; that is
 ``lightning_2d.parallel.expert``'s (its styles' forward hooks around ``MoE.experts``, applied by the plan), not this
-module's: here everything is local, pure torch.
+module's: here everything is local, pure torch. ``MoEArgs.from_hf_config`` is the one reader of a Hugging Face
+mixture of experts' config.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,11 +108,78 @@ class MoEArgs:
         """The fused shared experts' hidden size (0: none)."""
         return self.num_shared_experts * (self.shared_hidden_dim or self.hidden_dim)
 
+    @classmethod
+    def from_hf_config(cls, config: Any) -> Optional["MoEArgs"]:
+        """The experts of a Hugging Face Qwen3-MoE or Mixtral config (a ``transformers`` config, or the dict of its
+        ``config.json``), balanced as transformers fine-tunes them: by the auxiliary loss when the config asks for
+        the router logits (``output_router_logits``; its weight ``router_aux_loss_coef``, trained only above 0:
+        ``uses_aux_loss``), else not at all.
+        ``None`` for another model type, and for a Qwen3-MoE of 0 experts (transformers builds dense blocks then).
+
+        The one reader of these fields (our Llama's import, ``HFCausalLMModule``, the Hugging Face plan and the
+        planner all ask here), with one precedence: ``num_local_experts``, else ``num_experts`` (released Qwen3-MoE
+        files say ``num_experts``, transformers 5 writes ``num_local_experts`` for both families, and its config
+        objects answer both names); Mixtral's experts' hidden size is its ``intermediate_size``, Qwen3-MoE's its
+        ``moe_intermediate_size``; Mixtral always renormalizes the picked scores. Which blocks are sparse:
+        ``hf_block_rule``.
+
+        Raises:
+            KeyError, AttributeError: a required field is missing (``num_experts_per_tok``, the hidden size).
+            MoEConfigError: values no layer can take.
+        """
+        read = _hf_reader(config)
+        model_type = read("model_type", None)
+        if model_type not in HF_MOE_TYPES:
+            return None
+        experts = read("num_local_experts", None)
+        experts = read("num_experts", None) if experts is None else experts
+        if model_type == "qwen3_moe" and experts == 0:
+            return None
+        coef = float(read("router_aux_loss_coef", 0.0) or 0.0)
+        return cls(
+            num_experts=experts,
+            top_k=read("num_experts_per_tok"),
+            hidden_dim=read("intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"),
+            norm_topk_prob=bool(read("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
+            load_balancing="aux_loss" if read("output_router_logits", False) else "none",
+            aux_loss_coef=coef,
+        )
+
+    @staticmethod
+    def hf_block_rule(config: Any) -> tuple[int, list[int]]:
+        """Which blocks of a Hugging Face mixture of experts are sparse, as ``ModelArgs`` says it: ``(moe_layer_step,
+        dense_layers)`` (Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``; Mixtral: every block). Read
+        with ``is_sparse_block``; only meaningful where ``from_hf_config`` returns experts."""
+        read = _hf_reader(config)
+        if read("model_type", None) != "qwen3_moe":
+            return 1, []
+        return int(read("decoder_sparse_step", 1) or 1), list(read("mlp_only_layers", None) or [])
+
     def num_params(self, dim: int, active: bool = False) -> int:
         """Parameters of one ``MoE`` layer of width ``dim``; ``active``: those one token goes through (the router,
         its ``top_k`` experts, the shared experts), what its FLOPs are counted on."""
         experts = self.top_k if active else self.num_experts
         return dim * self.num_experts + 3 * dim * (experts * self.hidden_dim + self.shared_dim)
+
+
+#: The Hugging Face model types whose blocks may be mixtures of experts (``MoEArgs.from_hf_config``).
+HF_MOE_TYPES = ("qwen3_moe", "mixtral")
+_REQUIRED = object()
+
+
+def _hf_reader(config: Any) -> Callable[..., Any]:
+    """``read(name[, default])`` of a ``transformers`` config (its attributes) or a ``config.json`` dict (its keys);
+    without a default a missing field raises as the container does."""
+    if isinstance(config, Mapping):
+        return lambda name, default=_REQUIRED: config[name] if default is _REQUIRED else config.get(name, default)
+    return lambda name, default=_REQUIRED: (getattr(config, name) if default is _REQUIRED
+                                           else getattr(config, name, default))
+
+
+def is_sparse_block(layer_id: int, moe_layer_step: int, dense_layers: Any) -> bool:
+    """Whether block ``layer_id`` of a model with experts is a mixture of experts (Qwen3-MoE's rule, transformers'
+    too: not among ``dense_layers`` and ``(layer_id + 1) % moe_layer_step == 0``)."""
+    return layer_id not in dense_layers and (layer_id + 1) % moe_layer_step == 0
 
 
 @dataclass(frozen=True)
@@ -335,5 +403,6 @@ def auxiliary_loss_terms(stats: list[RouterStats], num_experts: int,
     return term, value
 
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU", "auxiliary_loss",
-           "auxiliary_loss_terms", "combine", "dispatch", "local_part", "route", "uses_grouped_mm"]
+__all__ = ["GroupedExperts", "HF_MOE_TYPES", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU",
+           "auxiliary_loss", "auxiliary_loss_terms", "combine", "dispatch", "is_sparse_block", "local_part", "route",
+           "uses_grouped_mm"]

@@ -219,6 +219,39 @@ def _saved(tmp_path, model_type: str, fused: bool = False):
     return model, directory
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3"])
+def test_a_hugging_face_moe_config_is_read_in_one_place_the_same_from_a_file_or_transformers(tmp_path, model_type):
+    """``MoEArgs.from_hf_config`` reads a transformers config and the ``config.json`` it writes alike (transformers 5
+    writes ``num_local_experts``; a released Qwen3-MoE file says ``num_experts``), and so the Hugging Face plan's
+    sparse blocks, our import's and ``HFCausalLMModule``'s FLOPs agree."""
+    import json
+
+    from lightning_2d.checkpoint.hf import model_args_from_hf
+    from lightning_2d.models.hf_decoders import hf_moe_layers
+    from lightning_2d.ops.moe import MoEArgs
+
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type],
+                                               output_router_logits=True, router_aux_loss_coef=0.02)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    released = {("num_experts" if k == "num_local_experts" and model_type == "qwen3_moe" else k): v
+                for k, v in written.items()}
+    read = [MoEArgs.from_hf_config(c) for c in (config, written, released)]
+    assert read[0] == read[1] == read[2]
+    if model_type == "qwen3":
+        assert read[0] is None and hf_moe_layers(config) == ()
+        return
+    experts = 8 if model_type == "qwen3_moe" else 4
+    hidden = 32 if model_type == "qwen3_moe" else 96
+    assert read[0] == MoEArgs(num_experts=experts, top_k=2, hidden_dim=hidden, aux_loss_coef=0.02,
+                              norm_topk_prob=model_type == "mixtral", load_balancing="aux_loss")
+    args = model_args_from_hf(tmp_path)
+    assert args.moe == read[0] and args.moe_layers == hf_moe_layers(config) == ((1, 2) if model_type == "qwen3_moe"
+                                                                                else (0, 1, 2))
+    assert MoEArgs.hf_block_rule(config) == MoEArgs.hf_block_rule(written) == (
+        (1, [0]) if model_type == "qwen3_moe" else (1, []))
+
+
 @pytest.mark.parametrize("model_type,fused", [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True),
                                               ("mixtral", True)])
 def test_a_hugging_face_directory_loads_into_our_model_with_transformers_logits(tmp_path, model_type, fused):
