@@ -13,12 +13,12 @@
    loop over the experts that computes the same (float64, and tensors without data).
 4. **Combine** (``combine``): each token's ``k`` outputs weighted and summed in a fixed order, no atomics.
 
-Optional shared experts (a dense SwiGLU every token goes through, added) and the router's statistics for the load
-balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face auxiliary loss and the bias
-update read) complete the layer. Expert parallelism moves step 2's sorted tokens between ranks; that is
-``lightning_2d.parallel.expert``'s (its styles' forward hooks around ``MoE.experts``, applied by the plan), not this
-module's: here everything is local, pure torch. ``MoEArgs.from_hf_config`` is the one reader of a Hugging Face
-mixture of experts' config.
+Optional shared experts (a dense ``SwiGLU`` every token goes through, added; ``ops.feed_forward``) and the router's
+statistics for the load balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face
+auxiliary loss and the bias update read) complete the layer. Expert parallelism moves step 2's sorted tokens between
+ranks; that is ``lightning_2d.parallel.expert``'s (its styles' forward hooks around ``MoE.experts``, applied by the
+plan), not this module's: here everything is local, pure torch. ``MoEArgs.from_hf_config`` is the one reader of a
+Hugging Face mixture of experts' config.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_2d._compat import in_backward
 from lightning_2d.errors import Lightning2DError
+from lightning_2d.ops.feed_forward import SwiGLU
 
 
 class MoEConfigError(Lightning2DError, ValueError):
@@ -288,20 +289,6 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
-class SwiGLU(nn.Module):
-    """A dense SwiGLU MLP, ``w2(silu(w1 x) · w3 x)``: the shared experts here, and a dense block's feed-forward
-    (``models.llama``)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 @dataclass(frozen=True)
 class RouterStats:
     """One forward's routing, what load balancing reads: assignments per expert (``E``, float32) and each expert's
@@ -403,6 +390,6 @@ def auxiliary_loss_terms(stats: list[RouterStats], num_experts: int,
     return term, value
 
 
-__all__ = ["GroupedExperts", "HF_MOE_TYPES", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU",
+__all__ = ["GroupedExperts", "HF_MOE_TYPES", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing",
            "auxiliary_loss", "auxiliary_loss_terms", "combine", "dispatch", "is_sparse_block", "local_part", "route",
            "uses_grouped_mm"]

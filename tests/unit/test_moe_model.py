@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, ModelArgsError, Transformer
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.ops.init import SeededInit
-from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, SwiGLU, auxiliary_loss, auxiliary_loss_terms
+from lightning_2d.ops.feed_forward import SwiGLU
+from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, auxiliary_loss, auxiliary_loss_terms
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import validate_parallel_dims
 

@@ -26,7 +26,8 @@ from lightning_2d.errors import Lightning2DError
 from lightning_2d.ops.attention import AttentionMask, attend, attention_mask, document_causal_mask  # noqa: F401
 from lightning_2d.ops.init import InitSpec, SeededInit, module_init_specs
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
-from lightning_2d.ops.moe import MoE, MoEArgs, MoEConfigError, RouterStats, SwiGLU, is_sparse_block
+from lightning_2d.ops.feed_forward import SwiGLU
+from lightning_2d.ops.moe import MoE, MoEArgs, MoEConfigError, RouterStats, is_sparse_block
 
 
 #: The rotary scalings ``rope_table`` implements (``RopeScaling.rope_type``).
