@@ -13,9 +13,9 @@ The loop shows what the strategy does not hide: a meta-device model that ``fabri
 and initializes, gradient accumulation that synchronizes gradients only on the last micro-batch
 (``fabric.no_backward_sync``), clipping to the global norm over the sharded gradients
 (``fabric.clip_gradients``), a loss normalized by the tokens of the global batch, and sharded
-checkpoints with the data position in them. A mixture of experts adds its load balancing: the auxiliary loss over
-the global batch (``moe_auxiliary_loss``) to each micro-batch's loss, or the aux-loss-free bias updated after each
-optimizer step (``update_expert_bias``).
+checkpoints with the data position in them. A mixture of experts adds its load balancing (``LoadBalancing``, the
+object the Trainer's module uses too): the auxiliary loss over the global batch to each micro-batch's loss, or the
+aux-loss-free bias updated after each optimizer step.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from lightning_2d.integration.module import warmup_cosine_schedule
 from lightning_2d.models.lora_targets import add_family_lora
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
-from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias
+from lightning_2d.parallel.expert import LoadBalancing
 from lightning_2d.parallel.loss import normalize_by_global_tokens
 
 
@@ -129,8 +129,6 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
 
     model_args = ModelArgs.from_name(args.model)
     data.check_model(model_args.vocab_size)
-    moe = model_args.moe
-    aux_loss = moe is not None and moe.uses_aux_loss  # under a pipeline refused by fabric.setup (the model's plan)
     sharded = isinstance(fabric.strategy, ModelParallel2DStrategy)
     with fabric.init_module(empty_init=sharded):
         model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet
@@ -157,6 +155,8 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
 
     # The 2D strategy's meshes: the loss's data-parallel group, the context-parallel split (None on one device).
     mesh = fabric.strategy.meshes if sharded else None
+    # A mixture of experts' load balancing (the auxiliary loss is refused under a pipeline by fabric.setup).
+    balancing = LoadBalancing(model_args.moe, mesh)
     # MFU against the peak of the dtype the matmuls run in (bf16 under bf16-mixed, fp32/TF32 at 32-true).
     meter = ThroughputMeter(
         fabric.world_size, fabric.device, model_args.flops_per_token, dtype=compute_dtype_of(fabric)
@@ -184,17 +184,15 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
                     # divided by the global batch's target tokens.
                     loss_sum = model(batch["input_ids"], labels=batch["labels"], **positions)
                     loss, global_mean, _ = normalize_by_global_tokens(loss_sum, batch["labels"], mesh)
-                    if aux_loss:  # this rank's share of the global batch's load-balancing loss (scaled as the loss)
-                        assert moe is not None
-                        loss = loss + moe_auxiliary_loss(model.router_stats(), moe.num_experts, moe.aux_loss_coef,
-                                                         mesh)[0]
+                    aux = balancing.loss(model)  # this rank's share of the global batch's auxiliary loss, or None
+                    if aux is not None:
+                        loss = loss + aux[0]
                     fabric.backward(loss / args.accumulate)
             step_loss += global_mean / args.accumulate
         grad_norm = fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-        if moe is not None:
-            update_expert_bias(model, mesh)  # aux-loss-free balancing (layers balanced by their bias), else nothing
+        balancing.after_optimizer_step(model)  # aux-loss-free balancing (layers balanced by their bias), else nothing
         scheduler.step()
         state["step"] += 1
         history["loss"].append(step_loss.item())

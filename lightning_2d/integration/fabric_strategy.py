@@ -165,7 +165,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         # The model's constraints (its plan, its adapters, its experts), before any collective touches it.
         self.validate(plan=plan, **validation_inputs_of(module))
         self.parallelized = parallelize_and_materialize(
-            module, self.meshes or self.device_mesh, self.parallel_config, plan, precision, self.root_device,
+            module, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,
         )
         self._setup_modules.append(module)

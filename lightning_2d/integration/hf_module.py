@@ -27,6 +27,7 @@ from lightning_2d.models.hf_decoders import (
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
+from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.parallel.modules import canonical_name
 
 if TYPE_CHECKING:
@@ -173,11 +174,9 @@ class HFCausalLMModule(CausalLMModule):
         kv = getattr(c, "num_key_value_heads", None) or heads
         attention = c.hidden_size * head_dim * (2 * heads + 2 * kv)
         mlp = 3 * c.hidden_size * c.intermediate_size
-        sparse = len(hf_moe_layers(c))
-        if sparse:  # a mixture of experts' active parameters: the router and the top-k experts (torchtitan's count)
-            experts = getattr(c, "num_experts", None) or c.num_local_experts
-            hidden = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
-            active = c.hidden_size * experts + 3 * c.hidden_size * hidden * c.num_experts_per_tok
+        sparse, moe = len(hf_moe_layers(c)), MoEArgs.from_hf_config(c)
+        if sparse and moe is not None:  # a mixture of experts' active parameters: the router and the top-k experts
+            active = c.hidden_size * moe.num_experts + 3 * c.hidden_size * moe.hidden_dim * moe.top_k  # (torchtitan's)
             mlp = (mlp * (c.num_hidden_layers - sparse) + active * sparse) // c.num_hidden_layers
         matmul_params = c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size
         return 6 * matmul_params + 12 * c.num_hidden_layers * heads * head_dim * seq_len

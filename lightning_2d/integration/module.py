@@ -22,10 +22,9 @@ from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import WithOwnInit, module_init_specs
 from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
-from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
-from lightning_2d.parallel.expert import moe_auxiliary_loss, update_expert_bias
+from lightning_2d.parallel.expert import LoadBalancing
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.modules import canonical_name
@@ -356,10 +355,6 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _uses_aux_loss(moe: Optional[MoEArgs]) -> bool:
-    return moe is not None and moe.uses_aux_loss
-
-
 class LlamaLightningModule(CausalLMModule):
     """Trains a Llama ``Transformer`` on next-token prediction.
 
@@ -478,19 +473,24 @@ class LlamaLightningModule(CausalLMModule):
         checks read (``num_experts``, ``aux_loss_coef``)."""
         return llama_plan(self.model_args, config, module="model")
 
+    @property
+    def load_balancing(self) -> LoadBalancing:
+        """The experts' load balancing over the strategy's meshes (``parallel.expert.LoadBalancing``: the object a
+        Fabric loop uses too)."""
+        return LoadBalancing(self.model_args.moe, self.meshes)
+
     def _router_loss(self) -> torch.Tensor | None:
-        moe = self.model_args.moe
-        if self.model is None or not _uses_aux_loss(moe):
+        balancing = self.load_balancing.loss(self.model) if self.model is not None else None
+        if balancing is None:
             return None
-        assert moe is not None
-        term, value = moe_auxiliary_loss(self.model.router_stats(), moe.num_experts, moe.aux_loss_coef, self.meshes)
+        term, value = balancing
         self.log("train_aux_loss", value)
         return term
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if self.model is not None and self.model_args.moe is not None:
-            update_expert_bias(self.model, self.meshes)  # aux-loss-free balancing, if the layers use it
+        if self.model is not None:
+            self.load_balancing.after_optimizer_step(self.model)  # aux-loss-free balancing, if the layers use it
 
     def configure_model(self) -> None:
         if self.model is not None:

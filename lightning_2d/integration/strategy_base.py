@@ -323,6 +323,13 @@ class ModelParallel2DBase(LightningStrategyMembers):
         group in ``setup_environment``; ``device_mesh`` is their root."""
         return self._meshes
 
+    def _built_meshes(self) -> ParallelMeshes:
+        """``meshes``, which everything the strategy parallelizes is given (never the root: the one mesh passed
+        inward); a strategy without them was not set up."""
+        if self._meshes is None:
+            raise RuntimeError(f"{type(self).__name__}: parallelizing needs the meshes (setup_environment)")
+        return self._meshes
+
     @property
     def pipeline(self) -> Optional[Pipeline]:
         """The ``Pipeline`` that steps the model under pipeline parallelism (``pipeline.train_step``/``eval_step``),

@@ -140,7 +140,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         self.validate(plan=plan)  # the model as built (adapters added by configure_model too), before any allocation
         self.parallelized = parallelize_and_materialize(
             module,
-            self.meshes or self.device_mesh,  # the meshes built in setup_environment (expert parallelism's too)
+            self._built_meshes(),  # the meshes built in setup_environment (expert parallelism's too)
             self.parallel_config,
             plan,
             precision,

@@ -46,15 +46,16 @@ import torch
 from torch import nn
 
 from lightning_2d.ops.init import InitSpec
+from lightning_2d.ops.moe import HF_MOE_TYPES, MoEArgs, is_sparse_block
 from lightning_2d.parallel.checks import check
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import canonical_name
 
 #: ``model_type`` values whose ``*ForCausalLM`` has the layout above.
 HF_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-#: The mixtures of experts among them: some blocks' ``mlp`` is a sparse block (``mlp.gate`` router,
-#: ``mlp.experts.gate_up_proj`` ``(E, 2F, D)`` and ``down_proj`` ``(E, D, F)``, transformers 5's fused experts).
-HF_MOE_TYPES = ("qwen3_moe", "mixtral")
+# The mixtures of experts among them (``HF_MOE_TYPES``, ``ops.moe``'s): some blocks' ``mlp`` is a sparse block
+# (``mlp.gate`` router, ``mlp.experts.gate_up_proj`` ``(E, 2F, D)`` and ``down_proj`` ``(E, D, F)``, transformers 5's
+# fused experts).
 
 #: Every parameter of the Llama layout the built-in plan knows how to shard (names relative to the ``*ForCausalLM``).
 _KNOWN_PARAMETER = re.compile(
@@ -74,16 +75,12 @@ _MOE_PARAMETER = re.compile(r"model\.layers\.\d+\.mlp\.(gate\.weight|experts\.(g
 
 def hf_moe_layers(hf_config: Any) -> tuple[int, ...]:
     """The blocks whose ``mlp`` is a mixture of experts (Mixtral: all; Qwen3-MoE: not in ``mlp_only_layers``, every
-    ``decoder_sparse_step``-th), empty for a dense model."""
-    model_type, layers = getattr(hf_config, "model_type", None), int(hf_config.num_hidden_layers)
-    if model_type == "mixtral":
-        return tuple(range(layers))
-    if model_type == "qwen3_moe":
-        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
-        return tuple(i for i in range(layers) if i not in dense and experts and (i + 1) % step == 0)
-    return ()
+    ``decoder_sparse_step``-th), empty for a dense model: as ``MoEArgs.from_hf_config`` / ``hf_block_rule`` read the
+    config."""
+    if MoEArgs.from_hf_config(hf_config) is None:
+        return ()
+    step, dense = MoEArgs.hf_block_rule(hf_config)
+    return tuple(i for i in range(int(hf_config.num_hidden_layers)) if is_sparse_block(i, step, dense))
 
 
 def hf_config_problems(hf_config: Any) -> list[str]:
@@ -228,7 +225,8 @@ def hf_expert_parallel(expert_parallel_size: int, plan: ParallelPlan, owner: str
 def hf_router_logits(hf_config: Any) -> list[str]:
     """``HFCausalLMModule`` trains the language-model loss alone: transformers' auxiliary loss, which a mixture of
     experts' config may ask for, would be each rank's, not the global batch's."""
-    if not (hf_moe_layers(hf_config) and getattr(hf_config, "output_router_logits", False)):
+    moe = MoEArgs.from_hf_config(hf_config)
+    if not (hf_moe_layers(hf_config) and moe is not None and moe.load_balancing == "aux_loss"):
         return []
     return [
         f"HFCausalLMModule trains the language-model loss of a {hf_config.model_type} model, without"

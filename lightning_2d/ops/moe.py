@@ -13,17 +13,19 @@
    loop over the experts that computes the same (float64, and tensors without data).
 4. **Combine** (``combine``): each token's ``k`` outputs weighted and summed in a fixed order, no atomics.
 
-Optional shared experts (a dense SwiGLU every token goes through, added) and the router's statistics for the load
-balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face auxiliary loss and the bias
-update read) complete the layer. Expert parallelism moves step 2's sorted tokens between ranks; that is
-``lightning_2d.parallel.expert``'s (``MoE.expert_exchange``), not this module's: here everything is local, pure torch.
+Optional shared experts (a dense ``SwiGLU`` every token goes through, added; ``ops.feed_forward``) and the router's
+statistics for the load balancing (``RouterStats``: tokens per expert and summed scores, which the Hugging Face
+auxiliary loss and the bias update read) complete the layer. Expert parallelism moves step 2's sorted tokens between
+ranks; that is ``lightning_2d.parallel.expert``'s (its styles' forward hooks around ``MoE.experts``, applied by the
+plan), not this module's: here everything is local, pure torch. ``MoEArgs.from_hf_config`` is the one reader of a
+Hugging Face mixture of experts' config.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ from torch import nn
 
 from lightning_2d._compat import in_backward
 from lightning_2d.errors import Lightning2DError
+from lightning_2d.ops.feed_forward import SwiGLU
 
 
 class MoEConfigError(Lightning2DError, ValueError):
@@ -106,11 +109,78 @@ class MoEArgs:
         """The fused shared experts' hidden size (0: none)."""
         return self.num_shared_experts * (self.shared_hidden_dim or self.hidden_dim)
 
+    @classmethod
+    def from_hf_config(cls, config: Any) -> Optional["MoEArgs"]:
+        """The experts of a Hugging Face Qwen3-MoE or Mixtral config (a ``transformers`` config, or the dict of its
+        ``config.json``), balanced as transformers fine-tunes them: by the auxiliary loss when the config asks for
+        the router logits (``output_router_logits``; its weight ``router_aux_loss_coef``, trained only above 0:
+        ``uses_aux_loss``), else not at all.
+        ``None`` for another model type, and for a Qwen3-MoE of 0 experts (transformers builds dense blocks then).
+
+        The one reader of these fields (our Llama's import, ``HFCausalLMModule``, the Hugging Face plan and the
+        planner all ask here), with one precedence: ``num_local_experts``, else ``num_experts`` (released Qwen3-MoE
+        files say ``num_experts``, transformers 5 writes ``num_local_experts`` for both families, and its config
+        objects answer both names); Mixtral's experts' hidden size is its ``intermediate_size``, Qwen3-MoE's its
+        ``moe_intermediate_size``; Mixtral always renormalizes the picked scores. Which blocks are sparse:
+        ``hf_block_rule``.
+
+        Raises:
+            KeyError, AttributeError: a required field is missing (``num_experts_per_tok``, the hidden size).
+            MoEConfigError: values no layer can take.
+        """
+        read = _hf_reader(config)
+        model_type = read("model_type", None)
+        if model_type not in HF_MOE_TYPES:
+            return None
+        experts = read("num_local_experts", None)
+        experts = read("num_experts", None) if experts is None else experts
+        if model_type == "qwen3_moe" and experts == 0:
+            return None
+        coef = float(read("router_aux_loss_coef", 0.0) or 0.0)
+        return cls(
+            num_experts=experts,
+            top_k=read("num_experts_per_tok"),
+            hidden_dim=read("intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"),
+            norm_topk_prob=bool(read("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
+            load_balancing="aux_loss" if read("output_router_logits", False) else "none",
+            aux_loss_coef=coef,
+        )
+
+    @staticmethod
+    def hf_block_rule(config: Any) -> tuple[int, list[int]]:
+        """Which blocks of a Hugging Face mixture of experts are sparse, as ``ModelArgs`` says it: ``(moe_layer_step,
+        dense_layers)`` (Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``; Mixtral: every block). Read
+        with ``is_sparse_block``; only meaningful where ``from_hf_config`` returns experts."""
+        read = _hf_reader(config)
+        if read("model_type", None) != "qwen3_moe":
+            return 1, []
+        return int(read("decoder_sparse_step", 1) or 1), list(read("mlp_only_layers", None) or [])
+
     def num_params(self, dim: int, active: bool = False) -> int:
         """Parameters of one ``MoE`` layer of width ``dim``; ``active``: those one token goes through (the router,
         its ``top_k`` experts, the shared experts), what its FLOPs are counted on."""
         experts = self.top_k if active else self.num_experts
         return dim * self.num_experts + 3 * dim * (experts * self.hidden_dim + self.shared_dim)
+
+
+#: The Hugging Face model types whose blocks may be mixtures of experts (``MoEArgs.from_hf_config``).
+HF_MOE_TYPES = ("qwen3_moe", "mixtral")
+_REQUIRED = object()
+
+
+def _hf_reader(config: Any) -> Callable[..., Any]:
+    """``read(name[, default])`` of a ``transformers`` config (its attributes) or a ``config.json`` dict (its keys);
+    without a default a missing field raises as the container does."""
+    if isinstance(config, Mapping):
+        return lambda name, default=_REQUIRED: config[name] if default is _REQUIRED else config.get(name, default)
+    return lambda name, default=_REQUIRED: (getattr(config, name) if default is _REQUIRED
+                                           else getattr(config, name, default))
+
+
+def is_sparse_block(layer_id: int, moe_layer_step: int, dense_layers: Any) -> bool:
+    """Whether block ``layer_id`` of a model with experts is a mixture of experts (Qwen3-MoE's rule, transformers'
+    too: not among ``dense_layers`` and ``(layer_id + 1) % moe_layer_step == 0``)."""
+    return layer_id not in dense_layers and (layer_id + 1) % moe_layer_step == 0
 
 
 @dataclass(frozen=True)
@@ -172,19 +242,21 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
     return False
 
 
-def _as_is(weight: torch.Tensor) -> torch.Tensor:
-    return weight
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """A distributed tensor's local part (its ``to_local()``: the gradient flows back to it), any other tensor as it
+    is. Duck-typed: this layer imports nothing of ``torch.distributed``."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
 
 
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts, weights stacked: ``w1``/``w3`` ``(E, F, D)`` (gate/up), ``w2`` ``(E, D, F)`` (down), each
     expert's slice laid out as an ``nn.Linear`` weight (out × in), as Hugging Face checkpoints store them.
 
-    ``local_weight`` is how ``forward`` reads a weight (itself); expert and tensor parallelism
-    (``lightning_2d.parallel.expert``) replace it on the instance with the DTensor's local part: this rank's experts,
-    or its slice of every expert's hidden features."""
-
-    local_weight = staticmethod(_as_is)
+    ``forward`` computes on each weight's local part (``local_part``): the whole weight here; under expert or tensor
+    parallelism (``lightning_2d.parallel.expert``'s styles, which make the weights DTensors) this rank's experts, or
+    its slice of every expert's hidden features, the tokens then brought and taken away by the style's forward
+    hooks."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
         super().__init__()
@@ -204,7 +276,7 @@ class GroupedExperts(nn.Module):
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.local_weight(self.w1), self.local_weight(self.w2), self.local_weight(self.w3)
+        return local_part(self.w1), local_part(self.w2), local_part(self.w3)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._weights()
@@ -215,20 +287,6 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())
             outs.append(hidden @ w2[expert].t())
         return torch.cat(outs)
-
-
-class SwiGLU(nn.Module):
-    """A dense SwiGLU MLP, ``w2(silu(w1 x) · w3 x)``: the shared experts here, and a dense block's feed-forward
-    (``models.llama``)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 @dataclass(frozen=True)
@@ -264,10 +322,6 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=balancing)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.last_stats: Optional[RouterStats] = None
-        #: Under expert parallelism, what runs the experts instead of ``self.experts`` alone: called with the sorted
-        #: tokens, their counts per expert and ``self.experts`` (which then holds this rank's experts only); it sends
-        #: the tokens to their experts' ranks and the outputs back (``lightning_2d.parallel.expert.ExpertExchange``).
-        self.expert_exchange: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -276,10 +330,9 @@ class MoE(nn.Module):
         routing = route(self.router(tokens), self.args, bias)
         order, counts = dispatch(routing.experts, self.args.num_experts)
         dispatched = tokens[order // self.args.top_k]
-        if self.expert_exchange is None:
-            expert_out = self.experts(dispatched, counts)
-        else:
-            expert_out = self.expert_exchange(dispatched, counts, self.experts)
+        # Under expert parallelism the experts' forward hooks send the tokens to their experts' ranks and the outputs
+        # back (``lightning_2d.parallel.expert``): the same call, this rank's sorted tokens in and their outputs out.
+        expert_out = self.experts(dispatched, counts)
         out = combine(expert_out, order, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -337,5 +390,6 @@ def auxiliary_loss_terms(stats: list[RouterStats], num_experts: int,
     return term, value
 
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing", "SwiGLU", "auxiliary_loss",
-           "auxiliary_loss_terms", "combine", "dispatch", "route", "uses_grouped_mm"]
+__all__ = ["GroupedExperts", "HF_MOE_TYPES", "MoE", "MoEArgs", "MoEConfigError", "RouterStats", "Routing",
+           "auxiliary_loss", "auxiliary_loss_terms", "combine", "dispatch", "is_sparse_block", "local_part", "route",
+           "uses_grouped_mm"]

@@ -773,6 +773,13 @@ class ParallelPlan:
         whole_experts: The model type of a model whose mixture-of-experts layers run whole on every rank
             (``parallel.styles.WholeOnEachRank``: a Hugging Face decoder's, whose experts the library cannot split),
             which the family's check names when it refuses ``expert_parallel_size > 1``; ``None``: none such.
+        expert_parallel: Module name pattern (as in ``tensor_parallel``) → style, applied over the
+            ``expert_parallel`` mesh under ``expert_parallel_size > 1`` (``parallel.expert.apply_expert_parallel``,
+            after tensor parallelism): each names one layer's stacked routed experts, with
+            ``parallel.expert.ExpertParallel()`` (every parameter split on its first, expert, dimension; the tokens
+            exchanged around it). The modules named are FSDP-sharded by themselves over the experts' mesh
+            (``ParallelMeshes.expert_fsdp``). Empty: the model's experts cannot be split (``expert_parallel_size >
+            1`` is refused before any process starts).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -791,6 +798,7 @@ class ParallelPlan:
     num_experts: Optional[int] = None
     aux_loss_coef: Optional[float] = None
     whole_experts: Optional[str] = None
+    expert_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
 
     @property
     def supports_pipeline(self) -> bool:

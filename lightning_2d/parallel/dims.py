@@ -37,7 +37,7 @@ from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
     PP_DIM,
     TP_DIM,
 )
-from lightning_2d.parallel.meshes import FLATTENED, ParallelMeshes, as_meshes, build_meshes
+from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes, build_meshes
 
 if TYPE_CHECKING:
     import torch
@@ -107,10 +107,8 @@ class ParallelDims:
                 collective would wait that long whatever the strategy's ``timeout`` says.
         """
         meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)), expert_parallel=self.ep)
-        if timeout is not None:
-            groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in FLATTENED)]
-            if self.ep > 1:
-                groups += [meshes.get(name).get_group() for name in (EP_DIM, EP_SHARD_DIM)]
+        if timeout is not None:  # every named mesh's group (an alias's is its mesh's: set once)
+            groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in meshes.names)]
             set_group_timeouts(groups, timeout)
         return meshes
 
@@ -308,8 +306,9 @@ def expert_parallel_layout(
 
 @check
 def expert_parallel_model(expert_parallel_size: int, plan: ParallelPlan) -> list[str]:
-    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides. (Experts the plan runs
-    whole on every rank, ``plan.whole_experts``, are their family's to refuse: ``models.hf_decoders``.)"""
+    """The model has mixture-of-experts layers whose experts ``expert_parallel_size`` divides, and its plan names them
+    (``plan.expert_parallel``). (Experts the plan runs whole on every rank, ``plan.whole_experts``, are their
+    family's to refuse: ``models.hf_decoders``.)"""
     ep = expert_parallel_size
     if ep == 1 or plan.whole_experts is not None:
         return []
@@ -318,6 +317,10 @@ def expert_parallel_model(expert_parallel_size: int, plan: ParallelPlan) -> list
             f"expert_parallel_size={ep} but the model has no mixture-of-experts layers (its plan names no"
             " num_experts); use expert_parallel_size=1, or a model with experts (model: debug-moe, mixtral-8x7b …)"
         ]
+    if not plan.expert_parallel:
+        return [f"expert_parallel_size={ep} but the plan names no experts to split (ParallelPlan.expert_parallel is"
+                " empty): name each layer's stacked experts there (module name → ExpertParallel(), as llama_plan"
+                " does), or use expert_parallel_size=1"]
     if plan.num_experts % ep:
         return [
             f"expert_parallel_size ({ep}) must divide the model's {plan.num_experts} experts per layer (each rank"

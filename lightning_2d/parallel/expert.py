@@ -1,9 +1,13 @@
-"""Expert parallelism's token exchange: each rank of an expert-parallel group holds ``E / EP`` of a layer's experts,
-and the tokens routed to an expert travel to its rank and back (torchtitan's all-to-all dispatcher, dropless).
+"""Expert parallelism: a plan entry (``ParallelPlan.expert_parallel``: a layer's stacked experts → ``ExpertParallel``)
+applied by the step ``apply_expert_parallel`` over the ``expert_parallel`` mesh, as tensor parallelism's plan is over
+its mesh; then each such module is FSDP-sharded over the experts' own mesh (``shard_experts``). Each rank of an
+expert-parallel group holds ``E / EP`` of a layer's experts, and the tokens routed to an expert travel to its rank
+and back (torchtitan's all-to-all dispatcher, dropless).
 
-``ExpertExchange(group, num_experts)`` is what an ``ops.moe.MoE`` layer calls instead of running all its experts
-itself (``MoE.expert_exchange``; the layer knows nothing of ``torch.distributed``). With this rank's assignments
-sorted by expert (``ops.moe.dispatch``) and their counts per expert:
+``ExpertExchange(group, num_experts)`` does the travelling, as forward hooks around the experts module
+(``attach``): an ``ops.moe.MoE`` layer calls its experts as on one device and knows nothing of
+``torch.distributed``. With this rank's assignments sorted by expert (``ops.moe.dispatch``) and their counts per
+expert:
 
 1. **Counts first**: one ``all_to_all_single`` of the ``E`` counts, so each rank learns how many tokens every rank
    sends to each of its local experts (and the split sizes of the token exchange).
@@ -15,12 +19,16 @@ sorted by expert (``ops.moe.dispatch``) and their counts per expert:
 
 Every permutation and split follows from the counts alone: the same on every run, whatever the routing, an expert
 or a whole rank receiving nothing included.
+
+Tensor parallelism of a mixture-of-experts layer is a style too (``MoETensorParallel``, in the model's tensor-parallel
+plan), and the load balancing that training adds (the auxiliary loss over the global batch, the bias update) is
+``LoadBalancing``'s, one object for the Trainer's module and a Fabric loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,28 +36,27 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_2d.ops.moe import MoE, RouterStats, auxiliary_loss_terms
+from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, auxiliary_loss_terms, local_part
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import data_context_group
-from lightning_2d.parallel.meshes import ParallelMeshes
-from lightning_2d.parallel.names import DP_CP_DIM, EP_DIM
+from lightning_2d.parallel.modules import matching_modules
 from lightning_2d.parallel.styles import gather_sequence_around
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_2d.parallel.config import ParallelConfig
-
 
 class ExpertExchange:
-    """Send tokens to the ranks of their experts and the outputs back, over ``group``.
+    """Send tokens to the ranks of their experts and the outputs back, over ``group``: forward hooks around a layer's
+    experts module (``attach``), which then holds this rank's experts only.
 
     Args:
         group: The expert-parallel process group (``EP`` ranks; rank ``r`` holds experts ``r·E/EP`` to
             ``(r+1)·E/EP − 1``).
         num_experts: The layer's experts ``E``; ``EP`` must divide it.
         expert_grad_scale: Multiplies the gradients of the experts' weights (not of the tokens): under the strategy
-            ``1 / EP`` (``apply_expert_parallel``; see ``shard_experts``).
+            ``1 / EP`` (``ExpertParallel``; see ``shard_experts``).
     """
 
     def __init__(self, group: "ProcessGroup", num_experts: int, expert_grad_scale: float = 1.0) -> None:
@@ -64,17 +71,24 @@ class ExpertExchange:
             )
         self.num_experts = num_experts
         self.local_experts = num_experts // self.size
+        # Each call's splits, from the tokens' way out to their way back (a checkpoint's recompute runs both again).
+        self._pending: list[tuple[list[int], list[int], torch.Tensor, int]] = []
 
     @property
     def first_expert(self) -> int:
         """The global index of this rank's first expert."""
         return self.rank * self.local_experts
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
-                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The experts' outputs for ``tokens`` (this rank's assignments sorted by global expert, ``counts`` per
-        expert), computed on the ranks that hold the experts; ``experts(local_tokens, local_counts)`` runs this rank's
-        experts on what it received, grouped by local expert."""
+    def attach(self, experts: nn.Module) -> nn.Module:
+        """Exchange around ``experts`` (called as ``experts(tokens, counts)``: this rank's assignments sorted by
+        global expert, ``counts`` per expert): before its forward the tokens go to their experts' ranks, grouped by
+        local expert with the local counts; after it the outputs come back, in the order the tokens left."""
+        experts.register_forward_pre_hook(self._send)
+        experts.register_forward_hook(self._return)
+        return experts
+
+    def _send(self, _experts: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, counts = args
         size, local = self.size, self.local_experts
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # equal splits: `local` counts per rank
@@ -84,14 +98,18 @@ class ExpertExchange:
         received = all_to_all_single(tokens.new_empty(sum(receive_splits), tokens.shape[-1]), tokens,
                                      receive_splits, send_splits, group=self.group)
         grouped = _by_expert_order(by_source)
-        scale = self.expert_grad_scale
-        if scale == 1.0:
-            out = experts(received[grouped], by_source.sum(dim=0))
-        else:  # the weights' gradients scaled, the tokens' unchanged (scaled back on the way in)
-            out = _ScaleGrad.apply(experts(_ScaleGrad.apply(received[grouped], 1.0 / scale), by_source.sum(dim=0)),
-                                   scale)
+        self._pending.append((send_splits, receive_splits, grouped, tokens.shape[0]))
+        received = received[grouped]
+        if self.expert_grad_scale != 1.0:  # the weights' gradients scaled, the tokens' unchanged (scaled back here)
+            received = _ScaleGrad.apply(received, 1.0 / self.expert_grad_scale)
+        return received, by_source.sum(dim=0)
+
+    def _return(self, _experts: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        send_splits, receive_splits, grouped, tokens = self._pending.pop()
+        if self.expert_grad_scale != 1.0:
+            out = _ScaleGrad.apply(out, self.expert_grad_scale)
         back = torch.empty_like(out).index_copy_(0, grouped, out)  # source-rank order again
-        return all_to_all_single(out.new_empty(tokens.shape[0], out.shape[-1]), back, send_splits, receive_splits,
+        return all_to_all_single(out.new_empty(tokens, out.shape[-1]), back, send_splits, receive_splits,
                                  group=self.group)
 
 
@@ -121,39 +139,55 @@ def _by_expert_order(by_source: torch.Tensor) -> torch.Tensor:
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
-    """The mixture-of-experts layers of ``model`` (``ops.moe.MoE``), in module order."""
+    """The mixture-of-experts layers of ``model`` (``ops.moe.MoE``), in module order: what load balancing reads and
+    moves (their routing statistics, their bias). Which experts expert parallelism splits is the plan's."""
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def local_part(weight: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (its gradient flows back to the DTensor), any other tensor as it is."""
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if callable(to_local) else weight
+class ExpertParallel(ParallelStyle):
+    """The expert-parallel style of a layer's stacked routed experts (``ParallelPlan.expert_parallel``, applied over
+    the ``expert_parallel`` mesh by ``apply_expert_parallel``): every parameter of the module becomes a ``Shard(0)``
+    DTensor, dimension 0 being the expert (rank ``r`` holds experts ``r·E/EP …``; on the meta model, materialization
+    then fills each rank's), the module computes on its local part (``ops.moe.local_part``), and an
+    ``ExpertExchange`` around it brings each token to its expert's rank and back. The experts' gradients are scaled
+    by ``1 / EP`` (``shard_experts`` says why)."""
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            raise TypeError(f"ExpertParallel applies to a module of stacked experts (its parameters' first dimension"
+                            f" is the expert), got {type(module).__name__} with no parameters of its own")
+        for name, param in params:
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+        ExpertExchange(device_mesh.get_group(), int(params[0][1].shape[0]),
+                       expert_grad_scale=1.0 / device_mesh.size()).attach(module)
+        return module
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: "DeviceMesh") -> int:
-    """Split each mixture-of-experts layer's routed experts over ``ep_mesh``: the stacked weights become
-    ``Shard(0)`` DTensors (rank ``r`` holds experts ``r·E/EP …``), the experts compute on their local part, and the
-    layer's tokens travel by ``ExpertExchange``. Works on the meta model (before materialization, which then fills
-    each rank's experts). Returns the number of layers split."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    layers = moe_layers(model)
-    for moe in layers:
-        experts = moe.experts
-        for name in ("w1", "w2", "w3"):
-            param = getattr(experts, name)
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
-                                                          requires_grad=param.requires_grad))
-        experts.local_weight = local_part
-        moe.expert_exchange = ExpertExchange(ep_mesh.get_group(), moe.args.num_experts,
-                                             expert_grad_scale=1.0 / ep_mesh.size())
-    return len(layers)
+def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    """The modules ``plan.expert_parallel`` names in ``model`` (its patterns as ``tensor_parallel``'s: ``*`` one name
+    level), in the plan's order; a name ``model`` does not hold (a pipeline stage's pruned block) is skipped."""
+    return [module for pattern in plan.expert_parallel for module in matching_modules(model, pattern)]
 
 
-def shard_experts(model: nn.Module, meshes: ParallelMeshes, config: "ParallelConfig", reshard: bool = True) -> None:
-    """FSDP2 over each layer's routed experts by itself, before the blocks' FSDP (which then leaves them out):
-    under expert parallelism over the ranks holding the same experts (``ParallelMeshes.expert_fsdp``).
+def apply_expert_parallel(model: nn.Module, ep_mesh: "DeviceMesh", plan: ParallelPlan,
+                          config: ParallelConfig) -> None:
+    """Apply ``plan.expert_parallel`` (module name → style, ``ExpertParallel`` for stacked experts) to ``model`` over
+    ``ep_mesh`` (in place): the step ``parallelize_model`` runs after tensor parallelism when ``expert_parallel_size >
+    1``, replaceable by a hook of the same name (``parallel/hooks.py``). Works on the meta model."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for pattern, style in plan.expert_parallel.items():
+        for module in matching_modules(model, pattern):
+            parallelize_module(module, ep_mesh, style)
+
+
+def shard_experts(experts: list[nn.Module], mesh: "DeviceMesh", config: ParallelConfig, reshard: bool = True) -> None:
+    """FSDP2 over each of ``experts`` (the plan's expert-parallel modules) by itself, before the blocks' FSDP (which
+    then leaves them out), over the ranks holding the same experts (``ParallelMeshes.expert_fsdp``).
 
     Each expert's gradient gathers the tokens of its expert-parallel group only; the groups' gradients are then
     averaged by the reduce-scatter over ``expert_fsdp``, ``D / EP`` ranks. Every rank's loss is scaled for FSDP's
@@ -164,11 +198,9 @@ def shard_experts(model: nn.Module, meshes: ParallelMeshes, config: "ParallelCon
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if meshes.size(EP_DIM) == 1:
-        return
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    for moe in moe_layers(model):
-        fully_shard(moe.experts, mesh=meshes.expert_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard)
+    for module in experts:
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -205,16 +237,18 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 class TensorParallelExperts:
     """A layer's routed experts split over the tensor-parallel ranks by their hidden features (``w1``/``w3`` rows,
     ``w2`` columns: each rank computes a partial sum of every expert's output), the tokens the same on every rank.
-    Installed as ``MoE.expert_exchange``: the experts' outputs are summed over the ranks before the routing weights
-    combine them, so the router and everything after see full values, equal on every rank."""
+    Forward hooks around the experts module (``attach``): the experts' outputs are summed over the ranks before the
+    routing weights combine them, so the router and everything after see full values, equal on every rank."""
 
     def __init__(self, group: "ProcessGroup") -> None:
         self.group = group
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
-                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        partial = experts(_CopyToTensorParallel.apply(tokens, self.group), counts)
-        return _ReduceFromTensorParallel.apply(partial, self.group)
+    def attach(self, experts: nn.Module) -> nn.Module:
+        """Megatron's ``f`` on the tokens into ``experts``, its ``g`` on their partial outputs."""
+        experts.register_forward_pre_hook(
+            lambda _module, args: (_CopyToTensorParallel.apply(args[0], self.group), *args[1:]))
+        experts.register_forward_hook(lambda _module, _args, out: _ReduceFromTensorParallel.apply(out, self.group))
+        return experts
 
 
 class MoETensorParallel(ParallelStyle):
@@ -253,8 +287,7 @@ class MoETensorParallel(ParallelStyle):
                 param = getattr(experts, name)
                 experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(dim)]),
                                                               requires_grad=param.requires_grad))
-            experts.local_weight = local_part
-            module.expert_exchange = TensorParallelExperts(device_mesh.get_group())
+            TensorParallelExperts(device_mesh.get_group()).attach(experts)  # on its local slices (ops.moe.local_part)
         if module.shared_experts is not None:
             parallelize_module(module.shared_experts, device_mesh,
                                {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
@@ -298,5 +331,47 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
     return len(layers)
 
 
-__all__ = ["ExpertExchange", "MoETensorParallel", "TensorParallelExperts", "apply_expert_parallel", "local_part",
-           "moe_auxiliary_loss", "moe_layers", "shard_experts", "update_expert_bias"]
+__all__ = ["ExpertExchange", "ExpertParallel", "LoadBalancing", "MoETensorParallel", "TensorParallelExperts",
+           "apply_expert_parallel", "expert_modules", "local_part", "moe_auxiliary_loss", "moe_layers", "shard_experts",
+           "update_expert_bias"]
+
+
+@dataclass(frozen=True)
+class LoadBalancing:
+    """A mixture of experts' training contract, written once for every loop (``LlamaLightningModule``, a Fabric loop
+    such as ``recipes/fabric_pretrain.py``):
+
+    - ``loss(model)``: what each micro-batch's loss adds, ``(term, value)``: this rank's share of transformers'
+      auxiliary loss over the global batch, scaled like the language-model loss (``moe_auxiliary_loss``), and the
+      whole batch's value to log; ``None`` when the experts are not balanced by it (``MoEArgs.uses_aux_loss``).
+      Under pipeline parallelism the auxiliary loss is refused before launch; a pipelined step does not ask.
+    - ``after_optimizer_step(model)``: aux-loss-free balancing's bias update (``update_expert_bias``: the tokens each
+      expert got since the last step, summed over the ranks holding different tokens); layers balanced otherwise
+      are left alone.
+
+    Both read the model's ``ops.moe.MoE`` layers (``moe_layers``: their routing statistics, their bias), in module
+    order, whatever the wrappers (FSDP, activation checkpointing, Fabric's).
+
+    Args:
+        moe: The model's experts (``ModelArgs.moe``); ``None`` for a dense model (both then do nothing).
+        meshes: The strategy's meshes (``strategy.meshes``) or its ``device_mesh``; ``None`` on one device.
+    """
+
+    moe: Optional[MoEArgs]
+    meshes: Any = None
+
+    @property
+    def uses_aux_loss(self) -> bool:
+        """Whether the training loss adds the auxiliary loss (``MoEArgs.uses_aux_loss``)."""
+        return self.moe is not None and self.moe.uses_aux_loss
+
+    def loss(self, model: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(term, value)`` of this forward's routing (see the class docstring), else ``None``."""
+        if self.moe is None or not self.moe.uses_aux_loss:
+            return None
+        stats = [layer.last_stats for layer in moe_layers(model) if layer.last_stats is not None]
+        return moe_auxiliary_loss(stats, self.moe.num_experts, self.moe.aux_loss_coef, self.meshes)
+
+    def after_optimizer_step(self, model: nn.Module) -> int:
+        """The bias update of the layers balanced by their bias; returns how many were updated."""
+        return update_expert_bias(model, self.meshes) if self.moe is not None else 0

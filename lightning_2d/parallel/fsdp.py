@@ -5,7 +5,7 @@ gradient reduction during accumulation, and ``FullyShard``, the ``fsdp_backend="
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -184,15 +184,13 @@ class FullyShard:
     step = staticmethod(apply_fully_shard)
 
     def apply(self, model: nn.Module, meshes: "ParallelMeshes", plan: ParallelPlan, config: ParallelConfig,
-              step: Optional[Callable[..., None]] = None) -> None:
+              step: Optional[Callable[..., None]] = None, experts: Sequence[nn.Module] = ()) -> None:
         """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_fully_shard``, or the owner's replacement);
-        under expert parallelism the experts first, over their own mesh (each block's unit then leaves them out)."""
-        from lightning_2d.parallel.names import EP_DIM
-
-        if meshes.optional(EP_DIM) is not None:
+        the plan's ``experts`` first, over their own mesh (each block's unit then leaves them out)."""
+        if experts:
             from lightning_2d.parallel.expert import shard_experts  # expert parallelism only: not imported otherwise
 
-            shard_experts(model, meshes, config, reshard=config.reshard_policy != "never")
+            shard_experts(list(experts), meshes.expert_fsdp, config, reshard=config.reshard_policy != "never")
         (step or self.step)(model, meshes.fsdp, plan, config)
 
     def state_access(self) -> AbstractContextManager[Any]:

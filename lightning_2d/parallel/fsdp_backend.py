@@ -16,6 +16,7 @@ cannot import the backends: they import it); ``tests/unit/test_simple_fsdp.py`` 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 from torch import nn
@@ -44,9 +45,10 @@ class FSDPBackend(Protocol):
     step: Callable[..., None]
 
     def apply(self, model: nn.Module, meshes: "ParallelMeshes", plan: "ParallelPlan", config: "ParallelConfig",
-              step: Optional[Callable[..., None]] = None) -> None:
+              step: Optional[Callable[..., None]] = None, experts: Sequence[nn.Module] = ()) -> None:
         """Shard ``model`` (tensor-parallel, checkpointed and compiled as configured) over the data-parallel ranks
-        with ``step`` (the owner's replacement of ``self.step``, if any)."""
+        with ``step`` (the owner's replacement of ``self.step``, if any); ``experts``: the plan's expert-parallel
+        modules (found before activation checkpointing renamed their paths), sharded over ``meshes.expert_fsdp``."""
         ...
 
     def state_access(self) -> AbstractContextManager[Any]:

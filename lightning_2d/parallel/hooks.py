@@ -12,8 +12,9 @@ Order in which the strategies use them (both the Trainer's and Fabric's):
 1. ``configure_model()`` (Trainer; Fabric: the module is built in ``fabric.init_module(empty_init=True)``)
    builds the model, on the meta device when ``strategy.materializes_meta_modules``.
 2. ``parallel_plan(config)`` gives the ``ParallelPlan`` (unless one was passed to the strategy).
-3. ``apply_tensor_parallel`` → ``apply_activation_checkpointing`` → ``apply_compile`` →
-   ``apply_fully_shard`` (or ``apply_simple_fsdp`` under ``fsdp_backend="simple_fsdp"``): each, when defined, replaces the library's step of the same name
+3. ``apply_tensor_parallel`` → ``apply_expert_parallel`` → ``apply_activation_checkpointing`` →
+   ``apply_compile`` → ``apply_fully_shard`` (or ``apply_simple_fsdp`` under ``fsdp_backend="simple_fsdp"``): each,
+   when defined, replaces the library's step of the same name
    (``lightning_2d.parallel.parallelize``) and is called with the same arguments.
 4. Materialization of meta tensors: values from ``weights_source()`` if it returns a source,
    else the model's ``param_init_specs()`` with the seed (the strategy's ``init_seed``, else the
@@ -62,6 +63,11 @@ class ParallelHooks(Protocol):
         """Replaces ``lightning_2d.parallel.apply_tensor_parallel`` (called only when ``tp > 1``)."""
         ...
 
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: "DeviceMesh", plan: "ParallelPlan", config: "ParallelConfig") -> None:
+        """Replaces ``lightning_2d.parallel.expert.apply_expert_parallel`` (called only when ``expert_parallel_size >
+        1``); the modules ``plan.expert_parallel`` names are then FSDP-sharded over the experts' own mesh."""
+        ...
+
     def apply_activation_checkpointing(self, model: nn.Module, plan: "ParallelPlan", config: "ParallelConfig") -> None:
         """Replaces ``lightning_2d.parallel.apply_activation_checkpointing`` (when not ``"none"``)."""
         ...
@@ -106,8 +112,8 @@ class ModelInitHooks(Protocol):
 
 
 #: The step-replacing method names of ``ParallelHooks``, in the order they run.
-STEP_HOOKS = ("apply_tensor_parallel", "apply_activation_checkpointing", "apply_compile", "apply_fully_shard",
-              "apply_simple_fsdp")
+STEP_HOOKS = ("apply_tensor_parallel", "apply_expert_parallel", "apply_activation_checkpointing", "apply_compile",
+              "apply_fully_shard", "apply_simple_fsdp")
 
 
 #: Every method name of ``ParallelHooks``.

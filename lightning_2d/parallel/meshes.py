@@ -10,22 +10,28 @@ as torchtitan's ``ParallelDims.get_mesh``/``get_optional_mesh``:
 - ``meshes.get(name)`` (or ``meshes[name]``) always returns a mesh, of size 1 when the layout does not use it;
 - ``meshes.optional(name)`` returns ``None`` at size 1 (a step that only runs when the dimension is used);
 - expert parallelism's ``expert_parallel`` / ``expert_data_shard`` / ``expert_data_replicate`` (the
-  ``data_context_parallel`` ranks unflattened) exist only when ``expert_parallel_size > 1``: ``get`` refuses them
-  otherwise, ``optional`` and ``size`` answer ``None`` / 1 (a size-1 expert mesh would be a process group per rank
-  for nothing); ``meshes.expert_fsdp`` is always a mesh (FSDP's without expert parallelism);
+  ``data_context_parallel`` ranks unflattened) always exist too. At ``expert_parallel_size`` 1 they are aliases
+  of meshes of the same ranks, as ``data_context_parallel`` is at context size 1 (no process group of their own):
+  ``expert_data_shard`` is ``data_shard_context_parallel``, ``expert_data_replicate`` is
+  ``data_parallel_replicate``, ``expert_parallel`` a one-rank dimension of the root, and ``meshes.expert_fsdp`` is
+  ``meshes.fsdp``;
 - ``meshes.fsdp`` is what FSDP2 shards over, ``meshes.root`` is Lightning's ``strategy.device_mesh`` (so
   ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` keep working in code written for Lightning's
   strategy).
 
 No code asks ``name in mesh.mesh_dim_names``: a flattened dimension is reachable by name but is not among the
-root's names, and such a test silently failed once (the loss was normalized over the world). A mesh not built
-here (Lightning's own 2D ``(data_parallel, tensor_parallel)`` mesh, or the root passed back by user code) is read
-once, by ``as_meshes``.
+root's names, and such a test silently failed once (the loss was normalized over the world). ``ParallelMeshes`` is
+the one mesh the package passes inward. A mesh not built here (Lightning's own 2D ``(data_parallel,
+tensor_parallel)`` mesh, a root built by hand) or the root passed back by user code (``strategy.device_mesh``,
+Fabric's ``parallelize_fn``) is converted once, at the public function it is given to, by ``as_meshes``: a root
+``build_meshes`` made reads as the meshes it was made with (expert parallelism included, whose size is not in the
+root's shape), and given the options (``as_meshes(mesh, config)``) a layout the mesh lacks is refused there.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -113,7 +119,7 @@ class ParallelMeshes:
         """What FSDP2 shards a layer's experts over: ``expert_data_shard`` (the data-shard × context ranks holding
         the same experts), or the 2-D ``(expert_data_replicate, expert_data_shard)`` under HSDP. Without expert
         parallelism, FSDP's mesh."""
-        return self.get(EXPERT_FSDP) if self.size(EP_DIM) > 1 else self.fsdp
+        return self.get(EXPERT_FSDP)
 
     @property
     def device_mesh(self) -> "DeviceMesh":
@@ -131,49 +137,65 @@ EXPERT_FSDP = "expert_fsdp"
 _INTERNAL = (FSDP, EXPERT_FSDP)
 
 
+#: The expert dimensions, outermost first: the ``data_context_parallel`` ranks as (replicate, shard, expert).
+EXPERT_DIMS = (EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM)
+#: At ``expert_parallel_size`` 1, the meshes of the same ranks each expert name reads (no group of its own).
+_WITHOUT_EXPERTS = {EP_REPLICATE_DIM: DP_REPLICATE_DIM, EP_SHARD_DIM: DP_SHARD_CP_DIM, EXPERT_FSDP: FSDP}
+
+#: The meshes ``build_meshes`` made, by the identity of their root, for as long as they live: a root handed back by
+#: user code (``strategy.device_mesh``, what Fabric's ``parallelize_fn`` receives) reads as the very meshes it was
+#: built with, expert parallelism included (its size is not in the root's shape) and no group made twice.
+_BUILT: "weakref.WeakValueDictionary[int, ParallelMeshes]" = weakref.WeakValueDictionary()
+
+
 def build_meshes(device_type: str, sizes: Mapping[str, int], expert_parallel: int = 1) -> ParallelMeshes:
     """Build the root mesh with every dimension of ``MESH_DIMS`` (sizes from ``sizes``, 1 where missing) and every
     sub-mesh. Needs the default process group; every rank calls it (creating process groups is collective).
 
     Size-1 dimensions cost one single-rank process group per rank each, as the ``data_parallel_replicate`` of plain
     FSDP always did (measured on gloo, world 4: CONTRIBUTING's "One owner of the mesh"). At context size 1 the
-    context-flattened names reuse the meshes of the same ranks (``data_parallel``, ``data_parallel_shard``).
+    context-flattened names reuse the meshes of the same ranks (``data_parallel``, ``data_parallel_shard``), and at
+    expert-parallel size 1 the expert names theirs (``_WITHOUT_EXPERTS``).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(sizes.get(name, 1)) for name in MESH_DIMS)
     meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS), expert_parallel)
-    for name in (*meshes.names, FSDP, *((EXPERT_FSDP,) if expert_parallel > 1 else ())):
+    for name in (*meshes.names, FSDP, EXPERT_FSDP):
         meshes.get(name)
+    _BUILT[id(meshes.root)] = meshes
     return meshes
 
 
 def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMeshes:
     """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s), with
-    expert parallelism over ``expert_parallel`` ranks (its size is not in the root's shape: a caller holding only
-    the root gets the meshes without it; the strategies pass their ``ParallelMeshes`` on).
+    expert parallelism over ``expert_parallel`` ranks (its size is not in the root's shape: ``as_meshes`` finds the
+    meshes a root was built with, or takes the size from the options).
 
     Making a flattened mesh the first time creates its process groups (collective: every rank); torch keeps each
     on the root, so a later ``ParallelMeshes`` of the same root (user code passing ``strategy.device_mesh`` back)
-    finds it without a collective.
+    finds it without a collective. The unflattened expert meshes are not kept on the root: made again, they are new
+    groups (collective), which is why a built root reads as its own meshes.
     """
     sizes = dict(zip(MESH_DIMS, (int(n) for n in root.shape)))
     for name, dims in FLATTENED.items():
         sizes[name] = math.prod(sizes[d] for d in dims)
     context = sizes[CP_DIM] > 1
-    if expert_parallel > 1:
-        shards = sizes[DP_SHARD_DIM] * sizes[CP_DIM]
-        if shards % expert_parallel:
-            raise ValueError(f"expert_parallel_size ({expert_parallel}) must divide data-shard × context ({shards})")
-        sizes.update({EP_REPLICATE_DIM: sizes[DP_REPLICATE_DIM], EP_SHARD_DIM: shards // expert_parallel,
-                      EP_DIM: expert_parallel})
-    expert_dims = (EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM)
+    shards = sizes[DP_SHARD_DIM] * sizes[CP_DIM]
+    if shards % expert_parallel:
+        raise ValueError(f"expert_parallel_size ({expert_parallel}) must divide data-shard × context ({shards})")
+    sizes.update({EP_REPLICATE_DIM: sizes[DP_REPLICATE_DIM], EP_SHARD_DIM: shards // expert_parallel,
+                  EP_DIM: expert_parallel})
 
     def make(name: str) -> "DeviceMesh":
-        if name in expert_dims or name == EXPERT_FSDP:
+        if name in _WITHOUT_EXPERTS and expert_parallel == 1:
+            return meshes.get(_WITHOUT_EXPERTS[name])
+        if name in EXPERT_DIMS or name == EXPERT_FSDP:
+            if name == EP_DIM and expert_parallel == 1 and (alone := _one_rank_dim(root)) is not None:
+                return root[alone]  # this rank alone: the same group as any size-1 dimension of the root
             if "experts" not in sparse:  # the data × context ranks as (replicate, shard, expert): one root
-                sparse["experts"] = unflatten_mesh(meshes.get(DP_CP_DIM), tuple(sizes[d] for d in expert_dims),
-                                                   expert_dims)
+                sparse["experts"] = unflatten_mesh(meshes.get(DP_CP_DIM), tuple(sizes[d] for d in EXPERT_DIMS),
+                                                   EXPERT_DIMS)
             experts = sparse["experts"]
             if name == EXPERT_FSDP:
                 return experts[(EP_REPLICATE_DIM, EP_SHARD_DIM)] if sizes[EP_REPLICATE_DIM] > 1 else experts[EP_SHARD_DIM]
@@ -195,29 +217,81 @@ def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMesh
     return meshes
 
 
+def _one_rank_dim(root: "DeviceMesh") -> Optional[str]:
+    """A root dimension of one rank (each is this rank alone), else ``None`` (every dimension is used)."""
+    return next((name for name, n in zip(MESH_DIMS, root.shape) if int(n) == 1), None)
+
+
 MeshLike = Union[ParallelMeshes, "DeviceMesh"]
 
 
-def as_meshes(mesh: Optional[Any]) -> Optional[ParallelMeshes]:
-    """``ParallelMeshes`` of what a caller passed: itself, ``None`` (no parallelism), the root ``DeviceMesh`` of one
-    (``strategy.device_mesh``: its sub-meshes looked up), or Lightning's own 2D ``(data_parallel, tensor_parallel)``
-    mesh (``ModelParallelStrategy``: no pipeline, no context, no replicas; ``data_parallel`` is also the loss's and
-    FSDP's mesh).
+#: The options sizing a mesh dimension, and the dimension (``ParallelMeshes.size``'s name).
+SIZED_BY = {"pipeline_parallel_size": PP_DIM, "data_parallel_replicate_size": DP_REPLICATE_DIM,
+            "data_parallel_size": DP_DIM, "context_parallel_size": CP_DIM, "tensor_parallel_size": TP_DIM,
+            "expert_parallel_size": EP_DIM}
+
+
+def as_meshes(mesh: Optional[Any], config: Any = None) -> Optional[ParallelMeshes]:
+    """``ParallelMeshes`` of what a caller passed to a public function: itself, ``None`` (no parallelism), the root
+    ``DeviceMesh`` of one (``strategy.device_mesh``: the meshes ``build_meshes`` made with it, else its sub-meshes
+    looked up, with ``config``'s expert parallelism), or Lightning's own 2D ``(data_parallel, tensor_parallel)`` mesh
+    (``ModelParallelStrategy``: no pipeline, no context, no replicas, no expert parallelism; ``data_parallel`` is
+    also the loss's and FSDP's mesh).
+
+    Args:
+        mesh: What the caller passed.
+        config: The options the mesh is to run (a ``ParallelConfig``: ``parallelize_model``'s; read by attribute,
+            importing its module here would close an import circle): every size above 1 it asks for must be the
+            mesh's; a size of 1 (or ``"auto"``) leaves the mesh's, but for ``expert_parallel_size``, which must be
+            the mesh's (``layout_problems``).
 
     Raises:
-        ValueError: a mesh with other dimension names, saying which it has and which are read.
+        ValueError: a mesh with other dimension names, saying which it has and which are read; a mesh lacking a
+            dimension ``config`` asks for (or of another size), naming both.
     """
     if mesh is None or isinstance(mesh, ParallelMeshes):
-        return mesh
+        meshes = mesh
+    else:
+        meshes = _of_device_mesh(mesh, int(getattr(config, "expert_parallel_size", 1) or 1))
+    if config is not None and meshes is not None and (problems := layout_problems(meshes, config)):
+        raise ValueError(
+            "the mesh does not have the layout the options ask for: " + "; ".join(problems) + ". Pass the meshes"
+            " of that layout (the strategy's `meshes` or `device_mesh`, or lightning_2d.parallel.ParallelDims(...)"
+            ".build_mesh(device_type)), or options that match the mesh"
+        )
+    return meshes
+
+
+def layout_problems(meshes: ParallelMeshes, config: Any) -> list[str]:
+    """Each size above 1 that ``config`` asks for (``SIZED_BY``) and ``meshes`` do not have, naming both; and an
+    expert-parallel size other than the mesh's, 1 included: the plan a config gives (whether tensor parallelism
+    splits the experts) holds for that size only."""
+    problems = []
+    for option, dim in SIZED_BY.items():
+        asked = getattr(config, option, 1)
+        if not isinstance(asked, int) or isinstance(asked, bool) or meshes.size(dim) == asked:
+            continue
+        if asked > 1 or dim == EP_DIM:
+            problems.append(f"{option}={asked} but the mesh's {dim} has {meshes.size(dim)} rank(s)")
+    return problems
+
+
+def _of_device_mesh(mesh: "DeviceMesh", expert_parallel: int) -> ParallelMeshes:
     names = tuple(mesh.mesh_dim_names or ())
     if set(MESH_DIMS) <= set(names):
-        return meshes_of_root(mesh)
+        built = _BUILT.get(id(mesh))
+        if built is not None and built.root is mesh:
+            return built
+        shards = math.prod(int(n) for name, n in zip(names, mesh.shape) if name in (DP_SHARD_DIM, CP_DIM))
+        # A size the root cannot hold is the options' problem to name (`layout_problems`), not a failed split.
+        return meshes_of_root(mesh, expert_parallel if shards % expert_parallel == 0 else 1)
     if set(names) == {DP_DIM, TP_DIM}:
-        # Each data-parallel name (and FSDP's) is Lightning's `data_parallel` dimension.
-        own = {DP_DIM: DP_DIM, DP_SHARD_DIM: DP_DIM, DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_DIM, FSDP: DP_DIM,
-               TP_DIM: TP_DIM}
+        # Each data-parallel name (and FSDP's) is Lightning's `data_parallel` dimension, and so are the experts'
+        # data-parallel ones (no expert parallelism: every rank holds every expert).
+        own = {DP_DIM: DP_DIM, DP_SHARD_DIM: DP_DIM, DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_DIM, EP_SHARD_DIM: DP_DIM,
+               FSDP: DP_DIM, EXPERT_FSDP: DP_DIM, TP_DIM: TP_DIM}
         sizes = dict(zip(names, (int(n) for n in mesh.shape)))
-        return ParallelMeshes(mesh, {name: sizes[dim] for name, dim in own.items() if name != FSDP},
+        return ParallelMeshes(mesh, {name: sizes[dim] for name, dim in own.items() if name not in _INTERNAL},
                               lambda name: mesh[own[name]])
     raise ValueError(
         f"a device mesh with dimensions {names} is neither one lightning_2d builds (ParallelDims.build_mesh:"
@@ -226,4 +300,5 @@ def as_meshes(mesh: Optional[Any]) -> Optional[ParallelMeshes]:
     )
 
 
-__all__ = ["EXPERT_FSDP", "FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "as_meshes", "build_meshes", "meshes_of_root"]
+__all__ = ["EXPERT_DIMS", "EXPERT_FSDP", "FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "SIZED_BY", "as_meshes",
+           "build_meshes", "layout_problems", "meshes_of_root"]

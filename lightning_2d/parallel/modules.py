@@ -45,6 +45,18 @@ def get_named_submodules(model: nn.Module, names: tuple[str, ...], field: str) -
     return [_plan_submodule(model, name, field, f"Fix the plan's {field} or leave it empty.") for name in names]
 
 
+def matching_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The submodules of ``model`` a plan's name pattern names, as ``parallelize_module`` reads a plan's keys: dotted,
+    each part an ``fnmatch`` pattern of one name level (``layers.*.feed_forward.experts``). A part matching nothing
+    gives nothing (a pipeline stage's pruned block)."""
+    from fnmatch import fnmatch
+
+    found = [model]
+    for part in pattern.split(".") if pattern else ():
+        found = [child for module in found for name, child in module.named_children() if fnmatch(name, part)]
+    return found
+
+
 def replace_blocks(blocks: nn.Module, fn: Callable[[int, nn.Module], nn.Module]) -> None:
     """Replace each block ``b`` at position ``i`` of ``blocks`` by ``fn(i, b)``, keeping its name."""
     for index, (name, block) in enumerate(list(blocks.named_children())):

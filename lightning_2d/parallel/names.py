@@ -15,10 +15,11 @@ DP_DIM = "data_parallel"
 PP_DIM = "pipeline_parallel"
 CP_DIM = "context_parallel"
 DP_CP_DIM, DP_SHARD_CP_DIM = "data_context_parallel", "data_shard_context_parallel"
-#: Expert parallelism's dimensions (``expert_parallel_size > 1``): the ``data_context_parallel`` ranks unflattened
-#: into ``(expert_data_replicate, expert_data_shard, expert_parallel)``, the last varying fastest. A layer's experts
-#: are split over ``expert_parallel`` and FSDP-sharded over ``expert_data_shard`` (with ``expert_data_replicate``,
-#: the replicas, under HSDP); the other parameters keep FSDP's mesh.
+#: Expert parallelism's dimensions: the ``data_context_parallel`` ranks unflattened into ``(expert_data_replicate,
+#: expert_data_shard, expert_parallel)``, the last varying fastest. A layer's experts are split over
+#: ``expert_parallel`` and FSDP-sharded over ``expert_data_shard`` (with ``expert_data_replicate``, the replicas,
+#: under HSDP); the other parameters keep FSDP's mesh. Always present (``ParallelMeshes``): at
+#: ``expert_parallel_size`` 1, aliases of the meshes of the same ranks.
 EP_DIM, EP_SHARD_DIM, EP_REPLICATE_DIM = "expert_parallel", "expert_data_shard", "expert_data_replicate"
 #: The root mesh's dimensions, outermost first (the last varies fastest).
 MESH_DIMS = (PP_DIM, DP_REPLICATE_DIM, DP_SHARD_DIM, CP_DIM, TP_DIM)

@@ -1,5 +1,5 @@
-"""The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → activation
-checkpointing → compile → FSDP2.
+"""The one place where a model is parallelized: (pipeline split) → (float8) → TP/SP → expert parallelism →
+activation checkpointing → compile → FSDP2.
 
 The Trainer strategy (``lightning_2d.integration.trainer_strategy``) and the Fabric strategy (``lightning_2d.integration.fabric_strategy``)
 both call ``parallelize_model``; neither has a copy of these steps. It returns one result, ``Parallelized`` (the
@@ -13,6 +13,7 @@ LightningModule or model may define is listed in ``lightning_2d.parallel.hooks``
 
 ====================================  ==============================================
 ``apply_tensor_parallel``             ``(model, tp_mesh, plan, config)``
+``apply_expert_parallel``             ``(model, ep_mesh, plan, config)``
 ``apply_activation_checkpointing``    ``(model, plan, config)``
 ``apply_compile``                     ``(model, plan, config)``
 ``apply_fully_shard``                 ``(model, dp_mesh, plan, config)``
@@ -34,6 +35,7 @@ from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.expert import apply_expert_parallel, expert_modules
 from lightning_2d.parallel.fsdp_backend import BACKENDS, fsdp_backend
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
@@ -48,7 +50,8 @@ if TYPE_CHECKING:
 
 #: The library's function of each step hook; the FSDP step is each backend's (``parallel.fsdp_backend``).
 STEPS: dict[str, Callable[..., None]] = {
-    **dict(zip(STEP_HOOKS, (apply_tensor_parallel, apply_activation_checkpointing, apply_compile))),
+    **dict(zip(STEP_HOOKS, (apply_tensor_parallel, apply_expert_parallel, apply_activation_checkpointing,
+                            apply_compile))),
     **{backend.hook: backend.step for backend in BACKENDS.values()},
 }
 
@@ -132,7 +135,7 @@ def parallelize_and_materialize(
 
     config = config.resolve_dtypes(precision)
     model = target_module(owner, plan)
-    meshes = as_meshes(mesh)
+    meshes = as_meshes(mesh, config)  # the public boundary: a root read as its meshes, a missing dimension refused
     assert meshes is not None
     result = Parallelized(model, meshes)
     if not is_parallelized(model):
@@ -166,7 +169,8 @@ def parallelize_model(
     config: ParallelConfig,
     hooks: Any = None,
 ) -> Parallelized:
-    """Apply (float8) → TP/SP → activation checkpointing → compile → FSDP2 to ``model`` in place.
+    """Apply (float8) → TP/SP → expert parallelism → activation checkpointing → compile → FSDP2 to ``model``, in
+    place.
 
     Under context parallelism the plan's attention modules first get the context-parallel attention core
     (``lightning_2d.parallel.context``). Under pipeline parallelism the model is then split into this rank's stages
@@ -176,7 +180,10 @@ def parallelize_model(
         model: The model, preferably on the meta device (then materialize it afterwards with
             ``lightning_2d.parallel.materialize_model``).
         mesh: The meshes of ``ParallelDims.build_mesh``, their root ``DeviceMesh`` (``strategy.device_mesh``, as
-            Fabric's ``parallelize_fn`` receives it), or Lightning's 2D ``(data_parallel, tensor_parallel)`` mesh.
+            Fabric's ``parallelize_fn`` receives it: read as the meshes it was built with, expert parallelism
+            included), a root built by hand (with ``config``'s expert parallelism), or Lightning's 2D
+            ``(data_parallel, tensor_parallel)`` mesh. A size above 1 that ``config`` asks for and the mesh does not
+            have raises ``ValueError`` here, before anything is changed.
         plan: Module names to parallelize.
         config: The options, with ``param_dtype``/``reduce_dtype`` resolved
             (``ParallelConfig.resolve_dtypes``).
@@ -185,7 +192,7 @@ def parallelize_model(
     Returns:
         ``Parallelized``: ``model``, the meshes, and under pipeline parallelism the ``Pipeline`` that steps it.
     """
-    meshes = as_meshes(mesh)
+    meshes = as_meshes(mesh, config)  # the public boundary: a root read as its meshes, a missing dimension refused
     assert meshes is not None
     cp_mesh = meshes.optional(CP_DIM)
     if cp_mesh is not None:
@@ -194,6 +201,13 @@ def parallelize_model(
         if plan.attention is None:
             raise ValueError("context parallelism needs the plan's attention modules (ParallelPlan.attention)")
         apply_context_parallel(model, cp_mesh, plan.attention)
+    if meshes.optional(EP_DIM) is not None and not expert_modules(model, plan):
+        raise ValueError(
+            f"expert_parallel_size={meshes.size(EP_DIM)} but ParallelPlan.expert_parallel names no module of"
+            f" {type(model).__name__} ({', '.join(plan.expert_parallel) or 'it is empty'}): its experts would train"
+            " unsplit. Name each layer's stacked experts there (module name → ExpertParallel()), or use"
+            " expert_parallel_size=1"
+        )
     if meshes.optional(PP_DIM) is not None:
         if ties := shared_parameters(model):
             raise ValueError(tied_pipeline_message(ties))
@@ -242,10 +256,10 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
 
             enable_async_tensor_parallel(tp_mesh)  # before the first compiled forward
     ep_mesh = meshes.optional(EP_DIM)
-    if ep_mesh is not None:  # after tensor parallelism, as torchtitan: the experts' own placement over their ranks
-        from lightning_2d.parallel.expert import apply_expert_parallel
-
-        apply_expert_parallel(model, ep_mesh)
+    # The plan's expert modules, found before any wrapper renames their path (activation checkpointing).
+    experts = expert_modules(model, plan) if ep_mesh is not None else []
+    if experts:  # after tensor parallelism, as torchtitan: the experts' own placement over their ranks
+        _step(hooks, "apply_expert_parallel")(model, ep_mesh, plan, config)
     if config.activation_checkpointing != "none":
         _step(hooks, "apply_activation_checkpointing")(model, plan, config)
     if config.compile:
@@ -253,7 +267,7 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
     # FSDP also at dp == 1: it carries the mixed-precision policy, and every parameter becomes a
     # DTensor, so checkpoints and gradient clipping handle one kind of parameter at every layout.
     backend = fsdp_backend(config.fsdp_backend)
-    backend.apply(model, meshes, plan, config, _step(hooks, backend.hook))
+    backend.apply(model, meshes, plan, config, _step(hooks, backend.hook), experts=experts)
 
 
 def _frozen_parameters(model: nn.Module) -> set[str]:

@@ -161,6 +161,7 @@ def stage_plan(stage: nn.Module, plan: ParallelPlan) -> ParallelPlan:
         module="",
         tensor_parallel={k: v for k, v in plan.tensor_parallel.items() if held(k)},
         sequence_parallel={k: v for k, v in plan.sequence_parallel.items() if held(k)},
+        expert_parallel={k: v for k, v in plan.expert_parallel.items() if held(k)},
         input_units=tuple(n for n in plan.input_units if held(n)),
         output_unit=tuple(n for n in plan.output_unit if held(n)),
     )

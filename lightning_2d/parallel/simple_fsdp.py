@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -298,8 +298,9 @@ class SimpleFSDP:
     step = staticmethod(apply_simple_fsdp)
 
     def apply(self, model: nn.Module, meshes: "ParallelMeshes", plan: "ParallelPlan", config: "ParallelConfig",
-              step: Optional[Callable[..., None]] = None) -> None:
-        """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_simple_fsdp``, or the owner's replacement)."""
+              step: Optional[Callable[..., None]] = None, experts: Sequence[nn.Module] = ()) -> None:
+        """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_simple_fsdp``, or the owner's replacement).
+        ``experts`` is empty: expert parallelism with SimpleFSDP is refused before launch (a registered check)."""
         (step or self.step)(model, meshes.fsdp, plan, config)
 
     def state_access(self) -> AbstractContextManager[Any]:

@@ -1305,7 +1305,8 @@ def script(cfg: dict) -> None:
 
 
 def expert_exchange(cfg: dict) -> None:
-    """Expert parallelism's token exchange (``parallel.expert.ExpertExchange``) against the whole layer on one process.
+    """Expert parallelism's token exchange (``parallel.expert.ExpertExchange``, attached around a layer's experts)
+    against the whole layer on one process.
 
     For each case (``cfg["cases"]``: ``ep``, the expert-parallel size, and ``idle``, whether the last expert-parallel
     rank's experts are biased out of every choice so that it receives no token), each rank routes its own tokens
@@ -1343,7 +1344,7 @@ def expert_exchange(cfg: dict) -> None:
         with torch.no_grad():
             for name in ("w1", "w2", "w3"):
                 getattr(layer.experts, name).copy_(getattr(whole.experts, name)[mine])
-        layer.expert_exchange = exchange
+        exchange.attach(layer.experts)  # the tokens go to their experts' ranks around the experts' forward
 
         reference_in = torch.cat([inputs[r] for r in members]).requires_grad_(True)
         reference = whole(reference_in)

@@ -19,13 +19,16 @@ from lightning_2d.parallel.names import (
     DP_REPLICATE_DIM,
     DP_SHARD_CP_DIM,
     DP_SHARD_DIM,
+    EP_DIM,
+    EP_REPLICATE_DIM,
+    EP_SHARD_DIM,
     MESH_DIMS,
     PP_DIM,
     TP_DIM,
 )
 from lightning_2d.tools.planner.world import fake_world
 
-EVERY_NAME = (*MESH_DIMS, DP_DIM, DP_CP_DIM, DP_SHARD_CP_DIM)
+EVERY_NAME = (*MESH_DIMS, DP_DIM, DP_CP_DIM, DP_SHARD_CP_DIM, EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM)
 
 
 def members(mesh) -> list[int]:
@@ -40,10 +43,10 @@ def test_every_named_mesh_exists_at_every_layout_and_optional_is_none_at_size_on
         assert meshes.root.mesh_dim_names == MESH_DIMS and tuple(meshes.root.shape) == (1, 1, 2, 1, 2)
         sizes = {name: meshes.get(name).size() for name in EVERY_NAME}
         assert sizes == {PP_DIM: 1, DP_REPLICATE_DIM: 1, DP_SHARD_DIM: 2, CP_DIM: 1, TP_DIM: 2, DP_DIM: 2,
-                         DP_CP_DIM: 2, DP_SHARD_CP_DIM: 2}
+                         DP_CP_DIM: 2, DP_SHARD_CP_DIM: 2, EP_REPLICATE_DIM: 1, EP_SHARD_DIM: 2, EP_DIM: 1}
         assert {name: meshes.size(name) for name in EVERY_NAME} == sizes
         assert [n for n in EVERY_NAME if meshes.optional(n) is not None] == [DP_SHARD_DIM, TP_DIM, DP_DIM, DP_CP_DIM,
-                                                                             DP_SHARD_CP_DIM]
+                                                                             DP_SHARD_CP_DIM, EP_SHARD_DIM]
         assert meshes.get(PP_DIM).get_local_rank() == 0 and members(meshes.get(CP_DIM)) == [3]
         # Rank 3 = (shard 1, tensor 1): its data-parallel group is the tensor rank 1 of both shards.
         assert members(meshes.get(DP_DIM)) == members(meshes.get(DP_CP_DIM)) == [1, 3]
@@ -51,8 +54,11 @@ def test_every_named_mesh_exists_at_every_layout_and_optional_is_none_at_size_on
         # At context size 1 the context-flattened names reuse the meshes of the same ranks: no extra groups.
         assert meshes.get(DP_CP_DIM) is meshes.get(DP_DIM) and meshes.get(DP_SHARD_CP_DIM) is meshes.get(DP_SHARD_DIM)
         assert meshes.fsdp is meshes.get(DP_DIM) and meshes.fsdp.mesh_dim_names == (DP_DIM,)
-        with pytest.raises(KeyError, match="no mesh dimension 'expert_parallel'; the meshes are pipeline_parallel"):
-            meshes.get("expert_parallel")
+        # Without expert parallelism the expert names are the meshes of the same ranks: no extra groups either.
+        assert meshes.get(EP_SHARD_DIM) is meshes.get(DP_SHARD_CP_DIM) and meshes.expert_fsdp is meshes.fsdp
+        assert meshes.get(EP_REPLICATE_DIM) is meshes.get(DP_REPLICATE_DIM) and members(meshes.get(EP_DIM)) == [3]
+        with pytest.raises(KeyError, match="no mesh dimension 'sequence_parallel'; the meshes are pipeline_parallel"):
+            meshes.get("sequence_parallel")
 
 
 @pytest.mark.parametrize("dims, rank, groups, fsdp", [
@@ -66,6 +72,9 @@ def test_every_named_mesh_exists_at_every_layout_and_optional_is_none_at_size_on
     (ParallelDims(dp_replicate=2, dp_shard=2, tp=2), 6,
      {DP_REPLICATE_DIM: [2, 6], DP_SHARD_DIM: [4, 6], DP_DIM: [0, 2, 4, 6], DP_CP_DIM: [0, 2, 4, 6]},
      (DP_REPLICATE_DIM, DP_SHARD_DIM)),
+    # expert parallel 2 of shard 4, rank 1 = (shard 1): experts over [0, 1], each expert's FSDP over [1, 3]
+    (ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=2), 1,
+     {EP_DIM: [0, 1], EP_SHARD_DIM: [1, 3], DP_DIM: [0, 1, 2, 3], EP_REPLICATE_DIM: [1]}, (DP_DIM,)),
 ])
 def test_each_named_mesh_holds_the_ranks_its_name_says(dims, rank, groups, fsdp):
     with fake_world(dims.world_size, rank):
@@ -117,3 +126,81 @@ def test_the_group_timeouts_cover_every_named_mesh():
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2)
     with fake_world(dims.world_size):
         assert set(group_timeouts(dims.build_mesh("cpu"))) == set(EVERY_NAME)
+
+
+# ---- the public boundary: a root or a mesh of another layout never drops a dimension the config asks for -------
+def _moe_model_and_plan(config):
+    from lightning_2d.models.llama.model import PRESETS, Transformer
+    from lightning_2d.models.llama.plan import llama_plan
+
+    args = PRESETS["debug-moe"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    return model, llama_plan(args, config, module="")
+
+
+def _expert_mesh_dims(model) -> tuple[str, ...]:
+    return model.layers["1"].feed_forward.experts.w1.device_mesh.mesh_dim_names
+
+
+EP2 = dict(data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=2)
+
+
+@pytest.mark.parametrize("given", ["root_of_the_built_meshes", "a_root_built_by_hand"])
+def test_parallelize_model_given_a_root_applies_the_expert_parallelism_the_config_asks_for(given):
+    """The bug class of wave 4 at the abstraction: ``parallelize_model(model, root, plan, config)`` with
+    ``expert_parallel_size=2`` once read the root as meshes without expert parallelism (its size is not in the root's
+    shape) and trained the experts as plain FSDP. Fabric's ``parallelize_fn`` receives the root
+    (``strategy.device_mesh``) and a user's function passes it on, as the worker's custom function does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_2d.parallel import ParallelConfig, parallelize_model
+
+    config = ParallelConfig(**EP2).resolve_dtypes("32-true")
+    dims = ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=2)
+    with fake_world(4, rank=1):
+        meshes = dims.build_mesh("cpu")
+        root = meshes.root if given == "root_of_the_built_meshes" else init_device_mesh(
+            "cpu", dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+        model, plan = _moe_model_and_plan(config)
+        result = parallelize_model(model, root, plan, config)
+        assert result.meshes.size("expert_parallel") == 2
+        assert _expert_mesh_dims(model) == ("expert_data_shard", "expert_parallel")
+        assert model.layers["1"].feed_forward.experts.w1.to_local().shape[0] == 2  # 8 experts / EP 2 / FSDP 2
+
+
+def test_the_root_a_strategy_hands_its_parallelize_fn_reads_as_the_strategys_meshes():
+    """Fabric's ``parallelize_fn(module, device_mesh)`` gets the strategy's root. Passed on with options of expert
+    parallel 2, it splits the experts over the strategy's own expert meshes (no second group); passed on with options
+    that say nothing of experts (expert parallel 1, the default), it is refused naming both sizes: never the strategy's
+    expert parallelism silently dropped."""
+    from lightning_2d.parallel import ParallelConfig, parallelize_model
+
+    with fake_world(4, rank=2):
+        meshes = ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=2).build_mesh("cpu")
+        config = ParallelConfig(activation_checkpointing="full", **EP2).resolve_dtypes("32-true")
+        model, plan = _moe_model_and_plan(config)
+        assert parallelize_model(model, meshes.root, plan, config).meshes is meshes
+        assert _expert_mesh_dims(model) == ("expert_data_shard", "expert_parallel")
+        unaware = ParallelConfig(activation_checkpointing="full").resolve_dtypes("32-true")
+        model, plan = _moe_model_and_plan(unaware)
+        with pytest.raises(ValueError, match=r"expert_parallel_size=1 but the mesh's expert_parallel has 2 rank"):
+            parallelize_model(model, meshes.root, plan, unaware)
+
+
+def test_a_mesh_without_the_dimension_the_config_asks_for_is_refused_at_the_boundary():
+    """Meshes of another layout (built without expert parallelism, Lightning's 2D mesh) and a config asking for
+    ``expert_parallel_size=2``: refused, naming both, before anything is parallelized."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_2d.parallel import ParallelConfig, parallelize_model
+
+    config = ParallelConfig(**EP2).resolve_dtypes("32-true")
+    with fake_world(4, rank=0):
+        plain = ParallelDims(dp_replicate=1, dp_shard=4, tp=1).build_mesh("cpu")
+        lightnings = init_device_mesh("cpu", (4, 1), mesh_dim_names=(DP_DIM, TP_DIM))
+        for mesh in (plain, plain.root, lightnings):
+            model, plan = _moe_model_and_plan(config)
+            with pytest.raises(ValueError, match=r"expert_parallel_size=2 but the mesh's expert_parallel has 1 rank"):
+                parallelize_model(model, mesh, plan, config)
+            assert not any(type(p).__name__ == "DTensor" for p in model.parameters())

@@ -58,6 +58,17 @@ def QLORA() -> LlamaLightningModule:
                                 lora={"quantize_base": "nf4"})
 
 
+def without_expert_entries() -> ParallelPlan:
+    """debug-moe's plan with its experts (``num_experts``) but no expert-parallel entries naming them."""
+    from dataclasses import replace
+
+    from lightning_2d.models.llama.model import PRESETS
+    from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel import ParallelConfig
+
+    return replace(llama_plan(PRESETS["debug-moe"], ParallelConfig(), module="model"), expert_parallel={})
+
+
 def fit_before_spawn(module: L.LightningModule, datamodule: L.LightningDataModule | None = None, **strategy) -> None:
     """``trainer.fit`` of a 4-process CPU job: must fail in this process, before any rank is started."""
     trainer(**strategy).fit(module, datamodule=datamodule)
@@ -348,6 +359,11 @@ if _hf_available():
             tensor_parallel_size=1, expert_parallel_size=2),
          ParallelConfigError, r"expert_parallel_size=2 but the model has no mixture-of-experts layers.*use"
                               r" expert_parallel_size=1"),
+        ("expert parallelism with a plan naming no experts to split", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4,
+            tensor_parallel_size=1, expert_parallel_size=2, plan=without_expert_entries()),
+         ParallelConfigError, r"expert_parallel_size=2 but the plan names no experts to split \(ParallelPlan"
+                              r"\.expert_parallel is empty\).*or use expert_parallel_size=1"),
         ("experts not divisible by expert_parallel_size", lambda _: fit_before_spawn(
             LlamaLightningModule("debug-moe", model_overrides={"moe": {"num_experts": 6, "top_k": 2, "hidden_dim": 64}}),
             TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4, tensor_parallel_size=1,

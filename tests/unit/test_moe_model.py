@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, ModelArgsError, Transformer
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.ops.init import SeededInit
-from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, SwiGLU, auxiliary_loss, auxiliary_loss_terms
+from lightning_2d.ops.feed_forward import SwiGLU
+from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, auxiliary_loss, auxiliary_loss_terms
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import validate_parallel_dims
 
@@ -120,6 +121,34 @@ def test_bias_balancing_counts_each_forward_once_under_activation_checkpointing(
     assert not layer.tokens_per_expert.any()  # evaluation does not balance
 
 
+@pytest.mark.parametrize("load_balancing", ["aux_loss", "bias"])
+def test_one_load_balancing_object_is_the_training_contract_of_every_loop(load_balancing):
+    """``LoadBalancing`` (what ``LlamaLightningModule`` and the Fabric recipe both use) on one process: the auxiliary
+    loss of the last forward's routing over every MoE block, weighted, or nothing under bias balancing, whose bias
+    it moves after the optimizer step instead."""
+    from dataclasses import replace
+
+    from lightning_2d.parallel.expert import LoadBalancing
+
+    args = replace(PRESETS["debug-moe"], moe=replace(PRESETS["debug-moe"].moe, load_balancing=load_balancing))
+    model = Transformer(args)
+    model.init_weights(0)
+    model(torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    balancing = LoadBalancing(args.moe)
+    assert balancing.uses_aux_loss == (load_balancing == "aux_loss")
+    if load_balancing == "aux_loss":
+        term, value = balancing.loss(model)
+        expected = args.moe.aux_loss_coef * auxiliary_loss(model.router_stats(), args.moe.num_experts, args.moe.top_k)
+        torch.testing.assert_close(term, expected)
+        torch.testing.assert_close(value, expected.detach())
+        assert term.requires_grad and balancing.after_optimizer_step(model) == 0
+    else:
+        assert balancing.loss(model) is None
+        assert balancing.after_optimizer_step(model) == len(args.moe_layers) == 3
+        assert all(layer.expert_bias.abs().sum() > 0 for layer in model.moe_layers())
+    assert LoadBalancing(None).loss(model) is None and LoadBalancing(None).after_optimizer_step(model) == 0
+
+
 def _validate(plan_args: ModelArgs, world: int = 4, **options) -> None:
     config = ParallelConfig(**options)
     validate_parallel_dims(config, world_size=world, devices_per_node=world, plan=llama_plan(plan_args, config))
@@ -189,6 +218,39 @@ def _saved(tmp_path, model_type: str, fused: bool = False):
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors",
                   metadata={"format": "pt"})
     return model, directory
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3"])
+def test_a_hugging_face_moe_config_is_read_in_one_place_the_same_from_a_file_or_transformers(tmp_path, model_type):
+    """``MoEArgs.from_hf_config`` reads a transformers config and the ``config.json`` it writes alike (transformers 5
+    writes ``num_local_experts``; a released Qwen3-MoE file says ``num_experts``), and so the Hugging Face plan's
+    sparse blocks, our import's and ``HFCausalLMModule``'s FLOPs agree."""
+    import json
+
+    from lightning_2d.checkpoint.hf import model_args_from_hf
+    from lightning_2d.models.hf_decoders import hf_moe_layers
+    from lightning_2d.ops.moe import MoEArgs
+
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type],
+                                               output_router_logits=True, router_aux_loss_coef=0.02)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    released = {("num_experts" if k == "num_local_experts" and model_type == "qwen3_moe" else k): v
+                for k, v in written.items()}
+    read = [MoEArgs.from_hf_config(c) for c in (config, written, released)]
+    assert read[0] == read[1] == read[2]
+    if model_type == "qwen3":
+        assert read[0] is None and hf_moe_layers(config) == ()
+        return
+    experts = 8 if model_type == "qwen3_moe" else 4
+    hidden = 32 if model_type == "qwen3_moe" else 96
+    assert read[0] == MoEArgs(num_experts=experts, top_k=2, hidden_dim=hidden, aux_loss_coef=0.02,
+                              norm_topk_prob=model_type == "mixtral", load_balancing="aux_loss")
+    args = model_args_from_hf(tmp_path)
+    assert args.moe == read[0] and args.moe_layers == hf_moe_layers(config) == ((1, 2) if model_type == "qwen3_moe"
+                                                                                else (0, 1, 2))
+    assert MoEArgs.hf_block_rule(config) == MoEArgs.hf_block_rule(written) == (
+        (1, [0]) if model_type == "qwen3_moe" else (1, []))
 
 
 @pytest.mark.parametrize("model_type,fused", [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True),

@@ -287,20 +287,11 @@ def model_args_from_hf(directory: Path) -> ModelArgs:
         )
     n_heads, dim = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim")
-    moe: Optional[MoEArgs] = None
+    moe = MoEArgs.from_hf_config(config)  # the one reader of a mixture of experts' fields
     moe_fields: dict[str, Any] = {}
-    if model_type in MOE_LAYOUTS:
-        coef = float(config.get("router_aux_loss_coef", 0.0) or 0.0)
-        balancing = "aux_loss" if config.get("output_router_logits") and coef > 0 else "none"
-        # Released Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both families.
-        experts = config.get("num_local_experts", config.get("num_experts"))
-        hidden = config["intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"]
-        moe = MoEArgs(num_experts=experts, top_k=config["num_experts_per_tok"], hidden_dim=hidden,
-                      norm_topk_prob=bool(config.get("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
-                      load_balancing=balancing, aux_loss_coef=coef)
-        if model_type == "qwen3_moe":
-            moe_fields = {"moe_layer_step": int(config.get("decoder_sparse_step", 1)),
-                          "dense_layers": list(config.get("mlp_only_layers") or [])}
+    if moe is not None:
+        step, dense = MoEArgs.hf_block_rule(config)
+        moe_fields = {"moe_layer_step": step, "dense_layers": dense}
     return ModelArgs(
         dim=dim,
         n_layers=config["num_hidden_layers"],

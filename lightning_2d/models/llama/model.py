@@ -26,7 +26,8 @@ from lightning_2d.errors import Lightning2DError
 from lightning_2d.ops.attention import AttentionMask, attend, attention_mask, document_causal_mask  # noqa: F401
 from lightning_2d.ops.init import InitSpec, SeededInit, module_init_specs
 from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
-from lightning_2d.ops.moe import MoE, MoEArgs, MoEConfigError, RouterStats, SwiGLU
+from lightning_2d.ops.feed_forward import SwiGLU
+from lightning_2d.ops.moe import MoE, MoEArgs, MoEConfigError, RouterStats, is_sparse_block
 
 
 #: The rotary scalings ``rope_table`` implements (``RopeScaling.rope_type``).
@@ -220,8 +221,7 @@ class ModelArgs:
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` is a mixture of experts (Qwen3-MoE's rule: ``moe``, not among
         ``dense_layers``, and ``(layer_id + 1) % moe_layer_step == 0``)."""
-        return (self.moe is not None and layer_id not in self.dense_layers
-                and (layer_id + 1) % self.moe_layer_step == 0)
+        return self.moe is not None and is_sparse_block(layer_id, self.moe_layer_step, self.dense_layers)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -113,7 +113,19 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         tied_weights=(("tok_embeddings.weight", "output.weight"),) if args.tie_word_embeddings else (),
         num_experts=args.moe.num_experts if args.moe is not None and args.moe_layers else None,
         aux_loss_coef=args.moe.aux_loss_coef if args.moe is not None and args.moe.uses_aux_loss else None,
+        expert_parallel=llama_expert_parallel_plan(args),
     )
+
+
+def llama_expert_parallel_plan(args: ModelArgs, blocks: str = "layers") -> dict[str, "ParallelStyle"]:
+    """The expert-parallel plan of a Meta-named Llama ``Transformer``: each mixture-of-experts block's stacked routed
+    experts (``feed_forward.experts``) split over the expert-parallel ranks, by block index (``ExpertParallel``);
+    empty for a dense model."""
+    if not args.moe_layers:
+        return {}
+    from lightning_2d.parallel.expert import ExpertParallel
+
+    return {f"{blocks}.{i}.feed_forward.experts": ExpertParallel() for i in args.moe_layers}
 
 
 def llama_validation_inputs(args: ModelArgs) -> dict[str, Any]:
