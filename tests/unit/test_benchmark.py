@@ -356,11 +356,18 @@ def test_backend_ratios_and_collectives_are_reported():
 def test_compare_lora_runs_lora_beside_full_fine_tuning_and_reports_the_ratios():
     s = settings("--compare-lora", "8", "--dim", "64", "--vocab-size", "256", "--seq-len", "32", "--warmup", "0",
                  "--rounds", "1")
-    assert s.variants == ["lightning_2d", "lora"] and s.lora_rank == 8
-    assert settings().lora_rank is None and "lora" not in settings("--compare").variants
+    assert s.variants == ["lightning_2d", "lora"] and s.compared == {"lora": 8}
+    assert settings().compared == {} and "lora" not in settings("--compare").variants
     with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-lora takes the adapters' rank, a positive"
                                                          r" integer; got 0"):
         settings("--compare-lora", "0")
+    # The variant's module and layout are checked as its strategy checks them, before any process starts.
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-lora \(the lora variant\): LoRA on a mixture of"
+                                                         r" experts is not supported"):
+        settings("--compare-lora", "8", "--model", "debug-moe", "--tensor-parallel-size", "1")
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-lora \(the lora variant\): float8=True with LoRA"
+                                                         r" adapters \(LlamaLightningModule\(lora=...\)\)"):
+        settings("--compare-lora", "8", "--float8", "true")
     medians, memory = {"lightning_2d": 0.1, "lora": 0.09}, {"lightning_2d": 2.0, "lora": 1.5}
     runs = [{"variant": v, "round": 0, "ranks": [rank_record(r, [m, m, m], 5.5, memory=memory[v]) for r in range(4)]}
             for v, m in medians.items()]
@@ -369,14 +376,15 @@ def test_compare_lora_runs_lora_beside_full_fine_tuning_and_reports_the_ratios()
     assert report["ratios"] == {} and report["backends"] is None
     text = bench.format_report(report)
     assert "lora (rank 8) / lightning_2d (full fine-tuning) = 0.900x step time, 0.750x peak memory per device" in text
-    # The variant trains the adapters: its module gets lora= (what RUNNERS["lora"] builds).
-    assert bench.RUNNERS["lora"] is not bench.RUNNERS["lightning_2d"]
+    # The variant trains the adapters: its module gets lora= (what RUNNERS["lora"] builds), lightning_2d's none.
+    assert s.module_kwargs("lora") == {**s.module_options, "lora": {"rank": 8}}
+    assert s.module_kwargs("lightning_2d") == s.module_options and s.strategy_kwargs("lora") == s.strategy_kwargs()
 
 
 def test_compare_expert_parallel_runs_both_sizes_side_by_side_and_reports_the_ratios():
     s = settings("--model", "debug-moe", "--compare-expert-parallel", "2", "--data-parallel-size", "4",
                  "--tensor-parallel-size", "1", "--seq-len", "32", "--warmup", "0", "--rounds", "1")
-    assert s.variants == ["lightning_2d", "expert_parallel"] and s.expert_parallel == 2
+    assert s.variants == ["lightning_2d", "expert_parallel"] and s.compared == {"expert_parallel": 2}
     assert s.strategy_kwargs("expert_parallel")["expert_parallel_size"] == 2
     assert s.strategy_kwargs("lightning_2d")["expert_parallel_size"] == 1
     assert "expert_parallel_size" not in settings().strategy_kwargs()
@@ -395,7 +403,41 @@ def test_compare_expert_parallel_runs_both_sizes_side_by_side_and_reports_the_ra
     text = bench.format_report(report)
     assert ("expert_parallel (expert_parallel_size 2) / lightning_2d (expert_parallel_size 1) = 1.200x step time,"
             " 0.500x peak memory per device") in text
-    assert bench.RUNNERS["expert_parallel"] is not bench.RUNNERS["lightning_2d"]
+    assert s.module_kwargs("expert_parallel") == s.module_kwargs("lightning_2d")  # the strategy's options differ
+
+
+def test_a_feature_compared_with_lightning_2d_is_one_row_of_the_table(monkeypatch):
+    """``--compare-backends``, ``--compare-lora`` and ``--compare-expert-parallel`` are rows of ``COMPARISONS``: a new
+    row gets its flag, its variant's arguments and checks (as lightning_2d's, named after the flag) and its ratio line,
+    nothing else changed; every variant has its runner."""
+    assert set(bench.RUNNERS) == set(bench.VARIANTS) == {"lightning_2d", "lightning", "plain",
+                                                         *(row.name for row in bench.COMPARISONS)}
+    row = bench.Comparison(
+        name="selective_ac", flag="--compare-selective-ac", metavar="N", help="checkpoint every N-th block",
+        report_key="selective_ac", baseline={"activation_checkpointing": "none"}, label="every {value}",
+        strategy=lambda n: {"activation_checkpointing": "selective", "selective_ac_option": n},
+        baseline_label="no checkpointing",
+    )
+    table = (*bench.COMPARISONS, row)
+    monkeypatch.setattr(bench.comparisons, "COMPARISONS", table)
+    monkeypatch.setattr(bench.comparisons, "BY_NAME", {r.name: r for r in table})
+    s = settings("--compare-selective-ac", "2", "--compare-lora", "4", "--dim", "64", "--vocab-size", "256",
+                 "--seq-len", "32", "--warmup", "0", "--rounds", "1")
+    assert s.variants == ["lightning_2d", "lora", "selective_ac"] and s.compared == {"lora": 4, "selective_ac": 2}
+    assert s.strategy_kwargs("selective_ac")["selective_ac_option"] == 2
+    assert {s.strategy_kwargs(v)["activation_checkpointing"] for v in ("lightning_2d", "lora")} == {"none"}
+    assert s.module_kwargs("selective_ac") == s.module_options
+    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-selective-ac \(the selective_ac variant\):"
+                                                         r" selective_ac_option=0 is invalid"):
+        settings("--compare-selective-ac", "0")
+    medians = {"lightning_2d": 0.1, "lora": 0.09, "selective_ac": 0.13}
+    runs = [{"variant": v, "round": 0, "ranks": [rank_record(r, [m, m, m], 5.5) for r in range(4)]}
+            for v, m in medians.items()]
+    report = bench.summarize(s, runs)
+    assert report["selective_ac"] == {"step_time": pytest.approx(1.3), "peak_memory": pytest.approx(1.0)}
+    text = bench.format_report(report)
+    assert "selective_ac (every 2) / lightning_2d (no checkpointing) = 1.300x step time, 1.000x peak memory" in text
+    assert "lora (rank 4) / lightning_2d (full fine-tuning) = 0.900x step time" in text
 
 
 class _Event:

@@ -18,18 +18,21 @@ Variants (``--compare`` runs all three, alternating ``a, b, c, a, b, c, ...`` fo
     A torch loop without Lightning: ``init_process_group``, ``init_device_mesh``, the same
     ``reference_2d_plan``, model, data and optimizer.
 
+Beside ``lightning_2d``, each ``--compare-…`` flag adds a variant of it (a row of ``comparisons.COMPARISONS``: its
+name, strategy and module overrides, what ``lightning_2d`` runs meanwhile), alternating with it; the report adds its
+step-time and peak-memory ratios over ``lightning_2d``:
+
 ``simple_fsdp`` (``--compare-backends``)
-    The ``lightning_2d`` variant under ``fsdp_backend="simple_fsdp"`` (``lightning_2d`` then runs ``fully_shard``):
-    the report adds SimpleFSDP's step-time and peak-memory ratios over FSDP2's, and both variants' collectives of
-    one step (``collectives``: all-gathers, reduce-scatters, all-reduces; bucketed under ``--compile``).
+    ``fsdp_backend="simple_fsdp"`` (``lightning_2d`` then runs ``fully_shard``); the report also shows both
+    variants' collectives of one step (``collectives``: all-gathers, reduce-scatters, all-reduces; bucketed under
+    ``--compile``).
 
 ``lora`` (``--compare-lora RANK``)
-    The ``lightning_2d`` variant training rank-``RANK`` LoRA adapters on its frozen base (``lora=``): the report adds
-    its step-time and peak-memory ratios over full fine-tuning at the same layout.
+    Rank-``RANK`` LoRA adapters trained on the frozen base (``lora=``), against full fine-tuning at the same layout.
 
 ``expert_parallel`` (``--compare-expert-parallel EP``)
-    The ``lightning_2d`` variant of a model with experts under ``expert_parallel_size=EP`` (``lightning_2d`` then
-    runs ``1``: every rank holds every expert, FSDP-sharded): the report adds its step-time and peak-memory ratios.
+    A model with experts under ``expert_parallel_size=EP`` (``lightning_2d`` then runs ``1``: every rank holds every
+    expert, FSDP-sharded).
 
 All of them train the same seeded initial weights on the same synthetic tokens (the ranks of a
 tensor-parallel group draw the same batch; data-parallel ranks different ones), so their first
@@ -42,15 +45,16 @@ Each variant of each round is a fresh set of ``--devices × --num-nodes`` local 
 ``WORLD_SIZE`` set), the benchmark instead runs every variant in place, one after the other, in
 the processes it was started in.
 
-One module per job: ``options`` (strategy flags generated from ``ParallelConfig``), ``settings`` (the
-command line checked, ``BenchmarkSettings``), ``workload`` (synthetic tokens, seeded weights, AdamW),
-``reference`` (the hand-written 2D plan), ``clock`` (the step clock), ``collectives`` (collectives per step),
-``variants`` (the runs),
-``processes`` (spawned jobs or in place), ``report`` (statistics and the table) and ``cli``.
+One module per job: ``options`` (strategy flags generated from ``ParallelConfig``), ``comparisons`` (the
+compared variants as data), ``settings`` (the command line checked, ``BenchmarkSettings``), ``workload`` (synthetic
+tokens, seeded weights, AdamW), ``reference`` (the hand-written 2D plan), ``clock`` (the step clock), ``collectives``
+(collectives per step), ``variants`` (the runs), ``processes`` (spawned jobs or in place), ``report`` (statistics and
+the table) and ``cli``.
 """
 
 from lightning_2d.tools.benchmark.cli import build_parser, main
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
+from lightning_2d.tools.benchmark.comparisons import COMPARISONS, Comparison
 from lightning_2d.tools.benchmark.options import (
     STRATEGY_DEFAULTS,
     add_strategy_options,
@@ -100,6 +104,7 @@ from lightning_2d.tools.benchmark.workload import (
 )
 
 __all__ = [
+    "COMPARISONS",
     "OURS",
     "REFERENCE_MODEL",
     "RUNNERS",
@@ -108,6 +113,7 @@ __all__ = [
     "BenchmarkConfigError",
     "BenchmarkJobError",
     "BenchmarkSettings",
+    "Comparison",
     "HandWritten2DModule",
     "StepClock",
     "StepClockCallback",

@@ -15,6 +15,7 @@ from typing import Optional
 
 from lightning_2d.models.llama.model import PRESETS
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig
+from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
 from lightning_2d.tools.benchmark.options import add_strategy_options, option_flag
 from lightning_2d.tools.benchmark.processes import (
     BenchmarkJobError,
@@ -46,18 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         " hand-written (lightning) and a plain torch loop (plain), and prints the step-time ratios.",
     )
     parser.add_argument("--compare", action="store_true", help="run the three variants side by side")
-    parser.add_argument("--compare-backends", action="store_true",
-                        help="also run lightning_2d under fsdp_backend='simple_fsdp' (variant simple_fsdp; lightning_2d"
-                        " then runs fully_shard), alternating, and report their step-time and peak-memory ratios and"
-                        " collectives per step (with --compile: the compiler's bucketed collectives)")
-    parser.add_argument("--compare-lora", type=int, default=None, metavar="RANK",
-                        help="also run lightning_2d training rank-RANK LoRA adapters on its frozen base (variant lora),"
-                        " alternating with full fine-tuning at the same layout, and report their step-time and"
-                        " peak-memory ratios")
-    parser.add_argument("--compare-expert-parallel", type=int, default=None, metavar="EP",
-                        help="also run lightning_2d with expert_parallel_size=EP (variant expert_parallel; lightning_2d"
-                        " then runs expert_parallel_size=1), alternating, on a model with experts, and report their"
-                        " step-time and peak-memory ratios")
+    for row in comparisons.COMPARISONS:  # --compare-backends, --compare-lora RANK, --compare-expert-parallel EP
+        row.add_flag(parser)
     add_recipe_options(parser, RECIPE_KEYS)
     model = parser.add_argument_group(
         "model", "default: PyTorch's 2D example (dim 256, 2 layers, 16 heads, vocab 32000)"

@@ -9,9 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
 from lightning_2d.tools.benchmark.collectives import KINDS
-from lightning_2d.tools.benchmark.settings import EXPERT_PARALLEL, LORA_VARIANT, OURS, SIMPLE_FSDP, BenchmarkSettings
+from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
+from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
+from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
 
 
 def slowest_rank_step_times(per_rank: list[list[float]]) -> list[float]:
@@ -72,13 +73,10 @@ def summarize(settings: BenchmarkSettings, runs: list[dict[str, Any]], in_place:
         in_place: Whether the variants ran one after the other in the same processes.
     """
     summaries = {v: variant_summary(settings, [r for r in runs if r["variant"] == v]) for v in settings.variants}
-    hand_written = {v: s["median_step_s"] for v, s in summaries.items()
-                    if v not in (SIMPLE_FSDP, LORA_VARIANT, EXPERT_PARALLEL)}
+    hand_written = {v: s["median_step_s"] for v, s in summaries.items() if v not in comparisons.BY_NAME}
     ratios = step_time_ratios(hand_written) if len(hand_written) > 1 else {}
     return {"settings": asdict(settings), "in_place": in_place, "variants": summaries, "ratios": ratios,
-            "backends": variant_ratios(summaries, SIMPLE_FSDP), "lora": variant_ratios(summaries, LORA_VARIANT),
-            "expert_parallel": variant_ratios(summaries, EXPERT_PARALLEL),
-            "runs": runs}
+            **{row.report_key: variant_ratios(summaries, row.name) for row in comparisons.COMPARISONS}, "runs": runs}
 
 
 def variant_ratios(summaries: dict[str, dict[str, Any]], variant: str) -> Optional[dict[str, float]]:
@@ -159,28 +157,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             "(in place on CPU: a variant's peak memory is its processes' peak so far, earlier variants included)"
         )
-    if report["ratios"] or report.get("backends") or report.get("lora") or report.get("expert_parallel"):
+    compared = [(row, ratios) for row in comparisons.COMPARISONS if (ratios := report.get(row.report_key))]
+    if report["ratios"] or compared:
         lines.append("")
     for other, ratio in report["ratios"].items():
         lines.append(f"ours / {other} = {ratio:.3f}x step time ({1 / ratio:.3f}x the throughput)")
-    if backends := report.get("backends"):
-        memory = backends["peak_memory"]
+    for row, ratios in compared:
+        memory = ratios["peak_memory"]
         lines.append(
-            f"{SIMPLE_FSDP} / {OURS} (fully_shard) = {backends['step_time']:.3f}x step time"
-            + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
-        )
-    if lora := report.get("lora"):
-        memory = lora["peak_memory"]
-        lines.append(
-            f"{LORA_VARIANT} (rank {s.lora_rank}) / {OURS} (full fine-tuning) = {lora['step_time']:.3f}x step time"
-            + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
-        )
-    if expert := report.get("expert_parallel"):
-        memory = expert["peak_memory"]
-        lines.append(
-            f"{EXPERT_PARALLEL} (expert_parallel_size {s.expert_parallel}) / {OURS} (expert_parallel_size 1) ="
-            f" {expert['step_time']:.3f}x step time"
-            + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
+            f"{row.describe(s.compared[row.name])} / {OURS} ({row.baseline_label}) = {ratios['step_time']:.3f}x step"
+            " time" + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
         )
     if any(v.get("collectives_per_step") for v in report["variants"].values()):
         lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step)")

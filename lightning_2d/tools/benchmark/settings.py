@@ -14,24 +14,36 @@ from typing import Any, Optional
 import torch
 
 from lightning_2d.errors import Lightning2DError
+from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.plan import llama_plan
+from lightning_2d.models.registry import validation_inputs_of
+from lightning_2d.ops.lora import LoRAConfigError
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
 from lightning_2d.tools.benchmark.options import option_flag, strategy_options
 
-VARIANTS = ("lightning_2d", "lightning", "plain", "simple_fsdp", "lora", "expert_parallel")
 OURS = "lightning_2d"
-#: The lightning_2d variant under ``fsdp_backend="simple_fsdp"`` (``--compare-backends``; ``lightning_2d`` then runs
-#: ``fully_shard``).
-SIMPLE_FSDP = "simple_fsdp"
-#: The lightning_2d variant training LoRA adapters on its frozen base (``--compare-lora RANK``).
-LORA_VARIANT = "lora"
-#: The lightning_2d variant under expert parallelism (``--compare-expert-parallel EP``; lightning_2d then runs EP 1).
-EXPERT_PARALLEL = "expert_parallel"
+#: ``--compare``'s variants: Lightning's ``ModelParallelStrategy`` and a torch loop, the plan written by hand.
+HAND_WRITTEN = ("lightning", "plain")
+VARIANTS = (OURS, *HAND_WRITTEN, *(row.name for row in comparisons.COMPARISONS))
 #: PyTorch's 2D Llama example (``dtensor_2d_llama.py``): the shape the benchmark runs by default.
 REFERENCE_MODEL = ModelArgs(dim=256, n_layers=2, n_heads=16, vocab_size=32000)
+
+_NO_COUNTERPART = "has no counterpart in the hand-written Lightning and plain torch variants of --compare"
+#: What the hand-written variants cannot run, by option (above 1): what follows ``--option VALUE`` in the refusal.
+HAND_WRITTEN_LACKS = {
+    "data_parallel_replicate_size": f"(HSDP) {_NO_COUNTERPART} (they shard over every data-parallel rank); drop"
+                                    " --compare or the option",
+    "pipeline_parallel_size": f"{_NO_COUNTERPART} (neither has pipeline parallelism); drop --compare (to measure"
+                              " lightning_2d alone) or the option",
+    "context_parallel_size": f"{_NO_COUNTERPART} (neither splits the sequence); drop --compare (to measure"
+                             " lightning_2d alone) or the option",
+}
+#: Lower bounds of the run's flags.
+MINIMUMS = {"steps": 1, "warmup": 0, "rounds": 1, "devices": 1, "num_nodes": 1, "seq_len": 1, "global_batch_size": 1}
 
 
 class BenchmarkConfigError(Lightning2DError, ValueError):
@@ -65,9 +77,8 @@ class BenchmarkSettings:
         tp: Resolved tensor-parallel size.
         variants: Which of ``VARIANTS`` to run.
         timeout: Seconds one job may take before it is killed.
-        lora_rank: The adapters' rank of the ``lora`` variant (``--compare-lora``), else ``None``.
-        expert_parallel: The ``expert_parallel`` variant's ``expert_parallel_size`` (``--compare-expert-parallel``),
-            else ``None``.
+        compared: The variants of lightning_2d run beside it (rows of ``comparisons.COMPARISONS``), by name, each
+            with its flag's value (``True`` for a switch).
     """
 
     # No defaults here: the command line (build_parser) holds them.
@@ -88,8 +99,7 @@ class BenchmarkSettings:
     tp: int
     variants: list[str]
     timeout: float
-    lora_rank: Optional[int] = None
-    expert_parallel: Optional[int] = None
+    compared: dict[str, Any]
 
     @property
     def model_args(self) -> ModelArgs:
@@ -112,14 +122,16 @@ class BenchmarkSettings:
         return self.global_batch_size * self.seq_len
 
     def strategy_kwargs(self, variant: str = OURS) -> dict[str, Any]:
-        """``ModelParallel2DStrategy`` arguments of ``variant``: the options with the mesh sizes resolved; when both
-        backends run (``--compare-backends``), ``lightning_2d``'s FSDP backend is ``fully_shard`` and
-        ``simple_fsdp``'s SimpleFSDP."""
-        backend = {SIMPLE_FSDP: {"fsdp_backend": "simple_fsdp"}}.get(
-            variant, {"fsdp_backend": "fully_shard"} if SIMPLE_FSDP in self.variants else {})
-        if self.expert_parallel is not None:  # --compare-expert-parallel: this size in its variant, 1 in the others
-            backend["expert_parallel_size"] = self.expert_parallel if variant == EXPERT_PARALLEL else 1
-        return {**self.strategy_options, **backend, "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
+        """``ModelParallel2DStrategy`` arguments of ``variant`` (``OURS`` or a compared one): the options, each
+        compared row's side of lightning_2d (``fully_shard`` under ``--compare-backends`` …) and the variant's own
+        (``comparisons.strategy_overrides``), the mesh sizes resolved."""
+        return {**self.strategy_options, **comparisons.strategy_overrides(self.compared, variant),
+                "data_parallel_size": self.dp, "tensor_parallel_size": self.tp}
+
+    def module_kwargs(self, variant: str = OURS) -> dict[str, Any]:
+        """``LlamaLightningModule`` arguments of ``variant`` besides the model and schedule: the loss options and the
+        variant's own (``lora=`` under ``--compare-lora``)."""
+        return {**self.module_options, **comparisons.module_overrides(self.compared, variant)}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -152,43 +164,24 @@ def _strategy_accepts() -> set[str]:
     return set(inspect.signature(ModelParallel2DStrategy).parameters)
 
 
-def _validate_layout(config: ParallelConfig, args: argparse.Namespace, model_args: Optional[ModelArgs]) -> ParallelDims:
-    return validate_parallel_dims(
-        config,
-        world_size=args.devices * args.num_nodes,
-        devices_per_node=args.devices,
-        plan=llama_plan(model_args, config) if model_args is not None else None,
-        precision=args.precision,
-        seq_len=args.seq_len,
-        num_nodes=args.num_nodes,
-    )
-
-
-def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = None) -> BenchmarkSettings:
-    """Check the command line and resolve the layout; raises ``BenchmarkConfigError`` listing every problem.
-
-    Args:
-        args: Parsed by ``build_parser()``.
-        world_size: ``WORLD_SIZE`` when started by torchrun/SLURM (it must equal ``devices × num_nodes``);
-            ``None`` when the benchmark starts the processes itself.
-    """
-    problems: list[str] = []
-    for name, minimum in (("steps", 1), ("warmup", 0), ("rounds", 1), ("devices", 1), ("num_nodes", 1),
-                          ("seq_len", 1), ("global_batch_size", 1)):
-        value = getattr(args, name)
-        if value < minimum:
-            problems.append(f"{option_flag(name)} must be at least {minimum}, got {value}")
+def _run_problems(args: argparse.Namespace, model_args: Optional[ModelArgs]) -> list[str]:
+    """The run's own flags: counts, timeout, loss chunk, sequence length against the model."""
+    problems = [f"{option_flag(name)} must be at least {minimum}, got {getattr(args, name)}"
+                for name, minimum in MINIMUMS.items() if getattr(args, name) < minimum]
     if args.timeout <= 0:
         problems.append(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.loss_chunk_size < 1:
         problems.append(f"--loss-chunk-size must be a positive number of tokens, got {args.loss_chunk_size}")
-    model_args = _model_args(args, problems)
     if model_args is not None and args.seq_len > model_args.max_seq_len:
         problems.append(
             f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model_args.max_seq_len}); use a shorter"
             " sequence or a preset with a longer max_seq_len"
         )
+    return problems
 
+
+def _accelerator(args: argparse.Namespace, world_size: Optional[int], problems: list[str]) -> str:
+    """``--accelerator`` resolved (``auto``: GPU where CUDA is), and the world it is asked for checked."""
     accelerator = args.accelerator
     if accelerator == "auto":
         accelerator = "gpu" if torch.cuda.is_available() else "cpu"
@@ -204,86 +197,121 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
             f"started with WORLD_SIZE={world_size}, but --devices {args.devices} × --num-nodes {args.num_nodes} ="
             f" {args.devices * args.num_nodes}; pass the devices per node and the nodes of the launch"
         )
+    return accelerator
 
-    options = strategy_options(args)
-    unknown = sorted(set(options) - _strategy_accepts())
-    if unknown:
+
+def _check_variant(
+    options: dict[str, Any], module: dict[str, Any], args: argparse.Namespace, model_args: Optional[ModelArgs]
+) -> tuple[Optional[ParallelDims], list[str]]:
+    """One variant of lightning_2d checked as its strategy checks it: its options (``ParallelConfig``), its module
+    (``LlamaLightningModule(model, **module)``: what the module refuses of itself, what it says of itself to the
+    checks) and the layout on this world and model; its mesh sizes (``None`` where refused) and its problems."""
+    problems: list[str] = []
+    inputs: dict[str, Any] = {}
+    if model_args is not None:
+        try:
+            inputs = validation_inputs_of(LlamaLightningModule(model=model_args, **module))
+        except (LoRAConfigError, ParallelConfigError) as err:
+            problems += _problems_of(err)
+    try:
+        config = ParallelConfig(**options)
+        dims = validate_parallel_dims(
+            config,
+            world_size=args.devices * args.num_nodes,
+            devices_per_node=args.devices,
+            plan=llama_plan(model_args, config) if model_args is not None else None,
+            precision=args.precision,
+            seq_len=args.seq_len,
+            num_nodes=args.num_nodes,
+            **inputs,
+        )
+    except (LoRAConfigError, ParallelConfigError) as err:
+        return None, problems + _problems_of(err)
+    return (None if problems else dims), problems
+
+
+def _problems_of(err: Exception) -> list[str]:
+    """A refusal's problems: ``raise_if_problems`` lists them (``problems``); a ``LoRA`` refusing its own fields
+    does not."""
+    return list(getattr(err, "problems", None) or [str(err)])
+
+
+def _hand_written_problems(options: dict[str, Any], args: argparse.Namespace,
+                           model_args: Optional[ModelArgs]) -> list[str]:
+    """What ``--compare``'s hand-written variants cannot run of lightning_2d's (valid) ``options``."""
+    config = ParallelConfig(**options)
+    problems = [f"{option_flag(name)} {getattr(config, name)} {why}" for name, why in HAND_WRITTEN_LACKS.items()
+                if getattr(config, name) > 1]
+    if not config.sequence_parallel:  # they always use the reference plan, sequence parallel included
+        _, layout = _check_variant({**options, "sequence_parallel": True}, {}, args, model_args)
+        problems += [f"under --compare the lightning and plain variants use sequence parallelism: {p}" for p in layout]
+    return problems
+
+
+def _layout_problems(args: argparse.Namespace, options: dict[str, Any], compared: dict[str, Any],
+                     model_args: Optional[ModelArgs]) -> tuple[Optional[ParallelDims], list[str]]:
+    """lightning_2d's layout (its mesh sizes, ``None`` where refused) and every other variant's: ``--compare``'s
+    hand-written ones, each compared row (what it refuses itself, else its overrides checked as lightning_2d is)."""
+    problems: list[str] = []
+    if unknown := sorted(set(options) - _strategy_accepts()):
         problems.append(
             f"ModelParallel2DStrategy does not accept the ParallelConfig option(s) {', '.join(unknown)}; drop"
             f" {', '.join(option_flag(n) for n in unknown)}"
         )
-    dp = tp = 0
-    try:
-        config = ParallelConfig(**options)
-        dims = _validate_layout(config, args, model_args)
-        dp, tp = dims.dp, dims.tp
-        if args.compare and config.data_parallel_replicate_size > 1:
-            problems.append(
-                f"--data-parallel-replicate-size {config.data_parallel_replicate_size} (HSDP) has no counterpart in"
-                " the hand-written Lightning and plain torch variants of --compare (they shard over every"
-                " data-parallel rank); drop --compare or the option"
-            )
-        if args.compare and config.pipeline_parallel_size > 1:
-            problems.append(
-                f"--pipeline-parallel-size {config.pipeline_parallel_size} has no counterpart in the hand-written"
-                " Lightning and plain torch variants of --compare (neither has pipeline parallelism); drop --compare"
-                " (to measure lightning_2d alone) or the option"
-            )
-        if args.compare and config.context_parallel_size > 1:
-            problems.append(
-                f"--context-parallel-size {config.context_parallel_size} has no counterpart in the hand-written"
-                " Lightning and plain torch variants of --compare (neither splits the sequence); drop --compare"
-                " (to measure lightning_2d alone) or the option"
-            )
-        if getattr(args, "compare_backends", False):
-            if "fsdp_backend" in options and options["fsdp_backend"] != "fully_shard":
-                problems.append(
-                    f"--fsdp-backend {options['fsdp_backend']} with --compare-backends, which runs both backends"
-                    " (lightning_2d under fully_shard, simple_fsdp under SimpleFSDP); drop --fsdp-backend"
-                )
-            try:
-                ParallelConfig(**{**options, "fsdp_backend": "simple_fsdp"})
-            except ParallelConfigError as err:
-                problems.extend(f"--compare-backends (the simple_fsdp variant): {p}" for p in err.problems
-                                if p not in problems)
-        if args.compare and not config.sequence_parallel:
-            # The hand-written variants always use the reference plan, sequence parallel included.
-            _validate_layout(ParallelConfig(**{**options, "sequence_parallel": True}), args, model_args)
-    except ParallelConfigError as err:
-        extra = [p for p in err.problems if p not in problems]
-        if dp and extra:  # only the reference plan's check got here
-            extra = [f"under --compare the lightning and plain variants use sequence parallelism: {p}" for p in extra]
-        problems.extend(extra)
-    lora_rank = getattr(args, "compare_lora", None)
-    if lora_rank is not None and lora_rank < 1:
-        problems.append(f"--compare-lora takes the adapters' rank, a positive integer; got {lora_rank} (e.g. 16)")
-    expert_parallel = getattr(args, "compare_expert_parallel", None)
-    if expert_parallel is not None:
-        if model_args is None or model_args.moe is None or not model_args.moe_layers:
-            problems.append(f"--compare-expert-parallel {expert_parallel} needs a model with experts (--model debug-moe,"
-                            " mixtral-8x7b, qwen3-30b-a3b)")
-        elif dp:
-            try:
-                _validate_layout(ParallelConfig(**{**options, "expert_parallel_size": expert_parallel}), args,
-                                 model_args)
-            except ParallelConfigError as err:
-                problems.extend(f"--compare-expert-parallel (the expert_parallel variant): {p}" for p in err.problems)
+    ours = {**options, **comparisons.strategy_overrides(compared, OURS)}
+    dims, layout = _check_variant(ours, {}, args, model_args)
+    problems += layout
+    if dims is not None and args.compare:
+        problems += _hand_written_problems(ours, args, model_args)
+    for row in (row for row in comparisons.COMPARISONS if row.name in compared):
+        if (refusal := row.refuse(compared[row.name], model_args, options)) is not None:
+            problems.append(refusal)
+        elif dims is not None:  # the variant's checks, where lightning_2d's hold
+            _, theirs = _check_variant({**options, **comparisons.strategy_overrides(compared, row.name)},
+                                       comparisons.module_overrides(compared, row.name), args, model_args)
+            problems += [f"{row.flag} (the {row.name} variant): {p}" for p in theirs]
+    return dims, problems
+
+
+def _global_batch_size(args: argparse.Namespace, dp: int, problems: list[str]) -> int:
+    """``--global-batch-size`` (or a recipe's per-replica ``data.batch_size`` times ``dp``), checked against ``dp``."""
     per_replica = getattr(args, "batch_size_per_replica", None)
-    if dp and per_replica is not None:  # a recipe's data.batch_size: sequences per data-parallel replica
-        args.global_batch_size = per_replica * dp
-    if dp and args.global_batch_size % dp:
-        fits = [b for b in (args.global_batch_size // dp * dp, (args.global_batch_size // dp + 1) * dp) if b > 0]
+    if not dp:
+        return args.global_batch_size
+    size = per_replica * dp if per_replica is not None else args.global_batch_size
+    if size % dp:
+        fits = [b for b in (size // dp * dp, (size // dp + 1) * dp) if b > 0]
         problems.append(
-            f"--global-batch-size ({args.global_batch_size}) must be divisible by the data-parallel size ({dp}):"
+            f"--global-batch-size ({size}) must be divisible by the data-parallel size ({dp}):"
             f" every data-parallel rank trains the same number of sequences; try {' or '.join(map(str, fits))}"
         )
+    return size
+
+
+def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = None) -> BenchmarkSettings:
+    """Check the command line and resolve the layout; raises ``BenchmarkConfigError`` listing every problem.
+
+    Args:
+        args: Parsed by ``build_parser()``.
+        world_size: ``WORLD_SIZE`` when started by torchrun/SLURM (it must equal ``devices × num_nodes``);
+            ``None`` when the benchmark starts the processes itself.
+    """
+    model_problems: list[str] = []
+    model_args = _model_args(args, model_problems)
+    problems = [*_run_problems(args, model_args), *model_problems]
+    accelerator = _accelerator(args, world_size, problems)
+    options, compared = strategy_options(args), comparisons.compared_from_args(args)
+    dims, layout = _layout_problems(args, options, compared, model_args)
+    problems += layout
+    dp, tp = (dims.dp, dims.tp) if dims is not None else (0, 0)
+    global_batch_size = _global_batch_size(args, dp, problems)
     if problems:
         raise BenchmarkConfigError(problems)
     assert model_args is not None
     return BenchmarkSettings(
         model=asdict(model_args),
         seq_len=args.seq_len,
-        global_batch_size=args.global_batch_size,
+        global_batch_size=global_batch_size,
         accelerator=accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
@@ -296,11 +324,7 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         module_options={"fused_loss": args.fused_loss, "loss_chunk_size": args.loss_chunk_size},
         dp=dp,
         tp=tp,
-        variants=[OURS, *([SIMPLE_FSDP] if getattr(args, "compare_backends", False) else []),
-                  *([LORA_VARIANT] if getattr(args, "compare_lora", None) else []),
-                  *([EXPERT_PARALLEL] if expert_parallel is not None else []),
-                  *(["lightning", "plain"] if args.compare else [])],
+        variants=[OURS, *compared, *(HAND_WRITTEN if args.compare else ())],
         timeout=args.timeout,
-        lora_rank=getattr(args, "compare_lora", None),
-        expert_parallel=expert_parallel,
+        compared=compared,
     )

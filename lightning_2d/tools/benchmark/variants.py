@@ -1,7 +1,8 @@
 """The variants, one rank each: ``lightning_2d`` (Trainer + ``ModelParallel2DStrategy`` +
-``LlamaLightningModule``), ``simple_fsdp`` (the same under ``fsdp_backend="simple_fsdp"``), ``lightning``
-(Lightning's ``ModelParallelStrategy`` with the plan written by hand in ``configure_model``) and ``plain`` (a torch loop); ``run_variant`` runs one and returns its step times,
-losses and peak memory.
+``LlamaLightningModule``) and each compared variant of it (the same with a row's overrides:
+``comparisons.COMPARISONS``), ``lightning`` (Lightning's ``ModelParallelStrategy`` with the plan written by hand in
+``configure_model``) and ``plain`` (a torch loop); ``run_variant`` runs one and returns its step times, losses and
+peak memory.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from functools import partial
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -23,7 +25,8 @@ from lightning_2d.parallel.dims import destroy_process_group_at_exit
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
 from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
 from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
-from lightning_2d.tools.benchmark.settings import EXPERT_PARALLEL, LORA_VARIANT, OURS, SIMPLE_FSDP, BenchmarkSettings
+from lightning_2d.tools.benchmark.comparisons import COMPARISONS
+from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
 
 
@@ -59,18 +62,16 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, *callba
 
 
 def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[StepClock, torch.device, torch.dtype]:
-    """Variants ``lightning_2d``, ``simple_fsdp``, ``lora`` (the same with adapters, its base frozen) and
-    ``expert_parallel`` (under ``expert_parallel_size``): Trainer +
-    ``ModelParallel2DStrategy`` (its FSDP backend as the
-    variant says, ``BenchmarkSettings.strategy_kwargs``) + ``LlamaLightningModule``. The collectives of the last
-    warm-up step are counted (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
+    """Variant ``lightning_2d`` and each compared variant of it (``simple_fsdp``, ``lora``, ``expert_parallel`` …):
+    Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``, their arguments as the variant says
+    (``BenchmarkSettings.strategy_kwargs``, ``module_kwargs``). The collectives of the last warm-up step are counted
+    (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
     module = LlamaLightningModule(
         model=settings.model_args,
         init_seed=settings.seed,
         warmup_steps=lr_warmup_steps(settings),
         max_steps=settings.total_steps,
-        lora={"rank": settings.lora_rank} if variant == LORA_VARIANT else None,
-        **settings.module_options,
+        **settings.module_kwargs(variant),
     )
     strategy = ModelParallel2DStrategy(**settings.strategy_kwargs(variant))
     callback = StepClockCallback()
@@ -170,9 +171,7 @@ RUNNERS: dict[str, Callable[[BenchmarkSettings], tuple[StepClock, torch.device, 
     OURS: run_lightning_2d,
     "lightning": run_lightning,
     "plain": run_plain,
-    SIMPLE_FSDP: lambda settings: run_lightning_2d(settings, SIMPLE_FSDP),
-    LORA_VARIANT: lambda settings: run_lightning_2d(settings, LORA_VARIANT),
-    EXPERT_PARALLEL: lambda settings: run_lightning_2d(settings, EXPERT_PARALLEL),
+    **{row.name: partial(run_lightning_2d, variant=row.name) for row in COMPARISONS},
 }
 
 
