@@ -429,3 +429,24 @@ def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
     with pytest.raises(ParallelConfigError) as both:  # problems of two kinds: one ParallelConfigError listing both
         validate_parallel_dims(mixed, world_size=4, devices_per_node=4, **validation_inputs_of(moe))
     assert [p.split(" ")[0] for p in both.value.problems] == ["float8='emulate'", "LoRA"]
+
+
+def test_a_weights_storage_format_says_how_it_is_filled_kept_counted_and_checked():
+    """``ops.weights.weight_format``: what materialization, FSDP2, the finite check and the planner ask of a weight
+    instead of its type. NF4 (a DTensor's local shard too): no sentinel, gathered in parts, not finite-checked, its
+    bytes; a plain tensor the opposite, its dtype's bytes."""
+    from lightning_2d.ops.nf4 import NF4Format, nf4_bytes
+    from lightning_2d.ops.weights import PLAIN, weight_format
+
+    weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    nf4 = to_nf4_weight(weight)
+    assert isinstance(weight_format(nf4), NF4Format) and weight_format(weight) is PLAIN
+    assert (weight_format(nf4).has_sentinel, weight_format(nf4).gathers_as_one, weight_format(nf4).checks_finite) == (
+        False, False, False)
+    assert PLAIN.has_sentinel and PLAIN.gathers_as_one and PLAIN.checks_finite
+    assert weight_format(nf4).nbytes(nf4.numel(), nf4.dtype) == nf4_bytes(256 * 128, torch.float32)
+    assert PLAIN.gathered_bytes(10, torch.float32, torch.bfloat16) == 20 and PLAIN.nbytes(10, torch.float32) == 40
+    kept = weight_format(nf4).snapshot(nf4)  # the inner tensors, not a re-quantized clone
+    copy = to_nf4_weight(torch.zeros_like(weight))
+    weight_format(copy).restore_(copy, kept)
+    assert nf4_equal(copy, kept)

@@ -20,7 +20,7 @@ import torch
 from lightning_2d._compat import fake_store
 from lightning_2d.models.lora_targets import add_family_lora
 from lightning_2d.ops.lora import LoRA, quantize_lora_bases
-from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
+from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.fsdp_backend import FSDPBackend, fsdp_backend
@@ -167,7 +167,7 @@ def _shard(
             local = param.to_local() if hasattr(param, "to_local") else param
             numel += local.numel()
             trained += local.numel() if param.requires_grad else 0
-            param_bytes += nf4_bytes(local.numel(), local.dtype) if is_nf4(local) else local.numel() * local.dtype.itemsize
+            param_bytes += weight_format(local).nbytes(local.numel(), local.dtype)
         buffer_bytes = sum(b.numel() * b.dtype.itemsize for b in model.buffers())
         del model, mesh, pipeline
     return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
