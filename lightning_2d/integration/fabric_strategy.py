@@ -163,10 +163,12 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             return module
         plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         # The model's constraints (its plan, its adapters, its experts), before any collective touches it.
-        self.validate(plan=plan, **validation_inputs_of(module))
+        inputs = validation_inputs_of(module)
+        self.validate(plan=plan, **inputs)
         self.parallelized = parallelize_and_materialize(
             module, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,
+            inputs=inputs,  # the converters it asks for (its declared lora, or the adapters it was given with)
         )
         self._setup_modules.append(module)
         return module

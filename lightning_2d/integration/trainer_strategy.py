@@ -137,7 +137,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         precision = self.precision_plugin.precision
         resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
         plan = resolve_plan(module, resolved, self.strategy_options.plan)
-        self.validate(plan=plan)  # the model as built (adapters added by configure_model too), before any allocation
+        self.validate(plan=plan)  # the model as built (adapters a configure_model added too), before any allocation
         self.parallelized = parallelize_and_materialize(
             module,
             self._built_meshes(),  # the meshes built in setup_environment (expert parallelism's too)
@@ -147,6 +147,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             self.root_device,
             seed=lambda: self._init_seed(module),
             known_init_hooks=registry.known_init_hooks,
+            inputs=registry.validation_inputs_of(module),  # the converters it asks for (lora=)
         )
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()

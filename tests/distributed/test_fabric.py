@@ -141,9 +141,10 @@ def test_fabric_pipeline_with_accumulation_equals_the_single_device_loop(fabric_
 
 
 def test_lora_under_fabric_equals_the_single_device_loop_and_leaves_the_base_bit_for_bit(fabric_jobs):
-    """The Fabric recipe with ``--lora-rank 4``: adapters added to the meta model before ``fabric.setup``, the
-    optimizer over what requires gradients. At 2×2 (sequence parallel) the adapters train as on one device, the
-    gradient norms (the adapters', clipped) agree, and every frozen weight ends as it started."""
+    """The Fabric recipe with ``--lora-rank 4``: adapters declared on the meta model (``model.lora``), added by
+    ``fabric.setup`` (its converters), the optimizer over what requires gradients. At 2×2 (sequence parallel) the
+    adapters train as on one device, the gradient norms (the adapters', clipped) agree, and every frozen weight ends
+    as it started."""
     from lightning_2d.ops.lora import is_adapter_parameter
 
     _, run = fabric_jobs

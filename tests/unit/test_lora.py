@@ -403,19 +403,19 @@ def test_qlora_settings_are_recorded_only_when_set():
 
 
 def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
-    """Fabric meets a model the recipe adapted itself: the checks read its adapters' settings and experts from its
-    modules (``validation_inputs_of``), as they read a module's ``lora=``; ``add_family_lora`` refuses nothing
-    itself."""
-    from lightning_2d.models.lora_targets import add_family_lora
+    """Fabric meets a model adapted by its owner, or one declaring its adapters (``model.lora``, as the recipe does):
+    the checks read its adapters' settings and experts from its modules (``validation_inputs_of``), as they read a
+    module's ``lora=``; the adapters' converter refuses nothing itself."""
     from lightning_2d.models.llama.model import PRESETS
     from lightning_2d.models.registry import validation_inputs_of, known_plan
     from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+    from lightning_2d.parallel.converters import ModelConverters
     from lightning_2d.parallel.dims import validate_parallel_dims
 
     with torch.device("meta"):
         moe, dense = Transformer(PRESETS["debug-moe"]), Transformer(ARGS)
-    add_family_lora(moe, LoRA(rank=4))
-    add_family_lora(dense, LoRA(rank=4, quantize_base="nf4"))
+    ModelConverters.of(known_plan(moe, ParallelConfig()), {"lora": LoRA(rank=4)}).convert(moe, None)  # adapted
+    dense.lora = LoRA(rank=4, quantize_base="nf4")  # declared
     assert validation_inputs_of(moe) == {"owner": "Transformer", "lora": LoRA(rank=4), "experts": True,
                                     "supports_document_mask": False}
     config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
