@@ -14,13 +14,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
-from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
-from lightning_2d.checkpoint.subset import ADAPTERS_KEY
+from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_adapter_record
 from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
-from lightning_2d.ops.lora import LoRA, is_adapter_parameter
+from lightning_2d.ops.lora import LoRA
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
@@ -197,44 +196,30 @@ class CausalLMModule(L.LightningModule):
 
     _base_init_seed: Optional[int] = None  # the seed a single-device configure_model initialized from
 
+    def _own_checkpoint_subset(self) -> tuple[bool, Optional[TrainedSubset]]:
+        """Whether this module applies its checkpoints' subset itself (under Lightning's own strategies, which it
+        converts for; the 2D strategies' checkpoint IO applies it there), and the subset (``None``: the whole
+        model)."""
+        if getattr(self._strategy(), "materializes_meta_modules", False):
+            return False, None
+        return True, TrainedSubset.of(self._model_converters(), self.adapter_base())
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Under LoRA, the checkpoint holds the adapters only (with their optimizer state, the data position and the
-        schedule, as always) and records their settings and base (``adapter_base``): a resume rebuilds the base."""
-        if self.lora is None:
-            return
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_adapter_parameter(k)}
-        checkpoint[ADAPTERS_KEY] = {"lora": self.lora.to_dict(), "base": self.adapter_base()}
+        schedule, as always) and records their settings and base (``adapter_base``): a resume rebuilds the base.
+        The 2D strategies' checkpoint IO does this for them (``DistributedCheckpointIO.trained_subset``); under
+        Lightning's own strategies the module applies the same subset here."""
+        own, subset = self._own_checkpoint_subset()
+        if own and subset is not None:
+            subset.apply(checkpoint, "state_dict")
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Adapters trained on another base or with other settings are refused before Lightning loads them (the 2D
-        strategies check the same earlier, before reading any tensor)."""
+        strategies' checkpoint IO checks the same earlier, before reading any tensor)."""
         record = checkpoint.get(ADAPTERS_KEY)
-        if record is not None:
-            self.check_adapter_checkpoint(record, Path("<the checkpoint>"))
-
-    def check_adapter_checkpoint(self, record: dict[str, Any], path: Path) -> None:
-        """Refuse (before anything is loaded) adapters trained with other settings or on another base."""
-        problems = []
-        saved_lora, lora = record.get("lora") or {}, self.lora.to_dict() if self.lora is not None else None
-        if lora is None:
-            problems.append(f"it holds LoRA adapters ({saved_lora}) and no base, but this module has no lora=; pass"
-                            f" lora={saved_lora} and the base's init_from, or export it merged first")
-        else:
-            changed = {k: (saved_lora.get(k), v) for k, v in lora.items() if k != "dropout" and saved_lora.get(k) != v}
-            problems += [f"lora.{k} was {old!r}, is {new!r}" for k, (old, new) in changed.items()]
-            saved_base, base = record.get("base") or {}, self.adapter_base()
-            if saved_base.get("init_from") != base["init_from"]:
-                problems.append(f"its adapters were trained on init_from={saved_base.get('init_from')!r}; this run's"
-                                f" base is init_from={base['init_from']!r}")
-            elif base["init_from"] is None and saved_base.get("init_seed") != base["init_seed"]:
-                problems.append(f"its adapters were trained on the base initialized from seed"
-                                f" {saved_base.get('init_seed')}; this run's base is from seed {base['init_seed']}: set"
-                                f" init_seed={saved_base.get('init_seed')}")
-        if problems:
-            raise CheckpointError(
-                f"Checkpoint {path} holds LoRA adapters that do not belong to this run:\n  - " + "\n  - ".join(problems)
-                + "\nResume with the settings and base it was saved with (nothing was loaded)."
-            )
+        own, subset = self._own_checkpoint_subset()
+        if record is not None and own:
+            check_adapter_record(record, subset, Path("<the checkpoint>"))
 
     @property
     def vocab_size(self) -> int:
