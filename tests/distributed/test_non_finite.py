@@ -68,8 +68,10 @@ def test_the_timeout_reaches_every_process_group_of_the_mesh(jobs):
     result = jobs.run("nan_grad_skip", "fit", config)  # the same launch as above
     for rank in range(4):
         timeouts = result.rank_output(rank)["group_timeouts"]
-        # Every named mesh (the root's size-1 pipeline and context dimensions, the flattened ones) has it.
+        # Every named mesh (the root's size-1 pipeline and context dimensions, the flattened ones, the expert meshes,
+        # which always exist: aliases at expert parallel size 1) has it.
         assert timeouts == dict.fromkeys(
             ["pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
-             "tensor_parallel", "data_parallel", "data_context_parallel", "data_shard_context_parallel"], "0:00:45"
+             "tensor_parallel", "data_parallel", "data_context_parallel", "data_shard_context_parallel",
+             "expert_parallel", "expert_data_replicate", "expert_data_shard"], "0:00:45"
         ), (rank, timeouts)
