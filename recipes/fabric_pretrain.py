@@ -34,7 +34,7 @@ from lightning_2d.checkpoint import latest_checkpoint
 from lightning_2d.fabric import ModelParallel2DStrategy
 from lightning_2d.integration.callbacks import ThroughputMeter, compute_dtype_of, reset_peak_memory, synchronize
 from lightning_2d.integration.module import warmup_cosine_schedule
-from lightning_2d.models.lora_targets import add_family_lora
+from lightning_2d.models.registry import materialize_known_model
 from lightning_2d.parallel.config import PIPELINE_SCHEDULES
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.expert import LoadBalancing
@@ -130,13 +130,13 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     model_args = ModelArgs.from_name(args.model)
     data.check_model(model_args.vocab_size)
     sharded = isinstance(fabric.strategy, ModelParallel2DStrategy)
-    with fabric.init_module(empty_init=sharded):
-        model = Transformer(model_args)  # 2D: on the meta device, nothing is allocated yet
-    if args.lora_rank:  # adapters beside the projections, everything else frozen (before setup: TP places them)
-        add_family_lora(model, LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
-    if not sharded:  # a plain single-device loop: the same seeded values the 2D strategy gives each shard
-        model.init_weights(args.seed)
-    model = fabric.setup(model)  # 2D: TP/SP plan → AC → compile → FSDP2, then each rank's shards
+    with fabric.init_module(empty_init=True), torch.device("meta"):
+        model = Transformer(model_args)  # on the meta device, nothing is allocated yet
+    if args.lora_rank:  # declared: fabric.setup adds the adapters beside the projections, everything else frozen
+        model.lora = LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+    if not sharded:  # a plain single-device loop: what fabric.setup does on one device, the same seeded values
+        materialize_known_model(model, fabric.device, seed=args.seed)
+    model = fabric.setup(model)  # 2D: adapters → TP/SP plan → AC → compile → FSDP2, then each rank's shards
     # Under pipeline parallelism the strategy keeps the pipeline of the model's stages, stepped below.
     pipeline = fabric.strategy.pipeline if sharded else None
     trained = [p for p in model.parameters() if p.requires_grad]  # under LoRA the adapters only

@@ -15,6 +15,11 @@ alone. Unlike a plain ``CheckpointIO`` (called on rank 0), each of its methods i
   load at the same layout;
 - ``remove_checkpoint`` and ``teardown`` wait for the write in flight.
 
+Under LoRA a checkpoint holds part of the model (``trained_subset``: the adapters, their record), which the strategy
+sets once it converted the model (``parallel.converters``): ``save_checkpoint`` and ``state_dicts`` keep that part,
+``adapters_to_load`` checks a checkpoint's record against it before anything is read and ``load_trained`` reads the
+part a checkpoint holds, for the Trainer's and Fabric's save and resume alike.
+
 Every state-dict path, save and load, of both strategies runs through ``state_dict_call`` (Fabric's save state
 through ``state_dicts``), the one place that enters the FSDP backend's ``state_access()``: torch's state-dict APIs
 ``getattr`` down to every parameter, and a backend whose parameters are gathered on use would gather there.
@@ -40,6 +45,13 @@ from lightning_2d.checkpoint.names import METADATA_FILE
 from lightning_2d.checkpoint.resolution import may_fall_back, resolve_and_check
 from lightning_2d.checkpoint.rng import restore_random_state
 from lightning_2d.checkpoint.safe_load import check_weights_only, load_checkpoint_file
+from lightning_2d.checkpoint.subset import (
+    ADAPTERS_KEY,
+    TrainedSubset,
+    adapter_record,
+    check_adapter_record,
+    load_trained_subset,
+)
 from lightning_2d.checkpoint.writer import make_writer, remove_path, save_full_checkpoint
 from lightning_2d.parallel.modules import canonical_name
 
@@ -78,6 +90,9 @@ class DistributedCheckpointIO(CheckpointIO):
         self.barrier, self.broadcast = barrier, broadcast
         self.sharded, self.layout = sharded, layout
         self.writer = make_writer(global_rank, barrier, sharded, async_save)
+        #: What a checkpoint of the model holds when not all of it (LoRA's adapters and their record:
+        #: ``checkpoint.subset.TrainedSubset``), set by the strategy once the model is converted; ``None``: all of it.
+        self.trained_subset: Optional[TrainedSubset] = None
 
     # ---- the model's and optimizers' state ----------------------------------------------------------
     def state_dict_call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -90,7 +105,8 @@ class DistributedCheckpointIO(CheckpointIO):
     def state_dicts(self, state: dict[str, Any], module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
         """Fabric's save state split as ``save`` takes it: the tensors (``module``'s state dict under its key, each
         optimizer's over ``module`` under its own; sharded, or full on rank 0, on CPU) and the metadata (every other
-        object's ``state_dict()``, or the object)."""
+        object's ``state_dict()``, or the object). Under ``trained_subset`` the module's tensors are that part and the
+        metadata holds its record."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -106,6 +122,9 @@ class DistributedCheckpointIO(CheckpointIO):
             for key, obj in state.items():
                 if isinstance(obj, nn.Module):
                     tensors[key] = get_model_state_dict(obj, options=options)
+                    if self.trained_subset is not None:
+                        tensors[key] = self.trained_subset.state_dict(tensors[key])
+                        metadata[ADAPTERS_KEY] = self.trained_subset.record
                 elif isinstance(obj, Optimizer):
                     tensors[key] = get_optimizer_state_dict(module, obj, options=options)
                 else:
@@ -123,8 +142,11 @@ class DistributedCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        """Lightning's checkpoint dict: ``state_dict`` and ``optimizer_states`` are the tensors, the rest metadata."""
+        """Lightning's checkpoint dict: ``state_dict`` and ``optimizer_states`` are the tensors, the rest metadata
+        (under ``trained_subset``: that part of the model's state, and its record)."""
         path = self.path_to_save(path, storage_options)
+        if self.trained_subset is not None:
+            self.trained_subset.apply(checkpoint, "state_dict")
         if not self.sharded:
             self.save(checkpoint, {}, path)
             return
@@ -186,6 +208,23 @@ class DistributedCheckpointIO(CheckpointIO):
         strategies load tensors in place (DCP), into the model and optimizers they hold."""
         check_weights_only(weights_only, path)
         return self.read_metadata(self.resolve(path))
+
+    def adapters_to_load(self, path: Path, record: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+        """The adapters record of the checkpoint at ``path`` (a sharded folder's, or ``record`` when given: a full
+        file's), ``None`` for a checkpoint of the whole model; a record of adapters that do not belong to this run
+        (other settings, another base, or no adapters here: ``trained_subset``) is refused now, on every rank, before
+        any tensor is read."""
+        if record is None:
+            record = adapter_record(path) if Path(path).is_dir() else None
+        if record is not None:
+            check_adapter_record(record, self.trained_subset, path)
+        return record
+
+    def load_trained(self, path: Path, key: str, module: nn.Module, optimizers: dict[str, Any]) -> dict[str, Any]:
+        """Load a sharded checkpoint of part of ``module`` (LoRA's adapters, ``adapters_to_load``): the tensors it holds
+        under ``key`` and each optimizer's state under its own key (``checkpoint.subset.load_trained_subset``); return
+        its metadata."""
+        return self.state_dict_call(load_trained_subset, path, key, module, optimizers)
 
     def check_fits(self, path: Path, key: str, module: nn.Module, strict: bool = True, pipelined: bool = False,
                    trained_only: bool = False) -> None:

@@ -10,7 +10,8 @@ the plan itself (the Llama plan for a ``Transformer``, the module's ``parallel_p
 a ``plan=``), through ``lightning_2d.parallel.parallelize_and_materialize`` — the function the
 Trainer strategy calls. A custom ``parallelize_fn(module, device_mesh)`` is still accepted.
 Checkpoints (``fabric.save``/``fabric.load``) go through ``DistributedCheckpointIO``: complete or
-ignored, resumable at another layout, optionally written in the background.
+ignored, resumable at another layout, optionally written in the background; under LoRA they hold the adapters only
+(with their settings and base), as the Trainer's do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -28,6 +30,7 @@ from typing_extensions import override
 
 from lightning_2d._compat import backward_sync_control_class, is_stateful
 from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
+from lightning_2d.checkpoint.subset import ADAPTERS_KEY
 from lightning_2d.integration.strategy_options import takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision
 from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2DBase
@@ -160,14 +163,17 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
             materialize_model(module, self.root_device, seed=self._init_seed(module))
+            self.distributed_checkpoint_io.trained_subset = None  # converted by nobody: checkpoints hold all of it
             return module
         plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         # The model's constraints (its plan, its adapters, its experts), before any collective touches it.
-        self.validate(plan=plan, **validation_inputs_of(module))
-        self.parallelized = parallelize_and_materialize(
+        inputs = validation_inputs_of(module)
+        self.validate(plan=plan, **inputs)
+        self._keep_parallelized(module, parallelize_and_materialize(
             module, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,
-        )
+            inputs=inputs,  # the converters it asks for (its declared lora, or the adapters it was given with)
+        ))
         self._setup_modules.append(module)
         return module
 
@@ -202,7 +208,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """``fabric.save``: a sharded folder (default) or a full file; complete or recognisably incomplete."""
+        """``fabric.save``: a sharded folder (default) or a full file; complete or recognisably incomplete. Under LoRA
+        the model's state is its adapters (``DistributedCheckpointIO.trained_subset``)."""
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support filtered checkpoints")
         io = self.distributed_checkpoint_io
@@ -224,12 +231,20 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout; weights-only."""
+        """``fabric.load``: falls back from an incomplete checkpoint; reshards to the current layout; weights-only. An
+        adapters-only checkpoint (LoRA) is checked against this run's adapters and base, then only its tensors are
+        read."""
         check_weights_only(weights_only, path)  # every load is weights-only: False is refused, not ignored
         # Digests checked for what the load reads: the modules' and optimizers' entries (a full file: all of it).
         parts = state if isinstance(state, dict) else {}
         loaded = [key for key, obj in parts.items() if isinstance(obj, (nn.Module, Optimizer))]
         resolved = self._checkpoint_to_load(path, prefixes=tuple(f"{key}." for key in loaded) or None)
+        io = self.distributed_checkpoint_io
+        # An adapters-only checkpoint (LoRA): its base is this run's own (the seeded init), which must be the one it
+        # was trained on; refused before anything is read otherwise. (A full file's record is read when this run
+        # trains adapters: a run without them is refused its missing tensors by Lightning's loader.)
+        full = io.read_metadata(resolved) if not resolved.is_dir() and io.trained_subset is not None else None
+        adapters = io.adapters_to_load(resolved, full.get(ADAPTERS_KEY) if full is not None else None)
         # Fabric's loader puts the saved state dict in place of a stateful object (an LR scheduler, a
         # data loader); give the object its state instead.
         stateful = {}
@@ -240,17 +255,49 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         if isinstance(state, dict):
             for key, obj in state.items():
                 if isinstance(obj, nn.Module):
-                    self._check_checkpoint_fits(resolved, key, obj, strict=strict)
-        with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
-            remainder = self.distributed_checkpoint_io.state_dict_call(
-                super().load_checkpoint, resolved, state, strict=strict, weights_only=True)
+                    self._check_checkpoint_fits(resolved, key, obj, strict=strict, trained_only=adapters is not None)
+        if adapters is not None and isinstance(state, dict) and resolved.is_dir():
+            remainder = self._load_trained(resolved, state, strict)
+        else:
+            if full is not None and adapters is not None and strict and isinstance(state, dict):
+                _require_keys(state, full)  # a full file of the adapters: the model's other tensors are not in it
+            with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
+                remainder = io.state_dict_call(super().load_checkpoint, resolved, state,
+                                               strict=strict and adapters is None, weights_only=True)
         for key, obj in stateful.items():
             if isinstance(state, dict) and state.get(key) is not obj:
                 obj.load_state_dict(state[key])
                 state[key] = obj
         saved = remainder.pop("lightning_2d", None) if isinstance(remainder, dict) else None
-        self.distributed_checkpoint_io.restore_random_state(resolved, saved)
+        io.restore_random_state(resolved, saved)
         return remainder
+
+    def _load_trained(self, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """An adapters-only sharded checkpoint into ``state``, as Lightning's loader fills it: the model's tensors the
+        checkpoint holds and each optimizer's state (``DistributedCheckpointIO.load_trained``), the other requested
+        objects from its metadata; returns the metadata not requested."""
+        modules = {key: obj for key, obj in state.items() if isinstance(obj, nn.Module)}
+        if len(modules) != 1:
+            raise ValueError(f"fabric.load needs exactly one model in the state (got {len(modules)}):"
+                             " state={'model': model, ...}")
+        (key, module), = modules.items()
+        optimizers = {k: obj for k, obj in state.items() if isinstance(obj, Optimizer)}
+        metadata = self.distributed_checkpoint_io.load_trained(path, key, module, optimizers)
+        requested = [k for k in state if k not in modules and k not in optimizers]
+        if strict:
+            _require_keys({k: state[k] for k in requested}, metadata)
+        for name in requested:
+            if name in metadata:
+                state[name] = metadata.pop(name)
+        return metadata
+
+
+def _require_keys(state: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+    """Lightning's strict load: every object of ``state`` but the model and its optimizers is in the checkpoint."""
+    missing = [k for k, obj in state.items() if not isinstance(obj, (nn.Module, Optimizer)) and k not in checkpoint]
+    if missing:
+        raise KeyError(f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
+                       " To disable strict loading, set `strict=False`.")
 
 
 if STRATEGY_NAME not in STRATEGY_REGISTRY:

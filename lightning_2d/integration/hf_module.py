@@ -18,7 +18,6 @@ from lightning_2d._compat import trainer_of
 from lightning_2d.integration.module import CausalLMModule
 from lightning_2d.models.hf_decoders import (
     hf_moe_layers,
-    HFDecoderInit,
     check_hf_decoder,
     hf_validation_inputs,
     hf_config_problems,
@@ -26,7 +25,8 @@ from lightning_2d.models.hf_decoders import (
     load_hf_config,
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
-from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
+from lightning_2d.ops.init import module_init_specs
+from lightning_2d.ops.lora import LoRA
 from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.parallel.modules import canonical_name
 
@@ -90,7 +90,7 @@ class HFCausalLMModule(CausalLMModule):
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
         # any process starts.
         if init_from is not None or lora_init_from is not None or self.lora is not None:
-            self.model = self.build_model()
+            self.model = self._converted(self.build_model())
             self.weights_source()
             self.model = None
 
@@ -111,8 +111,10 @@ class HFCausalLMModule(CausalLMModule):
 
         init_from = self.hparams.get("init_from")
         assert self.model is not None
+        # What the files hold: every parameter but those their module initializes itself (LoRA's adapters).
+        own = {canonical_name(n) for n in module_init_specs(self.model)}
         expected = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
-                    if not is_adapter_parameter(n)}
+                    if canonical_name(n) not in own}
         if not init_from:
             base = None
         elif hf_moe_layers(self.hf_config):  # transformers' fused experts, from fused or per-expert files
@@ -130,29 +132,17 @@ class HFCausalLMModule(CausalLMModule):
                 self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
             )
         check_hf_decoder(model)
-        self._add_lora(model)
         return model
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        model = self.build_model()
-        trainer = trainer_of(self)
-        strategy = trainer.strategy if trainer is not None else None
-        if getattr(strategy, "materializes_meta_modules", False):
-            self.model = model  # parallelized, then allocated shard by shard, by the strategy
-            return
-        # One device (the parity reference): the same materialization, the whole of each tensor.
-        from lightning_2d.parallel.materialize import materialize_model
-
-        self.model = model
-        device = strategy.root_device if strategy is not None else torch.device("cpu")
-        seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
-        if strategy is not None and strategy.world_size > 1:
-            seed = strategy.broadcast(seed)
-        self._base_init_seed = seed
-        quantize_lora_bases(model, device)  # QLoRA: meta NF4 bases, filled from the whole weights by materialize_model
-        materialize_model(model, device, seed=seed, weights=self.weights_source(), init_hooks=[self, HFDecoderInit(model)])
+        # Converted, parallelized, then allocated shard by shard by the 2D strategy; on one device (the parity
+        # reference) the same conversion and materialization, the whole of each tensor.
+        self.model = self.build_model()
+        strategy = getattr(trainer_of(self), "strategy", None)
+        if not getattr(strategy, "materializes_meta_modules", False):
+            self._configure_on_one_device()
 
     #: Packed documents (``document_mask``, ``ChatDataModule(pack=True)``) are kept apart by transformers itself:
     #: given ``position_ids`` that restart and no attention mask, its mask builder attends within each document

@@ -14,20 +14,21 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
-from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
-from lightning_2d.checkpoint.subset import ADAPTERS_KEY
-from lightning_2d.models.lora_targets import add_family_lora
+from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_adapter_record
+from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
-from lightning_2d.ops.init import WithOwnInit, module_init_specs
-from lightning_2d.ops.lora import LoRA, is_adapter_parameter, quantize_lora_bases
+from lightning_2d.ops.init import module_init_specs
+from lightning_2d.ops.lora import LoRA
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
+from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.expert import LoadBalancing
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.modules import canonical_name
+from lightning_2d.parallel.parallelize import convert_and_materialize
 from lightning_2d.parallel.pipeline import Pipeline
 
 
@@ -145,14 +146,43 @@ class CausalLMModule(L.LightningModule):
                              " (adapter_config.json's base_model_name_or_path names it)")
         from lightning_2d.checkpoint.hf.lora import BaseWithPeftAdapters, PeftAdapterWeights
 
-        expected = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters() if is_adapter_parameter(n)}
+        # The adapters: the parameters their module initializes itself (no base holds them).
+        own = {canonical_name(n) for n in module_init_specs(model)}
+        expected = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters() if canonical_name(n) in own}
         return BaseWithPeftAdapters(base, PeftAdapterWeights(Path(folder), self.lora, args, expected))
 
-    def _add_lora(self, model: torch.nn.Module) -> None:
-        """With ``lora=``: adapters on ``model``'s targeted projections, everything else frozen
-        (``models.lora_targets.add_family_lora``)."""
-        if self.lora is not None:
-            add_family_lora(model, self.lora)
+    # ---- model converters (``parallel.converters``: ``lora=``'s adapters, QLoRA's NF4 bases) --------------------
+    def _model_converters(self) -> ModelConverters:
+        """The model converters this module asks for (what ``validation_inputs`` says: its ``lora=``), made with its
+        plan; the strategies apply them (``parallelize_and_materialize``), one device ``configure_model`` does."""
+        return ModelConverters.of(self._own_plan(), self.validation_inputs())
+
+    def _own_plan(self) -> ParallelPlan:
+        """The plan this module gives its model (the family's facts the converters read), layout aside."""
+        return registry.resolve_plan(self, ParallelConfig(), None)
+
+    def _converted(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (on the meta device) with the parameters its converters add (``lora=``'s adapters), to check the
+        settings against it and read their names: the layout is not known (``shards=None``)."""
+        self._model_converters().convert(model, None)
+        return model
+
+    def _configure_on_one_device(self) -> None:
+        """Without the 2D strategy (one device: the parity reference): ``self.model`` (built on the meta device)
+        converted and materialized as the strategies do, without the parallelism, with the same values."""
+        trainer = trainer_of(self)
+        strategy = trainer.strategy if trainer is not None else None
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
+        seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
+        if strategy is not None and strategy.world_size > 1:
+            seed = strategy.broadcast(seed)
+        self._base_init_seed = seed
+        try:
+            convert_and_materialize(self, self._own_plan(), device, seed, self.validation_inputs(),
+                                    registry.known_init_hooks)
+        except BaseException:
+            self.model = None  # not built: configure_model builds it again
+            raise
 
     # ---- adapters-only checkpoints ------------------------------------------------------------
     def adapter_base(self) -> dict[str, Any]:
@@ -166,44 +196,30 @@ class CausalLMModule(L.LightningModule):
 
     _base_init_seed: Optional[int] = None  # the seed a single-device configure_model initialized from
 
+    def _own_checkpoint_subset(self) -> tuple[bool, Optional[TrainedSubset]]:
+        """Whether this module applies its checkpoints' subset itself (under Lightning's own strategies, which it
+        converts for; the 2D strategies' checkpoint IO applies it there), and the subset (``None``: the whole
+        model)."""
+        if getattr(self._strategy(), "materializes_meta_modules", False):
+            return False, None
+        return True, TrainedSubset.of(self._model_converters(), self.adapter_base())
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Under LoRA, the checkpoint holds the adapters only (with their optimizer state, the data position and the
-        schedule, as always) and records their settings and base (``adapter_base``): a resume rebuilds the base."""
-        if self.lora is None:
-            return
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_adapter_parameter(k)}
-        checkpoint[ADAPTERS_KEY] = {"lora": self.lora.to_dict(), "base": self.adapter_base()}
+        schedule, as always) and records their settings and base (``adapter_base``): a resume rebuilds the base.
+        The 2D strategies' checkpoint IO does this for them (``DistributedCheckpointIO.trained_subset``); under
+        Lightning's own strategies the module applies the same subset here."""
+        own, subset = self._own_checkpoint_subset()
+        if own and subset is not None:
+            subset.apply(checkpoint, "state_dict")
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Adapters trained on another base or with other settings are refused before Lightning loads them (the 2D
-        strategies check the same earlier, before reading any tensor)."""
+        strategies' checkpoint IO checks the same earlier, before reading any tensor)."""
         record = checkpoint.get(ADAPTERS_KEY)
-        if record is not None:
-            self.check_adapter_checkpoint(record, Path("<the checkpoint>"))
-
-    def check_adapter_checkpoint(self, record: dict[str, Any], path: Path) -> None:
-        """Refuse (before anything is loaded) adapters trained with other settings or on another base."""
-        problems = []
-        saved_lora, lora = record.get("lora") or {}, self.lora.to_dict() if self.lora is not None else None
-        if lora is None:
-            problems.append(f"it holds LoRA adapters ({saved_lora}) and no base, but this module has no lora=; pass"
-                            f" lora={saved_lora} and the base's init_from, or export it merged first")
-        else:
-            changed = {k: (saved_lora.get(k), v) for k, v in lora.items() if k != "dropout" and saved_lora.get(k) != v}
-            problems += [f"lora.{k} was {old!r}, is {new!r}" for k, (old, new) in changed.items()]
-            saved_base, base = record.get("base") or {}, self.adapter_base()
-            if saved_base.get("init_from") != base["init_from"]:
-                problems.append(f"its adapters were trained on init_from={saved_base.get('init_from')!r}; this run's"
-                                f" base is init_from={base['init_from']!r}")
-            elif base["init_from"] is None and saved_base.get("init_seed") != base["init_seed"]:
-                problems.append(f"its adapters were trained on the base initialized from seed"
-                                f" {saved_base.get('init_seed')}; this run's base is from seed {base['init_seed']}: set"
-                                f" init_seed={saved_base.get('init_seed')}")
-        if problems:
-            raise CheckpointError(
-                f"Checkpoint {path} holds LoRA adapters that do not belong to this run:\n  - " + "\n  - ".join(problems)
-                + "\nResume with the settings and base it was saved with (nothing was loaded)."
-            )
+        own, subset = self._own_checkpoint_subset()
+        if record is not None and own:
+            check_adapter_record(record, subset, Path("<the checkpoint>"))
 
     @property
     def vocab_size(self) -> int:
@@ -442,7 +458,7 @@ class LlamaLightningModule(CausalLMModule):
             self.weights_source()
         if self.lora is not None:  # the targets (and the model's kind) against the model now (a meta build: no memory)
             with torch.device("meta"):
-                self._add_lora(Transformer(self.model_args))
+                self._converted(Transformer(self.model_args))
 
     @property
     def vocab_size(self) -> int:
@@ -456,8 +472,7 @@ class LlamaLightningModule(CausalLMModule):
         if not self.hparams.get("lora_init_from"):
             return base
         with torch.device("meta"):  # the adapters' names and shapes
-            model = Transformer(self.model_args)
-        self._add_lora(model)
+            model = self._converted(Transformer(self.model_args))
         return self._with_lora_init(base, model, self.model_args)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -504,27 +519,12 @@ class LlamaLightningModule(CausalLMModule):
                 " gathers the logits (each rank works on its vocabulary slice) whatever the option. Drop"
                 " loss_parallel, or use fused_loss=False to compute the loss from vocabulary-sharded logits."
             )
-        if getattr(strategy, "materializes_meta_modules", False):
-            # The 2D strategy parallelizes the empty model, then allocates only each rank's shards.
-            with torch.device("meta"):
-                self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
-            self._add_lora(self.model)
-            return
-        device = strategy.root_device if strategy is not None else torch.device("cpu")
-        seed = self.init_seed if self.init_seed is not None else torch.initial_seed()
-        if strategy is not None and strategy.world_size > 1:
-            seed = strategy.broadcast(seed)
-        self._base_init_seed = seed
-        with torch.device(device):
-            model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
-        self._add_lora(model)
-        source = self.weights_source()
-        if source is not None:
-            model.load_blocks(WithOwnInit(source, module_init_specs(model), seed))  # the adapters: their own init
-        else:
-            model.init_weights(seed)
-        quantize_lora_bases(model)  # QLoRA: the frozen bases in NF4, quantized from their initial values
-        self.model = model
+        # The empty model: the 2D strategy converts and parallelizes it, then allocates only each rank's shards; on
+        # one device the same conversion, then the whole tensors (the same values).
+        with torch.device("meta"):
+            self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
+        if not getattr(strategy, "materializes_meta_modules", False):
+            self._configure_on_one_device()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first (the Trainer does)"

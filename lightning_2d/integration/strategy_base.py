@@ -22,7 +22,10 @@ FSDP backend           ``parallel.fsdp_backend`` (an object: what     resolved o
                                                                       sync entered during accumulation
 checkpoint IO          ``integration.checkpoint_io`` (a Lightning     ``setup_environment`` creates it; the
                        ``CheckpointIO``)                              strategies' save/load/remove delegate,
-                                                                      every state-dict path through it
+                                                                      every state-dict path through it; what a
+                                                                      checkpoint keeps of a converted model
+                                                                      (LoRA's adapters) handed to it once the
+                                                                      model is parallelized
 pipeline               ``parallel.pipeline`` (stepped by the          kept after parallelizing (``parallelized``):
                        LightningModule or the Fabric loop)            read by the module, the loop, the precision
                                                                       plugin (clipping spans the stages)
@@ -52,6 +55,7 @@ from lightning_2d._compat import (
 )
 from lightning_2d.checkpoint.integrity import Integrity
 from lightning_2d.checkpoint.rng import layout_of
+from lightning_2d.checkpoint.subset import TrainedSubset
 from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.strategy_options import split_options, takes_options
@@ -340,6 +344,15 @@ class ModelParallel2DBase(LightningStrategyMembers):
         # Handed to the precision plugin at construction: it asks when clipping (or refusing fabric.backward),
         # so nothing is pushed into it once the model is parallelized.
         return self.pipeline
+
+    def _keep_parallelized(self, owner: Any, parallelized: Parallelized) -> None:
+        """Keep what ``parallelize_and_materialize`` made of ``owner``'s model, and hand the checkpoint IO what a
+        checkpoint of it keeps (its converters' subset: LoRA's adapters, with their settings and base: ``init_from``
+        or the seed of its init, as ``owner.adapter_base()`` says if it can)."""
+        self.parallelized = parallelized
+        base_of = getattr(owner, "adapter_base", None)
+        base = base_of() if callable(base_of) else {"init_from": None, "init_seed": parallelized.init_seed}
+        self.distributed_checkpoint_io.trained_subset = TrainedSubset.of(parallelized.converters, base)
 
     def _init_seed(self, owner: Any = None) -> int:
         """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""

@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_2d._compat import optimizers_to_device, set_module_mesh, trainer_of, trainer_precision_plugin
-from lightning_2d.checkpoint.subset import adapter_record, load_trained_subset
 from lightning_2d.checkpoint.safe_load import check_weights_only, trusted_globals
 from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.launcher import ValidatingLauncher
@@ -137,8 +136,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         precision = self.precision_plugin.precision
         resolved = self.parallel_config.resolve_dtypes(precision)  # the plan may read the dtypes
         plan = resolve_plan(module, resolved, self.strategy_options.plan)
-        self.validate(plan=plan)  # the model as built (adapters added by configure_model too), before any allocation
-        self.parallelized = parallelize_and_materialize(
+        self.validate(plan=plan)  # the model as built (adapters a configure_model added too), before any allocation
+        self._keep_parallelized(module, parallelize_and_materialize(
             module,
             self._built_meshes(),  # the meshes built in setup_environment (expert parallelism's too)
             self.parallel_config,
@@ -147,7 +146,8 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             self.root_device,
             seed=lambda: self._init_seed(module),
             known_init_hooks=registry.known_init_hooks,
-        )
+            inputs=registry.validation_inputs_of(module),  # the converters it asks for (lora=)
+        ))
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 
@@ -196,17 +196,13 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         path = self._checkpoint_to_load(checkpoint_path, prefixes=None if fitting else ("state_dict.",))
         # An adapters-only checkpoint (LoRA): its base is the module's own (init_from, or the seeded init), which must
         # be the one it was trained on; only the adapters and their optimizer state are read.
-        adapters = adapter_record(path) if path.is_dir() else None
-        if adapters is not None:
-            check = getattr(self.lightning_module, "check_adapter_checkpoint", None)
-            if callable(check):
-                check(adapters, path)
+        io = self.distributed_checkpoint_io
+        adapters = io.adapters_to_load(path)
         self._check_checkpoint_fits(path, "state_dict", self.lightning_module, strict=self.lightning_module.strict_loading,
                                     trained_only=adapters is not None)
-        io = self.distributed_checkpoint_io
         if adapters is not None:
             optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)} if fitting else {}
-            metadata = io.state_dict_call(load_trained_subset, path, "state_dict", self.model, optimizers)
+            metadata = io.load_trained(path, "state_dict", self.model, optimizers)
         else:
             with trusted_globals():  # Lightning's own torch.load of meta.pt (or the full file), weights-only
                 metadata = io.state_dict_call(super().load_checkpoint, path, weights_only=True)

@@ -45,6 +45,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from lightning_2d.models.lora_targets import HF_TARGETS, LLAMA_TO_HF
 from lightning_2d.ops.init import InitSpec
 from lightning_2d.ops.moe import HF_MOE_TYPES, MoEArgs, is_sparse_block
 from lightning_2d.parallel.checks import check
@@ -199,6 +200,8 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         tied_weights=(("model.embed_tokens.weight", "lm_head.weight"),)
         if getattr(hf_config, "tie_word_embeddings", False) else (),
         whole_experts=hf_config.model_type if moe_layers else None,  # WholeOnEachRank: expert parallelism refused
+        adapter_targets=HF_TARGETS,  # transformers' names; ours accepted
+        adapter_aliases=LLAMA_TO_HF,
     )
 
 

@@ -1,11 +1,14 @@
 """What the library knows of a model given without a plan: its family's plan (our Llama ``Transformer``,
 a Hugging Face Llama-family decoder), init hooks and the checks' inputs; ``resolve_plan`` picks the plan the
-strategies apply, ``validation_inputs_of`` what the registered checks may read of the module or model trained."""
+strategies apply, ``validation_inputs_of`` what the registered checks (and the model converters) may read of the
+module or model trained; ``materialize_known_model`` does on one device what the Fabric strategy does to such a
+model."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_2d.models.llama.model import Transformer
@@ -13,6 +16,7 @@ from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.ops.lora import LoRA, lora_of
 from lightning_2d.ops.moe import MoE
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.parallelize import convert_and_materialize
 
 
 def is_hf_model(model: Any) -> bool:
@@ -78,3 +82,12 @@ def validation_inputs_of(owner: Any) -> dict[str, Any]:
         "experts": has_experts(owner),
         "supports_document_mask": bool(getattr(owner, "supports_document_mask", False)),
     }
+
+
+def materialize_known_model(model: nn.Module, device: torch.device, seed: int) -> None:
+    """One device (a plain single-device Fabric loop, the reference of the 2D one): what the Fabric strategy's
+    ``setup`` does to ``model`` (on the meta device, a family this library knows), without the parallelism: the model
+    converters it asks for (its declared ``lora``: ``validation_inputs_of``) applied with its family's plan, then its
+    tensors allocated on ``device`` and initialized from ``seed``, with the values every layout gives it."""
+    plan = known_plan(model, ParallelConfig()) or ParallelPlan(module="")
+    convert_and_materialize(model, plan, device, seed, validation_inputs_of(model), known_init_hooks)

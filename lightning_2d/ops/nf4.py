@@ -142,5 +142,39 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight()
 
 
-__all__ = ["NF4_BLOCK_SIZE", "NF4_GROUP", "NF4_SCALER_BLOCK_SIZE", "QUANTIZATIONS", "dequantize", "fill_nf4_", "is_nf4",
-           "nf4_bytes", "nf4_equal", "nf4_problem", "nf4_shard_problem", "nf4_state", "restore_nf4_", "to_nf4_weight"]
+class NF4Format:
+    """An ``NF4Tensor`` weight as ``lightning_2d.ops.weights.WeightFormat``: no sentinel value (4-bit codes), filled by
+    quantizing the whole weight and keeping this rank's rows (``fill_nf4_``), kept as its inner tensors (``clone()``
+    would quantize its dequantized values again), about 0.52 bytes an element (gathered as such: torchao's all-gather
+    moves the codes, scalers and factors, three all-gather inputs), and left out of the finite check (frozen codes;
+    torchao has no norm of them)."""
+
+    has_sentinel = False
+    checks_finite = False
+    gathers_as_one = False
+
+    def matches(self, local: torch.Tensor) -> bool:
+        return is_nf4(local)
+
+    def fill_(self, local: torch.Tensor, fill_block: Any, global_shape: tuple[int, ...],
+              offset: Optional[tuple[int, ...]], device: torch.device) -> None:
+        # One full weight in its dtype is allocated at a time.
+        full = torch.empty(global_shape, dtype=local.dtype, device=device)
+        fill_block(full, None)  # the whole weight
+        fill_nf4_(local, full, offset[0] if offset is not None else None)
+
+    def snapshot(self, local: torch.Tensor) -> dict[str, torch.Tensor]:
+        return nf4_state(local)
+
+    def restore_(self, local: torch.Tensor, snapshot: dict[str, torch.Tensor]) -> None:
+        restore_nf4_(local, snapshot)
+
+    def nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        return nf4_bytes(numel, dtype)
+
+    def gathered_bytes(self, numel: int, dtype: torch.dtype, gather_dtype: torch.dtype) -> int:
+        return nf4_bytes(numel, dtype)  # FSDP's param_dtype aside: the codes are gathered as stored
+
+
+__all__ = ["NF4Format", "NF4_BLOCK_SIZE", "NF4_GROUP", "NF4_SCALER_BLOCK_SIZE", "QUANTIZATIONS", "dequantize", "fill_nf4_",
+           "is_nf4", "nf4_bytes", "nf4_equal", "nf4_problem", "nf4_shard_problem", "nf4_state", "restore_nf4_", "to_nf4_weight"]

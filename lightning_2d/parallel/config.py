@@ -780,6 +780,12 @@ class ParallelPlan:
             exchanged around it). The modules named are FSDP-sharded by themselves over the experts' mesh
             (``ParallelMeshes.expert_fsdp``). Empty: the model's experts cannot be split (``expert_parallel_size >
             1`` is refused before any process starts).
+        adapter_targets: The linear layers that take adapters when the adapters' settings name none (``LoRA.targets``
+            is ``None``), by their last name or a dotted suffix: the family's attention and MLP projections
+            (``lightning_2d.models.lora_targets``), read by the adapters' converter (``parallel.lora.LoRAAdapters``).
+            Empty: the settings must name their targets.
+        adapter_aliases: Other names of those layers that the settings may use (Hugging Face's ``q_proj`` → our
+            ``wq``).
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
@@ -799,6 +805,8 @@ class ParallelPlan:
     aux_loss_coef: Optional[float] = None
     whole_experts: Optional[str] = None
     expert_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)
+    adapter_targets: tuple[str, ...] = ()
+    adapter_aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def supports_pipeline(self) -> bool:

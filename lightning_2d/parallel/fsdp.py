@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
-from lightning_2d.ops.nf4 import is_nf4
+from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
 from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
@@ -63,10 +63,10 @@ def apply_fully_shard(
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     reshard = reshard_after_forward_by_unit(config.reshard_policy)
     ties = shared_parameters(model)  # once for every unit
-    # torch's one-rank FSDP2 shortcut (torch 2.11 and 2.13) copies one all-gather input per parameter; an NF4 weight
-    # (QLoRA) has three (codes, scalers, factors) and fails ("expected 3, got 1"). On one rank nothing is sharded:
-    # FSDP leaves the NF4 weights alone, plain tensors in their module.
-    ignored = {p for p in model.parameters() if is_nf4(p)} if dp_mesh.size() == 1 else set()
+    # torch's one-rank FSDP2 shortcut (torch 2.11 and 2.13) copies one all-gather input per parameter; a weight
+    # gathered in parts (QLoRA's NF4: codes, scalers, factors) fails ("expected 3, got 1"). On one rank nothing is
+    # sharded: FSDP leaves such weights alone, plain tensors in their module.
+    ignored = {p for p in model.parameters() if not weight_format(p).gathers_as_one} if dp_mesh.size() == 1 else set()
 
     def shard(module: nn.Module | list[nn.Module], kind: str) -> None:
         if kind != "root" and holds_shared_outside(module, model, ties):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_2d._compat import foreach_norm
-from lightning_2d.ops.nf4 import is_nf4
+from lightning_2d.ops.weights import weight_format
 
 
 class NonFiniteStepError(RuntimeError):
@@ -126,11 +126,12 @@ def guard_step(
 
 @torch.no_grad()
 def check_finite_weights(module: nn.Module, path: object) -> None:
-    """Refuse (on every rank, before any file is written) to save ``module`` if a weight is NaN/inf anywhere. NF4 bases
-    (QLoRA) are left out: frozen 4-bit codes, whose values training cannot change (and torchao has no norm of them)."""
+    """Refuse (on every rank, before any file is written) to save ``module`` if a weight is NaN/inf anywhere. Weights
+    whose format is not checked (``ops.weights.WeightFormat.checks_finite``: QLoRA's NF4 bases, frozen 4-bit codes
+    whose values training cannot change, and of which torchao has no norm) are left out."""
     import torch.distributed as dist
 
-    named = [(name, p) for name, p in module.named_parameters() if not is_nf4(p)]
+    named = [(name, p) for name, p in module.named_parameters() if weight_format(p).checks_finite]
     device = named[0][1].device if named else torch.device("cpu")
     flag = finite_flag([_local(p) for _, p in named], device)
     flags = _gather_flags(flag.reshape(1))

@@ -15,6 +15,11 @@ Automodel's choice), with no collective of their own:
 Wrapping every column- and row-wise style of a plan (``with_adapter_placements``) keeps the plans themselves
 unaware of adapters: a module without them is parallelized by the style as before.
 
+The adapters and QLoRA's NF4 bases are model converters (``parallel.converters``): ``LoRAAdapters`` adds the
+adapters to the meta model (at the plan's ``adapter_targets`` unless the settings name theirs), trains them alone and
+keeps them alone in a checkpoint; ``NF4Bases`` stores the adapted layers' frozen weights in NF4 before FSDP shards
+them.
+
 What LoRA cannot run with is refused before any process group by the registered checks below (``parallel/checks.py``;
 ``parallel/dims.py`` imports this module so they register before the layout's): float8, a mixture of experts, and the
 layouts QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``, FSDP-sharded only) cannot hold.
@@ -22,14 +27,27 @@ layouts QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``, FSDP-sharded only) can
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_2d.ops.lora import ADAPTERS, LoRA, LoRAConfigError, LoRALinear
+from lightning_2d.ops.lora import (
+    ADAPTERS,
+    LoRA,
+    LoRAConfigError,
+    LoRALinear,
+    add_lora,
+    is_adapter_parameter,
+    lora_of,
+    quantize_lora_bases,
+)
 from lightning_2d.ops.nf4 import nf4_problem
 from lightning_2d.parallel.checks import check
+from lightning_2d.parallel.config import ParallelPlan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -82,6 +100,74 @@ def with_adapter_placements(styles: dict[str, ParallelStyle]) -> dict[str, Paral
 
 def has_adapters(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+# ---- the converters (``parallel/converters.py``) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoRAAdapters:
+    """The adapters ``lora`` asks for, as a model converter: on the plan's default targets (``adapter_targets``, with
+    its ``adapter_aliases``) unless the settings name theirs; the adapters alone train and a checkpoint keeps them
+    alone, recording their settings (the base is the run's: ``init_from`` or its seeded init). A model that already
+    has adapters (added by its owner) keeps them."""
+
+    lora: LoRA
+    targets: tuple[str, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: ParallelPlan, inputs: Mapping[str, Any]) -> Optional["LoRAAdapters"]:
+        lora = inputs.get("lora")
+        return cls(lora, tuple(plan.adapter_targets), dict(plan.adapter_aliases)) if lora is not None else None
+
+    def convert(self, model: nn.Module, shards: Optional[int], device: Optional[torch.device]) -> None:
+        if lora_of(model) is not None:
+            return  # adapted by its owner (a model given to Fabric with its adapters, a configure_model of one's own)
+        if self.lora.targets is None and not self.targets:
+            raise LoRAConfigError(
+                f"lora.targets is not set and the parallel plan of {type(model).__name__} names no default targets"
+                " (ParallelPlan.adapter_targets): name the linear layers to adapt in lora.targets"
+            )
+        add_lora(model, self.lora, self.targets, self.aliases)
+
+    def trained(self, name: str) -> bool:
+        return is_adapter_parameter(name)
+
+    @property
+    def checkpoint_filter(self) -> Optional[Callable[[str], bool]]:
+        return is_adapter_parameter
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        return {"lora": self.lora.to_dict()}
+
+
+@dataclass(frozen=True)
+class NF4Bases:
+    """QLoRA (``LoRA(quantize_base="nf4")``) as a model converter: the adapted layers' frozen weights become meta
+    ``NF4Tensor``s before FSDP shards them (FSDP2 shards an NF4 weight only if it is the parameter when ``fully_shard``
+    runs), each weight's split into ``shards`` row shards of whole scaler groups checked first, before any
+    allocation; materialization fills them from the whole weights (``ops.nf4``). At ``shards=None`` (the layout not
+    known) nothing is stored otherwise yet."""
+
+    lora: LoRA
+
+    @classmethod
+    def of(cls, plan: ParallelPlan, inputs: Mapping[str, Any]) -> Optional["NF4Bases"]:
+        lora = inputs.get("lora")
+        return cls(lora) if lora is not None and lora.quantize_base is not None else None
+
+    def convert(self, model: nn.Module, shards: Optional[int], device: Optional[torch.device]) -> None:
+        if shards is not None:
+            quantize_lora_bases(model, device, shards=shards)
+
+    def trained(self, name: str) -> bool:
+        return True  # the bases it stores are frozen already (the adapters' converter)
+
+    @property
+    def checkpoint_filter(self) -> Optional[Callable[[str], bool]]:
+        return None
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        return {}  # quantize_base is one of the adapters' settings (their record)
 
 
 # ---- the checks (``parallel/checks.py``): what the adapters cannot run with -------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_2d.errors import Lightning2DError, Lightning2DWarning
 from lightning_2d.ops.init import SeededInit, module_init_specs
-from lightning_2d.ops.nf4 import fill_nf4_, is_nf4, nf4_state, restore_nf4_
+from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.ties import retie, shared_parameters
 
@@ -71,8 +71,8 @@ def _named_tensors(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
 def _poison_(tensor: torch.Tensor) -> bool:
     """Fill freshly allocated memory with a value no initializer produces; ``False`` if the dtype has none."""
     local = _local(tensor)
-    if is_nf4(local):
-        return False  # 4-bit codes have no sentinel; materialize_model tracks NF4 fills itself
+    if not weight_format(local).has_sentinel:
+        return False  # no value of the format can be a sentinel (NF4's 4-bit codes): materialize_model tracks its fill
     if local.is_floating_point() or local.is_complex():
         local.fill_(float("nan"))
     elif local.dtype != torch.bool:
@@ -124,16 +124,17 @@ def materialize_model(
     was_meta = {name for name, (_, t) in before.items() if t.is_meta}
     # `to_empty` must run on the root (FSDP2 re-registers its sharded parameters there) and gives every
     # tensor new storage: keep the values of those that were real.
-    kept = {name: _keep(_local(t)) for name, (_, t) in before.items() if name not in was_meta}
+    kept = {name: weight_format(t).snapshot(_local(t)) for name, (_, t) in before.items() if name not in was_meta}
     ties = shared_parameters(model)
     model.to_empty(device=device)
     retie(model, ties)  # `to_empty` gives each module its own new parameter: a tie would come out as two
     tensors = _named_tensors(model)
     for name, value in kept.items():
-        _restore(_local(tensors[name][1]), value)
+        weight_format(tensors[name][1]).restore_(_local(tensors[name][1]), value)
     checkable = {name for name in was_meta if _poison_(tensors[name][1])}
-    # NF4 weights (QLoRA bases) cannot hold a sentinel: each must be filled below, and is checked off when it is.
-    unfilled_nf4 = {name for name in was_meta if is_nf4(tensors[name][1])}
+    # Weights of a format without a sentinel (QLoRA's NF4 bases): each must be filled below, and is checked off when
+    # it is.
+    unfilled = {name for name in was_meta if not weight_format(tensors[name][1]).has_sentinel}
 
     # Parameters their module initializes itself (adapters added to a model whose init, or checkpoint, has none).
     self_init = SeededInit({canonical_name(n): spec for n, spec in module_init_specs(model).items()}, seed)
@@ -144,11 +145,10 @@ def materialize_model(
             if fqn not in was_meta or canonical_name(fqn) in self_init.specs:
                 continue
             local, offset = local_block(param)
-            if is_nf4(local):
-                _fill_nf4_block(source, local, canonical_name(fqn), param, offset, device)
-                unfilled_nf4.discard(fqn)
-                continue
-            source.fill_block_(local, canonical_name(fqn), tuple(param.shape), offset)
+            name, shape = canonical_name(fqn), tuple(param.shape)
+            weight_format(local).fill_(local, lambda out, at: source.fill_block_(out, name, shape, at), shape, offset,
+                                       device)
+            unfilled.discard(fqn)
         route = "param_init_specs()" if weights is None else "the weights source"
     else:
         warnings.warn(
@@ -177,31 +177,9 @@ def materialize_model(
         init_buffers(device)
 
     tensors = _named_tensors(model)
-    left = sorted({name for name in checkable if name in tensors and _still_poisoned(tensors[name][1])} | unfilled_nf4)
+    left = sorted({name for name in checkable if name in tensors and _still_poisoned(tensors[name][1])} | unfilled)
     if left:
         raise MaterializationError(_uninitialized_message(model, left, tensors, route))
-
-
-def _keep(local: torch.Tensor) -> Any:
-    """A copy of a tensor's values that ``to_empty`` is about to drop (an NF4 weight's inner tensors: cloning an
-    ``NF4Tensor`` would quantize its dequantized values again)."""
-    return nf4_state(local) if is_nf4(local) else local.detach().clone()
-
-
-def _restore(local: torch.Tensor, kept: Any) -> None:
-    if is_nf4(local):
-        restore_nf4_(local, kept)
-    else:
-        local.copy_(kept)
-
-
-def _fill_nf4_block(source: WeightSource, local: torch.Tensor, name: str, param: torch.Tensor,
-                    offset: Optional[tuple[int, ...]], device: torch.device) -> None:
-    """Fill this rank's rows of an NF4 weight: the whole weight from ``source``, quantized, cut (``ops.nf4.fill_nf4_``).
-    One full weight in its dtype is allocated at a time."""
-    full = torch.empty(tuple(param.shape), dtype=local.dtype, device=device)
-    source.fill_block_(full, name, tuple(param.shape), None)  # the whole weight
-    fill_nf4_(local, full, offset[0] if offset is not None else None)
 
 
 def _init_hook(model: nn.Module, init_hooks: Sequence[object], name: str) -> Optional[Callable[..., Any]]:

@@ -2,7 +2,10 @@
 activation checkpointing → compile → FSDP2.
 
 The Trainer strategy (``lightning_2d.integration.trainer_strategy``) and the Fabric strategy (``lightning_2d.integration.fabric_strategy``)
-both call ``parallelize_model``; neither has a copy of these steps. It returns one result, ``Parallelized`` (the
+both call ``parallelize_model``; neither has a copy of these steps. Before them, ``parallelize_and_materialize``
+applies the model converters the trained thing asks for (``parallel.converters``: LoRA's adapters, QLoRA's NF4 bases)
+to the meta model, at the one point both strategies, the planner and the one-device path
+(``convert_and_materialize``) share. It returns one result, ``Parallelized`` (the
 model, its ``Pipeline`` when there is one, the meshes), which the strategy keeps and hands to whoever steps the
 model: there is no registry to look a model's pipeline up in.
 
@@ -23,21 +26,22 @@ LightningModule or model may define is listed in ``lightning_2d.parallel.hooks``
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
-from lightning_2d.ops.lora import quantize_lora_bases, quantized_bases
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.converters import ModelConverters, fsdp_shards
 from lightning_2d.parallel.expert import apply_expert_parallel, expert_modules
 from lightning_2d.parallel.fsdp_backend import BACKENDS, fsdp_backend
 from lightning_2d.parallel.hooks import STEP_HOOKS
+from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.names import CP_DIM, EP_DIM, PP_DIM, TP_DIM
@@ -66,12 +70,15 @@ class Parallelized:
         pipeline: The ``Pipeline`` that steps it under pipeline parallelism (``train_step``/``eval_step``), else
             ``None``.
         init_seed: The seed its meta tensors were initialized from (``parallelize_and_materialize``), else ``None``.
+        converters: The model converters ``parallelize_and_materialize`` applied (``parallel.converters``): what
+            trains, what a checkpoint keeps.
     """
 
     model: nn.Module
     meshes: ParallelMeshes
     pipeline: Optional["Pipeline"] = None
     init_seed: Optional[int] = None
+    converters: ModelConverters = field(default_factory=ModelConverters)
 
 
 def _step(hooks: Any, name: str) -> Callable[..., None]:
@@ -110,8 +117,10 @@ def parallelize_and_materialize(
     device: torch.device,
     seed: Callable[[], int],
     known_init_hooks: Callable[[nn.Module], Any] = lambda model: None,
+    inputs: Mapping[str, Any] = {},
 ) -> Parallelized:
-    """What both strategies do with a model: parallelize it (unless already done) and materialize it.
+    """What both strategies do with a model: convert it (``parallel.converters``), parallelize it (unless already
+    done) and materialize it.
 
     Args:
         owner: The LightningModule or the module given to ``fabric.setup``; its methods named like
@@ -126,40 +135,92 @@ def parallelize_and_materialize(
         seed: Called (on every rank) for the initialization seed when a seeded init is needed.
         known_init_hooks: The built-in init hooks of a model family the library knows, for a model that
             has none (``lightning_2d.models.registry.known_init_hooks``), else ``None``.
+        inputs: What the owner says of itself (the checks' inputs, ``models.registry.validation_inputs_of``): the
+            model converters it asks for (``lora`` …) are made from them and ``plan``.
 
     Returns:
-        ``Parallelized``: the module the plan applied to, its pipeline (if any), the meshes. A model the owner
-        parallelized itself (``configure_model``) is only materialized, and has no pipeline.
+        ``Parallelized``: the module the plan applied to, its pipeline (if any), the meshes, the converters. A model
+        the owner parallelized itself (``configure_model``) is only materialized, and has no pipeline.
     """
-    from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
-
     config = config.resolve_dtypes(precision)
     model = target_module(owner, plan)
     meshes = as_meshes(mesh, config)  # the public boundary: a root read as its meshes, a missing dimension refused
     assert meshes is not None
-    result = Parallelized(model, meshes)
+    converters = ModelConverters.of(plan, inputs)
+    result = Parallelized(model, meshes, converters=converters)
     if not is_parallelized(model):
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
-        if quantized_bases(model):
-            # QLoRA: NF4 frozen bases before FSDP, which then shards the NF4 tensors themselves (torchao's all-gather);
-            # each weight's split into the FSDP shards on whole scaler groups is checked first, before any allocation
-            # (the layout was, by the strategies' validation of the model: parallel/lora.py's checks).
-            quantize_lora_bases(model, device, shards=meshes.fsdp.shape[-1])
-        result = parallelize_model(model, meshes, plan, config, hooks=owner)
+        convert_model(model, meshes, converters, device)
+        result = replace(parallelize_model(model, meshes, plan, config, hooks=owner), converters=converters)
     if has_meta_tensors(owner):
-        source_fn = getattr(owner, "weights_source", None)
-        weights = source_fn() if callable(source_fn) else None
+        weights = _weights_source(owner)
         init_seed = seed()
-        # Init hooks: the model's own, else the owner's (for a model class the user cannot change),
-        # else those of an architecture this library knows (a Hugging Face decoder given to Fabric).
-        hooks = [h for h in (owner, known_init_hooks(model)) if h is not None and h is not model]
         # The stored shards are what initialization fills (the backend's attribute read may gather otherwise).
         with fsdp_backend(config.fsdp_backend).state_access():
-            materialize_model(model, device, seed=init_seed, weights=weights, init_hooks=hooks)
-            materialize_model(owner, device, seed=init_seed)  # meta tensors outside the plan's module, if any
+            _materialize(owner, model, device, init_seed, weights, known_init_hooks)
         result = replace(result, init_seed=init_seed)
     return result
+
+
+def convert_and_materialize(
+    owner: nn.Module,
+    plan: ParallelPlan,
+    device: torch.device,
+    seed: int,
+    inputs: Mapping[str, Any] = {},
+    known_init_hooks: Callable[[nn.Module], Any] = lambda model: None,
+) -> ModelConverters:
+    """One device (the modules' parity reference, a single-device Fabric loop): what ``parallelize_and_materialize``
+    does with the owner's meta model, without the parallelism: its converters applied (whole weights: one shard),
+    then its tensors allocated on ``device`` and initialized from ``seed`` (or the owner's ``weights_source()``).
+
+    Args:
+        owner: The LightningModule, or the model itself (``plan.module`` names the model in it).
+        plan: The model's plan (its family's facts the converters read: ``adapter_targets`` …).
+        device: Where the model lives.
+        seed: The initialization seed.
+        inputs: What the owner says of itself (the checks' inputs): the converters it asks for.
+        known_init_hooks: As ``parallelize_and_materialize``'s.
+
+    Returns:
+        The converters applied (what trains, what a checkpoint keeps).
+    """
+    model = target_module(owner, plan)
+    converters = ModelConverters.of(plan, inputs)
+    convert_model(model, None, converters, device)
+    _materialize(owner, model, device, seed, _weights_source(owner), known_init_hooks)
+    return converters
+
+
+def convert_model(model: nn.Module, meshes: Optional[ParallelMeshes], converters: ModelConverters,
+                  device: torch.device) -> None:
+    """Apply ``converters`` (``ModelConverters.of(plan, inputs)``) to the meta model for the layout of ``meshes``
+    (``None``: one device), in place: the one point where a model is converted (``parallelize_and_materialize``,
+    ``convert_and_materialize``, the planner's simulated rank).
+
+    On the meta model, before anything wraps its layers: QLoRA's NF4 bases must be the parameters FSDP shards
+    (torchao's all-gather), each cut on whole scaler groups into FSDP's row shards (``fsdp_shards``; checked before
+    any allocation, the layout already by the strategies' validation: ``parallel/lora.py``'s checks).
+    """
+    converters.convert(model, fsdp_shards(meshes) if meshes is not None else 1, device)
+
+
+def _weights_source(owner: nn.Module) -> Any:
+    """The owner's ``weights_source()`` (the model's initial values: ``init_from`` …), else ``None``: its init."""
+    source_fn = getattr(owner, "weights_source", None)
+    return source_fn() if callable(source_fn) else None
+
+
+def _materialize(owner: nn.Module, model: nn.Module, device: torch.device, seed: int, weights: Any,
+                 known_init_hooks: Callable[[nn.Module], Any]) -> None:
+    """Materialize ``model`` (the plan's module of ``owner``) from ``weights``, else from ``seed``, then the owner's
+    other meta tensors."""
+    # Init hooks: the model's own, else the owner's (for a model class the user cannot change),
+    # else those of an architecture this library knows (a Hugging Face decoder given to Fabric).
+    hooks = [h for h in (owner, known_init_hooks(model)) if h is not None and h is not model]
+    materialize_model(model, device, seed=seed, weights=weights, init_hooks=hooks)
+    materialize_model(owner, device, seed=seed)  # meta tensors outside the plan's module, if any
 
 
 def parallelize_model(

@@ -140,15 +140,25 @@ def test_fabric_pipeline_with_accumulation_equals_the_single_device_loop(fabric_
         torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def lora_2x2(fabric_jobs):
+    """The recipe's ``--lora-rank 4`` at 2×2, saving every 3 steps; then, in the same processes, a second run of it
+    resuming from step 3 (``then_resume``)."""
+    root, run = fabric_jobs
+    ckpt = root / "lora_ckpt"
+    return run("fabric_2x2_lora", dp=2, tp=2, lora_rank=4, save_every=3, checkpoint_dir=str(ckpt),
+               then_resume=str(ckpt / "step-000003")), ckpt
+
+
 def test_lora_under_fabric_equals_the_single_device_loop_and_leaves_the_base_bit_for_bit(fabric_jobs):
-    """The Fabric recipe with ``--lora-rank 4``: adapters added to the meta model before ``fabric.setup``, the
-    optimizer over what requires gradients. At 2×2 (sequence parallel) the adapters train as on one device, the
-    gradient norms (the adapters', clipped) agree, and every frozen weight ends as it started."""
+    """The Fabric recipe with ``--lora-rank 4``: adapters declared on the meta model (``model.lora``), added by
+    ``fabric.setup`` (its converters), the optimizer over what requires gradients. At 2×2 (sequence parallel) the
+    adapters train as on one device, the gradient norms (the adapters', clipped) agree, and every frozen weight ends
+    as it started."""
     from lightning_2d.ops.lora import is_adapter_parameter
 
     _, run = fabric_jobs
     single = run("fabric_single_lora", strategy="single", lora_rank=4)
-    sharded = run("fabric_2x2_lora", dp=2, tp=2, lora_rank=4)
+    sharded, _ = lora_2x2(fabric_jobs)
     ref = single.rank_output(0)
     assert ref["requires_grad"] and all(is_adapter_parameter(n) for n in ref["requires_grad"])
     for rank in range(4):
@@ -169,6 +179,33 @@ def test_lora_under_fabric_equals_the_single_device_loop_and_leaves_the_base_bit
         else:
             start = initial.get_parameter(name.removeprefix("_forward_module."))  # Fabric's wrapper
             assert torch.equal(weight, start) and torch.equal(ref_final[name], start), name
+
+
+def test_lora_under_fabric_saves_only_its_adapters_and_resumes_them_exactly(fabric_jobs):
+    """``fabric.save`` under LoRA, as the Trainer's checkpoints: the adapters (56: 4 blocks × 7 projections × A, B)
+    and their AdamW state only, with their settings and base (the seeded init, the recipe's seed 42); ``fabric.load``
+    of step 3 at the same layout, its base rebuilt from the seed, continues exactly: steps 4-6 and the final weights
+    bit for bit."""
+    from lightning_2d.checkpoint.dcp_metadata import read_dcp_metadata, stored_shapes
+    from lightning_2d.checkpoint.subset import adapter_record
+    from lightning_2d.ops.lora import is_adapter_parameter
+
+    sharded, ckpt = lora_2x2(fabric_jobs)
+    step3 = ckpt / "step-000003"
+    stored = stored_shapes(step3, "model")
+    assert len(stored) == 4 * 7 * 2 and all(is_adapter_parameter(n) for n in stored), sorted(stored)
+    optimizer_items = [n for n in read_dcp_metadata(step3).state_dict_metadata if n.startswith("optimizer.state.")]
+    assert optimizer_items and all(is_adapter_parameter(n.split(".", 2)[2].rpartition(".")[0]) for n in optimizer_items)
+    assert adapter_record(step3) == {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None, "rslora": False},
+                                     "base": {"init_from": None, "init_seed": 42}}
+    for rank in range(4):
+        out = sharded.rank_output(rank)
+        assert out["resumed"]["loss"] == out["loss"][3:]  # exact: no tolerance
+        assert out["resumed"]["grad_norm"] == out["grad_norm"][3:]
+    final, resumed = load_weights(sharded, "final"), load_weights(sharded, "resumed_final")
+    assert resumed.keys() == final.keys()
+    for name, weight in resumed.items():
+        assert torch.equal(weight, final[name]), name
 
 
 def test_a_mixture_of_experts_under_fabric_with_expert_parallelism_equals_the_single_device_loop(fabric_jobs):

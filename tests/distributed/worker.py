@@ -1151,6 +1151,16 @@ def fabric_loop(cfg: dict) -> None:
     history = recipe.train(fabric, args, on_step=on_step_and_record)
     result = {**history, "reduce_scatters": reduce_scatters["n"], "requires_grad": sorted(trained),
               "expert_placements": experts}
+    if cfg.get("then_resume"):
+        # In the same processes, a second run of the recipe resumes from a checkpoint the first one saved (a
+        # synchronous fabric.save ends in a barrier: it is complete): its steps and final weights ("resumed_final").
+        def on_resumed_step(step: int, model) -> None:
+            if step == 6:
+                save_state(model, getattr(fabric.strategy, "device_mesh", None), fabric.global_rank, out_dir,
+                           "resumed_final")
+
+        again = recipe.parse_args(argv + ["--save-every", "0", "--resume", cfg["then_resume"]])
+        result["resumed"] = recipe.train(fabric, again, on_step=on_resumed_step)
     if cfg.get("refuse"):
         # Checkpoints the test planted a payload in, loaded as fabric.load loads: each rank's refusal (None: loaded).
         from lightning_2d.checkpoint import CheckpointError

@@ -403,19 +403,19 @@ def test_qlora_settings_are_recorded_only_when_set():
 
 
 def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
-    """Fabric meets a model the recipe adapted itself: the checks read its adapters' settings and experts from its
-    modules (``validation_inputs_of``), as they read a module's ``lora=``; ``add_family_lora`` refuses nothing
-    itself."""
-    from lightning_2d.models.lora_targets import add_family_lora
+    """Fabric meets a model adapted by its owner, or one declaring its adapters (``model.lora``, as the recipe does):
+    the checks read its adapters' settings and experts from its modules (``validation_inputs_of``), as they read a
+    module's ``lora=``; the adapters' converter refuses nothing itself."""
     from lightning_2d.models.llama.model import PRESETS
     from lightning_2d.models.registry import validation_inputs_of, known_plan
     from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
+    from lightning_2d.parallel.converters import ModelConverters
     from lightning_2d.parallel.dims import validate_parallel_dims
 
     with torch.device("meta"):
         moe, dense = Transformer(PRESETS["debug-moe"]), Transformer(ARGS)
-    add_family_lora(moe, LoRA(rank=4))
-    add_family_lora(dense, LoRA(rank=4, quantize_base="nf4"))
+    ModelConverters.of(known_plan(moe, ParallelConfig()), {"lora": LoRA(rank=4)}).convert(moe, None)  # adapted
+    dense.lora = LoRA(rank=4, quantize_base="nf4")  # declared
     assert validation_inputs_of(moe) == {"owner": "Transformer", "lora": LoRA(rank=4), "experts": True,
                                     "supports_document_mask": False}
     config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
@@ -429,3 +429,24 @@ def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
     with pytest.raises(ParallelConfigError) as both:  # problems of two kinds: one ParallelConfigError listing both
         validate_parallel_dims(mixed, world_size=4, devices_per_node=4, **validation_inputs_of(moe))
     assert [p.split(" ")[0] for p in both.value.problems] == ["float8='emulate'", "LoRA"]
+
+
+def test_a_weights_storage_format_says_how_it_is_filled_kept_counted_and_checked():
+    """``ops.weights.weight_format``: what materialization, FSDP2, the finite check and the planner ask of a weight
+    instead of its type. NF4 (a DTensor's local shard too): no sentinel, gathered in parts, not finite-checked, its
+    bytes; a plain tensor the opposite, its dtype's bytes."""
+    from lightning_2d.ops.nf4 import NF4Format, nf4_bytes
+    from lightning_2d.ops.weights import PLAIN, weight_format
+
+    weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    nf4 = to_nf4_weight(weight)
+    assert isinstance(weight_format(nf4), NF4Format) and weight_format(weight) is PLAIN
+    assert (weight_format(nf4).has_sentinel, weight_format(nf4).gathers_as_one, weight_format(nf4).checks_finite) == (
+        False, False, False)
+    assert PLAIN.has_sentinel and PLAIN.gathers_as_one and PLAIN.checks_finite
+    assert weight_format(nf4).nbytes(nf4.numel(), nf4.dtype) == nf4_bytes(256 * 128, torch.float32)
+    assert PLAIN.gathered_bytes(10, torch.float32, torch.bfloat16) == 20 and PLAIN.nbytes(10, torch.float32) == 40
+    kept = weight_format(nf4).snapshot(nf4)  # the inner tensors, not a re-quantized clone
+    copy = to_nf4_weight(torch.zeros_like(weight))
+    weight_format(copy).restore_(copy, kept)
+    assert nf4_equal(copy, kept)

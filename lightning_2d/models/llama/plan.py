@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES
+from lightning_2d.models.lora_targets import HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.styles import HeadShardedNorm, VocabParallelHead
 
@@ -114,6 +115,8 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         num_experts=args.moe.num_experts if args.moe is not None and args.moe_layers else None,
         aux_loss_coef=args.moe.aux_loss_coef if args.moe is not None and args.moe.uses_aux_loss else None,
         expert_parallel=llama_expert_parallel_plan(args),
+        adapter_targets=LLAMA_TARGETS,  # Meta's names; Hugging Face's accepted
+        adapter_aliases=HF_TO_LLAMA,
     )
 
 

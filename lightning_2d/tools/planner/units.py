@@ -26,7 +26,7 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     """The FSDP units ``apply_fully_shard`` made on ``model`` (a ``Transformer`` or a pipeline stage view),
     in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size). Under another
     ``backend`` the same module groups, each checked to be what that backend made of it (``unit_problem``)."""
-    from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
+    from lightning_2d.ops.weights import weight_format
     from lightning_2d.parallel.fsdp import _only_embeddings
     from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
     from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
@@ -49,12 +49,9 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
                 sharded += numel
                 unsharded += full
                 trained += full if param.requires_grad else 0
-                if is_nf4(local):  # QLoRA's base: FSDP gathers the 4-bit codes, scalers and factors
-                    gathered += nf4_bytes(full, local.dtype)
-                    continue
-                # float8 all-gather: torchao's weight wrappers gather in float8 (one byte)
-                itemsize = 1 if "Float8" in type(local).__name__ else gather_dtype.itemsize
-                gathered += full * itemsize
+                # As its format is gathered: QLoRA's NF4 base as its 4-bit codes, scalers and factors; float8's weight
+                # wrappers in float8 (one byte); the rest in the gather dtype.
+                gathered += weight_format(local).gathered_bytes(full, local.dtype, gather_dtype)
         return sharded, unsharded, gathered, trained
 
     seen: set[int] = set()

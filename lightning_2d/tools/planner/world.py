@@ -18,14 +18,14 @@ from typing import Any, Optional
 import torch
 
 from lightning_2d._compat import fake_store
-from lightning_2d.models.lora_targets import add_family_lora
-from lightning_2d.ops.lora import LoRA, quantize_lora_bases
-from lightning_2d.ops.nf4 import is_nf4, nf4_bytes
+from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.fsdp_backend import FSDPBackend, fsdp_backend
-from lightning_2d.parallel.parallelize import Parallelized
-from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of
+from lightning_2d.parallel.converters import ModelConverters
+from lightning_2d.parallel.parallelize import Parallelized, convert_model
+from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of, validation_inputs_of
 from lightning_2d.tools.planner.units import FSDPUnit, _units
 
 
@@ -137,8 +137,8 @@ def _shard(
         precision: Trainer precision (``bf16-true`` stores the shards in bf16).
         loss_chunk_size: The fused loss's chunk.
         rank: The global rank to play (under a pipeline: its stages, the model pruned to them).
-        lora: Adapters on the model's projections (its base frozen: no gradients or optimizer state), as the
-            modules add them.
+        lora: Adapters on the model's projections (its base frozen: no gradients or optimizer state): the model
+            converters the module's ``lora=`` asks for, applied as ``parallelize_and_materialize`` applies them.
     """
     plan = plan_of(args, config)
     with fake_world(dims.world_size, rank), warnings.catch_warnings(), _cycles_collected_on_exit():
@@ -148,13 +148,12 @@ def _shard(
         # The mesh only needs shapes: "cpu" works with the fake backend on any machine.
         mesh = dims.build_mesh("cpu")
         model = build_meta(args, loss_chunk_size)
-        if lora is not None:
-            add_family_lora(model, lora)  # as the modules add them
-        model_numel = sum(p.numel() for p in model.parameters())
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # as parallelize_and_materialize: shards stored in bf16
-        if lora is not None and lora.quantize_base:  # as parallelize_and_materialize: NF4 bases before FSDP
-            quantize_lora_bases(model, torch.device("cpu"), shards=dims.dp_shard * dims.cp)
+        # As parallelize_and_materialize: the converters the module asks for (LoRA's adapters, their NF4 bases cut
+        # into FSDP's shards), on the meta model before the parallelism.
+        convert_model(model, mesh, ModelConverters.of(plan, validation_inputs_of(args, lora)), torch.device("cpu"))
+        model_numel = sum(p.numel() for p in model.parameters())
         pipeline = _parallelize(model, mesh, plan, config).pipeline
         backend = fsdp_backend(config.fsdp_backend)
         if pipeline is None:
@@ -167,7 +166,7 @@ def _shard(
             local = param.to_local() if hasattr(param, "to_local") else param
             numel += local.numel()
             trained += local.numel() if param.requires_grad else 0
-            param_bytes += nf4_bytes(local.numel(), local.dtype) if is_nf4(local) else local.numel() * local.dtype.itemsize
+            param_bytes += weight_format(local).nbytes(local.numel(), local.dtype)
         buffer_bytes = sum(b.numel() * b.dtype.itemsize for b in model.buffers())
         del model, mesh, pipeline
     return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
