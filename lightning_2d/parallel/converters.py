@@ -62,6 +62,16 @@ class ModelConverter(Protocol):
         nothing."""
         ...
 
+    def freezes(self) -> bool:
+        """Whether it freezes part of the model (the planner then counts no gradient, optimizer state or saved
+        normalized value for what does not train)."""
+        ...
+
+    def plan_note(self, trained: int, numel: int) -> Optional[str]:
+        """What the planner says of the conversion on a device holding ``numel`` parameter elements, ``trained`` of
+        them training; ``None``: nothing."""
+        ...
+
 
 #: Each converter kind's maker, in the order they convert: ``maker(plan, inputs)`` is the converter ``inputs`` (the
 #: checks' inputs) ask for, or ``None``. Adapters first, then the storage of their frozen bases.
@@ -112,6 +122,16 @@ class ModelConverters:
         for converter in self.converters:
             record.update(converter.checkpoint_record())
         return record
+
+    def freezes(self) -> bool:
+        """Whether a converter freezes part of the model."""
+        return any(converter.freezes() for converter in self.converters)
+
+    def plan_notes(self, trained: int, numel: int) -> list[str]:
+        """What the planner says of the conversion (``ModelConverter.plan_note``), one note for all: each converter's
+        part, in order, joined by "; "."""
+        parts = [note for note in (c.plan_note(trained, numel) for c in self.converters) if note]
+        return ["; ".join(parts)] if parts else []
 
 
 def fsdp_shards(meshes: "ParallelMeshes") -> int:

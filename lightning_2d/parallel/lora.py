@@ -139,6 +139,16 @@ class LoRAAdapters:
     def checkpoint_record(self) -> dict[str, Any]:
         return {"lora": self.lora.to_dict()}
 
+    def freezes(self) -> bool:
+        return True
+
+    def plan_note(self, trained: int, numel: int) -> Optional[str]:
+        return (
+            f"LoRA (rank {self.lora.rank}): {trained:,} of this device's {numel:,} parameters are adapters;"
+            " the frozen base holds no gradients, optimizer state or reduce-scatter buffer, its norms keep no normalized"
+            " value for a weight gradient"
+        )
+
 
 @dataclass(frozen=True)
 class NF4Bases:
@@ -168,6 +178,12 @@ class NF4Bases:
 
     def checkpoint_record(self) -> dict[str, Any]:
         return {}  # quantize_base is one of the adapters' settings (their record)
+
+    def freezes(self) -> bool:
+        return True
+
+    def plan_note(self, trained: int, numel: int) -> Optional[str]:
+        return "the adapted projections' weights are NF4 (about 0.52 bytes each, gathered as such)"
 
 
 # ---- the checks (``parallel/checks.py``): what the adapters cannot run with -------------------------------------

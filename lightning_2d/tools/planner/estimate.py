@@ -20,6 +20,7 @@ from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, raise_if_problems
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
+from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.fsdp_backend import fsdp_backend
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
 from lightning_2d.tools.planner.models import (
@@ -192,6 +193,8 @@ def plan_run(
                      lora=lora)
     assert args is not None and seq_len is not None
     resolved = config.resolve_dtypes(precision)
+    # The model converters the module asks for (LoRA's adapters …), as parallelize_and_materialize makes them.
+    converters = ModelConverters.of(plan_of(args, resolved), validation_inputs_of(args, lora))
     notes: list[str] = []
     # Pipeline rank k is played by global rank k·dp·cp·tp (its FSDP, context and TP coordinates 0: the padded shards).
     ranks = [k * dims.dp * dims.cp * dims.tp for k in range(dims.pp)]
@@ -209,7 +212,7 @@ def plan_run(
     activations = ActivationModel.for_layout(
         args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
         micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
-        loss_parallel=resolved.loss_parallel, document_mask=document_mask, frozen_base=lora is not None,
+        loss_parallel=resolved.loss_parallel, document_mask=document_mask, frozen_base=converters.freezes(),
         expert_parallel=resolved.expert_parallel_size,
     )
     microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
@@ -228,15 +231,7 @@ def plan_run(
         notes += _pipeline_notes(resolved, microbatches, accumulate_grad_batches)
     if isinstance(args, HFDecoderArgs):
         notes += _hf_notes(args, seq_len, micro_batch_size)
-    if lora is not None:
-        trained = worst.shard.optimized_numel
-        notes.append(
-            f"LoRA (rank {lora.rank}): {trained:,} of this device's {worst.shard.numel:,} parameters are adapters;"
-            " the frozen base holds no gradients, optimizer state or reduce-scatter buffer, its norms keep no normalized"
-            " value for a weight gradient"
-            + ("; the adapted projections' weights are NF4 (about 0.52 bytes each, gathered as such)"
-               if lora.quantize_base else "")
-        )
+    notes += converters.plan_notes(worst.shard.optimized_numel, worst.shard.numel)
 
     reserve = int(reserve_gib * GIB)
     memory = int(device_memory_gib * GIB)
