@@ -68,6 +68,42 @@ class VocabReduce:
 SINGLE_DEVICE = VocabReduce()
 
 
+@dataclass
+class _Chunk:
+    """One chunk's softmax statistics over the whole vocabulary (``reduce`` combined the shards')."""
+
+    rows: torch.Tensor  # (c,) 0 … c-1
+    valid: torch.Tensor  # (c,) the label is not ignored
+    here: torch.Tensor  # (c,) valid, and the target's logit lives on this shard
+    target: torch.Tensor  # (c,) the target's row in this shard (0 where not ``here``)
+    exp: torch.Tensor  # (c, local_vocab) fp32 exp(z - max): the chunk's only vocabulary-sized buffer
+    row_max: torch.Tensor  # (c,) max over the whole vocabulary
+    sum_exp: torch.Tensor  # (c,) Σ exp(z - max) over the whole vocabulary
+    target_logit: torch.Tensor  # (c,) z[target] (0 where ignored)
+
+
+def _chunk_statistics(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, vocab_start: int,
+                      reduce: VocabReduce) -> _Chunk:
+    """The logits of ``h``'s rows on this shard's vocabulary and their softmax statistics over every shard (two
+    all-reduces of ``c`` numbers under vocabulary parallelism)."""
+    local_vocab = weight.shape[0]
+    rows = torch.arange(h.shape[0], device=h.device)
+    valid = y != IGNORE_INDEX
+    target = y - vocab_start
+    here = valid & (target >= 0) & (target < local_vocab)  # the target's logit lives on this shard
+    target = torch.where(here, target, 0)
+
+    logits = (h @ weight.t()).float()  # (c, local_vocab), the only vocab-sized buffer
+    row_max = logits.amax(dim=-1)
+    reduce.max_(row_max)
+    target_logit = torch.where(here, logits[rows, target], 0.0)
+    exp = logits.sub_(row_max[:, None]).exp_()  # in place: exp(z - max)
+    stats = torch.stack((exp.sum(dim=-1), target_logit))
+    reduce.sum_(stats)
+    sum_exp, target_logit = stats.unbind()
+    return _Chunk(rows, valid, here, target, exp, row_max, sum_exp, target_logit)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -80,29 +116,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         reduce: VocabReduce,
         with_grads: bool,
     ) -> torch.Tensor:
-        n_tokens, local_vocab = hidden.shape[0], weight.shape[0]
+        n_tokens = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grads else None
         # fp32 accumulation over the chunks, cast to the weight's dtype once in backward.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
         for start in range(0, n_tokens, chunk_size):
             h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
-            rows = torch.arange(h.shape[0], device=h.device)
-            valid = y != IGNORE_INDEX
-            target = y - vocab_start
-            here = valid & (target >= 0) & (target < local_vocab)  # the target's logit lives on this shard
-            target = torch.where(here, target, 0)
-
-            logits = (h @ weight.t()).float()  # (c, local_vocab), the only vocab-sized buffer
-            row_max = logits.amax(dim=-1)
-            reduce.max_(row_max)
-            target_logit = torch.where(here, logits[rows, target], 0.0)
-            exp = logits.sub_(row_max[:, None]).exp_()  # in place: exp(z - max)
-            stats = torch.stack((exp.sum(dim=-1), target_logit))
-            reduce.sum_(stats)
-            sum_exp, target_logit = stats.unbind()
+            c = _chunk_statistics(h, weight, y, vocab_start, reduce)
+            rows, valid, here, target, exp, sum_exp = c.rows, c.valid, c.here, c.target, c.exp, c.sum_exp
             # -log softmax(z)[target] = log Σ exp(z - max) + max - z[target]
-            total += torch.where(valid, sum_exp.log() + row_max - target_logit, 0.0).sum()
+            total += torch.where(valid, sum_exp.log() + c.row_max - c.target_logit, 0.0).sum()
 
             if with_grads:
                 # d loss / d z = softmax(z) - onehot(target), zero on ignored tokens.
@@ -181,3 +205,93 @@ def linear_cross_entropy(
     chunk = hidden.shape[0] if chunk_size is None else chunk_size
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, labels, max(chunk, 1), vocab_start, reduce, with_grads)
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int,
+        vocab_start: int,
+        reduce: VocabReduce,
+    ) -> torch.Tensor:
+        n_tokens = hidden.shape[0]
+        log_probs = torch.zeros(n_tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.zeros(n_tokens, dtype=torch.float32, device=hidden.device)
+        for start in range(0, n_tokens, chunk_size):
+            h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
+            c = _chunk_statistics(h, weight, y, vocab_start, reduce)
+            chunk_lse = c.sum_exp.log() + c.row_max  # log Σ exp(z) over the whole vocabulary
+            lse[start : start + chunk_size] = chunk_lse
+            log_probs[start : start + chunk_size] = torch.where(c.valid, c.target_logit - chunk_lse, 0.0)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size, ctx.vocab_start = chunk_size, vocab_start
+        return log_probs
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor):  # type: ignore[override]
+        # Each token's gradient has its own factor (a sequence's, a pair's): nothing can be summed ahead in forward,
+        # so each chunk's logits are computed again; softmax from the stored log-normalizer, no collective.
+        hidden, weight, labels, lse = ctx.saved_tensors
+        chunk_size, vocab_start, local_vocab = ctx.chunk_size, ctx.vocab_start, weight.shape[0]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        grad_log_probs = grad_log_probs.float()
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
+            valid = y != IGNORE_INDEX
+            target = y - vocab_start
+            here = valid & (target >= 0) & (target < local_vocab)
+            g = torch.where(valid, grad_log_probs[start : start + chunk_size], 0.0)
+            # d log softmax(z)[target] / d z = onehot(target) - softmax(z)
+            grad_logits = (h @ weight.t()).float().sub_(lse[start : start + chunk_size, None]).exp_()
+            grad_logits.mul_(-g[:, None])
+            rows = torch.arange(h.shape[0], device=h.device)[here]
+            grad_logits[rows, target[here]] += g[here]
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
+            if grad_weight is not None and weight.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), h)
+            elif grad_weight is not None:
+                grad_weight += grad_logits.t() @ h  # as linear_cross_entropy: each chunk's product, summed in fp32
+        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                None, None, None, None)
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: Optional[int] = 1024,
+    vocab_start: int = 0,
+    reduce: VocabReduce = SINGLE_DEVICE,
+) -> torch.Tensor:
+    """Each token's log-probability of its label under ``softmax(hidden @ weight.T)``, without the full logits: what
+    a sequence-level objective (preference tuning's, a sequence's score) sums per sequence.
+
+    Equal (up to fp32 rounding) to ``log_softmax((hidden @ weight.T).float(), -1).gather(-1, labels)`` with 0 at
+    ignored labels, and its gradients. Forward keeps one fp32 number per token (the log-normalizer) besides its
+    inputs; backward computes each chunk's logits again (one matmul more than ``linear_cross_entropy``, whose
+    gradient is one factor for every token and so is formed in forward).
+
+    Args:
+        hidden: ``(N, D)`` final hidden states, one row per token.
+        weight: ``(V_local, D)`` output projection (this rank's vocabulary rows).
+        labels: ``(N,)`` target ids in the *global* vocabulary; ``-100`` is ignored (log-probability 0).
+        chunk_size: Tokens per chunk (``None``: all at once).
+        vocab_start: Global id of ``weight``'s first row.
+        reduce: Combines per-chunk statistics over vocabulary shards (see ``VocabReduce``).
+
+    Returns:
+        ``(N,)`` fp32 log-probabilities (≤ 0), equal on every vocabulary shard.
+    """
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
+    chunk = hidden.shape[0] if chunk_size is None else chunk_size
+    return _LinearLogProbs.apply(hidden, weight, labels, max(chunk, 1), vocab_start, reduce)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy
+from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy, linear_log_probs
 from lightning_2d.parallel.meshes import as_meshes
 from lightning_2d.parallel.names import DP_CP_DIM
 
@@ -81,6 +81,28 @@ def vocab_parallel_linear_cross_entropy(
     Returns:
         The summed cross-entropy, a plain 0-dim tensor equal on the tensor-parallel ranks.
     """
+    local_hidden, local_weight, vocab_start, reduce = _vocab_shards(hidden, weight)
+    return linear_cross_entropy(
+        local_hidden, local_weight, labels, chunk_size=chunk_size, vocab_start=vocab_start, reduce=reduce
+    )
+
+
+def vocab_parallel_linear_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = 1024
+) -> torch.Tensor:
+    """``lightning_2d.ops.linear_log_probs`` (each token's log-probability) when the output projection is
+    tensor-parallel: as ``vocab_parallel_linear_cross_entropy`` (arguments alike), the ``(N,)`` log-probabilities a
+    plain tensor equal on the tensor-parallel ranks. Backward needs no collective of its own (the stored
+    log-normalizers are the whole vocabulary's)."""
+    local_hidden, local_weight, vocab_start, reduce = _vocab_shards(hidden, weight)
+    return linear_log_probs(
+        local_hidden, local_weight, labels, chunk_size=chunk_size, vocab_start=vocab_start, reduce=reduce
+    )
+
+
+def _vocab_shards(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, VocabReduce]:
+    """This rank's hidden states and vocabulary rows, the first row's global id, and the all-reduces over the
+    tensor-parallel group that combine the shards' softmax statistics."""
     import torch.distributed as dist
     from torch.distributed.tensor import Partial
 
@@ -95,10 +117,7 @@ def vocab_parallel_linear_cross_entropy(
     )
     # Each rank's gradient of the hidden states covers its vocabulary slice only: a partial sum,
     # which DTensor reduces (a reduce-scatter back to the sequence shards under SP) in backward.
-    local_hidden = hidden.to_local(grad_placements=[Partial()])
-    return linear_cross_entropy(
-        local_hidden, weight.to_local(), labels, chunk_size=chunk_size, vocab_start=offset[0], reduce=reduce
-    )
+    return hidden.to_local(grad_placements=[Partial()]), weight.to_local(), offset[0], reduce
 
 
 def normalize_by_global_tokens(

@@ -22,15 +22,18 @@ class VocabParallelHead(ColwiseParallel):
     head behaves exactly like it (``output_layouts``: gathered or vocabulary-sharded). A head
     with a ``linear_cross_entropy`` attribute (``lightning_2d.models.llama.model.VocabProjection``) gets the
     vocabulary-parallel version of it, so ``head(hidden, labels=labels)`` returns the summed
-    cross-entropy computed on the shards; that plain 0-dim tensor passes through unchanged.
+    cross-entropy computed on the shards; that plain 0-dim tensor passes through unchanged. So does its
+    ``linear_log_probs`` (``per_token=True``: each token's log-probability, a plain tensor).
     """
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
-        from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy
+        from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_log_probs
 
         module = super()._apply(module, device_mesh)
         if hasattr(module, "linear_cross_entropy"):
             module.linear_cross_entropy = vocab_parallel_linear_cross_entropy
+        if hasattr(module, "linear_log_probs"):
+            module.linear_log_probs = vocab_parallel_linear_log_probs
         return module
 
     @staticmethod

@@ -121,6 +121,9 @@ def test_fsdp_units_and_what_stays_gathered_after_forward(jobs, dp, tp):
     assert out["gathered_after_forward"] == ["norm.weight", "output.weight"]
     # The fused loss runs vocabulary-parallel on the output's shards when tensor parallel.
     assert out["head_loss_fn"] == ("vocab_parallel_linear_cross_entropy" if tp > 1 else "linear_cross_entropy")
+    # So do each token's log-probabilities (preference tuning's), equal to log_softmax of the gathered logits.
+    assert out["head_log_probs_fn"] == ("vocab_parallel_linear_log_probs" if tp > 1 else "linear_log_probs")
+    assert out["log_probs_error"] <= 1e-5
 
 
 def test_indivisible_sequence_is_refused_before_any_collective(jobs):

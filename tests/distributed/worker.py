@@ -382,8 +382,22 @@ def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+    # Each token's log-probability from the head's fused, (vocabulary-parallel) per-token path against log_softmax of
+    # the logits, on the same seeded tokens on every rank.
+    g = torch.Generator().manual_seed(11)
+    vocab = model.output.weight.shape[0]
+    tokens, labels = (torch.randint(0, vocab, (2, seq_len), generator=g) for _ in range(2))
+    labels[0, :3] = -100
+    with torch.no_grad():
+        fused = model(tokens, labels=labels, per_token=True)
+        logits = model(tokens)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        reference = torch.log_softmax(logits.float(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        reference = reference.masked_fill(labels == -100, 0.0)
     return {"fsdp_units": units, "gathered_after_forward": gathered,
-            "head_loss_fn": model.output.linear_cross_entropy.__name__}
+            "head_loss_fn": model.output.linear_cross_entropy.__name__,
+            "head_log_probs_fn": model.output.linear_log_probs.__name__,
+            "log_probs_error": float((fused - reference).abs().max())}
 
 
 class BlockPositions(L.Callback):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_2d.models.llama.model import ModelArgs, Transformer
-from lightning_2d.ops.linear_cross_entropy import linear_cross_entropy, replayable_backward
+from lightning_2d.ops.linear_cross_entropy import VocabReduce, linear_cross_entropy, linear_log_probs, replayable_backward
 
 
 def _problem(dtype: torch.dtype, n: int = 150, dim: int = 32, vocab: int = 301):
@@ -118,3 +118,111 @@ def test_transformer_refuses_labels_outside_the_vocabulary():
         model(tokens, labels=torch.tensor([[1, 2, 256, 3, 999, 4, -100, 5]]))
     with pytest.raises(ValueError, match=r"labels \(1, 4\) must have the shape of the tokens \(1, 8\)"):
         model(tokens, labels=torch.zeros(1, 4, dtype=torch.long))
+
+
+# ---- each token's log-probability (``linear_log_probs``): what sequence-level objectives sum ----------------------
+def _reference_log_probs(hidden, weight, labels):
+    log_probs = F.log_softmax((hidden @ weight.t()).float(), dim=-1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+    return log_probs.masked_fill(labels == -100, 0.0)
+
+
+@pytest.mark.parametrize("chunk_size", [20, 64, None])
+def test_log_probs_and_their_gradients_equal_log_softmax_with_a_factor_per_token(chunk_size):
+    """Each token's gradient has its own factor (a sequence's weight in a preference loss): the backward, which
+    recomputes each chunk's logits, gives what autograd through ``log_softmax`` gives; ignored tokens are 0."""
+    hidden, weight, labels = _problem(torch.float32)
+    factors = torch.randn(labels.shape[0], generator=torch.Generator().manual_seed(5))
+    reference = _reference_log_probs(hidden, weight, labels)
+    want = torch.autograd.grad((reference * factors).sum(), (hidden, weight))
+    log_probs = linear_log_probs(hidden, weight, labels, chunk_size=chunk_size)
+    got = torch.autograd.grad((log_probs * factors).sum(), (hidden, weight))
+    assert log_probs.dtype == torch.float32 and bool((log_probs[labels == -100] == 0).all())
+    torch.testing.assert_close(log_probs, reference, rtol=1e-6, atol=2e-6)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) <= 1e-6
+    # The summed log-probabilities are minus the fused cross-entropy.
+    torch.testing.assert_close(-log_probs.sum(), linear_cross_entropy(hidden, weight, labels), rtol=1e-6, atol=0)
+
+
+def test_bf16_log_probs_stay_within_bf16_rounding_and_replay_their_backward():
+    """bf16 inputs: fp32 log-probabilities of the same bf16 logits, gradients in bf16; the backward keeps nothing it
+    consumes, so a retained graph differentiates twice to the same gradients (the zero-bubble schedules' passes)."""
+    hidden, weight, labels = _problem(torch.bfloat16)
+    factors = torch.randn(labels.shape[0], generator=torch.Generator().manual_seed(6))
+    reference = _reference_log_probs(hidden, weight, labels)
+    want = torch.autograd.grad((reference * factors).sum(), (hidden, weight))
+    log_probs = linear_log_probs(hidden, weight, labels, chunk_size=32)
+    torch.testing.assert_close(log_probs, reference, rtol=1e-5, atol=1e-5)
+    passes = [torch.autograd.grad((log_probs * factors).sum(), (hidden, weight), retain_graph=True) for _ in range(2)]
+    for got in passes:
+        assert got[0].dtype == got[1].dtype == torch.bfloat16
+        for g, w in zip(got, want):
+            assert relative_error(g, w) <= 1e-2
+    for a, b in zip(*passes):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="chunk_size must be a positive number of tokens or None, got 0"):
+        linear_log_probs(hidden, weight, labels, chunk_size=0)
+
+
+def test_log_probs_on_vocabulary_shards_combine_to_the_whole_vocabulary():
+    """The vocabulary split in 3 uneven shards, one thread a shard, their statistics combined by a ``VocabReduce``
+    over the threads (what the tensor-parallel all-reduces do): every shard returns the whole vocabulary's
+    log-probabilities, and the shards' partial hidden-state gradients sum to the whole one (DTensor's ``Partial``),
+    their weight gradients are the rows of the whole one."""
+    import threading
+
+    hidden, weight, labels = _problem(torch.float32)
+    factors = torch.randn(labels.shape[0], generator=torch.Generator().manual_seed(7))
+    reference = _reference_log_probs(hidden, weight, labels)
+    want_h, want_w = torch.autograd.grad((reference * factors).sum(), (hidden, weight))
+    bounds = [0, 90, 200, weight.shape[0]]
+    shards = len(bounds) - 1
+    barrier, slots = threading.Barrier(shards), [None] * shards
+
+    def combine(i: int, op):
+        def reduce_(t: torch.Tensor) -> None:
+            slots[i] = t.clone()
+            barrier.wait()
+            combined = op(torch.stack(slots))
+            barrier.wait()
+            t.copy_(combined)
+        return reduce_
+
+    results: list = [None] * shards
+
+    def run(i: int) -> None:
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach()[bounds[i]: bounds[i + 1]].clone().requires_grad_()
+        reduce = VocabReduce(max_=combine(i, lambda s: s.amax(0)), sum_=combine(i, lambda s: s.sum(0)))
+        log_probs = linear_log_probs(h, w, labels, chunk_size=32, vocab_start=bounds[i], reduce=reduce)
+        results[i] = (log_probs.detach(), *torch.autograd.grad((log_probs * factors).sum(), (h, w)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(shards)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for log_probs, _, _ in results:
+        torch.testing.assert_close(log_probs, reference, rtol=1e-6, atol=2e-6)
+    assert relative_error(sum(r[1] for r in results), want_h) <= 1e-6
+    assert relative_error(torch.cat([r[2] for r in results]), want_w) <= 1e-6
+
+
+def test_transformer_per_token_log_probs_equal_log_softmax_of_its_logits():
+    args = ModelArgs.from_name("debug", n_layers=2)
+    model = Transformer(args, loss_chunk_size=24)
+    model.init_weights(3)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (3, 40), generator=g)
+    labels = torch.randint(0, args.vocab_size, (3, 40), generator=g)
+    labels[1, :9] = -100
+    log_probs = model(tokens, labels=labels, per_token=True)
+    assert log_probs.shape == (3, 40)
+    log_probs.sum(dim=1).mul(torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    reference = _reference_log_probs(model(tokens).flatten(0, 1), torch.eye(args.vocab_size), labels.flatten())
+    reference.view(3, 40).sum(dim=1).mul(torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+    torch.testing.assert_close(log_probs.detach(), reference.view(3, 40).detach(), rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        assert relative_error(fused_grads[name], param.grad) <= 1e-5, name

@@ -25,7 +25,7 @@ from lightning_2d.errors import Lightning2DError
 # document_causal_mask: re-exported, where it was defined before the attention core moved to ops.
 from lightning_2d.ops.attention import AttentionMask, attend, attention_mask, document_causal_mask  # noqa: F401
 from lightning_2d.ops.init import InitSpec, SeededInit, module_init_specs
-from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy
+from lightning_2d.ops.linear_cross_entropy import check_labels, linear_cross_entropy, linear_log_probs
 from lightning_2d.ops.feed_forward import SwiGLU
 from lightning_2d.ops.moe import MoE, MoEArgs, MoEConfigError, RouterStats, is_sparse_block
 
@@ -476,15 +476,21 @@ class VocabProjection(nn.Linear):
     """
 
     linear_cross_entropy = staticmethod(linear_cross_entropy)
+    #: Each token's log-probability of its label (``lightning_2d.ops.linear_log_probs``), replaced like
+    #: ``linear_cross_entropy`` under tensor parallelism.
+    linear_log_probs = staticmethod(linear_log_probs)
 
     def __init__(self, dim: int, vocab_size: int, loss_chunk_size: int | None = 1024) -> None:
         super().__init__(dim, vocab_size, bias=False)
         self.loss_chunk_size = loss_chunk_size
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, per_token: bool = False) -> torch.Tensor:
         if labels is None:
             return super().forward(x)  # (B, T, vocab_size)
         hidden = x.flatten(0, -2)  # (B·T, dim)
+        if per_token:  # (B, T): each token's log-probability of its label, 0 where ignored
+            return self.linear_log_probs(hidden, self.weight, labels.flatten(),
+                                         chunk_size=self.loss_chunk_size).view(labels.shape)
         return self.linear_cross_entropy(hidden, self.weight, labels.flatten(), chunk_size=self.loss_chunk_size)
 
 
@@ -545,11 +551,13 @@ class Transformer(nn.Module):
             )
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
-        """Logits, or with ``labels`` the summed loss; with ``position_ids`` (each token's position in its
-        document, ``lightning_2d.data.document_positions``) the packed documents are kept apart: rotary
-        positions restart at each document and attention stays within it."""
+        """Logits, or with ``labels`` the summed loss (``per_token=True``: each token's log-probability of its label,
+        ``(B, T)`` fp32, 0 where ignored); with ``position_ids`` (each token's position in its document,
+        ``lightning_2d.data.document_positions``) the packed documents are kept apart: rotary positions restart at
+        each document and attention stays within it."""
         self.check_inputs(tokens, labels, position_ids)
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         if position_ids is None:
@@ -564,7 +572,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.output(h).float()  # (B, T, vocab_size), fp32 for a stable loss
-        return self.output(h, labels=labels)  # 0-dim fp32: the summed cross-entropy
+        return self.output(h, labels=labels, per_token=per_token)  # 0-dim fp32: the summed cross-entropy
 
     def param_init_specs(self) -> dict[str, InitSpec]:
         """How each parameter (by canonical name) is initialized; the init follows torchtitan."""
