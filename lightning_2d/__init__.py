@@ -10,6 +10,7 @@ from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import InitSpec
 from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.parallel import ParallelConfig, ParallelConfigError, ParallelPlan
 from lightning_2d.parallel.hooks import ModelInitHooks
 
@@ -26,6 +27,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelPlan",
+    "PreferenceLoss",
     "RopeScaling",
     "TextDataModule",
     "TokenThroughputMonitor",

@@ -27,6 +27,7 @@ from lightning_2d.models.hf_decoders import (
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.ops.init import module_init_specs
 from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.parallel.modules import canonical_name
 
@@ -56,6 +57,8 @@ class HFCausalLMModule(CausalLMModule):
         lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields);
             see ``LlamaLightningModule``. Targets by Hugging Face names (``q_proj`` …) or ours (``wq`` …).
         lora_init_from: A peft LoRA folder to start the adapters from (see ``LlamaLightningModule``).
+        preference: Preference tuning instead of next-token training (see ``LlamaLightningModule``); each token's
+            log-probability from the logits.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class HFCausalLMModule(CausalLMModule):
         init_seed: Optional[int] = None,
         lora: Union[LoRA, dict, None] = None,
         lora_init_from: Optional[str] = None,
+        preference: Union[PreferenceLoss, dict, None] = None,
     ) -> None:
         super().__init__()
         if config is None and init_from is None:
@@ -85,6 +89,7 @@ class HFCausalLMModule(CausalLMModule):
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = self.hf_config.to_dict()  # plain data: checkpoints load weights_only
         self._set_lora(lora)
+        self._set_preference(preference)
         self.model: Optional[nn.Module] = None
         self._refuse_now()  # transformers' per-rank auxiliary loss, LoRA on its experts …
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before

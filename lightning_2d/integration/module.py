@@ -19,14 +19,16 @@ from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_ad
 from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
-from lightning_2d.ops.lora import LoRA
+from lightning_2d.integration.preference import preference_step
+from lightning_2d.ops.lora import LoRA, adapters_disabled
+from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.expert import LoadBalancing
 from lightning_2d.parallel.context import context_shard
-from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
+from lightning_2d.parallel.loss import loss_parallel_context, next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.parallelize import convert_and_materialize
 from lightning_2d.parallel.pipeline import Pipeline
@@ -113,11 +115,19 @@ class CausalLMModule(L.LightningModule):
         """The adapters' settings (``lora=``), else ``None``: full fine-tuning."""
         return LoRA.of(self.hparams.get("lora"))
 
+    @property
+    def preference(self) -> Optional[PreferenceLoss]:
+        """The preference loss (``preference=``: DPO and its relatives on ``PreferenceDataModule``'s pairs), else
+        ``None``: next-token training."""
+        return PreferenceLoss.of(self.hparams.get("preference"))
+
     def validation_inputs(self) -> dict[str, Any]:
         """What the registered checks (``parallel.checks.INPUTS``) may read of this module, before its model is built:
-        its class (``owner``), its ``lora`` settings, ``supports_document_mask``; a family adds its model's
-        (``experts`` …). The strategies pass them to every validation (``models.registry.validation_inputs_of``)."""
-        return {"owner": type(self).__name__, "lora": self.lora, "supports_document_mask": self.supports_document_mask}
+        its class (``owner``), its ``lora`` and ``preference`` settings, ``supports_document_mask``; a family adds
+        its model's (``experts`` …). The strategies pass them to every validation
+        (``models.registry.validation_inputs_of``)."""
+        return {"owner": type(self).__name__, "lora": self.lora, "preference": self.preference,
+                "supports_document_mask": self.supports_document_mask}
 
     def _refuse_now(self) -> None:
         """Raise the problems of the registered checks that read nothing but ``validation_inputs`` (no option, no world:
@@ -131,6 +141,10 @@ class CausalLMModule(L.LightningModule):
         self.hparams["lora"] = None if lora is None else LoRA.of(lora).to_dict()
         if lora is not None:
             self.strict_loading = False
+
+    def _set_preference(self, preference: "PreferenceLoss | dict | None") -> None:
+        """Check ``preference`` now (before any process starts) and keep it as plain data in the hyperparameters."""
+        self.hparams["preference"] = None if preference is None else PreferenceLoss.of(preference).to_dict()
 
     def _with_lora_init(self, base: Any, model: torch.nn.Module, args: Optional[ModelArgs]) -> Any:
         """``base`` (the ``init_from`` source), with ``lora_init_from``'s adapters when given (checked against
@@ -257,8 +271,38 @@ class CausalLMModule(L.LightningModule):
         accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
         return step_tokens_of(batch, accumulate) if self.training else {}
 
+    # ---- preference tuning (``preference=``, ``integration/preference.py``) ------------------------------------
+    def token_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B, T)``: each position's log-probability of its label under the model (0 where ignored), from its
+        logits; ``LlamaLightningModule`` computes it in its fused head instead."""
+        logits = self(batch["input_ids"], **document_positions_of(batch))
+        with loss_parallel_context(logits):
+            nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
+                                                    ignore_index=-100, reduction="none")
+        if hasattr(nll, "full_tensor"):  # vocabulary-sharded logits under loss parallelism
+            nll = nll.full_tensor()
+        return -nll.view(batch["labels"].shape)
+
+    def reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``token_log_probs`` under the reference model: under LoRA, the model with its adapters switched off."""
+        assert self.model is not None
+        with adapters_disabled(self.model):
+            return self.token_log_probs(batch)
+
+    def _preference_step(self, preference: PreferenceLoss, batch: dict[str, torch.Tensor],
+                         train: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        trainer = trainer_of(self)
+        step = {"step_pairs": batch["step_pairs"], "accumulate": int(trainer.accumulate_grad_batches)
+                if trainer is not None else 1} if train and "step_pairs" in batch else {}
+        return preference_step(preference, batch, self.token_log_probs,
+                               self.reference_log_probs if preference.needs_reference else None, self.meshes, **step)
+
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = context_shard(batch, self.meshes)
+        preference = self.preference
+        if preference is not None:
+            _, mean, _ = self._preference_step(preference, batch, train=False)
+            return mean, mean, batch["pairs"].sum().float()
         pipeline = self.pipeline
         if pipeline is not None:
             return pipeline.eval_step(batch["input_ids"], batch["labels"], **document_positions_of(batch))
@@ -274,13 +318,21 @@ class CausalLMModule(L.LightningModule):
                 **self._step_tokens(batch),
             )
         else:
-            loss, global_mean, global_tokens = self._loss(batch)
+            preference = self.preference
+            if preference is not None:  # a pair's loss (integration/preference.py), TRL's metrics beside it
+                loss, global_mean, metrics = self._preference_step(preference, batch, train=True)
+                for name, value in metrics.items():
+                    self.log(name, value)
+                global_tokens = None
+            else:
+                loss, global_mean, global_tokens = self._loss(batch)
             router_loss = self._router_loss()
             if router_loss is not None:  # a mixture of experts' load balancing, from this forward's routing
                 loss = loss + router_loss
         # Already reduced over the data-parallel group: no sync_dist needed.
         self.log("train_loss", global_mean, prog_bar=True)
-        self.log("global_tokens", global_tokens)
+        if global_tokens is not None:
+            self.log("global_tokens", global_tokens)
         return loss
 
     def _router_loss(self) -> torch.Tensor | None:
@@ -411,6 +463,9 @@ class LlamaLightningModule(CausalLMModule):
             projections.
         lora_init_from: A peft LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) whose adapters
             start the training instead of peft's init; needs ``lora`` with its settings and ``init_from`` (its base).
+        preference: Preference tuning (``lightning_2d.PreferenceLoss`` or a dict of its fields: DPO, IPO, hinge,
+            robust, SimPO, ORPO) on ``PreferenceDataModule``'s pairs instead of next-token training; the
+            reference of a DPO-family loss is, under ``lora``, the base with its adapters off.
     """
 
     supports_document_mask = True
@@ -433,12 +488,14 @@ class LlamaLightningModule(CausalLMModule):
         loss_chunk_size: int = 1024,
         lora: Union[LoRA, dict, None] = None,
         lora_init_from: str | None = None,
+        preference: Union[PreferenceLoss, dict, None] = None,
     ) -> None:
         super().__init__()
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size}")
         self.save_hyperparameters()
         self._set_lora(lora)
+        self._set_preference(preference)
         overrides = model_overrides or {}
         if any(isinstance(value, RopeScaling) for value in overrides.values()):  # plain data, as "model" below
             self.hparams["model_overrides"] = {
@@ -537,6 +594,14 @@ class LlamaLightningModule(CausalLMModule):
             loss_sum = self.model(batch["input_ids"], labels=batch["labels"], **document_positions_of(batch))
             return normalize_by_global_tokens(loss_sum, batch["labels"], self.meshes, **self._step_tokens(batch))
         return super()._loss(batch)
+
+    def token_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each position's log-probability of its label from the fused head (``per_token=True``: no full logits,
+        vocabulary-parallel under tensor parallelism)."""
+        if not self.hparams.fused_loss:
+            return super().token_log_probs(batch)
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        return self.model(batch["input_ids"], labels=batch["labels"], per_token=True, **document_positions_of(batch))
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` (for throughput/MFU, see ``TokenThroughputMonitor``)."""

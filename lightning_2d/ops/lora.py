@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -149,7 +150,12 @@ class LoRALinear(nn.Linear):
         adapted.train(linear.training)
         return adapted
 
+    #: Set by ``adapters_disabled``: the layer computes its base alone (a preference loss's reference model).
+    adapters_off = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            return super().forward(x)
         return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
 
     def own_param_init_specs(self) -> dict[str, InitSpec]:
@@ -219,6 +225,21 @@ def add_lora(
     return adapted
 
 
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every ``LoRALinear`` of ``model`` computes its base alone: the model before its adapters (what a
+    preference loss compares with under LoRA, without a second copy). A compiled block recompiles once for it (the
+    flag is in its guards)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapters_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_off = False
+
+
 def lora_of(model: nn.Module) -> Optional[LoRA]:
     """The settings ``model``'s adapters were added with (``add_lora``), or ``None`` if it has none."""
     return next((m.settings for m in model.modules() if isinstance(m, LoRALinear)), None)
@@ -258,5 +279,5 @@ def quantize_lora_bases(model: nn.Module, device: Optional[torch.device] = None,
     return [f"{name}.weight" for name in layers]
 
 
-__all__ = ["ADAPTERS", "LoRA", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter", "quantize_lora_bases",
+__all__ = ["ADAPTERS", "LoRA", "adapters_disabled", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter", "quantize_lora_bases",
            "quantized_bases"]

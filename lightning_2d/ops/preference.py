@@ -19,8 +19,9 @@ Pure ``torch``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,8 @@ REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 #: Every loss of one example at a time (a completion labelled desirable or not).
 UNPAIRED_LOSSES = ("kto",)
 LOSSES = DPO_LOSSES + REFERENCE_FREE_LOSSES + UNPAIRED_LOSSES
+#: Where the reference model's log-probabilities come from (``PreferenceLoss.reference``).
+REFERENCES = ("auto", "adapters_off")
 
 
 class PreferenceConfigError(ValueError):
@@ -69,6 +72,9 @@ class PreferenceLoss:
             ``robust``, ``simpo``).
         simpo_gamma: SimPO's target reward margin γ (TRL's ``CPOConfig.simpo_gamma``).
         desirable_weight, undesirable_weight: KTO's weights of the desirable and undesirable examples' losses.
+        reference: Where the reference model's log-probabilities come from (the DPO family, KTO): ``"adapters_off"``
+            (under LoRA: the trained model with its adapters switched off, no second copy); ``"auto"``: that under
+            LoRA.
     """
 
     loss_type: str = "sigmoid"
@@ -77,6 +83,7 @@ class PreferenceLoss:
     simpo_gamma: float = 0.5
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    reference: str = "auto"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -96,10 +103,30 @@ class PreferenceLoss:
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
             out.append(f"preference label_smoothing applies to sigmoid, robust and simpo, not {self.loss_type!r};"
                        " leave it at 0")
+        if self.reference not in REFERENCES:
+            out.append(f"preference reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
             out.append(f"preference desirable_weight and undesirable_weight must be positive, got"
                        f" {self.desirable_weight!r} and {self.undesirable_weight!r}")
         return out
+
+    @classmethod
+    def of(cls, value: "PreferenceLoss | Mapping[str, Any] | None") -> Optional["PreferenceLoss"]:
+        """``value`` as settings (a dict of the fields, from a recipe or a checkpoint's hyperparameters)."""
+        if value is None or isinstance(value, PreferenceLoss):
+            return value
+        if not isinstance(value, Mapping):
+            raise PreferenceConfigError(f"preference must be a PreferenceLoss or a dict of its fields, got"
+                                        f" {type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise PreferenceConfigError(f"preference has no field(s) {unknown}; its fields:"
+                                        f" {', '.join(f.name for f in fields(cls))}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain data (hyperparameters, checkpoints)."""
+        return asdict(self)
 
     @property
     def needs_reference(self) -> bool:
@@ -177,10 +204,29 @@ class PreferenceLoss:
         return losses, beta * ratio.detach()
 
 
+def sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+    """Each sequence's sum of ``values`` over its positions, for a batch of packed windows.
+
+    Args:
+        values: ``(B, T)`` per position (a token's log-probability, 1 for a trained token …).
+        sequence_ids: ``(B, T)``: the position's sequence within its window (``0 … n_b - 1``; a pair's chosen
+            ``2p``, its rejected ``2p + 1``), ``-1`` where none (padding).
+        sequences: ``(B,)`` the number of sequences ``n_b`` in each window.
+
+    Returns:
+        ``(Σ n_b,)``: the windows' sequences in order (window 0's first).
+    """
+    offsets = torch.cumsum(sequences, 0) - sequences  # each window's first slot
+    slots = sequence_ids + offsets[:, None]
+    valid = sequence_ids >= 0
+    total = int(sequences.sum())
+    return values.new_zeros(total).index_add(0, slots[valid], values[valid])
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, stable on both sides of ``-log 2`` (Mächler's)."""
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-__all__ = ["DPO_LOSSES", "LOSSES", "PairTerms", "PreferenceConfigError", "PreferenceLoss", "REFERENCE_FREE_LOSSES",
-           "UNPAIRED_LOSSES"]
+__all__ = ["DPO_LOSSES", "LOSSES", "PairTerms", "PreferenceConfigError", "PreferenceLoss", "REFERENCES", "REFERENCE_FREE_LOSSES",
+           "UNPAIRED_LOSSES", "sequence_sums"]

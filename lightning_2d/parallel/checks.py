@@ -60,6 +60,8 @@ INPUTS: dict[str, str] = {
     "experts": "whether the model has mixture-of-experts layers (ours or transformers'), known before its plan",
     "supports_document_mask": "whether the module takes packed documents' positions (its supports_document_mask)",
     "hf_config": "the Hugging Face config of the HFCausalLMModule trained (the planner's, for a config.json)",
+    "preference": "the preference loss (ops.preference.PreferenceLoss) the module trains with (its preference=);"
+                  " None: next-token training",
 }
 #: The options an input is made of, for the options' metadata (a check reading ``tp`` reads ``tensor_parallel_size``).
 INPUT_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_2d._compat import group_timeout, set_group_timeout
 from lightning_2d.parallel import lora as _lora_checks  # noqa: F401 - registers LoRA's checks (parallel/lora.py)
+from lightning_2d.parallel import preference as _preference_checks  # noqa: F401 - registers preference's checks
 from lightning_2d.parallel.checks import INPUTS, check, run_checks
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,

@@ -245,3 +245,88 @@ def next_token_loss(
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
     return normalize_by_global_tokens(loss_sum, labels, mesh, step_tokens, accumulate)
+
+
+class _SumOverContext(torch.autograd.Function):
+    """All-reduce (sum) over the context-parallel group in forward; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+        import torch.distributed as dist
+
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def, override]
+        return grad, None
+
+
+def sum_over_context(partial: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh | None") -> torch.Tensor:
+    """Per-sequence sums (``(S,)``) whose tokens are split over the context-parallel ranks, summed over them: every
+    context rank then holds the whole sequences' values (unchanged without context parallelism).
+
+    The gradient of each rank's copy flows back to its own tokens only (identity backward): each context rank
+    differentiates the same loss of the whole sums, and the data × context gradient reduction then adds the
+    ranks' parts once — an all-reduce's autograd (which sums the copies' gradients) would count them ``cp`` times.
+    """
+    import torch.distributed as dist
+
+    from lightning_2d.parallel.names import CP_DIM
+
+    meshes = as_meshes(mesh) if dist.is_available() and dist.is_initialized() else None
+    cp_mesh = meshes.optional(CP_DIM) if meshes is not None else None
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return partial
+    return _SumOverContext.apply(partial, cp_mesh.get_group())
+
+
+def normalize_by_global_count(
+    loss_sum: torch.Tensor,
+    count: torch.Tensor,
+    mesh: "ParallelMeshes | DeviceMesh | None" = None,
+    step_count: torch.Tensor | None = None,
+    accumulate: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``normalize_by_global_tokens`` for units that every context rank of a group holds whole (preference pairs,
+    after ``sum_over_context``): this rank's summed loss over ``count`` units becomes the global mean over the
+    batch's units (or, with ``step_count``, this replica's units over the whole optimizer step), each unit counted
+    once per context-parallel group.
+
+    Returns:
+        ``(loss_to_backward, global_mean_loss, global_count)`` for this batch.
+    """
+    import torch.distributed as dist
+
+    first = float(_first_context_rank(mesh))
+    local = [loss_sum.detach().float() * first, count.detach().float().reshape(()) * first]
+    if step_count is not None:
+        local.append(step_count.to(loss_sum.device).float().reshape(()) * first)
+    stats = torch.stack(local)
+    group = data_context_group(mesh)
+    dp_size = 1
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+        dp_size = dist.get_world_size(group)
+    global_sum, global_count = stats[0], stats[1]
+    scale = token_scale(global_count, dp_size) if step_count is None else token_scale(stats[2], dp_size) * accumulate
+    return loss_sum * scale, global_sum / global_count.clamp(min=1.0), global_count
+
+
+def global_means(values: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 mesh: "ParallelMeshes | DeviceMesh | None" = None) -> dict[str, torch.Tensor]:
+    """Metrics averaged over the global batch: ``values[name] = (sum, count)`` of this rank's units (held whole by
+    every context rank: counted once per context-parallel group), one all-reduce for all of them."""
+    import torch.distributed as dist
+
+    names = list(values)
+    if not names:
+        return {}
+    first = float(_first_context_rank(mesh))
+    stats = torch.stack([torch.stack([s.detach().float().reshape(()), c.detach().float().reshape(())])
+                         for s, c in values.values()]) * first
+    group = data_context_group(mesh)
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    return {name: stats[i, 0] / stats[i, 1].clamp(min=1.0) for i, name in enumerate(names)}

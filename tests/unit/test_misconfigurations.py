@@ -27,6 +27,7 @@ from lightning_2d.checkpoint.errors import CheckpointError, ExportError
 from lightning_2d.checkpoint.resolution import check_ckpt_path, resolve_checkpoint
 from lightning_2d.data import DataError
 from lightning_2d.ops.lora import LoRAConfigError
+from lightning_2d.ops.preference import PreferenceConfigError
 
 
 def planted_checkpoint(tmp: Path) -> str:
@@ -402,6 +403,15 @@ if _hf_available():
             "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
                                                   "load_balancing": "aux"}}),
          ValueError, r"load_balancing must be 'aux_loss', 'bias' or 'none', got 'aux'"),
+        ("a DPO-family preference loss training the whole model", lambda _: LlamaLightningModule(
+            "debug", preference={"loss_type": "sigmoid"}),
+         PreferenceConfigError, r"preference loss_type='sigmoid' compares with a reference model; LlamaLightningModule"
+                                r" trains the whole model.*loss_type='simpo' or 'orpo'"),
+        ("preference tuning under pipeline parallelism", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug", preference={"loss_type": "simpo"}), TextDataModule(seq_len=32, batch_size=2),
+            data_parallel_size=2, tensor_parallel_size=1, pipeline_parallel_size=2),
+         ParallelConfigError, r"preference tuning \(loss_type='simpo'\) with pipeline_parallel_size=2.*Use"
+                              r" pipeline_parallel_size=1"),
     ]
 
 

@@ -1,0 +1,49 @@
+"""What preference tuning (``ops.preference.PreferenceLoss``: DPO and its relatives) cannot run with, refused before
+any process group by registered checks (``parallel/checks.py``; ``parallel/dims.py`` imports this module so they
+register before the layout's).
+
+The pair's two sequences are summed on the ranks that hold their tokens (``parallel.loss.sum_over_context``), so
+data, tensor, sequence and context parallelism need nothing more; the pipeline schedules compute a loss per
+micro-batch from its tokens alone, which a pair's loss is not, and are refused until a pair stays in one micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
+from lightning_2d.parallel.checks import check
+
+
+@check(error=PreferenceConfigError)
+def preference_reference(preference: PreferenceLoss, owner: str, lora: Optional[LoRA] = None) -> list[str]:
+    """Where the reference log-probabilities come from: under LoRA the base with its adapters off; a frozen
+    reference copy is not built yet."""
+    if preference is None or not preference.needs_reference:
+        return []
+    if lora is None:
+        return [
+            f"preference loss_type={preference.loss_type!r} compares with a reference model; {owner} trains the"
+            " whole model (no lora=), and a frozen reference copy beside it is not built yet. Train adapters"
+            " (lora=..., the reference is then the base with its adapters off), or use a reference-free loss"
+            " (loss_type='simpo' or 'orpo')"
+        ]
+    if preference.reference not in ("auto", "adapters_off"):
+        return [f"preference reference={preference.reference!r} is not available with lora=; use 'adapters_off'"]
+    return []
+
+
+@check
+def preference_pipeline(preference: PreferenceLoss, pipeline_parallel_size: int) -> list[str]:
+    """A pair's loss needs both of its sequences: the pipeline schedules' per-micro-batch loss does not see them."""
+    if preference is None or pipeline_parallel_size == 1:
+        return []
+    return [
+        f"preference tuning (loss_type={preference.loss_type!r}) with pipeline_parallel_size={pipeline_parallel_size}:"
+        " the pipeline schedules compute each micro-batch's loss from its own tokens, and a pair's loss is not yet"
+        " computed there. Use pipeline_parallel_size=1 (FSDP, tensor and context parallelism shard the model)"
+    ]
+
+
+__all__ = ["preference_pipeline", "preference_reference"]

@@ -1,0 +1,129 @@
+"""A preference step on packed windows (``integration/preference.py``) equals scoring each sequence on its own.
+
+The pairs of a batch are packed several to a window (``PreferenceDataModule``'s contract: each sequence its own
+document, ``sequence_ids`` naming it); the step sums each sequence's log-probabilities from the fused head. The
+reference here runs every sequence alone, unpacked, through the model's logits and ``log_softmax``, and the loss
+formula of ``PreferenceLoss`` (checked against TRL's code in ``test_preference_losses.py``): the losses, the
+metrics and the adapters' gradients must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_2d import LlamaLightningModule, PreferenceLoss
+from lightning_2d.ops.lora import adapters_disabled
+from lightning_2d.ops.preference import PreferenceConfigError
+
+T = 40
+#: Windows of (prompt length, chosen completion length, rejected completion length) pairs.
+WINDOWS = [[(5, 6, 4), (3, 7, 5)], [(6, 9, 8)]]
+
+
+def _module(preference: dict, lora: bool = True) -> LlamaLightningModule:
+    module = LlamaLightningModule("debug", model_overrides={"n_layers": 2}, init_seed=3, loss_chunk_size=16,
+                                  lora={"rank": 4} if lora else None, preference=preference)
+    module.configure_model()
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # adapters that change the model (B starts at zero: the reference would be the model)
+        for name, param in module.model.named_parameters():
+            if "lora_b" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+    return module
+
+
+def _batch(vocab: int):
+    """The packed windows, and each sequence alone: (ids, number of prompt tokens) in chosen/rejected order."""
+    g = torch.Generator().manual_seed(4)
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "sequence_ids": []}
+    alone = []
+    for window in WINDOWS:
+        ids, labels, positions, sequences = [], [], [], []
+        for p, (prompt, *completions) in enumerate(window):
+            prompt_ids = torch.randint(0, vocab, (prompt,), generator=g)
+            for side, length in enumerate(completions):
+                seq = torch.cat([prompt_ids, torch.randint(0, vocab, (length,), generator=g)])
+                alone.append((seq, prompt))
+                target = seq[1:].clone()
+                target[: prompt - 1] = -100  # the prompt's tokens are not scored, the completion's are
+                ids.append(seq[:-1]), labels.append(target), positions.append(torch.arange(len(seq) - 1))
+                sequences.append(torch.full((len(seq) - 1,), 2 * p + side))
+        pad = T - sum(map(len, ids))
+        ids.append(torch.zeros(pad, dtype=torch.long)), labels.append(torch.full((pad,), -100))
+        positions.append(torch.arange(pad)), sequences.append(torch.full((pad,), -1))
+        for key, parts in zip(rows, (ids, labels, positions, sequences)):
+            rows[key].append(torch.cat(parts))
+    batch = {key: torch.stack(value) for key, value in rows.items()}
+    batch["pairs"] = torch.tensor([len(w) for w in WINDOWS])
+    return batch, alone
+
+
+def _alone_log_probs(module, alone, reference: bool):
+    sums, tokens = [], []
+    for seq, prompt in alone:
+        context = adapters_disabled(module.model) if reference else torch.enable_grad()
+        with context:
+            logits = module.model(seq[None, :-1])[0]
+        log_probs = torch.log_softmax(logits.float(), -1).gather(-1, seq[1:, None])[:, 0]
+        sums.append(log_probs[prompt - 1:].sum())
+        tokens.append(len(seq) - prompt)
+    return torch.stack(sums), torch.tensor(tokens, dtype=torch.float32)
+
+
+def _adapter_grads(module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None}
+    module.model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo", "orpo"])
+def test_a_packed_batch_scores_each_sequence_as_it_would_alone(loss_type):
+    module = _module({"loss_type": loss_type, "beta": 0.5})
+    batch, alone = _batch(module.vocab_size)
+    loss, mean, metrics = module._preference_step(module.preference, batch, train=False)
+    loss.backward()
+    packed_grads = _adapter_grads(module)
+
+    logps, tokens = _alone_log_probs(module, alone, reference=False)
+    with torch.no_grad():
+        ref, _ = _alone_log_probs(module, alone, reference=True)
+    terms = module.preference.pair_terms(logps[0::2], logps[1::2], tokens[0::2], tokens[1::2], ref[0::2], ref[1::2])
+    want = terms.losses.mean()
+    if loss_type == "orpo":
+        want = want - logps[0::2].sum() / tokens[0::2].sum()
+    want.backward()
+    alone_grads = _adapter_grads(module)
+
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mean, want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["logps/chosen"], terms.chosen_logps.mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics["rewards/margins"], (terms.chosen_rewards - terms.rejected_rewards).mean(),
+                               rtol=1e-5, atol=1e-6)
+    assert set(packed_grads) == set(alone_grads) and all("lora_" in n for n in packed_grads)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+    if loss_type in ("sigmoid", "ipo"):  # the reference is the base: the adapters make the rewards non-zero
+        assert float(metrics["rewards/chosen"].abs()) > 0
+
+
+def test_the_reference_is_the_base_with_its_adapters_off():
+    module = _module({"loss_type": "sigmoid"})
+    batch, _ = _batch(module.vocab_size)
+    with torch.no_grad():
+        reference = module.reference_log_probs(batch)
+        trained = module.token_log_probs(batch)
+        for name, param in module.model.named_parameters():
+            if "lora_b" in name:
+                param.zero_()
+        base = module.token_log_probs(batch)
+    assert not torch.equal(reference, trained)
+    torch.testing.assert_close(reference, base, rtol=0, atol=0)
+
+
+def test_a_reference_loss_without_adapters_is_refused_at_construction():
+    with pytest.raises(PreferenceConfigError, match="a frozen reference copy beside it is not built yet"):
+        LlamaLightningModule("debug", preference={"loss_type": "sigmoid"})
+    with pytest.raises(PreferenceConfigError, match="preference has no field"):
+        LlamaLightningModule("debug", preference={"loss": "sigmoid"})
+    assert LlamaLightningModule("debug", preference=PreferenceLoss("simpo")).preference.loss_type == "simpo"
