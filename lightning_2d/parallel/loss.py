@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy, linear_log_probs
 from lightning_2d.parallel.meshes import as_meshes
-from lightning_2d.parallel.names import DP_CP_DIM
+from lightning_2d.parallel.names import CP_DIM, DP_CP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -272,8 +272,6 @@ def sum_over_context(partial: torch.Tensor, mesh: "ParallelMeshes | DeviceMesh |
     ranks' parts once — an all-reduce's autograd (which sums the copies' gradients) would count them ``cp`` times.
     """
     import torch.distributed as dist
-
-    from lightning_2d.parallel.names import CP_DIM
 
     meshes = as_meshes(mesh) if dist.is_available() and dist.is_initialized() else None
     cp_mesh = meshes.optional(CP_DIM) if meshes is not None else None
