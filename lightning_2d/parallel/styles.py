@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
+from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,8 +28,6 @@ class VocabParallelHead(ColwiseParallel):
     """
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
-        from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy
-
         module = super()._apply(module, device_mesh)
         if hasattr(module, "linear_cross_entropy"):
             module.linear_cross_entropy = vocab_parallel_linear_cross_entropy
