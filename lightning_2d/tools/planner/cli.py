@@ -162,6 +162,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(2) from None
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report), flush=True)
     if args.plot or args.plot_mesh:
+        # cycle: lightning_2d.tools.plots imports the planner (report, world), whose __init__ imports this module
         from lightning_2d.tools.plots import PlotsUnavailable, plot_memory, plot_mesh
 
         try:
