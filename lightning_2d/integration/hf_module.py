@@ -9,12 +9,14 @@ the public names are re-exported by ``lightning_2d.hf``. ``transformers`` is imp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from lightning_2d._compat import trainer_of
+from lightning_2d.checkpoint.hf import SafetensorsWeights
+from lightning_2d.checkpoint.hf.weights import TransformersExpertsWeights
 from lightning_2d.integration.module import CausalLMModule
 from lightning_2d.models.hf_decoders import (
     hf_moe_layers,
@@ -30,9 +32,6 @@ from lightning_2d.ops.lora import LoRA
 from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.parallel.modules import canonical_name
-
-if TYPE_CHECKING:
-    from lightning_2d.checkpoint.hf import SafetensorsWeights
 
 
 class HFCausalLMModule(CausalLMModule):
@@ -111,9 +110,6 @@ class HFCausalLMModule(CausalLMModule):
 
     def weights_source(self) -> Any:
         """The ``init_from`` directory read block by block (names as in the model), if given."""
-        from lightning_2d.checkpoint.hf import SafetensorsWeights
-        from lightning_2d.checkpoint.hf.weights import TransformersExpertsWeights
-
         init_from = self.hparams.get("init_from")
         assert self.model is not None
         # What the files hold: every parameter but those their module initializes itself (LoRA's adapters).

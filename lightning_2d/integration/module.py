@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 
 from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
+from lightning_2d.checkpoint.hf.lora import BaseWithPeftAdapters, PeftAdapterWeights
 from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_adapter_record
 from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
@@ -158,7 +159,6 @@ class CausalLMModule(L.LightningModule):
         if base is None:
             raise ValueError(f"lora_init_from={folder!r} needs the base its adapters were trained on: set init_from"
                              " (adapter_config.json's base_model_name_or_path names it)")
-        from lightning_2d.checkpoint.hf.lora import BaseWithPeftAdapters, PeftAdapterWeights
 
         # The adapters: the parameters their module initializes itself (no base holds them).
         own = {canonical_name(n) for n in module_init_specs(model)}

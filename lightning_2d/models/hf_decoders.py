@@ -51,6 +51,7 @@ from lightning_2d.ops.moe import HF_MOE_TYPES, MoEArgs, is_sparse_block
 from lightning_2d.parallel.checks import check
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import canonical_name
+from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput, WholeOnEachRank
 
 #: ``model_type`` values whose ``*ForCausalLM`` has the layout above.
 HF_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
@@ -137,8 +138,6 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         RowwiseParallel,
         SequenceParallel,
     )
-
-    from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput, WholeOnEachRank
 
     if problems := hf_config_problems(hf_config):
         raise ValueError("The built-in Hugging Face decoder plan does not apply:\n  - " + "\n  - ".join(problems))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_2d.models.hf_decoders import HFDecoderInit, check_hf_decoder, hf_decoder_plan
 from lightning_2d.models.llama.model import Transformer
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.ops.lora import LoRA, lora_of
@@ -31,8 +32,6 @@ def known_plan(owner: Any, config: ParallelConfig) -> ParallelPlan | None:
     if isinstance(owner, Transformer):
         return llama_plan(owner.args, config)
     if is_hf_model(owner):
-        from lightning_2d.models.hf_decoders import check_hf_decoder, hf_decoder_plan
-
         check_hf_decoder(owner)
         return hf_decoder_plan(owner.config, config, module="")
     return None
@@ -42,8 +41,6 @@ def known_init_hooks(model: Any) -> Any:
     """Init hooks (``param_init_specs``/``init_buffers``) for a known model class that has none
     (a Hugging Face decoder), else ``None``."""
     if is_hf_model(model):
-        from lightning_2d.models.hf_decoders import HFDecoderInit
-
         return HFDecoderInit(model)
     return None
 

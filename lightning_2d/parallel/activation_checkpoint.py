@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_2d._compat import checkpoint_wrapper
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import get_submodule_container, replace_blocks
 
@@ -84,8 +85,6 @@ def uses_randomness(block: nn.Module, plan: ParallelPlan) -> bool:
 
 
 def _wrap(block: nn.Module, plan: ParallelPlan, **kwargs: Any) -> nn.Module:
-    from lightning_2d._compat import checkpoint_wrapper
-
     # preserve_rng_state saves and restores the CPU and device generator states around every
     # recomputed block so dropout draws the same masks twice; a block without randomness (Llama)
     # skips that cost, as torchtitan does.

@@ -16,6 +16,7 @@ from lightning_2d.errors import Lightning2DError
 from lightning_2d.parallel.checks import check, run_checks
 from lightning_2d.parallel.options import documented, option
 from lightning_2d.parallel.schedules import SCHEDULES, Schedule, ScheduleName, schedule_of
+from lightning_2d.parallel.styles import is_sequence_parallel_style
 
 if TYPE_CHECKING:
     from torch import nn
@@ -815,8 +816,6 @@ class ParallelPlan:
 
     def sequence_parallel_entries(self) -> list[str]:
         """Names in ``tensor_parallel`` whose style only makes sense under sequence parallelism."""
-        from lightning_2d.parallel.styles import is_sequence_parallel_style
-
         return [name for name, style in self.tensor_parallel.items() if is_sequence_parallel_style(style)]
 
     @property

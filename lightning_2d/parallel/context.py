@@ -40,7 +40,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from lightning_2d._compat import cpu_flash_attention, cpu_flash_attention_backward
 from lightning_2d.ops.attention import AttentionMask, create_block_mask_for, flex_attention_for, is_block_mask
+from lightning_2d.parallel.meshes import as_meshes
+from lightning_2d.parallel.names import CP_DIM
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -216,8 +219,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor,
                 core: ContextParallelAttention) -> torch.Tensor:
-        from lightning_2d._compat import cpu_flash_attention
-
         scale = q.shape[-1] ** -0.5
         kv = torch.stack([k, v])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -240,8 +241,6 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        from lightning_2d._compat import cpu_flash_attention_backward
-
         q, k, v, out, lse, blocks = ctx.saved_tensors
         core = ctx.core
         grad = grad.contiguous()
@@ -326,9 +325,6 @@ def context_shard(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.
     """``batch`` as this rank holds it under ``mesh`` (``ParallelMeshes``, ``strategy.device_mesh`` or ``None``): its
     context rank's slice (``shard_sequence``) under context parallelism, else unchanged. What a training step calls
     first, under the Trainer (``CausalLMModule``) and in a Fabric loop alike."""
-    from lightning_2d.parallel.meshes import as_meshes
-    from lightning_2d.parallel.names import CP_DIM
-
     meshes = as_meshes(mesh)
     cp_mesh = meshes.optional(CP_DIM) if meshes is not None else None
     if cp_mesh is None:

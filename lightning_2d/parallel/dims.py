@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_2d._compat import group_timeout, set_group_timeout
 from lightning_2d.parallel import lora as _lora_checks  # noqa: F401 - registers LoRA's checks (parallel/lora.py)
 from lightning_2d.parallel import preference as _preference_checks  # noqa: F401 - registers preference's checks
+from lightning_2d.parallel.async_tensor_parallel import symmetric_memory_available
 from lightning_2d.parallel.checks import INPUTS, check, run_checks
 from lightning_2d.parallel.config import (
     SUPPORTED_PRECISIONS,
@@ -25,6 +26,7 @@ from lightning_2d.parallel.config import (
     microbatch_problems,
     raise_if_problems,
 )
+from lightning_2d.parallel.float8 import float8_device_problem, float8_off_cuda_problem, float8_torchao_problem
 from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
     CP_DIM,
     DP_CP_DIM,
@@ -39,6 +41,7 @@ from lightning_2d.parallel.names import (  # noqa: F401 (re-exported)
     TP_DIM,
 )
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes, build_meshes
+from lightning_2d.parallel.ties import tied_pipeline_message
 
 if TYPE_CHECKING:
     import torch
@@ -396,8 +399,6 @@ def pipeline_split_problems(
         ]
     problems: list[str] = []
     if plan.tied_weights:
-        from lightning_2d.parallel.ties import tied_pipeline_message
-
         problems.append(tied_pipeline_message(plan.tied_weights))
     if plan.num_blocks is not None:
         problems += block_count_problems(
@@ -488,7 +489,6 @@ def float8_device(float8: Any, device_type: str, device_index: int | None = None
     """``float8`` needs torchao and, unless emulated, float8 tensor cores: CUDA, and this process's GPU once known."""
     if not float8:
         return []
-    from lightning_2d.parallel.float8 import float8_device_problem, float8_torchao_problem, float8_off_cuda_problem
 
     problems = [problem for problem in (float8_torchao_problem(),) if problem is not None]
     if float8 == "emulate":  # the same rounding in high precision: any device
@@ -542,8 +542,6 @@ def async_tensor_parallel_device(async_tensor_parallel: bool, device_type: str) 
         return []
     import torch
     import torch.distributed as dist
-
-    from lightning_2d.parallel.async_tensor_parallel import symmetric_memory_available
 
     problems = []
     if device_type != "cuda":

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.expert import shard_experts
 from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
 from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
 
@@ -188,8 +189,6 @@ class FullyShard:
         """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_fully_shard``, or the owner's replacement);
         the plan's ``experts`` first, over their own mesh (each block's unit then leaves them out)."""
         if experts:
-            from lightning_2d.parallel.expert import shard_experts  # expert parallelism only: not imported otherwise
-
             shard_experts(list(experts), meshes.expert_fsdp, config, reshard=config.reshard_policy != "never")
         (step or self.step)(model, meshes.fsdp, plan, config)
 

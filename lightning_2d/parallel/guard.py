@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from lightning_2d._compat import foreach_norm
+from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.ops.weights import weight_format
+from lightning_2d.parallel.modules import canonical_name
 
 
 class NonFiniteStepError(RuntimeError):
@@ -104,8 +106,6 @@ def guard_step(
     if policy == "skip":
         import warnings
 
-        from lightning_2d.errors import Lightning2DWarning
-
         for p in params:
             p.grad = None
         warnings.warn(
@@ -137,7 +137,6 @@ def check_finite_weights(module: nn.Module, path: object) -> None:
     flags = _gather_flags(flag.reshape(1))
     if bool(flags.all()):
         return
-    from lightning_2d.parallel.modules import canonical_name
 
     bad = [canonical_name(name) for name, p in named if not bool(torch.isfinite(_local(p)).all())]
     everyone: list[Optional[list[str]]] = [bad]

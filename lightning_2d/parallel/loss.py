@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from lightning_2d._compat import compute_local_shape_and_global_offset
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy, linear_log_probs
 from lightning_2d.parallel.meshes import as_meshes
 from lightning_2d.parallel.names import CP_DIM, DP_CP_DIM
@@ -106,8 +107,6 @@ def _vocab_shards(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
     import torch.distributed as dist
     from torch.distributed.tensor import Partial
 
-    from lightning_2d._compat import compute_local_shape_and_global_offset
-
     mesh = weight.device_mesh
     group = mesh.get_group()
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
@@ -168,8 +167,6 @@ def normalize_by_global_tokens(
 def _first_context_rank(mesh: "ParallelMeshes | DeviceMesh | None") -> bool:
     """Whether this rank is its context-parallel group's first (always, without context parallelism)."""
     import torch.distributed as dist
-
-    from lightning_2d.parallel.names import CP_DIM
 
     meshes = as_meshes(mesh) if dist.is_available() and dist.is_initialized() else None
     cp_mesh = meshes.optional(CP_DIM) if meshes is not None else None

@@ -9,6 +9,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from lightning_2d._compat import compute_local_shape_and_global_offset
 from lightning_2d.errors import Lightning2DError, Lightning2DWarning
 from lightning_2d.ops.init import SeededInit, module_init_specs
 from lightning_2d.ops.weights import weight_format
@@ -27,8 +28,6 @@ def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | No
     and the global offset of that shard (the same computation Distributed Checkpoint uses).
     """
     from torch.distributed.tensor import DTensor
-
-    from lightning_2d._compat import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
         return param, None

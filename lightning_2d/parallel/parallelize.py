@@ -34,23 +34,25 @@ import torch
 from torch import nn
 
 from lightning_2d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_2d.parallel.async_tensor_parallel import enable_async_tensor_parallel
 from lightning_2d.parallel.compile import apply_compile
 from lightning_2d.parallel.ties import retie, shared_parameters, tied_pipeline_message
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.context import apply_context_parallel
 from lightning_2d.parallel.converters import ModelConverters, fsdp_shards
 from lightning_2d.parallel.expert import apply_expert_parallel, expert_modules
+from lightning_2d.parallel.float8 import convert_to_float8, float8_tensor_parallel_plan
 from lightning_2d.parallel.fsdp_backend import BACKENDS, fsdp_backend
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.names import CP_DIM, EP_DIM, PP_DIM, TP_DIM
+from lightning_2d.parallel.pipeline import Pipeline, parallelize_pipeline
 from lightning_2d.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from lightning_2d.parallel.pipeline import Pipeline
 
 #: The library's function of each step hook; the FSDP step is each backend's (``parallel.fsdp_backend``).
 STEPS: dict[str, Callable[..., None]] = {
@@ -257,8 +259,6 @@ def parallelize_model(
     assert meshes is not None
     cp_mesh = meshes.optional(CP_DIM)
     if cp_mesh is not None:
-        from lightning_2d.parallel.context import apply_context_parallel
-
         if plan.attention is None:
             raise ValueError("context parallelism needs the plan's attention modules (ParallelPlan.attention)")
         apply_context_parallel(model, cp_mesh, plan.attention)
@@ -273,8 +273,6 @@ def parallelize_model(
         if ties := shared_parameters(model):
             raise ValueError(tied_pipeline_message(ties))
         # Split into this rank's pipeline stages, then the steps below on each stage (its own FSDP root).
-        from lightning_2d.parallel.pipeline import parallelize_pipeline
-
         pipeline = parallelize_pipeline(
             model, meshes, plan, config,
             lambda stage, stage_plan: _parallelize_one(stage, meshes, stage_plan, config, hooks),
@@ -293,8 +291,6 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
     if config.float8:
         # A module swap on the meta model, before anything wraps the Linears (torchtitan's order);
         # the block projections then take torchao's float8 tensor-parallel styles.
-        from lightning_2d.parallel.float8 import convert_to_float8, float8_tensor_parallel_plan
-
         convert_to_float8(
             model,
             emulate=config.float8 == "emulate",
@@ -313,8 +309,6 @@ def _parallelize_one(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPla
         retie(model, ties)
         _refreeze(model, frozen)
         if config.async_tensor_parallel:
-            from lightning_2d.parallel.async_tensor_parallel import enable_async_tensor_parallel
-
             enable_async_tensor_parallel(tp_mesh)  # before the first compiled forward
     ep_mesh = meshes.optional(EP_DIM)
     # The plan's expert modules, found before any wrapper renames their path (activation checkpointing).

@@ -47,6 +47,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_2d._compat import compute_local_shape_and_global_offset, concatenate_meshes, strided_shard
+from lightning_2d.parallel.activation_checkpoint import recomputed_blocks
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -129,8 +132,6 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _local_shape_and_offset(shape: Any, mesh: "DeviceMesh", placements: Any) -> Any:
-    from lightning_2d._compat import compute_local_shape_and_global_offset
-
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
@@ -182,8 +183,6 @@ def _shard_parameter(param: torch.Tensor, dp_mesh: "DeviceMesh", placements: tup
     chunk of dim 0 of its (tensor-parallel) local tensor, a DTensor over the data-parallel (+ tensor-parallel) mesh.
     Local slicing only (no collective): works on the meta device."""
     from torch.distributed.tensor import DTensor
-
-    from lightning_2d._compat import concatenate_meshes, strided_shard
 
     shards = dp_mesh.size(shard_dim)
     rank = dp_mesh.get_local_rank(shard_dim)
@@ -340,8 +339,6 @@ class SimpleFSDP:
         """The gathered weights' and the accumulated unsharded gradients' peak bytes on one rank (the latter 0:
         every micro-batch's backward reduces, the sharded gradients accumulate). Arguments as
         ``FullyShard.buffer_bytes``."""
-        from lightning_2d.parallel.activation_checkpoint import recomputed_blocks
-
         recomputed = recomputed_blocks(units, config.activation_checkpointing, config.selective_ac_option)
         if pipeline_in_flight is None:
             return simple_fsdp_gathered_peak(units, recomputed), 0

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
+from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_log_probs
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,8 +29,6 @@ class VocabParallelHead(ColwiseParallel):
     """
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
-        from lightning_2d.parallel.loss import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_log_probs
-
         module = super()._apply(module, device_mesh)
         if hasattr(module, "linear_cross_entropy"):
             module.linear_cross_entropy = vocab_parallel_linear_cross_entropy

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lightning_2d.errors import Lightning2DWarning
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.lora import has_adapters, with_adapter_placements
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,14 +35,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: "DeviceMesh", plan: Paralle
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_2d.parallel.lora import has_adapters, with_adapter_placements
-
     styles = dict(plan.tensor_parallel)
     parallelize_module(model, tp_mesh, with_adapter_placements(styles) if has_adapters(model) else styles)
     if config.sequence_parallel and not plan.has_sequence_parallel:
         import warnings
-
-        from lightning_2d.errors import Lightning2DWarning
 
         warnings.warn(
             f"sequence_parallel=True has no effect on {type(model).__name__}: its plan has no sequence-parallel"

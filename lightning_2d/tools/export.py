@@ -12,6 +12,7 @@ from typing import Optional
 
 from lightning_2d.checkpoint.hf import ExportError, export_hf
 from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.parallel.config import DTYPE_NAMES
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -25,8 +26,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     """
     import argparse
     import sys
-
-    from lightning_2d.parallel.config import DTYPE_NAMES
 
     parser = argparse.ArgumentParser(
         prog="lightning-2d export",

@@ -512,7 +512,7 @@ def test_async_tensor_parallel_needs_symmetric_memory(nccl, monkeypatch):
 
 def test_every_problem_is_reported_at_once(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
-    monkeypatch.setattr(atp, "symmetric_memory_available", lambda: True)
+    monkeypatch.setattr("lightning_2d.parallel.dims.symmetric_memory_available", lambda: True)  # where it is read
     problems = _problems(
         float8=True, async_tensor_parallel=True, compile=False, tensor_parallel_size=1, device_type="cpu"
     )

@@ -5,6 +5,7 @@ plain sight: no module imports another one's private name, and a function-local 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -189,11 +190,10 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("lightning_2d.tools.planner.world", "lightning_2d.tools.planner.units._units"),
 }
 
-#: Where a function-local import of the package's own modules must say why on its line or the line above (a real
-#: cycle, an optional dependency, import time), as a path prefix under lightning_2d/; ``LOCAL_IMPORTS_NOT_YET``: the
-#: parts other work of #43 owns, left out until it is done.
-LOCAL_IMPORTS_CHECKED = ("data/", "tools/")
-LOCAL_IMPORTS_NOT_YET = ("tools/planner/", "tools/export.py")
+#: The reasons a function-local import of the package's own modules may give, on its lines or the line above:
+#: ``# cycle: <the module that imports this one>``, ``# optional: <the optional or heavy dependency it keeps out>``,
+#: ``# lazy: <why it must not load at import>``. Anything else belongs at the module's top.
+LOCAL_IMPORT_REASON = re.compile(r"#\s*(cycle|optional|lazy):\s*\S")
 
 
 def import_base(name: str, path: Path, node: ast.ImportFrom) -> str:
@@ -223,13 +223,10 @@ def private_imports() -> set[tuple[str, str, int]]:
 
 
 def local_imports_without_a_reason() -> list[str]:
-    """``file:line`` of each function-local import of a ``lightning_2d`` module in ``LOCAL_IMPORTS_CHECKED`` that
-    has no comment on its lines or on the line above."""
+    """``file:line`` of each function-local import of a ``lightning_2d`` module whose lines and the line above give
+    no ``LOCAL_IMPORT_REASON``."""
     problems = []
     for name, path in modules().items():
-        where = path.relative_to(PACKAGE).as_posix()
-        if not where.startswith(LOCAL_IMPORTS_CHECKED) or where.startswith(LOCAL_IMPORTS_NOT_YET):
-            continue
         lines = path.read_text().splitlines()
         functions = [n for n in ast.walk(ast.parse(path.read_text(), str(path)))
                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
@@ -244,7 +241,7 @@ def local_imports_without_a_reason() -> list[str]:
             if not any(t == "lightning_2d" or t.startswith("lightning_2d.") for t in targets):
                 continue
             around = lines[max(0, node.lineno - 2) : node.end_lineno]
-            if not any("#" in line for line in around):
+            if not any(LOCAL_IMPORT_REASON.search(line) for line in around):
                 problems.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {', '.join(targets)}")
     return problems
 
@@ -261,10 +258,11 @@ def test_no_module_imports_another_modules_private_name():
 
 def test_function_local_imports_of_the_package_say_why():
     """Imports at the top show a module's dependencies; one inside a function is there for a reason (a cycle, an
-    optional dependency, import time) that its comment names."""
+    optional dependency, import time) that its comment names: ``# cycle:``, ``# optional:`` or ``# lazy:``."""
     problems = local_imports_without_a_reason()
     assert not problems, ("function-local imports of the package without a reason (move them to the top, or say"
-                          " why on the line):\n  " + "\n  ".join(problems))
+                          " why on the line or the line above: '# cycle: <the module importing this one>',"
+                          " '# optional: <dependency>', '# lazy: <why>'):\n  " + "\n  ".join(problems))
 
 
 @pytest.mark.parametrize("bad", ["private", "local"])
@@ -277,11 +275,12 @@ def test_the_dependency_checks_catch_what_they_name(tmp_path, monkeypatch, bad):
         (fake / "data" / "cache.py").write_text("from lightning_2d.data.sources import _stat\nfrom . import sources\n")
     else:
         (fake / "data" / "cache.py").write_text(
-            "def f():\n    from lightning_2d.data import sources\n\n\n"
-            "def g():\n    # the reason\n    from .sources import _stat\n")
+            "def f():\n    from lightning_2d.data import sources  # a comment, not a reason\n\n\n"
+            "def g():\n    # cycle: lightning_2d.data.sources imports this module\n    from .sources import _stat\n\n\n"
+            "def h():\n    import lightning_2d.data.sources  # lazy: start-up time\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", fake)
     if bad == "private":  # the private name, not the module imported by name
         found = {(m, n) for m, n, _ in private_imports()}
         assert found == {("lightning_2d.data.cache", "lightning_2d.data.sources._stat")}
-    else:  # the import without a comment, not the one under its reason
+    else:  # the import without a reason, not those giving one
         assert local_imports_without_a_reason() == ["lightning_2d/data/cache.py:2 imports lightning_2d.data"]

@@ -1045,12 +1045,10 @@ def test_qwen25_7b_plans_at_tp_2_and_4_and_tp_8_names_both_head_counts(tmp_path)
 
 
 def test_a_model_the_planner_cannot_plan_is_refused_naming_it_before_anything_is_built(tmp_path, monkeypatch):
-    import lightning_2d.models.hf_decoders as hf_decoders
-
     def built(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a config was built for a model the planner refuses")
 
-    monkeypatch.setattr(hf_decoders, "load_hf_config", built)  # where read_model looks it up
+    monkeypatch.setattr("lightning_2d.tools.planner.models.load_hf_config", built)  # where read_model looks it up
     known = r"model_type llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"
     cases = {
         "gpt2.json": (json.dumps({**HF_SMALL, "model_type": "gpt2"}), rf"has model_type 'gpt2'; .*{known}$"),

@@ -17,6 +17,7 @@ from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.pipeline import LLAMA_PIPELINE_STAGES
 from lightning_2d.models.lora_targets import HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.expert import ExpertParallel, MoETensorParallel
 from lightning_2d.parallel.styles import HeadShardedNorm, VocabParallelHead
 
 if TYPE_CHECKING:
@@ -81,8 +82,6 @@ def llama_tensor_parallel_plan(
             plan[f"{prefix}.{name}"] = ColwiseParallel()
         plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=between)
     if moe_layers:
-        from lightning_2d.parallel.expert import MoETensorParallel
-
         for i in moe_layers:
             plan[f"{blocks}.{i}.feed_forward"] = MoETensorParallel(sequence_parallel, experts_tensor_parallel)
     return plan
@@ -126,7 +125,6 @@ def llama_expert_parallel_plan(args: ModelArgs, blocks: str = "layers") -> dict[
     empty for a dense model."""
     if not args.moe_layers:
         return {}
-    from lightning_2d.parallel.expert import ExpertParallel
 
     return {f"{blocks}.{i}.feed_forward.experts": ExpertParallel() for i in args.moe_layers}
 

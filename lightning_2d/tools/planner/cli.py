@@ -21,6 +21,7 @@ from typing import Any, Optional
 from lightning_2d.models.hf_decoders import HF_DECODER_TYPES
 from lightning_2d.models.llama.model import PRESETS
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig, ParallelConfigError
+from lightning_2d.tools.benchmark.options import add_strategy_options
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE
 from lightning_2d.tools.planner.estimate import DEFAULT_DEVICE_MEMORY_GIB, DEFAULT_RESERVE_GIB, plan_run
 from lightning_2d.tools.planner.report import format_report
@@ -38,8 +39,6 @@ OWN_FLAGS = ("--model",)
 def add_parallel_config_options(parser: argparse.ArgumentParser) -> None:
     """One flag per ``ParallelConfig`` field, as ``lightning-2d benchmark`` generates them (help from the
     field docs; unset flags keep ``ParallelConfig``'s defaults)."""
-    from lightning_2d.tools.benchmark.options import add_strategy_options
-
     add_strategy_options(parser, defaults={}, description="ModelParallel2DStrategy / ParallelConfig options")
 
 
@@ -163,6 +162,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(2) from None
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report), flush=True)
     if args.plot or args.plot_mesh:
+        # cycle: lightning_2d.tools.plots imports the planner (report, world), whose __init__ imports this module
         from lightning_2d.tools.plots import PlotsUnavailable, plot_memory, plot_mesh
 
         try:

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_2d.models.hf_decoders import hf_moe_layers
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, raise_if_problems
@@ -349,7 +350,6 @@ def _hf_notes(args: HFDecoderArgs, seq_len: int, micro_batch_size: int) -> list[
         + "), and the loss as HFCausalLMModule computes it: the logits of the whole sequence"
         " and F.cross_entropy (no fused loss)"
     ]
-    from lightning_2d.models.hf_decoders import hf_moe_layers
 
     if sparse := hf_moe_layers(args.config):
         notes.append(

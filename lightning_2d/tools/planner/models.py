@@ -20,8 +20,16 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_2d.models.hf_decoders import HF_DECODER_TYPES
+from lightning_2d.models.hf_decoders import (
+    HF_DECODER_TYPES,
+    check_hf_decoder,
+    hf_config_problems,
+    hf_decoder_plan,
+    hf_validation_inputs,
+    load_hf_config,
+)
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
+from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.ops.lora import LoRA
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.tools.planner.activations import Architecture, hf_architecture
@@ -181,7 +189,6 @@ def _hf_args(fields: dict[str, Any], name: str, overrides: Optional[Mapping[str,
             f" model_type {', '.join(HF_DECODER_TYPES)}"
         )
         return None
-    from lightning_2d.models.hf_decoders import hf_config_problems, load_hf_config
 
     try:
         config = load_hf_config(fields)
@@ -195,10 +202,7 @@ def _hf_args(fields: dict[str, Any], name: str, overrides: Optional[Mapping[str,
 def plan_of(args: PlannedArgs, config: ParallelConfig) -> ParallelPlan:
     """The plan the strategy applies to the model (names relative to the model itself)."""
     if isinstance(args, HFDecoderArgs):
-        from lightning_2d.models.hf_decoders import hf_decoder_plan
-
         return hf_decoder_plan(args.config, config, module="")
-    from lightning_2d.models.llama.plan import llama_plan
 
     return llama_plan(args, config)
 
@@ -207,10 +211,7 @@ def validation_inputs_of(args: PlannedArgs, lora: Optional[LoRA]) -> dict[str, A
     """What the module that trains ``args`` says of itself to the checks (``CausalLMModule.validation_inputs``):
     ``LlamaLightningModule``'s for a preset, ``HFCausalLMModule``'s for a ``config.json``, with ``lora``."""
     if isinstance(args, HFDecoderArgs):
-        from lightning_2d.models.hf_decoders import hf_validation_inputs
-
         return {"owner": "HFCausalLMModule", "lora": lora, **hf_validation_inputs(args.config)}
-    from lightning_2d.models.llama.plan import llama_validation_inputs
 
     return {"owner": "LlamaLightningModule", "lora": lora, **llama_validation_inputs(args)}
 
@@ -219,8 +220,6 @@ def build_meta(args: PlannedArgs, loss_chunk_size: Optional[int] = None) -> nn.M
     """The model on the meta device, as the LightningModule builds it (fp32; a Hugging Face decoder with SDPA)."""
     if isinstance(args, HFDecoderArgs):
         from transformers import AutoModelForCausalLM
-
-        from lightning_2d.models.hf_decoders import check_hf_decoder
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(args.config, attn_implementation="sdpa", dtype=torch.float32)

@@ -11,6 +11,8 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from lightning_2d.parallel.pipeline import stages_of_rank
+from lightning_2d.parallel.schedules import SCHEDULES
 from lightning_2d.tools.planner.activations import ActivationEstimate, ActivationModel
 
 
@@ -62,7 +64,6 @@ def schedule_order(
         return _zbv_order(pp, m, pp_rank)
     if schedule == "DualPipeV":
         return _dualpipev_order(pp, m, pp_rank)
-    from lightning_2d.parallel.schedules import SCHEDULES
 
     raise ValueError(f"schedule={schedule!r}; use {', '.join(map(repr, SCHEDULES))}")
 
@@ -224,9 +225,6 @@ def pipeline_activation_estimate(
         The peak; ``saved_by_blocks``, ``head_and_loss`` and ``stage_outputs`` sum over the micro-batches
         in flight, ``transient`` is the processed one's, ``receive_buffers`` the rank's.
     """
-    from lightning_2d.parallel.pipeline import stages_of_rank
-    from lightning_2d.parallel.schedules import SCHEDULES
-
     num_stages = len(split)
     per_rank = num_stages // pp
     placement = SCHEDULES[schedule].placement

@@ -14,6 +14,7 @@ from typing import Optional
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims
+from lightning_2d.parallel.pipeline import balanced_split
 from lightning_2d.tools.planner.activations import ActivationModel
 from lightning_2d.tools.planner.models import PlannedArgs
 from lightning_2d.tools.planner.report import GIB, PlanReport
@@ -171,8 +172,6 @@ def _suggestions(
 def _balanced_split_of(args: ModelArgs, stages: int) -> list[int]:
     """``pipeline_split``'s balanced split computed from the shapes, without a model: the same parameter
     counts (``block_costs_of``) given to the same ``balanced_split``."""
-    from lightning_2d.parallel.pipeline import balanced_split
-
     d, kv_dim = args.dim, args.kv_heads * args.head_dim
     block = float(d * (2 * d + 2 * kv_dim) + 3 * d * args.ffn_hidden_dim + 2 * d)
     head = float(args.vocab_size * d + d)  # final norm + output

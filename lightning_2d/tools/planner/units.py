@@ -13,10 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.dims import ParallelDims
-from lightning_2d.parallel.fsdp import FSDPUnit, gathered_peak
+from lightning_2d.parallel.fsdp import FSDPUnit, _only_embeddings, gathered_peak
 from lightning_2d.parallel.fsdp_backend import FSDPBackend
+from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
 from lightning_2d.parallel.names import EP_DIM
+from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
 
 __all__ = ["FSDPUnit", "gathered_peak"]  # the planner's names since 0.1.0, now the FSDP backends'
 
@@ -26,11 +29,6 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
     """The FSDP units ``apply_fully_shard`` made on ``model`` (a ``Transformer`` or a pipeline stage view),
     in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size). Under another
     ``backend`` the same module groups, each checked to be what that backend made of it (``unit_problem``)."""
-    from lightning_2d.ops.weights import weight_format
-    from lightning_2d.parallel.fsdp import _only_embeddings
-    from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
-    from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
-
     def sizes(modules: list[nn.Module], exclude: set[int]) -> tuple[int, int, int, int]:
         sharded = unsharded = gathered = trained = 0
         for module in modules:

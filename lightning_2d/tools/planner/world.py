@@ -24,7 +24,8 @@ from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.dims import ParallelDims
 from lightning_2d.parallel.fsdp_backend import FSDPBackend, fsdp_backend
 from lightning_2d.parallel.converters import ModelConverters
-from lightning_2d.parallel.parallelize import Parallelized, convert_model
+from lightning_2d.parallel.parallelize import Parallelized, convert_model, parallelize_model
+from lightning_2d.parallel.pipeline import stage_plan
 from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of, validation_inputs_of
 from lightning_2d.tools.planner.units import FSDPUnit, _units
 
@@ -57,8 +58,6 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 def _parallelize(model: torch.nn.Module, mesh: Any, plan: Any, config: ParallelConfig) -> Parallelized:
     """The real ``parallelize_model`` (its result: the pipeline, if any); compile and float8 fall back to being
     validated only if they cannot be set up on the meta device."""
-    from lightning_2d.parallel.parallelize import parallelize_model
-
     try:
         return parallelize_model(model, mesh, plan, config)
     except Exception as err:  # noqa: BLE001 - only the optional steps get a second chance
@@ -94,8 +93,6 @@ def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torc
     """The FSDP units of every stage this rank runs. Each stage view is its own FSDP root with the usual units (the
     embedding on the first, the output unit on the last); the pruned model holds exactly the stages' parameters. (A
     function of its own: no loop variable outlives it to keep a stage alive past the collection.)"""
-    from lightning_2d.parallel.pipeline import stage_plan
-
     return [replace(unit, name=f"stage {index}: {unit.name}")
             for stage, index in zip(pipeline.stages, pipeline.stage_indices)
             for unit in _units(stage, stage_plan(stage, plan), dims, param_dtype, backend)]
