@@ -77,7 +77,7 @@ def apply_fully_shard(
 
     for module in get_named_submodules(model, plan.input_units, "input_units"):
         shard(module, "input")
-        if _only_embeddings(module) and hasattr(module, "set_unshard_in_backward"):
+        if only_embeddings(module) and hasattr(module, "set_unshard_in_backward"):
             # An embedding's backward reads the token ids, not its weight: no all-gather in backward.
             module.set_unshard_in_backward(False)
     for block in get_submodule_container(model, plan.blocks).children():
@@ -88,7 +88,7 @@ def apply_fully_shard(
     shard(model, "root")
 
 
-def _only_embeddings(module: nn.Module) -> bool:
+def only_embeddings(module: nn.Module) -> bool:
     holders = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
     return bool(holders) and all(isinstance(m, nn.Embedding) for m in holders)
 

@@ -177,18 +177,8 @@ def test_the_mechanics_know_nothing_of_lightning():
 
 
 # ---- dependencies in plain sight (#43) ----------------------------------------------------------------------------
-#: Private names still imported from another module, (importing module, imported name): parts of #43 not done yet
-#: (the planner's, and the benchmark's rank helper). Remove an entry when its import goes; add none.
-ALLOWED_PRIVATE_IMPORTS = {
-    ("lightning_2d.tools.benchmark.processes", "lightning_2d.tools.benchmark.variants._rank"),
-    ("lightning_2d.tools.planner", "lightning_2d.tools.planner.suggestions._suggestions"),
-    ("lightning_2d.tools.planner.estimate", "lightning_2d.tools.planner.suggestions._suggestions"),
-    ("lightning_2d.tools.planner.estimate", "lightning_2d.tools.planner.world._Retry"),
-    ("lightning_2d.tools.planner.estimate", "lightning_2d.tools.planner.world._Shards"),
-    ("lightning_2d.tools.planner.estimate", "lightning_2d.tools.planner.world._shard"),
-    ("lightning_2d.tools.planner.units", "lightning_2d.parallel.fsdp._only_embeddings"),
-    ("lightning_2d.tools.planner.world", "lightning_2d.tools.planner.units._units"),
-}
+#: Private names imported from another module, (importing module, imported name): none (#43); add none.
+ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 #: The reasons a function-local import of the package's own modules may give, on its lines or the line above:
 #: ``# cycle: <the module that imports this one>``, ``# optional: <the optional or heavy dependency it keeps out>``,

@@ -114,7 +114,7 @@ def test_the_fake_world_is_torn_down_on_error(monkeypatch):
         assert dist.is_initialized() and dist.get_world_size() == 16
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(planner.world, "_units", broken)  # where _shard looks it up
+    monkeypatch.setattr(planner.world, "fsdp_units", broken)  # where plan_rank_shards looks it up
     with pytest.raises(RuntimeError, match="boom"):
         plan_run("debug", num_nodes=2, devices=8, config=ParallelConfig(tensor_parallel_size=4))
     assert not dist.is_initialized()
@@ -880,7 +880,7 @@ def test_pipeline_suggestions(pipeline_405b):
     )
     from lightning_2d.parallel.dims import ParallelDims
 
-    out = planner._suggestions(report, args, ParallelDims(1, 8, 8, 8), config, activations, 8192, 1,
+    out = planner.suggestions_for(report, args, ParallelDims(1, 8, 8, 8), config, activations, 8192, 1,
                                pipeline=(split, worst["pipeline_rank"], 8))
     assert any(s.startswith("--pipeline-parallel-size 16 (data parallel 4)") and s.endswith("(fits)") for s in out)
 

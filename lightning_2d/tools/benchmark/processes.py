@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from lightning_2d.tools import launch  # launch.launch_processes looked up per job: tests stand in for it
 from lightning_2d.tools.benchmark.settings import BenchmarkSettings
-from lightning_2d.tools.benchmark.variants import _rank, run_variant
+from lightning_2d.tools.benchmark.variants import process_rank, run_variant
 
 
 class BenchmarkJobError(RuntimeError):
@@ -77,7 +77,7 @@ def run_in_place(settings: BenchmarkSettings) -> Optional[list[dict[str, Any]]]:
     mine = []
     for round_ in range(settings.rounds):
         for variant in settings.variants:
-            if _rank() == 0:
+            if process_rank() == 0:
                 print(f"[benchmark] round {round_ + 1}/{settings.rounds}: {variant} (in place)", flush=True)
             mine.append({"variant": variant, "round": round_, "result": run_variant(variant, settings)})
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -94,4 +94,4 @@ def worker_main(variant: str, settings_path: Path, out_dir: Path) -> None:
     """One rank of a job started by ``run_job``: run ``variant``, write ``out_dir/rank{RANK}.json``."""
     settings = BenchmarkSettings.from_json(settings_path.read_text())
     result = run_variant(variant, settings)
-    (out_dir / f"rank{_rank()}.json").write_text(json.dumps(result))
+    (out_dir / f"rank{process_rank()}.json").write_text(json.dumps(result))

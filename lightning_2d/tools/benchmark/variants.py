@@ -30,7 +30,7 @@ from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
 
 
-def _rank() -> int:
+def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
@@ -77,7 +77,7 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
     callback = StepClockCallback()
     counter = CollectiveCountCallback(settings.warmup - 1) if settings.warmup else None
     trainer = _trainer(settings, strategy, settings.precision, callback, *([counter] if counter else []))
-    trainer.fit(module, train_dataloaders=synthetic_loader(settings, _rank()))
+    trainer.fit(module, train_dataloaders=synthetic_loader(settings, process_rank()))
     dtype = strategy.parallel_config.resolve_dtypes(settings.precision).param_dtype
     assert callback.clock is not None and dtype is not None
     callback.clock.collectives = counter.counts if counter is not None else None
@@ -129,7 +129,7 @@ def run_lightning(settings: BenchmarkSettings) -> tuple[StepClock, torch.device,
     # Precision goes through FSDP2's policy in reference_2d_plan, as in the other variants; Lightning's
     # bf16 plugins would add autocast or a module conversion on top.
     trainer = _trainer(settings, strategy, "32-true", callback)
-    trainer.fit(HandWritten2DModule(settings), train_dataloaders=synthetic_loader(settings, _rank()))
+    trainer.fit(HandWritten2DModule(settings), train_dataloaders=synthetic_loader(settings, process_rank()))
     assert callback.clock is not None
     return callback.clock, strategy.root_device, PRECISION_TO_DTYPES[settings.precision][0]
 
@@ -182,7 +182,7 @@ def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
     destroy_process_group_at_exit()
     return {
         "variant": variant,
-        "rank": _rank(),
+        "rank": process_rank(),
         "device": str(device),
         "step_times": clock.step_times,
         "losses": clock.losses,

@@ -96,7 +96,7 @@ from lightning_2d.tools.planner.cli import add_parallel_config_options, build_pa
 from lightning_2d.tools.planner.estimate import DEFAULT_DEVICE_MEMORY_GIB, DEFAULT_RESERVE_GIB, plan_run
 from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport, format_report
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate, schedule_order
-from lightning_2d.tools.planner.suggestions import _suggestions as _suggestions  # the tests call it
+from lightning_2d.tools.planner.suggestions import suggestions_for as suggestions_for  # the tests call it
 from lightning_2d.parallel.fsdp import FSDPUnit, gathered_peak
 from lightning_2d.tools.planner.world import fake_world
 

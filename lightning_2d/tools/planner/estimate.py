@@ -1,7 +1,7 @@
 """``plan_run``: a layout checked and its per-device memory estimated for one training step, without GPUs.
 
 The planner's arguments are checked together with the layout (``validate_parallel_dims``, every problem at
-once), each planned rank is built in the simulated world (``world._shard``), and its states, FSDP buffers
+once), each planned rank is built in the simulated world (``world.plan_rank_shards``), and its states, FSDP buffers
 (the FSDP backend's ``buffer_bytes``) and activations (``ActivationModel``, under a pipeline
 ``pipeline_activation_estimate``) are added up; the fullest rank decides the ``PlanReport``'s verdict, with
 ``suggestions`` when it does not fit.
@@ -35,8 +35,8 @@ from lightning_2d.tools.planner.models import (
 )
 from lightning_2d.tools.planner.report import ADAMW_STATES, GIB, PlanReport
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
-from lightning_2d.tools.planner.suggestions import _suggestions
-from lightning_2d.tools.planner.world import _Retry, _shard, _Shards
+from lightning_2d.tools.planner.suggestions import suggestions_for
+from lightning_2d.tools.planner.world import RetryWithout, plan_rank_shards, RankShards
 
 #: H100 / A100 80GB: the nominal size. ``torch.cuda.get_device_properties().total_memory`` reports
 #: ~79.1 GiB on an H100 SXM; what the CUDA context takes out of it is part of the reserve.
@@ -201,13 +201,13 @@ def plan_run(
     ranks = [k * dims.dp * dims.cp * dims.tp for k in range(dims.pp)]
 
     try:
-        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
-    except _Retry as err:
+        shards = [plan_rank_shards(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
+    except RetryWithout as err:
         notes.append(
             f"compile/float8 could not be set up on the meta device ({err}); validated, but planned without them"
         )
         resolved = replace(resolved, compile=False, float8=False, fsdp_float8_all_gather=False)
-        shards = [_shard(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
+        shards = [plan_rank_shards(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
 
     param_dtype = resolved.param_dtype
     activations = ActivationModel.for_layout(
@@ -287,7 +287,7 @@ def plan_run(
         pipeline=[p.as_dict(microbatches) for p in plans] if dims.pp > 1 else [],
     )
     if not report.fits:
-        report.suggestions = _suggestions(
+        report.suggestions = suggestions_for(
             report, args, dims, resolved, activations, seq_len, micro_batch_size,
             pipeline=(worst.shard.split, worst.pp_rank, microbatches) if dims.pp > 1 else None,
         )
@@ -301,7 +301,7 @@ class _RankPlan:
 
     pp_rank: int
     global_rank: int
-    shard: _Shards
+    shard: RankShards
     grad_bytes: int
     optimizer_bytes: int
     all_gather: int
@@ -386,7 +386,7 @@ def _pipeline_notes(config: ParallelConfig, microbatches: int, accumulate_grad_b
 
 
 def _plan_rank(
-    shard: _Shards,
+    shard: RankShards,
     pp_rank: int,
     dims: ParallelDims,
     config: ParallelConfig,

@@ -1,4 +1,4 @@
-"""What would make a layout that does not fit fit: each change with its estimated need (``_suggestions``).
+"""What would make a layout that does not fit fit: each change with its estimated need (``suggestions_for``).
 
 Variants of the layout (full activation checkpointing, a larger tensor-parallel size, a deeper pipeline, no
 replica groups, smaller micro-batches, more nodes) are estimated by scaling the report's states and FSDP
@@ -21,7 +21,7 @@ from lightning_2d.tools.planner.report import GIB, PlanReport
 from lightning_2d.tools.planner.schedules import pipeline_activation_estimate
 
 
-def _suggestions(
+def suggestions_for(
     report: PlanReport,
     args: PlannedArgs,
     dims: ParallelDims,

@@ -1,6 +1,6 @@
 """FSDP units as the planner sees them, read off a parallelized model.
 
-``_units`` lists the ``fully_shard`` groups ``apply_fully_shard`` made (a ``Transformer`` or a pipeline stage
+``fsdp_units`` lists the ``fully_shard`` groups ``apply_fully_shard`` made (a ``Transformer`` or a pipeline stage
 view), with their sharded and unsharded sizes on the planned rank. How many are gathered at once is the FSDP
 backend's to say (``FSDPBackend.buffer_bytes``; FSDP2's ``gathered_peak`` simulates its all-gathers and prefetches
 unit by unit over a forward and a backward).
@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_2d.ops.weights import weight_format
 from lightning_2d.parallel.dims import ParallelDims
-from lightning_2d.parallel.fsdp import FSDPUnit, _only_embeddings, gathered_peak
+from lightning_2d.parallel.fsdp import FSDPUnit, only_embeddings, gathered_peak
 from lightning_2d.parallel.fsdp_backend import FSDPBackend
 from lightning_2d.parallel.modules import get_named_submodules, get_submodule_container
 from lightning_2d.parallel.names import EP_DIM
@@ -24,7 +24,7 @@ from lightning_2d.parallel.ties import holds_shared_outside, shared_parameters
 __all__ = ["FSDPUnit", "gathered_peak"]  # the planner's names since 0.1.0, now the FSDP backends'
 
 
-def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.dtype,
+def fsdp_units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.dtype,
            backend: FSDPBackend) -> list[FSDPUnit]:
     """The FSDP units ``apply_fully_shard`` made on ``model`` (a ``Transformer`` or a pipeline stage view),
     in forward order, with their sizes on the planned rank (FSDP shard 0: the padded size). Under another
@@ -71,7 +71,7 @@ def _units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: torch.
             raise RuntimeError(problem)
         sharded, unsharded, gathered, trained = sizes(modules, seen)
         if unsharded:
-            in_backward = not (kind == "input" and all(_only_embeddings(m) for m in modules))
+            in_backward = not (kind == "input" and all(only_embeddings(m) for m in modules))
             units.append(FSDPUnit(name, kind, sharded, gathered, unsharded, in_backward,
                                   None if trained == unsharded else trained))
     return units

@@ -1,9 +1,9 @@
 """The simulated world: the real mesh and ``parallelize_model`` run for one rank of N on a meta-device model.
 
-``fake_world`` sets up a fake process group of N ranks in this process; ``_shard`` builds the model (our Llama,
+``fake_world`` sets up a fake process group of N ranks in this process; ``plan_rank_shards`` builds the model (our Llama,
 or a Hugging Face decoder from its config: ``models.build_meta``) on the meta device inside it, parallelizes it
 with the library's own code (under a pipeline, pruned to the rank's stages) and measures what the rank holds:
-its local shards, buffers and FSDP units (``_Shards``). Nothing is allocated.
+its local shards, buffers and FSDP units (``RankShards``). Nothing is allocated.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.parallelize import Parallelized, convert_model, parallelize_model
 from lightning_2d.parallel.pipeline import stage_plan
 from lightning_2d.tools.planner.models import PlannedArgs, build_meta, plan_of, validation_inputs_of
-from lightning_2d.tools.planner.units import FSDPUnit, _units
+from lightning_2d.tools.planner.units import FSDPUnit, fsdp_units
 
 
 @contextmanager
@@ -63,16 +63,16 @@ def _parallelize(model: torch.nn.Module, mesh: Any, plan: Any, config: ParallelC
     except Exception as err:  # noqa: BLE001 - only the optional steps get a second chance
         if not (config.compile or config.float8):
             raise
-        raise _Retry(str(err)) from err
+        raise RetryWithout(str(err)) from err
 
 
-class _Retry(RuntimeError):
+class RetryWithout(RuntimeError):
     pass
 
 
 @dataclass
-class _Shards:
-    """What one planned rank holds (``_shard``)."""
+class RankShards:
+    """What one planned rank holds (``plan_rank_shards``)."""
 
     units: list[FSDPUnit]  # in forward order, stage after stage
     numel: int  # parameter elements (local shards)
@@ -95,7 +95,7 @@ def _stage_units(pipeline: Any, plan: Any, dims: ParallelDims, param_dtype: torc
     function of its own: no loop variable outlives it to keep a stage alive past the collection.)"""
     return [replace(unit, name=f"stage {index}: {unit.name}")
             for stage, index in zip(pipeline.stages, pipeline.stage_indices)
-            for unit in _units(stage, stage_plan(stage, plan), dims, param_dtype, backend)]
+            for unit in fsdp_units(stage, stage_plan(stage, plan), dims, param_dtype, backend)]
 
 
 @contextmanager
@@ -121,10 +121,10 @@ def _cycles_collected_on_exit() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _shard(
+def plan_rank_shards(
     args: PlannedArgs, dims: ParallelDims, config: ParallelConfig, precision: str, loss_chunk_size: Optional[int],
     rank: int = 0, lora: Optional[LoRA] = None,
-) -> _Shards:
+) -> RankShards:
     """Build, parallelize and measure the meta model in a fake world, as ``rank``.
 
     Args:
@@ -154,7 +154,7 @@ def _shard(
         pipeline = _parallelize(model, mesh, plan, config).pipeline
         backend = fsdp_backend(config.fsdp_backend)
         if pipeline is None:
-            units, stage_indices, split = _units(model, plan, dims, config.param_dtype, backend), [], []
+            units, stage_indices, split = fsdp_units(model, plan, dims, config.param_dtype, backend), [], []
         else:
             units = _stage_units(pipeline, plan, dims, config.param_dtype, backend)
             stage_indices, split = list(pipeline.stage_indices), list(pipeline.split)
@@ -166,6 +166,6 @@ def _shard(
             param_bytes += weight_format(local).nbytes(local.numel(), local.dtype)
         buffer_bytes = sum(b.numel() * b.dtype.itemsize for b in model.buffers())
         del model, mesh, pipeline
-    return _Shards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
+    return RankShards(units, numel, param_bytes, buffer_bytes, stage_indices, split, model_numel,
                    None if trained == numel else trained)
 
