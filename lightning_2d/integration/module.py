@@ -290,7 +290,7 @@ class CausalLMModule(L.LightningModule):
             return self.token_log_probs(batch)
 
     def _preference_step(self, preference: PreferenceLoss, batch: dict[str, torch.Tensor],
-                         train: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                         train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         trainer = trainer_of(self)
         step = {"step_pairs": batch["step_pairs"], "accumulate": int(trainer.accumulate_grad_batches)
                 if trainer is not None else 1} if train and "step_pairs" in batch else {}
@@ -301,8 +301,8 @@ class CausalLMModule(L.LightningModule):
         batch = context_shard(batch, self.meshes)
         preference = self.preference
         if preference is not None:
-            _, mean, _ = self._preference_step(preference, batch, train=False)
-            return mean, mean, batch["pairs"].sum().float()
+            _, mean, pairs, _ = self._preference_step(preference, batch, train=False)
+            return mean, mean, pairs
         pipeline = self.pipeline
         if pipeline is not None:
             return pipeline.eval_step(batch["input_ids"], batch["labels"], **document_positions_of(batch))
@@ -320,7 +320,7 @@ class CausalLMModule(L.LightningModule):
         else:
             preference = self.preference
             if preference is not None:  # a pair's loss (integration/preference.py), TRL's metrics beside it
-                loss, global_mean, metrics = self._preference_step(preference, batch, train=True)
+                loss, global_mean, _, metrics = self._preference_step(preference, batch, train=True)
                 for name, value in metrics.items():
                     self.log(name, value)
                 global_tokens = None

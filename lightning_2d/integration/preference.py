@@ -37,7 +37,7 @@ def preference_step(
     mesh: Any,
     step_pairs: Optional[torch.Tensor] = None,
     accumulate: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of ``batch``'s pairs (this rank's part of a context-parallel batch).
 
     Args:
@@ -53,8 +53,8 @@ def preference_step(
         accumulate: Batches per optimizer step.
 
     Returns:
-        ``(loss_to_backward, global_mean_loss, metrics)``: the metrics are global means (``METRICS``), identical on
-        every rank.
+        ``(loss_to_backward, global_mean_loss, global_pairs, metrics)``: the batch's pairs over every replica, and
+        the metrics, global means (``METRICS``); all identical on every rank.
     """
     labels, sequence_ids = batch["labels"], batch["sequence_ids"]
     sequences = 2 * batch["pairs"].reshape(-1).to(sequence_ids.device)
@@ -73,8 +73,8 @@ def preference_step(
     terms = preference.pair_terms(logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
                                   ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
     pairs = torch.tensor(float(terms.losses.numel()), device=logps.device)
-    loss, mean, _ = normalize_by_global_count(terms.losses.sum(), pairs, mesh, step_count=step_pairs,
-                                              accumulate=accumulate)
+    loss, mean, global_pairs = normalize_by_global_count(terms.losses.sum(), pairs, mesh, step_count=step_pairs,
+                                                         accumulate=accumulate)
     if preference.loss_type == "orpo":  # ORPO adds the chosen completions' NLL, a mean over their tokens
         nll, nll_mean, _ = normalize_by_global_count(-logps[0::2].sum(), tokens[0::2].sum(), mesh)
         loss, mean = loss + nll, mean + nll_mean
@@ -87,7 +87,7 @@ def preference_step(
         "logps/chosen": (terms.chosen_logps.sum(), pairs),
         "logps/rejected": (terms.rejected_logps.sum(), pairs),
     }, mesh)
-    return loss, mean, metrics
+    return loss, mean, global_pairs, metrics
 
 
 __all__ = ["METRICS", "preference_step"]

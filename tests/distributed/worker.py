@@ -24,6 +24,7 @@ from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
 REPO = Path(__file__).resolve().parents[2]
 from lightning_2d.ops.nf4 import dequantize, is_nf4
 from lightning_2d.parallel.grad_norm import total_grad_norm
+from lightning_2d.integration.preference import METRICS as PREFERENCE_METRICS
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
@@ -197,6 +198,7 @@ class Recorder(L.Callback):
         self.stepped_grad_norms: list[float] = []  # what the optimizer step sees (after clipping)
         self.step_tokens: list[float] = []
         self.global_tokens: list[float] = []
+        self.preference_metrics: list[dict[str, float]] = []
         self.trained_tokens: list[int] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -225,6 +227,8 @@ class Recorder(L.Callback):
             self.stepped_grad_norms.append(float(
                 total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(trainer.strategy))))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "step_pairs" in batch:  # PreferenceDataModule: TRL's metrics, global means over the batch's pairs
+            self.preference_metrics.append({name: float(trainer.callback_metrics[name]) for name in PREFERENCE_METRICS})
         if "step_tokens" in batch:  # ChatDataModule: the batch's global trained tokens, which its loss averages over
             self.global_tokens.append(float(trainer.callback_metrics["global_tokens"]))
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.
@@ -624,7 +628,7 @@ def fit(cfg: dict) -> None:
             cfg["hf_config"], init_from=cfg.get("init_from"), learning_rate=cfg.get("lr", 1e-3), warmup_steps=2,
             max_steps=cfg["steps"],
             init_seed=cfg.get("init_seed"), attn_implementation=cfg.get("attn_implementation", "sdpa"),
-            lora=cfg.get("lora"),
+            lora=cfg.get("lora"), preference=cfg.get("preference"),
         )
         vocab_size = module.vocab_size
     else:
@@ -639,6 +643,7 @@ def fit(cfg: dict) -> None:
             fused_loss=cfg.get("fused_loss", True),
             loss_chunk_size=cfg.get("loss_chunk_size", 1024),
             lora=cfg.get("lora"),
+            preference=cfg.get("preference"),
         )
         vocab_size = module.model_args.vocab_size
     if cfg["strategy"] == "single":
@@ -651,7 +656,14 @@ def fit(cfg: dict) -> None:
                            even=cfg.get("even_labels", False), documents=cfg.get("documents", False))
     accumulate = cfg.get("accumulate", 1)
     datamodule = None
-    if "chat" in cfg:  # instruction fine-tuning: ChatDataModule's packed conversations (its cache prepared by the test)
+    if "preference_data" in cfg:  # preference tuning: PreferenceDataModule's packed pairs (its cache prepared by the test)
+        from lightning_2d import PreferenceDataModule
+
+        replicas = 1 if cfg["strategy"] == "single" else dp
+        datamodule = PreferenceDataModule(**cfg["preference_data"], seq_len=cfg["seq_len"], val_fraction=0,
+                                          batch_size=cfg["global_batch"] // replicas // accumulate, max_unprepared_mb=0)
+        loader = None
+    elif "chat" in cfg:  # instruction fine-tuning: ChatDataModule's packed conversations (its cache prepared by the test)
         from lightning_2d import ChatDataModule
 
         replicas = 1 if cfg["strategy"] == "single" else dp
@@ -762,6 +774,7 @@ def fit(cfg: dict) -> None:
         result["step_tokens"] = recorder.step_tokens
         result["trained_tokens"] = recorder.trained_tokens
         result["global_tokens"] = recorder.global_tokens
+        result["preference_metrics"] = recorder.preference_metrics
     if collectives is not None:
         result["collectives"] = collectives.counts
     if val_loader is not None:

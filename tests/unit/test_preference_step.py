@@ -81,7 +81,8 @@ def _adapter_grads(module) -> dict[str, torch.Tensor]:
 def test_a_packed_batch_scores_each_sequence_as_it_would_alone(loss_type):
     module = _module({"loss_type": loss_type, "beta": 0.5})
     batch, alone = _batch(module.vocab_size)
-    loss, mean, metrics = module._preference_step(module.preference, batch, train=False)
+    loss, mean, pairs, metrics = module._preference_step(module.preference, batch, train=False)
+    assert float(pairs) == sum(map(len, WINDOWS))
     loss.backward()
     packed_grads = _adapter_grads(module)
 
