@@ -141,6 +141,7 @@ class HFCausalLMModule(CausalLMModule):
         # Converted, parallelized, then allocated shard by shard by the 2D strategy; on one device (the parity
         # reference) the same conversion and materialization, the whole of each tensor.
         self.model = self.build_model()
+        self._declare_reference(self.build_model)
         strategy = getattr(trainer_of(self), "strategy", None)
         if not getattr(strategy, "materializes_meta_modules", False):
             self._configure_on_one_device()
@@ -152,7 +153,11 @@ class HFCausalLMModule(CausalLMModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return self.logits_of(self.model, input_ids, position_ids)
+
+    def logits_of(self, model: nn.Module, input_ids: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

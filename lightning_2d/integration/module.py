@@ -28,6 +28,7 @@ from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.expert import LoadBalancing
+from lightning_2d.parallel.frozen import FrozenModel, materialize_frozen
 from lightning_2d.parallel.context import context_shard
 from lightning_2d.parallel.loss import loss_parallel_context, next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.modules import canonical_name
@@ -194,6 +195,8 @@ class CausalLMModule(L.LightningModule):
         try:
             convert_and_materialize(self, self._own_plan(), device, seed, self.validation_inputs(),
                                     registry.known_init_hooks)
+            for frozen in self.frozen_models():  # the same values as the trained model starts from
+                materialize_frozen(frozen, self._own_plan(), device, seed, registry.known_init_hooks)
         except BaseException:
             self.model = None  # not built: configure_model builds it again
             raise
@@ -272,10 +275,16 @@ class CausalLMModule(L.LightningModule):
         return step_tokens_of(batch, accumulate) if self.training else {}
 
     # ---- preference tuning (``preference=``, ``integration/preference.py``) ------------------------------------
-    def token_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``(B, T)``: each position's log-probability of its label under the model (0 where ignored), from its
-        logits; ``LlamaLightningModule`` computes it in its fused head instead."""
-        logits = self(batch["input_ids"], **document_positions_of(batch))
+    def logits_of(self, model: torch.nn.Module, input_ids: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``model``'s logits (the trained model, or one held beside it), as ``forward`` gives the trained one's."""
+        raise NotImplementedError
+
+    def token_log_probs(self, batch: dict[str, torch.Tensor], model: Optional[torch.nn.Module] = None) -> torch.Tensor:
+        """``(B, T)``: each position's log-probability of its label under ``model`` (the trained one by default; 0
+        where ignored), from its logits; ``LlamaLightningModule`` computes it in its fused head instead."""
+        logits = self.logits_of(model if model is not None else self.model, batch["input_ids"],
+                                **document_positions_of(batch))
         with loss_parallel_context(logits):
             nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
                                                     ignore_index=-100, reduction="none")
@@ -284,10 +293,33 @@ class CausalLMModule(L.LightningModule):
         return -nll.view(batch["labels"].shape)
 
     def reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``token_log_probs`` under the reference model: under LoRA, the model with its adapters switched off."""
+        """``token_log_probs`` under the reference model: its frozen copy (``reference="copy"``), else (under LoRA)
+        the model with its adapters switched off."""
         assert self.model is not None
+        if self._reference is not None:
+            return self.token_log_probs(batch, self._reference.frozen())
         with adapters_disabled(self.model):
             return self.token_log_probs(batch)
+
+    # ---- models held beside the trained one (``parallel.frozen``) -------------------------------------------------
+    _reference: Optional[FrozenModel] = None  # not a registered module: no optimizer state, in no checkpoint
+
+    def frozen_models(self) -> list[FrozenModel]:
+        """The models held beside the trained one, frozen (a preference loss's reference copy): the strategies
+        parallelize and materialize them as they do the trained model (``parallel.frozen``), with its plan."""
+        return [self._reference] if self._reference is not None else []
+
+    def _declare_reference(self, build: Callable[[], torch.nn.Module]) -> None:
+        """Under a preference loss whose reference is a copy (``reference="copy"``, or ``"auto"`` without LoRA),
+        ``build()`` on the meta device held as the frozen reference, its values the trained model's initial ones."""
+        preference = self.preference
+        if preference is None or preference.reference_mode(adapters=self.lora is not None) != "copy":
+            return
+        with torch.device("meta"):
+            model = build()
+        source = getattr(self, "weights_source", None)
+        reference = FrozenModel("reference", self._own_plan().module, model, source if callable(source) else None)
+        object.__setattr__(self, "_reference", reference)  # kept out of the module's registered children
 
     def _preference_step(self, preference: PreferenceLoss, batch: dict[str, torch.Tensor],
                          train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -580,6 +612,7 @@ class LlamaLightningModule(CausalLMModule):
         # one device the same conversion, then the whole tensors (the same values).
         with torch.device("meta"):
             self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
+        self._declare_reference(lambda: Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size))
         if not getattr(strategy, "materializes_meta_modules", False):
             self._configure_on_one_device()
 
@@ -595,13 +628,18 @@ class LlamaLightningModule(CausalLMModule):
             return normalize_by_global_tokens(loss_sum, batch["labels"], self.meshes, **self._step_tokens(batch))
         return super()._loss(batch)
 
-    def token_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def logits_of(self, model: torch.nn.Module, input_ids: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return model(input_ids, position_ids=position_ids)
+
+    def token_log_probs(self, batch: dict[str, torch.Tensor], model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         """Each position's log-probability of its label from the fused head (``per_token=True``: no full logits,
         vocabulary-parallel under tensor parallelism)."""
         if not self.hparams.fused_loss:
-            return super().token_log_probs(batch)
-        assert self.model is not None, "call configure_model() first (the Trainer does)"
-        return self.model(batch["input_ids"], labels=batch["labels"], per_token=True, **document_positions_of(batch))
+            return super().token_log_probs(batch, model)
+        model = model if model is not None else self.model
+        assert model is not None, "call configure_model() first (the Trainer does)"
+        return model(batch["input_ids"], labels=batch["labels"], per_token=True, **document_positions_of(batch))
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` (for throughput/MFU, see ``TokenThroughputMonitor``)."""

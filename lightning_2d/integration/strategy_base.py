@@ -61,9 +61,11 @@ from lightning_2d.integration.checkpoint_io import DistributedCheckpointIO
 from lightning_2d.integration.strategy_options import split_options, takes_options
 from lightning_2d.integration.precision import FabricFSDP2Precision, FSDP2Precision, fsdp2_precision
 from lightning_2d.integration.step_guard import NonFiniteLossError, StepGuard, check_first_loss
+from lightning_2d.models import registry
 from lightning_2d.parallel.config import ParallelPlan
 from lightning_2d.parallel.dims import ParallelDims, cuda_index, destroy_process_group_at_exit, validate_parallel_dims
 from lightning_2d.parallel.float8 import precompute_float8_scales
+from lightning_2d.parallel.frozen import parallelize_frozen
 from lightning_2d.parallel.fsdp_backend import FSDPBackend, fsdp_backend
 from lightning_2d.parallel.known_warnings import KnownWarnings
 from lightning_2d.parallel.loss import backward_context
@@ -353,6 +355,15 @@ class ModelParallel2DBase(LightningStrategyMembers):
         base_of = getattr(owner, "adapter_base", None)
         base = base_of() if callable(base_of) else {"init_from": None, "init_seed": parallelized.init_seed}
         self.distributed_checkpoint_io.trained_subset = TrainedSubset.of(parallelized.converters, base)
+
+    def _parallelize_frozen(self, owner: Any, plan: Any, precision: str) -> None:
+        """The models ``owner`` holds beside the trained one (``frozen_models()``: a preference loss's reference
+        copy), parallelized and materialized as the trained one was: its plan, the same meshes, its initial values
+        (the same ``init_from``, or the same seed)."""
+        frozen_models = getattr(owner, "frozen_models", None)
+        for frozen in (frozen_models() if callable(frozen_models) else []):
+            parallelize_frozen(frozen, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
+                               seed=lambda: self._init_seed(owner), known_init_hooks=registry.known_init_hooks)
 
     def _init_seed(self, owner: Any = None) -> int:
         """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""

@@ -148,6 +148,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             known_init_hooks=registry.known_init_hooks,
             inputs=registry.validation_inputs_of(module),  # the converters it asks for (lora=)
         ))
+        self._parallelize_frozen(module, plan, precision)  # a preference loss's reference copy, if it holds one
         self.model_to_device()  # metrics and anything else outside the parallelized model
         self.barrier()
 

@@ -34,7 +34,7 @@ REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 UNPAIRED_LOSSES = ("kto",)
 LOSSES = DPO_LOSSES + REFERENCE_FREE_LOSSES + UNPAIRED_LOSSES
 #: Where the reference model's log-probabilities come from (``PreferenceLoss.reference``).
-REFERENCES = ("auto", "adapters_off")
+REFERENCES = ("auto", "adapters_off", "copy")
 
 
 class PreferenceConfigError(ValueError):
@@ -73,8 +73,9 @@ class PreferenceLoss:
         simpo_gamma: SimPO's target reward margin γ (TRL's ``CPOConfig.simpo_gamma``).
         desirable_weight, undesirable_weight: KTO's weights of the desirable and undesirable examples' losses.
         reference: Where the reference model's log-probabilities come from (the DPO family, KTO): ``"adapters_off"``
-            (under LoRA: the trained model with its adapters switched off, no second copy); ``"auto"``: that under
-            LoRA.
+            (under LoRA: the trained model with its adapters switched off, no second copy), ``"copy"`` (a frozen
+            copy of the initial model, parallelized beside it by the same plan: sharded, no gradients, no optimizer
+            state, not in checkpoints); ``"auto"``: ``adapters_off`` under LoRA, else ``copy``.
     """
 
     loss_type: str = "sigmoid"
@@ -132,6 +133,15 @@ class PreferenceLoss:
     def needs_reference(self) -> bool:
         """Whether the loss compares with a reference model's log-probabilities (not SimPO or ORPO)."""
         return self.loss_type not in REFERENCE_FREE_LOSSES
+
+    def reference_mode(self, adapters: bool) -> Optional[str]:
+        """``"adapters_off"`` or ``"copy"`` (``reference`` with ``"auto"`` resolved for a model that trains
+        ``adapters`` or not), ``None`` for a reference-free loss."""
+        if not self.needs_reference:
+            return None
+        if self.reference == "auto":
+            return "adapters_off" if adapters else "copy"
+        return self.reference
 
     @property
     def paired(self) -> bool:

@@ -18,19 +18,22 @@ from lightning_2d.parallel.checks import check
 
 @check(error=PreferenceConfigError)
 def preference_reference(preference: PreferenceLoss, owner: str, lora: Optional[LoRA] = None) -> list[str]:
-    """Where the reference log-probabilities come from: under LoRA the base with its adapters off; a frozen
-    reference copy is not built yet."""
-    if preference is None or not preference.needs_reference:
+    """Where the reference log-probabilities come from: the base with its adapters off needs adapters; a frozen copy
+    is of the whole initial model (under LoRA, the adapters' own base is the reference)."""
+    if preference is None:
         return []
-    if lora is None:
+    mode = preference.reference_mode(adapters=lora is not None)
+    if mode == "adapters_off" and lora is None:
         return [
-            f"preference loss_type={preference.loss_type!r} compares with a reference model; {owner} trains the"
-            " whole model (no lora=), and a frozen reference copy beside it is not built yet. Train adapters"
-            " (lora=..., the reference is then the base with its adapters off), or use a reference-free loss"
-            " (loss_type='simpo' or 'orpo')"
+            f"preference reference='adapters_off' needs adapters to switch off, but {owner} trains the whole model"
+            " (no lora=). Use reference='copy' (a frozen copy of the initial model beside it, or 'auto'), or train"
+            " adapters (lora=...)"
         ]
-    if preference.reference not in ("auto", "adapters_off"):
-        return [f"preference reference={preference.reference!r} is not available with lora=; use 'adapters_off'"]
+    if mode == "copy" and lora is not None:
+        return [
+            f"preference reference='copy' with lora=: under LoRA the reference is the base the adapters start from;"
+            " switching them off gives it without a second copy. Use reference='adapters_off' (or 'auto')"
+        ]
     return []
 
 

@@ -403,10 +403,10 @@ if _hf_available():
             "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
                                                   "load_balancing": "aux"}}),
          ValueError, r"load_balancing must be 'aux_loss', 'bias' or 'none', got 'aux'"),
-        ("a DPO-family preference loss training the whole model", lambda _: LlamaLightningModule(
-            "debug", preference={"loss_type": "sigmoid"}),
-         PreferenceConfigError, r"preference loss_type='sigmoid' compares with a reference model; LlamaLightningModule"
-                                r" trains the whole model.*loss_type='simpo' or 'orpo'"),
+        ("a preference reference of switched-off adapters without adapters", lambda _: LlamaLightningModule(
+            "debug", preference={"loss_type": "sigmoid", "reference": "adapters_off"}),
+         PreferenceConfigError, r"preference reference='adapters_off' needs adapters to switch off, but"
+                                r" LlamaLightningModule trains the whole model \(no lora=\)\. Use reference='copy'"),
         ("preference tuning under pipeline parallelism", lambda _: fit_before_spawn(
             LlamaLightningModule("debug", preference={"loss_type": "simpo"}), TextDataModule(seq_len=32, batch_size=2),
             data_parallel_size=2, tensor_parallel_size=1, pipeline_parallel_size=2),

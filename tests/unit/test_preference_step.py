@@ -122,9 +122,38 @@ def test_the_reference_is_the_base_with_its_adapters_off():
     torch.testing.assert_close(reference, base, rtol=0, atol=0)
 
 
-def test_a_reference_loss_without_adapters_is_refused_at_construction():
-    with pytest.raises(PreferenceConfigError, match="a frozen reference copy beside it is not built yet"):
-        LlamaLightningModule("debug", preference={"loss_type": "sigmoid"})
+def test_a_whole_model_compares_with_a_frozen_copy_of_its_initial_weights():
+    """Without adapters the reference is a frozen copy (``reference="auto"``): built and materialized beside the
+    model with its initial values, outside the module's parameters and state dict (no optimizer state, in no
+    checkpoint); training the model leaves it as it was."""
+    module = _module({"loss_type": "sigmoid", "beta": 0.5}, lora=False)
+    (reference,) = module.frozen_models()
+    frozen = reference.frozen()
+    assert all(not p.requires_grad for p in frozen.parameters()) and not frozen.training
+    assert {id(p) for p in module.parameters()}.isdisjoint(id(p) for p in frozen.parameters())
+    assert not any("reference" in key or key.startswith("_") for key in module.state_dict())
+    start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    for name, param in frozen.named_parameters():
+        assert torch.equal(param, start[name]), name
+    batch, _ = _batch(module.vocab_size)
+    loss, _, _, metrics = module._preference_step(module.preference, batch, train=False)
+    assert float(metrics["rewards/margins"]) == 0.0 and float(metrics["rewards/accuracies"]) == 0.0
+    loss.backward()
+    with torch.no_grad():
+        for param in module.model.parameters():
+            param.sub_(0.1 * param.grad)
+    _, _, _, metrics = module._preference_step(module.preference, batch, train=False)
+    assert float(metrics["rewards/margins"]) > 0  # one step down the loss: the chosen gain on the rejected
+    for name, param in frozen.named_parameters():
+        assert torch.equal(param, start[name]), name
+
+
+def test_references_that_cannot_be_are_refused_at_construction():
+    with pytest.raises(PreferenceConfigError, match="reference='adapters_off' needs adapters to switch off"):
+        LlamaLightningModule("debug", preference={"loss_type": "sigmoid", "reference": "adapters_off"})
+    with pytest.raises(PreferenceConfigError, match="reference='copy' with lora="):
+        LlamaLightningModule("debug", preference={"reference": "copy"}, lora={"rank": 4})
     with pytest.raises(PreferenceConfigError, match="preference has no field"):
         LlamaLightningModule("debug", preference={"loss": "sigmoid"})
     assert LlamaLightningModule("debug", preference=PreferenceLoss("simpo")).preference.loss_type == "simpo"
+    assert LlamaLightningModule("debug", preference={}).frozen_models() == []  # declared when the model is
