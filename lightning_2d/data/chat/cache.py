@@ -213,6 +213,9 @@ class ChatPieceEncoder:
     ``nothing_kept`` (the message when no row gave anything to train on), as ``PreferencePieceEncoder`` does.
     """
 
+    #: How messages name the data.
+    data_name = "chat data"
+
     def __init__(self, encoder: ChatEncoder, format: str, fields: Optional[Mapping[str, str]]) -> None:
         self.encoder, self.format, self.fields = encoder, format, dict(fields or {})
 
@@ -391,7 +394,7 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
                 progress(min(done, total), total, conversations)
         if problems:
             shown = problems[:MAX_PROBLEMS]
-            raise DataError(f"{len(problems)} bad row(s) in the chat data (nothing was cached):\n  - "
+            raise DataError(f"{len(problems)} bad row(s) in the {piece_encoder.data_name} (nothing was cached):\n  - "
                             + "\n  - ".join(shown) + ("\n  - …" if len(problems) > len(shown) else ""))
         if conversations == 0:
             raise DataError(piece_encoder.nothing_kept(rows, no_target))
