@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -374,3 +375,25 @@ def test_the_built_in_pairs_need_no_download(tmp_path):
     assert data.packing.pairs > 2500 and data.sources[0].parent == tmp_path
     first = [json.loads(line) for line in data.sources[0].read_text().splitlines()[:3]]
     assert first == rows[:3]
+
+
+def test_prepare_data_previews_a_pair_and_builds_a_preference_recipe(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from lightning_2d.tools.prepare import main as prepare_main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-2d", "prepare-data"])
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"class_path": "lightning_2d.PreferenceDataModule", "init_args": {
+        "paths": write_rows(tmp_path / "d.jsonl", pair_rows(12)), "seq_len": 128, "cache_dir": str(tmp_path / "c")}}}))
+    assert prepare_main(["--config", str(recipe), "--preview", "1"]) is None
+    out = capsys.readouterr().out
+    assert "d.jsonl:1: prompt 37 tokens; chosen 47 tokens, 9 trained; rejected 46 tokens, 8 trained" in out
+    assert "prompt:   <|im_start|>user\nQ0: what is 0 + 0?<|im_end|>\n<|im_start|>assistant\n\n" in out
+    assert "chosen:   [[It is 0.<|im_end|>]]\n" in out and "rejected: [[No idea<|im_end|>]]\n" in out
+    assert "12 pairs" in out and "nothing written" in out
+    assert not list((tmp_path / "c").glob("*/meta.json"))
+    report = prepare_main(["--config", str(recipe), "--processes", "2"])
+    out = capsys.readouterr().out
+    assert report.built and report.counts["pairs"] == 12 and report.conversations == 24
+    assert "pairs          12" in out and "11 pairs (22 sequences)" in out and "truncated      0 prompt(s)" in out
