@@ -245,10 +245,10 @@ def preference_preview(data: PreferenceDataModule, count: int) -> str:
                 shown += 1
                 cut = ["prompt truncated" if pair.prompt_truncated else "",
                        f"{pair.completions_truncated} completion(s) truncated" if pair.completions_truncated else ""]
-                out.append(f"---- {where}: prompt {pair.prompt_tokens} tokens; chosen {len(pair.chosen.ids)} tokens,"
-                           f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids)} tokens,"
-                           f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c))
                 p = pair.prompt_tokens
+                out.append(f"---- {where}: prompt {p} tokens; chosen {len(pair.chosen.ids) - p} tokens,"
+                           f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids) - p} tokens,"
+                           f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c))
                 out.append("prompt:   " + _marked(data, pair.chosen.ids[:p], pair.chosen.trained[:p]))
                 out.append("chosen:   " + _marked(data, pair.chosen.ids[p:], pair.chosen.trained[p:]))
                 out.append("rejected: " + _marked(data, pair.rejected.ids[p:], pair.rejected.trained[p:]))

@@ -388,7 +388,7 @@ def test_prepare_data_previews_a_pair_and_builds_a_preference_recipe(tmp_path, m
         "paths": write_rows(tmp_path / "d.jsonl", pair_rows(12)), "seq_len": 128, "cache_dir": str(tmp_path / "c")}}}))
     assert prepare_main(["--config", str(recipe), "--preview", "1"]) is None
     out = capsys.readouterr().out
-    assert "d.jsonl:1: prompt 37 tokens; chosen 47 tokens, 9 trained; rejected 46 tokens, 8 trained" in out
+    assert "d.jsonl:1: prompt 37 tokens; chosen 10 tokens, 9 trained; rejected 9 tokens, 8 trained" in out
     assert "prompt:   <|im_start|>user\nQ0: what is 0 + 0?<|im_end|>\n<|im_start|>assistant\n\n" in out
     assert "chosen:   [[It is 0.<|im_end|>]]\n" in out and "rejected: [[No idea<|im_end|>]]\n" in out
     assert "12 pairs" in out and "nothing written" in out
