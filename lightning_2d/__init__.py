@@ -3,7 +3,7 @@
 from typing import Any
 
 import lightning_2d.integration.fabric_strategy  # noqa: F401  (registers "model_parallel_2d" for Fabric too)
-from lightning_2d.data import ChatDataModule, TextDataModule
+from lightning_2d.data import ChatDataModule, PreferenceDataModule, TextDataModule
 from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
@@ -27,6 +27,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelPlan",
+    "PreferenceDataModule",
     "PreferenceLoss",
     "RopeScaling",
     "TextDataModule",

@@ -24,8 +24,9 @@ One module per job, bottom to top: ``sources`` (files, folders, globs; ``DataErr
 ``pieces`` (the corpus cut into pieces and tokenized by a process pool), ``cache_folders`` (what every cache
 shares: where it lives, its name, the file lock, partial files, ``meta.json`` written last), ``cache`` (the token
 cache on disk), ``loading`` (windows, ``DataParallelSampler``, ``ResumableDataLoader``)
-and ``datamodule`` (``TextDataModule``); ``chat/`` holds the instruction fine-tuning data (``ChatDataModule``). Knows nothing of models or parallelism beyond the data-parallel
-rank and size it is given.
+and ``datamodule`` (``TextDataModule``); ``chat/`` holds the instruction fine-tuning data (``ChatDataModule``),
+``preference/`` the preference pairs built on it (``PreferenceDataModule``). Knows nothing of models or parallelism
+beyond the data-parallel rank and size it is given.
 """
 
 from lightning_2d.data.cache import CacheReport, build_token_cache, prepare_token_cache
@@ -33,6 +34,7 @@ from lightning_2d.data.chat import ChatDataModule
 from lightning_2d.data.datamodule import TextDataModule, prepare_command, prepare_python
 from lightning_2d.data.loading import DataParallelSampler, ResumableDataLoader, TokenWindows
 from lightning_2d.data.pieces import default_num_workers
+from lightning_2d.data.preference import PreferenceDataModule
 from lightning_2d.data.sources import DataError, corpus_bytes, resolve_sources, stdlib_sources
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "ChatDataModule",
     "DataError",
     "DataParallelSampler",
+    "PreferenceDataModule",
     "ResumableDataLoader",
     "TextDataModule",
     "TokenWindows",

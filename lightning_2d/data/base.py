@@ -93,9 +93,11 @@ class DataParallelDataModule(L.LightningDataModule):
         return int(self.accumulate_grad_batches or 1)
 
     def _loader(self, dataset: Dataset, train: bool, targets: Optional[np.ndarray] = None,
-                describe: Callable[[int], str] = lambda n: f"has {n} sequence(s)") -> DataLoader:
-        """``dataset``'s loader on this replica: resumable for training (with ``targets``, each sample's trained
-        tokens: batches carry ``step_tokens``), plain for the held-out splits."""
+                describe: Callable[[int], str] = lambda n: f"has {n} sequence(s)",
+                count_key: str = "step_tokens") -> DataLoader:
+        """``dataset``'s loader on this replica: resumable for training (with ``targets``, each sample's count of
+        what the loss averages over: batches carry its sum over their optimizer step as ``count_key``,
+        ``step_tokens`` for trained tokens), plain for the held-out splits."""
         replicas, rank = self._replicas()
         if len(dataset) < replicas * self.batch_size:  # type: ignore[arg-type]
             split = "training" if train else "validation"
@@ -126,7 +128,8 @@ class DataParallelDataModule(L.LightningDataModule):
             consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
             epoch = lambda: trainer.current_epoch  # noqa: E731
         return ResumableDataLoader(dataset, consumed_batches=consumed, epoch=epoch, targets=targets,
-                                   accumulate=self._accumulate if targets is not None else None, **kwargs)
+                                   accumulate=self._accumulate if targets is not None else None, count_key=count_key,
+                                   **kwargs)
 
     def _eval_dataloader(self) -> DataLoader:
         if self.val_dataset is None:

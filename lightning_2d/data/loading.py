@@ -123,6 +123,11 @@ class ResumableDataLoader(DataLoader):
             ``set_epoch`` value runs one ahead after resuming from a checkpoint saved at an epoch's
             end (it passes the number of *processed* epochs), which would skip a permutation; the
             number of *completed* epochs (``trainer.current_epoch``) is right in every case.
+        targets: Each sample's count of what the loss averages over (trained tokens of a chat window, pairs of a
+            preference window): every batch then carries, under ``count_key``, the sum over the batches of its
+            optimizer step (``_step_counts``), a float 0-dim tensor.
+        accumulate: The batches one optimizer step accumulates, read when an iteration starts.
+        count_key: The batch key of that sum (``"step_tokens"``; ``"step_pairs"`` for preference pairs).
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class ResumableDataLoader(DataLoader):
         epoch: Optional[Callable[[], int]] = None,
         targets: Optional[np.ndarray] = None,
         accumulate: Optional[Callable[[], int]] = None,
+        count_key: str = "step_tokens",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -139,7 +145,7 @@ class ResumableDataLoader(DataLoader):
             raise TypeError("ResumableDataLoader needs a DataParallelSampler")
         self._consumed_batches = consumed_batches
         self._epoch = epoch
-        self._targets, self._accumulate = targets, accumulate
+        self._targets, self._accumulate, self._count_key = targets, accumulate, count_key
         self._yielded = 0
         self._offset = 0  # positions skipped by a resume in the epoch being iterated
 
@@ -148,18 +154,18 @@ class ResumableDataLoader(DataLoader):
         if self._epoch is not None:
             sampler.set_epoch(self._epoch())
         self._offset, self._yielded = sampler._start(), 0
-        step_tokens = self._step_tokens(sampler) if self._targets is not None else None
+        step_counts = self._step_counts(sampler) if self._targets is not None else None
         first = self._offset // (self.batch_size * sampler.num_replicas)
         for batch in super().__iter__():
-            if step_tokens is not None:
-                batch["step_tokens"] = torch.tensor(float(step_tokens[first + self._yielded]))
+            if step_counts is not None:
+                batch[self._count_key] = torch.tensor(float(step_counts[first + self._yielded]))
             self._yielded += 1
             yield batch
 
-    def _step_tokens(self, sampler: DataParallelSampler) -> np.ndarray:
+    def _step_counts(self, sampler: DataParallelSampler) -> np.ndarray:
         """For each batch of this replica's epoch, the targets of all its batches that one optimizer step
         accumulates (``accumulate()`` batches from the epoch's start, the last step with what is left): what the
-        loss divides by, summed over the replicas, so accumulated steps weigh every token alike."""
+        loss divides by, summed over the replicas, so accumulated steps weigh every token (or pair) alike."""
         assert self._targets is not None and self.batch_size is not None
         accumulate = max(1, int(self._accumulate() if self._accumulate is not None else 1))
         mine = sampler.epoch_order()[sampler.rank : sampler.num_positions : sampler.num_replicas].numpy()

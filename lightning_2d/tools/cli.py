@@ -33,7 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_2d.integration.trainer_strategy  # noqa: F401  (registers the "model_parallel_2d" strategy name)
 from lightning_2d.checkpoint import Integrity, check_ckpt_path
-from lightning_2d.data import ChatDataModule, TextDataModule
+from lightning_2d.data import ChatDataModule, PreferenceDataModule, TextDataModule
 from lightning_2d.errors import Lightning2DError
 from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import CausalLMModule
@@ -69,10 +69,11 @@ class Lightning2DCLI(LightningCLI):
     def _check_before_launch(self) -> None:
         # Before any process is launched: a model that cannot embed every token id, a big corpus without its
         # token cache.
-        if isinstance(self.datamodule, (TextDataModule, ChatDataModule)):
+        if isinstance(self.datamodule, (TextDataModule, ChatDataModule, PreferenceDataModule)):
             if isinstance(self.model, CausalLMModule):
                 self.datamodule.check_model(self.model.vocab_size)
-            # A big corpus without a cache fails before any process starts; a small chat data set is encoded now
+            # A big corpus without a cache fails before any process starts; a small chat or preference data set is
+            # encoded now
             # (its bad rows reported here).
             self.datamodule.check_prepared()
 

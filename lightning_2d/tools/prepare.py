@@ -10,7 +10,8 @@ defaults and ``--data.*`` overrides; other sections are parsed and ignored, noth
 module is instantiated, so a GPU recipe prepares on a CPU machine), and the cache written is the
 one ``TextDataModule.setup`` then finds. A recipe's ``data`` section may also be written as
 ``class_path``/``init_args``. Prints progress, then files, bytes, tokens, seconds and tokens/s.
-The Python equivalent is ``TextDataModule(...).prepare(num_workers=...)``.
+The Python equivalent is ``TextDataModule(...).prepare(num_workers=...)``; a ``ChatDataModule`` or
+``PreferenceDataModule`` recipe builds its chat cache the same way (``--preview N``: N rows as the model sees them).
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ import inspect
 import re
 import sys
 import time
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 from docstring_parser import parse
 
-from lightning_2d.data import CacheReport, ChatDataModule, DataError, TextDataModule, corpus_bytes, default_num_workers
+from lightning_2d.data import (
+    CacheReport,
+    ChatDataModule,
+    DataError,
+    PreferenceDataModule,
+    TextDataModule,
+    corpus_bytes,
+    default_num_workers,
+)
 from lightning_2d.data.chat import ChatCacheReport, pack_windows, to_conversation
 from lightning_2d.data.chat.cache import plan_chat_pieces, read_rows, row_location
+from lightning_2d.data.preference import to_pair
 from lightning_2d.tools.recipe import RecipeError, add_recipe_options, data_arguments, data_class, fit_config, split_argv
 
 DESCRIPTION = (
@@ -64,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--preview", type=int, default=None, metavar="N",
-        help="ChatDataModule: print N rendered samples with the trained spans marked [[like this]], their token"
-        " counts and the packing efficiency, without writing the cache",
+        help="ChatDataModule, PreferenceDataModule: print N rendered samples (a pair: its prompt, chosen and rejected"
+        " completion) with the trained spans marked [[like this]], their token counts and the packing efficiency,"
+        " without writing the cache",
     )
     add_recipe_options(parser, "the data section")
     _data_options(parser.add_argument_group(
@@ -74,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str]) -> tuple[Union[TextDataModule, ChatDataModule], int]:
+def parse_args(argv: list[str]) -> tuple[Union[TextDataModule, ChatDataModule, PreferenceDataModule], int]:
     """The data module of ``argv`` (as ``lightning-2d fit`` would build it) and the number of tokenizing processes.
 
     Args:
@@ -155,10 +166,11 @@ def summary(report: CacheReport) -> str:
     return "\n".join(lines)
 
 
-def _prepare_chat(data: ChatDataModule, workers: int) -> ChatCacheReport:
+def _prepare_chat(data: Union[ChatDataModule, PreferenceDataModule], workers: int) -> ChatCacheReport:
     sources = data.sources
-    print(f"Chat data: {len(sources):,} file(s), {_mb(corpus_bytes(sources))}; template {data.template.origin};"
-          f" cache {data.cache_folder}; up to {workers} encoding process(es)", flush=True)
+    kind = "Preference data" if isinstance(data, PreferenceDataModule) else "Chat data"
+    print(f"{kind}: {len(sources):,} file(s), {_mb(corpus_bytes(sources))}; template"
+          f" {data.template.origin}; cache {data.cache_folder}; up to {workers} encoding process(es)", flush=True)
     report = data.prepare(num_workers=workers, progress=_Progress(unit="conversations"),
                           log=lambda line: print(line, flush=True))
     data.setup("fit")
@@ -167,13 +179,15 @@ def _prepare_chat(data: ChatDataModule, workers: int) -> ChatCacheReport:
         f"{'Built' if report.built else 'Already complete'}: {report.folder}",
         f"  files          {report.files:,}",
         f"  rows           {report.rows:,} ({report.no_target:,} dropped: no token to train on)",
+        *([f"  pairs          {report.counts.get('pairs', 0):,}"] if isinstance(data, PreferenceDataModule) else []),
         f"  conversations  {report.conversations:,}, {report.tokens:,} tokens, {report.targets:,} trained",
         f"  end of turn    {', '.join(map(str, report.end_of_turn)) or 'none found'}",
         f"Packing (training split, seq_len {data.seq_len}, {'packed' if data.pack else 'one per sequence'}):",
         *data.packing.lines(),
     ]
     if report.built:
-        lines.insert(5, f"  seconds        {report.seconds:.2f}")
+        lines.insert(lines.index(f"  end of turn    {', '.join(map(str, report.end_of_turn)) or 'none found'}"),
+                     f"  seconds        {report.seconds:.2f}")
     print("\n".join(lines), flush=True)
     return report
 
@@ -197,7 +211,7 @@ def chat_preview(data: ChatDataModule, count: int) -> str:
                 shown += 1
                 out.append(f"---- {where}: {len(encoded.ids)} tokens, {encoded.num_targets} trained"
                            f" (end of turn: {sorted(encoded.end_of_turn) or 'none'})")
-                out.append(_marked(data, encoded))
+                out.append(_marked(data, encoded.ids, encoded.trained))
     windows = pack_windows(np.asarray(lengths, dtype=np.int64), data.seq_len, data.pack)
     total = len(windows) * data.seq_len
     out.append(f"---- {len(lengths):,} conversations, {trained:,} trained tokens: {len(windows):,} sequences of"
@@ -206,10 +220,51 @@ def chat_preview(data: ChatDataModule, count: int) -> str:
     return "\n".join(out)
 
 
-def _marked(data: ChatDataModule, encoded: Any) -> str:
-    """The sample's tokens decoded, trained runs inside ``[[ ]]`` (special tokens written out)."""
+def preference_preview(data: PreferenceDataModule, count: int) -> str:
+    """``count`` pairs as the model will see them: the prompt's tokens, then the chosen and the rejected completion
+    with their trained text inside ``[[ ]]``, with token counts; then the packing efficiency of the whole data set
+    (encoded in memory, nothing written)."""
+    out, positions, trained, dropped = [], [], 0, 0
+    shown = 0
+    for piece in plan_chat_pieces(data.sources, 1 << 62):
+        for row, record, error in read_rows(piece):
+            where = row_location(piece, row)
+            if error is not None:
+                raise DataError(f"{where} {error}")
+            pair = data.pair_encoder.encode(to_pair(record, data.format, data.fields, where), where)
+            if not pair.trained:
+                dropped += 1
+                continue
+            length = len(pair.chosen.ids) + len(pair.rejected.ids) - 2
+            if length > data.seq_len:
+                dropped += 1
+                continue
+            positions.append(length)
+            trained += pair.chosen.num_targets + pair.rejected.num_targets
+            if shown < count:
+                shown += 1
+                cut = ["prompt truncated" if pair.prompt_truncated else "",
+                       f"{pair.completions_truncated} completion(s) truncated" if pair.completions_truncated else ""]
+                p = pair.prompt_tokens
+                out.append(f"---- {where}: prompt {p} tokens; chosen {len(pair.chosen.ids) - p} tokens,"
+                           f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids) - p} tokens,"
+                           f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c))
+                out.append("prompt:   " + _marked(data, pair.chosen.ids[:p], pair.chosen.trained[:p]))
+                out.append("chosen:   " + _marked(data, pair.chosen.ids[p:], pair.chosen.trained[p:]))
+                out.append("rejected: " + _marked(data, pair.rejected.ids[p:], pair.rejected.trained[p:]))
+    windows = pack_windows(np.asarray(positions, dtype=np.int64), data.seq_len, data.pack)
+    total = len(windows) * data.seq_len
+    out.append(f"---- {len(positions):,} pairs, {trained:,} trained tokens: {len(windows):,} windows of {data.seq_len},"
+               f" {100 * int(np.sum(positions)) / max(total, 1):.1f}% of positions filled"
+               f" ({100 * trained / max(total, 1):.1f}% trained); {dropped:,} pair(s) dropped (no trained token, or"
+               f" longer than seq_len: overflow={data.overflow!r}); nothing written")
+    return "\n".join(out)
+
+
+def _marked(data: Union[ChatDataModule, PreferenceDataModule], ids: np.ndarray, trained: np.ndarray) -> str:
+    """Tokens decoded, trained runs inside ``[[ ]]`` (special tokens written out)."""
     pieces, run, state = [], [], None
-    for token, is_trained in zip(encoded.ids.tolist(), encoded.trained.tolist()):
+    for token, is_trained in zip(ids.tolist(), trained.tolist()):
         if state is not None and is_trained != state:
             text = data.tokenizer.decode_keep_special(run)
             pieces.append(f"[[{text}]]" if state else text)
@@ -235,12 +290,15 @@ def main(argv: Optional[list[str]] = None) -> Union[CacheReport, ChatCacheReport
     data, workers = parse_args(argv)
     preview = _preview_count(argv)
     if preview is not None:
+        if isinstance(data, PreferenceDataModule):
+            print(preference_preview(data, preview), flush=True)
+            return None
         if not isinstance(data, ChatDataModule):
             raise DataError("--preview shows rendered conversations: the recipe's data is a TextDataModule; use it with"
-                            " data.class_path: lightning_2d.ChatDataModule")
+                            " data.class_path: lightning_2d.ChatDataModule (or lightning_2d.PreferenceDataModule)")
         print(chat_preview(data, preview), flush=True)
         return None
-    if isinstance(data, ChatDataModule):
+    if isinstance(data, (ChatDataModule, PreferenceDataModule)):
         return _prepare_chat(data, workers)
     sources = data.sources
     print(

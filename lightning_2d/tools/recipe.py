@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_2d.data import ChatDataModule, TextDataModule
+from lightning_2d.data import ChatDataModule, PreferenceDataModule, TextDataModule
 from lightning_2d.errors import Lightning2DError
 from lightning_2d.integration.hf_module import HFCausalLMModule
 from lightning_2d.integration.module import LlamaLightningModule
@@ -80,11 +80,12 @@ def split_argv(argv: list[str], own: tuple[str, ...] = ()) -> tuple[list[str], l
 
 
 #: The data modules the tools read (their ``seq_len``, ``batch_size`` and cache).
-DATA_CLASSES = ("lightning_2d.TextDataModule", "lightning_2d.ChatDataModule")
+DATA_CLASSES = ("lightning_2d.TextDataModule", "lightning_2d.ChatDataModule", "lightning_2d.PreferenceDataModule")
 
 
 def data_class(spec: Any, source: str = "the recipe") -> type:
-    """The data module class a parsed recipe's ``data`` section names (``TextDataModule`` or ``ChatDataModule``).
+    """The data module class a parsed recipe's ``data`` section names (``TextDataModule``, ``ChatDataModule`` or
+    ``PreferenceDataModule``).
 
     Raises:
         RecipeError: Another class: the tools read those two.
@@ -95,10 +96,10 @@ def data_class(spec: Any, source: str = "the recipe") -> type:
         cls = getattr(importlib.import_module(module or "lightning_2d"), name)
     except (ImportError, AttributeError) as err:
         raise RecipeError(f"{source}: data.class_path {class_path!r} does not import ({err})") from None
-    if not (isinstance(cls, type) and issubclass(cls, (TextDataModule, ChatDataModule))):
+    if not (isinstance(cls, type) and issubclass(cls, (TextDataModule, ChatDataModule, PreferenceDataModule))):
         raise RecipeError(f"{source}: data.class_path is {class_path!r}; prepare-data builds the cache of a"
-                          " TextDataModule or a ChatDataModule, whose seq_len and batch_size plan and benchmark read"
-                          f" (class_path: {' or '.join(DATA_CLASSES)})")
+                          " TextDataModule or a ChatDataModule (or PreferenceDataModule), whose seq_len and batch_size"
+                          f" plan and benchmark read (class_path: {' or '.join(DATA_CLASSES)})")
     return cls
 
 
@@ -208,8 +209,8 @@ class RecipeRun:
         accumulate_grad_batches: ``trainer.accumulate_grad_batches``.
         strategy_options: The strategy's ``init_args`` as written.
         config: The strategy's ``ParallelConfig``.
-        data: The ``data`` section's arguments (``TextDataModule``'s or ``ChatDataModule``'s; for the latter
-            ``document_mask`` is ``pack``).
+        data: The ``data`` section's arguments (``TextDataModule``'s, ``ChatDataModule``'s, whose ``document_mask``
+            is ``pack``, or ``PreferenceDataModule``'s, whose ``document_mask`` is always on).
         lora: The module's ``lora`` settings (a dict), ``None`` for full fine-tuning.
     """
 
@@ -295,8 +296,11 @@ def run_of(config: Any) -> RecipeRun:
     trainer = config["trainer"]
     strategy, options = _strategy(trainer["strategy"])
     data = data_arguments(config["data"])
-    if data_class(config["data"]).__name__ == "ChatDataModule":  # packed conversations are documents
+    kind = data_class(config["data"]).__name__
+    if kind == "ChatDataModule":  # packed conversations are documents
         data["document_mask"] = bool(data.get("pack", True))
+    elif kind == "PreferenceDataModule":  # chosen and rejected are documents of one window, packed or not
+        data["document_mask"] = True
     return RecipeRun(
         module_class=spec["class_path"],
         model=model,

@@ -78,11 +78,19 @@ class TokenizerExport:
     complete: bool = False
 
 
+#: The data modules whose checkpoint entry records ``end_of_turn_ids`` (Lightning keys it by the class's name).
+DATA_MODULES_WITH_STOP_IDS = ("ChatDataModule", "PreferenceDataModule")
+
+
 def recorded_stop_ids(metadata: Optional[Mapping[str, Any]]) -> list[int]:
-    """The end-of-turn ids a ``ChatDataModule`` trained the model to stop at, as its checkpoint records them."""
-    data = (metadata or {}).get("ChatDataModule")
-    ids = data.get("end_of_turn_ids") if isinstance(data, Mapping) else None
-    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) else []
+    """The end-of-turn ids a ``ChatDataModule`` or ``PreferenceDataModule`` trained the model to stop at, as its
+    checkpoint records them (under the data module's class name)."""
+    for name in DATA_MODULES_WITH_STOP_IDS:
+        data = (metadata or {}).get(name)
+        ids = data.get("end_of_turn_ids") if isinstance(data, Mapping) else None
+        if isinstance(ids, (list, tuple)):
+            return [int(i) for i in ids]
+    return []
 
 
 def add_stop_ids(out_dir: Path, stop_ids: list[int]) -> list[int]:

@@ -42,7 +42,8 @@ SKIPPED_PACKAGES = ("test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensu
                     "concurrent", "xmlrpc", "wsgiref", "sqlite3", "unittest", "this", "antigravity", "turtle")
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a file of this process, renamed into place (never seen half written)."""
     partial = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
@@ -61,11 +62,11 @@ def byte_chat_folder(cache_dir: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_CHAT_SPECIAL])
-    _write_atomically(folder / "tokenizer.json", tok.to_str())
-    _write_atomically(folder / "generation_config.json", json.dumps({"eos_token_id": [258], "pad_token_id": 256}))
+    write_atomically(folder / "tokenizer.json", tok.to_str())
+    write_atomically(folder / "generation_config.json", json.dumps({"eos_token_id": [258], "pad_token_id": 256}))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "clean_up_tokenization_spaces": False, "model_max_length": 4096, "chat_template": CHATML_TEMPLATE}
-    _write_atomically(folder / "tokenizer_config.json", json.dumps(config, indent=1))  # last: marks it complete
+    write_atomically(folder / "tokenizer_config.json", json.dumps(config, indent=1))  # last: marks it complete
     return folder
 
 
@@ -132,5 +133,5 @@ def stdlib_chat_file(cache_dir: Path) -> Path:
     path = folder / f"stdlib-chats-v{BUILTIN_VERSION}.jsonl"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, "".join(json.dumps(row) + "\n" for row in stdlib_conversations()))
+        write_atomically(path, "".join(json.dumps(row) + "\n" for row in stdlib_conversations()))
     return path

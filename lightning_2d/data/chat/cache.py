@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from lightning_2d.data.cache_folders import (
     token_dtype,
     write_meta,
 )
-from lightning_2d.data.chat.encode import ChatEncoder
+from lightning_2d.data.chat.encode import ChatEncoder, EncodedChat
 from lightning_2d.data.chat.formats import to_conversation
 from lightning_2d.data.pieces import CHUNK_BYTES, Piece, piece_boundary, pyarrow_parquet, tokenized_in_order
 from lightning_2d.data.sources import DataError, expand_patterns, stat_source
@@ -48,8 +49,8 @@ MAX_PROBLEMS = 20
 #: The files of a chat cache besides ``meta.json``.
 CHAT_FILES = ("tokens.bin", "trained.bin", "offsets.bin", "rows.bin", "targets.bin")
 
-__all__ = ["CHAT_FILES", "ChatCacheReport", "chat_cache_folder", "plan_chat_pieces", "prepare_chat_cache",
-           "read_rows", "resolve_chat_sources", "row_location"]
+__all__ = ["CHAT_FILES", "ChatCacheReport", "ChatPieceEncoder", "PieceResult", "chat_cache_folder",
+           "plan_chat_pieces", "prepare_chat_cache", "read_rows", "resolve_chat_sources", "row_location"]
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -183,7 +184,11 @@ def row_location(piece: Piece, row: int) -> str:
 
 
 @dataclass
-class _PieceResult:
+class PieceResult:
+    """What a piece's rows gave: the kept conversations (tokens, trained mask, row each), the rows read, the rows
+    dropped without a trained token, the end-of-turn ids, the bad rows' messages, and ``counts`` of whatever else a
+    piece encoder counts (summed into the cache's ``meta.json``)."""
+
     ids: list[np.ndarray] = field(default_factory=list)
     trained: list[np.ndarray] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -191,19 +196,51 @@ class _PieceResult:
     no_target: int = 0
     end_of_turn: set[int] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+
+    def add(self, encoded: EncodedChat, row: int) -> None:
+        """Keep one conversation (the cache's next)."""
+        self.ids.append(encoded.ids)
+        self.trained.append(encoded.trained)
+        self.rows.append(row)
+        self.end_of_turn |= encoded.end_of_turn
 
 
 class ChatPieceEncoder:
-    """Reads and encodes a task (a list of pieces); one lives in each worker process."""
+    """Reads and encodes a task (a list of pieces); one lives in each worker process.
+
+    A data set of other rows subclasses it and overrides ``add_row`` (one row into the piece's result) and
+    ``nothing_kept`` (the message when no row gave anything to train on), as ``PreferencePieceEncoder`` does.
+    """
+
+    #: How messages name the data.
+    data_name = "chat data"
 
     def __init__(self, encoder: ChatEncoder, format: str, fields: Optional[Mapping[str, str]]) -> None:
         self.encoder, self.format, self.fields = encoder, format, dict(fields or {})
 
-    def __call__(self, task: list[Piece]) -> list[_PieceResult]:
+    def __call__(self, task: list[Piece]) -> list[PieceResult]:
         return [self._piece(piece) for piece in task]
 
-    def _piece(self, piece: Piece) -> _PieceResult:
-        out = _PieceResult()
+    def add_row(self, record: Any, where: str, row: int, out: PieceResult) -> None:
+        """Encode one row into ``out``: a conversation with a trained token, or ``no_target`` counted.
+
+        Raises:
+            DataError: A bad row (the message names ``where`` and the fix).
+        """
+        encoded = self.encoder.encode(to_conversation(record, self.format, self.fields, where), where)
+        if encoded.num_targets == 0:
+            out.no_target += 1
+            return
+        out.add(encoded, row)
+
+    def nothing_kept(self, rows: int, no_target: int) -> str:
+        """The message of a data set none of whose rows gave a conversation to train on."""
+        return (f"No conversation of the chat data ({rows} row(s)) has a token to train on ({no_target} without"
+                f" one): check train_on ({self.encoder.train_on!r}) and the roles")
+
+    def _piece(self, piece: Piece) -> PieceResult:
+        out = PieceResult()
         try:
             rows = list(read_rows(piece))
         except (OSError, Exception) as err:  # noqa: BLE001 - a file that cannot be read is the row's problem
@@ -216,19 +253,11 @@ class ChatPieceEncoder:
                 out.problems.append(f"{where} {error}")
                 continue
             try:
-                encoded = self.encoder.encode(to_conversation(record, self.format, self.fields, where), where)
+                self.add_row(record, where, row, out)
             except DataError as err:
                 out.problems.append(str(err))
                 if len(out.problems) >= MAX_PROBLEMS:
                     break
-                continue
-            if encoded.num_targets == 0:
-                out.no_target += 1
-                continue
-            out.ids.append(encoded.ids)
-            out.trained.append(encoded.trained)
-            out.rows.append(row)
-            out.end_of_turn |= encoded.end_of_turn
         return out
 
 
@@ -248,6 +277,7 @@ class ChatCacheReport:
         targets: Trained tokens among them.
         end_of_turn: The end-of-turn token ids found.
         seconds: Time spent building.
+        counts: What else the piece encoder counted (a preference cache's pairs and truncations).
     """
 
     folder: Path
@@ -260,6 +290,7 @@ class ChatCacheReport:
     targets: int
     end_of_turn: list[int]
     seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def chat_cache_key(sources: list[Path], tokenizer: Any, settings: Mapping[str, Any]) -> str:
@@ -277,7 +308,8 @@ def chat_cache_folder(sources: list[Path], tokenizer: Any, settings: Mapping[str
 
 def _report(folder: Path, meta: Mapping[str, Any], built: bool, seconds: float = 0.0) -> ChatCacheReport:
     return ChatCacheReport(folder, built, meta["num_sources"], meta["rows"], meta["conversations"], meta["no_target"],
-                           meta["tokens"], meta["targets"], list(meta["end_of_turn"]), seconds)
+                           meta["tokens"], meta["targets"], list(meta["end_of_turn"]), seconds,
+                           dict(meta.get("counts", {})))
 
 
 def prepare_chat_cache(
@@ -291,6 +323,7 @@ def prepare_chat_cache(
     chunk_bytes: int = CHUNK_BYTES,
     progress: Optional[Callable[[int, int, int], None]] = None,
     log: Optional[Callable[[str], None]] = None,
+    piece_encoder: Optional[ChatPieceEncoder] = None,
 ) -> ChatCacheReport:
     """Encode ``sources`` into their chat cache unless it is complete (see the module docstring).
 
@@ -305,21 +338,24 @@ def prepare_chat_cache(
         chunk_bytes: Size of a JSONL piece / a task.
         progress: Called after each task with (bytes done, bytes in all, conversations so far).
         log: Called with a line for events worth telling (waiting for another builder).
+        piece_encoder: What turns each piece's rows into conversations (default ``ChatPieceEncoder(encoder, format,
+            fields)``: one conversation a row); a ``PreferencePieceEncoder`` writes two a row.
 
     Raises:
         DataError: Bad rows (each one named, the first 20); nothing is cached.
     """
     folder = chat_cache_folder(sources, encoder.tokenizer, settings, cache_dir)
+    rows_encoder = piece_encoder if piece_encoder is not None else ChatPieceEncoder(encoder, format, fields)
     return build_once(
         folder,
-        lambda: _build(folder, sources, encoder, settings, format, fields, num_workers, chunk_bytes, progress),
+        lambda: _build(folder, sources, encoder, settings, rows_encoder, num_workers, chunk_bytes, progress),
         lambda meta: _report(folder, meta, built=False),
         log,
     )
 
 
-def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Mapping[str, Any], format: str,
-           fields: Optional[Mapping[str, str]], num_workers: int, chunk_bytes: int,
+def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Mapping[str, Any],
+           piece_encoder: ChatPieceEncoder, num_workers: int, chunk_bytes: int,
            progress: Optional[Callable[[int, int, int], None]]) -> ChatCacheReport:
     started = time.perf_counter()
     pieces = plan_chat_pieces(sources, chunk_bytes)
@@ -329,8 +365,9 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
     problems: list[str] = []
     rows = no_target = conversations = tokens = targets = done = 0
     end_of_turn: set[int] = set()
+    counts: Counter = Counter()
     with partial_files(folder, CHAT_FILES) as files, \
-            closing(tokenized_in_order(tasks, ChatPieceEncoder(encoder, format, fields), num_workers)) as results:
+            closing(tokenized_in_order(tasks, piece_encoder, num_workers)) as results:
         f_ids, f_trained, f_offsets, f_rows, f_targets = (files[name] for name in CHAT_FILES)
         np.zeros(1, dtype=np.int64).tofile(f_offsets)
         for task, task_results in zip(tasks, results):
@@ -339,6 +376,7 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
                 rows += result.rows_read
                 no_target += result.no_target
                 end_of_turn |= result.end_of_turn
+                counts.update(result.counts)
                 if problems:
                     continue  # keep reading: every bad row is reported at once
                 for ids, trained, row in zip(result.ids, result.trained, result.rows):
@@ -356,17 +394,16 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
                 progress(min(done, total), total, conversations)
         if problems:
             shown = problems[:MAX_PROBLEMS]
-            raise DataError(f"{len(problems)} bad row(s) in the chat data (nothing was cached):\n  - "
+            raise DataError(f"{len(problems)} bad row(s) in the {piece_encoder.data_name} (nothing was cached):\n  - "
                             + "\n  - ".join(shown) + ("\n  - …" if len(problems) > len(shown) else ""))
         if conversations == 0:
-            raise DataError(f"No conversation of the chat data ({rows} row(s)) has a token to train on"
-                            f" ({no_target} without one): check train_on ({encoder.train_on!r}) and the roles")
+            raise DataError(piece_encoder.nothing_kept(rows, no_target))
     meta = {
         "format": CHAT_CACHE_FORMAT, "dtype": dtype.name, "vocab_size": encoder.tokenizer.vocab_size,
         "tokenizer": encoder.tokenizer.fingerprint, "settings": dict(settings), "rows": rows,
         "conversations": conversations, "no_target": no_target, "tokens": tokens, "targets": targets,
         "end_of_turn": sorted(end_of_turn), "sources": [str(p) for p in sources[:1000]],
-        "num_sources": len(sources),
+        "num_sources": len(sources), "counts": dict(sorted(counts.items())),
     }
     write_meta(folder, meta)
     return _report(folder, meta, built=True, seconds=time.perf_counter() - started)

@@ -23,7 +23,13 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_2d.data.base import DataParallelDataModule, common_problems
 from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR, read_meta
 from lightning_2d.data.chat.builtin import byte_chat_folder, stdlib_chat_file
-from lightning_2d.data.chat.cache import ChatCacheReport, chat_cache_folder, prepare_chat_cache, resolve_chat_sources
+from lightning_2d.data.chat.cache import (
+    ChatCacheReport,
+    ChatPieceEncoder,
+    chat_cache_folder,
+    prepare_chat_cache,
+    resolve_chat_sources,
+)
 from lightning_2d.data.chat.encode import TRAIN_ON, ChatEncoder
 from lightning_2d.data.chat.formats import check_format
 from lightning_2d.data.chat.packing import OVERFLOW, Windows, pack_windows
@@ -115,32 +121,171 @@ class ChatWindows(Dataset):
                           np.fromfile(self.folder / "offsets.bin", dtype=np.int64))
         return self._maps
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def sequence(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """Conversation ``c`` of the cache as ``(inputs, labels)`` of at most ``seq_len`` positions: its tokens but
+        the last, and the next token where it is trained, else ``-100``."""
         tokens, trained, offsets = self._open()
-        ids, labels, positions = [], [], []
-        for item in self.windows.window(index).tolist():
-            c = int(self.conversations[item])
-            start, stop = int(offsets[c]), min(int(offsets[c + 1]), int(offsets[c]) + self.seq_len + 1)
-            conv = tokens[start:stop].astype(np.int64)
-            ids.append(conv[:-1])
-            labels.append(np.where(trained[start + 1 : stop] > 0, conv[1:], IGNORE_INDEX))
-            positions.append(np.arange(len(conv) - 1))
+        start, stop = int(offsets[c]), min(int(offsets[c + 1]), int(offsets[c]) + self.seq_len + 1)
+        conv = tokens[start:stop].astype(np.int64)
+        return conv[:-1], np.where(trained[start + 1 : stop] > 0, conv[1:], IGNORE_INDEX).astype(np.int64)
+
+    def window_of(self, sequences: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        """Sequences one after another and padding to ``seq_len``: ``input_ids``, ``labels`` and ``position_ids``
+        (restarting at each sequence; the padding is a document of its own)."""
+        ids = [inputs for inputs, _ in sequences]
+        labels = [targets for _, targets in sequences]
+        positions = [np.arange(len(inputs)) for inputs in ids]
         pad = self.seq_len - sum(map(len, ids))
         if pad:
             ids.append(np.full(pad, self.pad_id, dtype=np.int64))
             labels.append(np.full(pad, IGNORE_INDEX, dtype=np.int64))
-            positions.append(np.arange(pad))  # padding is a document of its own
-        sample = {"input_ids": torch.from_numpy(np.concatenate(ids)),
-                  "labels": torch.from_numpy(np.concatenate(labels).astype(np.int64))}
-        if self.position_ids:
-            sample["position_ids"] = torch.from_numpy(np.concatenate(positions))
+            positions.append(np.arange(pad))
+        return {"input_ids": torch.from_numpy(np.concatenate(ids)),
+                "labels": torch.from_numpy(np.concatenate(labels)),
+                "position_ids": torch.from_numpy(np.concatenate(positions))}
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = self.window_of([self.sequence(int(self.conversations[item]))
+                                 for item in self.windows.window(index).tolist()])
+        if not self.position_ids:
+            del sample["position_ids"]
         return sample
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None}
 
 
-class ChatDataModule(DataParallelDataModule):
+class ChatCacheDataModule(DataParallelDataModule):
+    """What ``ChatDataModule`` and ``PreferenceDataModule`` share: the model folder's tokenizer and chat template (or
+    the built-in byte ChatML folder) and a ``ChatEncoder``, the rows' files (built-in ones for ``paths=None``), their
+    cache (built once, by a pool of processes with ``prepare``; a small one when training starts, a large one
+    refused without it), the splits made in ``setup`` and the stop ids checkpoints keep for ``export``.
+
+    A subclass's ``__init__`` sets ``paths``, ``cache_dir``, ``max_unprepared_mb``, ``format``, ``fields`` and the
+    training arguments, calls ``_init_chat`` and sets ``settings`` (what else keys the cache); it makes the
+    splits (``_split``: the training and held-out datasets), its training loader, the file of its built-in rows
+    (``_builtin_file``) and, for rows that are not one conversation each, its piece encoder (``_piece_encoder``).
+    """
+
+    paths: Union[str, list[str], None]
+    cache_dir: Path
+    max_unprepared_mb: Optional[float]
+    format: str
+    fields: dict[str, str]
+    settings: dict[str, Any]
+    _add_more = "rows"
+    _model_fix = "or use the tokenizer the model was made for (its init_from folder)"
+    #: How messages name the data.
+    _data_name = "chat data"
+
+    def _init_chat(self, tokenizer: str, chat_template: Optional[str], enable_thinking: Optional[bool],
+                   tools: Optional[list[dict[str, Any]]], template_kwargs: Optional[dict[str, Any]], train_on: str,
+                   train_on_eos: bool) -> dict[str, Any]:
+        """Load the tokenizer and template, make ``encoder`` and ``pad_id``; returns the template's variables.
+        Fails here, before any process starts: a tokenizer without offsets, a folder without a chat template."""
+        if tokenizer == "byte":  # the built-in byte-level ChatML folder; checkpoints record its path (export reads it)
+            tokenizer = str(byte_chat_folder(self.cache_dir))
+            self.hparams["tokenizer"] = tokenizer
+        self.tokenizer = load_tokenizer(tokenizer)
+        if not isinstance(self.tokenizer, HuggingFaceTokenizer):
+            raise DataError(
+                f"{type(self).__name__} needs a Hugging Face tokenizer (a model folder with tokenizer.json and its chat"
+                f" template), got {tokenizer!r} ({type(self.tokenizer).__name__}); give the model folder"
+            )
+        folder = Path(tokenizer).expanduser()
+        folder = folder if folder.is_dir() else folder.parent
+        template = ChatTemplate.from_folder(folder) if chat_template is None else _template_file(chat_template, folder)
+        variables = dict(template_kwargs or {})
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
+        self.template = template
+        self.encoder = ChatEncoder(self.tokenizer, template, train_on, train_on_eos, variables, tools)
+        self.pad_id = _pad_id(self.tokenizer, folder)
+        self._sources: Optional[list[Path]] = None
+        return variables
+
+    def _builtin_file(self) -> Path:
+        """The rows read for ``paths=None`` (written once under ``cache_dir``)."""
+        raise NotImplementedError
+
+    def _piece_encoder(self) -> Optional[ChatPieceEncoder]:
+        """What encodes a piece's rows (``None``: one conversation a row, ``ChatPieceEncoder``)."""
+        return None
+
+    def _split(self) -> tuple[Dataset, Optional[Dataset]]:
+        """The training and held-out datasets (reads the cache; sets what the training loader counts)."""
+        raise NotImplementedError
+
+    @property
+    def sources(self) -> list[Path]:
+        if self._sources is None:
+            paths = self.paths if self.paths is not None else str(self._builtin_file())
+            self._sources = resolve_chat_sources(paths)
+        return self._sources
+
+    # ---- the cache ----
+    @property
+    def cache_folder(self) -> Path:
+        return chat_cache_folder(self.sources, self.tokenizer, self.settings, self.cache_dir)
+
+    def prepare(self, num_workers: Optional[int] = None, progress: Optional[Callable[[int, int, int], None]] = None,
+                log: Optional[Callable[[str], None]] = None) -> ChatCacheReport:
+        """Encode the data set into its cache with a pool of processes (a no-op once it exists); what
+        ``lightning-2d prepare-data`` runs."""
+        workers = default_num_workers() if num_workers is None else num_workers
+        return prepare_chat_cache(self.sources, self.encoder, self.settings, self.cache_dir, self.format, self.fields,
+                                  workers, progress=progress, log=log, piece_encoder=self._piece_encoder())
+
+    def check_prepared(self) -> bool:
+        """Before any process starts (the CLI calls it): a small data set is encoded now, so a bad row, a template
+        that fails and a sequence over ``seq_len`` under ``overflow="error"`` are reported here; a large one
+        without a cache raises ``DataError`` with the command that prepares it."""
+        if read_meta(self.cache_folder) is None:
+            size = corpus_bytes(self.sources)
+            if self.max_unprepared_mb is not None and size > self.max_unprepared_mb * 1e6:
+                raise DataError(
+                    f"The {self._data_name} ({len(self.sources):,} files, {size / 1e6:,.1f} MB) has no cache in"
+                    f" {self.cache_dir} and is larger than max_unprepared_mb ({self.max_unprepared_mb:g} MB): encode it"
+                    " first with every core (lightning-2d prepare-data --config RECIPE), then start again"
+                )
+            self.prepare(num_workers=1)
+        self._split()  # overflow="error" and too-small splits fail here
+        return True
+
+    def prepare_data(self) -> None:
+        self.check_prepared()
+
+    def _meta(self) -> dict[str, Any]:
+        """The cache's ``meta.json``, encoding the data set first (on this process) when it has no cache."""
+        meta = read_meta(self.cache_folder)
+        if meta is None:
+            self.prepare(num_workers=1)
+            meta = read_meta(self.cache_folder)
+        assert meta is not None
+        return meta
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        self.check_trainer_model()
+        if self.train_dataset is None:
+            self.train_dataset, self.val_dataset = self._split()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What checkpoints keep of the data (under the class's name, ``"ChatDataModule"``): the tokenizer folder and
+        the end-of-turn ids training taught to stop at, which ``lightning-2d export`` writes as stop ids in
+        ``generation_config.json``."""
+        return {"tokenizer": self.hparams["tokenizer"], "end_of_turn_ids": self.end_of_turn_ids}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # the data's position is the loader's (ResumableDataLoader); these entries are for export
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """The end-of-turn token ids the cache's conversations end their assistant turns with (stop ids)."""
+        meta = read_meta(self.cache_folder)
+        return list(meta["end_of_turn"]) if meta else []
+
+
+class ChatDataModule(ChatCacheDataModule):
     """Instruction fine-tuning on conversations, with the model's own chat template (a LightningCLI ``data:`` class).
 
     The arguments it shares with ``TextDataModule`` have the same defaults: a recipe parser whose default data
@@ -220,35 +365,14 @@ class ChatDataModule(DataParallelDataModule):
         self.val_fraction, self.shuffle, self.seed, self.num_workers = val_fraction, shuffle, seed, num_workers
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
         self.max_unprepared_mb = max_unprepared_mb
-        if tokenizer == "byte":  # the built-in byte-level ChatML folder; checkpoints record its path (export reads it)
-            tokenizer = str(byte_chat_folder(self.cache_dir))
-            self.hparams["tokenizer"] = tokenizer
-        # Fails here, before any process starts: a tokenizer without offsets, a folder without a chat template.
-        self.tokenizer = load_tokenizer(tokenizer)
-        if not isinstance(self.tokenizer, HuggingFaceTokenizer):
-            raise DataError(
-                f"ChatDataModule needs a Hugging Face tokenizer (a model folder with tokenizer.json and its chat"
-                f" template), got {tokenizer!r} ({type(self.tokenizer).__name__}); give the model folder"
-            )
-        folder = Path(tokenizer).expanduser()
-        folder = folder if folder.is_dir() else folder.parent
-        template = ChatTemplate.from_folder(folder) if chat_template is None else _template_file(chat_template, folder)
-        variables = dict(template_kwargs or {})
-        if enable_thinking is not None:
-            variables["enable_thinking"] = enable_thinking
-        self.template = template
-        self.encoder = ChatEncoder(self.tokenizer, template, train_on, train_on_eos, variables, tools)
-        self.settings = {"template": template.digest, "template_kwargs": variables, "tools": tools,
+        variables = self._init_chat(tokenizer, chat_template, enable_thinking, tools, template_kwargs, train_on,
+                                    train_on_eos)
+        self.settings = {"template": self.template.digest, "template_kwargs": variables, "tools": tools,
                          "format": format, "fields": self.fields, "train_on": train_on, "train_on_eos": train_on_eos}
-        self.pad_id = _pad_id(self.tokenizer, folder)
-        self._sources: Optional[list[Path]] = None
         self.train_dataset: Optional[ChatWindows] = None
         self.val_dataset: Optional[ChatWindows] = None
         self.packing: Optional[PackingReport] = None
         self._targets: Optional[np.ndarray] = None
-
-    _add_more = "rows"
-    _model_fix = "or use the tokenizer the model was made for (its init_from folder)"
 
     #: Packed windows keep their conversations apart with position_ids (the strategies check that the model
     #: takes them).
@@ -256,53 +380,13 @@ class ChatDataModule(DataParallelDataModule):
     def document_mask(self) -> bool:
         return self.pack
 
-    @property
-    def sources(self) -> list[Path]:
-        if self._sources is None:
-            paths = self.paths if self.paths is not None else str(stdlib_chat_file(self.cache_dir))
-            self._sources = resolve_chat_sources(paths)
-        return self._sources
-
-    # ---- the cache ----
-    @property
-    def cache_folder(self) -> Path:
-        return chat_cache_folder(self.sources, self.tokenizer, self.settings, self.cache_dir)
-
-    def prepare(self, num_workers: Optional[int] = None, progress: Optional[Callable[[int, int, int], None]] = None,
-                log: Optional[Callable[[str], None]] = None) -> ChatCacheReport:
-        """Encode the data set into its cache with a pool of processes (a no-op once it exists); what
-        ``lightning-2d prepare-data`` runs."""
-        workers = default_num_workers() if num_workers is None else num_workers
-        return prepare_chat_cache(self.sources, self.encoder, self.settings, self.cache_dir, self.format, self.fields,
-                                  workers, progress=progress, log=log)
-
-    def check_prepared(self) -> bool:
-        """Before any process starts (the CLI calls it): a small data set is encoded now, so a bad row, a template
-        that fails and a conversation over ``seq_len`` under ``overflow="error"`` are reported here; a large one
-        without a cache raises ``DataError`` with the command that prepares it."""
-        if read_meta(self.cache_folder) is None:
-            size = corpus_bytes(self.sources)
-            if self.max_unprepared_mb is not None and size > self.max_unprepared_mb * 1e6:
-                raise DataError(
-                    f"The chat data ({len(self.sources):,} files, {size / 1e6:,.1f} MB) has no cache in"
-                    f" {self.cache_dir} and is larger than max_unprepared_mb ({self.max_unprepared_mb:g} MB): encode it"
-                    " first with every core (lightning-2d prepare-data --config RECIPE), then start again"
-                )
-            self.prepare(num_workers=1)
-        self._split()  # overflow="error" and too-small splits fail here
-        return True
-
-    def prepare_data(self) -> None:
-        self.check_prepared()
+    def _builtin_file(self) -> Path:
+        return stdlib_chat_file(self.cache_dir)
 
     # ---- splits and windows ----
     def _split(self) -> tuple[ChatWindows, Optional[ChatWindows]]:
+        meta = self._meta()
         folder = self.cache_folder
-        meta = read_meta(folder)
-        if meta is None:
-            self.prepare(num_workers=1)
-            meta = read_meta(folder)
-        assert meta is not None
         offsets = np.fromfile(folder / "offsets.bin", dtype=np.int64)
         lengths = np.diff(offsets) - 1  # positions each conversation takes
         targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
@@ -310,7 +394,7 @@ class ChatDataModule(DataParallelDataModule):
         keep = np.ones(len(lengths), dtype=bool)
         if too_long.size and self.overflow == "error":
             rows = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
-            shown = [f"{_row_name(meta['sources'], int(rows[c, 0]), int(rows[c, 1]))} ({int(lengths[c]) + 1} tokens)"
+            shown = [f"{row_name(meta['sources'], int(rows[c, 0]), int(rows[c, 1]))} ({int(lengths[c]) + 1} tokens)"
                      for c in too_long[:5]]
             raise DataError(
                 f"{too_long.size} conversation(s) are longer than seq_len + 1 ({self.seq_len + 1} tokens) under"
@@ -325,18 +409,9 @@ class ChatDataModule(DataParallelDataModule):
                 targets[c] = int(tokens[offsets[c] + 1 : offsets[c] + self.seq_len + 1].sum())
         positions = np.minimum(lengths, self.seq_len)
         kept = np.flatnonzero(keep & (targets > 0))
-        rng = np.random.default_rng(self.seed)
-        n_val = max(1, round(len(kept) * self.val_fraction)) if self.val_fraction > 0 else 0
-        if len(kept) - n_val < 1:
-            raise DataError(f"The chat data keeps {len(kept)} conversation(s), too few for a training and a validation"
-                            " split; add rows or set val_fraction=0")
-        chosen = np.zeros(len(kept), dtype=bool)
-        chosen[rng.permutation(len(kept))[:n_val]] = True
-        splits = []
-        for conversations in (kept[~chosen], kept[chosen]):
-            windows = pack_windows(positions[conversations], self.seq_len, self.pack)
-            splits.append((conversations, windows))
-        (train_convs, train_windows), (val_convs, val_windows) = splits
+        train_convs, val_convs = held_out(kept, self.val_fraction, self.seed, "chat data", "conversation(s)")
+        train_windows = pack_windows(positions[train_convs], self.seq_len, self.pack)
+        val_windows = pack_windows(positions[val_convs], self.seq_len, self.pack)
         self._targets = np.add.reduceat(targets[train_convs][train_windows.items], train_windows.offsets[:-1])
         trained = int(targets[train_convs].sum())
         filled = int(positions[train_convs].sum())
@@ -346,13 +421,9 @@ class ChatDataModule(DataParallelDataModule):
                                      if self.overflow == "truncate" else 0,
                                      dropped=int(too_long.size) if self.overflow == "drop" else 0)
         train = ChatWindows(folder, train_windows, train_convs, self.seq_len, self.pad_id, self.pack)
-        val = ChatWindows(folder, val_windows, val_convs, self.seq_len, self.pad_id, self.pack) if n_val else None
+        val = (ChatWindows(folder, val_windows, val_convs, self.seq_len, self.pad_id, self.pack)
+               if len(val_convs) else None)
         return train, val
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        self.check_trainer_model()
-        if self.train_dataset is None:
-            self.train_dataset, self.val_dataset = self._split()
 
     # ---- loaders ----
     def train_dataloader(self) -> DataLoader:
@@ -360,20 +431,21 @@ class ChatDataModule(DataParallelDataModule):
         return self._loader(self.train_dataset, train=True, targets=self._targets,
                             describe=lambda n: f"packs into {n} sequence(s) of {self.seq_len}")
 
-    def state_dict(self) -> dict[str, Any]:
-        """What checkpoints keep of the data (under ``"ChatDataModule"``): the tokenizer folder and the end-of-turn
-        ids training taught to stop at, which ``lightning-2d export`` writes as stop ids in
-        ``generation_config.json``."""
-        return {"tokenizer": self.hparams["tokenizer"], "end_of_turn_ids": self.end_of_turn_ids}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass  # the data's position is the loader's (ResumableDataLoader); these entries are for export
+def held_out(kept: np.ndarray, val_fraction: float, seed: int, data: str, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """``kept`` split into training and held-out items: a ``seed``-ed random ``val_fraction`` of them (at least one
+    when ``val_fraction > 0``) held out, each part in ``kept``'s order.
 
-    @property
-    def end_of_turn_ids(self) -> list[int]:
-        """The end-of-turn token ids the cache's conversations end their assistant turns with (stop ids)."""
-        meta = read_meta(self.cache_folder)
-        return list(meta["end_of_turn"]) if meta else []
+    Raises:
+        DataError: No item would be left to train on (names the ``data`` and its ``unit``).
+    """
+    n_val = max(1, round(len(kept) * val_fraction)) if val_fraction > 0 else 0
+    if len(kept) - n_val < 1:
+        raise DataError(f"The {data} keeps {len(kept)} {unit}, too few for a training and a validation split; add rows"
+                        " or set val_fraction=0")
+    chosen = np.zeros(len(kept), dtype=bool)
+    chosen[np.random.default_rng(seed).permutation(len(kept))[:n_val]] = True
+    return kept[~chosen], kept[chosen]
 
 
 def _template_file(path: str, folder: Path) -> ChatTemplate:
@@ -383,7 +455,9 @@ def _template_file(path: str, folder: Path) -> ChatTemplate:
     return ChatTemplate(file.read_text(encoding="utf-8"), folder_special_tokens(folder), str(file))
 
 
-def _row_name(sources: list[str], file: int, row: int) -> str:
+def row_name(sources: list[str], file: int, row: int) -> str:
+    """How messages name row ``row`` of file number ``file`` of a cache's ``meta["sources"]`` (``file:line`` for
+    JSONL, else ``file row N``)."""
     path = sources[file] if file < len(sources) else f"file {file}"
     return f"{path}:{row}" if path.endswith((".jsonl", ".ndjson")) else f"{path} row {row}"
 

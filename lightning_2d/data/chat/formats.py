@@ -100,50 +100,55 @@ def to_conversation(
     tools = record.get(name["tools"])
     tools = tuple(tools) if isinstance(tools, (list, tuple)) and tools else None
     if kind == "messages":
-        messages = _messages(_field(record, name["messages"], where), name, where, name["messages"])
+        messages = as_messages(field_value(record, name["messages"], where), name, where, name["messages"])
         return Conversation(messages, _after_last_user(messages), tools)
     if kind == "prompt_completion":
-        prompt = _turns(_field(record, name["prompt"], where), "user", name, where, name["prompt"])
-        completion = _turns(_field(record, name["completion"], where), "assistant", name, where, name["completion"])
+        prompt = as_turns(field_value(record, name["prompt"], where), "user", name, where, name["prompt"])
+        completion = as_turns(field_value(record, name["completion"], where), "assistant", name, where,
+                              name["completion"])
         return Conversation(prompt + completion, len(prompt), tools)
     if kind == "alpaca":
-        instruction = _text(_field(record, name["instruction"], where), where, name["instruction"])
+        instruction = text_value(field_value(record, name["instruction"], where), where, name["instruction"])
         extra = record.get(name["input"])
         if extra is not None:
-            extra = _text(extra, where, name["input"])
-        output = _text(_field(record, name["output"], where), where, name["output"])
+            extra = text_value(extra, where, name["input"])
+        output = text_value(field_value(record, name["output"], where), where, name["output"])
         system = record.get(name["system"])
-        messages = ([{"role": "system", "content": _text(system, where, name["system"])}] if system else [])
+        messages = ([{"role": "system", "content": text_value(system, where, name["system"])}] if system else [])
         messages += [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra else instruction},
                      {"role": "assistant", "content": output}]
         return Conversation(tuple(messages), len(messages) - 1, tools)
-    turns = _field(record, name["conversations"], where)
+    turns = field_value(record, name["conversations"], where)
     messages = _sharegpt(turns, name, where)
     return Conversation(messages, _after_last_user(messages), tools)
 
 
-def _field(record: Mapping[str, Any], key: str, where: str) -> Any:
+def field_value(record: Mapping[str, Any], key: str, where: str) -> Any:
+    """``record[key]``, or ``ChatFormatError`` naming the row and the fields it has."""
     if key not in record:
         raise ChatFormatError(f"{where} has no field {key!r} (found {sorted(record)[:12]}); fix the row, or name the"
                               " field with fields={...}")
     return record[key]
 
 
-def _text(value: Any, where: str, what: str) -> str:
+def text_value(value: Any, where: str, what: str) -> str:
+    """``value`` when it is a string, else ``ChatFormatError`` naming the row and the field (``what``)."""
     if not isinstance(value, str):
         shown = "null" if value is None else type(value).__name__
         raise ChatFormatError(f"{where}: {what} is {shown}, not a string; fix or drop the row")
     return value
 
 
-def _turns(value: Any, role: str, name: Mapping[str, str], where: str, what: str) -> tuple[Mapping[str, Any], ...]:
-    """A prompt or completion: a string (one ``role`` message) or a list of messages."""
+def as_turns(value: Any, role: str, name: Mapping[str, str], where: str, what: str) -> tuple[Mapping[str, Any], ...]:
+    """A prompt or completion: a string (one ``role`` message) or a list of messages (``as_messages``)."""
     if isinstance(value, str):
         return ({"role": role, "content": value},)
-    return _messages(value, name, where, what)
+    return as_messages(value, name, where, what)
 
 
-def _messages(value: Any, name: Mapping[str, str], where: str, what: str) -> tuple[Mapping[str, Any], ...]:
+def as_messages(value: Any, name: Mapping[str, str], where: str, what: str) -> tuple[Mapping[str, Any], ...]:
+    """A non-empty list of OpenAI messages (roles ``ROLES``, string content) read with ``name``'s ``role`` and
+    ``content`` fields, as messages with those keys; else ``ChatFormatError`` naming the row and the message."""
     if not isinstance(value, (list, tuple)) or not value:
         shown = "an empty list" if isinstance(value, (list, tuple)) else type(value).__name__
         raise ChatFormatError(f"{where}: {what} is {shown}, not a list of messages; fix or drop the row")
@@ -175,7 +180,7 @@ def _sharegpt(value: Any, name: Mapping[str, str], where: str) -> tuple[Mapping[
     if not isinstance(value, (list, tuple)) or not value:
         raise ChatFormatError(f"{where}: {what} is not a non-empty list of turns; fix or drop the row")
     if all(isinstance(t, Mapping) and name["role"] in t for t in value):  # conversations in OpenAI's shape
-        return _messages(value, name, where, what)
+        return as_messages(value, name, where, what)
     out = []
     for i, turn in enumerate(value):
         speaker = turn.get(name["from"]) if isinstance(turn, Mapping) else None
@@ -184,7 +189,8 @@ def _sharegpt(value: Any, name: Mapping[str, str], where: str) -> tuple[Mapping[
             raise ChatFormatError(
                 f"{where}: {what}[{i}] is from {speaker!r}; ShareGPT speakers are {', '.join(SHAREGPT_ROLES)}"
             )
-        out.append({"role": role, "content": _text(turn.get(name["value"]), where, f"{what}[{i}].{name['value']}")})
+        content = text_value(turn.get(name["value"]), where, f"{what}[{i}].{name['value']}")
+        out.append({"role": role, "content": content})
     return tuple(out)
 
 

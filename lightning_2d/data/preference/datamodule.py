@@ -1,0 +1,261 @@
+"""``PreferenceDataModule``: preference pairs (a prompt, a chosen and a rejected completion) for DPO and its kin,
+rendered with the model's own chat template, packed pair by pair, data-parallel and resumable.
+
+Built on the chat data's machinery: rows → pairs (``formats``), each pair → two ``EncodedChat`` trained on their
+completion (``encode``), the chat cache (conversations ``2k`` and ``2k + 1`` are pair ``k``'s chosen and rejected),
+best-fit decreasing packing (a pair is one unit: it is never split across windows).
+
+A window (``seq_len`` positions) holds whole pairs, each its chosen sequence right before its rejected one, then
+padding. Each sample is a dict of ``(seq_len,)`` long tensors and one 0-dim tensor:
+
+- ``input_ids``, ``labels``: as ``ChatDataModule``'s (``labels[t]`` is the token after ``input_ids[t]`` where it is a
+  trained completion token, else ``-100``);
+- ``position_ids``: restarting at 0 at each sequence (chosen and rejected are separate documents) and at the
+  padding, packed or not;
+- ``sequence_ids``: ``2p`` on pair ``p``'s chosen sequence, ``2p + 1`` on its rejected one (``p``: the pair's index
+  in the window, from 0), ``-1`` on padding;
+- ``pairs``: the number of pairs in the window (0-dim; ``(B,)`` in a batch).
+
+Training batches also carry ``step_pairs`` (a float 0-dim tensor): this replica's pairs over the optimizer step the
+batch belongs to (every batch it accumulates), from which a loss is the mean over every pair of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_2d.data.base import common_problems
+from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR
+from lightning_2d.data.chat.cache import ChatPieceEncoder
+from lightning_2d.data.chat.datamodule import (
+    DEFAULT_MAX_UNPREPARED_MB,
+    ChatCacheDataModule,
+    ChatWindows,
+    PackingReport,
+    held_out,
+    row_name,
+)
+from lightning_2d.data.chat.packing import Windows, pack_windows
+from lightning_2d.data.preference.builtin import stdlib_preference_file
+from lightning_2d.data.preference.encode import PreferenceEncoder, PreferencePieceEncoder, truncation_problems
+from lightning_2d.data.preference.formats import check_preference_format
+from lightning_2d.data.sources import DataError
+
+#: What a pair longer than ``seq_len`` positions does (shortening a pair is ``max_length``'s job).
+PAIR_OVERFLOW = ("drop", "error")
+#: The padding's ``sequence_ids``.
+NO_SEQUENCE = -1
+
+
+@dataclass(frozen=True)
+class PreferencePackingReport(PackingReport):
+    """How well the pairs fill the windows (``conversations``: their sequences, two a pair; ``dropped``: pairs
+    longer than ``seq_len`` under ``overflow="drop"``), and what encoding the whole data set cut or dropped.
+
+    Args:
+        pairs: Pairs in the windows.
+        prompts_truncated: Kept pairs of the data set whose prompt lost tokens (``max_prompt_length``, or
+            ``max_length`` under ``truncation_mode="keep_end"``).
+        completions_truncated: Completions of kept pairs whose end ``max_length`` cut.
+        no_target: Pairs of the data set dropped because a completion kept no trained token.
+    """
+
+    pairs: int = 0
+    prompts_truncated: int = 0
+    completions_truncated: int = 0
+    no_target: int = 0
+
+    def lines(self) -> list[str]:
+        lines = super().lines()
+        lines[0] = (f"  windows        {self.windows:,} of {self.positions // max(self.windows, 1):,} positions,"
+                    f" {self.pairs:,} pairs ({self.conversations:,} sequences)")
+        lines[-1] = (f"  efficiency     {100 * self.efficiency:.1f}% of positions hold a sequence"
+                     + (f"; {self.dropped:,} pair(s) dropped as longer than the window" if self.dropped else ""))
+        lines.append(f"  truncated      {self.prompts_truncated:,} prompt(s), {self.completions_truncated:,}"
+                     f" completion(s) of the data set; {self.no_target:,} pair(s) dropped without a trained token")
+        return lines
+
+
+class PreferenceWindows(ChatWindows):
+    """Windows of whole pairs of a preference cache (see the module docstring for each sample's tensors).
+
+    Args:
+        folder: The cache (pair ``k``: conversations ``2k``, chosen, and ``2k + 1``, rejected).
+        windows: The windows (pair indices are into ``pairs``).
+        pairs: The cache's pair numbers in this split.
+        seq_len: Positions per window.
+        pad_id: Token id of the padding (its labels are ``-100``).
+    """
+
+    def __init__(self, folder: Path, windows: Windows, pairs: np.ndarray, seq_len: int, pad_id: int) -> None:
+        super().__init__(folder, windows, pairs, seq_len, pad_id, position_ids=True)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        pairs = [int(self.conversations[item]) for item in self.windows.window(index).tolist()]
+        sequences = [self.sequence(2 * pair + side) for pair in pairs for side in (0, 1)]
+        sample = self.window_of(sequences)
+        numbers = [np.full(len(inputs), number, dtype=np.int64) for number, (inputs, _) in enumerate(sequences)]
+        numbers.append(np.full(self.seq_len - sum(map(len, numbers)), NO_SEQUENCE, dtype=np.int64))
+        sample["sequence_ids"] = torch.from_numpy(np.concatenate(numbers))
+        sample["pairs"] = torch.tensor(len(pairs), dtype=torch.long)
+        return sample
+
+
+class PreferenceDataModule(ChatCacheDataModule):
+    """Preference pairs for DPO-style training, with the model's own chat template (a LightningCLI ``data:`` class).
+
+    The arguments it shares with ``ChatDataModule`` mean the same and have the same defaults (but ``overflow``).
+
+    Args:
+        paths: JSONL, JSON or Parquet files, folders of them, a ``datasets`` ``save_to_disk`` folder, or globs, of
+            rows with TRL's fields. ``None``: pairs about the standard library (a docstring's answer chosen, an
+            evasive one rejected; no download).
+        tokenizer: The model folder (tokenizer and chat template), e.g. the ``init_from`` folder; ``"byte"``: the
+            built-in byte-level ChatML tokenizer (ids 0-258).
+        format: ``"auto"`` (explicit when the row has a ``prompt``), ``"explicit"`` (``prompt``, ``chosen``,
+            ``rejected``: strings or message lists) or ``"implicit"`` (``chosen`` and ``rejected`` whole
+            conversations; the prompt their longest common prefix of messages, ending before an assistant turn).
+        fields: The data set's names for the fields (``{"chosen": "preferred", "rejected": "dispreferred"}``).
+        train_on_eos: Train each completion's end-of-turn token.
+        max_prompt_length: Most prompt tokens (its start dropped beyond); ``None``: no limit.
+        max_length: Most tokens of each sequence, prompt and completion; ``None``: no limit.
+        truncation_mode: What ``max_length`` cuts: ``"keep_end"`` (the prompt's start first, the same tokens for both
+            completions, then a completion's end) or ``"keep_start"`` (each completion's end).
+        seq_len: Positions per window (a pair takes its two sequences' tokens less one each).
+        batch_size: Windows per batch on each data-parallel replica.
+        pack: Pack several pairs into each window (best-fit decreasing, never splitting a pair); ``False``: one pair
+            per window, padded.
+        overflow: A pair longer than ``seq_len`` positions: ``"drop"`` (counted in the packing report) or
+            ``"error"`` (names the rows). Shorten pairs with ``max_length``.
+        val_fraction: Pairs held out for validation (a seeded random choice, at least one); ``0`` for none.
+        shuffle: Shuffle the training windows every epoch.
+        seed: Seed of the held-out choice and the permutations.
+        num_workers: DataLoader worker processes.
+        cache_dir: Where the cache lives (default ``$LIGHTNING_2D_CACHE`` or ``~/.cache/lightning_2d``).
+        chat_template: A ``.jinja`` file to render with instead of the tokenizer's template.
+        enable_thinking: Passed to the template; ``None``: not passed.
+        tools: Tool schemas (JSON) given to every pair's template (a row's own ``tools`` replace them).
+        template_kwargs: More template variables (``date_string``, ...).
+        max_unprepared_mb: Largest data set (MB of files) encoded when training starts if it has no cache; larger
+            ones are refused with the command that prepares them with every core. ``None``: no limit.
+    """
+
+    _data_name = "preference data"
+
+    def __init__(
+        self,
+        paths: Union[str, list[str], None] = None,
+        tokenizer: str = "byte",
+        format: str = "auto",
+        fields: Optional[dict[str, str]] = None,
+        train_on_eos: bool = True,
+        max_prompt_length: Optional[int] = None,
+        max_length: Optional[int] = None,
+        truncation_mode: str = "keep_end",
+        seq_len: int = 512,
+        batch_size: int = 8,
+        pack: bool = True,
+        overflow: str = "drop",
+        val_fraction: float = 0.005,
+        shuffle: bool = True,
+        seed: int = 1234,
+        num_workers: int = 0,
+        cache_dir: Optional[str] = None,
+        chat_template: Optional[str] = None,
+        enable_thinking: Optional[bool] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
+        max_unprepared_mb: Optional[float] = DEFAULT_MAX_UNPREPARED_MB,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        problems = common_problems(seq_len, batch_size, val_fraction, max_unprepared_mb)
+        problems += truncation_problems(max_prompt_length, max_length, truncation_mode)
+        if overflow not in PAIR_OVERFLOW:
+            problems.append(f"overflow must be one of {', '.join(map(repr, PAIR_OVERFLOW))}, got {overflow!r}"
+                            + (" (a pair is shortened by max_length, not cut by the window)"
+                               if overflow == "truncate" else ""))
+        if problems:
+            raise DataError("Invalid PreferenceDataModule arguments:\n  - " + "\n  - ".join(problems))
+        check_preference_format(format, fields)
+        self.paths, self.format, self.fields = paths, format, dict(fields or {})
+        self.seq_len, self.batch_size, self.pack, self.overflow = seq_len, batch_size, pack, overflow
+        self.val_fraction, self.shuffle, self.seed, self.num_workers = val_fraction, shuffle, seed, num_workers
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
+        self.max_unprepared_mb = max_unprepared_mb
+        variables = self._init_chat(tokenizer, chat_template, enable_thinking, tools, template_kwargs, "completion",
+                                    train_on_eos)
+        self.pair_encoder = PreferenceEncoder(self.encoder, max_prompt_length, max_length, truncation_mode)
+        self.settings = {"kind": "preference", "template": self.template.digest, "template_kwargs": variables,
+                         "tools": tools, "format": format, "fields": self.fields, "train_on_eos": train_on_eos,
+                         "max_prompt_length": max_prompt_length, "max_length": max_length,
+                         "truncation_mode": truncation_mode}
+        self.train_dataset: Optional[PreferenceWindows] = None
+        self.val_dataset: Optional[PreferenceWindows] = None
+        self.packing: Optional[PreferencePackingReport] = None
+        self._window_pairs: Optional[np.ndarray] = None
+
+    #: Chosen and rejected are separate documents of a window, also unpacked: the model must take position_ids
+    #: (the strategies check it).
+    @property
+    def document_mask(self) -> bool:
+        return True
+
+    def _builtin_file(self) -> Path:
+        return stdlib_preference_file(self.cache_dir)
+
+    def _piece_encoder(self) -> ChatPieceEncoder:
+        return PreferencePieceEncoder(self.pair_encoder, self.format, self.fields)
+
+    # ---- splits and windows ----
+    def _split(self) -> tuple[PreferenceWindows, Optional[PreferenceWindows]]:
+        meta = self._meta()
+        folder = self.cache_folder
+        lengths = np.diff(np.fromfile(folder / "offsets.bin", dtype=np.int64)) - 1  # positions of each sequence
+        targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
+        positions = lengths[0::2] + lengths[1::2]  # of each pair: chosen's and rejected's
+        too_long = np.flatnonzero(positions > self.seq_len)
+        if too_long.size and self.overflow == "error":
+            rows = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
+            shown = [f"{row_name(meta['sources'], int(rows[2 * p, 0]), int(rows[2 * p, 1]))} ({int(positions[p])}"
+                     " positions)" for p in too_long[:5]]
+            raise DataError(
+                f"{too_long.size} pair(s) take more than seq_len ({self.seq_len}) positions (chosen and rejected"
+                f" together, one less than the tokens of each) under overflow='error': {', '.join(shown)}"
+                f"{', …' if too_long.size > 5 else ''}; raise seq_len, shorten the pairs with max_length, or set"
+                " overflow='drop'"
+            )
+        keep = np.ones(len(positions), dtype=bool)
+        keep[too_long] = False
+        train_pairs, val_pairs = held_out(np.flatnonzero(keep), self.val_fraction, self.seed, "preference data",
+                                          "pair(s)")
+        train_windows = pack_windows(positions[train_pairs], self.seq_len, self.pack)
+        val_windows = pack_windows(positions[val_pairs], self.seq_len, self.pack)
+        self._window_pairs = np.diff(train_windows.offsets)
+        trained = int(targets[2 * train_pairs].sum() + targets[2 * train_pairs + 1].sum())
+        filled = int(positions[train_pairs].sum())
+        total = len(train_windows) * self.seq_len
+        counts = meta.get("counts", {})
+        self.packing = PreferencePackingReport(
+            len(train_windows), 2 * len(train_pairs), total, trained, filled - trained, total - filled,
+            dropped=int(too_long.size), pairs=len(train_pairs),
+            prompts_truncated=int(counts.get("prompts_truncated", 0)),
+            completions_truncated=int(counts.get("completions_truncated", 0)), no_target=int(meta["no_target"]),
+        )
+        train = PreferenceWindows(folder, train_windows, train_pairs, self.seq_len, self.pad_id)
+        val = PreferenceWindows(folder, val_windows, val_pairs, self.seq_len, self.pad_id) if len(val_pairs) else None
+        return train, val
+
+    # ---- loaders ----
+    def train_dataloader(self) -> DataLoader:
+        """Batches counting the pairs of their optimizer step (``step_pairs``), what a preference loss averages
+        over."""
+        assert self.train_dataset is not None, "setup() first"
+        return self._loader(self.train_dataset, train=True, targets=self._window_pairs,
+                            describe=lambda n: f"packs into {n} window(s) of {self.seq_len}", count_key="step_pairs")

@@ -1,0 +1,399 @@
+"""Preference data (``PreferenceDataModule``): rows → pairs in TRL's formats, the shared prompt, truncation, the
+cache, and the windows' batch contract the preference training module reads (``sequence_ids``, ``position_ids``,
+``labels``, ``pairs``, ``step_pairs``). The byte-level ChatML tokenizer throughout: one token per byte, so the
+expected tokens are written from the text."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_2d import PreferenceDataModule
+from lightning_2d.checkpoint.hf.tokenizer import recorded_stop_ids
+from lightning_2d.data import DataError
+from lightning_2d.data.chat import ChatEncoder, ChatFormatError, ChatTemplate
+from lightning_2d.data.chat.builtin import byte_chat_folder
+from lightning_2d.data.preference import (
+    PreferenceEncoder,
+    PreferenceEncodingError,
+    PreferenceFormatError,
+    stdlib_preference_rows,
+    to_pair,
+)
+from lightning_2d.data.tokenizers import load_tokenizer
+
+IGNORE = -100
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def pair_rows(n: int) -> list[dict]:
+    """Explicit pairs of different lengths: the chosen answer right, the rejected one short and wrong."""
+    return [{"prompt": f"Q{i}: what is {i} + {i}?", "chosen": f"It is {2 * i}." + " Sure." * (i % 5),
+             "rejected": "No idea" + "!" * (i % 3)} for i in range(n)]
+
+
+def module(tmp_path, rows, **kwargs) -> PreferenceDataModule:
+    """A data module of ``rows`` written to ``d.jsonl`` (``None``: the file as it is; a written file is another
+    cache)."""
+    defaults = dict(seq_len=256, batch_size=1, val_fraction=0, shuffle=False, cache_dir=str(tmp_path / "cache"))
+    path = write_rows(tmp_path / "d.jsonl", rows) if rows is not None else str(tmp_path / "d.jsonl")
+    return PreferenceDataModule(path, **{**defaults, **kwargs})
+
+
+def byte_encoder(tmp_path, folder=None) -> ChatEncoder:
+    folder = folder or byte_chat_folder(tmp_path)
+    return ChatEncoder(load_tokenizer(str(folder)), ChatTemplate.from_folder(folder), "completion")
+
+
+def text(ids) -> str:
+    """Byte ids as text, the ChatML tokens (256-258) written out."""
+    names = {256: "<|endoftext|>", 257: "<|im_start|>", 258: "<|im_end|>"}
+    return "".join(names.get(int(i), chr(int(i))) for i in ids)
+
+
+# ---- formats ------------------------------------------------------------------------------------------------------
+def test_explicit_rows_of_strings_and_of_message_lists_are_pairs():
+    pair = to_pair({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
+    assert pair.prompt == ({"role": "user", "content": "2+2?"},)
+    assert pair.chosen == ({"role": "assistant", "content": "4"},)
+    assert pair.rejected == ({"role": "assistant", "content": "5"},)
+    chosen, rejected = pair.conversations()
+    assert chosen.messages == pair.prompt + pair.chosen and chosen.completion_start == 1
+    assert rejected.messages == pair.prompt + pair.rejected and rejected.completion_start == 1
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    pair = to_pair({"prompt": prompt, "chosen": [{"role": "assistant", "content": "Paris."}],
+                    "rejected": [{"role": "assistant", "content": "Lyon."}]}, format="explicit")
+    assert pair.prompt == tuple(prompt) and pair.chosen[0]["content"] == "Paris."
+    assert pair.conversations()[1].completion_start == 2
+
+
+def test_an_implicit_prompt_is_the_conversations_longest_common_prefix():
+    start = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "2+2?"}]
+    pair = to_pair({"chosen": start + [{"role": "assistant", "content": "4"}],
+                    "rejected": start + [{"role": "assistant", "content": "5"}, {"role": "user", "content": "?"}]})
+    assert pair.prompt == tuple(start)
+    assert pair.chosen == ({"role": "assistant", "content": "4"},)
+    assert [m["content"] for m in pair.rejected] == ["5", "?"]
+    assert pair.conversations()[0].completion_start == 3
+
+
+def test_fields_rename_and_a_forced_format_reads_only_its_fields():
+    fields = {"prompt": "question", "chosen": "good", "rejected": "bad", "content": "text"}
+    pair = to_pair({"question": "2+2?", "good": [{"role": "assistant", "text": "4"}], "bad": "5"}, fields=fields)
+    assert [pair.prompt[0]["content"], pair.chosen[0]["content"], pair.rejected[0]["content"]] == ["2+2?", "4", "5"]
+    with pytest.raises(ChatFormatError, match=r"r\.jsonl:4 has no field 'prompt'"):
+        to_pair({"chosen": "4", "rejected": "5"}, format="explicit", where="r.jsonl:4")
+    with pytest.raises(PreferenceFormatError, match=r"fields renames \['answer'\], which are not preference fields"):
+        PreferenceDataModule(fields={"answer": "x"})
+    with pytest.raises(PreferenceFormatError, match=r"format must be one of 'auto', 'explicit', 'implicit'"):
+        PreferenceDataModule(format="messages")
+
+
+def test_an_unpaired_kto_row_is_refused_as_not_yet_read():
+    with pytest.raises(PreferenceFormatError, match=r"d\.jsonl:2 is an unpaired row .*KTO.* not read yet; give each"
+                                                    r" row 'chosen' and 'rejected'"):
+        to_pair({"prompt": "2+2?", "completion": "4", "label": True}, where="d.jsonl:2")
+
+
+def test_every_bad_row_is_named_by_file_and_line_at_once(tmp_path):
+    user = {"role": "user", "content": "Hi"}
+    rows = [
+        pair_rows(1)[0],
+        {"chosen": [user, {"role": "assistant", "content": "A"}], "rejected": [{"role": "user", "content": "Yo"},
+                                                                               {"role": "assistant", "content": "B"}]},
+        {"chosen": [user, {"role": "assistant", "content": "A"}], "rejected": [user, {"role": "assistant",
+                                                                                      "content": "A"}]},
+        {"chosen": [user, {"role": "assistant", "content": "A"}, {"role": "user", "content": "x"}],
+         "rejected": [user, {"role": "assistant", "content": "A"}, {"role": "user", "content": "y"}]},
+        {"chosen": "A", "rejected": "B"},
+        {"prompt": "Hi", "completion": "A", "label": False},
+        {"prompt": "Hi", "chosen": [user], "rejected": "B"},
+    ]
+    data = module(tmp_path, rows)
+    with pytest.raises(DataError) as caught:
+        data.check_prepared()  # what the CLI calls before launching any process
+    message = str(caught.value)
+    path = str(tmp_path / "d.jsonl")
+    assert "6 bad row(s) in the preference data (nothing was cached)" in message
+    assert f"{path}:2: chosen and rejected share no first message, so there is no prompt" in message
+    assert f"{path}:3: chosen and rejected are the same conversation" in message
+    assert f"{path}:4: chosen and rejected first differ at message 2 (user / user), not at an assistant turn" in message
+    assert f"{path}:5: chosen is a string and the row has no 'prompt'" in message
+    assert f"{path}:6 is an unpaired row" in message
+    assert f"{path}:7: chosen starts with a user message; a completion starts with the assistant's answer" in message
+    assert f"{path}:1" not in message and "give the row an explicit 'prompt'" in message
+    assert not list((tmp_path / "cache").glob("*/meta.json"))
+
+
+# ---- encoding: the shared prompt, truncation -------------------------------------------------------------------
+def merging_folder(tmp_path):
+    """The byte ChatML folder with one BPE merge, two newlines into one token: a completion starting with a newline
+    joins the prompt's last newline (the assistant header's) into a token of its own."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from lightning_2d.data.chat.builtin import BYTE_CHAT_SPECIAL
+    from lightning_2d.models.llama.tokenizer import bytes_to_unicode
+
+    folder = tmp_path / "merging"
+    shutil.copytree(byte_chat_folder(tmp_path), folder)
+    chars = bytes_to_unicode()
+    vocab = {chars[b]: b for b in range(256)} | {chars[10] * 2: 256}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(chars[10], chars[10])]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_CHAT_SPECIAL])
+    (folder / "tokenizer.json").write_text(tok.to_str())
+    assert tok.encode("a\n\nb").ids == [97, 256, 98]
+    return folder
+
+
+def test_a_prompt_tokenized_differently_before_the_two_completions_is_refused(tmp_path):
+    folder = merging_folder(tmp_path)
+    pairs = PreferenceEncoder(byte_encoder(tmp_path, folder))
+    same = pairs.encode(to_pair({"prompt": "Hi", "chosen": "Yes", "rejected": "No"}))
+    prompt = load_tokenizer(str(folder)).decode_keep_special(same.chosen.ids[: same.prompt_tokens].tolist())
+    assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(PreferenceEncodingError, match=r"d\.jsonl:3: the prompt is 20 token\(s\) before the chosen"
+                                                      r" completion and 21 before the rejected one"):
+        pairs.encode(to_pair({"prompt": "Hi", "chosen": "\nYes", "rejected": "No"}), "d.jsonl:3")
+
+
+def test_truncation_keeps_the_prompts_end_and_cuts_as_the_mode_says(tmp_path):
+    encoder = byte_encoder(tmp_path)
+    pair = to_pair({"prompt": "P" * 40, "chosen": "A" * 20, "rejected": "B" * 10})
+    full = PreferenceEncoder(encoder).encode(pair)
+    prompt, chosen, rejected = full.prompt_tokens, full.chosen.ids, full.rejected.ids
+    assert prompt == 59 and len(chosen) == prompt + 22 and len(rejected) == prompt + 12  # + end of turn and "\n"
+
+    def encode(**kwargs):
+        return PreferenceEncoder(encoder, **kwargs).encode(pair)
+
+    short = encode(max_prompt_length=30)  # the prompt's last 30 tokens
+    assert short.chosen.ids.tolist() == chosen[prompt - 30 :].tolist()
+    assert short.rejected.ids.tolist() == rejected[prompt - 30 :].tolist()
+    assert (short.prompt_tokens, short.prompt_truncated, short.completions_truncated) == (30, True, 0)
+    # keep_end: the prompt's start goes first, the same tokens from both (the longer sequence decides).
+    end = encode(max_length=50)
+    assert len(end.chosen.ids) == 50 and end.chosen.ids.tolist() == chosen[31:].tolist()
+    assert end.rejected.ids.tolist() == rejected[31:].tolist()
+    assert (end.prompt_tokens, end.prompt_truncated, end.completions_truncated) == (28, True, 0)
+    # ... then a completion's end, once no prompt is left.
+    none_left = encode(max_length=20)
+    assert none_left.chosen.ids.tolist() == chosen[prompt : prompt + 20].tolist()
+    assert none_left.rejected.ids.tolist() == rejected[prompt:].tolist()
+    assert (none_left.prompt_tokens, none_left.completions_truncated) == (0, 1) and none_left.trained
+    # keep_start: the prompt stays, each completion's end is cut.
+    start = encode(max_length=65, truncation_mode="keep_start")
+    assert text(start.chosen.ids[prompt:]) == "A" * 6 and text(start.rejected.ids[prompt:]) == "B" * 6
+    assert (start.prompt_truncated, start.completions_truncated) == (False, 2)
+    assert not encode(max_length=59, truncation_mode="keep_start").trained  # no completion token left: dropped
+    with pytest.raises(DataError, match=r"max_length must be a positive integer or None \(no limit\), got 0\n.*"
+                                        r"truncation_mode must be one of 'keep_end', 'keep_start', got 'left'"):
+        PreferenceDataModule(max_length=0, truncation_mode="left")
+
+
+def test_truncated_and_dropped_pairs_are_counted_in_the_packing_report(tmp_path):
+    rows = [{"prompt": "P" * 40, "chosen": "A" * 20, "rejected": "B" * 10},  # prompt cut twice (both limits)
+            {"prompt": "Q", "chosen": "A", "rejected": "B"},  # fits
+            {"prompt": "P" * 80, "chosen": "A", "rejected": "B"},  # prompt cut
+            {"prompt": "Q", "chosen": "A" * 60, "rejected": "B"}]  # no prompt left, then the chosen one cut
+    data = module(tmp_path, rows, max_prompt_length=40, max_length=50)
+    data.setup("fit")
+    report = data.packing
+    assert (report.pairs, report.prompts_truncated, report.completions_truncated, report.no_target) == (4, 3, 1, 0)
+    assert "3 prompt(s), 1 completion(s) of the data set; 0 pair(s) dropped without a trained token" in \
+        "\n".join(report.lines())
+    data = module(tmp_path, rows, max_length=59, truncation_mode="keep_start", cache_dir=str(tmp_path / "c2"))
+    data.setup("fit")
+    assert (data.packing.pairs, data.packing.no_target) == (2, 2)  # the long prompts leave no completion
+
+
+# ---- the cache -----------------------------------------------------------------------------------------------------
+def test_the_cache_holds_two_conversations_a_pair_built_once_and_keyed_by_the_truncation(tmp_path):
+    rows = pair_rows(5)
+    data = module(tmp_path, rows)
+    report = data.prepare(num_workers=1)
+    assert report.built and report.conversations == 10 and report.counts["pairs"] == 5
+    assert not data.prepare(num_workers=1).built  # complete: not encoded again
+    folder = data.cache_folder
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["settings"]["kind"] == "preference" and meta["counts"]["pairs"] == 5
+    offsets = np.fromfile(folder / "offsets.bin", dtype=np.int64)
+    tokens = np.fromfile(folder / "tokens.bin", dtype=np.uint16)
+    rows_bin = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
+    assert rows_bin[:, 1].tolist() == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # each sequence's JSONL line
+    for k, row in enumerate(rows):
+        chosen, rejected = (text(tokens[offsets[c] : offsets[c + 1]]) for c in (2 * k, 2 * k + 1))
+        assert chosen.endswith(f"assistant\n{row['chosen']}<|im_end|>\n")
+        assert rejected.endswith(f"assistant\n{row['rejected']}<|im_end|>\n")
+    assert module(tmp_path, None, max_length=100).cache_folder != folder
+    assert module(tmp_path, None, max_prompt_length=100).cache_folder != folder
+    assert module(tmp_path, None, truncation_mode="keep_start").cache_folder != folder
+    assert module(tmp_path, None, seq_len=128, pack=False).cache_folder == folder  # packing is not the cache's
+
+
+# ---- windows and batches: the contract -----------------------------------------------------------------------------
+def expected_window(data, rows, pairs: list[int]) -> dict[str, list[int]]:
+    """The window of ``pairs`` (cache pair numbers, in window order) written from the rows, encoded anew."""
+    ids, labels, positions, sequences = [], [], [], []
+    for p, pair in enumerate(pairs):
+        encoded = data.pair_encoder.encode(to_pair(rows[pair]))
+        for side, sequence in enumerate((encoded.chosen, encoded.rejected)):
+            x, trained = sequence.ids.tolist(), sequence.trained.tolist()
+            ids += x[:-1]
+            labels += [x[t + 1] if trained[t + 1] else IGNORE for t in range(len(x) - 1)]
+            positions += list(range(len(x) - 1))
+            sequences += [2 * p + side] * (len(x) - 1)
+    pad = data.seq_len - len(ids)
+    return {"input_ids": ids + [data.pad_id] * pad, "labels": labels + [IGNORE] * pad,
+            "position_ids": positions + list(range(pad)), "sequence_ids": sequences + [-1] * pad}
+
+
+def test_a_packed_window_holds_whole_pairs_chosen_before_rejected(tmp_path):
+    rows = pair_rows(3)
+    data = module(tmp_path, rows, seq_len=320)
+    data.setup("fit")
+    assert len(data.train_dataset) == 1 and data.document_mask
+    sample = data.train_dataset[0]
+    pairs = data.train_dataset.conversations[data.train_dataset.windows.window(0)].tolist()
+    assert sorted(pairs) == [0, 1, 2] and pairs != [0, 1, 2]  # longest first: the window's order, not the rows'
+    expected = expected_window(data, rows, pairs)
+    for key, values in expected.items():
+        assert sample[key].dtype == torch.long and sample[key].shape == (320,)
+        assert sample[key].tolist() == values, key
+    assert sample["pairs"].shape == () and sample["pairs"].item() == 3
+    # What the labels of each sequence train: its completion and end-of-turn token, nothing of the prompt.
+    seq, labels = sample["sequence_ids"], sample["labels"]
+    for p, pair in enumerate(pairs):
+        for side, key in ((0, "chosen"), (1, "rejected")):
+            trained = labels[(seq == 2 * p + side) & (labels != IGNORE)]
+            assert text(trained) == rows[pair][key] + "<|im_end|>"
+    starts = torch.nonzero(sample["position_ids"] == 0).flatten().tolist()
+    changes = torch.nonzero(torch.diff(seq, prepend=torch.tensor([-2])) != 0).flatten().tolist()
+    assert starts == changes  # positions restart exactly where a sequence (or the padding) starts
+    assert seq.unique().tolist() == [-1, 0, 1, 2, 3, 4, 5]
+
+
+def test_an_unpacked_window_holds_one_pair_and_padding(tmp_path):
+    rows = pair_rows(2)
+    data = module(tmp_path, rows, seq_len=128, pack=False)
+    data.setup("fit")
+    assert len(data.train_dataset) == 2 and data.document_mask  # chosen and rejected: documents, packed or not
+    for w in range(2):
+        sample = data.train_dataset[w]
+        (pair,) = data.train_dataset.conversations[data.train_dataset.windows.window(w)].tolist()
+        expected = expected_window(data, rows, [pair])
+        assert {key: sample[key].tolist() for key in expected} == expected
+        assert sample["pairs"].item() == 1 and sample["sequence_ids"][-1].item() == -1
+
+
+def test_batches_count_their_pairs_and_their_steps_pairs(tmp_path):
+    data = module(tmp_path, pair_rows(40), seq_len=160, batch_size=2, shuffle=True)
+    data.set_data_parallel(2, 1, accumulate_grad_batches=3)
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    assert len(batches) >= 4
+    counts = []
+    for batch in batches:
+        assert batch["pairs"].shape == (2,) and batch["pairs"].dtype == torch.long
+        in_window = [int((s[s >= 0] // 2).unique().numel()) for s in batch["sequence_ids"]]
+        assert batch["pairs"].tolist() == in_window  # pairs: the window's pair count
+        counts.append(sum(in_window))
+        assert "step_tokens" not in batch and batch["step_pairs"].dtype == torch.float32
+    for i, batch in enumerate(batches):
+        step = range(i // 3 * 3, min(i // 3 * 3 + 3, len(batches)))  # the optimizer step's batches on this replica
+        assert batch["step_pairs"].shape == () and batch["step_pairs"].item() == sum(counts[j] for j in step)
+
+
+def test_a_pair_is_never_split_across_windows(tmp_path):
+    rows = pair_rows(30)
+    data = module(tmp_path, rows, seq_len=160)
+    data.setup("fit")
+    dataset, seen = data.train_dataset, []
+    assert len(dataset) > 5 and data.packing.dropped == 0
+    for w in range(len(dataset)):
+        sample = dataset[w]
+        pairs = dataset.conversations[dataset.windows.window(w)].tolist()
+        seq = sample["sequence_ids"]
+        for p, pair in enumerate(pairs):  # both sequences of each of its pairs, whole, in this window
+            encoded = data.pair_encoder.encode(to_pair(rows[pair]))
+            assert int((seq == 2 * p).sum()) == len(encoded.chosen.ids) - 1
+            assert int((seq == 2 * p + 1).sum()) == len(encoded.rejected.ids) - 1
+        seen += pairs
+    assert sorted(seen) == list(range(30))
+
+
+def test_a_pair_longer_than_the_window_is_dropped_and_counted_or_named(tmp_path):
+    rows = pair_rows(4) + [{"prompt": "long", "chosen": "A" * 60, "rejected": "B" * 60}]
+    data = module(tmp_path, rows, seq_len=120)
+    data.setup("fit")
+    assert data.packing.pairs == 4 and data.packing.dropped == 1
+    assert 4 not in data.train_dataset.conversations.tolist()
+    assert "1 pair(s) dropped as longer than the window" in "\n".join(data.packing.lines())
+    data = module(tmp_path, None, seq_len=120, overflow="error")
+    with pytest.raises(DataError, match=r"1 pair\(s\) take more than seq_len \(120\) positions .*d\.jsonl:5 \(\d+"
+                                        r" positions\); raise seq_len, shorten the pairs with max_length"):
+        data.check_prepared()
+    with pytest.raises(DataError, match=r"overflow must be one of 'drop', 'error', got 'truncate' \(a pair is"
+                                        r" shortened by max_length"):
+        PreferenceDataModule(overflow="truncate")
+
+
+def test_validation_holds_out_pairs_and_checkpoints_keep_the_stop_ids(tmp_path):
+    data = module(tmp_path, pair_rows(20), val_fraction=0.2)
+    data.setup("fit")
+    train, val = data.train_dataset.conversations.tolist(), data.val_dataset.conversations.tolist()
+    assert len(val) == 4 and sorted(train + val) == list(range(20))
+    again = module(tmp_path, pair_rows(20), val_fraction=0.2)
+    again.setup("fit")
+    assert again.val_dataset.conversations.tolist() == val  # seeded
+    assert "step_pairs" not in next(iter(data.val_dataloader()))
+    state = {type(data).__name__: data.state_dict()}
+    assert recorded_stop_ids(state) == [258]  # what export writes as generation_config's stop ids
+
+
+# ---- built-in data and prepare-data --------------------------------------------------------------------------------
+def test_the_built_in_pairs_need_no_download(tmp_path):
+    rows = stdlib_preference_rows()
+    assert len(rows) > 2500 and rows == stdlib_preference_rows()  # deterministic
+    assert all(r["chosen"] != r["rejected"] and r["prompt"].startswith("What does the") for r in rows)
+    name = rows[0]["prompt"].split("`")[1]
+    assert name in rows[0]["rejected"] and name not in rows[0]["chosen"]  # evasive: names it, says nothing
+    data = PreferenceDataModule(seq_len=512, batch_size=2, val_fraction=0.01, cache_dir=str(tmp_path))
+    assert data.hparams["tokenizer"] == str(tmp_path / "byte-chatml-v1") and data.vocab_size == 259
+    data.setup("fit")
+    assert data.packing.pairs > 2500 and data.sources[0].parent == tmp_path
+    first = [json.loads(line) for line in data.sources[0].read_text().splitlines()[:3]]
+    assert first == rows[:3]
+
+
+def test_prepare_data_previews_a_pair_and_builds_a_preference_recipe(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from lightning_2d.tools.prepare import main as prepare_main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-2d", "prepare-data"])
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"class_path": "lightning_2d.PreferenceDataModule", "init_args": {
+        "paths": write_rows(tmp_path / "d.jsonl", pair_rows(12)), "seq_len": 128, "cache_dir": str(tmp_path / "c")}}}))
+    assert prepare_main(["--config", str(recipe), "--preview", "1"]) is None
+    out = capsys.readouterr().out
+    assert "d.jsonl:1: prompt 37 tokens; chosen 10 tokens, 9 trained; rejected 9 tokens, 8 trained" in out
+    assert "prompt:   <|im_start|>user\nQ0: what is 0 + 0?<|im_end|>\n<|im_start|>assistant\n\n" in out
+    assert "chosen:   [[It is 0.<|im_end|>]]\n" in out and "rejected: [[No idea<|im_end|>]]\n" in out
+    assert "12 pairs" in out and "nothing written" in out
+    assert not list((tmp_path / "c").glob("*/meta.json"))
+    report = prepare_main(["--config", str(recipe), "--processes", "2"])
+    out = capsys.readouterr().out
+    assert report.built and report.counts["pairs"] == 12 and report.conversations == 24
+    assert "pairs          12" in out and "11 pairs (22 sequences)" in out and "truncated      0 prompt(s)" in out
