@@ -1,0 +1,114 @@
+"""Preference tuning (``preference=``: DPO on ``PreferenceDataModule``'s packed pairs) under the parallelisms equals
+one device.
+
+Real jobs of 4 CPU processes on gloo sharing one launch (``Jobs.share``), 6 fp32 AdamW steps of the ``debug`` Llama
+(2 blocks) on pairs about the standard library (the built-in data: a docstring's answer chosen, an evasive one
+rejected; byte-level ChatML), several pairs packed in each window, against the single-device ``Trainer`` on the
+same global batches:
+
+- LoRA, the reference the base with its adapters off: 2×2 with sequence parallelism and two accumulated batches per
+  step (the loss the mean over the step's pairs), and context parallel 2 × tensor parallel 2 (each pair's sequences
+  cut over the context ranks, their log-probabilities summed across them);
+- the whole model, the reference a frozen copy parallelized beside it (FSDP × TP at 2×2).
+
+Each compares the losses, TRL's reward metrics, the gradient norms where recorded and the final weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.conftest import load_weights
+from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
+
+pytestmark = pytest.mark.distributed
+
+SEQ_LEN, PAIRS = 128, 96
+DPO = {"loss_type": "sigmoid", "beta": 0.1}
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict:
+    """The data module's arguments, its cache prepared here once (every job finds it)."""
+    from lightning_2d import PreferenceDataModule
+    from lightning_2d.data.preference.builtin import stdlib_preference_rows
+
+    folder = tmp_path_factory.mktemp("pairs")
+    rows = stdlib_preference_rows()[:PAIRS]
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = {"paths": str(folder / "pairs.jsonl"), "tokenizer": "byte", "cache_dir": str(folder / "cache"),
+            "max_length": 60}  # each sequence at most 60 tokens: a pair fits a window of 128 positions
+    PreferenceDataModule(**args, seq_len=SEQ_LEN).prepare(num_workers=1)
+    return args
+
+
+@pytest.fixture(scope="module")
+def runs(jobs, pairs) -> dict:
+    common = {"preference_data": pairs, "seq_len": SEQ_LEN, "model_overrides": {"vocab_size": 264, "n_layers": 2},
+              "preference": DPO}
+    lora = {**common, "lora": LORA}
+    specs = {
+        "reference": jobs.reference_job(**lora),
+        "sp_accumulate": jobs.layout_job(2, 2, accumulate=2, grad_norms=True, **lora),
+        "cp_tp": jobs.layout_job(1, 2, nprocs=4, context_parallel_size=2, **lora),
+        "copy_reference": jobs.reference_job(**common),
+        "copy_2x2": jobs.layout_job(2, 2, grad_norms=True, **common),
+    }
+    specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
+    jobs.share("preference", list(specs.values()))
+    return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
+
+
+def check_against(run, reference, accumulated: bool = False, grad_norms: bool = False, label: str = "") -> None:
+    """``run``'s losses and TRL's metrics (each batch's, when a step is one batch), gradient norms (when recorded) and
+    final weights against ``reference``'s."""
+    ref = reference.rank_output(0)
+    assert len(ref["losses"]) == 6 and len(ref["preference_metrics"]) == 6
+    assert ref["preference_metrics"][-1]["rewards/margins"] > 0  # trained: the chosen gained on the rejected
+    for rank in range(4):
+        out = run.rank_output(rank)
+        errors = {}
+        if accumulated:  # two batches a step, each logging its own mean: the step shows in its gradients
+            assert len(out["losses"]) == 12
+        else:
+            errors["loss"] = worst_relative_error(out["losses"], ref["losses"])
+            for got, want in zip(out["preference_metrics"], ref["preference_metrics"], strict=True):
+                for name, value in want.items():
+                    # A reward is β × the small difference of two sums of ~-400 (the logps of 60 tokens each) summed
+                    # in another order (over context ranks, vocabulary shards): a few fp32 ulps of the sums, up to
+                    # ~3e-4 × β measured (1.1e-5 at CP 2 × TP 2); a wrong sum or reference is off by the reward.
+                    tolerance = {"rel": 1e-5} if name.startswith("logps/") else {"abs": 5e-5}
+                    assert got[name] == pytest.approx(value, **tolerance), (name, got[name], value)
+        if grad_norms:
+            errors["gradient norm"] = worst_relative_error(out["grad_norms"], ref["grad_norms"])
+        print(f"{label} rank {rank}: " + ", ".join(f"worst relative {k} error {v:.2e}" for k, v in errors.items()))
+        assert max(errors.values()) <= LOSS_RTOL, (out["losses"], ref["losses"], out.get("grad_norms"))
+    final, ref_final = load_weights(run, "final"), load_weights(reference, "final")
+    assert final.keys() == ref_final.keys()
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_dpo_with_lora_at_2x2_with_accumulation_equals_one_device(runs):
+    """Two batches a step: the loss divided by the step's pairs (``step_pairs``, both replicas and batches), so the
+    gradients and weights are one device's on the whole step."""
+    check_against(runs["sp_accumulate"], runs["reference"], accumulated=True, grad_norms=True,
+                  label="2x2 SP, accumulate 2")
+
+
+def test_dpo_with_lora_under_context_and_tensor_parallelism_equals_one_device(runs):
+    """Each pair's two sequences cut over 2 context ranks, their log-probabilities summed across them, the head's
+    vocabulary over 2 tensor ranks."""
+    for rank in range(4):
+        out = runs["cp_tp"].rank_output(rank)
+        assert out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == 2
+    check_against(runs["cp_tp"], runs["reference"], label="CP 2 x TP 2")
+
+
+def test_dpo_of_the_whole_model_against_a_frozen_copy_equals_one_device(runs):
+    """No adapters: the reference is a frozen copy of the initial model, sharded beside it by the same plan."""
+    check_against(runs["copy_2x2"], runs["copy_reference"], grad_norms=True, label="2x2 frozen copy")
