@@ -108,20 +108,22 @@ class HFCausalLMModule(CausalLMModule):
     def parallel_plan(self, config: ParallelConfig) -> ParallelPlan:
         return hf_decoder_plan(self.hf_config, config, module="model")
 
-    def weights_source(self) -> Any:
-        """The ``init_from`` directory read block by block (names as in the model), if given."""
-        init_from = self.hparams.get("init_from")
+    def base_weights(self, folder: Optional[str]) -> Any:
+        """The model directory ``folder`` read block by block (names as in the model; every parameter but those their
+        module initializes itself: LoRA's adapters), else ``None``."""
+        if not folder:
+            return None
         assert self.model is not None
-        # What the files hold: every parameter but those their module initializes itself (LoRA's adapters).
         own = {canonical_name(n) for n in module_init_specs(self.model)}
         expected = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
                     if canonical_name(n) not in own}
-        if not init_from:
-            base = None
-        elif hf_moe_layers(self.hf_config):  # transformers' fused experts, from fused or per-expert files
-            base = TransformersExpertsWeights(Path(init_from), expected, self.hf_config.model_type)
-        else:
-            base = SafetensorsWeights(Path(init_from), expected)
+        if hf_moe_layers(self.hf_config):  # transformers' fused experts, from fused or per-expert files
+            return TransformersExpertsWeights(Path(folder), expected, self.hf_config.model_type)
+        return SafetensorsWeights(Path(folder), expected)
+
+    def weights_source(self) -> Any:
+        """The ``init_from`` directory read block by block (names as in the model), if given."""
+        base = self.base_weights(self.hparams.get("init_from"))
         return self._with_lora_init(base, self.model, None)  # adapters: their own init, or lora_init_from's
 
     def build_model(self) -> nn.Module:

@@ -317,9 +317,13 @@ class CausalLMModule(L.LightningModule):
             return
         with torch.device("meta"):
             model = build()
-        source = getattr(self, "weights_source", None)
-        reference = FrozenModel("reference", self._own_plan().module, model, source if callable(source) else None)
+        folder = preference.reference_from or self.hparams.get("init_from")
+        reference = FrozenModel("reference", self._own_plan().module, model, lambda: self.base_weights(folder))
         object.__setattr__(self, "_reference", reference)  # kept out of the module's registered children
+
+    def base_weights(self, folder: Optional[str]) -> Any:
+        """The weights of the model folder ``folder`` (``init_from``'s kind), else ``None`` (the seeded init)."""
+        raise NotImplementedError
 
     def _preference_step(self, preference: PreferenceLoss, batch: dict[str, torch.Tensor],
                          train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -554,10 +558,13 @@ class LlamaLightningModule(CausalLMModule):
         return self.model_args.vocab_size
 
     # ---- model construction -------------------------------------------------------------------
+    def base_weights(self, folder: Optional[str]) -> HFWeights | None:
+        """The weights of the Hugging Face Llama folder ``folder`` (read block by block), else ``None``."""
+        return HFWeights(Path(folder), self.model_args) if folder else None
+
     def weights_source(self) -> HFWeights | None:
         """Where the initial weights come from instead of the seeded init (``init_from``), if anywhere."""
-        init_from = self.hparams.get("init_from")
-        base = HFWeights(Path(init_from), self.model_args) if init_from else None
+        base = self.base_weights(self.hparams.get("init_from"))
         if not self.hparams.get("lora_init_from"):
             return base
         with torch.device("meta"):  # the adapters' names and shapes

@@ -76,6 +76,8 @@ class PreferenceLoss:
             (under LoRA: the trained model with its adapters switched off, no second copy), ``"copy"`` (a frozen
             copy of the initial model, parallelized beside it by the same plan: sharded, no gradients, no optimizer
             state, not in checkpoints); ``"auto"``: ``adapters_off`` under LoRA, else ``copy``.
+        reference_from: A model folder (``init_from``'s kind) the frozen copy is read from instead of the trained
+            model's initial weights (``copy`` only).
     """
 
     loss_type: str = "sigmoid"
@@ -85,6 +87,7 @@ class PreferenceLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     reference: str = "auto"
+    reference_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         problems = self.problems()

@@ -29,6 +29,12 @@ def preference_reference(preference: PreferenceLoss, owner: str, lora: Optional[
             " (no lora=). Use reference='copy' (a frozen copy of the initial model beside it, or 'auto'), or train"
             " adapters (lora=...)"
         ]
+    if preference.reference_from is not None and mode != "copy":
+        return [
+            f"preference reference_from={preference.reference_from!r} reads a frozen reference copy, but the reference"
+            f" is {'none (a reference-free loss)' if mode is None else repr(mode)}. Use reference='copy' without"
+            " lora=, or leave reference_from out"
+        ]
     if mode == "copy" and lora is not None:
         return [
             f"preference reference='copy' with lora=: under LoRA the reference is the base the adapters start from;"

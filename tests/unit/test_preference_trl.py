@@ -1,0 +1,111 @@
+"""DPO on a transformers model equals TRL's ``DPOTrainer`` on the same rows and weights, at the first step.
+
+A tiny Llama saved by transformers is the trained model, another (other seed) the reference; the rows are
+conversational pairs. TRL 1.16 tokenizes them with the tokenizer's chat template, runs both models and computes its
+loss and metrics (``DPOTrainer.compute_loss`` on its first batch: the whole data set); here ``HFCausalLMModule``
+(``init_from`` the first, ``preference.reference_from`` the second) on ``PreferenceDataModule``'s batch of the same
+rows. The template ends an assistant turn at its end-of-turn token: TRL scores everything after the prompt,
+whatever the template writes after that token, where the chat data trains up to it. TRL runs in fp32 (its
+``DPOConfig`` defaults to bf16 autocast, on CPU too, for the reference model it prepares).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="trl is in the test extra (pip install -e '.[test]')")
+
+#: The byte-level ChatML template, no newline after an assistant turn's <|im_end|>.
+TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+            "{{ message['content'] + '<|im_end|>' }}{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+            "message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+ROWS = [
+    {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+     "rejected": [{"role": "assistant", "content": "I would rather not say."}]},
+    {"prompt": [{"role": "user", "content": "Name a colour."}], "chosen": [{"role": "assistant", "content": "Blue."}],
+     "rejected": [{"role": "assistant", "content": "no"}]},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
+     "chosen": [{"role": "assistant", "content": "Paris."}],
+     "rejected": [{"role": "assistant", "content": "It is a city somewhere in Europe, I think."}]},
+    {"prompt": [{"role": "user", "content": "Say yes"}], "chosen": [{"role": "assistant", "content": "yes"}],
+     "rejected": [{"role": "assistant", "content": "maybe"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_2d import ChatDataModule
+
+    tmp = tmp_path_factory.mktemp("trl")
+    tokenizer = tmp / "tokenizer"
+    shutil.copytree(ChatDataModule(cache_dir=str(tmp / "cache")).hparams["tokenizer"], tokenizer)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    models = {}
+    for name, seed in (("policy", 0), ("reference", 1)):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     tie_word_embeddings=False)).save_pretrained(tmp / name)
+        for file in tokenizer.iterdir():
+            shutil.copy(file, tmp / name / file.name)
+        models[name] = tmp / name
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return {"tmp": tmp, "tokenizer": tokenizer, "rows": tmp / "pairs.jsonl", **models}
+
+
+def trl_first_step(folders, loss_type: str, beta: float, label_smoothing: float):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(folders["tmp"] / f"trl_{loss_type}"), per_device_train_batch_size=len(ROWS),
+                     beta=beta, loss_type=[loss_type], label_smoothing=label_smoothing, max_length=None,
+                     report_to=[], use_cpu=True, seed=0, dataloader_drop_last=False, bf16=False)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(folders["policy"]),
+                         ref_model=AutoModelForCausalLM.from_pretrained(folders["reference"]), args=args,
+                         train_dataset=Dataset.from_list(ROWS),
+                         processing_class=AutoTokenizer.from_pretrained(folders["tokenizer"]))
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, batch)
+    return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def our_first_step(folders, loss_type: str, beta: float, label_smoothing: float):
+    from lightning_2d import PreferenceDataModule
+    from lightning_2d.hf import HFCausalLMModule
+
+    module = HFCausalLMModule(init_from=str(folders["policy"]), preference={
+        "loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing,
+        "reference_from": str(folders["reference"])})
+    module.configure_model()
+    data = PreferenceDataModule(str(folders["rows"]), str(folders["tokenizer"]), seq_len=256, pack=False,
+                                batch_size=len(ROWS), val_fraction=0, shuffle=False,
+                                cache_dir=str(folders["tmp"] / "cache"))
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    loss, mean, pairs, metrics = module._preference_step(module.preference, batch, train=False)
+    assert int(pairs) == len(ROWS)
+    return float(loss), {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)])
+def test_dpo_loss_and_metrics_equal_trls_dpo_trainer_at_the_first_step(folders, loss_type, label_smoothing):
+    want, want_metrics = trl_first_step(folders, loss_type, 0.3, label_smoothing)
+    got, metrics = our_first_step(folders, loss_type, 0.3, label_smoothing)
+    assert want_metrics["rewards/margins"] != 0.0  # two models: the rewards are not trivially zero
+    # Both in fp32 (TRL's default bf16 autocast off), the same tokens and weights; what differs is the order of the
+    # sums (TRL's chunked fused head, its attention kernel): measured 1.3e-6 relative on the loss, 1e-6 on a reward
+    # (β × the difference of two sums of ~-100), 1e-7 on the log-probabilities.
+    assert got == pytest.approx(want, rel=5e-6), (got, want)
+    for name, value in metrics.items():
+        tolerance = {"rel": 1e-6} if name.startswith("logps/") else {"abs": 5e-6}
+        assert value == pytest.approx(want_metrics[name], **tolerance), (name, value, want_metrics[name])
