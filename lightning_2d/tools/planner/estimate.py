@@ -51,7 +51,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _run_problems(args: Optional[PlannedArgs], seq_len: Optional[int], micro_batch_size: int, device_memory_gib: float,
-                  reserve_gib: float, loss_chunk_size: Optional[int]) -> list[str]:
+                  reserve_gib: float, loss_chunk_size: Optional[int], accumulate_grad_batches: int) -> list[str]:
+    """The problems of the planner's own arguments (the layout's are ``_validate``'s)."""
     problems = []
     if seq_len is None:  # neither given nor known: the model's problem is reported instead
         pass
@@ -71,6 +72,8 @@ def _run_problems(args: Optional[PlannedArgs], seq_len: Optional[int], micro_bat
         problems.append(f"reserve_gib must be >= 0, got {reserve_gib}")
     if loss_chunk_size is not None and loss_chunk_size < 1:
         problems.append(f"loss_chunk_size must be a positive number of tokens or None, got {loss_chunk_size}")
+    if accumulate_grad_batches < 1:
+        problems.append(f"accumulate_grad_batches must be a positive integer, got {accumulate_grad_batches}")
     return problems
 
 
@@ -177,7 +180,75 @@ def plan_run(
         ParallelConfigError: every problem of the layout (and of the planner's arguments) at once.
     """
     start = time.perf_counter()
-    config = config if config is not None else ParallelConfig()
+    run = _read_run(
+        model, model_overrides, lora, config if config is not None else ParallelConfig(), num_nodes=num_nodes,
+        devices=devices, precision=precision, seq_len=seq_len, micro_batch_size=micro_batch_size,
+        accumulate_grad_batches=accumulate_grad_batches, loss_chunk_size=loss_chunk_size,
+        device_memory_gib=device_memory_gib, reserve_gib=reserve_gib,
+    )
+    # The model converters the module asks for (LoRA's adapters …), as parallelize_and_materialize makes them.
+    converters = ModelConverters.of(plan_of(run.args, run.config), validation_inputs_of(run.args, run.lora))
+    run, shards, notes = _plan_shards(run)
+    activations = _activation_model(run, document_mask, converters)
+    plans = [_plan_rank(shard, k, run, activations) for k, shard in enumerate(shards)]
+    # The verdict is the fullest device's: under a pipeline, the pipeline rank with the largest total.
+    worst = max(plans, key=lambda p: p.total)
+    notes += _notes(run, converters, worst)
+    verdict = _Verdict.of(worst.total, device_memory_gib, reserve_gib)
+    report = _report(run, _report_name(model, model_name, model_overrides, run.args), plans, worst, verdict, notes)
+    if not report.fits:
+        report.suggestions = suggestions_for(
+            report, run.args, run.dims, run.config, activations, run.seq_len, run.micro_batch_size,
+            pipeline=(worst.shard.split, worst.pp_rank, run.microbatches) if run.dims.pp > 1 else None,
+        )
+    report.seconds = round(time.perf_counter() - start, 3)
+    return report
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What ``plan_run`` plans, its arguments read and validated: the model, the layout and the training step."""
+
+    args: PlannedArgs
+    lora: Optional[LoRA]
+    dims: ParallelDims
+    #: The options, dtypes resolved (without compile and float8 where the meta device could not set them up).
+    config: ParallelConfig
+    num_nodes: int
+    devices: int
+    precision: str
+    seq_len: int
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    loss_chunk_size: Optional[int]
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per step (1 without a pipeline)."""
+        return _pipeline_microbatches(self.config) if self.dims.pp > 1 else 1
+
+
+def _read_run(
+    model: Union[str, Mapping[str, Any], ModelArgs],
+    model_overrides: Optional[dict[str, Any]],
+    lora: Union[LoRA, Mapping[str, Any], None],
+    config: ParallelConfig,
+    *,
+    num_nodes: int,
+    devices: int,
+    precision: str,
+    seq_len: Optional[int],
+    micro_batch_size: int,
+    accumulate_grad_batches: int,
+    loss_chunk_size: Optional[int],
+    device_memory_gib: float,
+    reserve_gib: float,
+) -> _Run:
+    """``plan_run``'s arguments read (the model, its adapters) and checked with the layout, every problem at once.
+
+    Raises:
+        ParallelConfigError: every problem of the layout and of the planner's arguments.
+    """
     problems: list[str] = []
     try:
         lora = LoRA.of(lora)
@@ -187,85 +258,122 @@ def plan_run(
     args = read_model(model, model_overrides, problems)
     if seq_len is None and args is not None:
         seq_len = args.max_seq_len
-    problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size)
-    if accumulate_grad_batches < 1:
-        problems.append(f"accumulate_grad_batches must be a positive integer, got {accumulate_grad_batches}")
+    problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size,
+                              accumulate_grad_batches)
     dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len,
                      lora=lora)
     assert args is not None and seq_len is not None
-    resolved = config.resolve_dtypes(precision)
-    # The model converters the module asks for (LoRA's adapters …), as parallelize_and_materialize makes them.
-    converters = ModelConverters.of(plan_of(args, resolved), validation_inputs_of(args, lora))
-    notes: list[str] = []
-    # Pipeline rank k is played by global rank k·dp·cp·tp (its FSDP, context and TP coordinates 0: the padded shards).
-    ranks = [k * dims.dp * dims.cp * dims.tp for k in range(dims.pp)]
+    return _Run(
+        args=args, lora=lora, dims=dims, config=config.resolve_dtypes(precision), num_nodes=num_nodes, devices=devices,
+        precision=precision, seq_len=seq_len, micro_batch_size=micro_batch_size,
+        accumulate_grad_batches=accumulate_grad_batches, loss_chunk_size=loss_chunk_size,
+    )
+
+
+def _plan_shards(run: _Run) -> tuple[_Run, list[RankShards], list[str]]:
+    """What each planned rank holds (``plan_rank_shards``), with the run as planned and its note.
+
+    Pipeline rank k is played by global rank k·dp·cp·tp (its FSDP, context and TP coordinates 0: the padded
+    shards). Where compile or float8 cannot be set up on the meta device, the layout (validated) is planned
+    without them, and a note says so.
+    """
+    ranks = [k * run.dims.dp * run.dims.cp * run.dims.tp for k in range(run.dims.pp)]
+
+    def shards_of(config: ParallelConfig) -> list[RankShards]:
+        return [plan_rank_shards(run.args, run.dims, config, run.precision, run.loss_chunk_size, rank, run.lora)
+                for rank in ranks]
 
     try:
-        shards = [plan_rank_shards(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
+        return run, shards_of(run.config), []
     except RetryWithout as err:
-        notes.append(
-            f"compile/float8 could not be set up on the meta device ({err}); validated, but planned without them"
-        )
-        resolved = replace(resolved, compile=False, float8=False, fsdp_float8_all_gather=False)
-        shards = [plan_rank_shards(args, dims, resolved, precision, loss_chunk_size, rank, lora) for rank in ranks]
+        note = f"compile/float8 could not be set up on the meta device ({err}); validated, but planned without them"
+        run = replace(run, config=replace(run.config, compile=False, float8=False, fsdp_float8_all_gather=False))
+        return run, shards_of(run.config), [note]
 
-    param_dtype = resolved.param_dtype
-    activations = ActivationModel.for_layout(
-        args, tp=dims.tp, sequence_parallel=resolved.sequence_parallel, seq_len=seq_len,
-        micro_batch_size=micro_batch_size, act_dtype=param_dtype, loss_chunk_size=loss_chunk_size, cp=dims.cp,
-        loss_parallel=resolved.loss_parallel, document_mask=document_mask, frozen_base=converters.freezes(),
-        expert_parallel=resolved.expert_parallel_size,
+
+def _activation_model(run: _Run, document_mask: bool, converters: ModelConverters) -> ActivationModel:
+    """One micro-batch of the whole model on one device (``ActivationModel.for_layout``)."""
+    config = run.config
+    return ActivationModel.for_layout(
+        run.args, tp=run.dims.tp, sequence_parallel=config.sequence_parallel, seq_len=run.seq_len,
+        micro_batch_size=run.micro_batch_size, act_dtype=config.param_dtype, loss_chunk_size=run.loss_chunk_size,
+        cp=run.dims.cp, loss_parallel=config.loss_parallel, document_mask=document_mask,
+        frozen_base=converters.freezes(), expert_parallel=config.expert_parallel_size,
     )
-    microbatches = _pipeline_microbatches(resolved) if dims.pp > 1 else 1
-    plans = [
-        _plan_rank(shard, k, dims, resolved, precision, activations, accumulate_grad_batches, microbatches)
-        for k, shard in enumerate(shards)
-    ]
-    # The verdict is the fullest device's: under a pipeline, the pipeline rank with the largest total.
-    worst = max(plans, key=lambda p: p.total)
-    estimate = worst.activations
-    if resolved.compile:
-        notes.append("activations are estimated for eager blocks; compiled blocks usually save less")
-    if resolved.float8:
-        notes.append("float8: activations are estimated as in bf16 (torchao keeps the high-precision inputs)")
-    if dims.pp > 1:
-        notes += _pipeline_notes(resolved, microbatches, accumulate_grad_batches)
-    if isinstance(args, HFDecoderArgs):
-        notes += _hf_notes(args, seq_len, micro_batch_size)
-    notes += converters.plan_notes(worst.shard.optimized_numel, worst.shard.numel)
 
-    reserve = int(reserve_gib * GIB)
-    memory = int(device_memory_gib * GIB)
-    headroom = memory - worst.total - reserve
+
+def _notes(run: _Run, converters: ModelConverters, worst: _RankPlan) -> list[str]:
+    """What the estimate assumes: of compile, float8, the pipeline, a Hugging Face decoder and the converters."""
+    notes: list[str] = []
+    if run.config.compile:
+        notes.append("activations are estimated for eager blocks; compiled blocks usually save less")
+    if run.config.float8:
+        notes.append("float8: activations are estimated as in bf16 (torchao keeps the high-precision inputs)")
+    if run.dims.pp > 1:
+        notes += _pipeline_notes(run.config, run.microbatches, run.accumulate_grad_batches)
+    if isinstance(run.args, HFDecoderArgs):
+        notes += _hf_notes(run.args, run.seq_len, run.micro_batch_size)
+    return notes + converters.plan_notes(worst.shard.optimized_numel, worst.shard.numel)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """The fullest device's estimate against its memory."""
+
+    reserve: int
+    memory: int
+    headroom: int
+
+    @classmethod
+    def of(cls, total: int, device_memory_gib: float, reserve_gib: float) -> _Verdict:
+        reserve = int(reserve_gib * GIB)
+        memory = int(device_memory_gib * GIB)
+        return cls(reserve=reserve, memory=memory, headroom=memory - total - reserve)
+
+
+def _report_name(model: Union[str, Mapping[str, Any], ModelArgs], model_name: Optional[str],
+                 model_overrides: Optional[dict[str, Any]], args: PlannedArgs) -> str:
+    """The report's name of the model, with the fields overridden."""
+    name = model_name or (args.name if isinstance(args, HFDecoderArgs) else str(model))
+    return name if not model_overrides else f"{name} (overridden: {', '.join(sorted(model_overrides))})"
+
+
+def _activation_parts(estimate: ActivationEstimate, pipeline: bool) -> dict[str, Any]:
+    """The report's ``activation_parts``: the peak's parts (a pipeline's buffers too) and the blocks' modes."""
     parts: dict[str, Any] = {
         "saved_by_blocks": estimate.saved_by_blocks,
         "head_loss_and_inputs": estimate.head_and_loss,
         "transient": estimate.transient,
     }
-    if dims.pp > 1:
+    if pipeline:
         parts |= {
             "pipeline_receive_buffers": estimate.receive_buffers,
             "stage_outputs": estimate.stage_outputs,
             "in_flight": estimate.in_flight,
         }
-    parts |= {"last_block_saved": estimate.block_saved, "block_modes": _count_modes(estimate.block_modes)}
-    name = model_name or (args.name if isinstance(args, HFDecoderArgs) else str(model))
-    report = PlanReport(
-        model=name if not model_overrides else f"{name} (overridden: {', '.join(sorted(model_overrides))})",
+    return parts | {"last_block_saved": estimate.block_saved, "block_modes": _count_modes(estimate.block_modes)}
+
+
+def _report(run: _Run, name: str, plans: list[_RankPlan], worst: _RankPlan, verdict: _Verdict, notes: list[str]
+            ) -> PlanReport:
+    """The ``PlanReport`` of the fullest rank ``worst`` (and, under a pipeline, of every one in ``plans``)."""
+    args, dims, estimate = run.args, run.dims, worst.activations
+    return PlanReport(
+        model=name,
         model_args=model_fields(args),
         # A Hugging Face decoder: the model transformers built, counted (biases, per-head norms, a tie once).
-        total_params=shards[0].model_numel if isinstance(args, HFDecoderArgs) else args.num_params(),
-        num_nodes=num_nodes,
-        devices_per_node=devices,
+        total_params=plans[0].shard.model_numel if isinstance(args, HFDecoderArgs) else args.num_params(),
+        num_nodes=run.num_nodes,
+        devices_per_node=run.devices,
         world_size=dims.world_size,
         dims={**dims.as_dict(), "data_parallel": dims.dp},
-        precision=precision,
-        param_dtype=_dtype_name(param_dtype),
-        reduce_dtype=_dtype_name(resolved.reduce_dtype),
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        accumulate_grad_batches=accumulate_grad_batches,
-        parallel_config=_config_dict(resolved, dims),
+        precision=run.precision,
+        param_dtype=_dtype_name(run.config.param_dtype),
+        reduce_dtype=_dtype_name(run.config.reduce_dtype),
+        seq_len=run.seq_len,
+        micro_batch_size=run.micro_batch_size,
+        accumulate_grad_batches=run.accumulate_grad_batches,
+        parallel_config=_config_dict(run.config, dims),
         params_per_device=worst.shard.numel,
         trained_params_per_device=worst.shard.trained_numel,
         param_bytes=worst.shard.param_bytes,
@@ -277,22 +385,15 @@ def plan_run(
         accumulation_bytes=worst.accumulation,
         activation_bytes=estimate.peak,
         activation_phase=estimate.phase,
-        activation_parts=parts,
+        activation_parts=_activation_parts(estimate, dims.pp > 1),
         total_bytes=worst.total,
-        reserve_bytes=reserve,
-        device_memory_bytes=memory,
-        fits=headroom >= 0,
-        headroom_bytes=headroom,
+        reserve_bytes=verdict.reserve,
+        device_memory_bytes=verdict.memory,
+        fits=verdict.headroom >= 0,
+        headroom_bytes=verdict.headroom,
         notes=notes,
-        pipeline=[p.as_dict(microbatches) for p in plans] if dims.pp > 1 else [],
+        pipeline=[p.as_dict(run.microbatches) for p in plans] if dims.pp > 1 else [],
     )
-    if not report.fits:
-        report.suggestions = suggestions_for(
-            report, args, dims, resolved, activations, seq_len, micro_batch_size,
-            pipeline=(worst.shard.split, worst.pp_rank, microbatches) if dims.pp > 1 else None,
-        )
-    report.seconds = round(time.perf_counter() - start, 3)
-    return report
 
 
 @dataclass
@@ -385,43 +486,32 @@ def _pipeline_notes(config: ParallelConfig, microbatches: int, accumulate_grad_b
     return notes + fsdp_backend(config.fsdp_backend).pipeline_notes(config, accumulate_grad_batches)
 
 
-def _plan_rank(
-    shard: RankShards,
-    pp_rank: int,
-    dims: ParallelDims,
-    config: ParallelConfig,
-    precision: str,
-    activations: ActivationModel,
-    accumulate_grad_batches: int,
-    microbatches: int,
-) -> _RankPlan:
+def _plan_rank(shard: RankShards, pp_rank: int, run: _Run, activations: ActivationModel) -> _RankPlan:
     """States, FSDP buffers and activations of one planned rank.
 
     Args:
         shard: What the rank holds.
         pp_rank: Its pipeline rank (0 without a pipeline).
-        dims: The mesh sizes.
-        config: The options, dtypes resolved.
-        precision: Trainer precision (the stored dtype).
+        run: The run: its mesh sizes, options (dtypes resolved), precision (the stored dtype), micro-batches per
+            optimizer step and pipeline micro-batches per step.
         activations: One micro-batch of the whole model on one device.
-        accumulate_grad_batches: Micro-batches per optimizer step.
-        microbatches: Pipeline micro-batches per step (1 without a pipeline).
     """
+    dims, config = run.dims, run.config
     param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
-    stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    stored = torch.bfloat16 if run.precision == "bf16-true" else torch.float32
     units = shard.units
     # The reduce-scatter's input is the unit's unsharded gradients: its trained parameters' (a frozen base has none).
     reduce_scatter = max((u.gradient_numel * (param_dtype.itemsize + reduce_dtype.itemsize) for u in units), default=0)
     if dims.pp > 1:
         estimate = pipeline_activation_estimate(
             activations, shard.split, pp=dims.pp, pp_rank=pp_rank, schedule=config.pipeline_schedule,
-            microbatches=microbatches, activation_checkpointing=config.activation_checkpointing,
+            microbatches=run.microbatches, activation_checkpointing=config.activation_checkpointing,
             selective_ac_option=config.selective_ac_option,
         )
     else:
         estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
     all_gather, accumulation = fsdp_backend(config.fsdp_backend).buffer_bytes(
-        units, config, accumulate_grad_batches, pipeline_in_flight=estimate.in_flight if dims.pp > 1 else None)
+        units, config, run.accumulate_grad_batches, pipeline_in_flight=estimate.in_flight if dims.pp > 1 else None)
     return _RankPlan(
         pp_rank=pp_rank,
         global_rank=pp_rank * dims.dp * dims.cp * dims.tp,

@@ -132,7 +132,30 @@ def _gib(n: float) -> str:
 
 
 def format_report(report: PlanReport) -> str:
-    """The human-readable table of ``lightning-2d plan``."""
+    """The human-readable table of ``lightning-2d plan``: the run, the per-device memory, under a pipeline the
+    table of its ranks, the verdict, the suggestions and the notes."""
+    pipeline = report.pipeline
+    worst = max(pipeline, key=lambda r: r["total_bytes"]) if pipeline else None
+    out = _run_lines(report, worst) + [""] + _memory_table(report, worst)
+    if worst is not None:
+        out += ["", f"activation peak: {report.activation_phase}", ""] + _pipeline_table(pipeline, worst)
+    out += ["", f"verdict: {report.verdict}"]
+    if report.suggestions:
+        out.append("try (estimates):")
+        out += [f"  {s}" for s in report.suggestions]
+    out += [f"note: {n}" for n in report.notes]
+    out.append(f"(planned in {report.seconds:.1f} s)")
+    return "\n".join(out)
+
+
+def _stored(report: PlanReport) -> str:
+    """The dtype the parameters, gradients and optimizer states are stored in."""
+    return "bf16" if report.precision == "bf16-true" else "fp32"
+
+
+def _run_lines(report: PlanReport, worst: Optional[dict[str, Any]]) -> list[str]:
+    """The report's head: the model and world, the layout, the training step and (``worst``: its fullest rank)
+    the pipeline."""
     d = report.dims
     c = report.parallel_config
     tp = d["tensor_parallel"]
@@ -140,12 +163,38 @@ def format_report(report: PlanReport) -> str:
     ac = c["activation_checkpointing"]
     if ac == "selective":
         ac += f" ({c['selective_ac_option']})"
-    stored = "bf16" if report.precision == "bf16-true" else "fp32"
+    pd, rd = report.param_dtype, report.reduce_dtype
+    out = [
+        f"lightning-2d plan: {report.model}, {report.total_params / 1e9:.2f} B parameters,"
+        f" on {report.num_nodes} node(s) x {report.devices_per_node} device(s) = {report.world_size} ranks",
+        "layout:   " + (f"pipeline_parallel {d['pipeline_parallel']} x " if report.pipeline else "")
+        + f"data_parallel_replicate {d['data_parallel_replicate']} x data_parallel_shard"
+        f" {d['data_parallel_shard']} x "
+        + (f"context_parallel {d['context_parallel']} x " if "context_parallel" in d else "")
+        + f"tensor_parallel {tp}{sp}"
+        + (f"; experts: expert_parallel {d['expert_parallel']} (of the data-shard x context ranks), FSDP over the"
+           " rest; activations at worst-case routing" if "expert_parallel" in d else ""),
+        f"training: {report.precision} (params {_stored(report)}, compute {pd}, reduce {rd}),"
+        f" seq_len {report.seq_len}, micro batch {report.micro_batch_size}"
+        + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")
+        + f", activation checkpointing {ac}, reshard {c['reshard_after_forward']}",
+    ]
+    if worst is not None:
+        stages = sum(len(r["stages"]) for r in report.pipeline)
+        out.append(
+            f"pipeline: {c['pipeline_schedule']}, {stages} stages ({len(worst['stages'])} per rank),"
+            f" {worst['microbatches']} micro-batches of {report.micro_batch_size} sequence(s) per step"
+        )
+    return out
+
+
+def _memory_rows(report: PlanReport) -> list[tuple[str, str, str]]:
+    """The per-device table's rows: label, elements and GiB of each part of the estimate."""
+    stored = _stored(report)
     pd, rd = report.param_dtype, report.reduce_dtype
     parts = report.activation_parts
     pipeline = report.pipeline
     keeps_fewer = bool(report.parallel_config.get("reduce_every_micro_batch"))  # units reshard per micro-batch
-    worst = max(pipeline, key=lambda r: r["total_bytes"]) if pipeline else None
     rows: list[tuple[str, str, str]] = [
         (f"parameters ({stored}, sharded)", f"{report.params_per_device:,}", _gib(report.param_bytes)),
         (f"gradients ({stored}, sharded)", f"{report.trained_per_device:,}", _gib(report.grad_bytes)),
@@ -169,48 +218,23 @@ def format_report(report: PlanReport) -> str:
             ("  stage outputs kept for backward", "", _gib(parts["stage_outputs"])),
             ("  pipeline receive buffers", "", _gib(parts["pipeline_receive_buffers"])),
         ]
-    rows.append(("buffers (rotary table)", "", _gib(report.buffer_bytes)))
+    return rows + [("buffers (rotary table)", "", _gib(report.buffer_bytes))]
+
+
+def _memory_table(report: PlanReport, worst: Optional[dict[str, Any]]) -> list[str]:
+    """The per-device table (under a pipeline its fullest rank ``worst``'s), against the device memory."""
+    rows = _memory_rows(report)
     width = max(len(r[0]) for r in rows) + 2
     line = "-" * (width + 32)
-    out = [
-        f"lightning-2d plan: {report.model}, {report.total_params / 1e9:.2f} B parameters,"
-        f" on {report.num_nodes} node(s) x {report.devices_per_node} device(s) = {report.world_size} ranks",
-        "layout:   " + (f"pipeline_parallel {d['pipeline_parallel']} x " if pipeline else "")
-        + f"data_parallel_replicate {d['data_parallel_replicate']} x data_parallel_shard"
-        f" {d['data_parallel_shard']} x "
-        + (f"context_parallel {d['context_parallel']} x " if "context_parallel" in d else "")
-        + f"tensor_parallel {tp}{sp}"
-        + (f"; experts: expert_parallel {d['expert_parallel']} (of the data-shard x context ranks), FSDP over the"
-           " rest; activations at worst-case routing" if "expert_parallel" in d else ""),
-        f"training: {report.precision} (params {stored}, compute {pd}, reduce {rd}), seq_len {report.seq_len},"
-        f" micro batch {report.micro_batch_size}"
-        + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")
-        + f", activation checkpointing {ac}, reshard {c['reshard_after_forward']}",
-    ]
-    if worst is not None:
-        stages = sum(len(r["stages"]) for r in pipeline)
-        out.append(
-            f"pipeline: {c['pipeline_schedule']}, {stages} stages ({len(worst['stages'])} per rank),"
-            f" {worst['microbatches']} micro-batches of {report.micro_batch_size} sequence(s) per step"
-        )
     where = f" (pipeline rank {worst['pipeline_rank']}, the fullest)" if worst is not None else ""
-    out += ["", f"{'per device' + where:<{width}}{'elements':>20}{'GiB':>12}", line]
+    out = [f"{'per device' + where:<{width}}{'elements':>20}{'GiB':>12}", line]
     out += [f"{label:<{width}}{count:>20}{size:>12}" for label, count, size in rows]
-    out += [
+    return out + [
         line,
         f"{'estimated peak':<{width}}{'':>20}{_gib(report.total_bytes):>12}",
         f"{'reserve (CUDA context, NCCL, fragmentation)':<{width}}{'':>20}{_gib(report.reserve_bytes):>12}",
         f"{'device memory':<{width}}{'':>20}{_gib(report.device_memory_bytes):>12}",
     ]
-    if worst is not None:
-        out += ["", f"activation peak: {report.activation_phase}", ""] + _pipeline_table(pipeline, worst)
-    out += ["", f"verdict: {report.verdict}"]
-    if report.suggestions:
-        out.append("try (estimates):")
-        out += [f"  {s}" for s in report.suggestions]
-    out += [f"note: {n}" for n in report.notes]
-    out.append(f"(planned in {report.seconds:.1f} s)")
-    return "\n".join(out)
 
 
 def _pipeline_table(pipeline: list[dict[str, Any]], worst: dict[str, Any]) -> list[str]:

@@ -8,8 +8,8 @@ buffers and re-running the activation model, not by planning each one again.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
@@ -41,34 +41,75 @@ def suggestions_for(
     activations are those of the reported rank's stages; the FSDP buffers (the rank's stages gathered
     and their unsharded gradients) also scale with ``1 / pipeline_parallel_size``, and a deeper
     pipeline is tried (the balanced split ``pipeline_split`` makes, its fullest rank's activations).
+
+    Each change alone is tried in turn (``_ONE_CHANGE``); when none of them fits, all the levers together.
     """
-    memory = report.device_memory_bytes
-    states = report.param_bytes + report.grad_bytes + report.optimizer_bytes
-    accumulation = report.accumulation_bytes
-    fixed = report.buffer_bytes + report.reserve_bytes
-    nodes, devices = report.num_nodes, report.devices_per_node
-    ac, option = config.activation_checkpointing, config.selective_ac_option
-    pp, per_rank = dims.pp, config.stages_per_rank
+    variants = _Variants(report, args, dims, config, activations, seq_len, micro_batch_size, pipeline)
+    out = [line for suggest in _ONE_CHANGE for line in suggest(variants)]
+    if not any(line.endswith("(fits)") for line in out):
+        out += _all_levers(variants)
+    return out
 
-    def microbatches_for(size: int) -> int:
-        return config.pipeline_microbatches or size * per_rank
 
-    @functools.lru_cache(maxsize=None)  # fewest_nodes asks for the same activations over and over
-    def activation(ac_mode: str, tp: int, micro: int, pp_size: int, loss_parallel: bool = config.loss_parallel) -> int:
+@dataclass(frozen=True)
+class _Layout:
+    """What a suggestion may change of the reported layout."""
+
+    ac_mode: str
+    tp: int
+    n_nodes: int
+    micro: int
+    replicas: int
+    pp_size: int
+    loss_parallel: bool
+
+
+class _Variants:
+    """The reported layout and its variants' estimated needs (see ``suggestions_for``)."""
+
+    def __init__(self, report: PlanReport, args: PlannedArgs, dims: ParallelDims, config: ParallelConfig,
+                 activations: ActivationModel, seq_len: int, micro_batch_size: int,
+                 pipeline: Optional[tuple[list[int], int, int]]) -> None:
+        self.report, self.args, self.dims, self.config = report, args, dims, config
+        self.activations, self.seq_len, self.micro_batch_size, self.pipeline = (
+            activations, seq_len, micro_batch_size, pipeline)
+        self.memory = report.device_memory_bytes
+        self.states = report.param_bytes + report.grad_bytes + report.optimizer_bytes
+        self.fixed = report.buffer_bytes + report.reserve_bytes
+        self.nodes, self.devices = report.num_nodes, report.devices_per_node
+        self.ac, self.option = config.activation_checkpointing, config.selective_ac_option
+        self.pp, self.per_rank = dims.pp, config.stages_per_rank
+        self.layout = _Layout(ac_mode=self.ac, tp=dims.tp, n_nodes=self.nodes, micro=micro_batch_size,
+                              replicas=dims.dp_replicate, pp_size=self.pp, loss_parallel=config.loss_parallel)
+        self._peaks: dict[tuple[str, int, int, int, bool], int] = {}  # fewest_nodes asks for the same over and over
+
+    def microbatches_for(self, size: int) -> int:
+        """The pipeline micro-batches per step of a ``size``-rank pipeline."""
+        return self.config.pipeline_microbatches or size * self.per_rank
+
+    def activation(self, ac_mode: str, tp: int, micro: int, pp_size: int, loss_parallel: bool) -> int:
+        """A variant's activation peak (under a pipeline its reported rank's, or a deeper one's fullest rank's)."""
+        key = (ac_mode, tp, micro, pp_size, loss_parallel)
+        if key not in self._peaks:
+            self._peaks[key] = self._activation(*key)
+        return self._peaks[key]
+
+    def _activation(self, ac_mode: str, tp: int, micro: int, pp_size: int, loss_parallel: bool) -> int:
+        config, activations = self.config, self.activations
         model = ActivationModel.for_layout(
-            args, tp=tp, sequence_parallel=config.sequence_parallel, seq_len=seq_len, micro_batch_size=micro,
+            self.args, tp=tp, sequence_parallel=config.sequence_parallel, seq_len=self.seq_len, micro_batch_size=micro,
             act_dtype=config.param_dtype, loss_chunk_size=activations.loss_chunk_size, cp=activations.cp,
             loss_parallel=loss_parallel,
         )
-        mode_option = option if ac_mode == ac else "op"
-        if pipeline is None:
+        mode_option = self.option if ac_mode == self.ac else "op"
+        if self.pipeline is None:
             return model.estimate(ac_mode, mode_option).peak
-        split, rank, m = pipeline
+        split, rank, m = self.pipeline
         ranks = [rank]
-        if pp_size != pp:  # another split: its fullest rank
-            assert isinstance(args, ModelArgs)  # only our Llama splits into stages
-            split, ranks = _balanced_split_of(args, pp_size * per_rank), list(range(pp_size))
-            m = microbatches_for(pp_size)
+        if pp_size != self.pp:  # another split: its fullest rank
+            assert isinstance(self.args, ModelArgs)  # only our Llama splits into stages
+            split, ranks = _balanced_split_of(self.args, pp_size * self.per_rank), list(range(pp_size))
+            m = self.microbatches_for(pp_size)
         return max(
             pipeline_activation_estimate(
                 model, split, pp=pp_size, pp_rank=k, schedule=config.pipeline_schedule, microbatches=m,
@@ -77,96 +118,147 @@ def suggestions_for(
             for k in ranks
         )
 
-    def need(ac_mode: str = ac, tp: int = dims.tp, n_nodes: int = nodes, micro: int = micro_batch_size,
-             replicas: int = dims.dp_replicate, pp_size: int = pp, loss_parallel: bool = config.loss_parallel) -> float:
+    def need(self, **changes: Any) -> float:
+        """The estimated need of the reported layout with ``changes`` (``_Layout``'s fields)."""
+        v, report, dims = replace(self.layout, **changes), self.report, self.dims
         # states ∝ (model / pp) / (dp_shard × tp) = model × replicas / world, whatever the pipeline
-        shards_before = nodes * devices // dims.dp_replicate
-        shards_after = n_nodes * devices // replicas
+        shards_before = self.nodes * self.devices // dims.dp_replicate
+        shards_after = v.n_nodes * self.devices // v.replicas
         # Under a pipeline the gathered units and their gradients are a whole stage's: 1 / pp. The
         # reduce-scatter buffer is one unit's (a block's) whatever the pipeline.
-        staged = report.all_gather_bytes + accumulation
-        scaled_buffers = (staged * pp / pp_size + report.reduce_scatter_bytes) * dims.tp / tp
-        activations_needed = activation(ac_mode, tp, micro, pp_size, loss_parallel)
-        return states * shards_before / shards_after + scaled_buffers + activations_needed + fixed
+        staged = report.all_gather_bytes + report.accumulation_bytes
+        scaled_buffers = (staged * self.pp / v.pp_size + report.reduce_scatter_bytes) * dims.tp / v.tp
+        activations_needed = self.activation(v.ac_mode, v.tp, v.micro, v.pp_size, v.loss_parallel)
+        return self.states * shards_before / shards_after + scaled_buffers + activations_needed + self.fixed
 
-    def fits(total: float) -> str:
-        return f"needs ~{total / GIB:.1f} GiB" + (" (fits)" if total <= memory else "")
+    def fits(self, total: float) -> str:
+        """A suggestion's estimate, as it reads."""
+        return f"needs ~{total / GIB:.1f} GiB" + (" (fits)" if total <= self.memory else "")
 
-    def layout_ok(n_nodes: int, tp: int, pp_size: int = pp, replicas: int = dims.dp_replicate) -> bool:
-        world = n_nodes * devices
+    def layout_ok(self, n_nodes: int, tp: int, pp_size: Optional[int] = None, replicas: Optional[int] = None) -> bool:
+        """Whether the world of ``n_nodes`` splits into the sizes (the reported pipeline and replicas by default)."""
+        pp_size = self.pp if pp_size is None else pp_size
+        replicas = self.dims.dp_replicate if replicas is None else replicas
+        world = n_nodes * self.devices
         return world % (tp * pp_size) == 0 and (world // (tp * pp_size)) % replicas == 0
 
-    def fewest_nodes(ac_mode: str, tp: int) -> Optional[int]:
-        for n in range(nodes + 1, 64 * nodes + 1024):
-            if layout_ok(n, tp) and need(ac_mode, tp, n) <= memory:
+    def fewest_nodes(self, ac_mode: str, tp: int) -> Optional[int]:
+        """The fewest nodes, more than now, on which the layout with ``ac_mode`` and ``tp`` fits (``None``: none)."""
+        for n in range(self.nodes + 1, 64 * self.nodes + 1024):
+            if self.layout_ok(n, tp) and self.need(ac_mode=ac_mode, tp=tp, n_nodes=n) <= self.memory:
                 return n
         return None
 
-    out: list[str] = []
-    if accumulation and pipeline is None:
-        out.append(f"--reduce-every-micro-batch (reduce-scatter after each micro-batch): {fits(need() - accumulation)}")
-    elif accumulation:  # under a pipeline it also frees the gathered units between micro-batches
-        # What stays gathered then: about a unit and the next one (the largest unit's, in param_dtype).
-        pd, rd = config.param_dtype.itemsize, config.reduce_dtype.itemsize
-        freed = accumulation + report.all_gather_bytes - 2 * report.reduce_scatter_bytes * pd // (pd + rd)
-        out.append(f"--reduce-every-micro-batch (reshard and reduce-scatter after each pipeline micro-batch): "
-                   f"{fits(need() - freed)}")
-    if not activations.architecture.fused_loss and dims.tp > 1 and not config.loss_parallel:
-        # The logits (and their gradients) of the whole vocabulary on every tensor-parallel rank otherwise.
-        out.append(f"--loss-parallel (the loss on vocabulary-sharded logits): {fits(need(loss_parallel=True))}")
-    if ac != "full":
-        out.append(f"--activation-checkpointing full: {fits(need('full'))}")
-    valid_tps = [
-        d for d in range(dims.tp + 1, devices + 1)
-        if devices % d == 0 and args.n_heads % d == 0 and args.kv_heads % d == 0
-        and not (config.sequence_parallel and seq_len % d) and layout_ok(nodes, d)
-    ]
-    if valid_tps:
-        out.append(f"--tensor-parallel-size {valid_tps[0]}: {fits(need(tp=valid_tps[0]))}")
-    if pipeline is not None and config.pipeline_layers_per_stage is None:
-        # A deeper pipeline: each rank's stages (gathered with their gradients) shrink.
-        def schedule_ok(size: int) -> bool:  # the library's rules for the micro-batch count
-            try:
-                variant = replace(config, pipeline_parallel_size=size)
-            except ParallelConfigError:
-                return False
-            return not variant.microbatch_problems(microbatches_for(size), None)
+    @functools.cached_property
+    def valid_tps(self) -> list[int]:
+        """The tensor-parallel sizes above the reported one that the model and the world allow."""
+        args, devices = self.args, self.devices
+        return [
+            d for d in range(self.dims.tp + 1, devices + 1)
+            if devices % d == 0 and args.n_heads % d == 0 and args.kv_heads % d == 0
+            and not (self.config.sequence_parallel and self.seq_len % d) and self.layout_ok(self.nodes, d)
+        ]
 
-        deeper = range(pp + 1, args.n_layers // per_rank + 1)
-        sizes = [q for q in deeper if layout_ok(nodes, dims.tp, q) and schedule_ok(q)][:8]
-        # The smallest that fits, else the one needing least, if it needs less than now: more stages
-        # also mean more micro-batches in flight on the first ranks, which may outweigh them.
-        needs = {q: need(pp_size=q) for q in sizes}
-        fitting = [q for q in sizes if needs[q] <= memory]
-        best = fitting[0] if fitting else min(sizes, key=needs.__getitem__, default=None)
-        if best is not None and needs[best] < need():
-            dp = nodes * devices // (best * dims.tp)
-            out.append(f"--pipeline-parallel-size {best} (data parallel {dp}): {fits(needs[best])}")
-    if dims.dp_replicate > 1:
-        out.append(
-            f"--data-parallel-replicate-size 1 (shard over all {dims.dp} data-parallel ranks instead of"
-            f" {dims.dp_shard}): {fits(need(replicas=1))}"
-        )
-    if micro_batch_size > 1:
-        out.append(f"--micro-batch-size 1 (accumulate gradients for the same global batch): {fits(need(micro=1))}")
-    more = fewest_nodes(ac, dims.tp)
+
+def _reduce_every_micro_batch(v: _Variants) -> list[str]:
+    accumulation = v.report.accumulation_bytes
+    if not accumulation:
+        return []
+    if v.pipeline is None:
+        return [f"--reduce-every-micro-batch (reduce-scatter after each micro-batch): "
+                f"{v.fits(v.need() - accumulation)}"]
+    # Under a pipeline it also frees the gathered units between micro-batches. What stays gathered then: about a
+    # unit and the next one (the largest unit's, in param_dtype).
+    pd, rd = v.config.param_dtype.itemsize, v.config.reduce_dtype.itemsize
+    freed = accumulation + v.report.all_gather_bytes - 2 * v.report.reduce_scatter_bytes * pd // (pd + rd)
+    return [f"--reduce-every-micro-batch (reshard and reduce-scatter after each pipeline micro-batch): "
+            f"{v.fits(v.need() - freed)}"]
+
+
+def _loss_parallel(v: _Variants) -> list[str]:
+    if v.activations.architecture.fused_loss or v.dims.tp <= 1 or v.config.loss_parallel:
+        return []
+    # The logits (and their gradients) of the whole vocabulary on every tensor-parallel rank otherwise.
+    return [f"--loss-parallel (the loss on vocabulary-sharded logits): {v.fits(v.need(loss_parallel=True))}"]
+
+
+def _full_checkpointing(v: _Variants) -> list[str]:
+    return [] if v.ac == "full" else [f"--activation-checkpointing full: {v.fits(v.need(ac_mode='full'))}"]
+
+
+def _larger_tensor_parallel(v: _Variants) -> list[str]:
+    if not v.valid_tps:
+        return []
+    return [f"--tensor-parallel-size {v.valid_tps[0]}: {v.fits(v.need(tp=v.valid_tps[0]))}"]
+
+
+def _deeper_pipeline(v: _Variants) -> list[str]:
+    """A deeper pipeline: each rank's stages (gathered with their gradients) shrink."""
+    if v.pipeline is None or v.config.pipeline_layers_per_stage is not None:
+        return []
+
+    def schedule_ok(size: int) -> bool:  # the library's rules for the micro-batch count
+        try:
+            variant = replace(v.config, pipeline_parallel_size=size)
+        except ParallelConfigError:
+            return False
+        return not variant.microbatch_problems(v.microbatches_for(size), None)
+
+    deeper = range(v.pp + 1, v.args.n_layers // v.per_rank + 1)
+    sizes = [q for q in deeper if v.layout_ok(v.nodes, v.dims.tp, q) and schedule_ok(q)][:8]
+    # The smallest that fits, else the one needing least, if it needs less than now: more stages
+    # also mean more micro-batches in flight on the first ranks, which may outweigh them.
+    needs = {q: v.need(pp_size=q) for q in sizes}
+    fitting = [q for q in sizes if needs[q] <= v.memory]
+    best = fitting[0] if fitting else min(sizes, key=needs.__getitem__, default=None)
+    if best is None or not needs[best] < v.need():
+        return []
+    dp = v.nodes * v.devices // (best * v.dims.tp)
+    return [f"--pipeline-parallel-size {best} (data parallel {dp}): {v.fits(needs[best])}"]
+
+
+def _no_replicas(v: _Variants) -> list[str]:
+    if v.dims.dp_replicate <= 1:
+        return []
+    return [
+        f"--data-parallel-replicate-size 1 (shard over all {v.dims.dp} data-parallel ranks instead of"
+        f" {v.dims.dp_shard}): {v.fits(v.need(replicas=1))}"
+    ]
+
+
+def _smaller_micro_batches(v: _Variants) -> list[str]:
+    if v.micro_batch_size <= 1:
+        return []
+    return [f"--micro-batch-size 1 (accumulate gradients for the same global batch): {v.fits(v.need(micro=1))}"]
+
+
+def _more_nodes(v: _Variants) -> list[str]:
+    more = v.fewest_nodes(v.ac, v.dims.tp)
+    if more is None:
+        return []
+    return [f"--num-nodes {more} ({more * v.devices} devices): {v.fits(v.need(n_nodes=more))}"]
+
+
+#: The suggestions of one change each, in the order they are printed.
+_ONE_CHANGE = (_reduce_every_micro_batch, _loss_parallel, _full_checkpointing, _larger_tensor_parallel,
+               _deeper_pipeline, _no_replicas, _smaller_micro_batches, _more_nodes)
+
+
+def _all_levers(v: _Variants) -> list[str]:
+    """Nothing alone is enough: all three levers together (full checkpointing, the largest tensor-parallel size,
+    the fewest nodes), or what no number of nodes removes."""
+    tp = v.valid_tps[-1] if v.valid_tps else v.dims.tp
+    flags = ("--activation-checkpointing full " if v.ac != "full" else "") + (
+        f"--tensor-parallel-size {tp} " if tp != v.dims.tp else "")
+    more = v.fewest_nodes("full", tp)
     if more is not None:
-        out.append(f"--num-nodes {more} ({more * devices} devices): {fits(need(n_nodes=more))}")
-    if not any(line.endswith("(fits)") for line in out):
-        # Nothing alone is enough: all three levers together.
-        tp = valid_tps[-1] if valid_tps else dims.tp
-        flags = ("--activation-checkpointing full " if ac != "full" else "") + (
-            f"--tensor-parallel-size {tp} " if tp != dims.tp else "")
-        more = fewest_nodes("full", tp)
-        if more is not None:
-            out.append(f"{flags}--num-nodes {more} ({more * devices} devices): {fits(need('full', tp, more))}")
-        else:
-            rest = need("full", tp, 10**6) - fixed
-            out.append(
-                f"{flags.strip() or 'this layout'}: activations and FSDP buffers alone take ~{rest / GIB:.1f} GiB,"
-                " which no number of nodes removes: shorten --seq-len or lower --micro-batch-size"
-            )
-    return out
+        return [f"{flags}--num-nodes {more} ({more * v.devices} devices): "
+                f"{v.fits(v.need(ac_mode='full', tp=tp, n_nodes=more))}"]
+    rest = v.need(ac_mode="full", tp=tp, n_nodes=10**6) - v.fixed
+    return [
+        f"{flags.strip() or 'this layout'}: activations and FSDP buffers alone take ~{rest / GIB:.1f} GiB,"
+        " which no number of nodes removes: shorten --seq-len or lower --micro-batch-size"
+    ]
 
 
 def _balanced_split_of(args: ModelArgs, stages: int) -> list[int]:
