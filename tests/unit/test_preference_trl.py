@@ -61,6 +61,20 @@ def folders(tmp_path_factory):
     return {"tmp": tmp, "tokenizer": tokenizer, "rows": tmp / "pairs.jsonl", **models}
 
 
+@pytest.fixture
+def trl_alone(monkeypatch):
+    """TRL's trainer as in a plain single process: accelerate starts a process group when it finds a launcher's
+    variables (an earlier test's Trainer leaves ``LOCAL_RANK`` … set), and keeps its state between trainers."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+                 "GROUP_RANK", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
 def trl_first_step(folders, loss_type: str, beta: float, label_smoothing: float):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,7 +112,8 @@ def our_first_step(folders, loss_type: str, beta: float, label_smoothing: float)
 
 
 @pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)])
-def test_dpo_loss_and_metrics_equal_trls_dpo_trainer_at_the_first_step(folders, loss_type, label_smoothing):
+def test_dpo_loss_and_metrics_equal_trls_dpo_trainer_at_the_first_step(folders, trl_alone, loss_type,
+                                                                      label_smoothing):
     want, want_metrics = trl_first_step(folders, loss_type, 0.3, label_smoothing)
     got, metrics = our_first_step(folders, loss_type, 0.3, label_smoothing)
     assert want_metrics["rewards/margins"] != 0.0  # two models: the rewards are not trivially zero
