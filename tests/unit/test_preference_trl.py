@@ -61,61 +61,74 @@ def folders(tmp_path_factory):
     return {"tmp": tmp, "tokenizer": tokenizer, "rows": tmp / "pairs.jsonl", **models}
 
 
-@pytest.fixture
-def trl_alone(monkeypatch):
-    """TRL's trainer as in a plain single process: accelerate starts a process group when it finds a launcher's
-    variables (an earlier test's Trainer leaves ``LOCAL_RANK`` … set), and keeps its state between trainers."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-                 "GROUP_RANK", "ACCELERATE_USE_CPU"):
-        monkeypatch.delenv(name, raising=False)
-    yield
+LOSSES = [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)]
+BETA = 0.3
+
+
+@pytest.fixture(scope="module")
+def trl_steps(folders):
+    """TRL's first-step loss and metrics for each of ``LOSSES``: one trainer (its tokenization and models), its loss
+    settings changed between the losses (``_compute_loss`` reads them each time), run as in a plain single process:
+    accelerate starts a process group when it finds a launcher's variables (an earlier test's Trainer leaves
+    ``LOCAL_RANK`` … set), and keeps its state between trainers."""
     from accelerate.state import AcceleratorState, PartialState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    PartialState._reset_state()
-
-
-def trl_first_step(folders, loss_type: str, beta: float, label_smoothing: float):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(folders["tmp"] / f"trl_{loss_type}"), per_device_train_batch_size=len(ROWS),
-                     beta=beta, loss_type=[loss_type], label_smoothing=label_smoothing, max_length=None,
-                     report_to=[], use_cpu=True, seed=0, dataloader_drop_last=False, bf16=False)
-    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(folders["policy"]),
-                         ref_model=AutoModelForCausalLM.from_pretrained(folders["reference"]), args=args,
-                         train_dataset=Dataset.from_list(ROWS),
-                         processing_class=AutoTokenizer.from_pretrained(folders["tokenizer"]))
-    batch = next(iter(trainer.get_train_dataloader()))
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, batch)
-    return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+                     "GROUP_RANK", "ACCELERATE_USE_CPU"):
+            monkeypatch.delenv(name, raising=False)
+        args = DPOConfig(output_dir=str(folders["tmp"] / "trl"), per_device_train_batch_size=len(ROWS), beta=BETA,
+                         max_length=None, report_to=[], use_cpu=True, seed=0, dataloader_drop_last=False, bf16=False)
+        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(folders["policy"]),
+                             ref_model=AutoModelForCausalLM.from_pretrained(folders["reference"]), args=args,
+                             train_dataset=Dataset.from_list(ROWS),
+                             processing_class=AutoTokenizer.from_pretrained(folders["tokenizer"]))
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.model.train()
+        steps = {}
+        for loss_type, label_smoothing in LOSSES:
+            trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = [loss_type], [1.0], label_smoothing
+            trainer._metrics["train"].clear()
+            loss = trainer.compute_loss(trainer.model, batch)
+            steps[loss_type] = float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    return steps
 
 
-def our_first_step(folders, loss_type: str, beta: float, label_smoothing: float):
+@pytest.fixture(scope="module")
+def our_step(folders):
+    """The module (``init_from`` the trained model, its frozen reference from the other folder) and the data's first
+    batch; ``step(loss)`` is the preference step's loss and metrics under ``loss`` (a ``PreferenceLoss``)."""
     from lightning_2d import PreferenceDataModule
     from lightning_2d.hf import HFCausalLMModule
 
-    module = HFCausalLMModule(init_from=str(folders["policy"]), preference={
-        "loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing,
-        "reference_from": str(folders["reference"])})
+    module = HFCausalLMModule(init_from=str(folders["policy"]),
+                              preference={"beta": BETA, "reference_from": str(folders["reference"])})
     module.configure_model()
     data = PreferenceDataModule(str(folders["rows"]), str(folders["tokenizer"]), seq_len=256, pack=False,
                                 batch_size=len(ROWS), val_fraction=0, shuffle=False,
                                 cache_dir=str(folders["tmp"] / "cache"))
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    loss, mean, pairs, metrics = module._preference_step(module.preference, batch, train=False)
-    assert int(pairs) == len(ROWS)
-    return float(loss), {k: float(v) for k, v in metrics.items()}
+
+    def step(loss):
+        total, _, pairs, metrics = module._preference_step(loss, batch, train=False)
+        assert int(pairs) == len(ROWS)
+        return float(total), {k: float(v) for k, v in metrics.items()}
+    return step
 
 
-@pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)])
-def test_dpo_loss_and_metrics_equal_trls_dpo_trainer_at_the_first_step(folders, trl_alone, loss_type,
+@pytest.mark.parametrize("loss_type,label_smoothing", LOSSES)
+def test_dpo_loss_and_metrics_equal_trls_dpo_trainer_at_the_first_step(trl_steps, our_step, loss_type,
                                                                       label_smoothing):
-    want, want_metrics = trl_first_step(folders, loss_type, 0.3, label_smoothing)
-    got, metrics = our_first_step(folders, loss_type, 0.3, label_smoothing)
+    from lightning_2d import PreferenceLoss
+
+    want, want_metrics = trl_steps[loss_type]
+    got, metrics = our_step(PreferenceLoss(loss_type, beta=BETA, label_smoothing=label_smoothing))
     assert want_metrics["rewards/margins"] != 0.0  # two models: the rewards are not trivially zero
     # Both in fp32 (TRL's default bf16 autocast off), the same tokens and weights; what differs is the order of the
     # sums (TRL's chunked fused head, its attention kernel): measured 1.3e-6 relative on the loss, 1e-6 on a reward
