@@ -145,23 +145,38 @@ def normalize_by_global_tokens(
         ``(loss_to_backward, global_mean_loss, global_tokens)``, as ``next_token_loss``; the mean and the count are
         this batch's.
     """
-    import torch.distributed as dist
-
     local_sum = loss_sum.detach()
     if hasattr(local_sum, "full_tensor"):  # DTensor (replicated) under loss parallelism
         local_sum = local_sum.full_tensor()
-    local = [local_sum.float(), (labels != IGNORE_INDEX).sum().float()]
-    if step_tokens is not None:  # counted over whole sequences: once per context-parallel group
-        local.append(step_tokens.to(local_sum.device).float() * float(_first_context_rank(mesh)))
+    # Each rank's own tokens; the step's count is over whole sequences: once per context-parallel group.
+    step = step_tokens * float(_first_context_rank(mesh)) if step_tokens is not None else None
+    return _normalized(loss_sum, local_sum, (labels != IGNORE_INDEX).sum(), step, mesh, accumulate)
+
+
+def _normalized(
+    loss_sum: torch.Tensor,
+    local_sum: torch.Tensor,
+    local_count: torch.Tensor,
+    step_count: torch.Tensor | None,
+    mesh: "ParallelMeshes | DeviceMesh | None",
+    accumulate: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one all-reduce of the loss normalizations: this rank's ``local_sum`` and ``local_count`` (and the step's
+    count) summed over the data × context ranks; ``loss_sum`` scaled to the global mean (``token_scale``)."""
+    import torch.distributed as dist
+
+    local = [local_sum.float().reshape(()), local_count.float().reshape(())]
+    if step_count is not None:
+        local.append(step_count.to(local_sum.device).float().reshape(()))
     stats = torch.stack(local)
     group = data_context_group(mesh)
     dp_size = 1
     if group is not None:
         dist.all_reduce(stats, group=group)
         dp_size = dist.get_world_size(group)
-    global_sum, global_tokens = stats[0], stats[1]
-    scale = token_scale(global_tokens, dp_size) if step_tokens is None else token_scale(stats[2], dp_size) * accumulate
-    return loss_sum * scale, global_sum / global_tokens.clamp(min=1.0), global_tokens
+    global_sum, global_count = stats[0], stats[1]
+    scale = token_scale(global_count, dp_size) if step_count is None else token_scale(stats[2], dp_size) * accumulate
+    return loss_sum * scale, global_sum / global_count.clamp(min=1.0), global_count
 
 
 def _first_context_rank(mesh: "ParallelMeshes | DeviceMesh | None") -> bool:
@@ -292,21 +307,9 @@ def normalize_by_global_count(
     Returns:
         ``(loss_to_backward, global_mean_loss, global_count)`` for this batch.
     """
-    import torch.distributed as dist
-
-    first = float(_first_context_rank(mesh))
-    local = [loss_sum.detach().float() * first, count.detach().float().reshape(()) * first]
-    if step_count is not None:
-        local.append(step_count.to(loss_sum.device).float().reshape(()) * first)
-    stats = torch.stack(local)
-    group = data_context_group(mesh)
-    dp_size = 1
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-        dp_size = dist.get_world_size(group)
-    global_sum, global_count = stats[0], stats[1]
-    scale = token_scale(global_count, dp_size) if step_count is None else token_scale(stats[2], dp_size) * accumulate
-    return loss_sum * scale, global_sum / global_count.clamp(min=1.0), global_count
+    first = float(_first_context_rank(mesh))  # every context rank holds the units whole: count them once
+    return _normalized(loss_sum, loss_sum.detach() * first, count.detach() * first,
+                       step_count * first if step_count is not None else None, mesh, accumulate)
 
 
 def global_means(values: dict[str, tuple[torch.Tensor, torch.Tensor]],
