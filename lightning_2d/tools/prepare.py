@@ -21,7 +21,8 @@ import inspect
 import re
 import sys
 import time
-from typing import Optional, Union
+from collections.abc import Iterator
+from typing import Any, Optional, Union
 
 import numpy as np
 from docstring_parser import parse
@@ -192,26 +193,32 @@ def _prepare_chat(data: Union[ChatDataModule, PreferenceDataModule], workers: in
     return report
 
 
-def chat_preview(data: ChatDataModule, count: int) -> str:
-    """``count`` rows rendered as the model will see them, the trained text inside ``[[ ]]``, with token counts;
-    then the packing efficiency of the whole data set (encoded in memory, nothing written)."""
-    out, lengths, trained = [], [], 0
-    shown = 0
+def _rows(data: Any) -> Iterator[tuple[str, Any]]:
+    """Every row of ``data``'s files with its place (``file:line``), in order; a row that is not JSON raises."""
     for piece in plan_chat_pieces(data.sources, 1 << 62):
         for row, record, error in read_rows(piece):
             where = row_location(piece, row)
             if error is not None:
                 raise DataError(f"{where} {error}")
-            encoded = data.encoder.encode(to_conversation(record, data.format, data.fields, where), where)
-            if encoded.num_targets == 0:
-                continue
-            lengths.append(min(len(encoded.ids) - 1, data.seq_len))
-            trained += encoded.num_targets
-            if shown < count:
-                shown += 1
-                out.append(f"---- {where}: {len(encoded.ids)} tokens, {encoded.num_targets} trained"
-                           f" (end of turn: {sorted(encoded.end_of_turn) or 'none'})")
-                out.append(_marked(data, encoded.ids, encoded.trained))
+            yield where, record
+
+
+def chat_preview(data: ChatDataModule, count: int) -> str:
+    """``count`` rows rendered as the model will see them, the trained text inside ``[[ ]]``, with token counts;
+    then the packing efficiency of the whole data set (encoded in memory, nothing written)."""
+    out, lengths, trained = [], [], 0
+    shown = 0
+    for where, record in _rows(data):
+        encoded = data.encoder.encode(to_conversation(record, data.format, data.fields, where), where)
+        if encoded.num_targets == 0:
+            continue
+        lengths.append(min(len(encoded.ids) - 1, data.seq_len))
+        trained += encoded.num_targets
+        if shown < count:
+            shown += 1
+            out.append(f"---- {where}: {len(encoded.ids)} tokens, {encoded.num_targets} trained"
+                       f" (end of turn: {sorted(encoded.end_of_turn) or 'none'})")
+            out.append(_marked(data, encoded.ids, encoded.trained))
     windows = pack_windows(np.asarray(lengths, dtype=np.int64), data.seq_len, data.pack)
     total = len(windows) * data.seq_len
     out.append(f"---- {len(lengths):,} conversations, {trained:,} trained tokens: {len(windows):,} sequences of"
@@ -226,32 +233,28 @@ def preference_preview(data: PreferenceDataModule, count: int) -> str:
     (encoded in memory, nothing written)."""
     out, positions, trained, dropped = [], [], 0, 0
     shown = 0
-    for piece in plan_chat_pieces(data.sources, 1 << 62):
-        for row, record, error in read_rows(piece):
-            where = row_location(piece, row)
-            if error is not None:
-                raise DataError(f"{where} {error}")
-            pair = data.pair_encoder.encode(to_pair(record, data.format, data.fields, where), where)
-            if not pair.trained:
-                dropped += 1
-                continue
-            length = len(pair.chosen.ids) + len(pair.rejected.ids) - 2
-            if length > data.seq_len:
-                dropped += 1
-                continue
-            positions.append(length)
-            trained += pair.chosen.num_targets + pair.rejected.num_targets
-            if shown < count:
-                shown += 1
-                cut = ["prompt truncated" if pair.prompt_truncated else "",
-                       f"{pair.completions_truncated} completion(s) truncated" if pair.completions_truncated else ""]
-                p = pair.prompt_tokens
-                out.append(f"---- {where}: prompt {p} tokens; chosen {len(pair.chosen.ids) - p} tokens,"
-                           f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids) - p} tokens,"
-                           f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c))
-                out.append("prompt:   " + _marked(data, pair.chosen.ids[:p], pair.chosen.trained[:p]))
-                out.append("chosen:   " + _marked(data, pair.chosen.ids[p:], pair.chosen.trained[p:]))
-                out.append("rejected: " + _marked(data, pair.rejected.ids[p:], pair.rejected.trained[p:]))
+    for where, record in _rows(data):
+        pair = data.pair_encoder.encode(to_pair(record, data.format, data.fields, where), where)
+        if not pair.trained:
+            dropped += 1
+            continue
+        length = len(pair.chosen.ids) + len(pair.rejected.ids) - 2
+        if length > data.seq_len:
+            dropped += 1
+            continue
+        positions.append(length)
+        trained += pair.chosen.num_targets + pair.rejected.num_targets
+        if shown < count:
+            shown += 1
+            cut = ["prompt truncated" if pair.prompt_truncated else "",
+                   f"{pair.completions_truncated} completion(s) truncated" if pair.completions_truncated else ""]
+            p = pair.prompt_tokens
+            out.append(f"---- {where}: prompt {p} tokens; chosen {len(pair.chosen.ids) - p} tokens,"
+                       f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids) - p} tokens,"
+                       f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c))
+            out.append("prompt:   " + _marked(data, pair.chosen.ids[:p], pair.chosen.trained[:p]))
+            out.append("chosen:   " + _marked(data, pair.chosen.ids[p:], pair.chosen.trained[p:]))
+            out.append("rejected: " + _marked(data, pair.rejected.ids[p:], pair.rejected.trained[p:]))
     windows = pack_windows(np.asarray(positions, dtype=np.int64), data.seq_len, data.pack)
     total = len(windows) * data.seq_len
     out.append(f"---- {len(positions):,} pairs, {trained:,} trained tokens: {len(windows):,} windows of {data.seq_len},"
