@@ -20,9 +20,9 @@ from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_ad
 from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
-from lightning_2d.integration.preference import preference_step
+from lightning_2d.integration.preference import preference_step, reference_key, reference_pass
 from lightning_2d.ops.lora import LoRA, adapters_disabled
-from lightning_2d.ops.preference import PreferenceLoss
+from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
@@ -294,7 +294,10 @@ class CausalLMModule(L.LightningModule):
 
     def reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``token_log_probs`` under the reference model: its frozen copy (``reference="copy"``), else (under LoRA)
-        the model with its adapters switched off."""
+        the model with its adapters switched off; the batch's own values once a pass computed them
+        (``precompute_reference``: each sequence's at its first position)."""
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
         assert self.model is not None
         if self._reference is not None:
             return self.token_log_probs(batch, self._reference.frozen())
@@ -320,6 +323,61 @@ class CausalLMModule(L.LightningModule):
         folder = preference.reference_from or self.hparams.get("init_from")
         reference = FrozenModel("reference", self._own_plan().module, model, lambda: self.base_weights(folder))
         object.__setattr__(self, "_reference", reference)  # kept out of the module's registered children
+
+    #: The key of the reference values the data holds (``precompute_reference``), once set.
+    _reference_precomputed: Optional[str] = None
+
+    def on_fit_start(self) -> None:
+        self._precompute_reference()
+
+    def on_validation_start(self) -> None:
+        self._precompute_reference()  # validate() alone; within fit, done at its start
+
+    def on_test_start(self) -> None:
+        self._precompute_reference()
+
+    def _precompute_reference(self) -> None:
+        """Under ``precompute_reference``: give the data module each sequence's reference log-probability, read from
+        its cache or computed by one pass (``integration.preference.reference_pass``) and saved there, then release
+        the frozen copy: the steps read the values from their batches."""
+        preference = self.preference
+        if preference is None or not preference.precompute_reference or self._reference_precomputed is not None:
+            return
+        trainer = trainer_of(self)
+        data = getattr(trainer, "datamodule", None)
+        if not callable(getattr(data, "reference_loaders", None)):
+            raise PreferenceConfigError(
+                "preference precompute_reference=True writes the reference's log-probabilities into the preference"
+                f" data's cache, but this run's data is {type(data).__name__ if data is not None else 'not a data'}"
+                " module: pass a lightning_2d.PreferenceDataModule (datamodule=...), or leave precompute_reference out"
+            )
+        key, identity = reference_key(self.reference_identity())
+        values = data.load_reference_log_probs(key)
+        if not trainer.strategy.reduce_boolean_decision(values is not None, all=True):  # every rank found them
+            values = reference_pass(self.reference_log_probs, data.reference_loaders(), data.sequence_count,
+                                    self.meshes, self.device)
+            if trainer.local_rank == 0:  # one writer per machine (the cache may be a machine's own disk)
+                data.save_reference_log_probs(key, values, identity)
+            trainer.strategy.barrier("precompute_reference")
+        data.set_reference_log_probs(values)
+        self._reference_precomputed = key
+        object.__setattr__(self, "_reference", None)  # the frozen copy: no longer read
+
+    #: Hyperparameters that do not change a model's log-probabilities (the reference values' key leaves them out).
+    _OPTIMIZATION_HPARAMS = ("learning_rate", "weight_decay", "betas", "eps", "fused", "warmup_steps", "max_steps",
+                             "min_lr_ratio", "preference", "lora_init_from")
+
+    def reference_identity(self) -> dict[str, Any]:
+        """What the reference's log-probabilities depend on (``precompute_reference`` keys its values by a digest):
+        its mode, the model's settings, the weights (``adapter_base``: ``init_from`` or the seed; ``reference_from``)
+        and the precision."""
+        preference = self.preference
+        assert preference is not None
+        trainer = trainer_of(self)
+        model = {key: value for key, value in self.hparams.items() if key not in self._OPTIMIZATION_HPARAMS}
+        return {"mode": preference.reference_mode(adapters=self.lora is not None), "model": model,
+                "precision": str(trainer.precision) if trainer is not None else None,
+                "reference_from": preference.reference_from, **self.adapter_base()}
 
     def base_weights(self, folder: Optional[str]) -> Any:
         """The weights of the model folder ``folder`` (``init_from``'s kind), else ``None`` (the seeded init)."""

@@ -16,13 +16,20 @@ scaled as the token-normalized loss is (``parallel.loss.normalize_by_global_coun
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
+from lightning_2d.checkpoint.integrity import fingerprint
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX
 from lightning_2d.ops.preference import PreferenceLoss, sequence_sums
-from lightning_2d.parallel.loss import global_means, normalize_by_global_count, sum_over_context
+from lightning_2d.parallel.context import context_shard
+from lightning_2d.parallel.loss import data_context_group, global_means, normalize_by_global_count, sum_over_context
 
 #: The metrics a step logs (TRL's names), each a mean over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -90,4 +97,51 @@ def preference_step(
     return loss, mean, global_pairs, metrics
 
 
-__all__ = ["METRICS", "preference_step"]
+def reference_pass(
+    reference_log_probs: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    loaders: Iterable[Iterable[dict[str, torch.Tensor]]],
+    sequences: int,
+    mesh: Any,
+    device: torch.device,
+) -> np.ndarray:
+    """Each cache sequence's log-probability under the reference (``precompute_reference``): one forward without a
+    graph of every window (``PreferenceDataModule.reference_loaders``: each replica its share, in even batches), each
+    sequence summed as a training step sums it, then summed over the data and context ranks (every other rank adds
+    0 to a sequence's value) so that every rank holds all ``sequences`` values.
+
+    Args:
+        reference_log_probs: ``batch → (B, T)`` each position's log-probability under the reference.
+        loaders: This replica's batches (``sequence_numbers``: each position's cache sequence, ``-1`` for none).
+        sequences: How many sequences the cache holds.
+        mesh: The strategy's meshes (``None`` on one device).
+        device: Where the model runs.
+    """
+    values = torch.zeros(sequences, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for loader in loaders:
+            for batch in loader:
+                batch = context_shard({key: value.to(device) for key, value in batch.items()}, mesh)
+                numbers = batch["sequence_numbers"]
+                counted = numbers >= 0
+                values.index_add_(0, numbers[counted], reference_log_probs(batch)[counted].float())
+    group = data_context_group(mesh)
+    if group is not None:
+        dist.all_reduce(values, group=group)
+    return values.cpu().numpy()
+
+
+def reference_key(identity: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(key, identity)``: a digest of what makes the reference's log-probabilities (its weights: a folder, with
+    every file's size and modification time, or a seed; the model's settings; the precision), and the identity with
+    the folders' fingerprints added, as written beside the values."""
+    identity = dict(identity)
+    for name in ("init_from", "reference_from"):
+        folder = identity.get(name)
+        if folder:
+            path = Path(folder).expanduser().resolve()
+            identity[name] = {"path": str(path), "files": [list(item) for item in fingerprint(path)]}
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20], identity
+
+
+__all__ = ["METRICS", "preference_step", "reference_key", "reference_pass"]

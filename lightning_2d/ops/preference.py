@@ -78,6 +78,10 @@ class PreferenceLoss:
             state, not in checkpoints); ``"auto"``: ``adapters_off`` under LoRA, else ``copy``.
         reference_from: A model folder (``init_from``'s kind) the frozen copy is read from instead of the trained
             model's initial weights (``copy`` only).
+        precompute_reference: Before training, one pass of the reference (as ``reference`` says) over every pair of
+            the data writes each sequence's log-probability into the data cache (keyed by the reference's weights
+            and the data: a later run reads it); training then reads them from its batches, and a frozen copy is
+            released: no reference model in memory, no reference forward per step.
     """
 
     loss_type: str = "sigmoid"
@@ -88,6 +92,7 @@ class PreferenceLoss:
     undesirable_weight: float = 1.0
     reference: str = "auto"
     reference_from: Optional[str] = None
+    precompute_reference: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -109,6 +114,9 @@ class PreferenceLoss:
                        " leave it at 0")
         if self.reference not in REFERENCES:
             out.append(f"preference reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        if self.precompute_reference and not self.needs_reference:
+            out.append(f"preference precompute_reference=True, but loss_type={self.loss_type!r} uses no reference"
+                       " model: nothing to precompute; leave precompute_reference out")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
             out.append(f"preference desirable_weight and undesirable_weight must be positive, got"
                        f" {self.desirable_weight!r} and {self.undesirable_weight!r}")

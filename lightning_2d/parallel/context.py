@@ -77,7 +77,8 @@ def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
 
 def shard_sequence(
     batch: dict[str, torch.Tensor], cp: int, rank: int,
-    keys: tuple[str, ...] = ("input_ids", "labels", "position_ids", "sequence_ids"),
+    keys: tuple[str, ...] = ("input_ids", "labels", "position_ids", "sequence_ids", "sequence_numbers",
+                            "reference_logps"),
 ) -> dict[str, torch.Tensor]:
     """This context rank's slice of a batch of ``(B, T)`` tensors, with ``position_ids`` (the global positions of
     its tokens, unless the batch carries its documents' positions); ``sequence_ids`` (which sequence of a packed

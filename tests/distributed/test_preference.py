@@ -57,6 +57,9 @@ def runs(jobs, pairs) -> dict:
         "cp_tp": jobs.layout_job(1, 2, nprocs=4, context_parallel_size=2, **lora),
         "copy_reference": jobs.reference_job(**common),
         "copy_2x2": jobs.layout_job(2, 2, grad_norms=True, **common),
+        # precompute_reference: the frozen copy's values computed once at data 2 × context 2, then released
+        "precomputed": jobs.layout_job(2, 1, nprocs=4, context_parallel_size=2, grad_norms=True,
+                                       **{**common, "preference": {**DPO, "precompute_reference": True}}),
     }
     specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("preference", list(specs.values()))
@@ -112,3 +115,17 @@ def test_dpo_with_lora_under_context_and_tensor_parallelism_equals_one_device(ru
 def test_dpo_of_the_whole_model_against_a_frozen_copy_equals_one_device(runs):
     """No adapters: the reference is a frozen copy of the initial model, sharded beside it by the same plan."""
     check_against(runs["copy_2x2"], runs["copy_reference"], grad_norms=True, label="2x2 frozen copy")
+    assert runs["copy_2x2"].rank_output(0)["frozen_models"] == 1
+
+
+def test_a_precomputed_reference_trains_as_the_live_copy_and_is_released(runs):
+    """``precompute_reference=True`` at data 2 × context 2: each rank scores its share of the windows (each
+    sequence's halves on two context ranks), the values are summed over the four ranks and saved in the data cache;
+    the copy is released and the steps read the values from their batches: the live copy's training on one device."""
+    keys = set()
+    for rank in range(4):
+        out = runs["precomputed"].rank_output(rank)
+        assert out["frozen_models"] == 0 and out["batches_carry_reference_values"]
+        keys.add(out["reference_values_key"])
+    assert len(keys) == 1 and None not in keys
+    check_against(runs["precomputed"], runs["copy_reference"], grad_norms=True, label="DP 2 x CP 2 precomputed")

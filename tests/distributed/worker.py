@@ -775,6 +775,11 @@ def fit(cfg: dict) -> None:
         result["trained_tokens"] = recorder.trained_tokens
         result["global_tokens"] = recorder.global_tokens
         result["preference_metrics"] = recorder.preference_metrics
+        if cfg.get("preference"):  # what held the reference at the end: values read from the data, or a model
+            result["reference_values_key"] = module._reference_precomputed
+            result["frozen_models"] = len(module.frozen_models())
+            batch = datamodule.train_dataset[0] if datamodule.train_dataset is not None else {}
+            result["batches_carry_reference_values"] = "reference_logps" in batch
     if collectives is not None:
         result["collectives"] = collectives.counts
     if val_loader is not None:

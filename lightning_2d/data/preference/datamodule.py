@@ -14,7 +14,11 @@ padding. Each sample is a dict of ``(seq_len,)`` long tensors and one 0-dim tens
   padding, packed or not;
 - ``sequence_ids``: ``2p`` on pair ``p``'s chosen sequence, ``2p + 1`` on its rejected one (``p``: the pair's index
   in the window, from 0), ``-1`` on padding;
-- ``pairs``: the number of pairs in the window (0-dim; ``(B,)`` in a batch).
+- ``pairs``: the number of pairs in the window (0-dim; ``(B,)`` in a batch);
+- ``sequence_numbers``: each position's sequence as the cache numbers it (pair ``k``'s chosen ``2k``, its
+  rejected ``2k + 1``), ``-1`` on padding: what ``precompute_reference`` keys its values by;
+- ``reference_logps`` (float, once a reference pass set them: ``set_reference_log_probs``): each sequence's reference
+  log-probability at its first position, 0 elsewhere, so that a sequence's sum over its positions is its value.
 
 Training batches also carry ``step_pairs`` (a float 0-dim tensor): this replica's pairs over the optimizer step the
 batch belongs to (every batch it accumulates), from which a loss is the mean over every pair of the step.
@@ -22,13 +26,16 @@ batch belongs to (every batch it accumulates), from which a loss is the mean ove
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_2d.data.base import common_problems
 from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR
@@ -95,15 +102,26 @@ class PreferenceWindows(ChatWindows):
 
     def __init__(self, folder: Path, windows: Windows, pairs: np.ndarray, seq_len: int, pad_id: int) -> None:
         super().__init__(folder, windows, pairs, seq_len, pad_id, position_ids=True)
+        #: Each cache sequence's reference log-probability (``PreferenceDataModule.set_reference_log_probs``).
+        self.reference_logps: Optional[np.ndarray] = None
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         pairs = [int(self.conversations[item]) for item in self.windows.window(index).tolist()]
-        sequences = [self.sequence(2 * pair + side) for pair in pairs for side in (0, 1)]
+        cached = [2 * pair + side for pair in pairs for side in (0, 1)]
+        sequences = [self.sequence(number) for number in cached]
         sample = self.window_of(sequences)
-        numbers = [np.full(len(inputs), number, dtype=np.int64) for number, (inputs, _) in enumerate(sequences)]
-        numbers.append(np.full(self.seq_len - sum(map(len, numbers)), NO_SEQUENCE, dtype=np.int64))
-        sample["sequence_ids"] = torch.from_numpy(np.concatenate(numbers))
+        lengths = [len(inputs) for inputs, _ in sequences]
+        pad = self.seq_len - sum(lengths)
+        runs = lengths + [pad]  # each sequence's positions, then the padding's
+        sample["sequence_ids"] = torch.from_numpy(np.repeat(np.append(np.arange(len(lengths)), NO_SEQUENCE), runs))
         sample["pairs"] = torch.tensor(len(pairs), dtype=torch.long)
+        sample["sequence_numbers"] = torch.from_numpy(np.repeat(np.array(cached + [NO_SEQUENCE], dtype=np.int64),
+                                                                runs))
+        if self.reference_logps is not None:
+            values = np.zeros(self.seq_len, dtype=np.float32)
+            starts = np.cumsum([0] + lengths[:-1])
+            values[starts] = self.reference_logps[cached]
+            sample["reference_logps"] = torch.from_numpy(values)
         return sample
 
 
@@ -259,3 +277,77 @@ class PreferenceDataModule(ChatCacheDataModule):
         assert self.train_dataset is not None, "setup() first"
         return self._loader(self.train_dataset, train=True, targets=self._window_pairs,
                             describe=lambda n: f"packs into {n} window(s) of {self.seq_len}", count_key="step_pairs")
+
+    # ---- a reference model's log-probabilities, computed once (``PreferenceLoss(precompute_reference=True)``) ----
+    @property
+    def sequence_count(self) -> int:
+        """The cache's sequences (two a pair), what ``set_reference_log_probs`` gives a value each."""
+        return len(np.fromfile(self.cache_folder / "offsets.bin", dtype=np.int64)) - 1
+
+    def reference_loaders(self) -> list[DataLoader]:
+        """Every window of the training and held-out splits once over the data-parallel replicas, in even batches
+        (``ReferenceCover``), for the pass that computes the reference's log-probabilities."""
+        assert self.train_dataset is not None, "setup() first"
+        replicas, rank = self._replicas()
+        splits = [self.train_dataset] + ([self.val_dataset] if self.val_dataset is not None else [])
+        return [DataLoader(ReferenceCover(split, replicas, rank, self.batch_size), batch_size=self.batch_size,
+                           num_workers=self.num_workers) for split in splits]
+
+    def reference_file(self, key: str) -> Path:
+        """Where the reference log-probabilities of the reference ``key`` (a digest of its weights) live: in the
+        cache, beside the data they score."""
+        return self.cache_folder / "reference" / f"{key}.npy"
+
+    def load_reference_log_probs(self, key: str) -> Optional[np.ndarray]:
+        """The values a pass saved for reference ``key``, else ``None`` (read as plain numbers: no pickle)."""
+        path = self.reference_file(key)
+        if not path.is_file():
+            return None
+        values = np.load(path, allow_pickle=False)
+        if values.shape != (self.sequence_count,) or values.dtype != np.float32:
+            raise DataError(f"{path} holds {values.dtype} values of shape {values.shape}, not one float32 per"
+                            f" sequence of the cache ({self.sequence_count}); delete it to compute them again")
+        return values
+
+    def save_reference_log_probs(self, key: str, values: np.ndarray, identity: dict[str, Any]) -> Path:
+        """Write ``values`` (one per cache sequence) for reference ``key`` whole or not at all, ``identity`` (what
+        the key digests) beside them as JSON for people."""
+        path = self.reference_file(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npy")
+        np.save(partial, np.asarray(values, dtype=np.float32), allow_pickle=False)
+        path.with_suffix(".json").write_text(json.dumps(identity, indent=1, sort_keys=True, default=str) + "\n")
+        os.replace(partial, path)
+        return path
+
+    def set_reference_log_probs(self, values: np.ndarray) -> None:
+        """Give every window of both splits its sequences' reference log-probabilities (``reference_logps``)."""
+        if values.shape != (self.sequence_count,):
+            raise DataError(f"reference log-probabilities of shape {values.shape} for a cache of"
+                            f" {self.sequence_count} sequences")
+        for split in (self.train_dataset, self.val_dataset):
+            if split is not None:
+                split.reference_logps = np.asarray(values, dtype=np.float32)
+
+
+class ReferenceCover(Dataset):
+    """Every window of ``windows`` once over ``replicas`` data-parallel replicas, each in the same number of
+    ``batch_size`` batches (the reference's forwards hold collectives every rank must join): replica ``rank`` takes
+    windows ``rank, rank + replicas, …``, then padding windows whose ``sequence_numbers`` are all ``-1`` (scored,
+    counted for nothing)."""
+
+    def __init__(self, windows: PreferenceWindows, replicas: int, rank: int, batch_size: int) -> None:
+        per_replica = math.ceil(len(windows) / (replicas * batch_size)) * batch_size
+        self.windows = windows
+        self.indices = [index if index < len(windows) else -1
+                        for index in range(rank, per_replica * replicas, replicas)]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, item: int) -> dict[str, torch.Tensor]:
+        index = self.indices[item]
+        sample = self.windows[max(index, 0)]
+        if index < 0:
+            sample["sequence_numbers"] = torch.full_like(sample["sequence_numbers"], NO_SEQUENCE)
+        return sample
