@@ -20,7 +20,12 @@ from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_ad
 from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
-from lightning_2d.integration.preference import preference_step, reference_key, reference_pass
+from lightning_2d.integration.preference import (
+    pipelined_preference_step,
+    preference_step,
+    reference_key,
+    reference_pass,
+)
 from lightning_2d.ops.lora import LoRA, adapters_disabled
 from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
@@ -299,6 +304,10 @@ class CausalLMModule(L.LightningModule):
         if "reference_logps" in batch:
             return batch["reference_logps"]
         assert self.model is not None
+        pipeline = self.pipeline
+        if pipeline is not None:  # the stages' forwards, adapters off: the values on the last stage's rank only
+            with adapters_disabled(self.model):
+                return pipeline.token_log_probs(batch["input_ids"], batch["labels"], **document_positions_of(batch))
         if self._reference is not None:
             return self.token_log_probs(batch, self._reference.frozen())
         with adapters_disabled(self.model):
@@ -354,8 +363,9 @@ class CausalLMModule(L.LightningModule):
         key, identity = reference_key(self.reference_identity())
         values = data.load_reference_log_probs(key)
         if not trainer.strategy.reduce_boolean_decision(values is not None, all=True):  # every rank found them
+            pipeline = self.pipeline
             values = reference_pass(self.reference_log_probs, data.reference_loaders(), data.sequence_count,
-                                    self.meshes, self.device)
+                                    self.meshes, self.device, pipeline.pp_group if pipeline is not None else None)
             if trainer.local_rank == 0:  # one writer per machine (the cache may be a machine's own disk)
                 data.save_reference_log_probs(key, values, identity)
             trainer.strategy.barrier("precompute_reference")
@@ -388,6 +398,10 @@ class CausalLMModule(L.LightningModule):
         trainer = trainer_of(self)
         step = {"step_pairs": batch["step_pairs"], "accumulate": int(trainer.accumulate_grad_batches)
                 if trainer is not None else 1} if train and "step_pairs" in batch else {}
+        pipeline = self.pipeline
+        if pipeline is not None:  # the pairs' losses in the last stage, per micro-batch
+            return pipelined_preference_step(pipeline, preference, batch, self.reference_log_probs, self.meshes,
+                                             train=train, **step)
         return preference_step(preference, batch, self.token_log_probs,
                                self.reference_log_probs if preference.needs_reference else None, self.meshes, **step)
 
@@ -404,25 +418,23 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         batch = context_shard(batch, self.meshes)  # under context parallelism: this rank's part of each sequence
-        pipeline = self.pipeline
-        if pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
+        pipeline, preference = self.pipeline, self.preference
+        global_tokens = None
+        if preference is not None:  # a pair's loss (integration/preference.py; in the last stage under a pipeline)
+            loss, global_mean, _, metrics = self._preference_step(preference, batch, train=True)
+            for name, value in metrics.items():  # TRL's metrics beside it
+                self.log(name, value)
+        elif pipeline is not None:  # forward and backward of every micro-batch, here (see the class docstring)
             scale = 1.0 / self.trainer.accumulate_grad_batches
             loss, global_mean, global_tokens = pipeline.train_step(
                 batch["input_ids"], batch["labels"], grad_scale=scale, **document_positions_of(batch),
                 **self._step_tokens(batch),
             )
         else:
-            preference = self.preference
-            if preference is not None:  # a pair's loss (integration/preference.py), TRL's metrics beside it
-                loss, global_mean, _, metrics = self._preference_step(preference, batch, train=True)
-                for name, value in metrics.items():
-                    self.log(name, value)
-                global_tokens = None
-            else:
-                loss, global_mean, global_tokens = self._loss(batch)
-            router_loss = self._router_loss()
-            if router_loss is not None:  # a mixture of experts' load balancing, from this forward's routing
-                loss = loss + router_loss
+            loss, global_mean, global_tokens = self._loss(batch)
+        router_loss = self._router_loss() if pipeline is None else None
+        if router_loss is not None:  # a mixture of experts' load balancing, from this forward's routing
+            loss = loss + router_loss
         # Already reduced over the data-parallel group: no sync_dist needed.
         self.log("train_loss", global_mean, prog_bar=True)
         if global_tokens is not None:

@@ -29,7 +29,15 @@ from lightning_2d.checkpoint.integrity import fingerprint
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX
 from lightning_2d.ops.preference import PreferenceLoss, sequence_sums
 from lightning_2d.parallel.context import context_shard
-from lightning_2d.parallel.loss import data_context_group, global_means, normalize_by_global_count, sum_over_context
+from lightning_2d.parallel.loss import (
+    count_global_tokens,
+    data_context_group,
+    global_means,
+    normalize_by_global_count,
+    sum_over_context,
+    token_scale,
+    unit_scale,
+)
 
 #: The metrics a step logs (TRL's names), each a mean over the global batch's pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -65,44 +73,143 @@ def preference_step(
     """
     labels, sequence_ids = batch["labels"], batch["sequence_ids"]
     sequences = 2 * batch["pairs"].reshape(-1).to(sequence_ids.device)
-    trained = (labels != IGNORE_INDEX)
-
-    def sums(values: torch.Tensor) -> torch.Tensor:
-        return sum_over_context(sequence_sums(values, sequence_ids, sequences), mesh)
-
-    logps = sums(token_log_probs(batch))
-    tokens = sums(trained.to(logps.dtype))
-    ref: Optional[torch.Tensor] = None
+    ref = None
     if preference.needs_reference:
         assert reference_log_probs is not None, "a reference-based loss needs the reference's log-probabilities"
         with torch.no_grad():
-            ref = sums(reference_log_probs(batch))
-    terms = preference.pair_terms(logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
-                                  ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
+            ref = reference_log_probs(batch)
+    terms, logps, tokens = score_pairs(preference, token_log_probs(batch), labels, sequence_ids, sequences, ref, mesh)
     pairs = torch.tensor(float(terms.losses.numel()), device=logps.device)
     loss, mean, global_pairs = normalize_by_global_count(terms.losses.sum(), pairs, mesh, step_count=step_pairs,
                                                          accumulate=accumulate)
     if preference.loss_type == "orpo":  # ORPO adds the chosen completions' NLL, a mean over their tokens
         nll, nll_mean, _ = normalize_by_global_count(-logps[0::2].sum(), tokens[0::2].sum(), mesh)
         loss, mean = loss + nll, mean + nll_mean
-    chosen, rejected = terms.chosen_rewards, terms.rejected_rewards
-    metrics = global_means({
+    return loss, mean, global_pairs, global_means(metric_sums(terms, pairs), mesh)
+
+
+def score_pairs(
+    preference: PreferenceLoss, token_logps: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor,
+    sequences: torch.Tensor, reference_token_logps: Optional[torch.Tensor], mesh: Any,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``(terms, logps, tokens)``: each packed sequence's log-probability and trained tokens (summed on the ranks
+    that hold its positions and over the context ranks) and the pairs' ``PairTerms`` against the reference's sums."""
+    def sums(values: torch.Tensor) -> torch.Tensor:
+        return sum_over_context(sequence_sums(values, sequence_ids, sequences), mesh)
+
+    logps = sums(token_logps)
+    tokens = sums((labels != IGNORE_INDEX).to(logps.dtype))
+    ref = sums(reference_token_logps.detach().to(logps.dtype)) if reference_token_logps is not None else None
+    terms = preference.pair_terms(logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
+                                  ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
+    return terms, logps, tokens
+
+
+def metric_sums(terms: Any, pairs: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``METRICS`` as ``(sum, count)`` over this rank's pairs (``global_means`` averages them)."""
+    chosen, rejected = terms.chosen_rewards.detach(), terms.rejected_rewards.detach()
+    return {
         "rewards/chosen": (chosen.sum(), pairs),
         "rewards/rejected": (rejected.sum(), pairs),
         "rewards/accuracies": ((chosen > rejected).float().sum(), pairs),
         "rewards/margins": ((chosen - rejected).sum(), pairs),
-        "logps/chosen": (terms.chosen_logps.sum(), pairs),
-        "logps/rejected": (terms.rejected_logps.sum(), pairs),
-    }, mesh)
-    return loss, mean, global_pairs, metrics
+        "logps/chosen": (terms.chosen_logps.detach().sum(), pairs),
+        "logps/rejected": (terms.rejected_logps.detach().sum(), pairs),
+    }
+
+
+class PipelinedPairs:
+    """The loss of a micro-batch of packed pairs on the last pipeline stage (``Pipeline.objective_step``'s
+    objective, called once per micro-batch with each token's log-probability): the schedule splits the batch into
+    micro-batches by windows, so a pair's two sequences are always in one. The ``target`` carries per position the
+    label, the sequence, its window's pair count and the reference's log-probability (``target``); the losses are
+    scaled by factors counted before the schedule runs (``unit_scale``: the step's pairs over every replica), and
+    the sums the metrics need are kept (``totals``).
+    """
+
+    def __init__(self, preference: PreferenceLoss, mesh: Any, pair_scale: torch.Tensor,
+                 nll_scale: Optional[torch.Tensor]) -> None:
+        self.preference, self.mesh, self.pair_scale, self.nll_scale = preference, mesh, pair_scale, nll_scale
+        self._sums: list[torch.Tensor] = []
+
+    @staticmethod
+    def target(batch: dict[str, torch.Tensor], reference_token_logps: Optional[torch.Tensor]) -> torch.Tensor:
+        """``(B, T, 4)`` float64 (exact for the ids and for fp32 values): label, sequence, pairs, reference."""
+        labels = batch["labels"]
+        pairs = batch["pairs"].reshape(-1, 1).to(labels.device).expand_as(labels)
+        reference = reference_token_logps if reference_token_logps is not None else torch.zeros_like(labels)
+        return torch.stack([labels, batch["sequence_ids"], pairs, reference.to(labels.device)], dim=-1).double()
+
+    def __call__(self, token_logps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        labels, sequence_ids = target[..., 0].long(), target[..., 1].long()
+        sequences, reference = 2 * target[:, 0, 2].long(), target[..., 3].float()
+        terms, logps, tokens = score_pairs(self.preference, token_logps, labels, sequence_ids, sequences,
+                                           reference if self.preference.needs_reference else None, self.mesh)
+        loss = terms.losses.sum() * self.pair_scale
+        pairs = torch.tensor(float(terms.losses.numel()), device=logps.device)
+        nll = -logps[0::2].sum()
+        if self.nll_scale is not None:
+            loss = loss + nll * self.nll_scale
+        self._sums.append(torch.stack([terms.losses.detach().sum(), nll.detach(), tokens[0::2].detach().sum(), pairs]
+                                      + [value.detach().reshape(()) for value, _ in metric_sums(terms, pairs).values()]))
+        return loss
+
+    def totals(self, device: torch.device) -> torch.Tensor:
+        """The micro-batches' sums (zeros on a rank without the last stage): loss, NLL, chosen tokens, pairs, then
+        ``METRICS``."""
+        if not self._sums:
+            return torch.zeros(4 + len(METRICS), device=device)
+        return torch.stack(self._sums).sum(0)
+
+
+def pipelined_preference_step(
+    pipeline: Any,
+    preference: PreferenceLoss,
+    batch: dict[str, torch.Tensor],
+    reference_log_probs: Optional[Callable[[dict[str, torch.Tensor]], Optional[torch.Tensor]]],
+    mesh: Any,
+    train: bool,
+    step_pairs: Optional[torch.Tensor] = None,
+    accumulate: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``preference_step`` under pipeline parallelism: the pairs' losses computed by the last stage per micro-batch
+    (``PipelinedPairs``), forward and backward run by the schedule (``train``) or the forwards only. The reference's
+    log-probabilities come first (``reference_log_probs``: the batch's precomputed values, or a forward-only run of
+    the stages with the adapters off, ``Pipeline.token_log_probs``). Returns what ``preference_step`` returns, the
+    loss detached (the gradients are already in the parameters), identical on every rank."""
+    labels = batch["labels"]
+    reference = None
+    if preference.needs_reference:
+        assert reference_log_probs is not None, "a reference-based loss needs the reference's log-probabilities"
+        reference = reference_log_probs(batch)
+    pairs = batch["pairs"].reshape(-1).to(labels.device)
+    pair_scale, global_pairs = unit_scale(pairs.sum(), mesh, step_pairs if train else None,
+                                          accumulate if train else 1)
+    nll_scale = None
+    if preference.loss_type == "orpo":  # the chosen completions' NLL: a mean over their tokens (the batch's)
+        chosen = torch.where((batch["sequence_ids"] % 2 == 0) & (batch["sequence_ids"] >= 0), labels, IGNORE_INDEX)
+        chosen_tokens, dp_size = count_global_tokens(chosen, mesh)
+        nll_scale = token_scale(chosen_tokens, dp_size)
+    objective = PipelinedPairs(preference, mesh, pair_scale, nll_scale)
+    pipeline.objective_step(objective, batch["input_ids"], labels, objective.target(batch, reference), train,
+                            grad_scale=1.0 / accumulate if train else 1.0, position_ids=batch.get("position_ids"))
+    sums = objective.totals(labels.device)
+    names = ("loss", "nll") + METRICS
+    means = global_means({name: (sums[i], sums[3] if name != "nll" else sums[2])
+                          for i, name in zip((0, 1, *range(4, 4 + len(METRICS))), names)}, mesh)
+    values = torch.stack([means[name] for name in names]).contiguous()
+    dist.broadcast(values, src=pipeline.last_stage_rank, group=pipeline.pp_group)
+    mean = values[0] + (values[1] if nll_scale is not None else 0.0)
+    return mean.detach(), mean.detach(), global_pairs, dict(zip(METRICS, values[2:]))
 
 
 def reference_pass(
-    reference_log_probs: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    reference_log_probs: Callable[[dict[str, torch.Tensor]], Optional[torch.Tensor]],
     loaders: Iterable[Iterable[dict[str, torch.Tensor]]],
     sequences: int,
     mesh: Any,
     device: torch.device,
+    pipeline_group: Any = None,
 ) -> np.ndarray:
     """Each cache sequence's log-probability under the reference (``precompute_reference``): one forward without a
     graph of every window (``PreferenceDataModule.reference_loaders``: each replica its share, in even batches), each
@@ -115,6 +222,8 @@ def reference_pass(
         sequences: How many sequences the cache holds.
         mesh: The strategy's meshes (``None`` on one device).
         device: Where the model runs.
+        pipeline_group: Under pipeline parallelism, the pipeline ranks (the last stage's rank scores, the others
+            add 0).
     """
     values = torch.zeros(sequences, dtype=torch.float32, device=device)
     with torch.no_grad():
@@ -123,10 +232,12 @@ def reference_pass(
                 batch = context_shard({key: value.to(device) for key, value in batch.items()}, mesh)
                 numbers = batch["sequence_numbers"]
                 counted = numbers >= 0
-                values.index_add_(0, numbers[counted], reference_log_probs(batch)[counted].float())
-    group = data_context_group(mesh)
-    if group is not None:
-        dist.all_reduce(values, group=group)
+                logps = reference_log_probs(batch)  # None on a pipeline rank without the last stage
+                if logps is not None:
+                    values.index_add_(0, numbers[counted], logps[counted].float())
+    for group in (data_context_group(mesh), pipeline_group):
+        if group is not None:
+            dist.all_reduce(values, group=group)
     return values.cpu().numpy()
 
 
@@ -144,4 +255,5 @@ def reference_key(identity: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return hashlib.sha256(text.encode()).hexdigest()[:20], identity
 
 
-__all__ = ["METRICS", "preference_step", "reference_key", "reference_pass"]
+__all__ = ["METRICS", "PipelinedPairs", "metric_sums", "pipelined_preference_step", "preference_step", "reference_key",
+           "reference_pass", "score_pairs"]

@@ -312,6 +312,30 @@ def normalize_by_global_count(
                        step_count * first if step_count is not None else None, mesh, accumulate)
 
 
+def unit_scale(
+    count: torch.Tensor,
+    mesh: "ParallelMeshes | DeviceMesh | None" = None,
+    step_count: torch.Tensor | None = None,
+    accumulate: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, global_count)``: the factor ``normalize_by_global_count`` multiplies a rank's summed loss by, counted
+    before the loss exists (a pipeline's objective applies it per micro-batch inside the schedule), and the batch's
+    units over every replica. ``count`` and ``step_count`` as there (units held whole by every context rank)."""
+    import torch.distributed as dist
+
+    first = float(_first_context_rank(mesh))
+    stats = torch.stack([count.detach().float().reshape(())] + ([step_count.to(count.device).float().reshape(())]
+                                                               if step_count is not None else [])) * first
+    group = data_context_group(mesh)
+    dp_size = 1
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+        dp_size = dist.get_world_size(group)
+    if step_count is None:
+        return token_scale(stats[0], dp_size), stats[0]
+    return token_scale(stats[1], dp_size) * accumulate, stats[0]
+
+
 def global_means(values: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  mesh: "ParallelMeshes | DeviceMesh | None" = None) -> dict[str, torch.Tensor]:
     """Metrics averaged over the global batch: ``values[name] = (sum, count)`` of this rank's units (held whole by

@@ -311,6 +311,8 @@ class Pipeline:
         self._schedules: dict[tuple, Any] = {}
         self._scale = torch.ones(())
         self._raw_losses: list[torch.Tensor] = []
+        #: ``objective_step``'s loss of a micro-batch, while it runs.
+        self._objective: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         #: Wall time of this rank's forward/backward calls in the last step (``measure=True``): the bubble.
         self.busy_s = 0.0
         #: ``(kind, stage, micro-batch, start, end)`` of each of those calls in the last step (``timed_stage_class``).
@@ -319,7 +321,8 @@ class Pipeline:
 
     @property
     def schedules(self) -> dict[tuple, Any]:
-        """The schedules built so far, by ``(batch size, sequence length, micro-batches, training)``."""
+        """The schedules built so far, by ``(batch size, sequence length, micro-batches, training, per token,
+        outputs)``."""
         return dict(self._schedules)
 
     @property
@@ -343,11 +346,14 @@ class Pipeline:
             raise ParallelConfigError(problems)
         return count
 
-    def _loss_fn(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._objective is not None:  # the last stage gave each token's log-probability: the objective's loss
+            output = self._objective(output, target)
         self._raw_losses.append(output.detach())
         return output * self._scale
 
-    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device, train: bool) -> Any:
+    def _build(self, batch_size: int, seq_len: int, microbatches: int, device: torch.device, train: bool,
+               per_token: bool = False, outputs: bool = False) -> Any:
         from torch.distributed import pipelining
 
         mb = batch_size // microbatches
@@ -357,6 +363,8 @@ class Pipeline:
                              requires_grad=True)
         tokens = torch.empty((mb, seq_len), dtype=torch.long, device="meta")
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+        if per_token:  # the last stage gives each position's log-probability of its label (``per_token=True``)
+            loss = torch.empty((mb, seq_len), dtype=torch.float32, device="meta", requires_grad=train)
         # measure: each stage adds the wall time of its passes to ``busy_s`` (a subclass, not patched methods).
         stage_class = timed_stage_class() if self.measure else pipelining.PipelineStage
         stages = []
@@ -372,7 +380,8 @@ class Pipeline:
                     group=self.pp_group,
                 )
             )
-        kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        # outputs: the last stage's outputs are what the step is for (a reference's log-probabilities): no loss
+        kwargs = dict(n_microbatches=microbatches, loss_fn=None if outputs else self._loss_fn, scale_grads=False)
         cls = self.schedule_class(train)
         single = SCHEDULES[self.config.pipeline_schedule].stages == "single"
         if self.measure:
@@ -413,9 +422,36 @@ class Pipeline:
             total = self._run(tokens, labels, False, 1.0, position_ids)
         return normalize_by_global_tokens(total, labels, self.meshes)
 
+    def token_log_probs(self, tokens: torch.Tensor, labels: torch.Tensor,
+                        position_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The forwards only, the last stage giving each position's log-probability of its label (``(B, T)``, 0 where
+        ignored: a preference loss's reference), on the rank holding the last stage; ``None`` on the others."""
+        with torch.no_grad():
+            return self._run(tokens, labels, False, 1.0, position_ids, per_token=True)
+
+    def objective_step(
+        self, objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor,
+        labels: torch.Tensor, target: torch.Tensor, train: bool, grad_scale: float = 1.0,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> None:
+        """A step whose last stage gives each token's log-probability of its label and whose loss is
+        ``objective(token_log_probs, target)`` per micro-batch (``target``: ``(B, …)``, split into micro-batches as
+        the tokens are; the objective normalizes its loss and keeps what it reports). ``train``: forward and backward
+        of every micro-batch, the gradients of ``grad_scale`` × the losses added to the parameters', as
+        ``train_step``; else the forwards only."""
+        self._objective = objective
+        try:
+            with nullcontext() if train else torch.no_grad():
+                self._run(tokens, labels, train, grad_scale, position_ids, per_token=True, target=target)
+        finally:
+            self._objective = None
+
     def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, grad_scale: float,
-             position_ids: Optional[torch.Tensor], step: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
-        """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank."""
+             position_ids: Optional[torch.Tensor], step: Optional[tuple[torch.Tensor, int]] = None,
+             per_token: bool = False, target: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank; with
+        ``per_token`` and no objective, each token's log-probability on the last stage's rank (``None`` elsewhere);
+        with an objective, ``None``."""
         import torch.distributed as dist
 
         if self.check_inputs is not None:
@@ -425,7 +461,9 @@ class Pipeline:
         # Checked on every rank before any collective (the first stage's own check would leave the
         # other stages waiting for its activations).
         check_sequence_length(seq_len, self.sequence_shards)
-        if step is None:
+        if per_token:  # an objective normalizes its own loss (none without one: a forward for the outputs)
+            self._scale = torch.tensor(float(grad_scale))
+        elif step is None:
             global_tokens, dp_size = count_global_tokens(labels, self.meshes)
             self._scale = token_scale(global_tokens, dp_size) * grad_scale
         else:  # every token of the optimizer step weighs alike (normalize_by_global_tokens)
@@ -433,9 +471,11 @@ class Pipeline:
             self._scale = token_scale(step_global, dp_size) * step[1] * grad_scale
         # The stages' buffers are sized by the micro-batch shape (static metadata, no shape inference
         # pass): one schedule per shape and mode, e.g. training, validation, a last smaller batch.
-        key = (batch_size, seq_len, microbatches, train)
+        outputs = per_token and self._objective is None
+        key = (batch_size, seq_len, microbatches, train, per_token, outputs)
         if key not in self._schedules:
-            self._schedules[key] = self._build(batch_size, seq_len, microbatches, tokens.device, train)
+            self._schedules[key] = self._build(batch_size, seq_len, microbatches, tokens.device, train, per_token,
+                                               outputs)
         schedule = self._schedules[key]
         for stage in self.stages:
             stage.seq_len = seq_len
@@ -445,13 +485,19 @@ class Pipeline:
         kwargs: dict[str, Any] = {"labels": labels} if self.has_last else {}
         if position_ids is not None:  # step() gives keyword arguments (per micro-batch) to every stage of the rank
             kwargs["position_ids"] = position_ids
-        target = labels if self.has_last else None
+        if per_token:
+            kwargs["per_token"] = True  # not a tensor: every micro-batch's call gets it
+        if not per_token:
+            target = labels
+        target = target if self.has_last else None
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
         # The zero-bubble schedules run a second backward pass (the weights') over the retained graph.
         replay = replayable_backward() if SCHEDULES[self.config.pipeline_schedule].zero_bubble else nullcontext()
         with replay:
-            run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            output = run(*args, target=target, losses=None if outputs else losses, return_outputs=outputs, **kwargs)
+        if per_token:
+            return output if outputs and self.has_last else None
         total = torch.stack(self._raw_losses).sum() if self.has_last else torch.zeros((), device=tokens.device)
         total = total.to(tokens.device, torch.float32).contiguous()
         dist.broadcast(total, src=self.last_stage_rank, group=self.pp_group)

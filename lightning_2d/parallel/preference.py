@@ -3,8 +3,8 @@ any process group by registered checks (``parallel/checks.py``; ``parallel/dims.
 register before the layout's).
 
 The pair's two sequences are summed on the ranks that hold their tokens (``parallel.loss.sum_over_context``), so
-data, tensor, sequence and context parallelism need nothing more; the pipeline schedules compute a loss per
-micro-batch from its tokens alone, which a pair's loss is not, and are refused until a pair stays in one micro-batch.
+data, tensor, sequence and context parallelism need nothing more; under pipeline parallelism the last stage computes
+each micro-batch's pair losses (``integration.preference.PipelinedPairs``), and what it cannot hold is refused.
 """
 
 from __future__ import annotations
@@ -44,15 +44,26 @@ def preference_reference(preference: PreferenceLoss, owner: str, lora: Optional[
 
 
 @check
-def preference_pipeline(preference: PreferenceLoss, pipeline_parallel_size: int) -> list[str]:
-    """A pair's loss needs both of its sequences: the pipeline schedules' per-micro-batch loss does not see them."""
+def preference_pipeline(preference: PreferenceLoss, pipeline_parallel_size: int,
+                        lora: Optional[LoRA] = None) -> list[str]:
+    """Under pipeline parallelism the last stage computes each micro-batch's pair losses (a pair's two sequences
+    are in one window, so in one micro-batch), and the reference is the stages run with their adapters off or the
+    batch's precomputed values: a frozen copy is not split into stages."""
     if preference is None or pipeline_parallel_size == 1:
         return []
-    return [
-        f"preference tuning (loss_type={preference.loss_type!r}) with pipeline_parallel_size={pipeline_parallel_size}:"
-        " the pipeline schedules compute each micro-batch's loss from its own tokens, and a pair's loss is not yet"
-        " computed there. Use pipeline_parallel_size=1 (FSDP, tensor and context parallelism shard the model)"
-    ]
+    if not preference.paired:
+        return [
+            f"preference loss_type={preference.loss_type!r} with pipeline_parallel_size={pipeline_parallel_size}: the"
+            " pipeline's last stage computes paired losses only (DPO and its relatives, SimPO, ORPO). Use"
+            " pipeline_parallel_size=1 (FSDP, tensor and context parallelism shard the model)"
+        ]
+    if preference.reference_mode(adapters=lora is not None) == "copy":
+        return [
+            f"preference reference='copy' with pipeline_parallel_size={pipeline_parallel_size}: the frozen copy is not"
+            " split into pipeline stages. Train adapters (lora=...: the reference is the base with them off), use a"
+            " reference-free loss (simpo, orpo), or use pipeline_parallel_size=1"
+        ]
+    return []
 
 
 __all__ = ["preference_pipeline", "preference_reference"]

@@ -57,6 +57,11 @@ def runs(jobs, pairs) -> dict:
         "cp_tp": jobs.layout_job(1, 2, nprocs=4, context_parallel_size=2, **lora),
         "copy_reference": jobs.reference_job(**common),
         "copy_2x2": jobs.layout_job(2, 2, grad_norms=True, **common),
+        # pipeline 2 × data 2: the pairs' losses in the last stage, the reference the stages with adapters off
+        "pp_dp": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B",
+                                 grad_norms=True, **lora),
+        "pp_precomputed": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="GPipe",
+                                          **{**lora, "preference": {**DPO, "precompute_reference": True}}),
         # precompute_reference: the frozen copy's values computed once at data 2 × context 2, then released
         "precomputed": jobs.layout_job(2, 1, nprocs=4, context_parallel_size=2, grad_norms=True,
                                        **{**common, "preference": {**DPO, "precompute_reference": True}}),
@@ -116,6 +121,18 @@ def test_dpo_of_the_whole_model_against_a_frozen_copy_equals_one_device(runs):
     """No adapters: the reference is a frozen copy of the initial model, sharded beside it by the same plan."""
     check_against(runs["copy_2x2"], runs["copy_reference"], grad_norms=True, label="2x2 frozen copy")
     assert runs["copy_2x2"].rank_output(0)["frozen_models"] == 1
+
+
+def test_dpo_under_pipeline_parallelism_equals_one_device(runs):
+    """Pipeline 2 × data 2: each micro-batch's pairs scored in the last stage (a pair's two sequences are in one
+    window, so in one micro-batch), the reference a forward-only run of the stages with the adapters off each step
+    (1F1B), or precomputed once by such runs over every window (GPipe)."""
+    for key, label in (("pp_dp", "PP 2 x DP 2 1F1B"), ("pp_precomputed", "PP 2 x DP 2 precomputed")):
+        out = runs[key].rank_output(0)
+        assert out["mesh_shape"][out["mesh_dims"].index("pipeline_parallel")] == 2
+        check_against(runs[key], runs["reference"], grad_norms=key == "pp_dp", label=label)
+    assert runs["pp_precomputed"].rank_output(0)["batches_carry_reference_values"]
+    assert not runs["pp_dp"].rank_output(0)["batches_carry_reference_values"]
 
 
 def test_a_precomputed_reference_trains_as_the_live_copy_and_is_released(runs):

@@ -407,11 +407,11 @@ if _hf_available():
             "debug", preference={"loss_type": "sigmoid", "reference": "adapters_off"}),
          PreferenceConfigError, r"preference reference='adapters_off' needs adapters to switch off, but"
                                 r" LlamaLightningModule trains the whole model \(no lora=\)\. Use reference='copy'"),
-        ("preference tuning under pipeline parallelism", lambda _: fit_before_spawn(
-            LlamaLightningModule("debug", preference={"loss_type": "simpo"}), TextDataModule(seq_len=32, batch_size=2),
+        ("a frozen reference copy under pipeline parallelism", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug", preference={"loss_type": "sigmoid"}), TextDataModule(seq_len=32, batch_size=2),
             data_parallel_size=2, tensor_parallel_size=1, pipeline_parallel_size=2),
-         ParallelConfigError, r"preference tuning \(loss_type='simpo'\) with pipeline_parallel_size=2.*Use"
-                              r" pipeline_parallel_size=1"),
+         ParallelConfigError, r"preference reference='copy' with pipeline_parallel_size=2: the frozen copy is not split"
+                              r" into pipeline stages\. Train adapters"),
     ]
 
 

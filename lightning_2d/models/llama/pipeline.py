@@ -48,7 +48,8 @@ class PipelineStageModule(nn.Module):
         self.seq_len = 0  # the full sequence length of the running batch (set by the pipeline)
 
     def forward(
-        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T_local, dim)
         if position_ids is None:
@@ -64,7 +65,8 @@ class PipelineStageModule(nn.Module):
         if self.output is None:
             return h
         assert labels is not None, "the last stage computes the loss: it needs the labels"
-        return self.output(self.norm(h), labels=labels)  # 0-dim fp32: the summed cross-entropy
+        # 0-dim fp32: the summed cross-entropy; per_token: (B, T) each token's log-probability of its label
+        return self.output(self.norm(h), labels=labels, per_token=per_token)
 
 
 class LlamaPipelineStages:
