@@ -52,7 +52,8 @@ def metric_names(preference: PreferenceLoss) -> tuple[str, ...]:
 
 def check_batch_units(preference: PreferenceLoss, batch: dict[str, torch.Tensor]) -> None:
     """Refuse a batch of the other kind: pairs for KTO, unpaired examples for a pairwise loss (the registered check
-    ``preference_units`` refuses it before training where the strategy validates; this is the step's own guard)."""
+    ``integration.validation.preference_data_units`` refuses it before launch where a strategy validates; this is the
+    step's own guard, also on one device)."""
     unpaired = "examples" in batch
     if preference.paired and unpaired:
         raise PreferenceConfigError(

@@ -140,8 +140,8 @@ class UnpairedPackingReport(PackingReport):
                      + (f"; {self.dropped:,} example(s) dropped as longer than half the window" if self.dropped
                         else ""))
         if self.alone:
-            lines.append(f"  alone          {self.alone:,} example(s) alone in a window: no KL sequence (raise seq_len"
-                         " or max_length to pack more a window)")
+            lines.append(f"  alone          {self.alone:,} example(s) alone in a window: no KL sequence (raise seq_len,"
+                         " or shorten the examples with max_length, to pack more in a window)")
         lines.append(f"  truncated      {self.prompts_truncated:,} prompt(s), {self.completions_truncated:,}"
                      f" completion(s) of the data set; {self.no_target:,} example(s) dropped without a trained token")
         return lines
