@@ -21,6 +21,7 @@ from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
 from lightning_2d.integration.preference import (
+    kto_step,
     pipelined_preference_step,
     preference_step,
     reference_key,
@@ -124,8 +125,8 @@ class CausalLMModule(L.LightningModule):
 
     @property
     def preference(self) -> Optional[PreferenceLoss]:
-        """The preference loss (``preference=``: DPO and its relatives on ``PreferenceDataModule``'s pairs), else
-        ``None``: next-token training."""
+        """The preference loss (``preference=``: DPO and its relatives on ``PreferenceDataModule``'s pairs, KTO on its
+        unpaired examples), else ``None``: next-token training."""
         return PreferenceLoss.of(self.hparams.get("preference"))
 
     def validation_inputs(self) -> dict[str, Any]:
@@ -396,8 +397,11 @@ class CausalLMModule(L.LightningModule):
     def _preference_step(self, preference: PreferenceLoss, batch: dict[str, torch.Tensor],
                          train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         trainer = trainer_of(self)
-        step = {"step_pairs": batch["step_pairs"], "accumulate": int(trainer.accumulate_grad_batches)
-                if trainer is not None else 1} if train and "step_pairs" in batch else {}
+        count = "step_pairs" if preference.paired else "step_examples"  # the step's units, what the loss averages
+        step = {count: batch[count], "accumulate": int(trainer.accumulate_grad_batches)
+                if trainer is not None else 1} if train and count in batch else {}
+        if not preference.paired:  # KTO: unpaired examples and their KL sequences
+            return kto_step(preference, batch, self.token_log_probs, self.reference_log_probs, self.meshes, **step)
         pipeline = self.pipeline
         if pipeline is not None:  # the pairs' losses in the last stage, per micro-batch
             return pipelined_preference_step(pipeline, preference, batch, self.reference_log_probs, self.meshes,
@@ -570,8 +574,9 @@ class LlamaLightningModule(CausalLMModule):
         lora_init_from: A peft LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) whose adapters
             start the training instead of peft's init; needs ``lora`` with its settings and ``init_from`` (its base).
         preference: Preference tuning (``lightning_2d.PreferenceLoss`` or a dict of its fields: DPO, IPO, hinge,
-            robust, SimPO, ORPO) on ``PreferenceDataModule``'s pairs instead of next-token training; the
-            reference of a DPO-family loss is, under ``lora``, the base with its adapters off.
+            robust, SimPO, ORPO on ``PreferenceDataModule``'s pairs, KTO on its unpaired examples) instead of
+            next-token training; the reference of a DPO-family loss or KTO is, under ``lora``, the base with its
+            adapters off.
     """
 
     supports_document_mask = True

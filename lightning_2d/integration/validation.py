@@ -15,7 +15,7 @@ before a process group exists for what it checks:
 
 ``model_context`` derives the model-dependent part from a LightningModule and a datamodule, the same way
 in the launching process and in each rank: the plan, the batch's shape, and the check inputs the module gives of
-itself (``models.registry.validation_inputs_of``). The one check of the datamodule against the module is registered
+itself (``models.registry.validation_inputs_of``). The checks of the datamodule against the module are registered
 here.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_2d.models.registry import validation_inputs_of, resolve_plan
+from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
 from lightning_2d.parallel.checks import check
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
 
@@ -34,7 +35,7 @@ def model_context(
     """``plan``, ``seq_len`` and ``batch_size`` for ``validate`` from a LightningModule and a datamodule
     (either may be ``None``), with the other check inputs they know (``parallel.checks.INPUTS``): what the module says
     of itself (``models.registry.validation_inputs_of``: ``owner``, ``lora`` …) and the datamodule's
-    ``document_mask``.
+    ``document_mask`` and ``preference_units``.
 
     ``before_launch``: a plan that cannot be resolved before the model is built (it reads the model) is left
     to the check in each process; a ``ParallelConfigError`` is raised in any case.
@@ -50,7 +51,8 @@ def model_context(
                 raise
     else:
         resolved = plan
-    known = {**validation_inputs_of(module), "document_mask": getattr(datamodule, "document_mask", None)}
+    known = {**validation_inputs_of(module), "document_mask": getattr(datamodule, "document_mask", None),
+             "preference_units": getattr(datamodule, "preference_units", None)}
     return {
         "plan": resolved,
         "seq_len": _int_or_none(getattr(datamodule, "seq_len", None)),
@@ -70,6 +72,25 @@ def document_mask_support(document_mask: bool, supports_document_mask: bool, own
         " them (its supports_document_mask is False). Use LlamaLightningModule or HFCausalLMModule, or"
         " document_mask=False"
     ]
+
+
+@check(error=PreferenceConfigError)
+def preference_data_units(preference: PreferenceLoss, preference_units: str) -> list[str]:
+    """A pairwise loss needs pairs, KTO unpaired examples (``PreferenceDataModule`` reads either)."""
+    if preference.paired and preference_units == "examples":
+        return [
+            f"preference loss_type={preference.loss_type!r} compares a chosen and a rejected completion of one prompt,"
+            " but the PreferenceDataModule's rows are unpaired examples (prompt, completion, label: TRL's KTO format);"
+            " use loss_type='kto', or rows of pairs (prompt, chosen, rejected)"
+        ]
+    if not preference.paired and preference_units == "pairs":
+        return [
+            "preference loss_type='kto' scores unpaired examples (prompt, completion, label), but the"
+            " PreferenceDataModule's rows are pairs (chosen and rejected); write each completion as its own row"
+            " (lightning_2d.data.preference.unpaired_rows of the pairs; format='unpaired' with paths=None: the"
+            " built-in ones), or use a pairwise loss (sigmoid, ipo, hinge, robust, simpo, orpo)"
+        ]
+    return []
 
 
 def _int_or_none(value: Any) -> Optional[int]:

@@ -117,6 +117,9 @@ class PreferenceLoss:
         if self.precompute_reference and not self.needs_reference:
             out.append(f"preference precompute_reference=True, but loss_type={self.loss_type!r} uses no reference"
                        " model: nothing to precompute; leave precompute_reference out")
+        if self.precompute_reference and self.loss_type in UNPAIRED_LOSSES:
+            out.append(f"preference precompute_reference=True with loss_type={self.loss_type!r}: KTO's KL sequences are"
+                       " built per window, and only pairs' values are precomputed yet; leave precompute_reference out")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
             out.append(f"preference desirable_weight and undesirable_weight must be positive, got"
                        f" {self.desirable_weight!r} and {self.undesirable_weight!r}")

@@ -62,6 +62,8 @@ INPUTS: dict[str, str] = {
     "hf_config": "the Hugging Face config of the HFCausalLMModule trained (the planner's, for a config.json)",
     "preference": "the preference loss (ops.preference.PreferenceLoss) the module trains with (its preference=);"
                   " None: next-token training",
+    "preference_units": "what a PreferenceDataModule's rows are: 'pairs' (chosen and rejected) or 'examples'"
+                        " (unpaired, KTO's); None: unknown, or not preference data",
 }
 #: The options an input is made of, for the options' metadata (a check reading ``tp`` reads ``tensor_parallel_size``).
 INPUT_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -21,6 +21,7 @@ import inspect
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any, Optional, Union
 
@@ -38,7 +39,7 @@ from lightning_2d.data import (
 )
 from lightning_2d.data.chat import ChatCacheReport, pack_windows, to_conversation
 from lightning_2d.data.chat.cache import plan_chat_pieces, read_rows, row_location
-from lightning_2d.data.preference import to_pair
+from lightning_2d.data.preference import EncodedExample, EncodedPair, UnpairedExample, to_example
 from lightning_2d.tools.recipe import RecipeError, add_recipe_options, data_arguments, data_class, fit_config, split_argv
 
 DESCRIPTION = (
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preview", type=int, default=None, metavar="N",
         help="ChatDataModule, PreferenceDataModule: print N rendered samples (a pair: its prompt, chosen and rejected"
-        " completion) with the trained spans marked [[like this]], their token counts and the packing efficiency,"
+        " completion; an unpaired example: its label, prompt and completion) with the trained spans marked [[like this]], their token counts and the packing efficiency,"
         " without writing the cache",
     )
     add_recipe_options(parser, "the data section")
@@ -180,7 +181,7 @@ def _prepare_chat(data: Union[ChatDataModule, PreferenceDataModule], workers: in
         f"{'Built' if report.built else 'Already complete'}: {report.folder}",
         f"  files          {report.files:,}",
         f"  rows           {report.rows:,} ({report.no_target:,} dropped: no token to train on)",
-        *([f"  pairs          {report.counts.get('pairs', 0):,}"] if isinstance(data, PreferenceDataModule) else []),
+        *(_preference_counts(report) if isinstance(data, PreferenceDataModule) else []),
         f"  conversations  {report.conversations:,}, {report.tokens:,} tokens, {report.targets:,} trained",
         f"  end of turn    {', '.join(map(str, report.end_of_turn)) or 'none found'}",
         f"Packing (training split, seq_len {data.seq_len}, {'packed' if data.pack else 'one per sequence'}):",
@@ -191,6 +192,14 @@ def _prepare_chat(data: Union[ChatDataModule, PreferenceDataModule], workers: in
                      f"  seconds        {report.seconds:.2f}")
     print("\n".join(lines), flush=True)
     return report
+
+
+def _preference_counts(report: ChatCacheReport) -> list[str]:
+    """A preference cache's pairs, or its unpaired examples and how many are desirable."""
+    counts = report.counts
+    if counts.get("examples"):
+        return [f"  examples       {counts['examples']:,} ({counts.get('desirable', 0):,} desirable)"]
+    return [f"  pairs          {counts.get('pairs', 0):,}"]
 
 
 def _rows(data: Any) -> Iterator[tuple[str, Any]]:
@@ -229,39 +238,64 @@ def chat_preview(data: ChatDataModule, count: int) -> str:
 
 def preference_preview(data: PreferenceDataModule, count: int) -> str:
     """``count`` pairs as the model will see them: the prompt's tokens, then the chosen and the rejected completion
-    with their trained text inside ``[[ ]]``, with token counts; then the packing efficiency of the whole data set
-    (encoded in memory, nothing written)."""
-    out, positions, trained, dropped = [], [], 0, 0
+    with their trained text inside ``[[ ]]``, with token counts (an unpaired example: its prompt and its completion,
+    with its label); then the packing efficiency of the whole data set (encoded in memory, nothing written; an
+    example takes twice its positions: itself and its KL sequence)."""
+    out, positions, trained, dropped, desirable = [], [], 0, 0, 0
+    units = Counter()
     shown = 0
     for where, record in _rows(data):
-        pair = data.pair_encoder.encode(to_pair(record, data.format, data.fields, where), where)
-        if not pair.trained:
-            dropped += 1
-            continue
-        length = len(pair.chosen.ids) + len(pair.rejected.ids) - 2
-        if length > data.seq_len:
+        unit = to_example(record, data.format, data.fields, where)
+        if isinstance(unit, UnpairedExample):
+            example = data.pair_encoder.encode_example(unit, where)
+            sequences, length = (example.sequence,), 2 * (len(example.sequence.ids) - 1)
+        else:
+            pair = data.pair_encoder.encode(unit, where)
+            sequences, length = (pair.chosen, pair.rejected), len(pair.chosen.ids) + len(pair.rejected.ids) - 2
+        if not all(s.num_targets for s in sequences) or length > data.seq_len:
             dropped += 1
             continue
         positions.append(length)
-        trained += pair.chosen.num_targets + pair.rejected.num_targets
+        trained += sum(s.num_targets for s in sequences)
+        units["examples" if isinstance(unit, UnpairedExample) else "pairs"] += 1
+        desirable += isinstance(unit, UnpairedExample) and unit.desirable
         if shown < count:
             shown += 1
-            cut = ["prompt truncated" if pair.prompt_truncated else "",
-                   f"{pair.completions_truncated} completion(s) truncated" if pair.completions_truncated else ""]
-            p = pair.prompt_tokens
-            out.append(f"---- {where}: prompt {p} tokens; chosen {len(pair.chosen.ids) - p} tokens,"
-                       f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids) - p} tokens,"
-                       f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c))
-            out.append("prompt:   " + _marked(data, pair.chosen.ids[:p], pair.chosen.trained[:p]))
-            out.append("chosen:   " + _marked(data, pair.chosen.ids[p:], pair.chosen.trained[p:]))
-            out.append("rejected: " + _marked(data, pair.rejected.ids[p:], pair.rejected.trained[p:]))
+            out += _preview_example(data, where, example) if isinstance(unit, UnpairedExample) else \
+                _preview_pair(data, where, pair)
     windows = pack_windows(np.asarray(positions, dtype=np.int64), data.seq_len, data.pack)
     total = len(windows) * data.seq_len
-    out.append(f"---- {len(positions):,} pairs, {trained:,} trained tokens: {len(windows):,} windows of {data.seq_len},"
+    what = " and ".join(f"{n:,} {kind}" + (f" ({desirable:,} desirable)" if kind == "examples" else "")
+                        for kind, n in sorted(units.items())) or "0 pairs"
+    out.append(f"---- {what}, {trained:,} trained tokens: {len(windows):,} windows of {data.seq_len},"
                f" {100 * int(np.sum(positions)) / max(total, 1):.1f}% of positions filled"
-               f" ({100 * trained / max(total, 1):.1f}% trained); {dropped:,} pair(s) dropped (no trained token, or"
+               f" ({100 * trained / max(total, 1):.1f}% trained); {dropped:,} dropped (no trained token, or"
                f" longer than seq_len: overflow={data.overflow!r}); nothing written")
     return "\n".join(out)
+
+
+def _preview_pair(data: PreferenceDataModule, where: str, pair: EncodedPair) -> list[str]:
+    """A pair's lines: its token counts, its prompt, chosen and rejected completions (trained text marked)."""
+    cut = ["prompt truncated" if pair.prompt_truncated else "",
+           f"{pair.completions_truncated} completion(s) truncated" if pair.completions_truncated else ""]
+    p = pair.prompt_tokens
+    return [f"---- {where}: prompt {p} tokens; chosen {len(pair.chosen.ids) - p} tokens,"
+            f" {pair.chosen.num_targets} trained; rejected {len(pair.rejected.ids) - p} tokens,"
+            f" {pair.rejected.num_targets} trained" + "".join(f"; {c}" for c in cut if c),
+            "prompt:   " + _marked(data, pair.chosen.ids[:p], pair.chosen.trained[:p]),
+            "chosen:   " + _marked(data, pair.chosen.ids[p:], pair.chosen.trained[p:]),
+            "rejected: " + _marked(data, pair.rejected.ids[p:], pair.rejected.trained[p:])]
+
+
+def _preview_example(data: PreferenceDataModule, where: str, example: EncodedExample) -> list[str]:
+    """An unpaired example's lines: its label and token counts, its prompt and completion (trained text marked)."""
+    cut = ["prompt truncated" if example.prompt_truncated else "",
+           "completion truncated" if example.completion_truncated else ""]
+    p, sequence = example.prompt_tokens, example.sequence
+    return [f"---- {where}: {'desirable' if example.desirable else 'undesirable'}; prompt {p} tokens; completion"
+            f" {len(sequence.ids) - p} tokens, {sequence.num_targets} trained" + "".join(f"; {c}" for c in cut if c),
+            "prompt:     " + _marked(data, sequence.ids[:p], sequence.trained[:p]),
+            "completion: " + _marked(data, sequence.ids[p:], sequence.trained[p:])]
 
 
 def _marked(data: Union[ChatDataModule, PreferenceDataModule], ids: np.ndarray, trained: np.ndarray) -> str:

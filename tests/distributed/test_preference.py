@@ -9,9 +9,13 @@ same global batches:
 - LoRA, the reference the base with its adapters off: 2×2 with sequence parallelism and two accumulated batches per
   step (the loss the mean over the step's pairs), and context parallel 2 × tensor parallel 2 (each pair's sequences
   cut over the context ranks, their log-probabilities summed across them);
-- the whole model, the reference a frozen copy parallelized beside it (FSDP × TP at 2×2).
+- the whole model, the reference a frozen copy parallelized beside it (FSDP × TP at 2×2);
+- KTO on the same pairs unpaired (each answer desirable, each evasive one undesirable), each example packed with its
+  KL sequence, LoRA with its adapters off as the reference, at 2×2 with sequence parallelism: its KL estimate a mean
+  over both replicas' windows.
 
-Each compares the losses, TRL's reward metrics, the gradient norms where recorded and the final weights.
+Each compares the losses, TRL's reward metrics (KTO's with its KL estimate), the gradient norms where recorded and
+the final weights.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ pytestmark = pytest.mark.distributed
 SEQ_LEN, PAIRS = 128, 96
 DPO = {"loss_type": "sigmoid", "beta": 0.1}
 LORA = {"rank": 4, "alpha": 8.0}
+#: KTO's windows: an example (at most 60 tokens) and its KL sequence take up to 118 positions, two examples a window.
+KTO_SEQ_LEN, KTO_PAIRS = 256, 48
+#: The desirable examples weigh more: their completions' rise under other prompts too makes the KL estimate positive
+#: from the second step (the reference point matters), where equal weights leave it clamped at 0 in most steps.
+KTO = {"loss_type": "kto", "beta": 0.1, "desirable_weight": 3.0, "undesirable_weight": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +56,29 @@ def pairs(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(jobs, pairs) -> dict:
+def examples(tmp_path_factory) -> dict:
+    """The unpaired data module's arguments: the built-in pairs unpaired, its cache prepared here once."""
+    from lightning_2d import PreferenceDataModule
+    from lightning_2d.data.preference import stdlib_preference_rows, unpaired_rows
+
+    folder = tmp_path_factory.mktemp("examples")
+    rows = unpaired_rows(stdlib_preference_rows()[:KTO_PAIRS])
+    (folder / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = {"paths": str(folder / "examples.jsonl"), "tokenizer": "byte", "cache_dir": str(folder / "cache"),
+            "format": "unpaired", "max_length": 60}
+    data = PreferenceDataModule(**args, seq_len=KTO_SEQ_LEN, val_fraction=0)
+    data.prepare(num_workers=1)
+    data.setup("fit")
+    assert data.packing.alone <= 2 and data.packing.examples == 2 * KTO_PAIRS  # KL sequences in (almost) every window
+    return args
+
+
+@pytest.fixture(scope="module")
+def runs(jobs, pairs, examples) -> dict:
     common = {"preference_data": pairs, "seq_len": SEQ_LEN, "model_overrides": {"vocab_size": 264, "n_layers": 2},
               "preference": DPO}
     lora = {**common, "lora": LORA}
+    kto = {**lora, "preference_data": examples, "seq_len": KTO_SEQ_LEN, "preference": KTO}
     specs = {
         "reference": jobs.reference_job(**lora),
         "sp_accumulate": jobs.layout_job(2, 2, accumulate=2, grad_norms=True, **lora),
@@ -65,18 +93,22 @@ def runs(jobs, pairs) -> dict:
         # precompute_reference: the frozen copy's values computed once at data 2 × context 2, then released
         "precomputed": jobs.layout_job(2, 1, nprocs=4, context_parallel_size=2, grad_norms=True,
                                        **{**common, "preference": {**DPO, "precompute_reference": True}}),
+        "kto_reference": jobs.reference_job(**kto),
+        "kto_2x2": jobs.layout_job(2, 2, grad_norms=True, **kto),
     }
     specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("preference", list(specs.values()))
     return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
 
 
-def check_against(run, reference, accumulated: bool = False, grad_norms: bool = False, label: str = "") -> None:
+def check_against(run, reference, accumulated: bool = False, grad_norms: bool = False, label: str = "",
+                  margin: bool = True) -> None:
     """``run``'s losses and TRL's metrics (each batch's, when a step is one batch), gradient norms (when recorded) and
-    final weights against ``reference``'s."""
+    final weights against ``reference``'s; ``margin``: the reference's last reward margin is positive."""
     ref = reference.rank_output(0)
     assert len(ref["losses"]) == 6 and len(ref["preference_metrics"]) == 6
-    assert ref["preference_metrics"][-1]["rewards/margins"] > 0  # trained: the chosen gained on the rejected
+    if margin:
+        assert ref["preference_metrics"][-1]["rewards/margins"] > 0  # trained: the chosen gained on the rejected
     for rank in range(4):
         out = run.rank_output(rank)
         errors = {}
@@ -146,3 +178,14 @@ def test_a_precomputed_reference_trains_as_the_live_copy_and_is_released(runs):
         keys.add(out["reference_values_key"])
     assert len(keys) == 1 and None not in keys
     check_against(runs["precomputed"], runs["copy_reference"], grad_norms=True, label="DP 2 x CP 2 precomputed")
+
+
+def test_kto_with_lora_at_2x2_with_sequence_parallelism_equals_one_device(runs):
+    """Unpaired examples with their KL sequences, the estimate a mean over every replica's windows (TRL gathers it
+    across processes): the losses, the KL and reward metrics, gradient norms and weights are one device's."""
+    ref = runs["kto_reference"].rank_output(0)
+    assert set(ref["preference_metrics"][0]) == {"rewards/chosen", "rewards/rejected", "rewards/margins",
+                                                 "logps/chosen", "logps/rejected", "kl"}
+    kl = [m["kl"] for m in ref["preference_metrics"]]
+    assert kl[0] == 0.0 and min(kl[2:]) > 0.01, kl  # trained (the adapters start as the reference), KL above 0
+    check_against(runs["kto_2x2"], runs["kto_reference"], grad_norms=True, label="KTO 2x2 SP", margin=False)

@@ -24,7 +24,7 @@ from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy
 REPO = Path(__file__).resolve().parents[2]
 from lightning_2d.ops.nf4 import dequantize, is_nf4
 from lightning_2d.parallel.grad_norm import total_grad_norm
-from lightning_2d.integration.preference import METRICS as PREFERENCE_METRICS
+from lightning_2d.integration.preference import metric_names as preference_metric_names
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.simple_fsdp import sharded_parameters
 
@@ -227,8 +227,9 @@ class Recorder(L.Callback):
             self.stepped_grad_norms.append(float(
                 total_grad_norm(pl_module.model.parameters(), pipeline_group=pipeline_group_of(trainer.strategy))))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        if "step_pairs" in batch:  # PreferenceDataModule: TRL's metrics, global means over the batch's pairs
-            self.preference_metrics.append({name: float(trainer.callback_metrics[name]) for name in PREFERENCE_METRICS})
+        if "step_pairs" in batch or "step_examples" in batch:  # PreferenceDataModule: TRL's metrics, global means
+            self.preference_metrics.append({name: float(trainer.callback_metrics[name])
+                                            for name in preference_metric_names(pl_module.preference)})
         if "step_tokens" in batch:  # ChatDataModule: the batch's global trained tokens, which its loss averages over
             self.global_tokens.append(float(trainer.callback_metrics["global_tokens"]))
         # Stands for a model's own randomness (dropout): resumes continue the same random stream.

@@ -21,6 +21,7 @@ from lightning_2d import (
     ModelParallel2DStrategy,
     ParallelConfigError,
     ParallelPlan,
+    PreferenceDataModule,
     TextDataModule,
 )
 from lightning_2d.checkpoint.errors import CheckpointError, ExportError
@@ -412,6 +413,19 @@ if _hf_available():
             data_parallel_size=2, tensor_parallel_size=1, pipeline_parallel_size=2),
          ParallelConfigError, r"preference reference='copy' with pipeline_parallel_size=2: the frozen copy is not split"
                               r" into pipeline stages\. Train adapters"),
+        ("KTO on pairs", lambda tmp: fit_before_spawn(
+            LlamaLightningModule("debug", preference={"loss_type": "kto"}, lora={"rank": 4}),
+            PreferenceDataModule(seq_len=64, batch_size=1, cache_dir=str(tmp)), data_parallel_size=2,
+            tensor_parallel_size=2),
+         PreferenceConfigError, r"preference loss_type='kto' scores unpaired examples \(prompt, completion, label\),"
+                                r" but the PreferenceDataModule's rows are pairs.*unpaired_rows"),
+        ("a pairwise preference loss on unpaired examples", lambda tmp: fit_before_spawn(
+            LlamaLightningModule("debug", preference={"loss_type": "sigmoid"}, lora={"rank": 4}),
+            PreferenceDataModule(format="unpaired", seq_len=64, batch_size=1, cache_dir=str(tmp)),
+            data_parallel_size=2, tensor_parallel_size=2),
+         PreferenceConfigError, r"preference loss_type='sigmoid' compares a chosen and a rejected completion of one"
+                                r" prompt, but the PreferenceDataModule's rows are unpaired examples.*use"
+                                r" loss_type='kto'"),
     ]
 
 

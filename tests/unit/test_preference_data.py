@@ -22,8 +22,14 @@ from lightning_2d.data.preference import (
     PreferenceEncoder,
     PreferenceEncodingError,
     PreferenceFormatError,
+    PreferencePair,
+    UnpairedExample,
+    is_unpaired_row,
     stdlib_preference_rows,
+    stdlib_unpaired_rows,
+    to_example,
     to_pair,
+    unpaired_rows,
 )
 from lightning_2d.data.tokenizers import load_tokenizer
 
@@ -99,10 +105,42 @@ def test_fields_rename_and_a_forced_format_reads_only_its_fields():
         PreferenceDataModule(format="messages")
 
 
-def test_an_unpaired_kto_row_is_refused_as_not_yet_read():
-    with pytest.raises(PreferenceFormatError, match=r"d\.jsonl:2 is an unpaired row .*KTO.* not read yet; give each"
-                                                    r" row 'chosen' and 'rejected'"):
-        to_pair({"prompt": "2+2?", "completion": "4", "label": True}, where="d.jsonl:2")
+def test_unpaired_rows_are_examples_with_their_label_and_auto_tells_them_from_pairs():
+    example = to_example({"prompt": "2+2?", "completion": "4", "label": True})
+    assert isinstance(example, UnpairedExample) and example.desirable
+    assert example.prompt == ({"role": "user", "content": "2+2?"},)
+    assert example.completion == ({"role": "assistant", "content": "4"},)
+    conversation = example.conversation()
+    assert conversation.messages == example.prompt + example.completion and conversation.completion_start == 1
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    example = to_example({"prompt": prompt, "completion": [{"role": "assistant", "content": "Lyon."}], "label": 0},
+                         format="unpaired")
+    assert not example.desirable and example.conversation().completion_start == 2
+    renamed = to_example({"q": "Hi", "a": "Hello", "good": False},
+                         fields={"prompt": "q", "completion": "a", "label": "good"})
+    assert isinstance(renamed, UnpairedExample) and not renamed.desirable
+    assert isinstance(to_example({"prompt": "2+2?", "chosen": "4", "rejected": "5"}), PreferencePair)
+    assert is_unpaired_row({"prompt": "a", "completion": "b", "label": True})
+    assert not is_unpaired_row({"prompt": "a", "chosen": "b", "rejected": "c", "completion": "d", "label": True})
+    # TRL's unpairing of a paired data set: the chosen completions desirable, then the rejected ones.
+    assert unpaired_rows(pair_rows(2)) == [
+        {"prompt": "Q0: what is 0 + 0?", "completion": "It is 0.", "label": True},
+        {"prompt": "Q1: what is 1 + 1?", "completion": "It is 2. Sure.", "label": True},
+        {"prompt": "Q0: what is 0 + 0?", "completion": "No idea", "label": False},
+        {"prompt": "Q1: what is 1 + 1?", "completion": "No idea!", "label": False}]
+
+
+def test_an_unpaired_row_read_as_a_pair_and_a_pair_read_as_unpaired_are_refused_naming_the_format():
+    with pytest.raises(PreferenceFormatError, match=r"d\.jsonl:2 is an unpaired row \('prompt', 'completion', 'label':"
+                                                    r" TRL's KTO format\), not a pair of format='explicit'; read it as"
+                                                    r" an unpaired example \(format='unpaired' or 'auto'"):
+        to_pair({"prompt": "2+2?", "completion": "4", "label": True}, format="explicit", where="d.jsonl:2")
+    with pytest.raises(PreferenceFormatError, match=r"d\.jsonl:3 is a pair \('chosen', 'rejected'\), but"
+                                                    r" format='unpaired' reads one 'completion' and its 'label'"):
+        to_example({"prompt": "2+2?", "chosen": "4", "rejected": "5"}, format="unpaired", where="d.jsonl:3")
+    with pytest.raises(PreferenceFormatError, match=r"format must be one of 'auto', 'explicit', 'implicit',"
+                                                    r" 'unpaired'"):
+        PreferenceDataModule(format="kto")
 
 
 def test_every_bad_row_is_named_by_file_and_line_at_once(tmp_path):
@@ -116,7 +154,7 @@ def test_every_bad_row_is_named_by_file_and_line_at_once(tmp_path):
         {"chosen": [user, {"role": "assistant", "content": "A"}, {"role": "user", "content": "x"}],
          "rejected": [user, {"role": "assistant", "content": "A"}, {"role": "user", "content": "y"}]},
         {"chosen": "A", "rejected": "B"},
-        {"prompt": "Hi", "completion": "A", "label": False},
+        {"prompt": "Hi", "completion": "A", "rejected": "B"},
         {"prompt": "Hi", "chosen": [user], "rejected": "B"},
     ]
     data = module(tmp_path, rows)
@@ -129,10 +167,42 @@ def test_every_bad_row_is_named_by_file_and_line_at_once(tmp_path):
     assert f"{path}:3: chosen and rejected are the same conversation" in message
     assert f"{path}:4: chosen and rejected first differ at message 2 (user / user), not at an assistant turn" in message
     assert f"{path}:5: chosen is a string and the row has no 'prompt'" in message
-    assert f"{path}:6 is an unpaired row" in message
+    assert f"{path}:6 has no 'chosen'" in message
     assert f"{path}:7: chosen starts with a user message; a completion starts with the assistant's answer" in message
     assert f"{path}:1" not in message and "give the row an explicit 'prompt'" in message
     assert not list((tmp_path / "cache").glob("*/meta.json"))
+
+
+def test_every_bad_unpaired_row_is_named_by_file_and_line_and_a_mix_of_kinds_is_refused(tmp_path):
+    rows = [
+        {"prompt": "Hi", "completion": "A", "label": True},
+        {"prompt": "Hi", "completion": "A", "label": "yes"},
+        {"prompt": "Hi", "completion": "A"},
+        {"completion": "A", "label": False},
+        {"prompt": "Hi", "completion": [{"role": "user", "content": "A"}], "label": False},
+        {"prompt": "Hi", "chosen": "A", "rejected": "B"},
+        {"prompt": "Hi", "completion": "A", "label": 2},
+    ]
+    data = module(tmp_path, rows, format="unpaired")
+    with pytest.raises(DataError) as caught:
+        data.check_prepared()
+    message = str(caught.value)
+    path = str(tmp_path / "d.jsonl")
+    assert "6 bad row(s) in the preference data (nothing was cached)" in message
+    assert f"{path}:2: label is 'yes'; an unpaired example's label is true (the completion is desirable) or false" \
+        in message
+    assert f"{path}:3 has no field 'label'" in message and f"{path}:4 has no field 'prompt'" in message
+    assert f"{path}:5: completion starts with a user message; a completion starts with the assistant's answer" in message
+    assert f"{path}:6 is a pair ('chosen', 'rejected'), but format='unpaired' reads one 'completion'" in message
+    assert f"{path}:7: label is 2" in message and f"{path}:1" not in message
+    # format="auto" reads each row as what it is; a data set of both kinds is refused before training.
+    mixed = module(tmp_path, [rows[0], pair_rows(1)[0]] * 2)
+    with pytest.raises(DataError, match=r"mixes 2 pair\(s\) \(chosen and rejected\) and 2 unpaired example\(s\)"
+                                        r" \(completion and label\); a data set is one or the other"):
+        mixed.check_prepared()
+    with pytest.raises(DataError, match=r"pack=False puts one unpaired example in each window, and KTO's KL reference"
+                                        r" point pairs each example's prompt with another example's completion"):
+        PreferenceDataModule(format="unpaired", pack=False)
 
 
 # ---- encoding: the shared prompt, truncation -------------------------------------------------------------------
@@ -362,6 +432,124 @@ def test_validation_holds_out_pairs_and_checkpoints_keep_the_stop_ids(tmp_path):
     assert recorded_stop_ids(state) == [258]  # what export writes as generation_config's stop ids
 
 
+# ---- unpaired examples: windows with their KL sequences -----------------------------------------------------------
+def example_rows(n: int) -> list[dict]:
+    """Unpaired examples of different lengths, every prompt once: the even ones desirable (the right answer), the odd
+    ones not."""
+    return [{"prompt": f"Q{i}: what is {i} + {i}?", "label": i % 2 == 0,
+             "completion": f"It is {2 * i}." + " Sure." * (i % 5) if i % 2 == 0 else "No idea" + "!" * (i % 3)}
+            for i in range(n)]
+
+
+def expected_unpaired_window(data, rows, examples: list[int]) -> dict[str, list]:
+    """The window of ``examples`` (row numbers, in the data set's order) written from the rows, encoded anew: each
+    example, then its KL sequence (its prompt and the previous example's completion, the first the last's)."""
+    encoded = [data.pair_encoder.encode_example(to_example(rows[e])) for e in examples]
+    ids, labels, positions, sequences = [], [], [], []
+    for k, example in enumerate(encoded):
+        x, trained, p = example.sequence.ids.tolist(), example.sequence.trained.tolist(), example.prompt_tokens
+        parts = [(x, trained)]
+        if len(encoded) > 1:
+            before = encoded[k - 1]
+            q = before.prompt_tokens
+            parts.append((x[:p] + before.sequence.ids[q:].tolist(), [0] * p + before.sequence.trained[q:].tolist()))
+        for side, (tokens, mask) in enumerate(parts):
+            ids += tokens[:-1]
+            labels += [tokens[t + 1] if mask[t + 1] else IGNORE for t in range(len(tokens) - 1)]
+            positions += list(range(len(tokens) - 1))
+            sequences += [2 * k + side] * (len(tokens) - 1)
+    pad = data.seq_len - len(ids)
+    return {"input_ids": ids + [data.pad_id] * pad, "labels": labels + [IGNORE] * pad,
+            "position_ids": positions + list(range(pad)), "sequence_ids": sequences + [-1] * pad}
+
+
+def test_a_window_of_unpaired_examples_holds_each_with_its_kl_sequence_in_the_data_sets_order(tmp_path):
+    rows = example_rows(4)
+    data = module(tmp_path, rows, seq_len=400)
+    data.setup("fit")
+    assert data.preference_units == "examples" and len(data.train_dataset) == 1 and data.document_mask
+    sample = data.train_dataset[0]
+    expected = expected_unpaired_window(data, rows, [0, 1, 2, 3])  # rows' order, whatever the packing's
+    for key, values in expected.items():
+        assert sample[key].dtype == torch.long and sample[key].shape == (400,)
+        assert sample[key].tolist() == values, key
+    assert sample["examples"].shape == () and sample["examples"].item() == 4
+    assert sample["desirable"].shape == (200,) and sample["desirable"].tolist() == [True, False, True, False] + \
+        [False] * 196
+    # What each sequence scores: an example its completion; its KL sequence the previous example's, after its prompt.
+    seq, labels, inputs = sample["sequence_ids"], sample["labels"], sample["input_ids"]
+    for k in range(4):
+        before = rows[k - 1]["completion"]
+        assert text(labels[(seq == 2 * k) & (labels != IGNORE)]) == rows[k]["completion"] + "<|im_end|>"
+        assert text(labels[(seq == 2 * k + 1) & (labels != IGNORE)]) == before + "<|im_end|>"
+        assert text(inputs[seq == 2 * k + 1]) == (f"<|im_start|>user\n{rows[k]['prompt']}<|im_end|>\n"
+                                                   f"<|im_start|>assistant\n{before}<|im_end|>")
+    report = data.packing
+    assert (report.examples, report.desirable, report.alone) == (4, 2, 0)
+    assert "4 examples (2 desirable, 2 undesirable), 4 KL sequences" in "\n".join(report.lines())
+
+
+def test_a_kl_sequence_is_cut_by_max_length_as_an_example_is(tmp_path):
+    rows = [{"prompt": "P" * 40, "completion": "a", "label": True},
+            {"prompt": "Q", "completion": "B" * 30, "label": False}]
+    for mode, cut in (("keep_start", slice(None, 60)), ("keep_end", slice(-60, None))):
+        data = module(tmp_path, rows, seq_len=400, max_length=60, truncation_mode=mode,
+                      cache_dir=str(tmp_path / mode))
+        data.setup("fit")
+        sample = data.train_dataset[0]
+        seq, inputs = sample["sequence_ids"], sample["input_ids"]
+        first, second = (data.pair_encoder.encode_example(to_example(r)) for r in rows)
+        p, q = first.prompt_tokens, second.prompt_tokens
+        whole = first.sequence.ids[:p].tolist() + second.sequence.ids[q:].tolist()  # the prompt left, 32 tokens
+        mask = [0] * p + second.sequence.trained[q:].tolist()
+        tokens, mask = whole[cut], mask[cut]
+        assert len(whole) > 80 and inputs[seq == 1].tolist() == tokens[:-1], mode
+        assert sample["labels"][seq == 1].tolist() == [t if m else IGNORE for t, m in zip(tokens[1:], mask[1:])]
+
+
+def test_an_example_alone_in_its_window_has_no_kl_sequence_and_is_counted(tmp_path):
+    rows = example_rows(3) + [{"prompt": "long", "completion": "A" * 80, "label": True}]
+    data = module(tmp_path, rows, seq_len=200)
+    data.setup("fit")
+    alone = [w for w in range(len(data.train_dataset)) if data.train_dataset[w]["examples"].item() == 1]
+    assert len(alone) == 1 and data.packing.alone == 1
+    sample = data.train_dataset[alone[0]]
+    assert sample["sequence_ids"].unique().tolist() == [-1, 0] and sample["desirable"][0].item()
+    assert "1 example(s) alone in a window: no KL sequence" in "\n".join(data.packing.lines())
+    data = module(tmp_path, None, seq_len=150, overflow="error")
+    with pytest.raises(DataError, match=r"1 example\(s\) take more than seq_len \(150\) positions with their KL"
+                                        r" sequence \(twice an example's positions.*d\.jsonl:4 \(\d+ positions\)"):
+        data.check_prepared()
+
+
+def test_batches_count_their_examples_and_their_steps_examples(tmp_path):
+    data = module(tmp_path, example_rows(40), seq_len=160, batch_size=2, shuffle=True)
+    data.set_data_parallel(2, 1, accumulate_grad_batches=3)
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    assert len(batches) >= 4
+    counts = []
+    for batch in batches:
+        assert batch["examples"].shape == (2,) and batch["desirable"].shape == (2, 80)
+        in_window = [int((s[s >= 0] // 2).unique().numel()) for s in batch["sequence_ids"]]
+        assert batch["examples"].tolist() == in_window
+        counts.append(sum(in_window))
+        assert "step_pairs" not in batch and batch["step_examples"].dtype == torch.float32
+    for i, batch in enumerate(batches):
+        step = range(i // 3 * 3, min(i // 3 * 3 + 3, len(batches)))
+        assert batch["step_examples"].item() == sum(counts[j] for j in step)
+
+
+def test_the_rows_kind_is_known_before_training_from_the_format_the_first_row_or_the_cache(tmp_path):
+    assert PreferenceDataModule(cache_dir=str(tmp_path)).preference_units == "pairs"
+    assert PreferenceDataModule(format="unpaired", cache_dir=str(tmp_path)).preference_units == "examples"
+    unpaired = module(tmp_path, example_rows(4))
+    assert unpaired.preference_units == "examples" and not list((tmp_path / "cache").glob("*/meta.json"))
+    (tmp_path / "p").mkdir()
+    assert module(tmp_path / "p", pair_rows(4)).preference_units == "pairs"
+    assert module(tmp_path, example_rows(4), format="explicit").preference_units == "pairs"  # as the format says
+
+
 # ---- built-in data and prepare-data --------------------------------------------------------------------------------
 def test_the_built_in_pairs_need_no_download(tmp_path):
     rows = stdlib_preference_rows()
@@ -375,6 +563,14 @@ def test_the_built_in_pairs_need_no_download(tmp_path):
     assert data.packing.pairs > 2500 and data.sources[0].parent == tmp_path
     first = [json.loads(line) for line in data.sources[0].read_text().splitlines()[:3]]
     assert first == rows[:3]
+    # KTO's: the same pairs unpaired, as TRL unpairs them (each answer desirable, then each evasive one not).
+    unpaired = PreferenceDataModule(format="unpaired", cache_dir=str(tmp_path))
+    lines = unpaired.sources[0].read_text().splitlines()
+    assert unpaired.sources[0] != data.sources[0] and len(lines) == 2 * len(rows)
+    assert [json.loads(lines[i]) for i in (0, len(rows))] == [
+        {"prompt": rows[0]["prompt"], "completion": rows[0]["chosen"], "label": True},
+        {"prompt": rows[0]["prompt"], "completion": rows[0]["rejected"], "label": False}]
+    assert stdlib_unpaired_rows() == unpaired_rows(rows)
 
 
 def test_prepare_data_previews_a_pair_and_builds_a_preference_recipe(tmp_path, monkeypatch, capsys):
@@ -397,3 +593,25 @@ def test_prepare_data_previews_a_pair_and_builds_a_preference_recipe(tmp_path, m
     out = capsys.readouterr().out
     assert report.built and report.counts["pairs"] == 12 and report.conversations == 24
     assert "pairs          12" in out and "11 pairs (22 sequences)" in out and "truncated      0 prompt(s)" in out
+
+
+def test_prepare_data_previews_unpaired_examples_with_their_labels(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from lightning_2d.tools.prepare import main as prepare_main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-2d", "prepare-data"])
+    recipe = tmp_path / "kto.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"class_path": "lightning_2d.PreferenceDataModule", "init_args": {
+        "paths": write_rows(tmp_path / "d.jsonl", example_rows(12)), "seq_len": 256,
+        "cache_dir": str(tmp_path / "c")}}}))
+    assert prepare_main(["--config", str(recipe), "--preview", "2"]) is None
+    out = capsys.readouterr().out
+    assert "d.jsonl:1: desirable; prompt 37 tokens; completion 10 tokens, 9 trained" in out
+    assert "d.jsonl:2: undesirable; prompt 37 tokens; completion 10 tokens, 9 trained" in out
+    assert "completion: [[No idea!<|im_end|>]]\n" in out and "d.jsonl:3" not in out
+    assert "---- 12 examples (6 desirable)" in out and "nothing written" in out
+    report = prepare_main(["--config", str(recipe), "--processes", "1"])
+    out = capsys.readouterr().out
+    assert report.counts["examples"] == 12 and report.conversations == 12
+    assert "examples       12 (6 desirable)" in out and "11 examples (5 desirable, 6 undesirable)" in out

@@ -157,3 +157,84 @@ def test_references_that_cannot_be_are_refused_at_construction():
         LlamaLightningModule("debug", preference={"loss": "sigmoid"})
     assert LlamaLightningModule("debug", preference=PreferenceLoss("simpo")).preference.loss_type == "simpo"
     assert LlamaLightningModule("debug", preference={}).frozen_models() == []  # declared when the model is
+
+
+#: Windows of unpaired examples: (prompt length, completion length, desirable).
+EXAMPLE_WINDOWS = [[(4, 4, True), (3, 5, False), (3, 3, True)], [(6, 9, False)]]
+
+
+def _kto_batch(vocab: int):
+    """Packed windows of unpaired examples, each followed by its KL sequence (its prompt, the window's previous
+    example's completion; none in a window of one), and each sequence alone: (ids, prompt tokens, is a KL one)."""
+    g = torch.Generator().manual_seed(7)
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "sequence_ids": []}
+    alone, desirable = [], []
+    for window in EXAMPLE_WINDOWS:
+        parts = [(torch.randint(0, vocab, (p,), generator=g), torch.randint(0, vocab, (c,), generator=g))
+                 for p, c, _ in window]
+        ids, labels, positions, sequences = [], [], [], []
+        for e, (prompt, completion) in enumerate(parts):
+            kinds = [(completion, False)] + ([(parts[e - 1][1], True)] if len(parts) > 1 else [])
+            for side, (answer, kl) in enumerate(kinds):
+                seq = torch.cat([prompt, answer])
+                alone.append((seq, len(prompt), kl))
+                target = seq[1:].clone()
+                target[: len(prompt) - 1] = -100
+                ids.append(seq[:-1]), labels.append(target), positions.append(torch.arange(len(seq) - 1))
+                sequences.append(torch.full((len(seq) - 1,), 2 * e + side))
+        pad = T - sum(map(len, ids))
+        ids.append(torch.zeros(pad, dtype=torch.long)), labels.append(torch.full((pad,), -100))
+        positions.append(torch.arange(pad)), sequences.append(torch.full((pad,), -1))
+        for key, values in zip(rows, (ids, labels, positions, sequences)):
+            rows[key].append(torch.cat(values))
+        desirable.append(torch.tensor([d for *_, d in window] + [False] * (T // 2 - len(window))))
+    batch = {key: torch.stack(value) for key, value in rows.items()}
+    batch["examples"] = torch.tensor([len(w) for w in EXAMPLE_WINDOWS])
+    batch["desirable"] = torch.stack(desirable)
+    return batch, alone
+
+
+def test_kto_on_packed_examples_scores_each_as_alone_and_its_kl_sequences_give_no_gradient():
+    module = _module({"loss_type": "kto", "beta": 0.5, "desirable_weight": 1.5})
+    batch, alone = _kto_batch(module.vocab_size)
+    loss, mean, examples, metrics = module._preference_step(module.preference, batch, train=False)
+    assert float(examples) == 4
+    loss.backward()
+    packed_grads = _adapter_grads(module)
+
+    logps, _ = _alone_log_probs(module, [(s, p) for s, p, _ in alone], reference=False)
+    with torch.no_grad():
+        ref, _ = _alone_log_probs(module, [(s, p) for s, p, _ in alone], reference=True)
+    is_kl = torch.tensor([kl for *_, kl in alone])
+    kl = (logps[is_kl] - ref[is_kl]).mean().detach()  # the window of one example has none
+    assert float(kl) > 0  # the estimate matters: clamped at 0 it would not
+    desirable = torch.tensor([d for window in EXAMPLE_WINDOWS for *_, d in window])
+    losses, rewards = module.preference.kto_terms(logps[~is_kl], ref[~is_kl], desirable, kl)
+    want = losses.mean()
+    want.backward()
+    alone_grads = _adapter_grads(module)
+
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mean, want.detach(), rtol=1e-5, atol=1e-6)
+    # The KL estimate and the rewards are differences of two sums of ~-30 (fused head vs log_softmax): a few ulps.
+    torch.testing.assert_close(metrics["kl"], kl, rtol=0, atol=1e-5)
+    torch.testing.assert_close(metrics["rewards/chosen"], rewards[desirable].mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(metrics["rewards/rejected"], rewards[~desirable].mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(metrics["logps/rejected"], logps[~is_kl][~desirable].mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics["rewards/margins"], rewards[desirable].mean() - rewards[~desirable].mean(),
+                               rtol=0, atol=1e-5)
+    assert set(packed_grads) == set(alone_grads) and all("lora_" in n for n in packed_grads)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_batch_of_the_other_kind_is_refused_by_the_step():
+    module = _module({"loss_type": "kto"})
+    pairs, _ = _batch(module.vocab_size)
+    with pytest.raises(PreferenceConfigError, match=r"loss_type='kto' scores unpaired examples .* but the batch holds"
+                                                    r" pairs"):
+        module._preference_step(module.preference, pairs, train=False)
+    examples, _ = _kto_batch(module.vocab_size)
+    with pytest.raises(PreferenceConfigError, match=r"loss_type='sigmoid' compares a chosen and a rejected completion"
+                                                    r" of one prompt, but the batch holds unpaired examples"):
+        module._preference_step(PreferenceLoss("sigmoid"), examples, train=False)

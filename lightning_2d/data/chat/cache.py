@@ -6,8 +6,9 @@ text and special tokens), the template arguments, the format and the masking rul
 is (``cache_folders``: one process of a machine at a time, partial files synced and renamed, and ``meta.json``,
 written last, marks it complete). It holds every kept conversation's tokens (``tokens.bin``), which of them are trained
 (``trained.bin``, one byte each), where each conversation starts (``offsets.bin``, int64), the row it came
-from (``rows.bin``: file index and row number, for messages) and its trained tokens (``targets.bin``). It does not depend on ``seq_len``: packing
-happens when training starts, in a fraction of a second.
+from (``rows.bin``: file index and row number, for messages), its trained tokens (``targets.bin``) and its label
+(``labels.bin``, a byte: an unpaired preference example's, 1 when desirable; 0 for every other conversation). It does
+not depend on ``seq_len``: packing happens when training starts, in a fraction of a second.
 
 Rows are read in pieces (JSONL by byte ranges ending at a newline, Parquet by row groups, a JSON list or a
 ``datasets`` Arrow file whole) by the same pool as ``TextDataModule``'s corpus (``pieces.tokenized_in_order``):
@@ -47,7 +48,7 @@ CHAT_CACHE_FORMAT = 1
 CHAT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 MAX_PROBLEMS = 20
 #: The files of a chat cache besides ``meta.json``.
-CHAT_FILES = ("tokens.bin", "trained.bin", "offsets.bin", "rows.bin", "targets.bin")
+CHAT_FILES = ("tokens.bin", "trained.bin", "offsets.bin", "rows.bin", "targets.bin", "labels.bin")
 
 __all__ = ["CHAT_FILES", "ChatCacheReport", "ChatPieceEncoder", "PieceResult", "chat_cache_folder",
            "plan_chat_pieces", "prepare_chat_cache", "read_rows", "resolve_chat_sources", "row_location"]
@@ -185,24 +186,26 @@ def row_location(piece: Piece, row: int) -> str:
 
 @dataclass
 class PieceResult:
-    """What a piece's rows gave: the kept conversations (tokens, trained mask, row each), the rows read, the rows
-    dropped without a trained token, the end-of-turn ids, the bad rows' messages, and ``counts`` of whatever else a
-    piece encoder counts (summed into the cache's ``meta.json``)."""
+    """What a piece's rows gave: the kept conversations (tokens, trained mask, row and label each), the rows read, the
+    rows dropped without a trained token, the end-of-turn ids, the bad rows' messages, and ``counts`` of whatever else
+    a piece encoder counts (summed into the cache's ``meta.json``)."""
 
     ids: list[np.ndarray] = field(default_factory=list)
     trained: list[np.ndarray] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
     rows_read: int = 0
     no_target: int = 0
     end_of_turn: set[int] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
 
-    def add(self, encoded: EncodedChat, row: int) -> None:
-        """Keep one conversation (the cache's next)."""
+    def add(self, encoded: EncodedChat, row: int, label: int = 0) -> None:
+        """Keep one conversation (the cache's next), with its ``label`` (``labels.bin``)."""
         self.ids.append(encoded.ids)
         self.trained.append(encoded.trained)
         self.rows.append(row)
+        self.labels.append(label)
         self.end_of_turn |= encoded.end_of_turn
 
 
@@ -368,7 +371,7 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
     counts: Counter = Counter()
     with partial_files(folder, CHAT_FILES) as files, \
             closing(tokenized_in_order(tasks, piece_encoder, num_workers)) as results:
-        f_ids, f_trained, f_offsets, f_rows, f_targets = (files[name] for name in CHAT_FILES)
+        f_ids, f_trained, f_offsets, f_rows, f_targets, f_labels = (files[name] for name in CHAT_FILES)
         np.zeros(1, dtype=np.int64).tofile(f_offsets)
         for task, task_results in zip(tasks, results):
             for piece, result in zip(task, task_results):
@@ -379,7 +382,8 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
                 counts.update(result.counts)
                 if problems:
                     continue  # keep reading: every bad row is reported at once
-                for ids, trained, row in zip(result.ids, result.trained, result.rows):
+                for ids, trained, row, label in zip(result.ids, result.trained, result.rows, result.labels,
+                                                    strict=True):
                     ids.astype(dtype).tofile(f_ids)
                     trained.astype(np.uint8).tofile(f_trained)
                     tokens += len(ids)
@@ -388,6 +392,7 @@ def _build(folder: Path, sources: list[Path], encoder: ChatEncoder, settings: Ma
                     np.asarray([count], dtype=np.int64).tofile(f_targets)
                     np.asarray([tokens], dtype=np.int64).tofile(f_offsets)
                     np.asarray([piece.file, row], dtype=np.int64).tofile(f_rows)
+                    np.asarray([label], dtype=np.uint8).tofile(f_labels)
                     conversations += 1
             done += sum(p.nbytes for p in task)
             if progress is not None:

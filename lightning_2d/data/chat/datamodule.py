@@ -126,8 +126,20 @@ class ChatWindows(Dataset):
         the last, and the next token where it is trained, else ``-100``."""
         tokens, trained, offsets = self._open()
         start, stop = int(offsets[c]), min(int(offsets[c + 1]), int(offsets[c]) + self.seq_len + 1)
-        conv = tokens[start:stop].astype(np.int64)
-        return conv[:-1], np.where(trained[start + 1 : stop] > 0, conv[1:], IGNORE_INDEX).astype(np.int64)
+        return self.as_sequence(tokens[start:stop], trained[start:stop])
+
+    def conversation(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """Conversation ``c`` of the cache whole: its token ids (int64) and which of them are trained."""
+        tokens, trained, offsets = self._open()
+        start, stop = int(offsets[c]), int(offsets[c + 1])
+        return tokens[start:stop].astype(np.int64), np.asarray(trained[start:stop])
+
+    @staticmethod
+    def as_sequence(ids: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens as ``(inputs, labels)``: the tokens but the last, and the next token where it is trained, else
+        ``-100``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return ids[:-1], np.where(np.asarray(trained[1:]) > 0, ids[1:], IGNORE_INDEX).astype(np.int64)
 
     def window_of(self, sequences: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
         """Sequences one after another and padding to ``seq_len``: ``input_ids``, ``labels`` and ``position_ids``

@@ -5,7 +5,9 @@ from their docstrings).
 Each pair's prompt is a question ("What does the function ``textwrap.dedent`` do?"), its chosen completion the
 docstring's answer and its rejected completion an evasive non-answer naming the same object, one of a few fixed
 phrasings: a consistent, dispreferred style a preference loss can learn to rank below the answer. Deterministic,
-written once as JSONL (explicit format, strings) under the cache directory.
+written once as JSONL (explicit format, strings) under the cache directory. The unpaired examples KTO trains on
+(``format="unpaired"``) are the same pairs unpaired as TRL's ``KTOTrainer`` unpairs a paired data set: each chosen
+answer a desirable example, each evasive one an undesirable example (``formats.unpaired_rows``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from pathlib import Path
 
 from lightning_2d.data.chat.builtin import BUILTIN_VERSION, stdlib_conversations, write_atomically
+from lightning_2d.data.preference.formats import unpaired_rows
 
 #: The rejected completions' phrasings (``{name}``: the object asked about), taken in turn.
 EVASIVE = (
@@ -35,11 +38,18 @@ def stdlib_preference_rows() -> list[dict[str, str]]:
     return rows
 
 
-def stdlib_preference_file(cache_dir: Path) -> Path:
-    """The built-in pairs as JSONL under ``cache_dir`` (written once)."""
+def stdlib_unpaired_rows() -> list[dict[str, object]]:
+    """The built-in pairs as unpaired examples (``{"prompt", "completion", "label"}``): every chosen answer
+    (desirable), then every evasive one (undesirable)."""
+    return unpaired_rows(stdlib_preference_rows())
+
+
+def stdlib_preference_file(cache_dir: Path, unpaired: bool = False) -> Path:
+    """The built-in pairs (or, ``unpaired``, their unpaired examples) as JSONL under ``cache_dir`` (written once)."""
     folder = Path(cache_dir).expanduser()
-    path = folder / f"stdlib-preferences-v{BUILTIN_VERSION}.jsonl"
+    path = folder / f"stdlib-{'unpaired' if unpaired else 'preferences'}-v{BUILTIN_VERSION}.jsonl"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, "".join(json.dumps(row) + "\n" for row in stdlib_preference_rows()))
+        rows = stdlib_unpaired_rows() if unpaired else stdlib_preference_rows()
+        write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path

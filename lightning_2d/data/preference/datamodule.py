@@ -1,5 +1,6 @@
 """``PreferenceDataModule``: preference pairs (a prompt, a chosen and a rejected completion) for DPO and its kin,
-rendered with the model's own chat template, packed pair by pair, data-parallel and resumable.
+or unpaired examples (a prompt, a completion and its label) for KTO, rendered with the model's own chat template,
+packed pair by pair (example by example), data-parallel and resumable.
 
 Built on the chat data's machinery: rows → pairs (``formats``), each pair → two ``EncodedChat`` trained on their
 completion (``encode``), the chat cache (conversations ``2k`` and ``2k + 1`` are pair ``k``'s chosen and rejected),
@@ -22,6 +23,24 @@ padding. Each sample is a dict of ``(seq_len,)`` long tensors and one 0-dim tens
 
 Training batches also carry ``step_pairs`` (a float 0-dim tensor): this replica's pairs over the optimizer step the
 batch belongs to (every batch it accumulates), from which a loss is the mean over every pair of the step.
+
+Unpaired examples (TRL's KTO format, ``format="unpaired"``; the cache holds one conversation an example, its label in
+``labels.bin``) fill windows the same way, each example with its **KL sequence**: KTO's reference point is an
+estimate of KL(trained ‖ reference) from mismatched completions, which TRL's ``KTOTrainer`` builds per batch by
+rotating the completions by one, ``(x_i, y_{i-1})``. Here the rotation is over a window's examples, in the data
+set's order: example ``e``'s KL sequence is its (truncated) prompt followed by the completion of the window's previous
+example (the last one's for the first), cut by ``max_length`` as an example is. The window's completions are then the
+KL sequences' completions too, so an example and its KL sequence together take twice the example's positions (what
+packing reserves); a window of one example has no KL sequence (its own completion would not be a mismatched one).
+Samples hold ``input_ids``, ``labels`` (the examples' completions and the KL sequences' completions: scored, and
+trained only through the examples), ``position_ids`` as above, and
+
+- ``sequence_ids``: ``2e`` on example ``e``, ``2e + 1`` on its KL sequence, ``-1`` on padding;
+- ``examples``: the number of examples in the window (0-dim);
+- ``desirable``: ``(seq_len // 2,)`` bool, example ``e``'s label at ``e`` (``False`` past the window's examples: an
+  example and its KL sequence take at least two positions);
+
+and training batches ``step_examples`` (this replica's examples over the optimizer step).
 """
 
 from __future__ import annotations
@@ -38,8 +57,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_2d.data.base import common_problems
-from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR
-from lightning_2d.data.chat.cache import ChatPieceEncoder
+from lightning_2d.data.cache_folders import DEFAULT_CACHE_DIR, read_meta
+from lightning_2d.data.chat.cache import ChatPieceEncoder, plan_chat_pieces, read_rows
 from lightning_2d.data.chat.datamodule import (
     DEFAULT_MAX_UNPREPARED_MB,
     ChatCacheDataModule,
@@ -50,14 +69,22 @@ from lightning_2d.data.chat.datamodule import (
 )
 from lightning_2d.data.chat.packing import Windows, pack_windows
 from lightning_2d.data.preference.builtin import stdlib_preference_file
-from lightning_2d.data.preference.encode import PreferenceEncoder, PreferencePieceEncoder, truncation_problems
-from lightning_2d.data.preference.formats import check_preference_format
+from lightning_2d.data.preference.encode import (
+    PreferenceEncoder,
+    PreferencePieceEncoder,
+    Truncation,
+    truncation_problems,
+)
+from lightning_2d.data.preference.formats import check_preference_format, is_unpaired_row
 from lightning_2d.data.sources import DataError
 
 #: What a pair longer than ``seq_len`` positions does (shortening a pair is ``max_length``'s job).
 PAIR_OVERFLOW = ("drop", "error")
 #: The padding's ``sequence_ids``.
 NO_SEQUENCE = -1
+#: What a preference data set's rows are (``PreferenceDataModule.preference_units``): pairs (DPO and its kin) or
+#: unpaired examples (KTO).
+PREFERENCE_UNITS = ("pairs", "examples")
 
 
 @dataclass(frozen=True)
@@ -86,6 +113,44 @@ class PreferencePackingReport(PackingReport):
                      + (f"; {self.dropped:,} pair(s) dropped as longer than the window" if self.dropped else ""))
         lines.append(f"  truncated      {self.prompts_truncated:,} prompt(s), {self.completions_truncated:,}"
                      f" completion(s) of the data set; {self.no_target:,} pair(s) dropped without a trained token")
+        return lines
+
+
+@dataclass(frozen=True)
+class UnpairedPackingReport(PackingReport):
+    """How well the unpaired examples and their KL sequences fill the windows (``conversations``: the examples;
+    ``masked``: their untrained positions and, at most, their KL sequences'; ``dropped``: examples longer than half
+    a window under ``overflow="drop"``), and what encoding the whole data set cut or dropped.
+
+    Args:
+        examples: Examples in the windows.
+        desirable: Those labelled desirable.
+        alone: Examples alone in their window (no KL sequence: every other window's examples each have one).
+        prompts_truncated: Kept examples of the data set whose prompt lost tokens.
+        completions_truncated: Kept examples whose completion's end ``max_length`` cut.
+        no_target: Examples of the data set dropped because their completion kept no trained token.
+    """
+
+    examples: int = 0
+    desirable: int = 0
+    alone: int = 0
+    prompts_truncated: int = 0
+    completions_truncated: int = 0
+    no_target: int = 0
+
+    def lines(self) -> list[str]:
+        lines = super().lines()
+        lines[0] = (f"  windows        {self.windows:,} of {self.positions // max(self.windows, 1):,} positions,"
+                    f" {self.examples:,} examples ({self.desirable:,} desirable, {self.examples - self.desirable:,}"
+                    f" undesirable), {self.examples - self.alone:,} KL sequences")
+        lines[-1] = (f"  efficiency     {100 * self.efficiency:.1f}% of positions hold an example or its KL sequence"
+                     + (f"; {self.dropped:,} example(s) dropped as longer than half the window" if self.dropped
+                        else ""))
+        if self.alone:
+            lines.append(f"  alone          {self.alone:,} example(s) alone in a window: no KL sequence (raise seq_len,"
+                         " or shorten the examples with max_length, to pack more in a window)")
+        lines.append(f"  truncated      {self.prompts_truncated:,} prompt(s), {self.completions_truncated:,}"
+                     f" completion(s) of the data set; {self.no_target:,} example(s) dropped without a trained token")
         return lines
 
 
@@ -125,30 +190,97 @@ class PreferenceWindows(ChatWindows):
         return sample
 
 
+class UnpairedWindows(ChatWindows):
+    """Windows of unpaired examples and their KL sequences (see the module docstring for each sample's tensors).
+
+    Args:
+        folder: The cache (one conversation an example, its label in ``labels.bin``).
+        windows: The windows (example indices are into ``examples``).
+        examples: The cache's conversation numbers in this split, in the data set's order.
+        seq_len: Positions per window.
+        pad_id: Token id of the padding (its labels are ``-100``).
+        truncation: What cuts a KL sequence (the examples' own truncation).
+    """
+
+    def __init__(self, folder: Path, windows: Windows, examples: np.ndarray, seq_len: int, pad_id: int,
+                 truncation: Truncation) -> None:
+        super().__init__(folder, windows, examples, seq_len, pad_id, position_ids=True)
+        self.truncation = truncation
+        self._labels: Optional[np.ndarray] = None
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        # The data set's order within the window: the KL rotation is TRL's on a batch of these rows.
+        numbers = [int(self.conversations[item]) for item in np.sort(self.windows.window(index)).tolist()]
+        examples = [self.conversation(c) for c in numbers]
+        prompts = [int(np.argmax(trained)) for _, trained in examples]  # each has a trained token (the cache's)
+        sequences, slots = [], []
+        for e, (ids, trained) in enumerate(examples):
+            sequences.append(self.as_sequence(ids, trained))
+            slots.append(2 * e)
+            if len(examples) > 1:
+                sequences.append(self.as_sequence(*self.kl_sequence(examples[e], prompts[e], examples[e - 1],
+                                                                    prompts[e - 1])))
+                slots.append(2 * e + 1)
+        sample = self.window_of(sequences)
+        ids = [np.full(len(inputs), slot, dtype=np.int64) for slot, (inputs, _) in zip(slots, sequences)]
+        ids.append(np.full(self.seq_len - sum(map(len, ids)), NO_SEQUENCE, dtype=np.int64))
+        sample["sequence_ids"] = torch.from_numpy(np.concatenate(ids))
+        sample["examples"] = torch.tensor(len(examples), dtype=torch.long)
+        desirable = torch.zeros(self.seq_len // 2, dtype=torch.bool)
+        desirable[: len(numbers)] = torch.from_numpy(self._open_labels()[numbers] > 0)
+        sample["desirable"] = desirable
+        return sample
+
+    def kl_sequence(self, example: tuple[np.ndarray, np.ndarray], prompt: int, other: tuple[np.ndarray, np.ndarray],
+                    other_prompt: int) -> tuple[np.ndarray, np.ndarray]:
+        """``example``'s prompt (its first ``prompt`` tokens) followed by ``other``'s completion, as ``(ids,
+        trained)``, cut by ``max_length`` as an example is (``Truncation.bounds``)."""
+        ids = np.concatenate([example[0][:prompt], other[0][other_prompt:]])
+        trained = np.concatenate([np.zeros(prompt, dtype=other[1].dtype), other[1][other_prompt:]])
+        drop, keep = self.truncation.bounds(len(ids), prompt)
+        stop = len(ids) if keep is None else min(len(ids), prompt + keep)
+        return ids[drop:stop], trained[drop:stop]
+
+    def _open_labels(self) -> np.ndarray:
+        if self._labels is None:
+            self._labels = np.fromfile(self.folder / "labels.bin", dtype=np.uint8)
+        return self._labels
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_labels": None}
+
+
 class PreferenceDataModule(ChatCacheDataModule):
-    """Preference pairs for DPO-style training, with the model's own chat template (a LightningCLI ``data:`` class).
+    """Preference pairs for DPO-style training, or unpaired examples for KTO, with the model's own chat template (a
+    LightningCLI ``data:`` class).
 
     The arguments it shares with ``ChatDataModule`` mean the same and have the same defaults (but ``overflow``).
 
     Args:
         paths: JSONL, JSON or Parquet files, folders of them, a ``datasets`` ``save_to_disk`` folder, or globs, of
             rows with TRL's fields. ``None``: pairs about the standard library (a docstring's answer chosen, an
-            evasive one rejected; no download).
+            evasive one rejected; no download); with ``format="unpaired"`` the same pairs as unpaired examples (each
+            answer desirable, each evasive one undesirable).
         tokenizer: The model folder (tokenizer and chat template), e.g. the ``init_from`` folder; ``"byte"``: the
             built-in byte-level ChatML tokenizer (ids 0-258).
-        format: ``"auto"`` (explicit when the row has a ``prompt``), ``"explicit"`` (``prompt``, ``chosen``,
-            ``rejected``: strings or message lists) or ``"implicit"`` (``chosen`` and ``rejected`` whole
-            conversations; the prompt their longest common prefix of messages, ending before an assistant turn).
+        format: ``"auto"`` (unpaired when the row has a ``completion`` and a ``label``, explicit when it has a
+            ``prompt``), ``"explicit"`` (``prompt``, ``chosen``, ``rejected``: strings or message lists),
+            ``"implicit"`` (``chosen`` and ``rejected`` whole conversations; the prompt their longest common prefix of
+            messages, ending before an assistant turn) or ``"unpaired"`` (TRL's KTO format: ``prompt``,
+            ``completion``, ``label``, true when desirable; each example packed with its KL sequence, see the module
+            docstring).
         fields: The data set's names for the fields (``{"chosen": "preferred", "rejected": "dispreferred"}``).
         train_on_eos: Train each completion's end-of-turn token.
         max_prompt_length: Most prompt tokens (its start dropped beyond); ``None``: no limit.
         max_length: Most tokens of each sequence, prompt and completion; ``None``: no limit.
         truncation_mode: What ``max_length`` cuts: ``"keep_end"`` (the prompt's start first, the same tokens for both
-            completions, then a completion's end) or ``"keep_start"`` (each completion's end).
+            completions, then a completion's end) or ``"keep_start"`` (each completion's end; TRL's ``KTOTrainer``
+            truncates so).
         seq_len: Positions per window (a pair takes its two sequences' tokens less one each).
         batch_size: Windows per batch on each data-parallel replica.
         pack: Pack several pairs into each window (best-fit decreasing, never splitting a pair); ``False``: one pair
-            per window, padded.
+            per window, padded. Unpaired examples are always packed (a window's examples make each other's KL
+            sequences).
         overflow: A pair longer than ``seq_len`` positions: ``"drop"`` (counted in the packing report) or
             ``"error"`` (names the rows). Shorten pairs with ``max_length``.
         val_fraction: Pairs held out for validation (a seeded random choice, at least one); ``0`` for none.
@@ -199,6 +331,8 @@ class PreferenceDataModule(ChatCacheDataModule):
             problems.append(f"overflow must be one of {', '.join(map(repr, PAIR_OVERFLOW))}, got {overflow!r}"
                             + (" (a pair is shortened by max_length, not cut by the window)"
                                if overflow == "truncate" else ""))
+        if format == "unpaired" and not pack:
+            problems.append(_ALONE)
         if problems:
             raise DataError("Invalid PreferenceDataModule arguments:\n  - " + "\n  - ".join(problems))
         check_preference_format(format, fields)
@@ -214,10 +348,10 @@ class PreferenceDataModule(ChatCacheDataModule):
                          "tools": tools, "format": format, "fields": self.fields, "train_on_eos": train_on_eos,
                          "max_prompt_length": max_prompt_length, "max_length": max_length,
                          "truncation_mode": truncation_mode}
-        self.train_dataset: Optional[PreferenceWindows] = None
-        self.val_dataset: Optional[PreferenceWindows] = None
-        self.packing: Optional[PreferencePackingReport] = None
-        self._window_pairs: Optional[np.ndarray] = None
+        self.train_dataset: Optional[Union[PreferenceWindows, UnpairedWindows]] = None
+        self.val_dataset: Optional[Union[PreferenceWindows, UnpairedWindows]] = None
+        self.packing: Optional[Union[PreferencePackingReport, UnpairedPackingReport]] = None
+        self._window_units: Optional[np.ndarray] = None
 
     #: Chosen and rejected are separate documents of a window, also unpacked: the model must take position_ids
     #: (the strategies check it).
@@ -225,15 +359,44 @@ class PreferenceDataModule(ChatCacheDataModule):
     def document_mask(self) -> bool:
         return True
 
+    @property
+    def preference_units(self) -> Optional[str]:
+        """What the rows are, ``"pairs"`` or ``"examples"`` (unpaired, KTO's), which the preference loss checks
+        before training: the format's, else (``"auto"``) the cache's when built, else the first row's (``None``: a
+        first row that cannot be read, reported when the data is encoded)."""
+        if self.format != "auto" or self.paths is None:
+            return "examples" if self.format == "unpaired" else "pairs"
+        meta = read_meta(self.cache_folder)
+        if meta is not None:
+            return "examples" if meta.get("counts", {}).get("examples") else "pairs"
+        try:
+            for piece in plan_chat_pieces(self.sources[:1], 1 << 16)[:1]:
+                for _, record, error in read_rows(piece):
+                    return None if error else ("examples" if is_unpaired_row(record, self.fields) else "pairs")
+        except (DataError, OSError):
+            pass
+        return None
+
     def _builtin_file(self) -> Path:
-        return stdlib_preference_file(self.cache_dir)
+        return stdlib_preference_file(self.cache_dir, unpaired=self.format == "unpaired")
 
     def _piece_encoder(self) -> ChatPieceEncoder:
         return PreferencePieceEncoder(self.pair_encoder, self.format, self.fields)
 
     # ---- splits and windows ----
-    def _split(self) -> tuple[PreferenceWindows, Optional[PreferenceWindows]]:
+    def _split(self) -> tuple[Union[PreferenceWindows, UnpairedWindows],
+                              Optional[Union[PreferenceWindows, UnpairedWindows]]]:
         meta = self._meta()
+        counts = meta.get("counts", {})
+        if counts.get("examples") and counts.get("pairs"):
+            raise DataError(
+                f"The preference data ({len(self.sources):,} file(s)) mixes {counts['pairs']:,} pair(s) (chosen and"
+                f" rejected) and {counts['examples']:,} unpaired example(s) (completion and label); a data set is one"
+                " or the other (DPO and its kin train on pairs, KTO on examples): split the files, or read only one"
+                " kind with format='explicit' or 'unpaired'"
+            )
+        if counts.get("examples"):
+            return self._split_unpaired(meta)
         folder = self.cache_folder
         lengths = np.diff(np.fromfile(folder / "offsets.bin", dtype=np.int64)) - 1  # positions of each sequence
         targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
@@ -255,11 +418,10 @@ class PreferenceDataModule(ChatCacheDataModule):
                                           "pair(s)")
         train_windows = pack_windows(positions[train_pairs], self.seq_len, self.pack)
         val_windows = pack_windows(positions[val_pairs], self.seq_len, self.pack)
-        self._window_pairs = np.diff(train_windows.offsets)
+        self._window_units = np.diff(train_windows.offsets)
         trained = int(targets[2 * train_pairs].sum() + targets[2 * train_pairs + 1].sum())
         filled = int(positions[train_pairs].sum())
         total = len(train_windows) * self.seq_len
-        counts = meta.get("counts", {})
         self.packing = PreferencePackingReport(
             len(train_windows), 2 * len(train_pairs), total, trained, filled - trained, total - filled,
             dropped=int(too_long.size), pairs=len(train_pairs),
@@ -270,13 +432,59 @@ class PreferenceDataModule(ChatCacheDataModule):
         val = PreferenceWindows(folder, val_windows, val_pairs, self.seq_len, self.pad_id) if len(val_pairs) else None
         return train, val
 
+    def _split_unpaired(self, meta: dict[str, Any]) -> tuple[UnpairedWindows, Optional[UnpairedWindows]]:
+        """The splits of unpaired examples, each example packed with its KL sequence (the module docstring)."""
+        if not self.pack:
+            raise DataError(_ALONE)
+        folder = self.cache_folder
+        lengths = np.diff(np.fromfile(folder / "offsets.bin", dtype=np.int64)) - 1  # positions of each example
+        targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
+        labels = np.fromfile(folder / "labels.bin", dtype=np.uint8)
+        positions = 2 * lengths  # the example's and, in all, its KL sequence's: the window's completions rotated
+        too_long = np.flatnonzero(positions > self.seq_len)
+        if too_long.size and self.overflow == "error":
+            rows = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
+            shown = [f"{row_name(meta['sources'], int(rows[e, 0]), int(rows[e, 1]))} ({int(positions[e])}"
+                     " positions)" for e in too_long[:5]]
+            raise DataError(
+                f"{too_long.size} example(s) take more than seq_len ({self.seq_len}) positions with their KL sequence"
+                f" (twice an example's positions, one less than its tokens) under overflow='error': {', '.join(shown)}"
+                f"{', …' if too_long.size > 5 else ''}; raise seq_len, shorten the examples with max_length, or set"
+                " overflow='drop'"
+            )
+        keep = np.ones(len(positions), dtype=bool)
+        keep[too_long] = False
+        train_examples, val_examples = held_out(np.flatnonzero(keep), self.val_fraction, self.seed, "preference data",
+                                                "example(s)")
+        train_windows = pack_windows(positions[train_examples], self.seq_len, True)
+        val_windows = pack_windows(positions[val_examples], self.seq_len, True)
+        per_window = np.diff(train_windows.offsets)
+        self._window_units = per_window
+        trained = int(targets[train_examples].sum())
+        filled = int(positions[train_examples].sum())
+        total = len(train_windows) * self.seq_len
+        counts = meta.get("counts", {})
+        self.packing = UnpairedPackingReport(
+            len(train_windows), len(train_examples), total, trained, filled - trained, total - filled,
+            dropped=int(too_long.size), examples=len(train_examples),
+            desirable=int((labels[train_examples] > 0).sum()), alone=int((per_window == 1).sum()),
+            prompts_truncated=int(counts.get("prompts_truncated", 0)),
+            completions_truncated=int(counts.get("completions_truncated", 0)), no_target=int(meta["no_target"]),
+        )
+        truncation = self.pair_encoder.truncation
+        train = UnpairedWindows(folder, train_windows, train_examples, self.seq_len, self.pad_id, truncation)
+        val = (UnpairedWindows(folder, val_windows, val_examples, self.seq_len, self.pad_id, truncation)
+               if len(val_examples) else None)
+        return train, val
+
     # ---- loaders ----
     def train_dataloader(self) -> DataLoader:
-        """Batches counting the pairs of their optimizer step (``step_pairs``), what a preference loss averages
-        over."""
+        """Batches counting the pairs (the unpaired examples) of their optimizer step (``step_pairs``,
+        ``step_examples``), what a preference loss averages over."""
         assert self.train_dataset is not None, "setup() first"
-        return self._loader(self.train_dataset, train=True, targets=self._window_pairs,
-                            describe=lambda n: f"packs into {n} window(s) of {self.seq_len}", count_key="step_pairs")
+        count_key = "step_examples" if isinstance(self.train_dataset, UnpairedWindows) else "step_pairs"
+        return self._loader(self.train_dataset, train=True, targets=self._window_units,
+                            describe=lambda n: f"packs into {n} window(s) of {self.seq_len}", count_key=count_key)
 
     # ---- a reference model's log-probabilities, computed once (``PreferenceLoss(precompute_reference=True)``) ----
     @property
@@ -351,3 +559,8 @@ class ReferenceCover(Dataset):
         if index < 0:
             sample["sequence_numbers"] = torch.full_like(sample["sequence_numbers"], NO_SEQUENCE)
         return sample
+
+
+#: Why unpaired examples are always packed.
+_ALONE = ("pack=False puts one unpaired example in each window, and KTO's KL reference point pairs each example's"
+          " prompt with another example's completion of its window; use pack=True (or format='explicit' for pairs)")

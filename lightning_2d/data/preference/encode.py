@@ -1,4 +1,5 @@
-"""A preference pair as two encoded conversations, the prompt shared and truncated as TRL truncates.
+"""A preference pair as two encoded conversations, the prompt shared and truncated as TRL truncates; an unpaired
+example as one.
 
 ``PreferenceEncoder.encode`` renders ``prompt + chosen`` and ``prompt + rejected`` with a ``ChatEncoder`` whose
 ``train_on`` is ``"completion"``: the completion's tokens are the trained ones (with its end-of-turn token when
@@ -15,7 +16,11 @@ Truncation, both optional (``None``: no limit):
   context), then cuts a completion's end if it alone is still too long; ``"keep_start"`` keeps the prompt and cuts
   each completion's end.
 
-A pair where either completion keeps no trained token is dropped (the piece encoder counts it).
+An unpaired example (``encode_example``: ``prompt + completion``) is truncated by the same rules, alone; TRL's
+``KTOTrainer`` cuts ``max_length`` from the end (``truncation_mode="keep_start"``) and has no ``max_prompt_length``.
+
+A pair where either completion keeps no trained token is dropped, and so is an example without one (the piece
+encoder counts them).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 
 from lightning_2d.data.chat.cache import ChatPieceEncoder, PieceResult
 from lightning_2d.data.chat.encode import ChatEncoder, EncodedChat
-from lightning_2d.data.preference.formats import PreferencePair, to_pair
+from lightning_2d.data.preference.formats import PreferencePair, UnpairedExample, to_example
 from lightning_2d.data.sources import DataError
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -62,6 +67,59 @@ class EncodedPair:
         return self.chosen.num_targets > 0 and self.rejected.num_targets > 0
 
 
+@dataclass
+class EncodedExample:
+    """One unpaired example's sequence, truncated.
+
+    Args:
+        sequence: ``prompt + completion``'s tokens (``text`` and ``spans`` are the rendering's, before truncation).
+        desirable: The example's label.
+        prompt_tokens: Tokens of the (truncated) prompt.
+        prompt_truncated: The prompt lost tokens.
+        completion_truncated: ``max_length`` cut the completion's end.
+    """
+
+    sequence: EncodedChat
+    desirable: bool
+    prompt_tokens: int
+    prompt_truncated: bool = False
+    completion_truncated: bool = False
+
+    @property
+    def trained(self) -> bool:
+        """The completion keeps a token to train on."""
+        return self.sequence.num_targets > 0
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The truncation settings (see the module docstring), as data a dataset can carry (KTO's KL sequences are cut
+    by them when a window is read).
+
+    Args:
+        max_prompt_length: Most prompt tokens kept (from its end); ``None``: all.
+        max_length: Most tokens of each sequence; ``None``: all.
+        mode: ``"keep_end"`` or ``"keep_start"`` (what ``max_length`` cuts first).
+    """
+
+    max_prompt_length: Optional[int] = None
+    max_length: Optional[int] = None
+    mode: str = "keep_end"
+
+    def bounds(self, longest: int, prompt: int) -> tuple[int, Optional[int]]:
+        """For sequences sharing their first ``prompt`` tokens, the longest ``longest`` tokens: the prompt tokens to
+        drop from the start of each, and the completion tokens each keeps (``None``: all)."""
+        drop = 0
+        if self.max_prompt_length is not None:
+            drop = max(0, prompt - self.max_prompt_length)
+        keep = None
+        if self.max_length is not None:
+            if self.mode == "keep_end":
+                drop += min(prompt - drop, max(0, longest - drop - self.max_length))
+            keep = max(0, self.max_length - (prompt - drop))
+        return drop, keep
+
+
 class PreferenceEncoder:
     """Pairs → ``EncodedPair`` with one ``ChatEncoder`` and the truncation settings (see the module docstring).
 
@@ -82,6 +140,7 @@ class PreferenceEncoder:
             raise DataError("Invalid preference encoding:\n  - " + "\n  - ".join(problems))
         self.encoder = encoder
         self.max_prompt_length, self.max_length, self.truncation_mode = max_prompt_length, max_length, truncation_mode
+        self.truncation = Truncation(max_prompt_length, max_length, truncation_mode)
 
     def encode(self, pair: PreferencePair, where: str = "row") -> EncodedPair:
         """The pair's two sequences, their shared prompt checked, truncated.
@@ -103,26 +162,31 @@ class PreferenceEncoder:
                 " differently depending on the answer after it (a token joining the prompt's end and the answer's"
                 " start); start both completions alike (e.g. without leading whitespace), or fix the template"
             )
-        return self._truncated(chosen, rejected, prompt)
+        (chosen, rejected), drop, cut = self.truncated((chosen, rejected), prompt)
+        return EncodedPair(chosen, rejected, prompt - drop, drop > 0, cut)
 
-    def _truncated(self, chosen: EncodedChat, rejected: EncodedChat, prompt: int) -> EncodedPair:
-        drop = 0  # prompt tokens dropped from its start, the same in both sequences
-        if self.max_prompt_length is not None:
-            drop = max(0, prompt - self.max_prompt_length)
-        keep = None  # completion tokens kept of each
-        if self.max_length is not None:
-            longest = prompt - drop + max(len(chosen.ids), len(rejected.ids)) - prompt  # the longer sequence now
-            if self.truncation_mode == "keep_end":
-                drop += min(prompt - drop, max(0, longest - self.max_length))
-            keep = max(0, self.max_length - (prompt - drop))
+    def encode_example(self, example: UnpairedExample, where: str = "row") -> EncodedExample:
+        """An unpaired example's sequence, truncated as a pair's (alone)."""
+        encoded = self.encoder.encode(example.conversation(), where)
+        if not encoded.trained.any():
+            return EncodedExample(encoded, example.desirable, 0)  # nothing to train on: dropped
+        prompt = int(np.argmax(encoded.trained))
+        (sequence,), drop, cut = self.truncated((encoded,), prompt)
+        return EncodedExample(sequence, example.desirable, prompt - drop, drop > 0, cut > 0)
+
+    def truncated(self, sequences: tuple[EncodedChat, ...],
+                  prompt: int) -> tuple[tuple[EncodedChat, ...], int, int]:
+        """``sequences`` (sharing their first ``prompt`` tokens) cut by the truncation settings (the module docstring),
+        the same prompt tokens dropped from each; with the number of prompt tokens dropped and of completions cut."""
+        drop, keep = self.truncation.bounds(max(len(encoded.ids) for encoded in sequences), prompt)
         cut = 0
-        sequences = []
-        for encoded in (chosen, rejected):
+        out = []
+        for encoded in sequences:
             stop = len(encoded.ids) if keep is None else min(len(encoded.ids), prompt + keep)
             cut += stop < len(encoded.ids)
-            sequences.append(encoded if (drop, stop) == (0, len(encoded.ids)) else
-                             replace(encoded, ids=encoded.ids[drop:stop], trained=encoded.trained[drop:stop]))
-        return EncodedPair(sequences[0], sequences[1], prompt - drop, drop > 0, cut)
+            out.append(encoded if (drop, stop) == (0, len(encoded.ids)) else
+                       replace(encoded, ids=encoded.ids[drop:stop], trained=encoded.trained[drop:stop]))
+        return tuple(out), drop, cut
 
 
 def truncation_problems(max_prompt_length: Optional[int], max_length: Optional[int],
@@ -141,7 +205,8 @@ def truncation_problems(max_prompt_length: Optional[int], max_length: Optional[i
 class PreferencePieceEncoder(ChatPieceEncoder):
     """A piece's rows as pairs: pair ``k`` of the cache is its conversations ``2k`` (chosen) and ``2k + 1``
     (rejected), both of the row; counts ``pairs``, ``prompts_truncated`` and ``completions_truncated`` (of the kept
-    pairs) and, as ``no_target``, the pairs dropped because a completion keeps no trained token."""
+    pairs) and, as ``no_target``, the pairs dropped because a completion keeps no trained token. An unpaired row is
+    one conversation, its label the cache's (1: desirable), counted as ``examples`` (and ``desirable``)."""
 
     data_name = "preference data"
 
@@ -150,7 +215,18 @@ class PreferencePieceEncoder(ChatPieceEncoder):
         self.pairs = encoder
 
     def add_row(self, record: Any, where: str, row: int, out: PieceResult) -> None:
-        encoded = self.pairs.encode(to_pair(record, self.format, self.fields, where), where)
+        unit = to_example(record, self.format, self.fields, where)
+        if isinstance(unit, UnpairedExample):
+            example = self.pairs.encode_example(unit, where)
+            if not example.trained:
+                out.no_target += 1
+                return
+            out.add(example.sequence, row, label=int(example.desirable))
+            out.counts.update(Counter(examples=1, desirable=int(example.desirable),
+                                      prompts_truncated=int(example.prompt_truncated),
+                                      completions_truncated=int(example.completion_truncated)))
+            return
+        encoded = self.pairs.encode(unit, where)
         if not encoded.trained:
             out.no_target += 1
             return
@@ -162,6 +238,6 @@ class PreferencePieceEncoder(ChatPieceEncoder):
     def nothing_kept(self, rows: int, no_target: int) -> str:
         limits = ", ".join(f"{k}={v}" for k, v in (("max_prompt_length", self.pairs.max_prompt_length),
                                                      ("max_length", self.pairs.max_length)) if v is not None)
-        return (f"No pair of the preference data ({rows} row(s)) keeps a token to train on in both completions"
-                f" ({no_target} without one): check the completions' roles"
+        return (f"No pair or example of the preference data ({rows} row(s)) keeps a token to train on in its"
+                f" completions ({no_target} without one): check the completions' roles"
                 + (f" and the truncation ({limits}, truncation_mode={self.pairs.truncation_mode!r})" if limits else ""))
