@@ -85,6 +85,11 @@ def runs(jobs, pairs, examples) -> dict:
         "cp_tp": jobs.layout_job(1, 2, nprocs=4, context_parallel_size=2, **lora),
         "copy_reference": jobs.reference_job(**common),
         "copy_2x2": jobs.layout_job(2, 2, grad_norms=True, **common),
+        # the other FSDP backends and layouts: SimpleFSDP with activation checkpointing (the frozen copy gathered by
+        # it too), and HSDP (2 replicas × 2 shards) with LoRA
+        "simple_fsdp_copy": jobs.layout_job(2, 2, fsdp_backend="simple_fsdp", activation_checkpointing="full",
+                                            grad_norms=True, **common),
+        "hsdp_lora": jobs.layout_job(4, 1, data_parallel_replicate_size=2, grad_norms=True, **lora),
         # pipeline 2 × data 2: the pairs' losses in the last stage, the reference the stages with adapters off
         "pp_dp": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B",
                                  grad_norms=True, **lora),
@@ -153,6 +158,20 @@ def test_dpo_of_the_whole_model_against_a_frozen_copy_equals_one_device(runs):
     """No adapters: the reference is a frozen copy of the initial model, sharded beside it by the same plan."""
     check_against(runs["copy_2x2"], runs["copy_reference"], grad_norms=True, label="2x2 frozen copy")
     assert runs["copy_2x2"].rank_output(0)["frozen_models"] == 1
+
+
+def test_dpo_under_simple_fsdp_with_checkpointing_and_under_hsdp_equals_one_device(runs):
+    """SimpleFSDP gathers the trained model and its frozen copy (blocks checkpointed), HSDP shards LoRA's base over 2
+    ranks and replicates it twice."""
+    out = runs["simple_fsdp_copy"].rank_output(0)
+    assert out["frozen_models"] == 1 and out["checkpointed_blocks"] == ["0", "1"]
+    for modules in (out["data_parallel_modules"], *out["frozen_data_parallel_modules"]):  # both by SimpleFSDP
+        assert modules["simple_fsdp"] > 0 and modules["fully_shard"] == 0, modules
+    assert runs["copy_2x2"].rank_output(0)["frozen_data_parallel_modules"][0]["fully_shard"] > 0
+    check_against(runs["simple_fsdp_copy"], runs["copy_reference"], grad_norms=True, label="2x2 SimpleFSDP + AC copy")
+    out = runs["hsdp_lora"].rank_output(0)
+    assert out["mesh_shape"][out["mesh_dims"].index("data_parallel_replicate")] == 2
+    check_against(runs["hsdp_lora"], runs["reference"], grad_norms=True, label="HSDP 2x2 LoRA")
 
 
 def test_dpo_under_pipeline_parallelism_equals_one_device(runs):

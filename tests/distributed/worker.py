@@ -779,6 +779,7 @@ def fit(cfg: dict) -> None:
         if cfg.get("preference"):  # what held the reference at the end: values read from the data, or a model
             result["reference_values_key"] = module._reference_precomputed
             result["frozen_models"] = len(module.frozen_models())
+            result["frozen_data_parallel_modules"] = [data_parallel_modules(f.frozen()) for f in module.frozen_models()]
             batch = datamodule.train_dataset[0] if datamodule.train_dataset is not None else {}
             result["batches_carry_reference_values"] = "reference_logps" in batch
     if collectives is not None:
