@@ -20,23 +20,18 @@ from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_ad
 from lightning_2d.models import registry
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
-from lightning_2d.integration.preference import (
-    kto_step,
-    pipelined_preference_step,
-    preference_step,
-    reference_key,
-    reference_pass,
-)
-from lightning_2d.ops.lora import LoRA, adapters_disabled
-from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
+from lightning_2d.integration.batches import document_positions_of, step_tokens_of
+from lightning_2d.integration.preference_module import PreferenceTuning
+from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.expert import LoadBalancing
-from lightning_2d.parallel.frozen import FrozenModel, materialize_frozen
+from lightning_2d.parallel.frozen import materialize_frozen
 from lightning_2d.parallel.context import context_shard
-from lightning_2d.parallel.loss import loss_parallel_context, next_token_loss, normalize_by_global_tokens
+from lightning_2d.parallel.loss import next_token_loss, normalize_by_global_tokens
 from lightning_2d.parallel.modules import canonical_name
 from lightning_2d.parallel.parallelize import convert_and_materialize
 from lightning_2d.parallel.pipeline import Pipeline
@@ -69,18 +64,7 @@ def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: fl
     return factor
 
 
-def step_tokens_of(batch: dict[str, torch.Tensor], accumulate: int) -> dict[str, Any]:
-    """``{"step_tokens": ..., "accumulate": ...}`` when the batch carries its optimizer step's target tokens
-    (``ChatDataModule``): the loss is then the step's mean over every trained token, else ``{}``."""
-    return {"step_tokens": batch["step_tokens"], "accumulate": accumulate} if "step_tokens" in batch else {}
-
-
-def document_positions_of(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{"position_ids": ...}`` when the batch carries each packed document's positions, else ``{}``."""
-    return {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
-
-
-class CausalLMModule(L.LightningModule):
+class CausalLMModule(PreferenceTuning, L.LightningModule):
     """What every next-token LightningModule here shares: the loss normalized by the global batch's
     tokens, logging, loss/perplexity metrics, greedy prediction, AdamW with warm-up and cosine decay.
 
@@ -279,135 +263,6 @@ class CausalLMModule(L.LightningModule):
         trainer = trainer_of(self)
         accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
         return step_tokens_of(batch, accumulate) if self.training else {}
-
-    # ---- preference tuning (``preference=``, ``integration/preference.py``) ------------------------------------
-    def logits_of(self, model: torch.nn.Module, input_ids: torch.Tensor,
-                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``model``'s logits (the trained model, or one held beside it), as ``forward`` gives the trained one's."""
-        raise NotImplementedError
-
-    def token_log_probs(self, batch: dict[str, torch.Tensor], model: Optional[torch.nn.Module] = None) -> torch.Tensor:
-        """``(B, T)``: each position's log-probability of its label under ``model`` (the trained one by default; 0
-        where ignored), from its logits; ``LlamaLightningModule`` computes it in its fused head instead."""
-        logits = self.logits_of(model if model is not None else self.model, batch["input_ids"],
-                                **document_positions_of(batch))
-        with loss_parallel_context(logits):
-            nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
-                                                    ignore_index=-100, reduction="none")
-        if hasattr(nll, "full_tensor"):  # vocabulary-sharded logits under loss parallelism
-            nll = nll.full_tensor()
-        return -nll.view(batch["labels"].shape)
-
-    def reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``token_log_probs`` under the reference model: its frozen copy (``reference="copy"``), else (under LoRA)
-        the model with its adapters switched off; the batch's own values once a pass computed them
-        (``precompute_reference``: each sequence's at its first position)."""
-        if "reference_logps" in batch:
-            return batch["reference_logps"]
-        assert self.model is not None
-        pipeline = self.pipeline
-        if pipeline is not None:  # the stages' forwards, adapters off: the values on the last stage's rank only
-            with adapters_disabled(self.model):
-                return pipeline.token_log_probs(batch["input_ids"], batch["labels"], **document_positions_of(batch))
-        if self._reference is not None:
-            return self.token_log_probs(batch, self._reference.frozen())
-        with adapters_disabled(self.model):
-            return self.token_log_probs(batch)
-
-    # ---- models held beside the trained one (``parallel.frozen``) -------------------------------------------------
-    _reference: Optional[FrozenModel] = None  # not a registered module: no optimizer state, in no checkpoint
-
-    def frozen_models(self) -> list[FrozenModel]:
-        """The models held beside the trained one, frozen (a preference loss's reference copy): the strategies
-        parallelize and materialize them as they do the trained model (``parallel.frozen``), with its plan."""
-        return [self._reference] if self._reference is not None else []
-
-    def _declare_reference(self, build: Callable[[], torch.nn.Module]) -> None:
-        """Under a preference loss whose reference is a copy (``reference="copy"``, or ``"auto"`` without LoRA),
-        ``build()`` on the meta device held as the frozen reference, its values the trained model's initial ones."""
-        preference = self.preference
-        if preference is None or preference.reference_mode(adapters=self.lora is not None) != "copy":
-            return
-        with torch.device("meta"):
-            model = build()
-        folder = preference.reference_from or self.hparams.get("init_from")
-        reference = FrozenModel("reference", self._own_plan().module, model, lambda: self.base_weights(folder))
-        object.__setattr__(self, "_reference", reference)  # kept out of the module's registered children
-
-    #: The key of the reference values the data holds (``precompute_reference``), once set.
-    _reference_precomputed: Optional[str] = None
-
-    def on_fit_start(self) -> None:
-        self._precompute_reference()
-
-    def on_validation_start(self) -> None:
-        self._precompute_reference()  # validate() alone; within fit, done at its start
-
-    def on_test_start(self) -> None:
-        self._precompute_reference()
-
-    def _precompute_reference(self) -> None:
-        """Under ``precompute_reference``: give the data module each sequence's reference log-probability, read from
-        its cache or computed by one pass (``integration.preference.reference_pass``) and saved there, then release
-        the frozen copy: the steps read the values from their batches."""
-        preference = self.preference
-        if preference is None or not preference.precompute_reference or self._reference_precomputed is not None:
-            return
-        trainer = trainer_of(self)
-        data = getattr(trainer, "datamodule", None)
-        if not callable(getattr(data, "reference_loaders", None)):
-            raise PreferenceConfigError(
-                "preference precompute_reference=True writes the reference's log-probabilities into the preference"
-                f" data's cache, but this run's data is {type(data).__name__ if data is not None else 'not a data'}"
-                " module: pass a lightning_2d.PreferenceDataModule (datamodule=...), or leave precompute_reference out"
-            )
-        key, identity = reference_key(self.reference_identity())
-        values = data.load_reference_log_probs(key)
-        if not trainer.strategy.reduce_boolean_decision(values is not None, all=True):  # every rank found them
-            pipeline = self.pipeline
-            values = reference_pass(self.reference_log_probs, data.reference_loaders(), data.sequence_count,
-                                    self.meshes, self.device, pipeline.pp_group if pipeline is not None else None)
-            if trainer.local_rank == 0:  # one writer per machine (the cache may be a machine's own disk)
-                data.save_reference_log_probs(key, values, identity)
-            trainer.strategy.barrier("precompute_reference")
-        data.set_reference_log_probs(values)
-        self._reference_precomputed = key
-        object.__setattr__(self, "_reference", None)  # the frozen copy: no longer read
-
-    #: Hyperparameters that do not change a model's log-probabilities (the reference values' key leaves them out).
-    _OPTIMIZATION_HPARAMS = ("learning_rate", "weight_decay", "betas", "eps", "fused", "warmup_steps", "max_steps",
-                             "min_lr_ratio", "preference", "lora_init_from")
-
-    def reference_identity(self) -> dict[str, Any]:
-        """What the reference's log-probabilities depend on (``precompute_reference`` keys its values by a digest):
-        its mode, the model's settings, the weights (``adapter_base``: ``init_from`` or the seed; ``reference_from``)
-        and the precision."""
-        preference = self.preference
-        assert preference is not None
-        trainer = trainer_of(self)
-        model = {key: value for key, value in self.hparams.items() if key not in self._OPTIMIZATION_HPARAMS}
-        return {"mode": preference.reference_mode(adapters=self.lora is not None), "model": model,
-                "precision": str(trainer.precision) if trainer is not None else None,
-                "reference_from": preference.reference_from, **self.adapter_base()}
-
-    def base_weights(self, folder: Optional[str]) -> Any:
-        """The weights of the model folder ``folder`` (``init_from``'s kind), else ``None`` (the seeded init)."""
-        raise NotImplementedError
-
-    def _preference_step(self, preference: PreferenceLoss, batch: dict[str, torch.Tensor],
-                         train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        trainer = trainer_of(self)
-        count = "step_pairs" if preference.paired else "step_examples"  # the step's units, what the loss averages
-        step = {count: batch[count], "accumulate": int(trainer.accumulate_grad_batches)
-                if trainer is not None else 1} if train and count in batch else {}
-        if not preference.paired:  # KTO: unpaired examples and their KL sequences
-            return kto_step(preference, batch, self.token_log_probs, self.reference_log_probs, self.meshes, **step)
-        pipeline = self.pipeline
-        if pipeline is not None:  # the pairs' losses in the last stage, per micro-batch
-            return pipelined_preference_step(pipeline, preference, batch, self.reference_log_probs, self.meshes,
-                                             train=train, **step)
-        return preference_step(preference, batch, self.token_log_probs,
-                               self.reference_log_probs if preference.needs_reference else None, self.meshes, **step)
 
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = context_shard(batch, self.meshes)

@@ -20,7 +20,7 @@ import torch
 from lightning_2d import LlamaLightningModule, PreferenceDataModule, PreferenceLoss
 from lightning_2d.data.preference.builtin import stdlib_preference_rows
 from lightning_2d.data.preference.datamodule import ReferenceCover
-from lightning_2d.integration import module as module_file
+from lightning_2d.integration import preference_module as module_file
 from lightning_2d.integration.preference import reference_pass
 from lightning_2d.ops.preference import PreferenceConfigError
 
