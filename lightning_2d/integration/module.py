@@ -219,6 +219,7 @@ class CausalLMModule(PreferenceTuning, L.LightningModule):
         own, subset = self._own_checkpoint_subset()
         if own and subset is not None:
             subset.apply(checkpoint, "state_dict")
+        self._record_reference(checkpoint)  # where a frozen reference copy comes from (preference_module)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Adapters trained on another base or with other settings are refused before Lightning loads them (the 2D
@@ -227,6 +228,7 @@ class CausalLMModule(PreferenceTuning, L.LightningModule):
         own, subset = self._own_checkpoint_subset()
         if record is not None and own:
             check_adapter_record(record, subset, Path("<the checkpoint>"))
+        self._check_reference(checkpoint)
 
     @property
     def vocab_size(self) -> int:

@@ -10,11 +10,13 @@ A mixin of ``CausalLMModule`` (``integration/module.py``), which gives it ``hpar
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from lightning_2d._compat import trainer_of
+from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.integration.batches import document_positions_of
 from lightning_2d.integration.preference import (
     kto_step,
@@ -141,6 +143,39 @@ class PreferenceTuning:
         return {"mode": preference.reference_mode(adapters=self.lora is not None), "model": model,
                 "precision": str(trainer.precision) if trainer is not None else None,
                 "reference_from": preference.reference_from, **self.adapter_base()}
+
+    #: The checkpoint entry naming where a frozen reference copy's values come from (``_record_reference``).
+    REFERENCE_RECORD_KEY = "lightning_2d.preference_reference"
+
+    def _reference_record(self) -> Optional[dict[str, Any]]:
+        """Where this run's frozen reference copy comes from (``reference_from``'s or ``init_from``'s folder, else
+        the seed of the trained model's init), ``None`` without a copy (adapters off: the adapters' record names the
+        base; a reference-free loss)."""
+        preference = self.preference
+        if preference is None or preference.reference_mode(adapters=self.lora is not None) != "copy":
+            return None
+        if preference.reference_from:
+            return {"reference_from": str(Path(preference.reference_from).expanduser().resolve())}
+        base = self.adapter_base()
+        return {"init_from": base["init_from"]} if base["init_from"] else {"init_seed": base["init_seed"]}
+
+    def _record_reference(self, checkpoint: dict[str, Any]) -> None:
+        record = self._reference_record()
+        if record is not None:
+            checkpoint[self.REFERENCE_RECORD_KEY] = record
+
+    def _check_reference(self, checkpoint: dict[str, Any]) -> None:
+        """A resume whose frozen copy would come from other weights than the saved run's (another seed, most often:
+        without ``init_seed`` each run draws one) is refused: its preference loss would compare with another model."""
+        saved, current = checkpoint.get(self.REFERENCE_RECORD_KEY), self._reference_record()
+        if saved is None or current is None or saved == current:
+            return
+        fix = (f"set init_seed={saved['init_seed']}" if "init_seed" in saved else
+               f"set {next(iter(saved))}={next(iter(saved.values()))!r}")
+        raise CheckpointError(
+            f"This checkpoint's preference reference (a frozen copy) came from {saved}; this run's would come from"
+            f" {current}, so its loss would compare with another model. {fix[0].upper() + fix[1:]} to resume it"
+        )
 
     def base_weights(self, folder: Optional[str]) -> Any:
         """The weights of the model folder ``folder`` (``init_from``'s kind), else ``None`` (the seeded init)."""

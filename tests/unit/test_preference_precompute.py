@@ -141,3 +141,32 @@ def test_precompute_needs_a_reference_and_preference_data(pairs):
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     with pytest.raises(PreferenceConfigError, match="pass a lightning_2d.PreferenceDataModule"):
         trainer.fit(module, train_dataloaders=data.train_dataloader())
+
+
+def test_a_resume_whose_frozen_copy_would_come_from_another_seed_is_refused(pairs, tmp_path):
+    """Without ``init_seed`` each run draws the seed of its initial weights, and the frozen copy is made from it, not
+    from the checkpoint: the checkpoint records it, and a resume that would build the copy from another is refused
+    (it would compare with another model)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_2d.errors import CheckpointError
+    from lightning_2d.integration.preference_module import PreferenceTuning
+
+    def trainer(steps: int) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)])
+
+    def module() -> LlamaLightningModule:
+        return LlamaLightningModule("debug", model_overrides={"n_layers": 2, "vocab_size": 264}, preference=DPO,
+                                    max_steps=2)
+
+    torch.manual_seed(11)
+    trainer(1).fit(module(), PreferenceDataModule(**pairs))
+    (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
+    record = torch.load(saved, weights_only=True)[PreferenceTuning.REFERENCE_RECORD_KEY]
+    assert record == {"init_seed": 11}
+    torch.manual_seed(12)  # another run, another drawn seed
+    with pytest.raises(CheckpointError, match=r"came from \{'init_seed': 11\}; this run's would come from"
+                                              r" \{'init_seed': 12\}.*Set init_seed=11 to resume it"):
+        trainer(2).fit(module(), PreferenceDataModule(**pairs), ckpt_path=str(saved))
