@@ -125,6 +125,29 @@ def test_the_plan_report_of_a_recipe_is_the_run_fit_builds(recipe, capsys):
     assert_plan_is_the_fit_run(plan_json(["--config", path], capsys), fit_objects(["--config", path]))
 
 
+#: A recipe's header quoting its plan: "# Memory per GPU (`lightning-2d plan`): 22.8 GiB estimated peak of 80 GiB,
+#: 55.2 GiB headroom: ...".
+QUOTED_PLAN = re.compile(r"^# Memory per GPU \(`lightning-2d plan`\): ([\d.]+) GiB estimated peak of (\d+) GiB,"
+                         r" ([\d.]+) GiB headroom", re.M)
+QUOTING = [p for p in RECIPES if QUOTED_PLAN.search(p.read_text())]
+
+
+def test_the_gpu_preference_recipes_quote_their_plan():
+    assert {"llama31_8b_dpo_lora.yaml", "llama31_8b_dpo_full.yaml", "qwen3_8b_dpo_lora.yaml"} <= {
+        p.name for p in QUOTING}
+
+
+@pytest.mark.parametrize("recipe", QUOTING, ids=lambda p: p.name)
+def test_a_recipe_quoting_its_plan_quotes_what_the_planner_says_now(recipe, capsys):
+    """The header's figures are the planner's for the recipe as it is: a change of the recipe or of the planner's
+    estimate that moves them fails here until the header says the new ones (`lightning-2d plan --config RECIPE`)."""
+    peak, memory, headroom = QUOTED_PLAN.search(recipe.read_text()).groups()
+    report = plan_json(["--config", str(recipe)], capsys)
+    assert report["fits"]
+    planned = (f"{report['total_gib']:.1f}", f"{report['device_memory_gib']:.0f}", f"{report['headroom_gib']:.1f}")
+    assert planned == (peak, memory, headroom)
+
+
 def test_dotted_overrides_and_flags_reach_the_plan_as_fit_takes_them(capsys):
     recipe = str(RECIPES[[p.name for p in RECIPES].index("llama3_8b_1node.yaml")])
     overrides = ["--trainer.devices=4", "--trainer.num_nodes", "2", "--trainer.strategy.init_args.tensor_parallel_size=2",
