@@ -98,6 +98,9 @@ def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", c
     the initial one), the same meshes; its seeded init gives the trained model's initial values (``seed`` must return
     the trained model's).
 
+    Its parameters are stored in the dtype FSDP computes in (``param_dtype``: bf16 under ``bf16-mixed``), not in fp32
+    as a trained model's are (for its optimizer): FSDP casts each shard to ``param_dtype`` before gathering it, so the
+    forward sees the same values, and the copy takes half the memory (``store_in``; buffers keep their dtype).
     Under FSDP2 every unit reshards after its forward (``reshard_after_forward="always"``): the ``"default"`` policy
     keeps the output unit gathered for the backward that follows, and a frozen model has none, so its head would stay
     gathered from one step to the next (SimpleFSDP gathers a weight at each use, and without autograd nothing keeps
@@ -110,11 +113,32 @@ def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", c
     name = getattr(frozen, "name", None) or type(frozen).__name__
     if problems := frozen_pipeline(True, config.pipeline_parallel_size, name):
         raise ParallelConfigError(problems)
+    store_in(frozen, frozen_dtype(config, precision))
     if config.fsdp_backend == "fully_shard":
         config = replace(config, reshard_after_forward="always")
     parallelized = parallelize_and_materialize(frozen, mesh, config, plan, precision, device, seed, known_init_hooks)
     frozen.requires_grad_(False)
     return parallelized
+
+
+def frozen_dtype(config: ParallelConfig, precision: str) -> torch.dtype:
+    """The dtype a frozen model's parameters are stored in under ``precision``: the one FSDP computes in
+    (``param_dtype``), or the stored one where that is lower (``bf16-true``'s bf16)."""
+    compute = config.resolve_dtypes(precision).param_dtype
+    stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    return compute if compute.itemsize < stored.itemsize else stored
+
+
+def store_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model``'s floating parameters (on the meta device, before it is parallelized) as parameters of ``dtype``,
+    frozen, a tied one still one parameter; its buffers keep their dtype (a rotary table is computed in fp32)."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                setattr(module, name, cast[id(param)])
 
 
 def materialize_frozen(frozen: FrozenModel, plan: ParallelPlan, device: torch.device, seed: int,
@@ -123,4 +147,7 @@ def materialize_frozen(frozen: FrozenModel, plan: ParallelPlan, device: torch.de
     convert_and_materialize(frozen, plan, device, seed, {}, known_init_hooks)
 
 
-__all__ = ["FrozenModel", "frozen_pipeline", "held_frozen", "materialize_frozen", "parallelize_frozen"]
+__all__ = [
+    "FrozenModel", "frozen_dtype", "frozen_pipeline", "held_frozen", "materialize_frozen", "parallelize_frozen",
+    "store_in",
+]

@@ -157,3 +157,33 @@ def test_references_that_cannot_be_are_refused_at_construction():
         LlamaLightningModule("debug", preference={"loss": "sigmoid"})
     assert LlamaLightningModule("debug", preference=PreferenceLoss("simpo")).preference.loss_type == "simpo"
     assert LlamaLightningModule("debug", preference={}).frozen_models() == []  # declared when the model is
+
+
+def test_a_parallelized_frozen_copy_is_stored_in_the_dtype_fsdp_computes_in():
+    """``parallelize_frozen`` under ``bf16-mixed`` (one rank of a fake world): the copy's parameters are bf16 (FSDP
+    would cast fp32 ones to bf16 before gathering them: the same values, half the memory), equal to the fp32 seeded
+    init cast, a tied weight still one parameter, the rotary table fp32, nothing requiring a gradient."""
+    from lightning_2d import ModelArgs, Transformer
+    from lightning_2d.models import registry
+    from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel.config import ParallelConfig
+    from lightning_2d.parallel.dims import ParallelDims
+    from lightning_2d.parallel.frozen import parallelize_frozen
+    from lightning_2d.tools.planner import fake_world
+
+    args = ModelArgs.from_name("debug", n_layers=2, tie_word_embeddings=True)
+    config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1)
+    with fake_world(1):
+        with torch.device("meta"):
+            copy = Transformer(args)
+        copy.requires_grad_(False)
+        parallelize_frozen(copy, ParallelDims(1, 1, 1).build_mesh("cpu"), config, llama_plan(args, config),
+                           "bf16-mixed", torch.device("cpu"), seed=lambda: 7, known_init_hooks=registry.known_init_hooks)
+        assert {p.dtype for p in copy.parameters()} == {torch.bfloat16} and copy.rope.dtype == torch.float32
+        assert copy.output.weight is copy.tok_embeddings.weight and not any(p.requires_grad for p in copy.parameters())
+        stored = {name: param.full_tensor() for name, param in copy.named_parameters()}
+    initial = Transformer(args)
+    initial.init_weights(7)
+    assert stored.keys() == dict(initial.named_parameters()).keys()
+    for name, param in initial.named_parameters():
+        assert torch.equal(stored[name], param.detach().to(torch.bfloat16)), name
