@@ -12,6 +12,15 @@ Trainer strategy calls. A custom ``parallelize_fn(module, device_mesh)`` is stil
 Checkpoints (``fabric.save``/``fabric.load``) go through ``DistributedCheckpointIO``: complete or
 ignored, resumable at another layout, optionally written in the background; under LoRA they hold the adapters only
 (with their settings and base), as the Trainer's do.
+
+A model beside the trained one that is not trained (a DPO reference, a distillation teacher) is given to
+``fabric.setup`` with every parameter frozen::
+
+    reference.requires_grad_(False)
+    reference = fabric.setup(reference)    # same steps, same meshes; no gradients, no optimizer, no checkpoint
+
+It is parallelized by ``lightning_2d.parallel.frozen.parallelize_frozen``, as the Trainer strategy parallelizes a
+module's ``frozen_models()``; an optimizer over its parameters and a ``fabric.save`` of it are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from lightning_2d.integration.strategy_base import STRATEGY_NAME, ModelParallel2
 from lightning_2d.models import registry
 from lightning_2d.models.registry import validation_inputs_of, resolve_plan
 from lightning_2d.parallel.config import ParallelConfig
+from lightning_2d.parallel.converters import ModelConverters
+from lightning_2d.parallel.frozen import held_frozen
 from lightning_2d.parallel.fsdp_backend import FSDPBackend
 from lightning_2d.parallel.grad_norm import clip_grad_norm_
 from lightning_2d.parallel.guard import check_finite_weights
@@ -157,18 +168,31 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        """``fabric.setup(model)``: the trained model (converted, parallelized, materialized), or a frozen one held
+        beside it (``held_frozen``: no parameter requires a gradient, no adapters declared; a DPO reference, a
+        distillation teacher): the same steps on the same meshes with its own plan, every unit resharded after its
+        forward, no gradients, and nothing of the trained model's state (its pipeline, its checkpoints) touched."""
         precision = self.precision.precision
         if self._user_parallelize_fn is not None:
+            frozen = held_frozen(module, ModelConverters())  # the hook converts nothing
             module = self._user_parallelize_fn(module, self.device_mesh)
             if not isinstance(module, nn.Module):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
             materialize_model(module, self.root_device, seed=self._init_seed(module))
-            self.distributed_checkpoint_io.trained_subset = None  # converted by nobody: checkpoints hold all of it
+            if frozen:
+                self.frozen_modules.add(module)  # kept out of optimizers and checkpoints all the same
+            else:
+                self.distributed_checkpoint_io.trained_subset = None  # converted by nobody: checkpoints hold all of it
             return module
         plan = resolve_plan(module, self.parallel_config, self.strategy_options.plan)
         # The model's constraints (its plan, its adapters, its experts), before any collective touches it.
         inputs = validation_inputs_of(module)
-        self.validate(plan=plan, **inputs)
+        frozen = held_frozen(module, ModelConverters.of(plan, inputs))
+        self.validate(plan=plan, frozen=frozen, **inputs)
+        if frozen:
+            module.eval()  # never trained: no dropout (the trained model's train()/eval() do not reach it)
+            self._parallelize_frozen_model(module, plan, precision, seed_owner=module)
+            return module
         self._keep_parallelized(module, parallelize_and_materialize(
             module, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
             seed=lambda: self._init_seed(module), known_init_hooks=registry.known_init_hooks,
@@ -176,6 +200,35 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         ))
         self._setup_modules.append(module)
         return module
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+                                    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        """``fabric.setup(model, optimizer)``: refused for a frozen model before anything is parallelized."""
+        if optimizers and not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                f"fabric.setup({type(module).__name__}, optimizer): no parameter of {type(module).__name__} requires a"
+                " gradient, so it is a frozen model held beside the trained one (a reference, a teacher) and has no"
+                " optimizer. Set it up alone: `reference = fabric.setup(reference)`; give the optimizer the trained"
+                " model's parameters"
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers``: an optimizer over a frozen model's parameters is refused (torch would skip them,
+        gradient-less, without a word)."""
+        frozen = self._frozen_parameters()
+        held = [frozen[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in frozen]
+        if held:
+            module, name = held[0]
+            raise ValueError(
+                f"The optimizer given to fabric.setup_optimizers holds {len(held)} parameter(s) of the frozen model"
+                f" {type(module).__name__} set up by fabric.setup (e.g. {name!r}): a frozen model (every parameter"
+                " requires_grad=False: a reference, a teacher) is never trained. Build the optimizer over the trained"
+                " model's parameters: `[p for p in model.parameters() if p.requires_grad]`"
+            )
+        return super().setup_optimizer(optimizer)
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -212,6 +265,11 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         the model's state is its adapters (``DistributedCheckpointIO.trained_subset``)."""
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support filtered checkpoints")
+        if frozen := [key for key, obj in state.items() if isinstance(obj, nn.Module) and obj in self.frozen_modules]:
+            raise ValueError(
+                f"fabric.save: state[{frozen[0]!r}] is a frozen model held beside the trained one, which no checkpoint"
+                " keeps (it is rebuilt as it was set up: its init or its weights). Leave it out of the state"
+            )
         io = self.distributed_checkpoint_io
         path = io.path_to_save(path, storage_options)
         modules = [obj for obj in state.values() if isinstance(obj, nn.Module)]

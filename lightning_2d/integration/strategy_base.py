@@ -39,6 +39,7 @@ Fabric's ``setup_module`` and ``fabric.save`` state.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -162,6 +163,9 @@ class ModelParallel2DBase(LightningStrategyMembers):
         #: given to ``fabric.setup``): the model, its pipeline, the meshes. The strategy hands it on; nothing
         #: looks it up.
         self.parallelized: Optional[Parallelized] = None
+        #: The frozen models parallelized beside the trained one (``_parallelize_frozen_model``): in no optimizer,
+        #: no checkpoint. Weak: a model the user drops is not kept alive (nor its parameters' ids reused).
+        self.frozen_modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._known_warnings = KnownWarnings()
 
     # ``__init__`` is generated from the options' fields, twice: type checkers and IDEs read the declaration (they do
@@ -362,8 +366,19 @@ class ModelParallel2DBase(LightningStrategyMembers):
         (the same ``init_from``, or the same seed)."""
         frozen_models = getattr(owner, "frozen_models", None)
         for frozen in (frozen_models() if callable(frozen_models) else []):
-            parallelize_frozen(frozen, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
-                               seed=lambda: self._init_seed(owner), known_init_hooks=registry.known_init_hooks)
+            self._parallelize_frozen_model(frozen, plan, precision, seed_owner=owner)
+
+    def _parallelize_frozen_model(self, frozen: nn.Module, plan: Any, precision: str, seed_owner: Any) -> None:
+        """``parallelize_frozen`` of one frozen model (a ``FrozenModel`` the Trainer's module declares, or a model
+        given frozen to ``fabric.setup``) on this strategy's meshes, initialized with ``seed_owner``'s seed (the
+        trained model's, which its seeded init then reproduces); kept in ``frozen_modules``."""
+        parallelize_frozen(frozen, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
+                           seed=lambda: self._init_seed(seed_owner), known_init_hooks=registry.known_init_hooks)
+        self.frozen_modules.add(frozen)
+
+    def _frozen_parameters(self) -> dict[int, tuple[nn.Module, str]]:
+        """Every parameter of the frozen models this strategy set up, by ``id``: its model and name."""
+        return {id(p): (module, name) for module in self.frozen_modules for name, p in module.named_parameters()}
 
     def _init_seed(self, owner: Any = None) -> int:
         """The strategy's ``init_seed``, else ``owner.init_seed``, else rank 0's torch seed (broadcast)."""

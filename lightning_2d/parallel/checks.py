@@ -60,6 +60,8 @@ INPUTS: dict[str, str] = {
     "experts": "whether the model has mixture-of-experts layers (ours or transformers'), known before its plan",
     "supports_document_mask": "whether the module takes packed documents' positions (its supports_document_mask)",
     "hf_config": "the Hugging Face config of the HFCausalLMModule trained (the planner's, for a config.json)",
+    "frozen": "whether the model given to fabric.setup is held frozen beside the trained one, a reference or a teacher"
+              " (parallel.frozen.held_frozen: no parameter requires a gradient)",
     "preference": "the preference loss (ops.preference.PreferenceLoss) the module trains with (its preference=);"
                   " None: next-token training",
     "preference_units": "what a PreferenceDataModule's rows are: 'pairs' (chosen and rejected) or 'examples'"

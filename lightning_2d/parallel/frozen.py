@@ -6,17 +6,23 @@ weights). The strategies parallelize and materialize it as they do the trained m
 meshes (``parallelize_frozen``: TP/SP, FSDP-sharded, its parameters never requiring gradients); on one device
 ``materialize_frozen`` does the rest without the parallelism. The owner keeps it outside its registered modules, so
 it has no optimizer state, is in no checkpoint and adds nothing to the gradient norm.
+
+Under Fabric there is no owner to declare it: a model given to ``fabric.setup`` whose parameters are all frozen
+(``held_frozen``) is such a model, parallelized by the same ``parallelize_frozen`` with its own plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
-from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.checks import check
+from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.parallelize import Parallelized, convert_and_materialize, parallelize_and_materialize
 
 if TYPE_CHECKING:
@@ -59,13 +65,80 @@ class FrozenModel(nn.Module):
             return self.frozen()(*args, **kwargs)
 
 
-def parallelize_frozen(frozen: FrozenModel, mesh: "ParallelMeshes | DeviceMesh", config: ParallelConfig,
+def held_frozen(model: nn.Module, converters: ModelConverters) -> bool:
+    """Whether ``model`` (given to ``fabric.setup``) is a model held frozen beside the trained one: it has parameters,
+    none requires a gradient, and it asks for no model converter (adapters declared on a frozen base train).
+
+    Args:
+        model: The model, on the meta device.
+        converters: The converters it asks for (``ModelConverters.of(plan, validation_inputs_of(model))``).
+    """
+    params = list(model.parameters())
+    return bool(params) and not any(p.requires_grad for p in params) and not converters.converters
+
+
+@check
+def frozen_pipeline(frozen: bool, pipeline_parallel_size: int, owner: str = "the model") -> list[str]:
+    """A frozen model is run whole by the training step: a pipeline would cut it into stages only a schedule runs."""
+    if not frozen or pipeline_parallel_size == 1:
+        return []
+    return [
+        f"{owner} is a frozen model held beside the trained one (every parameter requires_grad=False), but"
+        f" pipeline_parallel_size={pipeline_parallel_size} would split it into stages that only the pipeline schedule"
+        " runs, and the training step calls its forward whole. Use pipeline_parallel_size=1 (FSDP, tensor and"
+        " context parallelism shard it)"
+    ]
+
+
+def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", config: ParallelConfig,
                        plan: ParallelPlan, precision: str, device: torch.device, seed: Callable[[], int],
                        known_init_hooks: Callable[[nn.Module], Any] = lambda model: None) -> Parallelized:
-    """``parallelize_and_materialize`` of a frozen model: the trained model's plan (no converters: the frozen model
-    is the initial one), the same meshes; its seeded init gives the trained model's initial values (``seed`` must
-    return the trained model's)."""
-    return parallelize_and_materialize(frozen, mesh, config, plan, precision, device, seed, known_init_hooks)
+    """``parallelize_and_materialize`` of a frozen model (a ``FrozenModel``, or a model whose parameters are all
+    frozen, given to ``fabric.setup``): ``plan`` (the trained model's for its copy; no converters: the frozen model is
+    the initial one), the same meshes; its seeded init gives the trained model's initial values (``seed`` must return
+    the trained model's).
+
+    Its parameters are stored in the dtype FSDP computes in (``param_dtype``: bf16 under ``bf16-mixed``), not in fp32
+    as a trained model's are (for its optimizer): FSDP casts each shard to ``param_dtype`` before gathering it, so the
+    forward sees the same values, and the copy takes half the memory (``store_in``; buffers keep their dtype).
+    Under FSDP2 every unit reshards after its forward (``reshard_after_forward="always"``): the ``"default"`` policy
+    keeps the output unit gathered for the backward that follows, and a frozen model has none, so its head would stay
+    gathered from one step to the next (SimpleFSDP gathers a weight at each use, and without autograd nothing keeps
+    it). Its parameters are frozen again afterwards: they never require gradients.
+
+    Raises:
+        ParallelConfigError: under pipeline parallelism (``frozen_pipeline``; the strategies' validation refuses it
+            first where it knows the model is frozen).
+    """
+    name = getattr(frozen, "name", None) or type(frozen).__name__
+    if problems := frozen_pipeline(True, config.pipeline_parallel_size, name):
+        raise ParallelConfigError(problems)
+    store_in(frozen, frozen_dtype(config, precision))
+    if config.fsdp_backend == "fully_shard":
+        config = replace(config, reshard_after_forward="always")
+    parallelized = parallelize_and_materialize(frozen, mesh, config, plan, precision, device, seed, known_init_hooks)
+    frozen.requires_grad_(False)
+    return parallelized
+
+
+def frozen_dtype(config: ParallelConfig, precision: str) -> torch.dtype:
+    """The dtype a frozen model's parameters are stored in under ``precision``: the one FSDP computes in
+    (``param_dtype``), or the stored one where that is lower (``bf16-true``'s bf16)."""
+    compute = config.resolve_dtypes(precision).param_dtype
+    stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    return compute if compute.itemsize < stored.itemsize else stored
+
+
+def store_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model``'s floating parameters (on the meta device, before it is parallelized) as parameters of ``dtype``,
+    frozen, a tied one still one parameter; its buffers keep their dtype (a rotary table is computed in fp32)."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                setattr(module, name, cast[id(param)])
 
 
 def materialize_frozen(frozen: FrozenModel, plan: ParallelPlan, device: torch.device, seed: int,
@@ -74,4 +147,7 @@ def materialize_frozen(frozen: FrozenModel, plan: ParallelPlan, device: torch.de
     convert_and_materialize(frozen, plan, device, seed, {}, known_init_hooks)
 
 
-__all__ = ["FrozenModel", "materialize_frozen", "parallelize_frozen"]
+__all__ = [
+    "FrozenModel", "frozen_dtype", "frozen_pipeline", "held_frozen", "materialize_frozen", "parallelize_frozen",
+    "store_in",
+]

@@ -88,8 +88,9 @@ class MemoryBar:
 def memory_bars(report: PlanReport) -> list[MemoryBar]:
     """The bars ``plot_memory`` draws: one per pipeline rank (one without a pipeline).
 
-    Parameters include the module buffers (the rotary table); FSDP buffers are the all-gathered parameters, the
-    reduce-scatter buffers and the unsharded gradients kept between micro-batches.
+    Parameters include the module buffers (the rotary table) and a preference loss's frozen reference copy; FSDP
+    buffers are the all-gathered parameters, the reduce-scatter buffers and the unsharded gradients kept between
+    micro-batches.
     """
     entries: list[tuple[str, Mapping[str, Any]]]
     if report.pipeline:
@@ -103,7 +104,7 @@ def memory_bars(report: PlanReport) -> list[MemoryBar]:
     bars = []
     for label, e in entries:
         parts = {
-            "parameters": e["param_bytes"] + e["buffer_bytes"],
+            "parameters": e["param_bytes"] + e["buffer_bytes"] + e.get("reference_bytes", 0),
             "gradients": e["grad_bytes"],
             "optimizer state": e["optimizer_bytes"],
             "FSDP buffers": e["all_gather_bytes"] + e["reduce_scatter_bytes"] + e["accumulation_bytes"],

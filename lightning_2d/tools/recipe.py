@@ -212,6 +212,8 @@ class RecipeRun:
         data: The ``data`` section's arguments (``TextDataModule``'s, ``ChatDataModule``'s, whose ``document_mask``
             is ``pack``, or ``PreferenceDataModule``'s, whose ``document_mask`` is always on).
         lora: The module's ``lora`` settings (a dict), ``None`` for full fine-tuning.
+        preference: The module's ``preference`` loss (a dict of ``PreferenceLoss``'s fields), ``None`` for
+            next-token training.
     """
 
     module_class: str
@@ -228,6 +230,7 @@ class RecipeRun:
     config: Any
     data: dict[str, Any] = field(default_factory=dict)
     lora: Optional[dict[str, Any]] = None
+    preference: Optional[dict[str, Any]] = None
 
     @property
     def seq_len(self) -> int:
@@ -316,6 +319,7 @@ def run_of(config: Any) -> RecipeRun:
         config=strategy.parallel_config,
         data=data,
         lora=module.hparams.get("lora"),
+        preference=module.hparams.get("preference"),
     )
 
 

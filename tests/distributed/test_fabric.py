@@ -2,6 +2,8 @@
 
 Real jobs (4 CPU processes, gloo) on a small real-text corpus, 6 fp32 AdamW steps, gradients
 clipped to 0.5 (every step is clipped: the clipping uses the global norm of sharded gradients).
+The 2×2 and the single-device jobs then run recipes/fabric_dpo.py in the same processes: DPO of the whole model
+against a frozen copy set up beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,25 @@ from tests.distributed.test_parity import LOSS_RTOL
 pytestmark = pytest.mark.distributed
 
 GLOBAL_BATCH = 4
+#: recipes/fabric_dpo.py's run after the pretraining loop in these jobs' processes (``then_dpo``: no launch of its
+#: own): 4 steps of 4 windows of 128 positions, several of 96 built-in pairs packed in each.
+THEN_DPO = ("fabric_single", "fabric_2x2")
+DPO_STEPS, DPO_PAIRS = 4, 96
+
+
+def dpo_pairs(root) -> dict:
+    """recipes/fabric_dpo.py's data arguments: built-in pairs in a file, its cache prepared here once."""
+    import json
+
+    from lightning_2d import PreferenceDataModule
+    from lightning_2d.data.preference.builtin import stdlib_preference_rows
+
+    path = root / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in stdlib_preference_rows()[:DPO_PAIRS]))
+    args = {"data": str(path), "cache_dir": str(root / "pairs_cache"), "max_length": 60, "seq_len": 128}
+    PreferenceDataModule(args["data"], cache_dir=args["cache_dir"], max_length=args["max_length"],
+                         seq_len=args["seq_len"]).prepare(num_workers=1)
+    return {**args, "steps": DPO_STEPS, "lr": 1e-3}  # as the Trainer's preference jobs (test_preference.py)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +49,13 @@ def fabric_jobs(jobs, tmp_path_factory):
     for path in stdlib_sources()[:6]:
         shutil.copy(path, corpus / path.name)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": 64, "grad_clip": 0.5}
+    dpo = dpo_pairs(root)
 
     def run(name, dp=1, tp=1, strategy="2d", accumulate=1, **extra):
         config = {**base, "strategy": strategy, "dp": dp, "tp": tp, "accumulate": accumulate,
                   "batch_size": GLOBAL_BATCH // dp // accumulate, **extra}
+        if name in THEN_DPO:
+            config["then_dpo"] = {**dpo, "batch_size": GLOBAL_BATCH // dp}
         return jobs.run(name, "fabric", config, nprocs=dp * tp * extra.get("pp", 1))
 
     return root, run
@@ -225,3 +249,45 @@ def test_a_mixture_of_experts_under_fabric_with_expert_parallelism_equals_the_si
     final, expected = load_weights(parallel, "final"), load_weights(single, "final")
     for name, weight in expected.items():
         torch.testing.assert_close(final[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_dpo_against_a_frozen_reference_set_up_beside_the_policy_equals_the_single_device_loop(fabric_jobs):
+    """recipes/fabric_dpo.py: the policy and a frozen copy (every parameter ``requires_grad=False``) both given to
+    ``fabric.setup``. At 2×2 (FSDP × TP, sequence parallel) the reference's parameters are DTensors placed as the
+    policy's (every unit resharded between steps: its head too), never require or get a gradient, and end as they
+    started (the seeded init, bit for bit); the DPO losses, TRL's metrics, gradient norms and the policy's final weights
+    equal the single-device loop's."""
+    from lightning_2d import ModelArgs, Transformer
+
+    root, run = fabric_jobs
+    single = run("fabric_single", strategy="single")
+    sharded = run("fabric_2x2", dp=2, tp=2, save_every=3, checkpoint_dir=str(root / "ckpt"))
+    ref = single.rank_output(0)["dpo"]
+    assert len(ref["loss"]) == DPO_STEPS and ref["metrics"][-1]["rewards/margins"] > 0  # it trained
+    for rank in range(4):
+        out = sharded.rank_output(rank)["dpo"]
+        placed = out["placements"]
+        assert placed["reference"] and placed["reference"] == placed["policy"]
+        # FSDP's row shards (strided under a tensor-parallel row split) over the data-parallel ranks
+        assert all(p["mesh_dims"][0] == "data_parallel" and "Shard(dim=0" in p["placements"][0]
+                   for p in placed["reference"].values())
+        assert not any(out["reference_requires_grad"]) and not any(out["reference_has_grad"])
+        loss_error = max(abs(x - y) / abs(y) for x, y in zip(out["loss"], ref["loss"], strict=True))
+        norm_error = max(abs(x - y) / abs(y) for x, y in zip(out["grad_norm"], ref["grad_norm"], strict=True))
+        print(f"fabric DPO rank {rank}: worst relative loss error {loss_error:.2e}, gradient norm {norm_error:.2e}"
+              f" ({out['seconds']:.1f} s added to the 2x2 job, {ref['seconds']:.1f} s to the single-device one)")
+        assert loss_error <= LOSS_RTOL and norm_error <= LOSS_RTOL
+        for got, want in zip(out["metrics"], ref["metrics"], strict=True):
+            for name, value in want.items():  # rewards: beta x a difference of sums of ~-400 (see test_preference)
+                assert got[name] == pytest.approx(value, **({"rel": 1e-5} if name.startswith("logps/") else {"abs": 5e-5}))
+    final, ref_final = load_weights(sharded, "dpo_final"), load_weights(single, "dpo_final")
+    assert final.keys() == ref_final.keys()
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+    initial = Transformer(ModelArgs.from_name("debug", vocab_size=264))
+    initial.init_weights(42)  # the recipe's seeded init (--seed 42), the policy's start
+    for job in (sharded, single):
+        reference = load_weights(job, "dpo_reference")
+        assert len(reference) == len(dict(initial.named_parameters()))
+        for name, weight in reference.items():
+            assert torch.equal(weight, initial.get_parameter(name.removeprefix("_forward_module."))), name

@@ -1123,15 +1123,51 @@ def bench_checkpoint(cfg: dict) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({"step_times": timer.times}))
 
 
-def fabric_loop(cfg: dict) -> None:
-    """recipes/fabric_pretrain.py's loop, under the 2D Fabric strategy or a plain single-device Fabric."""
+def load_recipe(name: str) -> Any:
+    """``recipes/NAME.py`` as a module (its ``parse_args`` and ``train``)."""
     import importlib.util
 
-    from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
-
-    spec = importlib.util.spec_from_file_location("fabric_pretrain", REPO / "recipes" / "fabric_pretrain.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
+    return recipe
+
+
+def fabric_dpo(fabric: L.Fabric, cfg: dict, out_dir: Path) -> dict:
+    """recipes/fabric_dpo.py's loop in the processes of a Fabric job already launched (``then_dpo``): a policy and its
+    frozen reference set up side by side. Returns each step's loss, gradient norm and TRL metrics, both models'
+    parameter placements after the first step, and at every step whether a reference parameter required or had a
+    gradient, and the run's seconds; saves the final weights of both (``dpo_final``, ``dpo_reference``)."""
+    recipe = load_recipe("fabric_dpo")
+    args = recipe.parse_args([
+        "--data", cfg["data"], "--cache-dir", cfg["cache_dir"], "--max-length", str(cfg["max_length"]),
+        "--seq-len", str(cfg["seq_len"]), "--batch-size", str(cfg["batch_size"]), "--max-steps", str(cfg["steps"]),
+        "--warmup-steps", "2", "--lr", str(cfg["lr"]), "--log-every", "1000",
+    ])
+    mesh = getattr(fabric.strategy, "device_mesh", None)
+    record: dict[str, Any] = {"reference_requires_grad": [], "reference_has_grad": []}
+
+    def on_step(step: int, policy, reference) -> None:
+        params = list(reference.parameters())
+        record["reference_requires_grad"].append(any(p.requires_grad for p in params))
+        record["reference_has_grad"].append(any(p.grad is not None for p in params))
+        if step == 1:  # sharded as they are between steps (FSDP's units resharded)
+            record["placements"] = {"policy": placements(policy.module), "reference": placements(reference.module)}
+        if step == args.max_steps:
+            save_state(policy, mesh, fabric.global_rank, out_dir, "dpo_final")
+            save_state(reference, mesh, fabric.global_rank, out_dir, "dpo_reference")
+
+    start = time.perf_counter()
+    history = recipe.train(fabric, args, on_step=on_step)
+    return {**history, **record, "seconds": time.perf_counter() - start}  # what the DPO run adds to its job
+
+
+def fabric_loop(cfg: dict) -> None:
+    """recipes/fabric_pretrain.py's loop, under the 2D Fabric strategy or a plain single-device Fabric; with
+    ``then_dpo``, recipes/fabric_dpo.py's after it in the same processes (``fabric_dpo``)."""
+    from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
+
+    recipe = load_recipe("fabric_pretrain")
     out_dir, world = Path(cfg["out_dir"]), int(os.environ["WORLD_SIZE"])
     argv = ["--data", cfg["corpus"], "--cache-dir", cfg["cache_dir"], "--seq-len", str(cfg["seq_len"]),
             "--batch-size", str(cfg["batch_size"]), "--accumulate", str(cfg.get("accumulate", 1)),
@@ -1195,6 +1231,8 @@ def fabric_loop(cfg: dict) -> None:
 
         again = recipe.parse_args(argv + ["--save-every", "0", "--resume", cfg["then_resume"]])
         result["resumed"] = recipe.train(fabric, again, on_step=on_resumed_step)
+    if cfg.get("then_dpo"):  # after everything the pretraining run recorded (its reduce-scatter count)
+        result["dpo"] = fabric_dpo(fabric, cfg["then_dpo"], out_dir)
     if cfg.get("refuse"):
         # Checkpoints the test planted a payload in, loaded as fabric.load loads: each rank's refusal (None: loaded).
         from lightning_2d.checkpoint import CheckpointError

@@ -27,6 +27,7 @@ from lightning_2d import (
 from lightning_2d.checkpoint.errors import CheckpointError, ExportError
 from lightning_2d.checkpoint.resolution import check_ckpt_path, resolve_checkpoint
 from lightning_2d.data import DataError
+from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
 from lightning_2d.ops.lora import LoRAConfigError
 from lightning_2d.ops.preference import PreferenceConfigError
 
@@ -426,6 +427,13 @@ if _hf_available():
          PreferenceConfigError, r"preference loss_type='sigmoid' compares a chosen and a rejected completion of one"
                                 r" prompt, but the PreferenceDataModule's rows are unpaired examples.*use"
                                 r" loss_type='kto'"),
+        ("a frozen model given to fabric.setup under pipeline parallelism", lambda _: L.Fabric(
+            accelerator="cpu", devices=4, strategy=FabricStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                                  pipeline_parallel_size=2),
+        ).strategy.validate(frozen=True, owner="Transformer"),  # what fabric.setup(reference) checks first
+         ParallelConfigError, r"Transformer is a frozen model held beside the trained one \(every parameter"
+                              r" requires_grad=False\), but pipeline_parallel_size=2 would split it.*Use"
+                              r" pipeline_parallel_size=1"),
     ]
 
 

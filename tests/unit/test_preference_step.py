@@ -238,3 +238,46 @@ def test_a_batch_of_the_other_kind_is_refused_by_the_step():
     with pytest.raises(PreferenceConfigError, match=r"loss_type='sigmoid' compares a chosen and a rejected completion"
                                                     r" of one prompt, but the batch holds unpaired examples"):
         module._preference_step(PreferenceLoss("sigmoid"), examples, train=False)
+
+def test_a_parallelized_frozen_copy_is_stored_in_the_dtype_fsdp_computes_in(tmp_path):
+    """``parallelize_frozen`` under ``bf16-mixed`` (a one-rank gloo world): the copy's parameters are bf16, the fp32
+    seeded init cast (a tied weight still one parameter, the rotary table fp32, nothing requiring a gradient), and its
+    forward is bit for bit that of the model stored in fp32 (FSDP casts those to bf16 before gathering): the same
+    reference at half the memory."""
+    import torch.distributed as dist
+
+    from lightning_2d import ModelArgs, Transformer
+    from lightning_2d.models import registry
+    from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel.config import ParallelConfig
+    from lightning_2d.parallel.dims import ParallelDims
+    from lightning_2d.parallel.frozen import parallelize_frozen
+    from lightning_2d.parallel.parallelize import parallelize_and_materialize
+
+    args = ModelArgs.from_name("debug", n_layers=2, tie_word_embeddings=True)
+    config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1)
+    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        meshes, models = ParallelDims(1, 1, 1).build_mesh("cpu"), []
+        for parallelize in (parallelize_frozen, parallelize_and_materialize):
+            with torch.device("meta"):
+                model = Transformer(args).requires_grad_(False)
+            parallelize(model, meshes, config, llama_plan(args, config), "bf16-mixed", torch.device("cpu"),
+                        seed=lambda: 7, known_init_hooks=registry.known_init_hooks)
+            models.append(model)
+        copy, stored_fp32 = models
+        assert {p.dtype for p in copy.parameters()} == {torch.bfloat16} and copy.rope.dtype == torch.float32
+        assert {p.dtype for p in stored_fp32.parameters()} == {torch.float32}
+        assert copy.output.weight is copy.tok_embeddings.weight and not any(p.requires_grad for p in copy.parameters())
+        stored = {name: param.full_tensor() for name, param in copy.named_parameters()}
+        with torch.no_grad():
+            log_probs = [m(tokens[:, :-1], labels=tokens[:, 1:], per_token=True) for m in models]
+        assert torch.equal(*log_probs)
+    finally:
+        dist.destroy_process_group()
+    initial = Transformer(args)
+    initial.init_weights(7)
+    assert stored.keys() == dict(initial.named_parameters()).keys()
+    for name, param in initial.named_parameters():
+        assert torch.equal(stored[name], param.detach().to(torch.bfloat16)), name

@@ -72,6 +72,8 @@ class Architecture:
             resident table.
         first_block_slices: Under sequence parallelism the first block takes its slice of the whole sequence
             itself (``SequenceShardInput``): checkpointed, it keeps the whole input (``a·N·D``), not the slice.
+        keeps_embeddings: The forward holds the embedding's output (``a·N·D``, whole) until it returns
+            (``inputs_embeds``): a forward without a graph has it beside every block's working set.
     """
 
     fused_loss: bool = True
@@ -79,6 +81,7 @@ class Architecture:
     head_norms: bool = False
     rotary_per_forward: bool = False
     first_block_slices: bool = False
+    keeps_embeddings: bool = False
 
 
 #: Our Llama ``Transformer``.
@@ -89,7 +92,7 @@ def hf_architecture(model_type: str) -> Architecture:
     """A Hugging Face Llama-family decoder's (``model_type`` in ``HF_DECODER_TYPES``) under SDPA attention."""
     return Architecture(fused_loss=False, repeat_kv=False, head_norms=model_type in ("qwen3", "qwen3_moe"),
                         rotary_per_forward=True,
-                        first_block_slices=True)
+                        first_block_slices=True, keeps_embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,11 @@ class ActivationModel:
     and, unless ``loss_parallel`` (whose backward works in place), the log-softmax's gradient: up to
     ``3 · a·N·V'`` for the loss alone.
 
+    Preference tuning against a reference model (``reference_forward``) runs one more forward per micro-batch, without
+    a graph (``torch.no_grad``), after the trained model's forward and before its backward: nothing of it is kept, so
+    it adds only its own peak (``reference_forward_transient``: its largest block's working set, or its head's) while
+    every block's and the head's saved tensors are alive.
+
     Args:
         tokens: Tokens per micro-batch (``micro_batch_size × seq_len``).
         seq_shards: Sequence shards of the residual stream: ``tp`` under sequence parallelism, else 1.
@@ -194,6 +202,11 @@ class ActivationModel:
             block mask of its documents. Context parallelism builds one in any case.
         loss_parallel: Without the fused loss: the logits stay vocabulary-sharded for the loss (the
             strategy's ``loss_parallel``); else they are gathered whole on every tensor-parallel rank.
+        frozen_base: LoRA: the base's weights get no gradient (see ``for_layout``).
+        experts: A mixture of experts' blocks (``ExpertActivations``), else ``None``.
+        reference_forward: A preference loss's reference pass: each micro-batch also runs the reference model (a
+            frozen copy, or the trained model with its adapters off) forward without a graph, between the trained
+            model's forward and its backward.
     """
 
     tokens: int
@@ -217,6 +230,7 @@ class ActivationModel:
     document_mask: bool = False
     frozen_base: bool = False
     experts: Optional[ExpertActivations] = None
+    reference_forward: bool = False
 
     @property
     def _norm_row(self) -> int:
@@ -243,6 +257,7 @@ class ActivationModel:
         document_mask: bool = False,
         frozen_base: bool = False,
         expert_parallel: int = 1,
+        reference_forward: bool = False,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
@@ -269,6 +284,8 @@ class ActivationModel:
                 for their weights' gradients: the adapters' ``A`` needs them).
             expert_parallel: ``expert_parallel_size``: a mixture of experts' tokens are exchanged between that many
                 ranks (worst-case routing, ``ExpertActivations``), its experts whole on each tensor-parallel rank.
+            reference_forward: A preference loss's reference pass (one more forward without a graph per
+                micro-batch, ``reference_forward_transient``).
         """
         moe = getattr(args, "moe", None)
         experts = None
@@ -303,6 +320,7 @@ class ActivationModel:
             has_embedding=has_embedding,
             has_head=has_head,
             experts=experts,
+            reference_forward=reference_forward,
         )
 
     def is_moe_block(self, i: int) -> bool:
@@ -554,6 +572,96 @@ class ActivationModel:
             chunks = max(6 * chunk * v + a * v * d, 12 * chunk * v if several else 0)
         return hidden + chunks
 
+    # -- a forward without a graph (a preference loss's reference pass) ---------------------------------
+    def reference_forward_transient(self) -> int:
+        """Bytes one forward without a graph (``torch.no_grad``: the preference reference's pass) holds at its peak,
+        on top of what the trained model's forward keeps: nothing is saved and each tensor is freed after its last
+        use, so it is the largest of its blocks' working sets and its head's (``no_grad_block``, ``no_grad_head``).
+        Measured against the live tensors of such a forward on CPU in ``tests/unit/test_planner.py``."""
+        blocks = max((self.no_grad_block(self.is_moe_block(i)) for i in range(self.n_layers)), default=0)
+        return max(blocks, self.no_grad_head() if self.has_head else 0)
+
+    def no_grad_block(self, moe: bool = False) -> int:
+        """One block's peak without a graph. Its input ``x`` (``a·N/s·D``) is alive throughout, the residual ``h`` from
+        the attention on; each half holds its norm's output (and under sequence parallelism its all-gather to the whole
+        sequence, ``a·N·D``, while gathering next to the collective's own buffer). The largest moment of
+
+        * the attention: q, k, v (``a·N·(H + 2·H_kv)·Dh``) with, while q then k is rotated, the rotary's temporaries
+          (our Llama: fp32 ``8·N·h·Dh`` and in low precision the fp32 copy ``4·N·h·Dh``; a Hugging Face decoder's
+          ``rotate_half``: ``3·a·N·h·Dh``), or at the core the keys and values repeated to the query heads
+          (``2·a·N·H·Dh``; under context parallelism the group's, ``2·a·cp·N·H_kv·Dh``), the output and its
+          log-sum-exp, or the output projection's partial sum (``a·N·D``) being reduced (``reduction_bytes``);
+        * SwiGLU: ``silu(w1 x)``, ``w3 x`` and their product (``3·a·N·F``), or the product next to ``w2``'s output
+          being reduced; a mixture of experts' layer counted as what its training forward saves (an upper bound:
+          each tensor is freed sooner here);
+        * the second norm in low precision: its fp32 input and normalized value, their cast and its output.
+        """
+        n, a, d, rows = self.tokens, self.act_bytes, self.dim, self.tokens // self.seq_shards
+        x = a * rows * d  # a residual-stream tensor
+        whole = n * d * a
+        gathered = whole if self.seq_shards > 1 else 0  # a norm's output all-gathered for the projections
+        heads, kv, dh = self.heads, self.kv_heads, self.head_dim
+
+        def rotary(h: int) -> int:
+            if self.architecture.rotary_per_forward:  # rotate_half: q·cos, rotate_half(q), its product with sin
+                return 3 * a * n * h * dh
+            return 8 * n * h * dh + (4 * n * h * dh if a < 4 else 0)  # fp32 half products, their stack; q's copy
+
+        if self.cp > 1:  # the context group's keys and values, gathered at their own heads
+            keys_values = 2 * a * self.cp * n * kv * dh
+        else:
+            keys_values = 2 * a * n * heads * dh if self.architecture.repeat_kv and heads > kv else 0
+        output = a * n * heads * dh
+        attention = 2 * x + gathered + max(
+            gathered,  # the all-gather's buffer next to the gathered copy
+            a * n * (heads + 2 * kv) * dh + max(
+                rotary(heads), output + rotary(kv), keys_values + output + 4 * n * heads,
+                output + self.reduction_bytes(),
+            ),
+        )
+        if moe and self.experts is not None:
+            feed_forward = sum(self._experts_saved().values())
+        else:
+            feed_forward = max(3 * a * n * self.ffn_hidden, a * n * self.ffn_hidden + self.reduction_bytes())
+        mlp = 3 * x + gathered + max(gathered, feed_forward)
+        norm = 2 * x + 4 * rows * d + a * rows * d + (4 * rows * d + a * rows * d if a < 4 else 0)
+        # Held by the model's forward for every block: a Hugging Face decoder's embedding output and rotary rows.
+        held = (whole if self.architecture.keeps_embeddings else 0) + (
+            2 * self.seq_len * dh * a if self.architecture.rotary_per_forward else 0)
+        return held + max(attention, mlp, norm)
+
+    def reduction_bytes(self) -> int:
+        """Bytes of an output projection's (``wo``, ``w2``) result while it is reduced over the tensor-parallel ranks:
+        its partial sum of the whole sequence (``a·N·D``), and under sequence parallelism the reduce-scatter's
+        rearranged input and its output (``a·N·D + a·N/s·D``), else under tensor parallelism the all-reduce's output
+        (``a·N·D``)."""
+        whole = self.tokens * self.dim * self.act_bytes
+        if self.seq_shards > 1:
+            return 2 * whole + self._residual
+        return 2 * whole if self.tp > 1 else whole
+
+    def no_grad_head(self) -> int:
+        """The head's peak without a graph, each token's log-probability of its label.
+
+        The fused head (``linear_log_probs``): the final norm's output (whole under sequence parallelism, next to its
+        sharded original), a chunk's fp32 logits (in low precision next to their ``a``-byte product) beside the
+        previous chunk's exponentials, and the log-probabilities and log-normalizers (``8·N``). Without it (the
+        model returns the logits, as ``HFCausalLMModule.token_log_probs`` reads them): the logits of the whole
+        sequence (``a·N·V'``), their fp32 copy in low precision and their log-softmax (``4·N·V'`` each), the hidden
+        states freed by then; or, when tensor parallelism gathers the logits (no ``loss_parallel``), the gather's
+        buffer and result (``2·a·N·V'``) next to this rank's slice and the hidden states."""
+        n, a, d, v = self.tokens, self.act_bytes, self.dim, self.vocab
+        hidden = n * d * a + (self._residual if self.seq_shards > 1 else 0)
+        if not self.architecture.fused_loss:
+            vocab = self._loss_vocab
+            loss = a * n * vocab + (4 * n * vocab if a < 4 else 0) + 4 * n * vocab
+            gather = hidden + a * n * v + 2 * a * n * vocab if vocab != v else 0
+            return max(loss, gather)
+        chunk = n if self.loss_chunk_size is None else min(self.loss_chunk_size, n)
+        several = n > chunk
+        logits = 4 * chunk * v + (a * chunk * v if a < 4 else 0)
+        return hidden + logits + (4 * chunk * v if several else 0) + 8 * n
+
     # -- the peak ---------------------------------------------------------------------------------
     def block_modes(self, activation_checkpointing: str, selective_ac_option: Any = "op") -> list[str]:
         """Each block's mode under the configured activation checkpointing."""
@@ -570,9 +678,9 @@ class ActivationModel:
         """The peak of activation memory over one micro-batch's forward and backward.
 
         The candidates: the fused loss at the end of forward (every block's saved tensors alive) — without
-        the fused loss, the loss's forward and its backward —, the final norm's backward (all only
-        ``has_head``), and each block's backward (recomputation included) while the blocks before it still
-        hold theirs.
+        the fused loss, the loss's forward and its backward —, a preference loss's reference forward after it
+        (``reference_forward``), the final norm's backward (all only ``has_head``), and each block's backward
+        (recomputation included) while the blocks before it still hold theirs.
 
         Args:
             activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
@@ -594,6 +702,10 @@ class ActivationModel:
             ]
         elif self.has_head:
             moments = [("forward (fused loss)", blocks, sum(loss.values()), self.loss_forward_transient())]
+        if self.has_head and self.reference_forward:
+            # The reference's forward runs after the trained one's, whose saved tensors are all alive.
+            moments.append(("reference forward (no graph)", blocks, sum(loss.values()),
+                            self.reference_forward_transient()))
         if self.has_head:
             # The final norm's backward: the loss's buffers have become the head's gradient (FSDP's) and
             # the incoming gradient; RMSNorm's backward temporaries on top.

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from lightning_2d.models.hf_decoders import HF_DECODER_TYPES
 from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.ops.preference import LOSSES, REFERENCES
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig, ParallelConfigError
 from lightning_2d.tools.benchmark.options import add_strategy_options
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE
@@ -30,7 +31,7 @@ from lightning_2d.tools.recipe import RecipeError, RecipeRun, add_recipe_options
 #: What ``plan`` reads from a recipe.
 RECIPE_KEYS = ("trainer.devices, trainer.num_nodes, trainer.precision, trainer.accumulate_grad_batches,"
                " trainer.strategy (every option), model (its model, model_overrides, init_from, config,"
-               " fused_loss, loss_chunk_size), data.seq_len and data.batch_size (the micro-batch)")
+               " fused_loss, loss_chunk_size, lora, preference), data.seq_len and data.batch_size (the micro-batch)")
 
 #: The parser's own flags that share a name with a recipe's top-level key.
 OWN_FLAGS = ("--model",)
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                      " (a recipe's model.init_args.lora is read as it is)")
     run.add_argument("--qlora", action="store_true",
                      help="with --lora-rank: QLoRA, the adapted projections' frozen weights stored in NF4")
+    run.add_argument("--preference", choices=LOSSES, default=None, metavar="LOSS",
+                     help="plan preference tuning with this loss (" + ", ".join(LOSSES) + "): against a reference"
+                     " model (the DPO family) its forward without a graph each micro-batch, and without --lora-rank a"
+                     " frozen copy of the model's parameters beside it; replaces a recipe's model.init_args.preference"
+                     " (read as it is otherwise)")
+    run.add_argument("--preference-reference", choices=REFERENCES, default=None,
+                     help="the preference loss's reference model: auto (the default: adapters_off under LoRA, else"
+                     " copy), copy (a frozen copy) or adapters_off (the model with its adapters off)")
     run.add_argument("--loss-chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE,
                      help="tokens per chunk of the fused loss (default: 1024, LlamaLightningModule's)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -114,8 +123,9 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
         raise RecipeError("--qlora plans QLoRA adapters: give their rank with --lora-rank R (e.g. --lora-rank 16 --qlora)")
     lora = ({"rank": args.lora_rank, **({"quantize_base": "nf4"} if args.qlora else {})}
             if args.lora_rank is not None else None)
+    preference = _preference(args, run)
     if run is None:
-        return {**own, "config": ParallelConfig(**flags), "model_name": None, "lora": lora}
+        return {**own, "config": ParallelConfig(**flags), "model_name": None, "lora": lora, "preference": preference}
     from dataclasses import replace
 
     devices = args.devices if "devices" in given else run.devices
@@ -127,7 +137,7 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
         "precision": run.precision, "seq_len": run.seq_len, "micro_batch_size": run.batch_size,
         "accumulate_grad_batches": run.accumulate_grad_batches, "loss_chunk_size": run.loss_chunk_size,
         "model_overrides": None, "document_mask": bool(run.data.get("document_mask", False)),
-        "lora": lora if lora is not None else run.lora,
+        "lora": lora if lora is not None else run.lora, "preference": preference,
     }
     config = replace(run.config, **flags) if flags else run.config
     if config.pipeline_parallel_size > 1 and "micro_batch_size" not in given:
@@ -143,6 +153,21 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
     return {**chosen, "config": config}
 
 
+def _preference(args: argparse.Namespace, run: Optional[RecipeRun]) -> Optional[dict[str, Any]]:
+    """The preference loss planned: ``--preference`` (replacing the recipe's), else the recipe's, with
+    ``--preference-reference`` on top."""
+    preference = run.preference if run is not None else None
+    if args.preference is not None:
+        preference = {"loss_type": args.preference}
+    if args.preference_reference is not None:
+        if preference is None:
+            raise RecipeError(f"--preference-reference {args.preference_reference} plans a preference loss's reference"
+                              " model: give the loss with --preference LOSS (e.g. --preference sigmoid), or a recipe"
+                              " whose model has preference")
+        preference = {**preference, "reference": args.preference_reference}
+    return preference
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """``lightning-2d plan`` / ``python -m lightning_2d.tools.planner``."""
     parser = build_parser()
@@ -156,8 +181,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             device_memory_gib=args.device_memory_gib,
             reserve_gib=args.reserve_gib,
         )
-    except (ParallelConfigError, RecipeError) as err:
-        # The message lists every problem with its fix; a traceback would only bury it.
+    except (ParallelConfigError, RecipeError, ValueError) as err:
+        if not isinstance(err, (ParallelConfigError, RecipeError)) and not hasattr(err, "problems"):
+            raise  # not a refusal: a bug to show whole
+        # The message lists every problem with its fix (a check's own error, LoRA's or a preference loss's, carries
+        # them too); a traceback would only bury it.
         print(f"lightning-2d plan: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report), flush=True)

@@ -4,7 +4,8 @@ The planner's arguments are checked together with the layout (``validate_paralle
 once), each planned rank is built in the simulated world (``world.plan_rank_shards``), and its states, FSDP buffers
 (the FSDP backend's ``buffer_bytes``) and activations (``ActivationModel``, under a pipeline
 ``pipeline_activation_estimate``) are added up; the fullest rank decides the ``PlanReport``'s verdict, with
-``suggestions`` when it does not fit.
+``suggestions`` when it does not fit. Preference tuning adds its reference model (``_Reference``): a frozen copy's
+parameters, and the activations of its forward without a graph.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import torch
 from lightning_2d.models.hf_decoders import hf_moe_layers
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
+from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, raise_if_problems
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.parallel.converters import ModelConverters
+from lightning_2d.parallel.fsdp import FSDPUnit, reshard_after_forward_by_unit
+from lightning_2d.parallel.frozen import frozen_dtype
 from lightning_2d.parallel.fsdp_backend import fsdp_backend
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
 from lightning_2d.tools.planner.models import (
@@ -87,9 +91,10 @@ def _validate(
     precision: str,
     seq_len: Optional[int],
     lora: Optional[LoRA] = None,
+    preference: Optional[PreferenceLoss] = None,
 ) -> ParallelDims:
     """``validate_parallel_dims`` for the target (CUDA) world, with what the module training ``args`` says of itself
-    (``validation_inputs_of``: ``lora`` …), merged with the planner's own problems."""
+    (``validation_inputs_of``: ``lora``, ``preference`` …), merged with the planner's own problems."""
     if num_nodes < 1 or devices < 1:
         problems.append(f"num_nodes ({num_nodes}) and devices ({devices}) must be positive integers")
         raise ParallelConfigError(problems)
@@ -105,7 +110,7 @@ def _validate(
             num_nodes=num_nodes,
             device_type="cuda",  # the target's rules (float8, async TP), not this machine's
             device_index=None,  # no GPU to ask for its compute capability
-            **(validation_inputs_of(args, lora) if args is not None else {}),
+            **(validation_inputs_of(args, lora, preference) if args is not None else {}),
         )
     except ValueError as err:  # a ParallelConfigError, or the error a check declares (LoRA's)
         if not hasattr(err, "problems"):
@@ -132,6 +137,7 @@ def plan_run(
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     document_mask: bool = False,
     lora: Union[LoRA, Mapping[str, Any], None] = None,
+    preference: Union[PreferenceLoss, Mapping[str, Any], None] = None,
 ) -> PlanReport:
     """Check a layout and estimate its per-device memory for one training step, without GPUs.
 
@@ -172,6 +178,13 @@ def plan_run(
             base is counted as parameters only (no gradient, optimizer state or reduce-scatter buffer), the adapters
             in full; the activations as full fine-tuning's, less what only the frozen norms' and head's weight
             gradients would need.
+        preference: Preference tuning as the modules' ``preference=`` trains (``lightning_2d.PreferenceLoss`` or its
+            dict): against a frozen copy (``reference`` ``"copy"``, or ``"auto"`` without ``lora``) its parameters
+            are counted as the trained model's shards in their stored dtype (no gradient, optimizer state or
+            reduce-scatter buffer), and its all-gathers while it runs; against the model with its adapters off
+            nothing more is held; either reference adds its forward without a graph to each micro-batch (a candidate
+            activation peak, ``ActivationModel.reference_forward``). A reference-free loss (``simpo``, ``orpo``) is
+            planned as next-token training.
 
     Returns:
         The report (``as_dict()`` for JSON, ``format_report`` for the table).
@@ -181,7 +194,8 @@ def plan_run(
     """
     start = time.perf_counter()
     run = _read_run(
-        model, model_overrides, lora, config if config is not None else ParallelConfig(), num_nodes=num_nodes,
+        model, model_overrides, lora, preference, config if config is not None else ParallelConfig(),
+        num_nodes=num_nodes,
         devices=devices, precision=precision, seq_len=seq_len, micro_batch_size=micro_batch_size,
         accumulate_grad_batches=accumulate_grad_batches, loss_chunk_size=loss_chunk_size,
         device_memory_gib=device_memory_gib, reserve_gib=reserve_gib,
@@ -211,6 +225,7 @@ class _Run:
 
     args: PlannedArgs
     lora: Optional[LoRA]
+    preference: Optional[PreferenceLoss]
     dims: ParallelDims
     #: The options, dtypes resolved (without compile and float8 where the meta device could not set them up).
     config: ParallelConfig
@@ -227,11 +242,18 @@ class _Run:
         """Pipeline micro-batches per step (1 without a pipeline)."""
         return _pipeline_microbatches(self.config) if self.dims.pp > 1 else 1
 
+    @property
+    def reference(self) -> Optional[str]:
+        """The preference loss's reference model: ``"copy"``, ``"adapters_off"``, or ``None`` (none, or no preference
+        loss)."""
+        return self.preference.reference_mode(adapters=self.lora is not None) if self.preference is not None else None
+
 
 def _read_run(
     model: Union[str, Mapping[str, Any], ModelArgs],
     model_overrides: Optional[dict[str, Any]],
     lora: Union[LoRA, Mapping[str, Any], None],
+    preference: Union[PreferenceLoss, Mapping[str, Any], None],
     config: ParallelConfig,
     *,
     num_nodes: int,
@@ -244,7 +266,8 @@ def _read_run(
     device_memory_gib: float,
     reserve_gib: float,
 ) -> _Run:
-    """``plan_run``'s arguments read (the model, its adapters) and checked with the layout, every problem at once.
+    """``plan_run``'s arguments read (the model, its adapters, its preference loss) and checked with the layout, every
+    problem at once.
 
     Raises:
         ParallelConfigError: every problem of the layout and of the planner's arguments.
@@ -255,16 +278,21 @@ def _read_run(
     except LoRAConfigError as err:
         problems.append(str(err))
         lora = None
+    try:
+        preference = PreferenceLoss.of(preference)
+    except PreferenceConfigError as err:
+        problems.append(str(err))
+        preference = None
     args = read_model(model, model_overrides, problems)
     if seq_len is None and args is not None:
         seq_len = args.max_seq_len
     problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size,
                               accumulate_grad_batches)
     dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len,
-                     lora=lora)
+                     lora=lora, preference=preference)
     assert args is not None and seq_len is not None
     return _Run(
-        args=args, lora=lora, dims=dims, config=config.resolve_dtypes(precision), num_nodes=num_nodes, devices=devices,
+        args=args, lora=lora, preference=preference, dims=dims, config=config.resolve_dtypes(precision), num_nodes=num_nodes, devices=devices,
         precision=precision, seq_len=seq_len, micro_batch_size=micro_batch_size,
         accumulate_grad_batches=accumulate_grad_batches, loss_chunk_size=loss_chunk_size,
     )
@@ -299,6 +327,7 @@ def _activation_model(run: _Run, document_mask: bool, converters: ModelConverter
         micro_batch_size=run.micro_batch_size, act_dtype=config.param_dtype, loss_chunk_size=run.loss_chunk_size,
         cp=run.dims.cp, loss_parallel=config.loss_parallel, document_mask=document_mask,
         frozen_base=converters.freezes(), expert_parallel=config.expert_parallel_size,
+        reference_forward=run.reference is not None,
     )
 
 
@@ -313,7 +342,26 @@ def _notes(run: _Run, converters: ModelConverters, worst: _RankPlan) -> list[str
         notes += _pipeline_notes(run.config, run.microbatches, run.accumulate_grad_batches)
     if isinstance(run.args, HFDecoderArgs):
         notes += _hf_notes(run.args, run.seq_len, run.micro_batch_size)
+    if run.preference is not None:
+        notes.append(_preference_note(run))
     return notes + converters.plan_notes(worst.shard.optimized_numel, worst.shard.numel)
+
+
+def _preference_note(run: _Run) -> str:
+    """What the estimate assumes of a preference loss's reference and head."""
+    loss = f"preference ({run.preference.loss_type})" if run.preference is not None else "preference"
+    if run.reference is None:
+        return f"{loss}: reference-free, planned as next-token training (the chosen and rejected sequences are tokens)"
+    held = {
+        "copy": "a frozen copy beside the trained model: its parameters counted as the trained model's shards, stored"
+                " in param_dtype (no gradients, optimizer state or reduce-scatter buffers), its all-gathers a unit and"
+                " the next at a time while the trained model's output unit stays gathered",
+        "adapters_off": "the trained model with its adapters switched off: nothing more is held, its units gathered"
+                        " again as in the trained forward",
+    }[run.reference]
+    return (f"{loss}: the reference is {held}; its forward without a graph runs between the trained forward and its"
+            " backward (the activation peak names it when it is the largest). The trained head is estimated as the"
+            " fused loss's (the per-token head keeps no fp32 head-gradient accumulator from its forward)")
 
 
 @dataclass(frozen=True)
@@ -393,6 +441,11 @@ def _report(run: _Run, name: str, plans: list[_RankPlan], worst: _RankPlan, verd
         headroom_bytes=verdict.headroom,
         notes=notes,
         pipeline=[p.as_dict(run.microbatches) for p in plans] if dims.pp > 1 else [],
+        preference=run.preference.loss_type if run.preference is not None else None,
+        reference=run.reference,
+        reference_params_per_device=worst.reference_numel,
+        reference_bytes=worst.reference_bytes,
+        reference_dtype=_dtype_name(worst.reference_dtype) if worst.reference_dtype is not None else None,
     )
 
 
@@ -409,11 +462,15 @@ class _RankPlan:
     reduce_scatter: int
     accumulation: int
     activations: ActivationEstimate
+    reference_numel: int = 0  # a preference loss's frozen reference copy (``_Reference``)
+    reference_bytes: int = 0
+    reference_dtype: Optional[torch.dtype] = None
 
     @property
     def total(self) -> int:
         return (self.shard.param_bytes + self.grad_bytes + self.optimizer_bytes + self.shard.buffer_bytes
-                + self.all_gather + self.reduce_scatter + self.accumulation + self.activations.peak)
+                + self.reference_bytes + self.all_gather + self.reduce_scatter + self.accumulation
+                + self.activations.peak)
 
     def as_dict(self, microbatches: int) -> dict[str, Any]:
         """The report's per-pipeline-rank entry (JSON-ready)."""
@@ -436,6 +493,7 @@ class _RankPlan:
             "all_gather_bytes": self.all_gather,
             "reduce_scatter_bytes": self.reduce_scatter,
             "accumulation_bytes": self.accumulation,
+            "reference_bytes": self.reference_bytes,
             "activation_bytes": self.activations.peak,
             "total_bytes": self.total,
         }
@@ -512,17 +570,59 @@ def _plan_rank(shard: RankShards, pp_rank: int, run: _Run, activations: Activati
         estimate = activations.estimate(config.activation_checkpointing, config.selective_ac_option)
     all_gather, accumulation = fsdp_backend(config.fsdp_backend).buffer_bytes(
         units, config, run.accumulate_grad_batches, pipeline_in_flight=estimate.in_flight if dims.pp > 1 else None)
+    reference = _Reference.of(run, shard)
     return _RankPlan(
         pp_rank=pp_rank,
         global_rank=pp_rank * dims.dp * dims.cp * dims.tp,
         shard=shard,
         grad_bytes=shard.optimized_numel * stored.itemsize,
         optimizer_bytes=ADAMW_STATES * shard.optimized_numel * stored.itemsize,
-        all_gather=all_gather,
+        all_gather=max(all_gather, reference.gathered),
         reduce_scatter=reduce_scatter,
         accumulation=accumulation,
         activations=estimate,
+        reference_numel=reference.numel,
+        reference_bytes=reference.nbytes,
+        reference_dtype=reference.dtype,
     )
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """What a preference loss's reference model holds on a planned rank besides the trained model (``of``)."""
+
+    numel: int = 0  #: its parameter elements (local shards)
+    nbytes: int = 0  #: its parameters' bytes (in ``dtype``) and its buffers'
+    gathered: int = 0  #: the all-gather buffers while it runs forward, with the trained model's still gathered
+    dtype: Optional[torch.dtype] = None  #: what its parameters are stored in
+
+    @classmethod
+    def of(cls, run: _Run, shard: RankShards) -> _Reference:
+        """A frozen copy (``reference="copy"``): built and parallelized as the trained model is (the same plan and
+        meshes, no converters: ``copy`` excludes ``lora``), so its shards are the trained model's (``shard``) and so
+        are its buffers (its own rotary table); its parameters stored in the dtype FSDP computes in
+        (``parallel.frozen.frozen_dtype``: bf16 under ``bf16-mixed``). Nothing for the model with its adapters off
+        (the same parameters, gathered again as in the trained forward) or a reference-free loss."""
+        if run.reference != "copy":
+            return cls()
+        dtype = frozen_dtype(run.config, run.precision)
+        return cls(numel=shard.numel, nbytes=shard.numel * dtype.itemsize + shard.buffer_bytes,
+                   gathered=_frozen_forward_gathers(shard.units, run.config), dtype=dtype)
+
+
+def _frozen_forward_gathers(units: list[FSDPUnit], config: ParallelConfig) -> int:
+    """FSDP2's all-gather buffers while a frozen copy of the model of ``units`` runs forward right after the trained
+    model's: the trained units its reshard policy keeps gathered until their backward (the output unit under
+    ``"default"``), and the copy's unit with the next one prefetched (a frozen model reshards every unit after its
+    forward: ``parallel.frozen.parallelize_frozen``). Under SimpleFSDP 0: each weight is gathered at its use, and
+    without a graph freed after it."""
+    if config.fsdp_backend != "fully_shard" or not units:
+        return 0
+    reshard = reshard_after_forward_by_unit(config.reshard_policy)
+    kept = sum(u.gathered_bytes for u in units if not reshard[u.kind])
+    pairs = [u.gathered_bytes + (units[i + 1].gathered_bytes if i + 1 < len(units) else 0)
+             for i, u in enumerate(units)]
+    return kept + max(pairs)
 
 
 def _config_dict(config: ParallelConfig, dims: ParallelDims) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from lightning_2d.models.hf_decoders import (
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.tools.planner.activations import Architecture, hf_architecture
 
@@ -207,13 +208,16 @@ def plan_of(args: PlannedArgs, config: ParallelConfig) -> ParallelPlan:
     return llama_plan(args, config)
 
 
-def validation_inputs_of(args: PlannedArgs, lora: Optional[LoRA]) -> dict[str, Any]:
+def validation_inputs_of(args: PlannedArgs, lora: Optional[LoRA],
+                         preference: Optional[PreferenceLoss] = None) -> dict[str, Any]:
     """What the module that trains ``args`` says of itself to the checks (``CausalLMModule.validation_inputs``):
-    ``LlamaLightningModule``'s for a preset, ``HFCausalLMModule``'s for a ``config.json``, with ``lora``."""
+    ``LlamaLightningModule``'s for a preset, ``HFCausalLMModule``'s for a ``config.json``, with ``lora`` and
+    ``preference``."""
     if isinstance(args, HFDecoderArgs):
-        return {"owner": "HFCausalLMModule", "lora": lora, **hf_validation_inputs(args.config)}
+        return {"owner": "HFCausalLMModule", "lora": lora, "preference": preference,
+                **hf_validation_inputs(args.config)}
 
-    return {"owner": "LlamaLightningModule", "lora": lora, **llama_validation_inputs(args)}
+    return {"owner": "LlamaLightningModule", "lora": lora, "preference": preference, **llama_validation_inputs(args)}
 
 
 def build_meta(args: PlannedArgs, loss_chunk_size: Optional[int] = None) -> nn.Module:

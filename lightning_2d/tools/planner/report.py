@@ -41,8 +41,6 @@ class PlanReport:
         accumulate_grad_batches: Micro-batches per optimizer step.
         parallel_config: The ``ParallelConfig`` fields (dtypes as names).
         params_per_device: Parameter elements on this device (padded shards).
-        trained_params_per_device: Of them, the elements with gradients and optimizer state (under LoRA the
-            adapters'; otherwise all).
         param_bytes: Their bytes.
         grad_bytes: Sharded gradients.
         optimizer_bytes: AdamW states.
@@ -61,6 +59,14 @@ class PlanReport:
         suggestions: Changes that would make it fit (empty when it fits).
         notes: What was simulated differently from a real run.
         seconds: Wall time of the planning.
+        trained_params_per_device: Of ``params_per_device``, the elements with gradients and optimizer state (under
+            LoRA the adapters'); ``None``: all of them.
+        preference: The preference loss planned (its ``loss_type``), ``None`` for next-token training.
+        reference: Its reference model: ``"copy"`` (a frozen copy beside the trained model), ``"adapters_off"``
+            (the trained model with its adapters off) or ``None`` (none).
+        reference_params_per_device: The frozen copy's parameter elements on this device (its shards; 0 without one).
+        reference_bytes: Their bytes, and its buffers' (part of ``total_bytes``).
+        reference_dtype: What its parameters are stored in (``param_dtype``: a frozen model keeps no fp32 copy).
         pipeline: One dict per pipeline rank (empty without a pipeline): ``pipeline_rank``,
             ``global_rank`` (the rank planned), ``stages`` (indices), ``blocks`` (per stage),
             ``embedding`` / ``head`` (whether it holds them), ``params_per_device``, ``microbatches``,
@@ -104,6 +110,11 @@ class PlanReport:
     seconds: float = 0.0
     pipeline: list[dict[str, Any]] = field(default_factory=list)
     trained_params_per_device: Optional[int] = None
+    preference: Optional[str] = None
+    reference: Optional[str] = None
+    reference_params_per_device: int = 0
+    reference_bytes: int = 0
+    reference_dtype: Optional[str] = None
 
     @property
     def trained_per_device(self) -> int:
@@ -125,6 +136,15 @@ class PlanReport:
             for name in [k for k in entry if k.endswith("_bytes")]:
                 entry[name.removesuffix("_bytes") + "_gib"] = round(entry[name] / GIB, 3)
         return out
+
+
+#: The head's line of each preference reference (``PlanReport.reference``).
+REFERENCE_LINES = {
+    "copy": "a frozen copy of the model, sharded as it is, no gradients or optimizer state; its forward without a"
+            " graph each micro-batch",
+    "adapters_off": "the model with its adapters off (no copy); its forward without a graph each micro-batch",
+    None: "none (a reference-free loss)",
+}
 
 
 def _gib(n: float) -> str:
@@ -179,6 +199,8 @@ def _run_lines(report: PlanReport, worst: Optional[dict[str, Any]]) -> list[str]
         + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")
         + f", activation checkpointing {ac}, reshard {c['reshard_after_forward']}",
     ]
+    if report.preference is not None:
+        out.append(f"preference: {report.preference}, reference: " + REFERENCE_LINES[report.reference])
     if worst is not None:
         stages = sum(len(r["stages"]) for r in report.pipeline)
         out.append(
@@ -200,6 +222,11 @@ def _memory_rows(report: PlanReport) -> list[tuple[str, str, str]]:
         (f"gradients ({stored}, sharded)", f"{report.trained_per_device:,}", _gib(report.grad_bytes)),
         (f"optimizer state (AdamW, 2 x {stored})", f"{ADAMW_STATES * report.trained_per_device:,}",
          _gib(report.optimizer_bytes)),
+    ]
+    if report.reference_bytes:
+        rows.append((f"reference model (frozen copy, {report.reference_dtype}, sharded)",
+                     f"{report.reference_params_per_device:,}", _gib(report.reference_bytes)))
+    rows += [
         (_all_gather_row(report, pd, pipeline and not keeps_fewer), "", _gib(report.all_gather_bytes)),
         (f"FSDP reduce-scatter buffers ({pd} + {rd})", "", _gib(report.reduce_scatter_bytes)),
     ]

@@ -74,7 +74,8 @@ class _Variants:
         self.activations, self.seq_len, self.micro_batch_size, self.pipeline = (
             activations, seq_len, micro_batch_size, pipeline)
         self.memory = report.device_memory_bytes
-        self.states = report.param_bytes + report.grad_bytes + report.optimizer_bytes
+        # A preference loss's frozen reference copy is sharded as the trained model: it scales as its states do.
+        self.states = report.param_bytes + report.grad_bytes + report.optimizer_bytes + report.reference_bytes
         self.fixed = report.buffer_bytes + report.reserve_bytes
         self.nodes, self.devices = report.num_nodes, report.devices_per_node
         self.ac, self.option = config.activation_checkpointing, config.selective_ac_option
@@ -99,7 +100,7 @@ class _Variants:
         model = ActivationModel.for_layout(
             self.args, tp=tp, sequence_parallel=config.sequence_parallel, seq_len=self.seq_len, micro_batch_size=micro,
             act_dtype=config.param_dtype, loss_chunk_size=activations.loss_chunk_size, cp=activations.cp,
-            loss_parallel=loss_parallel,
+            loss_parallel=loss_parallel, reference_forward=activations.reference_forward,
         )
         mode_option = self.option if ac_mode == self.ac else "op"
         if self.pipeline is None:
