@@ -1479,7 +1479,8 @@ def test_a_reference_of_switched_off_adapters_or_none_holds_no_copy():
 def test_preference_settings_that_cannot_run_are_refused_by_the_planner(capsys):
     with pytest.raises(ValueError, match="reference='adapters_off' needs adapters to switch off"):
         plan_run("debug", **DEBUG_2X2, preference={"loss_type": "sigmoid", "reference": "adapters_off"})
-    with pytest.raises(ParallelConfigError, match=r"preference tuning \(loss_type='ipo'\) with pipeline_parallel_size=2"):
+    with pytest.raises(ParallelConfigError, match=r"preference reference='copy' with pipeline_parallel_size=2: the frozen"
+                                                  r" copy is not split into pipeline stages"):
         plan_run("debug", devices=4, config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
                  preference={"loss_type": "ipo"})
     with pytest.raises(ParallelConfigError, match="preference loss_type must be one of"):
