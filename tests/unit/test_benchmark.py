@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import statistics
 import sys
@@ -14,6 +15,8 @@ import typing
 from pathlib import Path
 from typing import Literal, Union
 
+import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -404,6 +407,181 @@ def test_compare_expert_parallel_runs_both_sizes_side_by_side_and_reports_the_ra
     assert ("expert_parallel (expert_parallel_size 2) / lightning_2d (expert_parallel_size 1) = 1.200x step time,"
             " 0.500x peak memory per device") in text
     assert s.module_kwargs("expert_parallel") == s.module_kwargs("lightning_2d")  # the strategy's options differ
+
+
+# ---- --preference: synthetic packed pairs, the three reference modes side by side ------------------------------
+PAIRS = ("--model", "debug", "--n-layers", "1", "--preference", "sigmoid", "--warmup", "0", "--rounds", "1")
+
+
+def sequences_of(sample: dict) -> list[slice]:
+    """The positions of each sequence of a window (``sequence_ids`` runs), in order."""
+    ids = sample["sequence_ids"].tolist()
+    starts = [t for t in range(len(ids)) if ids[t] >= 0 and (t == 0 or ids[t] != ids[t - 1])]
+    return [slice(start, start + ids.count(ids[start])) for start in starts]
+
+
+@pytest.mark.parametrize("seq_len, pairs", [(32, 1), (256, 2)])
+def test_synthetic_pairs_pack_whole_pairs_as_the_preference_data_does(seq_len, pairs):
+    s = settings(*PAIRS, "--seq-len", str(seq_len), "--steps", "2")
+    data = [bench.SyntheticPairs(s, dp_rank) for dp_rank in (0, 1)]  # (dp, tp) = (2, 2)
+    for dp_rank, loader in enumerate(d.train_dataloader() for d in data):
+        batches = list(loader)
+        assert len(batches) == s.total_steps == 2
+        for step, batch in enumerate(batches):
+            assert batch["input_ids"].shape == (s.local_batch_size, seq_len) == (4, seq_len)
+            assert batch["pairs"].tolist() == [pairs] * 4
+            assert batch["step_pairs"].dtype == torch.float32 and float(batch["step_pairs"]) == 4 * pairs
+            for j in range(4):
+                sample = {key: value[j] for key, value in batch.items() if key != "step_pairs"}
+                runs = sequences_of(sample)
+                ids, positions = sample["sequence_ids"], sample["position_ids"]
+                # Whole pairs: chosen 2p then rejected 2p + 1, each its own document, then padding (-1, positions
+                # from 0); the stream's numbering of window i's pair p is 2(i · pairs + p) (+ 1).
+                assert [int(ids[r.start]) for r in runs] == list(range(2 * pairs))
+                assert (ids[runs[-1].stop:] == -1).all() and int((ids >= 0).sum()) == runs[-1].stop
+                assert torch.equal(positions[runs[-1].stop:], torch.arange(seq_len - runs[-1].stop))
+                window = step * s.global_batch_size + dp_rank * 4 + j
+                for number, run in enumerate(runs):
+                    assert torch.equal(positions[run], torch.arange(run.stop - run.start))
+                    assert (sample["sequence_numbers"][run] == 2 * window * pairs + number).all()
+                assert (sample["sequence_numbers"][runs[-1].stop:] == -1).all()
+                for chosen, rejected in zip(runs[0::2], runs[1::2]):
+                    trained = [(sample["labels"][run] != -100).nonzero().flatten() for run in (chosen, rejected)]
+                    prompt = int(trained[0][0])  # positions before the completion: the prompt's tokens less one
+                    assert int(trained[1][0]) == prompt  # one prompt, shared
+                    assert torch.equal(sample["input_ids"][chosen][: prompt + 1],
+                                       sample["input_ids"][rejected][: prompt + 1])
+                    for run, targets in zip((chosen, rejected), trained):
+                        # the completion is the sequence's tail: labels are the next tokens from the prompt's end on
+                        assert torch.equal(targets, torch.arange(prompt, run.stop - run.start))
+                        assert torch.equal(sample["labels"][run][prompt:-1], sample["input_ids"][run][prompt + 1:])
+                assert int(sample["input_ids"].max()) < s.model_args.vocab_size
+    # The same windows whatever the layout: one replica holds both replicas' samples in order.
+    whole = bench.SyntheticPairs(dataclasses.replace(s, dp=1, tp=4), 0).train_dataloader()
+    for step, batch in enumerate(whole):
+        halves = [list(d.train_dataloader())[step]["input_ids"] for d in data]
+        assert torch.equal(batch["input_ids"], torch.cat(halves))
+        assert float(batch["step_pairs"]) == 8 * pairs
+
+
+def test_synthetic_pairs_give_precompute_reference_its_values_without_a_pass():
+    s = settings(*PAIRS, "--seq-len", "64", "--steps", "1", "--compare-precomputed-reference")
+    data = bench.SyntheticPairs(s, dp_rank=1)
+    assert data.sequence_count == s.total_steps * s.global_batch_size * 2  # one pair a window of 64
+    assert (data.seq_len, data.batch_size, data.document_mask, data.preference_units) == (64, 4, True, "pairs")
+    values = data.load_reference_log_probs("any reference")  # never None: no reference pass runs
+    assert values.shape == (data.sequence_count,) and values.dtype == np.float32
+    assert "reference_logps" not in next(iter(data.train_dataloader()))
+    data.set_reference_log_probs(values)
+    (covered,) = data.reference_loaders()
+    for batch in (next(iter(data.train_dataloader())), next(iter(covered))):
+        for j in range(4):
+            sample = {key: value[j] for key, value in batch.items() if value.ndim}
+            for run in sequences_of(sample):
+                number = int(sample["sequence_numbers"][run.start])
+                completion = int((sample["labels"][run] != -100).sum())
+                reference = sample["reference_logps"][run]
+                # a uniform model's log-probability of the completion, at the sequence's first position only
+                assert float(reference[0]) == pytest.approx(-completion * math.log(256), rel=1e-6)
+                assert float(reference[0]) == values[number] and not reference[1:].any()
+    with pytest.raises(ValueError, match=r"reference log-probabilities of shape \(3,\) for 16 sequences"):
+        data.set_reference_log_probs(np.zeros(3, dtype=np.float32))
+    data.save_reference_log_probs("k", values + 1, {})  # a pass's values, kept for its key
+    assert np.array_equal(data.load_reference_log_probs("k"), values + 1)
+
+
+def test_precomputed_reference_fits_one_device_on_synthetic_pairs_without_a_pass(monkeypatch):
+    """The variant's module and data together, as a rank runs them: the values come from the data (the pass is
+    never called), the frozen copy is released before the first step, and the steps read the values from batches."""
+    from lightning_2d.integration import preference_module
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a reference pass ran")
+
+    monkeypatch.setattr(preference_module, "reference_pass", no_pass)
+    s = settings(*PAIRS, "--devices", "1", "--tensor-parallel-size", "1", "--seq-len", "32", "--global-batch-size",
+                 "2", "--steps", "2", "--compare-precomputed-reference")
+    held: list[int] = []
+    seen: list[bool] = []
+
+    class Batches(L.Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:  # before the module's own: the copy is still held
+            held.append(len(pl_module.frozen_models()))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.append("reference_logps" in batch and pl_module.frozen_models() == [])
+
+    module = LlamaLightningModule(model=s.model_args, init_seed=s.seed, max_steps=s.total_steps,
+                                  **s.module_kwargs("precomputed_reference"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=s.total_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Batches()])
+    trainer.fit(module, datamodule=bench.SyntheticPairs(s, dp_rank=0))
+    assert held == [1] and seen == [True, True]
+    assert np.isfinite(float(trainer.callback_metrics["train_loss"]))
+
+
+def test_preference_trains_every_variant_against_its_reference():
+    s = settings(*PAIRS, "--compare-lora", "8", "--compare-precomputed-reference")
+    assert s.variants == ["lightning_2d", "lora", "precomputed_reference"]
+    assert s.preference == {"loss_type": "sigmoid"} and settings().preference is None
+    loss = {"fused_loss": True, "loss_chunk_size": 1024}
+    assert s.module_kwargs("lightning_2d") == {**loss, "preference": {"loss_type": "sigmoid"}}
+    assert s.module_kwargs("lora") == {**loss, "preference": {"loss_type": "sigmoid"}, "lora": {"rank": 8}}
+    assert s.module_kwargs("precomputed_reference") == {
+        **loss, "preference": {"loss_type": "sigmoid", "precompute_reference": True}}
+    assert [s.reference_label(v) for v in s.variants] == [
+        "reference copy", "reference adapters_off", "reference copy, precomputed"]
+    assert settings("--compare-lora", "8").reference_label("lora") is None
+    assert settings(*PAIRS, "--compare-lora", "8").strategy_kwargs("lora") == s.strategy_kwargs()
+    simpo = settings("--model", "debug", "--preference", "simpo", "--compare-lora", "8")
+    assert [simpo.reference_label(v) for v in simpo.variants] == ["no reference", "no reference"]
+    assert bench.BenchmarkSettings.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--compare-precomputed-reference"],
+         r"--compare-precomputed-reference compares a preference loss's reference precomputed with its frozen copy,"
+         r" but nothing trains a preference loss; add --preference LOSS \(sigmoid, ipo, hinge, robust\)"),
+        (["--preference", "orpo", "--compare-precomputed-reference"],
+         r"--compare-precomputed-reference with --preference orpo, which uses no reference model: nothing to"
+         r" precompute; use a loss against a reference \(sigmoid, ipo, hinge, robust\) or drop"),
+        (["--preference", "kto"],
+         r"--preference kto scores unpaired examples, but the benchmark's synthetic data are pairs \(SyntheticPairs\);"
+         r" use a pairwise loss \(sigmoid, ipo, hinge, robust, simpo, orpo\)"),
+        (["--preference", "sigmoid", "--compare"],
+         r"--preference sigmoid has no counterpart in the hand-written Lightning and plain torch variants of"
+         r" --compare \(they train next tokens\); drop --compare"),
+        (["--preference", "sigmoid", "--seq-len", "1", "--tensor-parallel-size", "1"],
+         r"--preference packs whole pairs .* needs at least 2 positions; got 1"),
+        # The preference's own checks, as the strategy runs them: lightning_2d's frozen copy under a pipeline.
+        (["--preference", "ipo", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "1"],
+         r"preference reference='copy' with pipeline_parallel_size=2: the frozen copy is not split"),
+    ],
+)
+def test_impossible_preference_settings_are_refused_before_any_process(argv, message):
+    with pytest.raises(bench.BenchmarkConfigError, match=message):
+        settings(*argv)
+
+
+def test_preference_report_names_each_variants_reference():
+    s = settings(*PAIRS, "--seq-len", "256", "--compare-lora", "8", "--compare-precomputed-reference")
+    medians = {"lightning_2d": 0.2, "lora": 0.16, "precomputed_reference": 0.15}
+    memory = {"lightning_2d": 2.0, "lora": 1.2, "precomputed_reference": 1.5}
+    runs = [{"variant": v, "round": 0, "ranks": [rank_record(r, [m, m, m], 0.69, memory=memory[v]) for r in range(4)]}
+            for v, m in medians.items()]
+    report = bench.summarize(s, runs)
+    assert report["precomputed_reference"] == {"step_time": pytest.approx(0.75), "peak_memory": pytest.approx(0.75)}
+    text = bench.format_report(report)
+    assert ("preference (every variant): sigmoid on synthetic packed pairs (2 per window of 256), reference copy for"
+            " lightning_2d") in text
+    assert ("lora (rank 8, reference adapters_off) / lightning_2d (full fine-tuning, reference copy) = 0.800x step"
+            " time, 0.600x peak memory per device") in text
+    assert ("precomputed_reference (reference copy, precomputed) / lightning_2d (reference copy) = 0.750x step time,"
+            " 0.750x peak memory per device") in text
+    assert "preference" not in bench.format_report(bench.summarize(settings("--compare-lora", "8"), runs[:2]))
 
 
 def test_a_feature_compared_with_lightning_2d_is_one_row_of_the_table(monkeypatch):

@@ -34,9 +34,20 @@ step-time and peak-memory ratios over ``lightning_2d``:
     A model with experts under ``expert_parallel_size=EP`` (``lightning_2d`` then runs ``1``: every rank holds every
     expert, FSDP-sharded).
 
+``precomputed_reference`` (``--compare-precomputed-reference``, under ``--preference``)
+    ``preference={..., "precompute_reference": True}``: the reference's log-probabilities read from the batches, the
+    frozen copy released before the first step. ``SyntheticPairs`` gives synthetic values for every sequence, so no
+    reference pass runs: the one-time pass of a real run is not timed.
+
+``--preference LOSS_TYPE`` makes every variant train that preference loss on synthetic packed pairs
+(``workload.SyntheticPairs``: each window whole pairs of a random prompt and two random completions, the same windows
+whatever the layout) instead of next tokens: ``lightning_2d`` trains the whole model against a frozen copy of it
+(reference ``copy``), ``lora`` its adapters against the base with them switched off (``adapters_off``), and the
+report names each variant's reference beside its ratios.
+
 All of them train the same seeded initial weights on the same synthetic tokens (the ranks of a
 tensor-parallel group draw the same batch; data-parallel ranks different ones), so their first
-losses agree. A step's time is the wall time between the ends of consecutive optimizer steps
+losses agree (``precomputed_reference``'s only nearly: its reference values are synthetic). A step's time is the wall time between the ends of consecutive optimizer steps
 (device synchronized before the clock is read), the slowest rank's; the first ``--warmup`` steps
 of every run are dropped and the median is taken over the remaining steps of all rounds.
 
@@ -95,11 +106,15 @@ from lightning_2d.tools.benchmark.settings import (
 )
 from lightning_2d.tools.benchmark.variants import RUNNERS, HandWritten2DModule, run_variant
 from lightning_2d.tools.benchmark.workload import (
+    SyntheticPairs,
     SyntheticTokens,
     adamw_defaults,
     build_adamw,
     load_seeded_init,
     lr_warmup_steps,
+    pair_window,
+    pairs_per_window,
+    synthetic_data,
     synthetic_loader,
 )
 
@@ -117,6 +132,7 @@ __all__ = [
     "HandWritten2DModule",
     "StepClock",
     "StepClockCallback",
+    "SyntheticPairs",
     "SyntheticTokens",
     "adamw_defaults",
     "add_strategy_options",
@@ -131,6 +147,8 @@ __all__ = [
     "mean_cross_entropy",
     "option_converter",
     "option_flag",
+    "pair_window",
+    "pairs_per_window",
     "reference_2d_plan",
     "reference_mp_policy",
     "run_in_place",
@@ -144,6 +162,7 @@ __all__ = [
     "step_time_ratios",
     "strategy_options",
     "summarize",
+    "synthetic_data",
     "synthetic_loader",
     "variant_summary",
     "worker_main",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.ops.preference import LOSSES
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig
 from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
 from lightning_2d.tools.benchmark.options import add_strategy_options, option_flag
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output projection fused with the cross-entropy, chunk by chunk (default); "
                         "--no-fused-loss: logits, then F.cross_entropy")
     module.add_argument("--loss-chunk-size", type=int, default=1024, help="tokens per chunk of the fused loss")
+    module.add_argument("--preference", choices=LOSSES, default=None, metavar="LOSS_TYPE",
+                        help="train this preference loss (preference={'loss_type': LOSS_TYPE}, beta 0.1) on synthetic"
+                        " packed pairs (each window whole pairs of a random prompt and two random completions) instead"
+                        " of next tokens, in every variant: lightning_2d trains the whole model against a frozen copy"
+                        " (reference copy; none for simpo, orpo); under it --compare-lora's variant takes the base with"
+                        f" its adapters off as the reference, and --compare-precomputed-reference adds precomputed"
+                        f" values. One of {', '.join(LOSSES)}")
     add_strategy_options(parser)
     # Internal: one rank of a job started by run_job.
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)

@@ -13,17 +13,19 @@ from typing import Any, Callable, Optional
 
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.plan import llama_validation_inputs
+from lightning_2d.ops.preference import DPO_LOSSES, PreferenceLoss
 
-#: A row's own refusal: ``(flag value, the model or None where it is invalid, the command line's strategy options)``
-#: → the message, or ``None`` when the variant can run.
-Refusal = Callable[[Any, Optional[ModelArgs], dict[str, Any]], Optional[str]]
+#: A row's own refusal: ``(flag value, the model or None where it is invalid, the command line's strategy options,
+#: its LlamaLightningModule options)`` → the message, or ``None`` when the variant can run.
+Refusal = Callable[[Any, Optional[ModelArgs], dict[str, Any], dict[str, Any]], Optional[str]]
 
 
 def _nothing(value: Any) -> dict[str, Any]:
     return {}
 
 
-def _refuses_nothing(value: Any, model: Optional[ModelArgs], options: dict[str, Any]) -> Optional[str]:
+def _refuses_nothing(value: Any, model: Optional[ModelArgs], options: dict[str, Any],
+                     module: dict[str, Any]) -> Optional[str]:
     return None
 
 
@@ -37,7 +39,8 @@ class Comparison:
         help: The flag's help.
         report_key: The key of its ratios in the report (JSON).
         strategy: Its ``ModelParallel2DStrategy`` options over the command line's, from the flag's value.
-        module: Its ``LlamaLightningModule`` arguments over the command line's, from the flag's value.
+        module: Its ``LlamaLightningModule`` arguments over the command line's, from the flag's value (a dict
+            merged into the command line's dict of that name, field by field: ``preference=``).
         baseline: The strategy options lightning_2d runs with while this variant runs beside it.
         label: The variant in the report's ratio line (``{value}``: the flag's), ``""`` for none.
         baseline_label: lightning_2d in that line.
@@ -73,13 +76,19 @@ class Comparison:
         value = getattr(args, self.dest, None)
         return None if value is False else value
 
-    def describe(self, value: Any) -> str:
-        """The variant in the report's ratio line: its name and label."""
-        label = self.label.format(value=value)
-        return f"{self.name} ({label})" if label else self.name
+    def describe(self, value: Any, *more: Optional[str]) -> str:
+        """The variant in the report's ratio line: its name, its label and ``more`` (e.g. its reference)."""
+        return labelled(self.name, self.label.format(value=value), *more)
 
 
-def _one_backend_given(value: Any, model: Optional[ModelArgs], options: dict[str, Any]) -> Optional[str]:
+def labelled(name: str, *labels: Optional[str]) -> str:
+    """``name (label, label)`` of the labels that are not empty; ``name`` alone without one."""
+    given = [label for label in labels if label]
+    return f"{name} ({', '.join(given)})" if given else name
+
+
+def _one_backend_given(value: Any, model: Optional[ModelArgs], options: dict[str, Any],
+                       module: dict[str, Any]) -> Optional[str]:
     given = options.get("fsdp_backend", "fully_shard")
     if given == "fully_shard":
         return None
@@ -87,15 +96,30 @@ def _one_backend_given(value: Any, model: Optional[ModelArgs], options: dict[str
             " fully_shard, simple_fsdp under SimpleFSDP); drop --fsdp-backend")
 
 
-def _positive_rank(rank: int, model: Optional[ModelArgs], options: dict[str, Any]) -> Optional[str]:
+def _positive_rank(rank: int, model: Optional[ModelArgs], options: dict[str, Any],
+                   module: dict[str, Any]) -> Optional[str]:
     return None if rank >= 1 else f"--compare-lora takes the adapters' rank, a positive integer; got {rank} (e.g. 16)"
 
 
-def _model_with_experts(size: int, model: Optional[ModelArgs], options: dict[str, Any]) -> Optional[str]:
+def _model_with_experts(size: int, model: Optional[ModelArgs], options: dict[str, Any],
+                        module: dict[str, Any]) -> Optional[str]:
     if model is not None and llama_validation_inputs(model)["experts"]:
         return None
     return (f"--compare-expert-parallel {size} needs a model with experts (--model debug-moe, mixtral-8x7b,"
             " qwen3-30b-a3b)")
+
+
+def _reference_to_precompute(on: bool, model: Optional[ModelArgs], options: dict[str, Any],
+                              module: dict[str, Any]) -> Optional[str]:
+    preference = PreferenceLoss.of(module.get("preference"))
+    if preference is None:
+        return ("--compare-precomputed-reference compares a preference loss's reference precomputed with its frozen"
+                f" copy, but nothing trains a preference loss; add --preference LOSS ({', '.join(DPO_LOSSES)})")
+    if not preference.needs_reference:
+        return (f"--compare-precomputed-reference with --preference {preference.loss_type}, which uses no reference"
+                f" model: nothing to precompute; use a loss against a reference ({', '.join(DPO_LOSSES)}) or drop"
+                " --compare-precomputed-reference")
+    return None
 
 
 COMPARISONS: tuple[Comparison, ...] = (
@@ -137,6 +161,18 @@ COMPARISONS: tuple[Comparison, ...] = (
         baseline_label="expert_parallel_size 1",
         refuse=_model_with_experts,
     ),
+    Comparison(
+        name="precomputed_reference",
+        flag="--compare-precomputed-reference",
+        help="under --preference: also run lightning_2d with precompute_reference=True (variant"
+        " precomputed_reference; the reference's log-probabilities read from the batches, the frozen copy released"
+        " before the first step), alternating with lightning_2d's frozen copy, and report their step-time and"
+        " peak-memory ratios. The synthetic pairs come with synthetic reference values, so no reference pass runs:"
+        " the one-time pass a real run makes before training is not timed",
+        report_key="precomputed_reference",
+        module=lambda on: {"preference": {"precompute_reference": True}},
+        refuse=_reference_to_precompute,
+    ),
 )
 
 #: The rows by variant name.
@@ -160,3 +196,14 @@ def strategy_overrides(compared: dict[str, Any], variant: str) -> dict[str, Any]
 def module_overrides(compared: dict[str, Any], variant: str) -> dict[str, Any]:
     """The ``LlamaLightningModule`` arguments of ``variant`` over the command line's."""
     return BY_NAME[variant].module(compared[variant]) if variant in compared else {}
+
+
+def module_arguments(options: dict[str, Any], compared: dict[str, Any], variant: str) -> dict[str, Any]:
+    """The ``LlamaLightningModule`` arguments of ``variant``: the command line's ``options`` and the variant's own
+    (``module_overrides``), a dict of the variant's merged into the command line's dict of that name field by field
+    (``{"preference": {"precompute_reference": True}}`` keeps ``--preference``'s loss)."""
+    merged = dict(options)
+    for name, value in module_overrides(compared, variant).items():
+        given = options.get(name)
+        merged[name] = {**given, **value} if isinstance(given, dict) and isinstance(value, dict) else value
+    return merged

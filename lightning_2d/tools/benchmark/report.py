@@ -13,6 +13,7 @@ from lightning_2d.tools.benchmark.collectives import KINDS
 from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
 from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
 from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
+from lightning_2d.tools.benchmark.workload import pairs_per_window
 
 
 def slowest_rank_step_times(per_rank: list[list[float]]) -> list[float]:
@@ -128,6 +129,12 @@ def format_report(report: dict[str, Any]) -> str:
             if s.module_options.get("fused_loss", True) else "logits, then F.cross_entropy"
         ),
     ]
+    if s.preference is not None:
+        lines.append(
+            f"preference (every variant): {s.preference['loss_type']} on synthetic packed pairs"
+            f" ({pairs_per_window(s.seq_len)} per window of {s.seq_len}), {s.reference_label()} for lightning_2d;"
+            " TFLOP/s counts the trained model's passes, not the reference's forward"
+        )
     if "lightning" in s.variants or "plain" in s.variants:
         lines.append(
             "hand-written variants (lightning, plain): the reference plan (sequence parallel, gathered logits, mean"
@@ -164,9 +171,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"ours / {other} = {ratio:.3f}x step time ({1 / ratio:.3f}x the throughput)")
     for row, ratios in compared:
         memory = ratios["peak_memory"]
+        ours = comparisons.labelled(OURS, row.baseline_label, s.reference_label())
         lines.append(
-            f"{row.describe(s.compared[row.name])} / {OURS} ({row.baseline_label}) = {ratios['step_time']:.3f}x step"
-            " time" + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
+            f"{row.describe(s.compared[row.name], s.reference_label(row.name))} / {ours} = {ratios['step_time']:.3f}x"
+            " step time" + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
         )
     if any(v.get("collectives_per_step") for v in report["variants"].values()):
         lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step)")

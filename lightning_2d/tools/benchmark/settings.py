@@ -20,6 +20,7 @@ from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.models.registry import validation_inputs_of
 from lightning_2d.ops.lora import LoRAConfigError
+from lightning_2d.ops.preference import LOSSES, UNPAIRED_LOSSES, PreferenceConfigError, PreferenceLoss
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
@@ -72,7 +73,7 @@ class BenchmarkSettings:
         seed: Seed of the initial weights and the synthetic tokens.
         strategy_options: ``ParallelConfig`` fields passed to ``ModelParallel2DStrategy``.
         module_options: ``LlamaLightningModule`` loss options of the lightning_2d variant
-            (``fused_loss``, ``loss_chunk_size``).
+            (``fused_loss``, ``loss_chunk_size``; ``preference``: ``{"loss_type": ...}`` under ``--preference``).
         dp: Resolved data-parallel size.
         tp: Resolved tensor-parallel size.
         variants: Which of ``VARIANTS`` to run.
@@ -130,8 +131,25 @@ class BenchmarkSettings:
 
     def module_kwargs(self, variant: str = OURS) -> dict[str, Any]:
         """``LlamaLightningModule`` arguments of ``variant`` besides the model and schedule: the loss options and the
-        variant's own (``lora=`` under ``--compare-lora``)."""
-        return {**self.module_options, **comparisons.module_overrides(self.compared, variant)}
+        variant's own (``lora=`` under ``--compare-lora``, ``precompute_reference`` merged into ``preference=``)."""
+        return comparisons.module_arguments(self.module_options, self.compared, variant)
+
+    @property
+    def preference(self) -> Optional[dict[str, Any]]:
+        """``--preference``'s loss (``LlamaLightningModule(preference=...)``), ``None``: next-token training."""
+        return self.module_options.get("preference")
+
+    def reference_label(self, variant: str = OURS) -> Optional[str]:
+        """Where ``variant``'s preference loss takes its reference from (``"reference copy"``, ``"reference
+        adapters_off"``, ``"reference copy, precomputed"``, ``"no reference"``), ``None`` without ``--preference``."""
+        module = self.module_kwargs(variant)
+        preference = PreferenceLoss.of(module.get("preference"))
+        if preference is None:
+            return None
+        mode = preference.reference_mode(adapters=module.get("lora") is not None)
+        if mode is None:
+            return "no reference"
+        return f"reference {mode}" + (", precomputed" if preference.precompute_reference else "")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -211,7 +229,7 @@ def _check_variant(
     if model_args is not None:
         try:
             inputs = validation_inputs_of(LlamaLightningModule(model=model_args, **module))
-        except (LoRAConfigError, ParallelConfigError) as err:
+        except (LoRAConfigError, ParallelConfigError, PreferenceConfigError) as err:
             problems += _problems_of(err)
     try:
         config = ParallelConfig(**options)
@@ -225,7 +243,7 @@ def _check_variant(
             num_nodes=args.num_nodes,
             **inputs,
         )
-    except (LoRAConfigError, ParallelConfigError) as err:
+    except (LoRAConfigError, ParallelConfigError, PreferenceConfigError) as err:
         return None, problems + _problems_of(err)
     return (None if problems else dims), problems
 
@@ -249,9 +267,11 @@ def _hand_written_problems(options: dict[str, Any], args: argparse.Namespace,
 
 
 def _layout_problems(args: argparse.Namespace, options: dict[str, Any], compared: dict[str, Any],
-                     model_args: Optional[ModelArgs]) -> tuple[Optional[ParallelDims], list[str]]:
+                     model_args: Optional[ModelArgs],
+                     module: dict[str, Any]) -> tuple[Optional[ParallelDims], list[str]]:
     """lightning_2d's layout (its mesh sizes, ``None`` where refused) and every other variant's: ``--compare``'s
-    hand-written ones, each compared row (what it refuses itself, else its overrides checked as lightning_2d is)."""
+    hand-written ones, each compared row (what it refuses itself, else its overrides checked as lightning_2d is).
+    ``module``: the module options the checks read (``preference``), lightning_2d's and, merged, each row's."""
     problems: list[str] = []
     if unknown := sorted(set(options) - _strategy_accepts()):
         problems.append(
@@ -259,18 +279,39 @@ def _layout_problems(args: argparse.Namespace, options: dict[str, Any], compared
             f" {', '.join(option_flag(n) for n in unknown)}"
         )
     ours = {**options, **comparisons.strategy_overrides(compared, OURS)}
-    dims, layout = _check_variant(ours, {}, args, model_args)
+    dims, layout = _check_variant(ours, module, args, model_args)
     problems += layout
     if dims is not None and args.compare:
         problems += _hand_written_problems(ours, args, model_args)
     for row in (row for row in comparisons.COMPARISONS if row.name in compared):
-        if (refusal := row.refuse(compared[row.name], model_args, options)) is not None:
+        if (refusal := row.refuse(compared[row.name], model_args, options, module)) is not None:
             problems.append(refusal)
         elif dims is not None:  # the variant's checks, where lightning_2d's hold
             _, theirs = _check_variant({**options, **comparisons.strategy_overrides(compared, row.name)},
-                                       comparisons.module_overrides(compared, row.name), args, model_args)
+                                       comparisons.module_arguments(module, compared, row.name), args, model_args)
             problems += [f"{row.flag} (the {row.name} variant): {p}" for p in theirs]
     return dims, problems
+
+
+def _preference(args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
+    """``--preference``'s module option (``{"preference": {"loss_type": ...}}``, ``{}`` without), and what the
+    benchmark cannot run of it: unpaired losses (its data are pairs), the hand-written variants (next tokens only),
+    windows too short for a pair."""
+    loss = getattr(args, "preference", None)
+    if loss is None:
+        return {}
+    if loss in UNPAIRED_LOSSES:
+        pairwise = ", ".join(name for name in LOSSES if name not in UNPAIRED_LOSSES)
+        problems.append(f"--preference {loss} scores unpaired examples, but the benchmark's synthetic data are pairs"
+                        f" (SyntheticPairs); use a pairwise loss ({pairwise})")
+    if args.compare:
+        problems.append(f"--preference {loss} has no counterpart in the hand-written Lightning and plain torch variants"
+                        " of --compare (they train next tokens); drop --compare (the --compare-... rows run beside"
+                        " lightning_2d under the same loss)")
+    if args.seq_len < 2:
+        problems.append(f"--preference packs whole pairs (a chosen and a rejected sequence) into each window of"
+                        f" --seq-len, which needs at least 2 positions; got {args.seq_len}")
+    return {"preference": {"loss_type": loss}}
 
 
 def _global_batch_size(args: argparse.Namespace, dp: int, problems: list[str]) -> int:
@@ -301,7 +342,8 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
     problems = [*_run_problems(args, model_args), *model_problems]
     accelerator = _accelerator(args, world_size, problems)
     options, compared = strategy_options(args), comparisons.compared_from_args(args)
-    dims, layout = _layout_problems(args, options, compared, model_args)
+    preference = _preference(args, problems)
+    dims, layout = _layout_problems(args, options, compared, model_args, preference)
     problems += layout
     dp, tp = (dims.dp, dims.tp) if dims is not None else (0, 0)
     global_batch_size = _global_batch_size(args, dp, problems)
@@ -321,7 +363,7 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         rounds=args.rounds,
         seed=args.seed,
         strategy_options=options,
-        module_options={"fused_loss": args.fused_loss, "loss_chunk_size": args.loss_chunk_size},
+        module_options={"fused_loss": args.fused_loss, "loss_chunk_size": args.loss_chunk_size, **preference},
         dp=dp,
         tp=tp,
         variants=[OURS, *compared, *(HAND_WRITTEN if args.compare else ())],

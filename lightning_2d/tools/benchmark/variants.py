@@ -27,7 +27,13 @@ from lightning_2d.tools.benchmark.reference import build_reference_model, mean_c
 from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
 from lightning_2d.tools.benchmark.comparisons import COMPARISONS
 from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
-from lightning_2d.tools.benchmark.workload import build_adamw, load_seeded_init, lr_warmup_steps, synthetic_loader
+from lightning_2d.tools.benchmark.workload import (
+    build_adamw,
+    load_seeded_init,
+    lr_warmup_steps,
+    synthetic_data,
+    synthetic_loader,
+)
 
 
 def process_rank() -> int:
@@ -64,7 +70,8 @@ def _trainer(settings: BenchmarkSettings, strategy: Any, precision: str, *callba
 def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[StepClock, torch.device, torch.dtype]:
     """Variant ``lightning_2d`` and each compared variant of it (``simple_fsdp``, ``lora``, ``expert_parallel`` …):
     Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``, their arguments as the variant says
-    (``BenchmarkSettings.strategy_kwargs``, ``module_kwargs``). The collectives of the last warm-up step are counted
+    (``BenchmarkSettings.strategy_kwargs``, ``module_kwargs``), on synthetic tokens or, under ``--preference``,
+    synthetic packed pairs (``workload.synthetic_data``). The collectives of the last warm-up step are counted
     (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
     module = LlamaLightningModule(
         model=settings.model_args,
@@ -77,7 +84,7 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
     callback = StepClockCallback()
     counter = CollectiveCountCallback(settings.warmup - 1) if settings.warmup else None
     trainer = _trainer(settings, strategy, settings.precision, callback, *([counter] if counter else []))
-    trainer.fit(module, train_dataloaders=synthetic_loader(settings, process_rank()))
+    trainer.fit(module, **synthetic_data(settings, process_rank()))
     dtype = strategy.parallel_config.resolve_dtypes(settings.precision).param_dtype
     assert callback.clock is not None and dtype is not None
     callback.clock.collectives = counter.counts if counter is not None else None
