@@ -206,8 +206,9 @@ def test_init_from_and_lora_init_from_never_read_a_pickle(tmp_path):
 def test_every_load_in_the_package_is_weights_only():
     """Read from the source, so that one load turned back to ``weights_only=False`` fails here even where another
     check happens to run first: ``torch.load`` is called in ``checkpoint/safe_load.py`` only, with
-    ``weights_only=True``; every call passing ``weights_only=`` passes ``True``; nothing else unpickles
-    (``pickle.load(s)``, ``np.load(allow_pickle=...)``) but DCP's metadata reader, which builds DCP's types only."""
+    ``weights_only=True``; every call passing ``weights_only=`` passes ``True``; ``np.load`` (the precomputed reference
+    values) passes ``allow_pickle=False``; nothing else unpickles (``pickle.load(s)``) but DCP's metadata reader,
+    which builds DCP's types only."""
     import ast
 
     package = Path(__file__).resolve().parents[2] / "lightning_2d"
@@ -231,7 +232,11 @@ def test_every_load_in_the_package_is_weights_only():
                 value = keywords["weights_only"]
                 if not (isinstance(value, ast.Constant) and value.value is True):
                     found.append(f"{where}:{node.lineno} {name}(weights_only={ast.unparse(value)})")
-            elif name in ("pickle.load", "pickle.loads", "np.load", "numpy.load", "dill.load", "joblib.load"):
+            elif name in ("np.load", "numpy.load"):  # plain arrays only with allow_pickle=False, spelled out
+                allow = keywords.get("allow_pickle")
+                if not (isinstance(allow, ast.Constant) and allow.value is False):
+                    found.append(f"{where}:{node.lineno} {name}(allow_pickle={ast.unparse(allow) if allow else 'unset'})")
+            elif name in ("pickle.load", "pickle.loads", "dill.load", "joblib.load"):
                 found.append(f"{where}:{node.lineno} {name}")
     assert sorted(found) == [
         "lightning_2d/checkpoint/dcp_metadata.py: unpickler DCPMetadataUnpickler",
