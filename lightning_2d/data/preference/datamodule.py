@@ -50,7 +50,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -401,21 +401,8 @@ class PreferenceDataModule(ChatCacheDataModule):
         lengths = np.diff(np.fromfile(folder / "offsets.bin", dtype=np.int64)) - 1  # positions of each sequence
         targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
         positions = lengths[0::2] + lengths[1::2]  # of each pair: chosen's and rejected's
-        too_long = np.flatnonzero(positions > self.seq_len)
-        if too_long.size and self.overflow == "error":
-            rows = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
-            shown = [f"{row_name(meta['sources'], int(rows[2 * p, 0]), int(rows[2 * p, 1]))} ({int(positions[p])}"
-                     " positions)" for p in too_long[:5]]
-            raise DataError(
-                f"{too_long.size} pair(s) take more than seq_len ({self.seq_len}) positions (chosen and rejected"
-                f" together, one less than the tokens of each) under overflow='error': {', '.join(shown)}"
-                f"{', …' if too_long.size > 5 else ''}; raise seq_len, shorten the pairs with max_length, or set"
-                " overflow='drop'"
-            )
-        keep = np.ones(len(positions), dtype=bool)
-        keep[too_long] = False
-        train_pairs, val_pairs = held_out(np.flatnonzero(keep), self.val_fraction, self.seed, "preference data",
-                                          "pair(s)")
+        too_long, train_pairs, val_pairs = self._fitting(
+            meta, positions, lambda p: 2 * p, "pair", " (chosen and rejected together, one less than the tokens of each)")
         train_windows = pack_windows(positions[train_pairs], self.seq_len, self.pack)
         val_windows = pack_windows(positions[val_pairs], self.seq_len, self.pack)
         self._window_units = np.diff(train_windows.offsets)
@@ -432,6 +419,26 @@ class PreferenceDataModule(ChatCacheDataModule):
         val = PreferenceWindows(folder, val_windows, val_pairs, self.seq_len, self.pad_id) if len(val_pairs) else None
         return train, val
 
+    def _fitting(self, meta: dict[str, Any], positions: np.ndarray, conversation: Callable[[int], int], unit: str,
+                 measure: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(too_long, training, held_out)``: the units (pairs, unpaired examples) longer than ``seq_len`` positions
+        (``measure`` says how a unit's are counted; named by row under ``overflow='error'``, else dropped) and the
+        others split as ``val_fraction`` says. ``conversation(u)``: unit ``u``'s first conversation in the cache."""
+        too_long = np.flatnonzero(positions > self.seq_len)
+        if too_long.size and self.overflow == "error":
+            rows = np.fromfile(self.cache_folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
+            shown = [f"{row_name(meta['sources'], *map(int, rows[conversation(int(u))]))} ({int(positions[u])}"
+                     " positions)" for u in too_long[:5]]
+            raise DataError(
+                f"{too_long.size} {unit}(s) take more than seq_len ({self.seq_len}) positions{measure} under"
+                f" overflow='error': {', '.join(shown)}{', …' if too_long.size > 5 else ''}; raise seq_len, shorten"
+                f" the {unit}s with max_length, or set overflow='drop'"
+            )
+        keep = np.ones(len(positions), dtype=bool)
+        keep[too_long] = False
+        training, held = held_out(np.flatnonzero(keep), self.val_fraction, self.seed, "preference data", f"{unit}(s)")
+        return too_long, training, held
+
     def _split_unpaired(self, meta: dict[str, Any]) -> tuple[UnpairedWindows, Optional[UnpairedWindows]]:
         """The splits of unpaired examples, each example packed with its KL sequence (the module docstring)."""
         if not self.pack:
@@ -441,21 +448,9 @@ class PreferenceDataModule(ChatCacheDataModule):
         targets = np.fromfile(folder / "targets.bin", dtype=np.int64)
         labels = np.fromfile(folder / "labels.bin", dtype=np.uint8)
         positions = 2 * lengths  # the example's and, in all, its KL sequence's: the window's completions rotated
-        too_long = np.flatnonzero(positions > self.seq_len)
-        if too_long.size and self.overflow == "error":
-            rows = np.fromfile(folder / "rows.bin", dtype=np.int64).reshape(-1, 2)
-            shown = [f"{row_name(meta['sources'], int(rows[e, 0]), int(rows[e, 1]))} ({int(positions[e])}"
-                     " positions)" for e in too_long[:5]]
-            raise DataError(
-                f"{too_long.size} example(s) take more than seq_len ({self.seq_len}) positions with their KL sequence"
-                f" (twice an example's positions, one less than its tokens) under overflow='error': {', '.join(shown)}"
-                f"{', …' if too_long.size > 5 else ''}; raise seq_len, shorten the examples with max_length, or set"
-                " overflow='drop'"
-            )
-        keep = np.ones(len(positions), dtype=bool)
-        keep[too_long] = False
-        train_examples, val_examples = held_out(np.flatnonzero(keep), self.val_fraction, self.seed, "preference data",
-                                                "example(s)")
+        too_long, train_examples, val_examples = self._fitting(
+            meta, positions, lambda e: e, "example",
+            " with their KL sequence (twice an example's positions, one less than its tokens)")
         train_windows = pack_windows(positions[train_examples], self.seq_len, True)
         val_windows = pack_windows(positions[val_examples], self.seq_len, True)
         per_window = np.diff(train_windows.offsets)
