@@ -20,6 +20,10 @@ point, the KL estimate, is TRL's: the detached mean of the trained minus the ref
 sequences, over the global batch (every data-parallel replica's windows: TRL gathers it across processes), clamped at
 0. The KL sequences are scored by the same forward passes as the examples and give no gradient (their sums are
 detached). TRL's estimate is per batch, so an optimizer step that accumulates batches uses one per batch, as TRL's.
+
+Under pipeline parallelism the pairs' losses are the schedule's (``pipelined_preference_step``: ``PipelinedPairs``
+per micro-batch on the last stage). ``reference_pass`` and ``reference_key`` serve ``precompute_reference``: each
+sequence's reference log-probability computed once into the data cache, keyed by what the reference is.
 """
 
 from __future__ import annotations
