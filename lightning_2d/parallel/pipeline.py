@@ -33,6 +33,11 @@ function multiplies it by ``token_scale`` (``parallel/loss.py``: ``data_parallel
 tokens``, counted before the step, the factor ``normalize_by_global_tokens`` applies without a pipeline)
 times the caller's ``grad_scale`` (``1 / n`` when accumulating over ``n`` batches); the schedule is built
 with ``scale_grads=False`` (its default divides the gradients by the micro-batch count once more).
+
+Other objectives (a preference loss): ``objective_step`` has the last stage return each token's log-probability
+(``per_token=True``) and the schedule's loss function call the objective with the micro-batch's slice of a
+``target`` the caller packs (the schedule splits ``target`` per micro-batch, not ``loss_kwargs``); the objective
+normalizes its own loss. ``token_log_probs`` runs the forwards only for those outputs (a reference model's).
 """
 
 from __future__ import annotations
@@ -487,9 +492,7 @@ class Pipeline:
             kwargs["position_ids"] = position_ids
         if per_token:
             kwargs["per_token"] = True  # not a tensor: every micro-batch's call gets it
-        if not per_token:
-            target = labels
-        target = target if self.has_last else None
+        target = (target if per_token else labels) if self.has_last else None
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
         # The zero-bubble schedules run a second backward pass (the weights') over the retained graph.
