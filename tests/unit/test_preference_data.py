@@ -315,15 +315,23 @@ def test_the_cache_holds_two_conversations_a_pair_built_once_and_keyed_by_the_tr
 # ---- windows and batches: the contract -----------------------------------------------------------------------------
 def expected_window(data, rows, pairs: list[int]) -> dict[str, list[int]]:
     """The window of ``pairs`` (cache pair numbers, in window order) written from the rows, encoded anew."""
-    ids, labels, positions, sequences = [], [], [], []
+    parts = []
     for p, pair in enumerate(pairs):
         encoded = data.pair_encoder.encode(to_pair(rows[pair]))
         for side, sequence in enumerate((encoded.chosen, encoded.rejected)):
-            x, trained = sequence.ids.tolist(), sequence.trained.tolist()
-            ids += x[:-1]
-            labels += [x[t + 1] if trained[t + 1] else IGNORE for t in range(len(x) - 1)]
-            positions += list(range(len(x) - 1))
-            sequences += [2 * p + side] * (len(x) - 1)
+            parts.append((2 * p + side, sequence.ids.tolist(), sequence.trained.tolist()))
+    return window_of(data, parts)
+
+
+def window_of(data, parts: list[tuple[int, list[int], list[int]]]) -> dict[str, list[int]]:
+    """A window written by hand: each ``(sequence id, tokens, trained mask)`` one after another (its inputs, the next
+    trained token as label, positions from 0), then padding."""
+    ids, labels, positions, sequences = [], [], [], []
+    for slot, tokens, mask in parts:
+        ids += tokens[:-1]
+        labels += [tokens[t + 1] if mask[t + 1] else IGNORE for t in range(len(tokens) - 1)]
+        positions += list(range(len(tokens) - 1))
+        sequences += [slot] * (len(tokens) - 1)
     pad = data.seq_len - len(ids)
     return {"input_ids": ids + [data.pad_id] * pad, "labels": labels + [IGNORE] * pad,
             "position_ids": positions + list(range(pad)), "sequence_ids": sequences + [-1] * pad}
@@ -445,7 +453,7 @@ def expected_unpaired_window(data, rows, examples: list[int]) -> dict[str, list]
     """The window of ``examples`` (row numbers, in the data set's order) written from the rows, encoded anew: each
     example, then its KL sequence (its prompt and the previous example's completion, the first the last's)."""
     encoded = [data.pair_encoder.encode_example(to_example(rows[e])) for e in examples]
-    ids, labels, positions, sequences = [], [], [], []
+    windowed = []
     for k, example in enumerate(encoded):
         x, trained, p = example.sequence.ids.tolist(), example.sequence.trained.tolist(), example.prompt_tokens
         parts = [(x, trained)]
@@ -453,14 +461,8 @@ def expected_unpaired_window(data, rows, examples: list[int]) -> dict[str, list]
             before = encoded[k - 1]
             q = before.prompt_tokens
             parts.append((x[:p] + before.sequence.ids[q:].tolist(), [0] * p + before.sequence.trained[q:].tolist()))
-        for side, (tokens, mask) in enumerate(parts):
-            ids += tokens[:-1]
-            labels += [tokens[t + 1] if mask[t + 1] else IGNORE for t in range(len(tokens) - 1)]
-            positions += list(range(len(tokens) - 1))
-            sequences += [2 * k + side] * (len(tokens) - 1)
-    pad = data.seq_len - len(ids)
-    return {"input_ids": ids + [data.pad_id] * pad, "labels": labels + [IGNORE] * pad,
-            "position_ids": positions + list(range(pad)), "sequence_ids": sequences + [-1] * pad}
+        windowed += [(2 * k + side, tokens, mask) for side, (tokens, mask) in enumerate(parts)]
+    return window_of(data, windowed)
 
 
 def test_a_window_of_unpaired_examples_holds_each_with_its_kl_sequence_in_the_data_sets_order(tmp_path):

@@ -87,6 +87,12 @@ NO_SEQUENCE = -1
 PREFERENCE_UNITS = ("pairs", "examples")
 
 
+def truncation_line(prompts: int, completions: int, no_target: int, unit: str) -> str:
+    """The packing report's line of what encoding the whole data set cut or dropped (``unit``: pair, example)."""
+    return (f"  truncated      {prompts:,} prompt(s), {completions:,} completion(s) of the data set; {no_target:,}"
+            f" {unit}(s) dropped without a trained token")
+
+
 @dataclass(frozen=True)
 class PreferencePackingReport(PackingReport):
     """How well the pairs fill the windows (``conversations``: their sequences, two a pair; ``dropped``: pairs
@@ -111,8 +117,7 @@ class PreferencePackingReport(PackingReport):
                     f" {self.pairs:,} pairs ({self.conversations:,} sequences)")
         lines[-1] = (f"  efficiency     {100 * self.efficiency:.1f}% of positions hold a sequence"
                      + (f"; {self.dropped:,} pair(s) dropped as longer than the window" if self.dropped else ""))
-        lines.append(f"  truncated      {self.prompts_truncated:,} prompt(s), {self.completions_truncated:,}"
-                     f" completion(s) of the data set; {self.no_target:,} pair(s) dropped without a trained token")
+        lines.append(truncation_line(self.prompts_truncated, self.completions_truncated, self.no_target, "pair"))
         return lines
 
 
@@ -149,8 +154,7 @@ class UnpairedPackingReport(PackingReport):
         if self.alone:
             lines.append(f"  alone          {self.alone:,} example(s) alone in a window: no KL sequence (raise seq_len,"
                          " or shorten the examples with max_length, to pack more in a window)")
-        lines.append(f"  truncated      {self.prompts_truncated:,} prompt(s), {self.completions_truncated:,}"
-                     f" completion(s) of the data set; {self.no_target:,} example(s) dropped without a trained token")
+        lines.append(truncation_line(self.prompts_truncated, self.completions_truncated, self.no_target, "example"))
         return lines
 
 
