@@ -10,6 +10,8 @@ same global batches:
   step (the loss the mean over the step's pairs), and context parallel 2 × tensor parallel 2 (each pair's sequences
   cut over the context ranks, their log-probabilities summed across them);
 - the whole model, the reference a frozen copy parallelized beside it (FSDP × TP at 2×2);
+- QLoRA (adapters on NF4 bases, the reference those bases with the adapters off) at data 2 × context 2 against the
+  single-device QLoRA run;
 - KTO on the same pairs unpaired (each answer desirable, each evasive one undesirable), each example packed with its
   KL sequence, LoRA with its adapters off as the reference, at 2×2 with sequence parallelism: its KL estimate a mean
   over both replicas' windows.
@@ -25,6 +27,7 @@ import json
 import pytest
 import torch
 
+from lightning_2d.ops.lora import is_adapter_parameter
 from tests.distributed.conftest import load_weights
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
@@ -38,6 +41,9 @@ KTO_SEQ_LEN, KTO_PAIRS = 256, 48
 #: The desirable examples weigh more: their completions' rise under other prompts too makes the KL estimate positive
 #: from the second step (the reference point matters), where equal weights leave it clamped at 0 in most steps.
 KTO = {"loss_type": "kto", "beta": 0.1, "desirable_weight": 3.0, "undesirable_weight": 0.5}
+#: QLoRA's model: each projection whole NF4 scaler groups (16,384 elements) in each of 4 row shards (256 × 256 and
+#: 768 × 256 weights), as tests/distributed/test_lora.py's.
+QLORA_MODEL = {"vocab_size": 264, "n_layers": 2, "dim": 256, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 256}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +85,7 @@ def runs(jobs, pairs, examples) -> dict:
               "preference": DPO}
     lora = {**common, "lora": LORA}
     kto = {**lora, "preference_data": examples, "seq_len": KTO_SEQ_LEN, "preference": KTO}
+    qlora = {**common, "model_overrides": QLORA_MODEL, "lora": {**LORA, "quantize_base": "nf4"}}
     specs = {
         "reference": jobs.reference_job(**lora),
         "sp_accumulate": jobs.layout_job(2, 2, accumulate=2, grad_norms=True, **lora),
@@ -100,6 +107,9 @@ def runs(jobs, pairs, examples) -> dict:
                                        **{**common, "preference": {**DPO, "precompute_reference": True}}),
         "kto_reference": jobs.reference_job(**kto),
         "kto_2x2": jobs.layout_job(2, 2, grad_norms=True, **kto),
+        # QLoRA: FSDP shards the NF4 bases over data 2 × context 2 and gathers them for the reference's forward too
+        "qlora_reference": jobs.reference_job(**qlora),
+        "qlora_dp_cp": jobs.layout_job(2, 1, nprocs=4, context_parallel_size=2, grad_norms=True, **qlora),
     }
     specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("preference", list(specs.values()))
@@ -208,3 +218,24 @@ def test_kto_with_lora_at_2x2_with_sequence_parallelism_equals_one_device(runs):
     kl = [m["kl"] for m in ref["preference_metrics"]]
     assert kl[0] == 0.0 and min(kl[2:]) > 0.01, kl  # trained (the adapters start as the reference), KL above 0
     check_against(runs["kto_2x2"], runs["kto_reference"], grad_norms=True, label="KTO 2x2 SP", margin=False)
+
+
+def test_dpo_with_qlora_equals_one_device_its_nf4_bases_the_reference(runs):
+    """QLoRA: adapters on NF4 bases, no copy: the reference is the bases with the adapters off. Its first step's
+    rewards are exactly 0 (the adapters' B starts at zero, so the model is its reference, NF4 bases included); at data 2
+    × context 2 (the NF4 codes sharded over 4 ranks, gathered for both forwards) the run is the single device's, and
+    the bases' bits are untouched."""
+    reference, run = runs["qlora_reference"], runs["qlora_dp_cp"]
+    ref = reference.rank_output(0)
+    assert len(ref["nf4"]) == 2 * 7 and ref["frozen_models"] == 0  # both blocks' seven projections in NF4
+    first = ref["preference_metrics"][0]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0, first
+    for rank in range(4):
+        out = run.rank_output(rank)
+        assert out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == 2
+        assert out["nf4"] == ref["nf4"] and out["frozen_models"] == 0
+        assert out["optimized"] == out["requires_grad"] and all(is_adapter_parameter(n) for n in out["optimized"])
+    check_against(run, reference, grad_norms=True, label="QLoRA DP 2 x CP 2")
+    initial, final = load_weights(reference, "initial"), load_weights(run, "final")
+    for name in ref["nf4"]:  # the single device's NF4 values, untouched by training at data 2 × context 2
+        assert torch.equal(final[name], initial[name]), name
