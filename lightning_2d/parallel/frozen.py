@@ -104,7 +104,9 @@ def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", c
     Under FSDP2 every unit reshards after its forward (``reshard_after_forward="always"``): the ``"default"`` policy
     keeps the output unit gathered for the backward that follows, and a frozen model has none, so its head would stay
     gathered from one step to the next (SimpleFSDP gathers a weight at each use, and without autograd nothing keeps
-    it). Its parameters are frozen again afterwards: they never require gradients.
+    it). Its parameters are frozen again afterwards: they never require gradients. Under ``compile=True`` its blocks
+    are compiled too, as the trained model's (one graph more: their forward without grad), so that the reference
+    computes with the trained model's kernels.
 
     Raises:
         ParallelConfigError: under pipeline parallelism (``frozen_pipeline``; the strategies' validation refuses it
