@@ -10,7 +10,7 @@ same global batches:
   step (the loss the mean over the step's pairs), and context parallel 2 × tensor parallel 2 (each pair's sequences
   cut over the context ranks, their log-probabilities summed across them);
 - the whole model, the reference a frozen copy parallelized beside it (FSDP × TP at 2×2);
-- QLoRA (adapters on NF4 bases, the reference those bases with the adapters off) at data 2 × context 2 against the
+- QLoRA (adapters on NF4 bases, the reference those bases with the adapters off) at FSDP 4 against the
   single-device QLoRA run;
 - KTO on the same pairs unpaired (each answer desirable, each evasive one undesirable), each example packed with its
   KL sequence, LoRA with its adapters off as the reference, at 2×2 with sequence parallelism: its KL estimate a mean
@@ -107,9 +107,9 @@ def runs(jobs, pairs, examples) -> dict:
                                        **{**common, "preference": {**DPO, "precompute_reference": True}}),
         "kto_reference": jobs.reference_job(**kto),
         "kto_2x2": jobs.layout_job(2, 2, grad_norms=True, **kto),
-        # QLoRA: FSDP shards the NF4 bases over data 2 × context 2 and gathers them for the reference's forward too
+        # QLoRA: FSDP shards the NF4 bases over 4 ranks and gathers them for the reference's forward too
         "qlora_reference": jobs.reference_job(**qlora),
-        "qlora_dp_cp": jobs.layout_job(2, 1, nprocs=4, context_parallel_size=2, grad_norms=True, **qlora),
+        "qlora_fsdp4": jobs.layout_job(4, 1, grad_norms=True, **qlora),
     }
     specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("preference", list(specs.values()))
@@ -160,7 +160,7 @@ def test_dpo_with_lora_under_context_and_tensor_parallelism_equals_one_device(ru
     vocabulary over 2 tensor ranks."""
     for rank in range(4):
         out = runs["cp_tp"].rank_output(rank)
-        assert out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == 2
+        assert out["mesh_shape"][out["mesh_dims"].index("data_parallel_shard")] == 4
     check_against(runs["cp_tp"], runs["reference"], label="CP 2 x TP 2")
 
 
@@ -222,20 +222,20 @@ def test_kto_with_lora_at_2x2_with_sequence_parallelism_equals_one_device(runs):
 
 def test_dpo_with_qlora_equals_one_device_its_nf4_bases_the_reference(runs):
     """QLoRA: adapters on NF4 bases, no copy: the reference is the bases with the adapters off. Its first step's
-    rewards are exactly 0 (the adapters' B starts at zero, so the model is its reference, NF4 bases included); at data 2
-    × context 2 (the NF4 codes sharded over 4 ranks, gathered for both forwards) the run is the single device's, and
-    the bases' bits are untouched."""
-    reference, run = runs["qlora_reference"], runs["qlora_dp_cp"]
+    rewards are exactly 0 (the adapters' B starts at zero, so the model is its reference, NF4 bases included); at FSDP
+    4 (the NF4 codes sharded over 4 ranks, gathered for both forwards) the run is the single device's, and the bases'
+    bits are untouched."""
+    reference, run = runs["qlora_reference"], runs["qlora_fsdp4"]
     ref = reference.rank_output(0)
     assert len(ref["nf4"]) == 2 * 7 and ref["frozen_models"] == 0  # both blocks' seven projections in NF4
     first = ref["preference_metrics"][0]
     assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0, first
     for rank in range(4):
         out = run.rank_output(rank)
-        assert out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == 2
+        assert out["mesh_shape"][out["mesh_dims"].index("data_parallel_shard")] == 4
         assert out["nf4"] == ref["nf4"] and out["frozen_models"] == 0
         assert out["optimized"] == out["requires_grad"] and all(is_adapter_parameter(n) for n in out["optimized"])
-    check_against(run, reference, grad_norms=True, label="QLoRA DP 2 x CP 2")
+    check_against(run, reference, grad_norms=True, label="QLoRA FSDP 4")
     initial, final = load_weights(reference, "initial"), load_weights(run, "final")
-    for name in ref["nf4"]:  # the single device's NF4 values, untouched by training at data 2 × context 2
+    for name in ref["nf4"]:  # the single device's NF4 values, untouched by training at FSDP 4
         assert torch.equal(final[name], initial[name]), name
