@@ -160,7 +160,7 @@ def test_dpo_with_lora_under_context_and_tensor_parallelism_equals_one_device(ru
     vocabulary over 2 tensor ranks."""
     for rank in range(4):
         out = runs["cp_tp"].rank_output(rank)
-        assert out["mesh_shape"][out["mesh_dims"].index("data_parallel_shard")] == 4
+        assert out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == 2
     check_against(runs["cp_tp"], runs["reference"], label="CP 2 x TP 2")
 
 
