@@ -55,17 +55,21 @@ class PreferenceTuning:
     def reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``token_log_probs`` under the reference model: its frozen copy (``reference="copy"``), else (under LoRA)
         the model with its adapters switched off; the batch's own values once a pass computed them
-        (``precompute_reference``: each sequence's at its first position)."""
+        (``precompute_reference``: each sequence's at its first position). Under pipeline parallelism a forward-only
+        run of the copy's stages (``FrozenModel.pipeline``) or of the trained stages with their adapters off: the
+        values on the last stage's rank only (``None`` elsewhere)."""
         if "reference_logps" in batch:
             return batch["reference_logps"]
         assert self.model is not None
-        pipeline = self.pipeline
-        if pipeline is not None:  # the stages' forwards, adapters off: the values on the last stage's rank only
-            with adapters_disabled(self.model):
-                return pipeline.token_log_probs(batch["input_ids"], batch["labels"], **document_positions_of(batch))
+        tokens, labels, positions = batch["input_ids"], batch["labels"], document_positions_of(batch)
         if self._reference is not None:
+            if self._reference.pipeline is not None:  # its stages beside the trained ones, on the same ranks
+                return self._reference.pipeline.token_log_probs(tokens, labels, **positions)
             return self.token_log_probs(batch, self._reference.frozen())
         with adapters_disabled(self.model):
+            pipeline = self.pipeline
+            if pipeline is not None:
+                return pipeline.token_log_probs(tokens, labels, **positions)
             return self.token_log_probs(batch)
 
     # ---- models held beside the trained one (``parallel.frozen``) -------------------------------------------------

@@ -281,3 +281,44 @@ def test_a_parallelized_frozen_copy_is_stored_in_the_dtype_fsdp_computes_in(tmp_
     assert stored.keys() == dict(initial.named_parameters()).keys()
     for name, param in initial.named_parameters():
         assert torch.equal(stored[name], param.detach().to(torch.bfloat16)), name
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    """A one-rank gloo world: the pipelined steps broadcast their metrics from the last stage's rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_parallelized_frozen_model_reshards_every_unit_after_its_forward(one_rank_world):
+    """A frozen model has no backward to free what FSDP2 keeps gathered for it: ``parallelize_frozen`` reshards every
+    unit after its forward (set on the units once built, so the zero-bubble schedules' refusal of the option for the
+    trained model does not apply), where the trained model's ``"default"`` policy keeps the output unit (final norm and
+    head) gathered after a no-grad forward (on one CPU rank: plain tensors in place of the sharded parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_2d import ModelArgs, Transformer
+    from lightning_2d.models import registry
+    from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel.config import ParallelConfig
+    from lightning_2d.parallel.dims import ParallelDims
+    from lightning_2d.parallel.frozen import parallelize_frozen
+    from lightning_2d.parallel.parallelize import parallelize_and_materialize
+
+    args = ModelArgs.from_name("debug", n_layers=2)
+    config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1)
+    meshes = ParallelDims(1, 1, 1).build_mesh("cpu")
+    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    gathered = {}
+    for parallelize in (parallelize_frozen, parallelize_and_materialize):
+        with torch.device("meta"):
+            model = Transformer(args).requires_grad_(False)
+        parallelize(model, meshes, config, llama_plan(args, config), "32-true", torch.device("cpu"), seed=lambda: 7,
+                    known_init_hooks=registry.known_init_hooks)
+        with torch.no_grad():
+            model(tokens[:, :-1], labels=tokens[:, 1:], per_token=True)
+        gathered[parallelize.__name__] = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert gathered == {"parallelize_frozen": [], "parallelize_and_materialize": ["norm.weight", "output.weight"]}
