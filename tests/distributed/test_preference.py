@@ -14,7 +14,8 @@ same global batches:
   KL sequence, LoRA with its adapters off as the reference, at 2×2 with sequence parallelism: its KL estimate a mean
   over both replicas' windows;
 - pipeline 2 × data 2: LoRA (1F1B, GPipe with the reference precomputed), the whole model against a frozen copy split
-  into the same stages (1F1B; Interleaved1F1B and ZBVZeroBubble at 4 blocks, against their own single-device run).
+  into the same stages (1F1B; Interleaved1F1B and ZBVZeroBubble at 4 blocks, against their own single-device run),
+  KTO (1F1B).
 
 Each compares the losses, TRL's reward metrics (KTO's with its KL estimate), the gradient norms where recorded and
 the final weights.
@@ -105,7 +106,7 @@ def runs(jobs, pairs, examples) -> dict:
         "kto_2x2": jobs.layout_job(2, 2, grad_norms=True, **kto),
         # pipeline 2 × data 2, the whole model against its frozen copy cut into the same stages on the same ranks
         # (its own forward-only pipeline): 1F1B at 2 blocks; two stages a rank at 4 blocks, in a loop (Interleaved1F1B)
-        # and in a V with each backward split in two (ZBVZeroBubble)
+        # and in a V with each backward split in two (ZBVZeroBubble); KTO, its KL estimate by a forward-only pass
         "pp_copy": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B",
                                    grad_norms=True, **common),
         "copy_reference_4_blocks": jobs.reference_job(**four_blocks),
@@ -113,6 +114,8 @@ def runs(jobs, pairs, examples) -> dict:
                                                pipeline_schedule="Interleaved1F1B", grad_norms=True, **four_blocks),
         "pp_copy_zero_bubble": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2,
                                                pipeline_schedule="ZBVZeroBubble", grad_norms=True, **four_blocks),
+        "pp_kto": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B", grad_norms=True,
+                                  **kto),
     }
     specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("preference", list(specs.values()))
@@ -249,3 +252,12 @@ def test_dpo_against_a_frozen_copy_split_beside_the_pipeline_stages_equals_one_d
         assert all(len(b) == blocks // 2 for b in held)
         check_against(runs[key], runs[reference], grad_norms=True, label=f"PP 2 x DP 2 {schedule} frozen copy")
 
+
+def test_kto_under_pipeline_parallelism_equals_one_device(runs):
+    """Pipeline 2 × data 2 with LoRA: the KL estimate from forward-only runs of the stages (the trained model's and,
+    adapters off, the reference's) before the schedule, over both replicas' KL sequences; each micro-batch's examples
+    scored in the last stage against it. The losses, the KL and reward metrics, gradient norms and weights are one
+    device's."""
+    out = runs["pp_kto"].rank_output(0)
+    assert out["schedule_classes"] == {"train": "Schedule1F1B", "eval": "ScheduleGPipe"}
+    check_against(runs["pp_kto"], runs["kto_reference"], grad_norms=True, label="KTO PP 2 x DP 2", margin=False)
