@@ -784,6 +784,11 @@ def fit(cfg: dict) -> None:
             result["reference_values_key"] = module._reference_precomputed
             result["frozen_models"] = len(module.frozen_models())
             result["frozen_data_parallel_modules"] = [data_parallel_modules(f.frozen()) for f in module.frozen_models()]
+            # Under a pipeline: which blocks of each frozen model this rank holds, and what ran its stages.
+            result["frozen_pipelines"] = [{
+                "blocks": sorted(f.frozen().layers.keys(), key=int), "stage_indices": list(f.pipeline.stage_indices),
+                "schedule_classes": sorted({type(s).__name__ for s in f.pipeline.schedules.values()}),
+            } for f in module.frozen_models() if f.pipeline is not None]
             batch = datamodule.train_dataset[0] if datamodule.train_dataset is not None else {}
             result["batches_carry_reference_values"] = "reference_logps" in batch
     if collectives is not None:

@@ -1306,6 +1306,21 @@ def test_a_frozen_reference_copy_is_planned_beside_the_model_in_param_dtype():
     assert "reference model (frozen copy, bfloat16, sharded)" in planner.format_report(report)
 
 
+def test_a_frozen_reference_copy_under_a_pipeline_is_planned_as_the_ranks_stages():
+    """Pipeline 2 × tensor 2: the copy is cut into the trained model's stages on the same ranks, so each planned rank
+    holds its stages' twins (the trained shards, in bf16) and their rotary table; its stages run before the schedule,
+    when the trained units are resharded: its all-gathers (a unit and the next) stay within the trained model's peak."""
+    layout = {"devices": 4, "config": ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
+              "seq_len": 128, "precision": "bf16-mixed"}
+    plain = plan_run("debug", **layout)
+    report = plan_run("debug", **layout, preference={"loss_type": "ipo"})
+    assert (report.reference, report.reference_dtype) == ("copy", "bfloat16")
+    assert report.reference_params_per_device == report.params_per_device == plain.params_per_device
+    assert report.reference_bytes == report.params_per_device * 2 + 512 * 8 * 2 * 4
+    assert report.all_gather_bytes == plain.all_gather_bytes
+    assert "runs before the schedule" in planner.format_report(report)
+
+
 def test_a_reference_of_switched_off_adapters_or_none_holds_no_copy():
     """Under LoRA the reference is the model with its adapters off: no copy, no more gathers, only its forward; a
     reference-free loss (SimPO) is planned as next-token training."""
@@ -1323,10 +1338,6 @@ def test_a_reference_of_switched_off_adapters_or_none_holds_no_copy():
 def test_preference_settings_that_cannot_run_are_refused_by_the_planner(capsys):
     with pytest.raises(ValueError, match="reference='adapters_off' needs adapters to switch off"):
         plan_run("debug", **DEBUG_2X2, preference={"loss_type": "sigmoid", "reference": "adapters_off"})
-    with pytest.raises(ParallelConfigError, match=r"preference reference='copy' with pipeline_parallel_size=2: the frozen"
-                                                  r" copy is not split into pipeline stages"):
-        plan_run("debug", devices=4, config=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
-                 preference={"loss_type": "ipo"})
     with pytest.raises(ParallelConfigError, match="preference loss_type must be one of"):
         plan_run("debug", **DEBUG_2X2, preference={"loss_type": "dpo"})
     for argv, message in (
