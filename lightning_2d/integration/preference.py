@@ -22,7 +22,9 @@ sequences, over the global batch (every data-parallel replica's windows: TRL gat
 detached). TRL's estimate is per batch, so an optimizer step that accumulates batches uses one per batch, as TRL's.
 
 Under pipeline parallelism the pairs' losses are the schedule's (``pipelined_preference_step``: ``PipelinedPairs``
-per micro-batch on the last stage). ``reference_pass`` and ``reference_key`` serve ``precompute_reference``: each
+per micro-batch on the last stage), and KTO's too (``pipelined_kto_step``: ``PipelinedExamples``), its KL estimate
+computed before the schedule runs by a forward-only pass of the trained stages (TRL's own KL forward has no graph
+either). ``reference_pass`` and ``reference_key`` serve ``precompute_reference``: each
 sequence's reference log-probability computed once into the data cache, keyed by what the reference is.
 """
 
@@ -245,15 +247,127 @@ def pipelined_preference_step(
                             grad_scale=1.0 / accumulate if train else 1.0, position_ids=batch.get("position_ids"))
     sums = objective.totals(labels.device)
     names = ("loss", "nll") + METRICS
-    means = global_means({name: (sums[i], sums[3] if name != "nll" else sums[2])
-                          for i, name in zip((0, 1, *range(4, 4 + len(METRICS))), names)}, mesh)
-    values = torch.stack([means[name] for name in names]).contiguous()
-    dist.broadcast(values, src=pipeline.last_stage_rank, group=pipeline.pp_group)
+    values = from_last_stage(pipeline, global_means({name: (sums[i], sums[3] if name != "nll" else sums[2])
+                                                     for i, name in zip((0, 1, *range(4, 4 + len(METRICS))), names)},
+                                                    mesh))
     mean = values[0] + (values[1] if nll_scale is not None else 0.0)
     metrics = dict(zip(METRICS, values[2:]))
     if nll_scale is not None:
         metrics["nll_loss"] = values[1]
     return mean.detach(), mean.detach(), global_pairs, metrics
+
+
+def from_last_stage(pipeline: Any, means: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``means``' values stacked, as the last stage's rank computed them, on every pipeline rank (a broadcast)."""
+    values = torch.stack(list(means.values())).contiguous()
+    dist.broadcast(values, src=pipeline.last_stage_rank, group=pipeline.pp_group)
+    return values
+
+
+class PipelinedExamples:
+    """KTO's loss of a micro-batch of unpaired examples on the last pipeline stage (``Pipeline.objective_step``'s
+    objective), as ``PipelinedPairs``: a window holds each example with its KL sequence, so a micro-batch does. The
+    reference point, the KL estimate, is the batch's (a mean over every KL sequence of every replica): computed before
+    the schedule runs (``pipelined_kto_step``), it rides in the target as a constant. The KL sequences' log-probabilities
+    in the schedule's forward give no gradient (the estimate is a number). The sums the metrics need are kept
+    (``totals``)."""
+
+    #: ``totals``' entries: the loss and the examples, then each metric's sum and count.
+    SUMS = ("loss", "examples", "rewards/chosen", "desirable", "rewards/rejected", "undesirable", "logps/chosen",
+            "logps/rejected")
+
+    def __init__(self, preference: PreferenceLoss, mesh: Any, example_scale: torch.Tensor) -> None:
+        self.preference, self.mesh, self.example_scale = preference, mesh, example_scale
+        self._sums: list[torch.Tensor] = []
+
+    @staticmethod
+    def target(batch: dict[str, torch.Tensor], reference_token_logps: Optional[torch.Tensor],
+               kl: torch.Tensor) -> torch.Tensor:
+        """``(B, T, 6)`` float64: label, sequence, the window's examples, the reference, whether the position's
+        example is desirable (1 on its sequence's positions, 0 elsewhere: summed per sequence as the log-probabilities
+        are, so also under context parallelism), the KL estimate."""
+        labels, sequence_ids = batch["labels"], batch["sequence_ids"]
+        examples = batch["examples"].reshape(-1, 1).to(labels.device).expand_as(labels)
+        reference = reference_token_logps if reference_token_logps is not None else torch.zeros_like(labels)
+        desirable = batch["desirable"].to(labels.device).gather(1, (sequence_ids // 2).clamp(min=0))
+        desirable = desirable & (sequence_ids >= 0) & (sequence_ids % 2 == 0)  # an example's positions, not its KL's
+        return torch.stack([labels, sequence_ids, examples, reference.to(labels.device), desirable,
+                            kl.to(labels.device).expand_as(labels)], dim=-1).double()
+
+    def __call__(self, token_logps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        sequence_ids, examples = target[..., 1].long(), target[:, 0, 2].long()
+
+        def sums(values: torch.Tensor) -> torch.Tensor:
+            return sum_over_context(sequence_sums(values, sequence_ids, 2 * examples), self.mesh)
+
+        logps = sums(token_logps)[0::2]  # the examples'; their KL sequences' only made the estimate
+        ref = sums(target[..., 3].float())[0::2]
+        desirable = sums(target[..., 4].float())[0::2] > 0
+        losses, rewards = self.preference.kto_terms(logps, ref, desirable, target[0, 0, 5].float())
+        chosen, rejected, policy = desirable.float(), (~desirable).float(), logps.detach()
+        self._sums.append(torch.stack([
+            losses.detach().sum(), torch.tensor(float(losses.numel()), device=logps.device),
+            (rewards * chosen).sum(), chosen.sum(), (rewards * rejected).sum(), rejected.sum(),
+            (policy * chosen).sum(), (policy * rejected).sum(),
+        ]))
+        return losses.sum() * self.example_scale
+
+    def totals(self, device: torch.device) -> torch.Tensor:
+        """The micro-batches' ``SUMS`` (zeros on a rank without the last stage)."""
+        if not self._sums:
+            return torch.zeros(len(self.SUMS), device=device)
+        return torch.stack(self._sums).sum(0)
+
+
+def pipelined_kto_step(
+    pipeline: Any,
+    preference: PreferenceLoss,
+    batch: dict[str, torch.Tensor],
+    reference_log_probs: Callable[[dict[str, torch.Tensor]], Optional[torch.Tensor]],
+    mesh: Any,
+    train: bool,
+    step_examples: Optional[torch.Tensor] = None,
+    accumulate: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``kto_step`` under pipeline parallelism: first the reference's log-probabilities and the trained model's, both
+    forward-only runs of the stages (no graph, as TRL's KL forward), which give the KL estimate (the batch's KL
+    sequences, every replica's); then the examples' losses computed by the last stage per micro-batch
+    (``PipelinedExamples``), forward and backward run by the schedule (``train``) or the forwards only. Returns what
+    ``kto_step`` returns, the loss detached, identical on every rank."""
+    check_batch_units(preference, batch)
+    labels, sequence_ids = batch["labels"], batch["sequence_ids"]
+    tokens, positions = batch["input_ids"], batch.get("position_ids")
+    examples = batch["examples"].reshape(-1).to(labels.device)
+    reference = reference_log_probs(batch)  # on the last stage's rank (or every rank's precomputed values)
+    policy = pipeline.token_log_probs(tokens, labels, position_ids=positions)  # None off the last stage
+    kl_sum = torch.zeros((), device=labels.device)
+    if policy is not None:  # collectives over the last stage's context ranks only
+        assert reference is not None
+        kl_sum = sum_over_context(sequence_sums(policy - reference.to(policy.dtype), sequence_ids, 2 * examples),
+                                  mesh)[1::2].sum()
+    # A window of one example has no KL sequence (its slot sums to 0): only the others count in the mean.
+    kl_count = torch.where(examples > 1, examples, torch.zeros_like(examples)).sum()
+    (kl,) = global_means({"kl": (kl_sum, kl_count)}, mesh).values()  # the last stage's ranks: the estimate
+    example_scale, global_examples = unit_scale(examples.sum(), mesh, step_examples if train else None,
+                                                accumulate if train else 1)
+    objective = PipelinedExamples(preference, mesh, example_scale)
+    pipeline.objective_step(objective, tokens, labels, objective.target(batch, reference, kl), train,
+                            grad_scale=1.0 / accumulate if train else 1.0, position_ids=positions)
+    sums = dict(zip(PipelinedExamples.SUMS, objective.totals(labels.device)))
+    values = from_last_stage(pipeline, {
+        **global_means({
+            "loss": (sums["loss"], sums["examples"]),
+            "rewards/chosen": (sums["rewards/chosen"], sums["desirable"]),
+            "rewards/rejected": (sums["rewards/rejected"], sums["undesirable"]),
+            "logps/chosen": (sums["logps/chosen"], sums["desirable"]),
+            "logps/rejected": (sums["logps/rejected"], sums["undesirable"]),
+        }, mesh),
+        "kl": kl.clamp(min=0),
+    })
+    mean, metrics = values[0].detach(), dict(zip(("rewards/chosen", "rewards/rejected", "logps/chosen",
+                                                  "logps/rejected", "kl"), values[1:]))
+    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return mean, mean, global_examples, {name: metrics[name] for name in KTO_METRICS}
 
 
 def reference_pass(
@@ -352,6 +466,6 @@ def kto_step(
     return loss, mean, global_examples, {name: metrics[name] for name in KTO_METRICS}
 
 
-__all__ = ["KTO_METRICS", "METRICS", "ORPO_METRICS", "PipelinedPairs", "check_batch_units", "kto_step", "metric_names",
-           "metric_sums", "pipelined_preference_step", "preference_step", "reference_key", "reference_pass",
-           "score_pairs"]
+__all__ = ["KTO_METRICS", "METRICS", "ORPO_METRICS", "PipelinedExamples", "PipelinedPairs", "check_batch_units",
+           "from_last_stage", "kto_step", "metric_names", "metric_sums", "pipelined_kto_step",
+           "pipelined_preference_step", "preference_step", "reference_key", "reference_pass", "score_pairs"]

@@ -1,7 +1,7 @@
 """``PreferenceTuning``: what ``preference=`` adds to the causal-LM modules — each token's log-probability under
 the trained model and under the reference (a frozen copy held beside it, the base with its adapters off, or values
-precomputed into the data), the models held beside the trained one, and the step that dispatches to the paired,
-KTO and pipelined losses of ``integration/preference.py``.
+precomputed into the data), the models held beside the trained one, and the step that dispatches to the paired and
+KTO losses of ``integration/preference.py``, pipelined or not.
 
 A mixin of ``CausalLMModule`` (``integration/module.py``), which gives it ``hparams``, ``lora``, ``preference``,
 ``model``, ``meshes``, ``pipeline``, ``adapter_base`` and ``_own_plan``.
@@ -20,6 +20,7 @@ from lightning_2d.checkpoint.errors import CheckpointError
 from lightning_2d.integration.batches import document_positions_of
 from lightning_2d.integration.preference import (
     kto_step,
+    pipelined_kto_step,
     pipelined_preference_step,
     preference_step,
     reference_key,
@@ -55,17 +56,21 @@ class PreferenceTuning:
     def reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``token_log_probs`` under the reference model: its frozen copy (``reference="copy"``), else (under LoRA)
         the model with its adapters switched off; the batch's own values once a pass computed them
-        (``precompute_reference``: each sequence's at its first position)."""
+        (``precompute_reference``: each sequence's at its first position). Under pipeline parallelism a forward-only
+        run of the copy's stages (``FrozenModel.pipeline``) or of the trained stages with their adapters off: the
+        values on the last stage's rank only (``None`` elsewhere)."""
         if "reference_logps" in batch:
             return batch["reference_logps"]
         assert self.model is not None
-        pipeline = self.pipeline
-        if pipeline is not None:  # the stages' forwards, adapters off: the values on the last stage's rank only
-            with adapters_disabled(self.model):
-                return pipeline.token_log_probs(batch["input_ids"], batch["labels"], **document_positions_of(batch))
+        tokens, labels, positions = batch["input_ids"], batch["labels"], document_positions_of(batch)
         if self._reference is not None:
+            if self._reference.pipeline is not None:  # its stages beside the trained ones, on the same ranks
+                return self._reference.pipeline.token_log_probs(tokens, labels, **positions)
             return self.token_log_probs(batch, self._reference.frozen())
         with adapters_disabled(self.model):
+            pipeline = self.pipeline
+            if pipeline is not None:
+                return pipeline.token_log_probs(tokens, labels, **positions)
             return self.token_log_probs(batch)
 
     # ---- models held beside the trained one (``parallel.frozen``) -------------------------------------------------
@@ -220,9 +225,12 @@ class PreferenceTuning:
         count = "step_pairs" if preference.paired else "step_examples"  # the step's units, what the loss averages
         step = {count: batch[count], "accumulate": int(trainer.accumulate_grad_batches)
                 if trainer is not None else 1} if train and count in batch else {}
-        if not preference.paired:  # KTO: unpaired examples and their KL sequences
-            return kto_step(preference, batch, self.token_log_probs, self.reference_log_probs, self.meshes, **step)
         pipeline = self.pipeline
+        if not preference.paired:  # KTO: unpaired examples and their KL sequences
+            if pipeline is not None:  # the KL estimate by forward-only runs, then the losses in the last stage
+                return pipelined_kto_step(pipeline, preference, batch, self.reference_log_probs, self.meshes,
+                                          train=train, **step)
+            return kto_step(preference, batch, self.token_log_probs, self.reference_log_probs, self.meshes, **step)
         if pipeline is not None:  # the pairs' losses in the last stage, per micro-batch
             return pipelined_preference_step(pipeline, preference, batch, self.reference_log_probs, self.meshes,
                                              train=train, **step)

@@ -375,9 +375,12 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def _parallelize_frozen_model(self, frozen: nn.Module, plan: Any, precision: str, seed_owner: Any) -> None:
         """``parallelize_frozen`` of one frozen model (a ``FrozenModel`` the Trainer's module declares, or a model
         given frozen to ``fabric.setup``) on this strategy's meshes, initialized with ``seed_owner``'s seed (the
-        trained model's, which its seeded init then reproduces); kept in ``frozen_modules``."""
+        trained model's, which its seeded init then reproduces), under a pipeline cut as the trained model is (its
+        ``Pipeline.split``); kept in ``frozen_modules``."""
+        pipeline = self.pipeline
         parallelize_frozen(frozen, self._built_meshes(), self.parallel_config, plan, precision, self.root_device,
-                           seed=lambda: self._init_seed(seed_owner), known_init_hooks=registry.known_init_hooks)
+                           seed=lambda: self._init_seed(seed_owner), known_init_hooks=registry.known_init_hooks,
+                           pipeline_split=pipeline.split if pipeline is not None else None)
         self.frozen_modules.add(frozen)
 
     def _frozen_parameters(self) -> dict[int, tuple[nn.Module, str]]:

@@ -52,6 +52,11 @@ def replayable_backward() -> Iterator[None]:
         _REPLAYABLE_BACKWARD.reset(token)
 
 
+def backward_is_replayable() -> bool:
+    """Whether a loss computed now is inside ``replayable_backward`` (a fused loss keeps its stored gradients)."""
+    return _REPLAYABLE_BACKWARD.get()
+
+
 @dataclass(frozen=True)
 class VocabReduce:
     """How the per-chunk statistics combine over vocabulary shards; identities on one device.

@@ -7,8 +7,15 @@ meshes (``parallelize_frozen``: TP/SP, FSDP-sharded, its parameters never requir
 ``materialize_frozen`` does the rest without the parallelism. The owner keeps it outside its registered modules, so
 it has no optimizer state, is in no checkpoint and adds nothing to the gradient norm.
 
+Under pipeline parallelism it is split as the trained model is (the same blocks in the same stages, on the same
+pipeline ranks: ``pipeline_split``), each stage parallelized (TP/SP, FSDP) as the trained one's, and run by its own
+``Pipeline`` (``FrozenModel.pipeline``) with forward-only schedules (``Pipeline.token_log_probs``: each token's
+log-probability on the last stage's rank): a rank holds its stages' trained blocks and their frozen twins, and
+nothing crosses the pipeline but the hidden states, as in training.
+
 Under Fabric there is no owner to declare it: a model given to ``fabric.setup`` whose parameters are all frozen
-(``held_frozen``) is such a model, parallelized by the same ``parallelize_frozen`` with its own plan.
+(``held_frozen``) is such a model, parallelized by the same ``parallelize_frozen`` with its own plan; not under a
+pipeline (``frozen_pipeline``): the strategy steps the trained model's pipeline only.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_2d.parallel.checks import check
-from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, ParallelPlan
+from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.parallelize import Parallelized, convert_and_materialize, parallelize_and_materialize
 
@@ -29,6 +36,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_2d.parallel.meshes import ParallelMeshes
+    from lightning_2d.parallel.pipeline import Pipeline
 
 
 class FrozenModel(nn.Module):
@@ -52,6 +60,9 @@ class FrozenModel(nn.Module):
         model.requires_grad_(False)
         self.eval()  # no dropout; the Trainer's train()/eval() never reach it (the owner does not register it)
         self._weights_source = weights_source
+        #: Under pipeline parallelism, the ``Pipeline`` running its stages (set by ``parallelize_frozen``; forward
+        #: only: ``token_log_probs``); calling the model then raises, as the trained one's does.
+        self.pipeline: Optional["Pipeline"] = None
 
     def frozen(self) -> nn.Module:
         """The model held (``getattr(self, module_name)``; parallelized in place by the strategy)."""
@@ -79,20 +90,25 @@ def held_frozen(model: nn.Module, converters: ModelConverters) -> bool:
 
 @check
 def frozen_pipeline(frozen: bool, pipeline_parallel_size: int, owner: str = "the model") -> list[str]:
-    """A frozen model is run whole by the training step: a pipeline would cut it into stages only a schedule runs."""
+    """A frozen model given to ``fabric.setup`` is run whole by the user's loop: a pipeline would cut it into stages
+    that nothing there runs (``fabric.strategy.pipeline`` steps the trained model's). A module's declared frozen
+    models (``frozen_models()``) are split beside the trained stages and run by their own pipeline instead."""
     if not frozen or pipeline_parallel_size == 1:
         return []
     return [
         f"{owner} is a frozen model held beside the trained one (every parameter requires_grad=False), but"
-        f" pipeline_parallel_size={pipeline_parallel_size} would split it into stages that only the pipeline schedule"
-        " runs, and the training step calls its forward whole. Use pipeline_parallel_size=1 (FSDP, tensor and"
-        " context parallelism shard it)"
+        f" pipeline_parallel_size={pipeline_parallel_size} would split it into stages, and under Fabric only the"
+        " trained model's pipeline is stepped (fabric.strategy.pipeline); the loop would call the frozen one whole."
+        " Use pipeline_parallel_size=1 (FSDP, tensor and context parallelism shard it), or the Trainer with a module"
+        " that declares it (LlamaLightningModule(preference=...): its reference copy is split beside the trained"
+        " stages)"
     ]
 
 
 def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", config: ParallelConfig,
                        plan: ParallelPlan, precision: str, device: torch.device, seed: Callable[[], int],
-                       known_init_hooks: Callable[[nn.Module], Any] = lambda model: None) -> Parallelized:
+                       known_init_hooks: Callable[[nn.Module], Any] = lambda model: None,
+                       pipeline_split: Optional[list[int]] = None) -> Parallelized:
     """``parallelize_and_materialize`` of a frozen model (a ``FrozenModel``, or a model whose parameters are all
     frozen, given to ``fabric.setup``): ``plan`` (the trained model's for its copy; no converters: the frozen model is
     the initial one), the same meshes; its seeded init gives the trained model's initial values (``seed`` must return
@@ -101,26 +117,43 @@ def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", c
     Its parameters are stored in the dtype FSDP computes in (``param_dtype``: bf16 under ``bf16-mixed``), not in fp32
     as a trained model's are (for its optimizer): FSDP casts each shard to ``param_dtype`` before gathering it, so the
     forward sees the same values, and the copy takes half the memory (``store_in``; buffers keep their dtype).
-    Under FSDP2 every unit reshards after its forward (``reshard_after_forward="always"``): the ``"default"`` policy
+    Under FSDP2 every unit reshards after its forward (``reshard_after_every_forward``): the ``"default"`` policy
     keeps the output unit gathered for the backward that follows, and a frozen model has none, so its head would stay
     gathered from one step to the next (SimpleFSDP gathers a weight at each use, and without autograd nothing keeps
     it). Its parameters are frozen again afterwards: they never require gradients. Under ``compile=True`` its blocks
     are compiled too, as the trained model's (one graph more: their forward without grad), so that the reference
     computes with the trained model's kernels.
 
-    Raises:
-        ParallelConfigError: under pipeline parallelism (``frozen_pipeline``; the strategies' validation refuses it
-            first where it knows the model is frozen).
+    Under pipeline parallelism the model is split into the stages of this rank (``pipeline_split``: the trained
+    model's block counts per stage, ``Pipeline.split``, so that each rank holds the frozen twins of its trained
+    blocks; ``None``: the options' own split) and the returned ``Parallelized.pipeline`` runs them; a ``FrozenModel``
+    keeps it (``FrozenModel.pipeline``).
+
+    Args:
+        pipeline_split: Under pipeline parallelism, the blocks of each stage (the trained model's ``Pipeline.split``).
     """
-    name = getattr(frozen, "name", None) or type(frozen).__name__
-    if problems := frozen_pipeline(True, config.pipeline_parallel_size, name):
-        raise ParallelConfigError(problems)
     store_in(frozen, frozen_dtype(config, precision))
-    if config.fsdp_backend == "fully_shard":
-        config = replace(config, reshard_after_forward="always")
+    if pipeline_split is not None and config.pipeline_parallel_size > 1:
+        config = replace(config, pipeline_layers_per_stage=list(pipeline_split))
     parallelized = parallelize_and_materialize(frozen, mesh, config, plan, precision, device, seed, known_init_hooks)
+    stages = parallelized.pipeline.stages if parallelized.pipeline is not None else []
+    reshard_after_every_forward([frozen, *stages])  # a stage is its own FSDP root, not a submodule of the model
     frozen.requires_grad_(False)
+    if isinstance(frozen, FrozenModel):
+        frozen.pipeline = parallelized.pipeline
     return parallelized
+
+
+def reshard_after_every_forward(modules: list[nn.Module]) -> None:
+    """Every FSDP2 unit in ``modules`` frees its gathered parameters after its forward (a frozen model's: no backward
+    follows). Set on the units once built, not through the options: the zero-bubble schedules refuse
+    ``reshard_after_forward="always"`` for the trained model's split backward, which a frozen model does not run."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_reshard_after_forward(True, recurse=False)
 
 
 def frozen_dtype(config: ParallelConfig, precision: str) -> torch.dtype:
@@ -151,5 +184,5 @@ def materialize_frozen(frozen: FrozenModel, plan: ParallelPlan, device: torch.de
 
 __all__ = [
     "FrozenModel", "frozen_dtype", "frozen_pipeline", "held_frozen", "materialize_frozen", "parallelize_frozen",
-    "store_in",
+    "reshard_after_every_forward", "store_in",
 ]

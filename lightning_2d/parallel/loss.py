@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_2d._compat import compute_local_shape_and_global_offset
+from lightning_2d.ops.distillation import linear_distillation
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy, linear_log_probs
 from lightning_2d.parallel.meshes import as_meshes
 from lightning_2d.parallel.names import CP_DIM, DP_CP_DIM
@@ -98,6 +99,36 @@ def vocab_parallel_linear_log_probs(
     local_hidden, local_weight, vocab_start, reduce = _vocab_shards(hidden, weight)
     return linear_log_probs(
         local_hidden, local_weight, labels, chunk_size=chunk_size, vocab_start=vocab_start, reduce=reduce
+    )
+
+
+def vocab_parallel_linear_distillation(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    chunk_size: int | None = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lightning_2d.ops.distillation.linear_distillation`` when both output projections are tensor-parallel: the
+    teacher's head sharded by the same plan as the student's (the same vocabulary rows on each rank), both models'
+    hidden states replicated DTensors over the same tensor-parallel mesh; three all-reduces of at most
+    ``2 × chunk_size`` numbers per chunk. Arguments as there (``mask``: a plain tensor, the same on every
+    tensor-parallel rank). Returns ``(total, count)``, plain tensors equal on the tensor-parallel ranks."""
+    local_hidden, local_weight, vocab_start, reduce = _vocab_shards(student_hidden, student_weight)
+    _, teacher_start = compute_local_shape_and_global_offset(teacher_weight.shape, teacher_weight.device_mesh,
+                                                             teacher_weight.placements)
+    if teacher_weight.shape[0] != student_weight.shape[0] or teacher_start[0] != vocab_start \
+            or teacher_weight.device_mesh != student_weight.device_mesh:
+        raise ValueError(f"the teacher's head (vocabulary {teacher_weight.shape[0]}, rows from {teacher_start[0]} here)"
+                         f" must be sharded as the student's (vocabulary {student_weight.shape[0]}, rows from "
+                         f"{vocab_start} here) over the same mesh: parallelize the teacher with the student's plan")
+    return linear_distillation(
+        local_hidden, local_weight, teacher_hidden.to_local(), teacher_weight.to_local(), mask, beta=beta,
+        temperature=temperature, chunk_size=chunk_size, reduce=reduce,
     )
 
 

@@ -37,7 +37,9 @@ with ``scale_grads=False`` (its default divides the gradients by the micro-batch
 Other objectives (a preference loss): ``objective_step`` has the last stage return each token's log-probability
 (``per_token=True``) and the schedule's loss function call the objective with the micro-batch's slice of a
 ``target`` the caller packs (the schedule splits ``target`` per micro-batch, not ``loss_kwargs``); the objective
-normalizes its own loss. ``token_log_probs`` runs the forwards only for those outputs (a reference model's).
+normalizes its own loss. ``token_log_probs`` runs the forwards only for those outputs (a reference model's). A frozen
+model held beside the trained one (``parallel/frozen.py``) is cut into the same stages on the same ranks and has its
+own ``Pipeline``, which only ``token_log_probs`` steps (forward-only schedules, ``Schedule.forward_only_class``).
 """
 
 from __future__ import annotations

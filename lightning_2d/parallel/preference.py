@@ -4,7 +4,8 @@ register before the layout's).
 
 The pair's two sequences are summed on the ranks that hold their tokens (``parallel.loss.sum_over_context``), so
 data, tensor, sequence and context parallelism need nothing more; under pipeline parallelism the last stage computes
-each micro-batch's pair losses (``integration.preference.PipelinedPairs``), and what it cannot hold is refused.
+each micro-batch's losses (``integration.preference.PipelinedPairs``, KTO's ``PipelinedExamples``) and a frozen
+reference copy is split beside the trained stages (``parallel.frozen``): every schedule runs them.
 """
 
 from __future__ import annotations
@@ -43,27 +44,4 @@ def preference_reference(preference: PreferenceLoss, owner: str, lora: Optional[
     return []
 
 
-@check
-def preference_pipeline(preference: PreferenceLoss, pipeline_parallel_size: int,
-                        lora: Optional[LoRA] = None) -> list[str]:
-    """Under pipeline parallelism the last stage computes each micro-batch's pair losses (a pair's two sequences
-    are in one window, so in one micro-batch), and the reference is the stages run with their adapters off or the
-    batch's precomputed values: a frozen copy is not split into stages."""
-    if preference is None or pipeline_parallel_size == 1:
-        return []
-    if not preference.paired:
-        return [
-            f"preference loss_type={preference.loss_type!r} with pipeline_parallel_size={pipeline_parallel_size}: the"
-            " pipeline's last stage computes paired losses only (DPO and its relatives, SimPO, ORPO). Use"
-            " pipeline_parallel_size=1 (FSDP, tensor and context parallelism shard the model)"
-        ]
-    if preference.reference_mode(adapters=lora is not None) == "copy":
-        return [
-            f"preference reference='copy' with pipeline_parallel_size={pipeline_parallel_size}: the frozen copy is not"
-            " split into pipeline stages. Train adapters (lora=...: the reference is the base with them off), use a"
-            " reference-free loss (simpo, orpo), or use pipeline_parallel_size=1"
-        ]
-    return []
-
-
-__all__ = ["preference_pipeline", "preference_reference"]
+__all__ = ["preference_reference"]

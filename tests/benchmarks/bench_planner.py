@@ -40,8 +40,8 @@ def measure(model: dict, dtype: str, modes: list[str], batch: int, seq_len: int)
     spec = {"model": {**model, "max_seq_len": seq_len}, "batch": batch, "seq_len": seq_len, "modes": modes,
             "dtype": dtype}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(spec)], capture_output=True, text=True,
-                            env=env, cwd=REPO, check=True)
+    result = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([("activations", spec)])], capture_output=True,
+                            text=True, env=env, cwd=REPO, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

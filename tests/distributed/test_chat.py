@@ -22,7 +22,7 @@ from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
 
-SEQ_LEN, CONVERSATIONS = 128, 120
+SEQ_LEN, CONVERSATIONS, BLOCKS = 128, 120, 2
 #: A tiny transformers Qwen3 for the byte-level ChatML vocabulary.
 QWEN3 = {"model_type": "qwen3", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -45,7 +45,8 @@ def chat(tmp_path_factory) -> dict:
 
 
 def jobs_of(jobs, chat: dict) -> dict:
-    common = {"chat": chat, "seq_len": SEQ_LEN, "model_overrides": {"vocab_size": 264}}
+    # The debug Llama with the byte vocabulary and 2 of its 4 blocks (the pipeline's stages one each).
+    common = {"chat": chat, "seq_len": SEQ_LEN, "model_overrides": {"vocab_size": 264, "n_layers": BLOCKS}}
     specs = {
         "reference": jobs.reference_job(**common),
         "cp_tp": jobs.layout_job(1, 2, nprocs=4, context_parallel_size=2, **common),
@@ -106,7 +107,7 @@ def test_under_context_parallelism_each_rank_attends_its_slices_of_the_packed_wi
     for rank in range(4):
         out = runs["cp_tp"].rank_output(rank)
         assert out["mesh_shape"][out["mesh_dims"].index("context_parallel")] == 2
-        assert out["context_parallel_attention"] == [f"layers.{b}.attention" for b in range(4)]
+        assert out["context_parallel_attention"] == [f"layers.{b}.attention" for b in range(BLOCKS)]
         sizes = dict(zip(*out["fsdp_mesh"]))  # FSDP shards over the context ranks (data parallel is 1 here)
         assert sizes["data_shard_context_parallel"] == 2 and sizes["tensor_parallel"] == 2, sizes
         assert out["ring_vs_all_gather"] <= 1e-5

@@ -2,7 +2,8 @@
 
 One 6-step (2, 2) run on a small real-text corpus (3 steps per epoch) saves sharded checkpoints
 every 2 steps and at every epoch end; the other jobs resume from them and must reproduce its
-losses, batches and random draws.
+losses, batches and random draws. The runs train 2 of the debug model's 4 blocks (``SMALL``), but for the pipeline
+chain: its interleaved resume splits 4 blocks into 4 stages, from a 4-block run of its own.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import torch
 
 from lightning_2d.checkpoint.discovery import is_complete
 from lightning_2d.data import stdlib_sources
-from tests.distributed.conftest import load_weights
+from tests.distributed.conftest import SMALL, load_weights
 from tests.unit.test_checkpoint_digests import flip_exponent_bits
 
 pytestmark = pytest.mark.distributed
 
 SEQ_LEN, GLOBAL_BATCH = 64, 4
+#: The blocks of every run but the pipeline chain's and those started from a folder (its config's).
+BLOCKS = SMALL["blocks"]
 
 
 #: The same-layout resumes: (checkpoint of the reference run, steps done by then).
@@ -68,7 +71,8 @@ def setup(jobs, tmp_path_factory):
 
     def job(name, dp, tp, pp=1, cp=1, **extra):
         """``(name, config, nprocs, 1)`` of a ``train`` run (what ``Jobs.share`` takes)."""
-        config = {**base, "dp": dp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, **extra}
+        config = {**base, **({} if "init_from" in extra else SMALL), "dp": dp, "tp": tp,
+                  "batch_size": GLOBAL_BATCH // dp, **extra}
         if pp > 1:
             config["pipeline_parallel_size"] = pp
         if cp > 1:
@@ -91,6 +95,9 @@ def setup(jobs, tmp_path_factory):
     # step are paid once, not 16 times. Each test still calls run() with its own arguments and reads its own
     # folder; arguments other than these here are an error naming both (Jobs.run).
     step4 = str(ckpt_dir / "epoch=1-step=4.ckpt")
+    # The pipeline chain's own uninterrupted run, of the debug model's 4 blocks, saving at step 4.
+    four_blocks = {"blocks": 4, "weights_at_steps": [4], "checkpoints": [
+        {"dirpath": str(root / "sharded_4_blocks"), "every_n_train_steps": 4, "save_top_k": -1}]}
     context, pipeline, simple, untrusted = root / "context", root / "pipeline", root / "simple_fsdp", root / "untrusted"
     qlora = qlora_jobs(job, root)
     jobs.share("ckpt_resumes", [
@@ -102,9 +109,11 @@ def setup(jobs, tmp_path_factory):
             weights_at_steps=[4]),
         job("cp4_from_cp2", 1, 1, cp=4, resume=str(context / "epoch=1-step=4.ckpt")),
         job("2x2_from_cp2", 2, 2, resume=str(context / "epoch=1-step=4.ckpt")),
-        job("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe", reduce_every_micro_batch=True, resume=step4,
+        job("ckpt_reference_4_blocks", 2, 2, **four_blocks),
+        job("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe", reduce_every_micro_batch=True, blocks=4,
+            resume=str(root / "sharded_4_blocks" / "epoch=1-step=4.ckpt"),
             checkpoints=[{"dirpath": str(pipeline), "every_n_train_steps": 1, "save_top_k": -1}]),
-        job("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B",
+        job("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B", blocks=4,
             resume=str(pipeline / "epoch=1-step=5.ckpt")),
         # Across the data-parallel backends: FSDP2's step-2 checkpoint into SimpleFSDP, which saves at step 4;
         # that resumed under SimpleFSDP at the same layout, and under FSDP2 at another.
@@ -131,12 +140,13 @@ def setup(jobs, tmp_path_factory):
         # QLoRA: 4 steps at FSDP 4 saving at step 2, resumed from it at FSDP 4 (and on one process, below).
         qlora["qlora_reference"], qlora["qlora_resume_dp4"],
         # One process: a pipelined and an HSDP checkpoint resumed without either.
-        job("single_from_pp2_dp2", 1, 1, resume=str(pipeline / "epoch=1-step=5.ckpt")),
+        job("single_from_pp2_dp2", 1, 1, blocks=4, resume=str(pipeline / "epoch=1-step=5.ckpt")),
         job("hsdp_resume_single", 1, 1, resume=str(root / "hsdp" / "epoch=1-step=4.ckpt")),
         qlora["qlora_resume_single"],
     ], scenario="train")
     reference = run("ckpt_reference", 2, 2, checkpoints=checkpoints, weights_at_steps=[4])
     return {"root": root, "run": run, "reference": reference, "dir": ckpt_dir, "checkpoints": checkpoints,
+            "reference_4_blocks": run("ckpt_reference_4_blocks", 2, 2, **four_blocks),
             "qlora": lambda name: jobs.run(name, "train", qlora[name][1], nprocs=qlora[name][2])}
 
 
@@ -279,21 +289,21 @@ def test_checkpoints_move_between_the_fully_shard_and_simple_fsdp_backends(setup
 
 
 def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
-    """The (2, 2) checkpoint of step 4 resumed as 2 pipeline stages × 2 data-parallel ranks (GPipe, reducing
-    after every micro-batch), which
+    """The (2, 2) checkpoint of step 4 (of a 4-block run) resumed as 2 pipeline stages × 2 data-parallel ranks
+    (GPipe, reducing after every micro-batch), which
     saves at steps 5 and 6 (each stage writes its part); its step-5 checkpoint resumed as 4 stages
     interleaved on 2 pipeline ranks × 2 tensor-parallel ranks (another split of the blocks), and on one
     process without a pipeline. All continue the uninterrupted run: the same weights, batches and losses."""
-    pp_dir = setup["root"] / "pipeline"
+    pp_dir, uninterrupted = setup["root"] / "pipeline", setup["reference_4_blocks"]
     into = setup["run"]("pp2_dp2_from_2x2", 2, 1, pp=2, pipeline_schedule="GPipe", reduce_every_micro_batch=True,
-                        resume=str(setup["dir"] / "epoch=1-step=4.ckpt"),
+                        blocks=4, resume=str(setup["root"] / "sharded_4_blocks" / "epoch=1-step=4.ckpt"),
                         checkpoints=[{"dirpath": str(pp_dir), "every_n_train_steps": 1, "save_top_k": -1}])
-    saved, restored = load_weights(setup["reference"], "weights_step4"), load_weights(into, "initial")
+    saved, restored = load_weights(uninterrupted, "weights_step4"), load_weights(into, "initial")
     assert restored.keys() == saved.keys()
     for name, weight in restored.items():
         assert torch.equal(weight, saved[name]), name
-    reference = setup["reference"].rank_output(0)
-    batches_by_dp_rank = {out["dp_rank"]: out["batches"] for out in outputs(setup["reference"], 4)}
+    reference = uninterrupted.rank_output(0)
+    batches_by_dp_rank = {out["dp_rank"]: out["batches"] for out in outputs(uninterrupted, 4)}
     for out in outputs(into, 4):
         assert out["global_step"] == 6
         assert out["batches"] == batches_by_dp_rank[out["dp_rank"]][4:]
@@ -304,16 +314,16 @@ def test_checkpoints_move_into_and_across_pipeline_layouts(setup):
     assert is_complete(pp_dir / "epoch=1-step=5.ckpt") and is_complete(pp_dir / "epoch=1-step=6.ckpt")
 
     across = setup["run"]("pp2_tp2_interleaved_from_pp2_dp2", 1, 2, pp=2, pipeline_schedule="Interleaved1F1B",
-                          resume=str(pp_dir / "epoch=1-step=5.ckpt"))
+                          blocks=4, resume=str(pp_dir / "epoch=1-step=5.ckpt"))
     for out in outputs(across, 4):  # one data-parallel rank now: its batch is the global batch
         assert out["global_step"] == 6
         assert out["losses"] == pytest.approx(reference["losses"][5:], rel=1e-5, abs=0)
-    final, expected = load_weights(across, "final"), load_weights(setup["reference"], "final")
+    final, expected = load_weights(across, "final"), load_weights(uninterrupted, "final")
     for name, weight in final.items():
         torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
     # And out of the pipeline: the same checkpoint on one process (what export and inference use).
-    single = setup["run"]("single_from_pp2_dp2", 1, 1, resume=str(pp_dir / "epoch=1-step=5.ckpt"))
+    single = setup["run"]("single_from_pp2_dp2", 1, 1, blocks=4, resume=str(pp_dir / "epoch=1-step=5.ckpt"))
     out = single.rank_output(0)
     assert out["global_step"] == 6
     assert out["losses"] == pytest.approx(reference["losses"][5:], rel=1e-5, abs=0)
@@ -502,7 +512,7 @@ def test_lora_saves_only_its_adapters_and_resumes_them_at_any_layout_on_the_same
         {"dirpath": str(lora_dir), "every_n_train_steps": 2, "save_top_k": -1}])
     step4 = lora_dir / "epoch=1-step=4.ckpt"
     stored = stored_shapes(step4, "state_dict")
-    assert stored and all(is_adapter_parameter(n) for n in stored) and len(stored) == 4 * 7 * 2
+    assert stored and all(is_adapter_parameter(n) for n in stored) and len(stored) == BLOCKS * 7 * 2
     optimizer_items = [n for n in read_dcp_metadata(step4).state_dict_metadata if n.startswith("optimizer_0.state.")]
     assert optimizer_items and all(is_adapter_parameter(n.split(".", 2)[2].rpartition(".")[0]) for n in optimizer_items)
     assert adapter_record(step4) == {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None, "rslora": False},
@@ -538,7 +548,7 @@ def test_lora_saves_only_its_adapters_and_resumes_them_at_any_layout_on_the_same
 def test_a_sharded_lora_checkpoint_exports_merged_on_its_seeded_base_and_for_peft(setup, tmp_path):
     """The LoRA run's last sharded checkpoint (its base the seeded init, drawn again by the export): merged, a
     transformers Llama whose logits are those of our model with the run's final weights; for peft, one file with
-    the 56 adapter weights under peft's names."""
+    the 28 adapter weights (2 blocks × 7 projections × A, B) under peft's names."""
     import json
 
     import transformers
@@ -552,7 +562,7 @@ def test_a_sharded_lora_checkpoint_exports_merged_on_its_seeded_base_and_for_pef
     reference = setup["run"]("lora_reference", 2, 2, lora=LORA, checkpoints=[
         {"dirpath": str(setup["root"] / "lora"), "every_n_train_steps": 2, "save_top_k": -1}])
     step6 = setup["root"] / "lora" / "epoch=1-step=6.ckpt"
-    ours = Transformer(ModelArgs.from_name("debug"))
+    ours = Transformer(ModelArgs.from_name("debug", n_layers=BLOCKS))
     add_lora(ours, LoRA(**LORA), LLAMA_TARGETS, HF_TO_LLAMA)
     ours.load_state_dict(load_weights(reference, "final"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(export_hf(step6, tmp_path / "merged", merge_lora=True,
@@ -562,7 +572,8 @@ def test_a_sharded_lora_checkpoint_exports_merged_on_its_seeded_base_and_for_pef
         torch.testing.assert_close(merged(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
     folder = export_hf(step6, tmp_path / "peft", log=lambda line: None)
     tensors = load_file(folder / "adapter_model.safetensors")
-    assert len(tensors) == 56 and "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight" in tensors
+    assert len(tensors) == BLOCKS * 7 * 2
+    assert f"base_model.model.model.layers.{BLOCKS - 1}.mlp.down_proj.lora_B.weight" in tensors
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["target_modules"] == sorted(LLAMA_TO_HF_NAMES) and config["base_model_name_or_path"] is None
 

@@ -2,7 +2,8 @@
 single-device ``Trainer`` on the same batches.
 
 Context 2 (2 processes) and 4, context 2 × data 2, × tensor 2 with sequence parallelism, × pipeline 2 (1F1B), each
-causal and with packed documents (the mask and positions follow the load-balanced slices). The attention of one
+causal and with packed documents (the mask and positions follow the load-balanced slices), 2 blocks of the debug
+model (``SMALL``; the pipeline's stages one each). The attention of one
 rank's slice against every rank's keys is a unit test (tests/unit/test_context_parallel.py).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import load_weights
+from tests.distributed.conftest import SMALL, load_weights
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +35,7 @@ def context_runs(jobs):
     """Every (composition, masking) run; those of one process count share a launch (one fit after another)."""
     runs = {}
     for nprocs in sorted({_nprocs(*spec) for spec in COMPOSITIONS.values()}):
-        group = {f"{name}_{'documents' if documents else 'causal'}": (dp, tp, {**extra, "documents": documents})
+        group = {f"{name}_{'documents' if documents else 'causal'}": (dp, tp, {**extra, "documents": documents, **SMALL})
                  for name, (dp, tp, extra) in COMPOSITIONS.items() if _nprocs(dp, tp, extra) == nprocs
                  for documents in (False, True)}
         runs.update(jobs.layouts(f"context_parallel_{nprocs}procs", group, nprocs=nprocs))
@@ -45,7 +46,7 @@ def context_runs(jobs):
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_context_parallel_training_equals_one_device(jobs, context_runs, name, documents):
     dp, tp, extra = COMPOSITIONS[name]
-    reference = jobs.reference(documents=True) if documents else jobs.reference()
+    reference = jobs.reference(documents=True, **SMALL) if documents else jobs.reference(**SMALL)
     cp, nprocs = extra["context_parallel_size"], _nprocs(dp, tp, extra)
     run = context_runs[f"{name}_{'documents' if documents else 'causal'}"]
     ref = reference.rank_output(0)

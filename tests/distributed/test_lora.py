@@ -15,9 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.ops.lora import is_adapter_parameter
-from tests.distributed.conftest import load_weights
+from tests.distributed.conftest import SMALL, load_weights
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
@@ -25,8 +24,9 @@ pytestmark = pytest.mark.distributed
 LORA = {"rank": 4, "alpha": 8.0}
 CLIP = 0.01
 #: Packed documents (each attends within itself) and even target counts (so two accumulated micro-batches are the
-#: double batch's mean) in every job and the reference.
-COMMON = {"lora": LORA, "gradient_clip_val": CLIP, "grad_norms": True, "documents": True, "even_labels": True}
+#: double batch's mean) in every job and the reference, of 2 blocks (``SMALL``; the pipeline's stages one each).
+COMMON = {"lora": LORA, "gradient_clip_val": CLIP, "grad_norms": True, "documents": True, "even_labels": True, **SMALL}
+BLOCKS = SMALL["blocks"]
 #: Each layout also carries an option LoRA must compose with (the reference needs none of them to be equal).
 LAYOUTS = {
     "2x2_sp": dict(dp=2, tp=2, activation_checkpointing="full"),
@@ -67,7 +67,7 @@ def test_the_reference_trains_only_its_adapters_and_clips_them(runs):
     reference = runs["reference"]
     out = reference.rank_output(0)
     adapters = [n for n in load_weights(reference, "final") if is_adapter_parameter(n)]
-    assert len(adapters) == 4 * 7 * 2  # blocks × projections × (A, B)
+    assert len(adapters) == BLOCKS * 7 * 2  # blocks × projections × (A, B)
     assert out["optimized"] == out["requires_grad"] == out["optimizer_state"] == sorted(adapters)
     assert min(out["grad_norms"]) > 2 * CLIP  # the adapters' norm, clipped every step
     # To CLIP / (norm + 1e-6) (torch's clipping epsilon): 3e-5 below CLIP at norms of ~0.03.
@@ -135,8 +135,8 @@ def test_adapters_take_their_base_layers_tensor_parallel_placements(runs):
         dp = weight["mesh_dims"].index("data_parallel_shard") if "data_parallel_shard" in weight["mesh_dims"] else 0
         assert "Shard" in a["placements"][dp] and "Shard" in b["placements"][dp], (base, a, b)
         checked.append(base)
-    # LORA names no targets: the seven projections of every block (the debug model's 4), 28 adapted layers.
-    expected = ModelArgs.from_name("debug").n_layers * len(COLUMN_WISE + ROW_WISE)
+    # LORA names no targets: the seven projections of every block (2 of the debug model's), 14 adapted layers.
+    expected = BLOCKS * len(COLUMN_WISE + ROW_WISE)
     assert len(checked) == expected, f"{len(checked)} adapted layers checked, {expected} expected: {sorted(checked)}"
 
 
@@ -147,7 +147,7 @@ def _nf4_codes_per_block(weight: torch.Tensor) -> int:
 
 def test_the_qlora_reference_stores_its_bases_in_nf4_and_trains_only_its_adapters(runs):
     out = runs["qlora_reference"].rank_output(0)
-    projections = [f"layers.{i}.{p}.weight" for i in range(4) for p in
+    projections = [f"layers.{i}.{p}.weight" for i in range(BLOCKS) for p in
                    [f"attention.{n}" for n in ("wq", "wk", "wv", "wo")] + [f"feed_forward.{n}" for n in ("w1", "w2", "w3")]]
     assert out["nf4"] == sorted(projections)
     assert out["optimized"] and all(is_adapter_parameter(n) for n in out["optimized"])

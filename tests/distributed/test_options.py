@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import load_weights
+from tests.distributed.conftest import SMALL, load_weights
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
 pytestmark = pytest.mark.distributed
@@ -29,22 +29,31 @@ RESHARD = {"loss-parallel": "all", "no-sequence-parallel-reshard-always": "none"
 #: The precision jobs; bf16-mixed clipped with its gradient norms recorded, as test_simple_fsdp.py's SimpleFSDP run it
 #: is compared with (the same job, launched once per session). ``bf16_rope`` (the rotary table rounded to bf16 values)
 #: changes nothing here: FSDP2 casts the table a block receives to bf16 itself (worker.Bf16Rope).
-BF16_MIXED = {"precision": "bf16-mixed", "gradient_clip_val": CLIP, "grad_norms": True, "bf16_rope": True}
-PRECISIONS = {"bf16-mixed": BF16_MIXED, "bf16-true": {"precision": "bf16-true"}}
+BF16_MIXED = {"precision": "bf16-mixed", "gradient_clip_val": CLIP, "grad_norms": True, "bf16_rope": True, **SMALL}
+PRECISIONS = {"bf16-mixed": BF16_MIXED, "bf16-true": {"precision": "bf16-true", **SMALL}}
 #: The accumulation job whose gradient norms are compared with one device's on the double batch.
-ACCUMULATED = {"even_labels": True, "accumulate": 2, "grad_norms": True}
+ACCUMULATED = {"even_labels": True, "accumulate": 2, "grad_norms": True, **SMALL}
+#: Emulated float8 at 2x2 with the float8 all-gather, and the same conversion on one process (test_simple_fsdp's too).
+FLOAT8 = {"float8": "emulate", "fsdp_float8_all_gather": True, "sequence_parallel": False, **SMALL}
+FLOAT8_SINGLE = {"float8": "emulate", **SMALL}
+#: The blocks of this module's jobs (``SMALL``) but the compiled ones'.
+BLOCKS = SMALL["blocks"]
 
 
 def clipped(name: str) -> dict:
     """The options of job ``name`` (``OPTIONS``, gradients clipped), with what its tests read beyond a multi-rank job's
-    default (worker.fit): the gradient norms, and for a ``RESHARD`` job the forward after the fit."""
-    return {"gradient_clip_val": CLIP, **OPTIONS[name], "grad_norms": True,
+    default (worker.fit): the gradient norms, and for a ``RESHARD`` job the forward after the fit. 2 blocks
+    (``SMALL``), as the references they are compared with."""
+    return {"gradient_clip_val": CLIP, **OPTIONS[name], "grad_norms": True, **SMALL,
             **({"probe_forwards": True} if name in RESHARD else {})}
 
 
-#: The compiled jobs, FSDP2's and SimpleFSDP's (its collectives counted in step 1), in a launch of their own.
+#: The compiled jobs, FSDP2's and SimpleFSDP's (its collectives counted in step 1), in a launch of their own; with the
+#: debug model's 4 blocks (one graph for all of them), against the 4-block reference and eager SimpleFSDP job.
 COMPILED = {"compile": True}
 SIMPLE_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "count_collectives": 1}
+#: The accumulation job reduce-scattering after every micro-batch.
+EVERY_MICRO_BATCH = {"even_labels": True, "accumulate": 2, "reduce_every_micro_batch": True, **SMALL}
 #: Its eager counterpart: test_simple_fsdp.py's 2x2 job (the same options, so launched once per session), clipped and
 #: recording its norms there (after the backward whose collectives are counted).
 SIMPLE_EAGER = {"fsdp_backend": "simple_fsdp", "count_collectives": 1, "gradient_clip_val": CLIP, "grad_norms": True}
@@ -57,19 +66,19 @@ def shared_launches(jobs):
     counters are read per fit, but the compiled code of one job stays in its processes)."""
     jobs.share("compiled", [jobs.layout_job(2, 2, **COMPILED), jobs.layout_job(2, 2, **SIMPLE_COMPILED)])
     jobs.share("options", [
-        jobs.reference_job(), jobs.reference_job(gradient_clip_val=CLIP), jobs.reference_job(even_labels=True),
-        jobs.layout_job(1, 1, float8="emulate"),
+        jobs.reference_job(), jobs.reference_job(**SMALL), jobs.reference_job(gradient_clip_val=CLIP, **SMALL),
+        jobs.reference_job(even_labels=True, **SMALL), jobs.layout_job(1, 1, **FLOAT8_SINGLE),
         *(jobs.layout_job(2, 2, **clipped(name)) for name in OPTIONS),
         *(jobs.layout_job(2, 2, **options) for options in PRECISIONS.values()),
         jobs.layout_job(2, 2, **ACCUMULATED),
-        jobs.layout_job(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True),
-        jobs.layout_job(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False),
+        jobs.layout_job(2, 2, **EVERY_MICRO_BATCH),
+        jobs.layout_job(2, 2, **FLOAT8),
         jobs.layout_job(2, 2, **SIMPLE_EAGER),  # test_simple_fsdp's too
     ])
 
 
 def test_clipping_is_active_in_these_runs(jobs):
-    out = jobs.reference(gradient_clip_val=CLIP).rank_output(0)
+    out = jobs.reference(gradient_clip_val=CLIP, **SMALL).rank_output(0)
     # Every step's gradient norm exceeds the threshold, so every step is clipped to it.
     assert min(out["grad_norms"]) > 2 * CLIP
     assert out["stepped_grad_norms"] == pytest.approx([CLIP] * 6, rel=1e-5)
@@ -79,7 +88,7 @@ def test_clipping_is_active_in_these_runs(jobs):
 def test_option_with_gradient_clipping_matches_single_device(jobs, name):
     """Gradient clipping needs the global norm over DTensors (on two meshes when SP is off)."""
     run = jobs.layout(2, 2, **clipped(name))
-    reference = jobs.reference(gradient_clip_val=CLIP)
+    reference = jobs.reference(gradient_clip_val=CLIP, **SMALL)
     ref_out = reference.rank_output(0)
     for rank in range(4):
         out = run.rank_output(rank)
@@ -125,9 +134,9 @@ def test_options_decide_the_placements_of_the_logits_and_the_norms(jobs, name, l
 
 
 @pytest.mark.parametrize(("name", "checkpointed"), [
-    ("loss-parallel", ["0", "1", "2", "3"]),  # full: every block
-    ("no-sequence-parallel", ["0", "1", "2", "3"]),  # selective per op: every block, with a save policy
-    ("no-sequence-parallel-reshard-always", ["1", "3"]),  # selective 2: every 2nd block
+    ("loss-parallel", ["0", "1"]),  # full: every block (of 2)
+    ("no-sequence-parallel", ["0", "1"]),  # selective per op: every block, with a save policy
+    ("no-sequence-parallel-reshard-always", ["1"]),  # selective 2: every 2nd block
 ])
 def test_activation_checkpointing_modes_wrap_their_blocks_and_keep_single_device_numerics(jobs, name, checkpointed):
     """The option jobs above carry the three activation-checkpointing modes (their parity is asserted there)."""
@@ -146,7 +155,7 @@ def test_bf16_precisions(jobs, precision, shard_dtype):
     options = PRECISIONS[precision]
     out = jobs.layout(2, 2, **options).rank_output(0)
     # bf16 compute follows the fp32 run (clipped as the job is) within bf16 rounding over 6 steps.
-    reference = jobs.reference(**{k: v for k, v in options.items() if k == "gradient_clip_val"})
+    reference = jobs.reference(**{k: v for k, v in options.items() if k == "gradient_clip_val"}, **SMALL)
     assert worst_relative_error(out["losses"], reference.rank_output(0)["losses"]) <= 2e-3
     assert {p["dtype"] for p in out["placements"].values()} == {shard_dtype}
 
@@ -206,17 +215,18 @@ def test_trainer_gradient_accumulation_equals_one_double_batch_and_reduces_once_
     """accumulate_grad_batches=2: FSDP2 skips the first micro-batch's reduce-scatter (Lightning's own
     block_backward_sync only knows DDP). Every target counts (even labels), so the mean of the two
     micro-batch means is the double batch's mean."""
-    double = jobs.reference(even_labels=True)  # one device, the whole global batch per step
+    double = jobs.reference(even_labels=True, **SMALL)  # one device, the whole global batch per step
     accumulated = jobs.layout(2, 2, **ACCUMULATED)
-    every = jobs.layout(2, 2, even_labels=True, accumulate=2, reduce_every_micro_batch=True)
+    every = jobs.layout(2, 2, **EVERY_MICRO_BATCH)
     for rank in range(4):
         out = assert_two_micro_batches_equal_the_double_batch(accumulated.rank_output(rank), double.rank_output(0))
         micro = out["losses"]
-        # One reduce-scatter per FSDP unit (embedding, 4 blocks, [norm, output]) and step, as without
+        # One reduce-scatter per FSDP unit (embedding, the blocks, [norm, output]) and step, as without
         # accumulation: the first micro-batch's backward reduces nothing.
-        assert out["reduce_scatters"] == 6 * 6
+        units = 1 + BLOCKS + 1
+        assert out["reduce_scatters"] == units * 6
         # The memory-saving option reduce-scatters after each micro-batch: twice as often.
-        assert every.rank_output(rank)["reduce_scatters"] == 2 * 6 * 6
+        assert every.rank_output(rank)["reduce_scatters"] == 2 * units * 6
         assert worst_relative_error(every.rank_output(rank)["losses"][1::2], micro[1::2]) <= LOSS_RTOL
     ref_final, final = load_weights(double, "final"), load_weights(accumulated, "final")
     every_final = load_weights(every, "final")
@@ -232,9 +242,9 @@ def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):
     """torchao's float8 (emulated on CPU: the same e4m3/e5m2 rounding) through the float8 TP styles and
     FSDP2's float8 all-gather, against the same conversion on one process: tensorwise scales are
     amaxes of the *full* tensors, so the layout changes only the fp32 summation order."""
-    single = jobs.layout(1, 1, float8="emulate").rank_output(0)
-    sharded = jobs.layout(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False).rank_output(0)
-    fp32 = jobs.reference().rank_output(0)["losses"]
+    single = jobs.layout(1, 1, **FLOAT8_SINGLE).rank_output(0)
+    sharded = jobs.layout(2, 2, **FLOAT8).rank_output(0)
+    fp32 = jobs.reference(**SMALL).rank_output(0)["losses"]
     error = worst_relative_error(sharded["losses"], single["losses"])
     print(f"float8 (emulated) (2, 2) vs (1, 1): worst relative loss error {error:.2e};"
           f" vs fp32 {worst_relative_error(single['losses'], fp32):.2e}")
@@ -258,8 +268,8 @@ def test_float8_converted_the_block_projections_and_kept_their_placements(jobs):
     says and, under ``fsdp_float8_all_gather``, wrapped for the float8 all-gather; the head stays a plain
     ``VocabProjection`` (high precision), column-wise. At (1, 1) the same modules are converted, unwrapped (one
     data-parallel rank: nothing to all-gather)."""
-    run = jobs.layout(2, 2, float8="emulate", fsdp_float8_all_gather=True, sequence_parallel=False)
-    expected = {f"layers.{i}.{name}" for i in range(4) for name in BLOCK_PROJECTIONS}
+    run = jobs.layout(2, 2, **FLOAT8)
+    expected = {f"layers.{i}.{name}" for i in range(BLOCKS) for name in BLOCK_PROJECTIONS}
     for rank in range(4):
         linears = run.rank_output(rank)["linears"]
         assert {name for name, m in linears.items() if m["float8"]} == expected, rank
@@ -272,6 +282,6 @@ def test_float8_converted_the_block_projections_and_kept_their_placements(jobs):
         head = linears["output"]
         assert not head["float8"] and "VocabProjection" in head["class"], (rank, head)
         assert head["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"] and head["local_type"] == "Tensor"
-    single = jobs.layout(1, 1, float8="emulate").rank_output(0)["linears"]
+    single = jobs.layout(1, 1, **FLOAT8_SINGLE).rank_output(0)["linears"]
     assert {name for name, m in single.items() if m["float8"]} == expected
     assert {single[name]["local_type"] for name in expected} == {"Tensor"}

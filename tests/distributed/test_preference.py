@@ -14,7 +14,10 @@ same global batches:
   single-device QLoRA run;
 - KTO on the same pairs unpaired (each answer desirable, each evasive one undesirable), each example packed with its
   KL sequence, LoRA with its adapters off as the reference, at 2×2 with sequence parallelism: its KL estimate a mean
-  over both replicas' windows.
+  over both replicas' windows;
+- pipeline 2 × data 2: LoRA (1F1B, GPipe with the reference precomputed), the whole model against a frozen copy split
+  into the same stages (1F1B; Interleaved1F1B and ZBVZeroBubble at 4 blocks, against their own single-device run),
+  KTO (1F1B).
 
 Each compares the losses, TRL's reward metrics (KTO's with its KL estimate), the gradient norms where recorded and
 the final weights.
@@ -86,6 +89,7 @@ def runs(jobs, pairs, examples) -> dict:
     lora = {**common, "lora": LORA}
     kto = {**lora, "preference_data": examples, "seq_len": KTO_SEQ_LEN, "preference": KTO}
     qlora = {**common, "model_overrides": QLORA_MODEL, "lora": {**LORA, "quantize_base": "nf4"}}
+    four_blocks = {**common, "model_overrides": {"vocab_size": 264, "n_layers": 4}}  # 4 stages of one block
     specs = {
         "reference": jobs.reference_job(**lora),
         "sp_accumulate": jobs.layout_job(2, 2, accumulate=2, grad_norms=True, **lora),
@@ -110,6 +114,18 @@ def runs(jobs, pairs, examples) -> dict:
         # QLoRA: FSDP shards the NF4 bases over 4 ranks and gathers them for the reference's forward too
         "qlora_reference": jobs.reference_job(**qlora),
         "qlora_fsdp4": jobs.layout_job(4, 1, grad_norms=True, **qlora),
+        # pipeline 2 × data 2, the whole model against its frozen copy cut into the same stages on the same ranks
+        # (its own forward-only pipeline): 1F1B at 2 blocks; two stages a rank at 4 blocks, in a loop (Interleaved1F1B)
+        # and in a V with each backward split in two (ZBVZeroBubble); KTO, its KL estimate by a forward-only pass
+        "pp_copy": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B",
+                                   grad_norms=True, **common),
+        "copy_reference_4_blocks": jobs.reference_job(**four_blocks),
+        "pp_copy_interleaved": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2,
+                                               pipeline_schedule="Interleaved1F1B", grad_norms=True, **four_blocks),
+        "pp_copy_zero_bubble": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2,
+                                               pipeline_schedule="ZBVZeroBubble", grad_norms=True, **four_blocks),
+        "pp_kto": jobs.layout_job(2, 1, nprocs=4, pipeline_parallel_size=2, pipeline_schedule="1F1B", grad_norms=True,
+                                  **kto),
     }
     specs = {key: (f"preference_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("preference", list(specs.values()))
@@ -218,6 +234,43 @@ def test_kto_with_lora_at_2x2_with_sequence_parallelism_equals_one_device(runs):
     kl = [m["kl"] for m in ref["preference_metrics"]]
     assert kl[0] == 0.0 and min(kl[2:]) > 0.01, kl  # trained (the adapters start as the reference), KL above 0
     check_against(runs["kto_2x2"], runs["kto_reference"], grad_norms=True, label="KTO 2x2 SP", margin=False)
+
+
+#: The forward-only schedule of each placement (``Schedule.forward_only_class``): what runs a frozen model's stages.
+FORWARD_ONLY = {"1F1B": "ScheduleGPipe", "Interleaved1F1B": "ScheduleLoopedBFS", "ZBVZeroBubble": "VForwardOnly"}
+
+
+def test_dpo_against_a_frozen_copy_split_beside_the_pipeline_stages_equals_one_device(runs):
+    """Pipeline 2 × data 2, the whole model trained against its frozen copy: each rank holds the frozen twins of its
+    own blocks (the copy cut into the trained model's stages, FSDP-sharded as they are) and the reference is a
+    forward-only run of the copy's stages; the trained stages run no forward-only step. Every schedule family: one
+    stage a rank (1F1B), two in a loop (Interleaved1F1B) and in a V with the backward split into its input and weight
+    passes (ZBVZeroBubble, the last stage's per-token head differentiated twice), each equal to one device."""
+    for key, reference, blocks, schedule in (("pp_copy", "copy_reference", 2, "1F1B"),
+                                             ("pp_copy_interleaved", "copy_reference_4_blocks", 4, "Interleaved1F1B"),
+                                             ("pp_copy_zero_bubble", "copy_reference_4_blocks", 4, "ZBVZeroBubble")):
+        held = []
+        for rank in range(4):
+            out = runs[key].rank_output(rank)
+            (frozen,) = out["frozen_pipelines"]
+            assert frozen["blocks"] == out["blocks"] and frozen["stage_indices"] == out["stage_indices"], (key, rank)
+            assert frozen["schedule_classes"] == [FORWARD_ONLY[schedule]], (key, frozen)
+            assert set(out["schedule_classes"]) == {"train"}  # the trained stages ran the training schedule only
+            assert out["frozen_data_parallel_modules"][0]["fully_shard"] > 0
+            held.append(out["blocks"])
+        assert set().union(*held) == {str(b) for b in range(blocks)}  # each pipeline rank holds half of the copy
+        assert all(len(b) == blocks // 2 for b in held)
+        check_against(runs[key], runs[reference], grad_norms=True, label=f"PP 2 x DP 2 {schedule} frozen copy")
+
+
+def test_kto_under_pipeline_parallelism_equals_one_device(runs):
+    """Pipeline 2 × data 2 with LoRA: the KL estimate from forward-only runs of the stages (the trained model's and,
+    adapters off, the reference's) before the schedule, over both replicas' KL sequences; each micro-batch's examples
+    scored in the last stage against it. The losses, the KL and reward metrics, gradient norms and weights are one
+    device's."""
+    out = runs["pp_kto"].rank_output(0)
+    assert out["schedule_classes"] == {"train": "Schedule1F1B", "eval": "ScheduleGPipe"}
+    check_against(runs["pp_kto"], runs["kto_reference"], grad_norms=True, label="KTO PP 2 x DP 2", margin=False)
 
 
 def test_dpo_with_qlora_equals_one_device_its_nf4_bases_the_reference(runs):

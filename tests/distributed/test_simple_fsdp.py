@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_2d.parallel.schedules import SCHEDULES
-from tests.distributed.conftest import load_weights
-from tests.distributed.test_options import BF16_MIXED, CLIP
+from tests.distributed.conftest import SMALL, load_weights
+from tests.distributed.test_options import BF16_MIXED, CLIP, FLOAT8_SINGLE
 from tests.distributed.test_parity import LOSS_RTOL, RECORD, worst_relative_error
 
 pytestmark = pytest.mark.distributed
@@ -25,17 +25,21 @@ SIMPLE = {"fsdp_backend": "simple_fsdp"}
 #: (dp, tp, options, the reference's options): FSDP × TP with sequence parallelism, tensor parallelism alone (FSDP
 #: over 1 rank), HSDP (2 replicas × 2 shards; its collectives counted in step 1), FSDP with full activation
 #: checkpointing (counted too), context parallel × FSDP with packed documents, and FSDP × TP with gradient
-#: accumulation. Every job clips its gradients and records their norms (below).
+#: accumulation. Every job clips its gradients and records their norms (below). All but FSDP × TP (whose placements
+#: are test_parity.py's FSDP2 job's, 4 blocks) train 2 of the debug model's blocks (``SMALL``), as their references.
 LAYOUTS = {
     "dp2xtp2": (2, 2, {"count_collectives": 1}, {}),
-    "tp4": (1, 4, {}, {}),
-    "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2, "count_collectives": 1}, {}),
-    "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1}, {}),
+    "tp4": (1, 4, {**SMALL}, {**SMALL}),
+    "hsdp2x2": (4, 1, {"data_parallel_replicate_size": 2, "count_collectives": 1, **SMALL}, {**SMALL}),
+    "dp4_ac_full": (4, 1, {"activation_checkpointing": "full", "count_collectives": 1, **SMALL}, {**SMALL}),
     "dp4_ac_selective_op": (4, 1, {"activation_checkpointing": "selective", "selective_ac_option": "op",
-                                   "count_collectives": 1}, {}),
-    "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True}, {"documents": True}),
-    "dp2xtp2_accumulate": (2, 2, {"even_labels": True, "accumulate": 2}, {"even_labels": True}),
+                                   "count_collectives": 1, **SMALL}, {**SMALL}),
+    "cp2xdp2_documents": (2, 1, {"context_parallel_size": 2, "documents": True, **SMALL},
+                          {"documents": True, **SMALL}),
+    "dp2xtp2_accumulate": (2, 2, {"even_labels": True, "accumulate": 2, **SMALL}, {"even_labels": True, **SMALL}),
 }
+#: The blocks of the 2-block jobs.
+BLOCKS = SMALL["blocks"]
 # Pipeline 2 × data 2 under every schedule: each stage's parameters gathered where used, each micro-batch's backward
 # reducing (under the zero-bubble ones in the weight pass, torch's stage_backward_weight). DualPipeV needs 4
 # micro-batches of a sequence: a global batch of 8 (its own reference).
@@ -48,13 +52,14 @@ LAYOUTS.update({
 LAYOUTS = {name: (dp, tp, {**extra, "gradient_clip_val": CLIP, "grad_norms": True}, {**ref, "gradient_clip_val": CLIP})
            for name, (dp, tp, extra, ref) in LAYOUTS.items()}
 #: A NaN in rank 1's gradient shard at step 3 under non_finite="skip" (test_non_finite.py's FSDP2 job).
-NAN_SKIP = {"non_finite": "skip", "weights_at_steps": [2, 3], "inject_nan": {"step": 3, "rank": 1, "where": "grad"}}
+NAN_SKIP = {"non_finite": "skip", "weights_at_steps": [2, 3], "inject_nan": {"step": 3, "rank": 1, "where": "grad"},
+            **SMALL}
 #: Emulated float8 at 2x2 (the float8 TP styles, each weight cast after its gather), against the same conversion on
 #: one process (test_options.py's job, cached when the whole suite runs).
-FLOAT8 = {"float8": "emulate", "sequence_parallel": False}
+FLOAT8 = {"float8": "emulate", "sequence_parallel": False, **SMALL}
 #: FSDP2 at 2x2, as test_parity records it (the same job, so launched once per session): the placements to match.
 FSDP2 = (2, 2, RECORD)
-#: bf16-mixed at 2x2, clipped, gradient norms recorded, the rotary table rounded to bf16 values: FSDP2's is
+#: bf16-mixed at 2x2, clipped, gradient norms recorded, the rotary table rounded to bf16 values, 2 blocks: FSDP2's is
 #: test_options.py's job (shared).
 BF16 = BF16_MIXED
 
@@ -71,7 +76,7 @@ def shared_launches(jobs):
         *(jobs.reference_job(**dict(ref)) for ref in sorted(references)),
         *(jobs.layout_job(dp, tp, nprocs=4, **SIMPLE, **extra) for dp, tp, extra, _ in LAYOUTS.values()),
         jobs.layout_job(FSDP2[0], FSDP2[1], **FSDP2[2]),
-        jobs.layout_job(1, 1, float8="emulate"), jobs.layout_job(2, 2, **SIMPLE, **FLOAT8),
+        jobs.layout_job(1, 1, **FLOAT8_SINGLE), jobs.layout_job(2, 2, **SIMPLE, **FLOAT8),
         jobs.layout_job(2, 2, **SIMPLE, **NAN_SKIP),
         jobs.layout_job(2, 2, **BF16), jobs.layout_job(2, 2, **SIMPLE, **BF16),
     ])
@@ -135,17 +140,17 @@ def test_without_checkpointing_the_gathered_weights_live_to_backward_and_with_it
     checkpointed = run_of(jobs, "dp4_ac_full").rank_output(0)["collectives"]
     print(f"collectives of step 1: {plain} under HSDP without checkpointing, {checkpointed} at dp 4 with it")
     gathers = plain["forward"]["all_gather_into_tensor"]
-    # The debug model's 4 blocks hold 9 parameters each; the embedding, final norm and head 3 more (untied).
-    assert gathers == 4 * 9 + 3 and plain["backward"].get("all_gather_into_tensor", 0) == 0
+    # The debug model's blocks (2 here) hold 9 parameters each; the embedding, final norm and head 3 more (untied).
+    assert gathers == BLOCKS * 9 + 3 and plain["backward"].get("all_gather_into_tensor", 0) == 0
     assert plain["backward"]["reduce_scatter_tensor"] == plain["backward"]["all_reduce"] == gathers
     assert checkpointed["forward"]["all_gather_into_tensor"] == gathers
-    assert checkpointed["backward"]["all_gather_into_tensor"] == 4 * 9  # the blocks', recomputed
+    assert checkpointed["backward"]["all_gather_into_tensor"] == BLOCKS * 9  # the blocks', recomputed
     assert checkpointed["backward"]["reduce_scatter_tensor"] == gathers
     # Per-op selective checkpointing saves the matmul and attention outputs, not the gathers: recomputed as well.
     selective = run_of(jobs, "dp4_ac_selective_op").rank_output(0)["collectives"]
     print(f"collectives of step 1 at dp 4 with per-op selective checkpointing: {selective}")
     assert selective["forward"]["all_gather_into_tensor"] == gathers
-    assert selective["backward"]["all_gather_into_tensor"] == 4 * 9
+    assert selective["backward"]["all_gather_into_tensor"] == BLOCKS * 9
     assert selective["backward"]["reduce_scatter_tensor"] == gathers
 
 
@@ -168,9 +173,9 @@ def test_emulated_float8_at_2x2_equals_float8_on_one_device(jobs):
     of the same conversion on one process."""
     from tests.distributed.test_options import BLOCK_PROJECTIONS
 
-    single = jobs.layout(1, 1, float8="emulate").rank_output(0)
+    single = jobs.layout(1, 1, **FLOAT8_SINGLE).rank_output(0)
     run = jobs.layout(2, 2, **SIMPLE, **FLOAT8)
-    expected = {f"layers.{i}.{name}" for i in range(4) for name in BLOCK_PROJECTIONS}
+    expected = {f"layers.{i}.{name}" for i in range(BLOCKS) for name in BLOCK_PROJECTIONS}
     for rank in range(4):
         out = run.rank_output(rank)
         error = worst_relative_error(out["losses"], single["losses"])
@@ -210,7 +215,7 @@ def test_bf16_mixed_trains_as_fully_shard_does(jobs):
     the fp32 table included, where SimpleFSDP casts none; with the table as it is, the runs differ by that alone
     (losses by up to 7e-5, norms 2.4e-5 over 6 steps), enough to hide a bf16 reduction."""
     simple, fsdp2 = jobs.layout(2, 2, **SIMPLE, **BF16), jobs.layout(2, 2, **BF16)
-    fp32 = jobs.reference(gradient_clip_val=CLIP).rank_output(0)["losses"]
+    fp32 = jobs.reference(gradient_clip_val=CLIP, **SMALL).rank_output(0)["losses"]
     for rank in range(4):
         ours, theirs = simple.rank_output(rank), fsdp2.rank_output(rank)
         assert ours["placements"] == theirs["placements"]  # fp32 shards, laid out alike

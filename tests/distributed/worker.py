@@ -148,10 +148,14 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, list[float]]:
             for name, b in module.named_buffers() if name in saved}
 
 
-def moe_overrides(cfg: dict) -> dict | None:
-    """``model_overrides`` of ``cfg``, with ``moe_bias_rate`` (a short job name: no dict in it) turning the preset's
-    experts into aux-loss-free, bias-balanced ones moving by that rate."""
+def model_overrides(cfg: dict) -> dict | None:
+    """``model_overrides`` of ``cfg``, with the short keys of a job's name (no dict in it) merged: ``blocks`` the
+    number of blocks (``n_layers``: 2 for a job whose tests name no block past the second, about a third of a 4-rank
+    fit's collectives fewer), ``moe_bias_rate`` turning the preset's experts into aux-loss-free, bias-balanced ones
+    moving by that rate."""
     overrides = cfg.get("model_overrides")
+    if "blocks" in cfg:
+        overrides = {**(overrides or {}), "n_layers": cfg["blocks"]}
     if "moe_bias_rate" not in cfg:
         return overrides
     from dataclasses import asdict, replace
@@ -636,7 +640,7 @@ def fit(cfg: dict) -> None:
         module = LlamaLightningModule(
             None if cfg.get("init_from") else cfg.get("model", "debug"),
             init_from=cfg.get("init_from"),
-            model_overrides=moe_overrides(cfg),
+            model_overrides=model_overrides(cfg),
             learning_rate=cfg.get("lr", 1e-3),
             warmup_steps=2,
             max_steps=cfg["steps"],
@@ -780,6 +784,11 @@ def fit(cfg: dict) -> None:
             result["reference_values_key"] = module._reference_precomputed
             result["frozen_models"] = len(module.frozen_models())
             result["frozen_data_parallel_modules"] = [data_parallel_modules(f.frozen()) for f in module.frozen_models()]
+            # Under a pipeline: which blocks of each frozen model this rank holds, and what ran its stages.
+            result["frozen_pipelines"] = [{
+                "blocks": sorted(f.frozen().layers.keys(), key=int), "stage_indices": list(f.pipeline.stage_indices),
+                "schedule_classes": sorted({type(s).__name__ for s in f.pipeline.schedules.values()}),
+            } for f in module.frozen_models() if f.pipeline is not None]
             batch = datamodule.train_dataset[0] if datamodule.train_dataset is not None else {}
             result["batches_carry_reference_values"] = "reference_logps" in batch
     if collectives is not None:
@@ -1027,7 +1036,7 @@ def train(cfg: dict) -> None:
     # The LR schedule always spans 6 steps, also in runs stopped earlier to be resumed.
     module = LlamaLightningModule(None if cfg.get("init_from") else cfg.get("model", "debug"), warmup_steps=2, max_steps=6,
                                   init_from=cfg.get("init_from"), lora=cfg.get("lora"), init_seed=cfg.get("init_seed"),
-                                  model_overrides=moe_overrides(cfg))
+                                  model_overrides=model_overrides(cfg))
     recorder = Recorder(out_dir, save_weights=True, weights_at_steps=tuple(cfg.get("weights_at_steps", ())))
     callbacks: list = [recorder]
     observer = WriteObserver(cfg["observe_writes_timeout_s"]) if "observe_writes_timeout_s" in cfg else None

@@ -556,14 +556,19 @@ def test_preference_trains_every_variant_against_its_reference():
          r" --compare \(they train next tokens\); drop --compare"),
         (["--preference", "sigmoid", "--seq-len", "1", "--tensor-parallel-size", "1"],
          r"--preference packs whole pairs .* needs at least 2 positions; got 1"),
-        # The preference's own checks, as the strategy runs them: lightning_2d's frozen copy under a pipeline.
-        (["--preference", "ipo", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "1"],
-         r"preference reference='copy' with pipeline_parallel_size=2: the frozen copy is not split"),
     ],
 )
 def test_impossible_preference_settings_are_refused_before_any_process(argv, message):
     with pytest.raises(bench.BenchmarkConfigError, match=message):
         settings(*argv)
+
+
+def test_a_frozen_copy_under_a_pipeline_is_checked_as_the_strategy_checks_it():
+    """The whole model against its frozen copy at pipeline 2 (the copy split beside the stages): accepted, as the
+    strategy's checks accept it (once refused by them, and so by the benchmark)."""
+    s = settings("--model", "debug", "--preference", "ipo", "--pipeline-parallel-size", "2",
+                 "--tensor-parallel-size", "1")
+    assert s.preference == {"loss_type": "ipo"} and s.reference_label("lightning_2d") == "reference copy"
 
 
 def test_preference_report_names_each_variants_reference():

@@ -316,3 +316,105 @@ def test_a_parallelized_frozen_copy_is_stored_in_the_dtype_fsdp_computes_in(tmp_
     assert stored.keys() == dict(initial.named_parameters()).keys()
     for name, param in initial.named_parameters():
         assert torch.equal(stored[name], param.detach().to(torch.bfloat16)), name
+
+
+class OneDevicePipeline:
+    """What ``pipelined_preference_step`` and ``pipelined_kto_step`` ask of a ``Pipeline``, on one device: forward-only
+    token log-probabilities of the whole model, and an objective step that splits its inputs and ``target`` into
+    micro-batches with torch's own splitter (``split_args_kwargs_into_chunks``: along the batch, as the schedules
+    split ``target``), so each micro-batch holds whole windows."""
+
+    last_stage_rank, pp_group = 0, None
+
+    def __init__(self, module, microbatches: int) -> None:
+        self.module, self.microbatches, self.windows = module, microbatches, []
+
+    def token_log_probs(self, tokens, labels, position_ids=None):
+        with torch.no_grad():
+            return self.module.token_log_probs({"input_ids": tokens, "labels": labels, "position_ids": position_ids})
+
+    def objective_step(self, objective, tokens, labels, target, train, grad_scale=1.0, position_ids=None):
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+        chunks, _ = split_args_kwargs_into_chunks((tokens, labels, position_ids, target), {}, self.microbatches)
+        for t, l, p, micro_target in chunks:
+            self.windows.append(t.shape[0])
+            loss = objective(self.module.token_log_probs({"input_ids": t, "labels": l, "position_ids": p}),
+                             micro_target) * grad_scale
+            if train:
+                loss.backward()
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    """A one-rank gloo world: FSDP2 on one rank; the pipelined steps broadcast their metrics from the last stage."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo", "kto"])
+def test_the_pipelined_objectives_per_micro_batch_of_whole_windows_equal_the_batchs_step(loss_type, one_rank_world):
+    """Under a pipeline the last stage scores each micro-batch alone (``PipelinedPairs``, KTO's ``PipelinedExamples``):
+    the schedule splits the batch and the ``target`` by windows, and a window holds whole pairs (an example with its KL
+    sequence), so one window per micro-batch gives the whole batch's loss, metrics and gradients. KTO's KL estimate,
+    a mean over every window's KL sequences, comes from a forward-only pass before the micro-batches (in the target)."""
+    from lightning_2d.integration.preference import (
+        kto_step, pipelined_kto_step, pipelined_preference_step, preference_step,
+    )
+
+    module = _module({"loss_type": loss_type, "beta": 0.5, "desirable_weight": 1.5})
+    batch, _ = (_kto_batch if loss_type == "kto" else _batch)(module.vocab_size)
+    step, pipelined = (kto_step, pipelined_kto_step) if loss_type == "kto" else (preference_step,
+                                                                                  pipelined_preference_step)
+    loss, mean, units, metrics = step(module.preference, batch, module.token_log_probs, module.reference_log_probs,
+                                      None)
+    loss.backward()
+    whole = _adapter_grads(module)
+    pipeline = OneDevicePipeline(module, microbatches=2)
+    got = pipelined(pipeline, module.preference, batch, module.reference_log_probs, None, train=True)
+    split = _adapter_grads(module)
+    assert pipeline.windows == [1, 1]  # two micro-batches of one window each (the pairs of a window stay together)
+    torch.testing.assert_close(got[1], mean, rtol=1e-5, atol=1e-7)
+    assert float(got[2]) == float(units)
+    assert got[3].keys() == metrics.keys()
+    for name, value in metrics.items():
+        torch.testing.assert_close(got[3][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    if loss_type == "kto":
+        assert float(metrics["kl"]) > 0  # the estimate matters (clamped at 0 it would not)
+    assert split.keys() == whole.keys() and whole
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_a_parallelized_frozen_model_reshards_every_unit_after_its_forward(one_rank_world):
+    """A frozen model has no backward to free what FSDP2 keeps gathered for it: ``parallelize_frozen`` reshards every
+    unit after its forward (set on the units once built, so the zero-bubble schedules' refusal of the option for the
+    trained model does not apply), where the trained model's ``"default"`` policy keeps the output unit (final norm and
+    head) gathered after a no-grad forward (on one CPU rank: plain tensors in place of the sharded parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_2d import ModelArgs, Transformer
+    from lightning_2d.models import registry
+    from lightning_2d.models.llama.plan import llama_plan
+    from lightning_2d.parallel.config import ParallelConfig
+    from lightning_2d.parallel.dims import ParallelDims
+    from lightning_2d.parallel.frozen import parallelize_frozen
+    from lightning_2d.parallel.parallelize import parallelize_and_materialize
+
+    args = ModelArgs.from_name("debug", n_layers=2)
+    config = ParallelConfig(data_parallel_size=1, tensor_parallel_size=1)
+    meshes = ParallelDims(1, 1, 1).build_mesh("cpu")
+    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    gathered = {}
+    for parallelize in (parallelize_frozen, parallelize_and_materialize):
+        with torch.device("meta"):
+            model = Transformer(args).requires_grad_(False)
+        parallelize(model, meshes, config, llama_plan(args, config), "32-true", torch.device("cpu"), seed=lambda: 7,
+                    known_init_hooks=registry.known_init_hooks)
+        with torch.no_grad():
+            model(tokens[:, :-1], labels=tokens[:, 1:], per_token=True)
+        gathered[parallelize.__name__] = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert gathered == {"parallelize_frozen": [], "parallelize_and_materialize": ["norm.weight", "output.weight"]}

@@ -359,9 +359,12 @@ def _preference_note(run: _Run) -> str:
         "adapters_off": "the trained model with its adapters switched off: nothing more is held, its units gathered"
                         " again as in the trained forward",
     }[run.reference]
-    return (f"{loss}: the reference is {held}; its forward without a graph runs between the trained forward and its"
-            " backward (the activation peak names it when it is the largest). The trained head is estimated as the"
-            " fused loss's (the per-token head keeps no fp32 head-gradient accumulator from its forward)")
+    when = ("runs between the trained forward and its backward" if run.dims.pp == 1 else
+            "runs before the schedule, its stages beside the trained ones (counted as if between a micro-batch's"
+            " forward and backward: an upper bound)")
+    return (f"{loss}: the reference is {held}; its forward without a graph {when} (the activation peak names it when"
+            " it is the largest). The trained head is estimated as the fused loss's (the per-token head keeps no fp32"
+            " head-gradient accumulator from its forward)")
 
 
 @dataclass(frozen=True)
@@ -601,25 +604,28 @@ class _Reference:
         """A frozen copy (``reference="copy"``): built and parallelized as the trained model is (the same plan and
         meshes, no converters: ``copy`` excludes ``lora``), so its shards are the trained model's (``shard``) and so
         are its buffers (its own rotary table); its parameters stored in the dtype FSDP computes in
-        (``parallel.frozen.frozen_dtype``: bf16 under ``bf16-mixed``). Nothing for the model with its adapters off
-        (the same parameters, gathered again as in the trained forward) or a reference-free loss."""
+        (``parallel.frozen.frozen_dtype``: bf16 under ``bf16-mixed``). Under pipeline parallelism the copy is cut
+        into the trained model's stages on the same ranks, so ``shard`` (this rank's stages) is its part too. Nothing
+        for the model with its adapters off (the same parameters, gathered again as in the trained forward) or a
+        reference-free loss."""
         if run.reference != "copy":
             return cls()
         dtype = frozen_dtype(run.config, run.precision)
         return cls(numel=shard.numel, nbytes=shard.numel * dtype.itemsize + shard.buffer_bytes,
-                   gathered=_frozen_forward_gathers(shard.units, run.config), dtype=dtype)
+                   gathered=_frozen_forward_gathers(shard.units, run.config, pipelined=run.dims.pp > 1), dtype=dtype)
 
 
-def _frozen_forward_gathers(units: list[FSDPUnit], config: ParallelConfig) -> int:
+def _frozen_forward_gathers(units: list[FSDPUnit], config: ParallelConfig, pipelined: bool = False) -> int:
     """FSDP2's all-gather buffers while a frozen copy of the model of ``units`` runs forward right after the trained
     model's: the trained units its reshard policy keeps gathered until their backward (the output unit under
     ``"default"``), and the copy's unit with the next one prefetched (a frozen model reshards every unit after its
-    forward: ``parallel.frozen.parallelize_frozen``). Under SimpleFSDP 0: each weight is gathered at its use, and
-    without a graph freed after it."""
+    forward: ``parallel.frozen.parallelize_frozen``). Under a pipeline (``pipelined``) the copy's stages run before
+    the schedule, when every trained unit is resharded (``PipelineStage`` reshards them after the last backward).
+    Under SimpleFSDP 0: each weight is gathered at its use, and without a graph freed after it."""
     if config.fsdp_backend != "fully_shard" or not units:
         return 0
     reshard = reshard_after_forward_by_unit(config.reshard_policy)
-    kept = sum(u.gathered_bytes for u in units if not reshard[u.kind])
+    kept = 0 if pipelined else sum(u.gathered_bytes for u in units if not reshard[u.kind])
     pairs = [u.gathered_bytes + (units[i + 1].gathered_bytes if i + 1 < len(units) else 0)
              for i, u in enumerate(units)]
     return kept + max(pairs)
