@@ -185,6 +185,7 @@ class CausalLMModule(PreferenceTuning, L.LightningModule):
         try:
             convert_and_materialize(self, self._own_plan(), device, seed, self.validation_inputs(),
                                     registry.known_init_hooks)
+            self.release_cached_frozen_models()  # a copy whose values the data's cache holds is never built
             for frozen in self.frozen_models():  # the same values as the trained model starts from
                 materialize_frozen(frozen, self._own_plan(), device, seed, registry.known_init_hooks)
         except BaseException:

@@ -105,13 +105,8 @@ class PreferenceTuning:
     def on_test_start(self) -> None:
         self._precompute_reference()
 
-    def _precompute_reference(self) -> None:
-        """Under ``precompute_reference``: give the data module each sequence's reference log-probability, read from
-        its cache or computed by one pass (``integration.preference.reference_pass``) and saved there, then release
-        the frozen copy: the steps read the values from their batches."""
-        preference = self.preference
-        if preference is None or not preference.precompute_reference or self._reference_precomputed is not None:
-            return
+    def _reference_data(self) -> Any:
+        """The data module ``precompute_reference`` writes the reference's values into (a ``PreferenceDataModule``)."""
         trainer = trainer_of(self)
         data = getattr(trainer, "datamodule", None)
         if not callable(getattr(data, "reference_loaders", None)):
@@ -120,18 +115,56 @@ class PreferenceTuning:
                 f" data's cache, but this run's data is {type(data).__name__ if data is not None else 'not a data'}"
                 " module: pass a lightning_2d.PreferenceDataModule (datamodule=...), or leave precompute_reference out"
             )
-        key, identity = reference_key(self.reference_identity())
+        return data
+
+    def _cached_reference(self, data: Any, key: str) -> bool:
+        """Whether every rank found reference ``key``'s values in the data's cache; if so they are the data's now,
+        and the frozen copy is let go (built or not: the steps read the values from their batches)."""
+        trainer = trainer_of(self)
         values = data.load_reference_log_probs(key)
-        if not trainer.strategy.reduce_boolean_decision(values is not None, all=True):  # every rank found them
+        if not trainer.strategy.reduce_boolean_decision(values is not None, all=True):
+            return False
+        self._use_reference_values(data, values, key)
+        return True
+
+    def _use_reference_values(self, data: Any, values: Any, key: str) -> None:
+        data.set_reference_log_probs(values)
+        self._reference_precomputed = key
+        object.__setattr__(self, "_reference", None)  # the frozen copy: no longer read
+
+    def release_cached_frozen_models(self) -> None:
+        """Under ``precompute_reference`` with a frozen copy: once the trained model is built (the seed of its initial
+        weights, part of the values' key, known) and before the copy is, read the reference's values from the data's
+        cache; found on every rank, the copy is dropped unbuilt (never materialized nor sharded). The builders call
+        it: the strategy before parallelizing the frozen models (``_parallelize_frozen``), one device before
+        materializing them (``_configure_on_one_device``). A miss leaves the copy to be built, and the pass to run at
+        fit start (``_precompute_reference``)."""
+        preference = self.preference
+        if (preference is None or not preference.precompute_reference or self._reference is None
+                or self._reference_precomputed is not None or trainer_of(self) is None):
+            return
+        data = self._reference_data()
+        self._cached_reference(data, reference_key(self.reference_identity())[0])
+
+    def _precompute_reference(self) -> None:
+        """Under ``precompute_reference``: give the data module each sequence's reference log-probability, read from
+        its cache or computed by one pass (``integration.preference.reference_pass``) and saved there, then release
+        the frozen copy: the steps read the values from their batches. (With a frozen copy a cache hit was found
+        before the copy was built: ``release_cached_frozen_models``.)"""
+        preference = self.preference
+        if preference is None or not preference.precompute_reference or self._reference_precomputed is not None:
+            return
+        trainer = trainer_of(self)
+        data = self._reference_data()
+        key, identity = reference_key(self.reference_identity())
+        if not self._cached_reference(data, key):
             pipeline = self.pipeline
             values = reference_pass(self.reference_log_probs, data.reference_loaders(), data.sequence_count,
                                     self.meshes, self.device, pipeline.pp_group if pipeline is not None else None)
             if trainer.local_rank == 0:  # one writer per machine (the cache may be a machine's own disk)
                 data.save_reference_log_probs(key, values, identity)
             trainer.strategy.barrier("precompute_reference")
-        data.set_reference_log_probs(values)
-        self._reference_precomputed = key
-        object.__setattr__(self, "_reference", None)  # the frozen copy: no longer read
+            self._use_reference_values(data, values, key)
 
     #: Hyperparameters that do not change a model's log-probabilities (the reference values' key leaves them out).
     _OPTIMIZATION_HPARAMS = ("learning_rate", "weight_decay", "betas", "eps", "fused", "warmup_steps", "max_steps",

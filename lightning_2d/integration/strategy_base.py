@@ -363,7 +363,11 @@ class ModelParallel2DBase(LightningStrategyMembers):
     def _parallelize_frozen(self, owner: Any, plan: Any, precision: str) -> None:
         """The models ``owner`` holds beside the trained one (``frozen_models()``: a preference loss's reference
         copy), parallelized and materialized as the trained one was: its plan, the same meshes, its initial values
-        (the same ``init_from``, or the same seed)."""
+        (the same ``init_from``, or the same seed). Those whose outputs the owner finds already computed
+        (``release_cached_frozen_models``: ``precompute_reference``'s cache) are let go first, never built."""
+        release = getattr(owner, "release_cached_frozen_models", None)
+        if callable(release):
+            release()
         frozen_models = getattr(owner, "frozen_models", None)
         for frozen in (frozen_models() if callable(frozen_models) else []):
             self._parallelize_frozen_model(frozen, plan, precision, seed_owner=owner)

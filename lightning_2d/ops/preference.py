@@ -66,7 +66,10 @@ class PreferenceLoss:
 
     Args:
         loss_type: ``sigmoid`` (DPO), ``ipo``, ``hinge``, ``robust`` (against a reference model); ``simpo``,
-            ``orpo`` (reference-free); ``kto`` (unpaired: each completion labelled desirable or not).
+            ``orpo`` (reference-free); ``kto`` (unpaired: each completion labelled desirable or not). ORPO's loss is
+            its odds-ratio term (``pair_terms``) plus the NLL of the chosen completions, a mean over their
+            *completion* tokens (the ORPO paper's ``-log P(y_w | x)``; the step adds it): TRL's experimental
+            ``ORPOTrainer`` averages that NLL over the chosen sequences' prompt *and* completion tokens instead.
         beta: β, the strength of the implicit KL penalty (DPO family, KTO), SimPO's reward scale, ORPO's λ.
         label_smoothing: ε ∈ [0, 0.5): the assumed fraction of flipped preference labels (``sigmoid``: cDPO,
             ``robust``, ``simpo``).
@@ -80,8 +83,8 @@ class PreferenceLoss:
             model's initial weights (``copy`` only).
         precompute_reference: Before training, one pass of the reference (as ``reference`` says) over every pair of
             the data writes each sequence's log-probability into the data cache (keyed by the reference's weights
-            and the data: a later run reads it); training then reads them from its batches, and a frozen copy is
-            released: no reference model in memory, no reference forward per step.
+            and the data: a later run reads it, and never builds a frozen copy); training then reads them from its
+            batches, and a frozen copy is released: no reference model in memory, no reference forward per step.
     """
 
     loss_type: str = "sigmoid"
@@ -187,7 +190,7 @@ class PreferenceLoss:
             if self.loss_type == "simpo":  # CPO's simpo: mean log-probabilities, margin γ/β
                 logits = chosen_mean - rejected_mean - self.simpo_gamma / beta
                 losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
-            else:  # ORPO's odds ratio term (the module adds the chosen completions' NLL)
+            else:  # ORPO's odds ratio term (the step adds the NLL, over the chosen completions' tokens only)
                 log_odds = (chosen_mean - rejected_mean) - (_log1mexp(chosen_mean) - _log1mexp(rejected_mean))
                 losses = -beta * F.logsigmoid(log_odds)
             return PairTerms(losses, beta * chosen_mean.detach(), beta * rejected_mean.detach(),

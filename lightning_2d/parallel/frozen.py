@@ -120,7 +120,9 @@ def parallelize_frozen(frozen: nn.Module, mesh: "ParallelMeshes | DeviceMesh", c
     Under FSDP2 every unit reshards after its forward (``reshard_after_every_forward``): the ``"default"`` policy
     keeps the output unit gathered for the backward that follows, and a frozen model has none, so its head would stay
     gathered from one step to the next (SimpleFSDP gathers a weight at each use, and without autograd nothing keeps
-    it). Its parameters are frozen again afterwards: they never require gradients.
+    it). Its parameters are frozen again afterwards: they never require gradients. Under ``compile=True`` its blocks
+    are compiled too, as the trained model's (one graph more: their forward without grad), so that the reference
+    computes with the trained model's kernels.
 
     Under pipeline parallelism the model is split into the stages of this rank (``pipeline_split``: the trained
     model's block counts per stage, ``Pipeline.split``, so that each rank holds the frozen twins of its trained

@@ -10,6 +10,8 @@ same global batches:
   step (the loss the mean over the step's pairs), and context parallel 2 × tensor parallel 2 (each pair's sequences
   cut over the context ranks, their log-probabilities summed across them);
 - the whole model, the reference a frozen copy parallelized beside it (FSDP × TP at 2×2);
+- QLoRA (adapters on NF4 bases, the reference those bases with the adapters off) at FSDP 4 against the
+  single-device QLoRA run;
 - KTO on the same pairs unpaired (each answer desirable, each evasive one undesirable), each example packed with its
   KL sequence, LoRA with its adapters off as the reference, at 2×2 with sequence parallelism: its KL estimate a mean
   over both replicas' windows;
@@ -28,6 +30,7 @@ import json
 import pytest
 import torch
 
+from lightning_2d.ops.lora import is_adapter_parameter
 from tests.distributed.conftest import load_weights
 from tests.distributed.test_parity import LOSS_RTOL, worst_relative_error
 
@@ -41,6 +44,9 @@ KTO_SEQ_LEN, KTO_PAIRS = 256, 48
 #: The desirable examples weigh more: their completions' rise under other prompts too makes the KL estimate positive
 #: from the second step (the reference point matters), where equal weights leave it clamped at 0 in most steps.
 KTO = {"loss_type": "kto", "beta": 0.1, "desirable_weight": 3.0, "undesirable_weight": 0.5}
+#: QLoRA's model: each projection whole NF4 scaler groups (16,384 elements) in each of 4 row shards (256 × 256 and
+#: 768 × 256 weights), as tests/distributed/test_lora.py's.
+QLORA_MODEL = {"vocab_size": 264, "n_layers": 2, "dim": 256, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 256}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +88,7 @@ def runs(jobs, pairs, examples) -> dict:
               "preference": DPO}
     lora = {**common, "lora": LORA}
     kto = {**lora, "preference_data": examples, "seq_len": KTO_SEQ_LEN, "preference": KTO}
+    qlora = {**common, "model_overrides": QLORA_MODEL, "lora": {**LORA, "quantize_base": "nf4"}}
     four_blocks = {**common, "model_overrides": {"vocab_size": 264, "n_layers": 4}}  # 4 stages of one block
     specs = {
         "reference": jobs.reference_job(**lora),
@@ -104,6 +111,9 @@ def runs(jobs, pairs, examples) -> dict:
                                        **{**common, "preference": {**DPO, "precompute_reference": True}}),
         "kto_reference": jobs.reference_job(**kto),
         "kto_2x2": jobs.layout_job(2, 2, grad_norms=True, **kto),
+        # QLoRA: FSDP shards the NF4 bases over 4 ranks and gathers them for the reference's forward too
+        "qlora_reference": jobs.reference_job(**qlora),
+        "qlora_fsdp4": jobs.layout_job(4, 1, grad_norms=True, **qlora),
         # pipeline 2 × data 2, the whole model against its frozen copy cut into the same stages on the same ranks
         # (its own forward-only pipeline): 1F1B at 2 blocks; two stages a rank at 4 blocks, in a loop (Interleaved1F1B)
         # and in a V with each backward split in two (ZBVZeroBubble); KTO, its KL estimate by a forward-only pass
@@ -261,3 +271,24 @@ def test_kto_under_pipeline_parallelism_equals_one_device(runs):
     out = runs["pp_kto"].rank_output(0)
     assert out["schedule_classes"] == {"train": "Schedule1F1B", "eval": "ScheduleGPipe"}
     check_against(runs["pp_kto"], runs["kto_reference"], grad_norms=True, label="KTO PP 2 x DP 2", margin=False)
+
+
+def test_dpo_with_qlora_equals_one_device_its_nf4_bases_the_reference(runs):
+    """QLoRA: adapters on NF4 bases, no copy: the reference is the bases with the adapters off. Its first step's
+    rewards are exactly 0 (the adapters' B starts at zero, so the model is its reference, NF4 bases included); at FSDP
+    4 (the NF4 codes sharded over 4 ranks, gathered for both forwards) the run is the single device's, and the bases'
+    bits are untouched."""
+    reference, run = runs["qlora_reference"], runs["qlora_fsdp4"]
+    ref = reference.rank_output(0)
+    assert len(ref["nf4"]) == 2 * 7 and ref["frozen_models"] == 0  # both blocks' seven projections in NF4
+    first = ref["preference_metrics"][0]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0, first
+    for rank in range(4):
+        out = run.rank_output(rank)
+        assert out["mesh_shape"][out["mesh_dims"].index("data_parallel_shard")] == 4
+        assert out["nf4"] == ref["nf4"] and out["frozen_models"] == 0
+        assert out["optimized"] == out["requires_grad"] and all(is_adapter_parameter(n) for n in out["optimized"])
+    check_against(run, reference, grad_norms=True, label="QLoRA FSDP 4")
+    initial, final = load_weights(reference, "initial"), load_weights(run, "final")
+    for name in ref["nf4"]:  # the single device's NF4 values, untouched by training at FSDP 4
+        assert torch.equal(final[name], initial[name]), name

@@ -14,7 +14,14 @@ from lightning_2d import LlamaLightningModule, LoRA
 from lightning_2d.models.lora_targets import HF_TARGETS, HF_TO_LLAMA, LLAMA_TARGETS
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.ops.init import SeededInit, WithOwnInit, module_init_specs
-from lightning_2d.ops.lora import LoRAConfigError, LoRALinear, add_lora, is_adapter_parameter, quantize_lora_bases
+from lightning_2d.ops.lora import (
+    LoRAConfigError,
+    LoRALinear,
+    adapters_disabled,
+    add_lora,
+    is_adapter_parameter,
+    quantize_lora_bases,
+)
 from lightning_2d.ops.nf4 import dequantize, fill_nf4_, is_nf4, nf4_equal, nf4_state, to_nf4_weight
 
 ARGS = ModelArgs.from_name("debug")
@@ -286,8 +293,9 @@ def test_a_single_device_run_resumes_its_adapters_only_checkpoint_and_refuses_an
 def test_an_adapted_block_compiles_as_one_graph_with_the_eager_gradients(quantize_base):
     """The adapters add nothing dynamo cannot trace: a block with adapters on all seven projections compiles with
     ``fullgraph=True`` (a graph break would raise) and gives eager's output and adapter gradients (``aot_eager``: the
-    traced forward and backward without inductor's code generation, which the compiled 2×2 job exercises). With NF4
-    bases (QLoRA) too: torchao's dequantizing linear traces as well."""
+    traced forward and backward without inductor's code generation, which the compiled 2×2 job exercises), and with
+    its adapters switched off (a preference loss's reference, ``adapters_disabled``) the base's. With NF4 bases
+    (QLoRA) too, adapters on: torchao's dequantizing linear traces as well."""
     if quantize_base:
         model = qlora_model(LoRA(rank=4, alpha=8, quantize_base=quantize_base))
         assert is_nf4(model.layers["1"].attention.wq.weight)
@@ -308,11 +316,23 @@ def test_an_adapted_block_compiles_as_one_graph_with_the_eager_gradients(quantiz
         return out.detach(), {n: p.grad.clone() for n, p in block.named_parameters() if p.requires_grad}
 
     eager_out, eager_grads = run(block)
-    compiled_out, compiled_grads = run(torch.compile(block, fullgraph=True, backend="aot_eager"))
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    compiled_out, compiled_grads = run(compiled)
     torch.testing.assert_close(compiled_out, eager_out, rtol=1e-5, atol=1e-5)
     assert compiled_grads.keys() == eager_grads.keys() and len(eager_grads) == 14
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    if quantize_base:  # (compile=True is refused with NF4 bases under the strategies: qlora_compile)
+        return
+    # A preference loss's reference under LoRA: the same compiled block, its adapters off, without grad (its own
+    # graph: the flag is in the guards), then on again (a graph of the flag off reused would give the base's output).
+    with torch.no_grad():
+        with adapters_disabled(block):
+            base_eager, base_compiled = block(x, rope), compiled(x, rope)
+        adapted_compiled = compiled(x, rope)
+    torch.testing.assert_close(base_compiled, base_eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(adapted_compiled, eager_out, rtol=1e-5, atol=1e-5)
+    assert (base_eager - eager_out).abs().max() > 1e-3  # the adapters change the block
 
 
 # ---- QLoRA: NF4 bases ---------------------------------------------------------------------------------------------

@@ -119,3 +119,62 @@ def test_dpo_makes_the_exported_model_answer_in_the_preferred_style_more_often(t
     assert metrics[0]["rewards/margins"] == 0.0 and metrics[0]["rewards/accuracies"] == 0.0, metrics[0]
     assert metrics[-1]["rewards/accuracies"] == 1.0 and metrics[-1]["rewards/margins"] > 0.5, metrics[-1]
     assert metrics[-1]["rewards/chosen"] > 0.0, metrics[-1]
+
+
+def test_a_lora_dpo_checkpoint_holds_the_adapters_only_and_exports_for_peft_and_merged(tmp_path):
+    """LoRA DPO (the reference its adapters off): the checkpoint holds the adapters and their optimizer state only (no
+    reference copy, no frozen state, no record of one), as a LoRA run's always did; ``lightning-2d export`` writes it
+    as a peft folder, which on transformers' base, and merged, which alone, give the trained model's logits."""
+    import pytest
+
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from lightning_2d.checkpoint.safe_load import load_checkpoint_file
+    from lightning_2d.data.preference.builtin import stdlib_preference_rows
+    from lightning_2d.integration.preference_module import PreferenceTuning
+    from lightning_2d.checkpoint.subset import ADAPTERS_KEY
+    from lightning_2d.ops.lora import is_adapter_parameter
+    from lightning_2d.tools.export import main as export
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "base")
+    module = LlamaLightningModule(init_from=str(tmp_path / "base"), lora={"rank": 4, "alpha": 8.0},
+                                  learning_rate=1e-2, warmup_steps=1, max_steps=3,
+                                  preference={"loss_type": "sigmoid", "beta": 0.1})
+    margins = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            margins.append(float(trainer.callback_metrics["rewards/margins"]))
+
+    trainer = fit(module, PreferenceDataModule(write_rows(tmp_path / "pairs.jsonl", stdlib_preference_rows()[:8]),
+                                               "byte", seq_len=128, batch_size=2, val_fraction=0, max_length=60,
+                                               cache_dir=str(tmp_path / "cache")), steps=3, callbacks=[Record()])
+    assert module.frozen_models() == [] and margins[0] == 0.0 and margins[-1] != 0.0  # trained against its base
+    trainer.save_checkpoint(tmp_path / "dpo.ckpt")
+    saved = load_checkpoint_file(tmp_path / "dpo.ckpt")
+    adapters = [name for name, p in module.model.named_parameters() if p.requires_grad]
+    assert len(adapters) == 2 * 7 * 2 and all(is_adapter_parameter(name) for name in adapters)
+    assert sorted(saved["state_dict"]) == sorted(f"model.{name}" for name in adapters)  # nothing else, no copy
+    assert len(saved["optimizer_states"][0]["state"]) == len(adapters)
+    assert PreferenceTuning.REFERENCE_RECORD_KEY not in saved  # no frozen copy to record
+    assert saved[ADAPTERS_KEY]["base"]["init_from"] == str((tmp_path / "base").resolve())
+
+    module.eval()
+    tokens = torch.randint(0, 264, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = module(tokens)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        assert (ours - base(tokens).logits).abs().max() > 1e-3  # the adapters trained
+        export([str(tmp_path / "dpo.ckpt"), str(tmp_path / "peft")])
+        assert (tmp_path / "peft" / "adapter_config.json").exists()
+        assert not (tmp_path / "peft" / "model.safetensors").exists()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft")
+        torch.testing.assert_close(adapted(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+        export([str(tmp_path / "dpo.ckpt"), str(tmp_path / "merged"), "--merge-lora"])
+        assert not (tmp_path / "merged" / "adapter_config.json").exists()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(merged(tokens).logits, ours, rtol=1e-5, atol=1e-5)

@@ -53,7 +53,7 @@ class Losses(L.Callback):
         self.saw_reference_values.append("reference_logps" in batch)
 
 
-def fit(pairs: dict, lora: bool, precompute: bool, init_seed: int = 3, steps: int = STEPS):
+def fit(pairs: dict, lora: bool, precompute: bool, init_seed: int = 3, steps: int = STEPS, strategy="auto"):
     module = LlamaLightningModule("debug", model_overrides={"n_layers": 2, "vocab_size": 264}, init_seed=init_seed,
                                   learning_rate=1e-3, warmup_steps=1, max_steps=steps,
                                   lora={"rank": 4, "alpha": 8.0} if lora else None,
@@ -62,9 +62,13 @@ def fit(pairs: dict, lora: bool, precompute: bool, init_seed: int = 3, steps: in
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
-                        limit_val_batches=1, val_check_interval=steps, callbacks=[losses])
+                        limit_val_batches=1, val_check_interval=steps, callbacks=[losses], strategy=strategy)
     torch.manual_seed(0)
-    trainer.fit(module, data)
+    try:
+        trainer.fit(module, data)
+    finally:
+        if torch.distributed.is_initialized():  # the 2D strategy's one-rank process group
+            torch.distributed.destroy_process_group()
     weights = {name: p.detach().clone() for name, p in module.model.named_parameters() if p.requires_grad}
     return module, data, losses, weights
 
@@ -91,7 +95,13 @@ def test_precomputed_reference_trains_as_the_live_one_and_holds_no_reference_mod
     assert identity["mode"] == ("adapters_off" if lora else "copy") and identity["init_seed"] == 3
 
 
-def test_a_second_run_reads_the_saved_values_and_another_seed_computes_its_own(pairs, monkeypatch):
+def test_a_second_run_reads_the_saved_values_never_builds_the_copy_and_other_weights_or_data_miss(
+        pairs, monkeypatch, tmp_path):
+    """A run whose reference values the cache holds finds them before its frozen copy is built: no copy is
+    materialized, no pass runs. Another seed (other weights) or other pairs (another cache) miss: the copy is built
+    and a pass computes the values."""
+    from lightning_2d.integration import module as lightning_module
+
     module, data, _, _ = fit(pairs, lora=False, precompute=True)
     key = module._reference_precomputed
     # Saved values the pass would not give: every chosen sequence's 1 lower. At the first step the model is the
@@ -100,16 +110,37 @@ def test_a_second_run_reads_the_saved_values_and_another_seed_computes_its_own(p
     shifted = values.copy()
     shifted[0::2] -= 1.0
     data.save_reference_log_probs(key, shifted, {"test": "chosen shifted"})
-    passes = []
+    passes, built = [], []
     monkeypatch.setattr(module_file, "reference_pass", lambda *a, **k: passes.append(1) or reference_pass(*a, **k))
+    real_materialize = lightning_module.materialize_frozen
+    monkeypatch.setattr(lightning_module, "materialize_frozen",
+                        lambda frozen, *a, **k: built.append(frozen) or real_materialize(frozen, *a, **k))
     again, data2, losses, _ = fit(pairs, lora=False, precompute=True, steps=1)
     assert again._reference_precomputed == key and passes == []  # the same weights and data: read, not computed
+    assert built == [] and losses.copy == [] and again.frozen_models() == []  # and the copy never built
     np.testing.assert_array_equal(data2.train_dataset.reference_logps, shifted)
     assert losses.losses[0] == pytest.approx(float(torch.nn.functional.softplus(torch.tensor(-DPO["beta"]))),
                                              rel=1e-6)
-    # Another seed is another reference: another key, a pass of its own.
-    other, _, _, _ = fit(pairs, lora=False, precompute=True, init_seed=4, steps=1)
-    assert other._reference_precomputed != key and passes == [1]
+    # The 2D strategy (one rank) asks before parallelizing the copy, and finds them too.
+    from lightning_2d import ModelParallel2DStrategy
+    from lightning_2d.integration import strategy_base
+
+    parallelized = []
+    monkeypatch.setattr(strategy_base, "parallelize_frozen", lambda frozen, *a, **k: parallelized.append(frozen))
+    again, _, losses, _ = fit(pairs, lora=False, precompute=True, steps=1, strategy=ModelParallel2DStrategy())
+    assert again._reference_precomputed == key and passes == [] and parallelized == [] and losses.copy == []
+    assert losses.losses[0] == pytest.approx(float(torch.nn.functional.softplus(torch.tensor(-DPO["beta"]))),
+                                             rel=1e-6)
+    # Another seed is another reference: another key, the copy built, a pass of its own.
+    other, _, losses, _ = fit(pairs, lora=False, precompute=True, init_seed=4, steps=1)
+    assert other._reference_precomputed != key and passes == [1] and len(built) == 1 and len(losses.copy) == 2 * 9 + 3
+    # Other pairs (fewer rows: another cache folder) with the first run's weights miss as well.
+    rows = stdlib_preference_rows()[:20]
+    (tmp_path / "fewer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fewer = {**pairs, "paths": str(tmp_path / "fewer.jsonl")}
+    PreferenceDataModule(**fewer).prepare(num_workers=1)
+    _, data3, _, _ = fit(fewer, lora=False, precompute=True, steps=1)
+    assert passes == [1, 1] and len(built) == 2 and data3.sequence_count < data.sequence_count
 
 
 def test_a_cover_gives_every_window_once_in_even_batches():

@@ -21,9 +21,14 @@ T = 40
 WINDOWS = [[(5, 6, 4), (3, 7, 5)], [(6, 9, 8)]]
 
 
-def _module(preference: dict, lora: bool = True) -> LlamaLightningModule:
-    module = LlamaLightningModule("debug", model_overrides={"n_layers": 2}, init_seed=3, loss_chunk_size=16,
-                                  lora={"rank": 4} if lora else None, preference=preference)
+#: QLoRA's model: every projection a whole number of NF4 scaler groups (16,384 elements).
+QLORA_MODEL = {"n_layers": 2, "dim": 256, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 256}
+
+
+def _module(preference: dict, lora: bool = True, quantize_base: str | None = None) -> LlamaLightningModule:
+    adapters = {"rank": 4, **({"quantize_base": quantize_base} if quantize_base else {})} if lora else None
+    module = LlamaLightningModule("debug", model_overrides=QLORA_MODEL if quantize_base else {"n_layers": 2},
+                                  init_seed=3, loss_chunk_size=16, lora=adapters, preference=preference)
     module.configure_model()
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():  # adapters that change the model (B starts at zero: the reference would be the model)
@@ -120,6 +125,36 @@ def test_the_reference_is_the_base_with_its_adapters_off():
         base = module.token_log_probs(batch)
     assert not torch.equal(reference, trained)
     torch.testing.assert_close(reference, base, rtol=0, atol=0)
+
+
+def test_under_qlora_the_reference_is_the_nf4_base_with_its_adapters_off():
+    """QLoRA (``quantize_base="nf4"``): the reference is the model with its adapters off, computing with its NF4
+    bases: the log-probabilities of a plain model (no adapters) holding those bases' dequantized values, bit for bit;
+    not those of the weights before quantization (the seeded init a frozen copy would hold), nor the trained model's."""
+    from lightning_2d import Transformer
+    from lightning_2d.ops.nf4 import dequantize, is_nf4
+
+    module = _module({"loss_type": "sigmoid"}, quantize_base="nf4")
+    assert module.frozen_models() == []  # no copy: the adapters' base is the reference
+    quantized = {name: p for name, p in module.model.named_parameters() if is_nf4(p)}
+    assert len(quantized) == 2 * 7  # the seven projections of both blocks
+    batch, _ = _batch(module.vocab_size)
+    base, unquantized = Transformer(module.model_args, loss_chunk_size=16), Transformer(module.model_args)
+    base.init_weights(3), unquantized.init_weights(3)  # the seeded init, as the module's base was drawn
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if name in quantized:
+                assert not torch.equal(param, dequantize(quantized[name]))  # quantizing moved the values
+                param.copy_(dequantize(quantized[name]))
+        reference = module.reference_log_probs(batch)
+        trained = module.token_log_probs(batch)
+        positions = {"position_ids": batch["position_ids"]}
+        nf4_base = base(batch["input_ids"], labels=batch["labels"], per_token=True, **positions)
+        before_quantizing = unquantized(batch["input_ids"], labels=batch["labels"], per_token=True, **positions)
+    scored = batch["labels"] != -100
+    torch.testing.assert_close(reference, nf4_base, rtol=0, atol=0)
+    assert (reference - trained)[scored].abs().max() > 1e-3  # the adapters change the model
+    assert (reference - before_quantizing)[scored].abs().max() > 1e-3
 
 
 def test_a_whole_model_compares_with_a_frozen_copy_of_its_initial_weights():

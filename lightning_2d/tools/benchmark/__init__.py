@@ -36,7 +36,7 @@ step-time and peak-memory ratios over ``lightning_2d``:
 
 ``precomputed_reference`` (``--compare-precomputed-reference``, under ``--preference``)
     ``preference={..., "precompute_reference": True}``: the reference's log-probabilities read from the batches, the
-    frozen copy released before the first step. ``SyntheticPairs`` gives synthetic values for every sequence, so no
+    frozen copy never built (the values are found before it would be). ``SyntheticPairs`` gives synthetic values for every sequence, so no
     reference pass runs: the one-time pass of a real run is not timed.
 
 ``--preference LOSS_TYPE`` makes every variant train that preference loss on synthetic packed pairs

@@ -165,8 +165,8 @@ COMPARISONS: tuple[Comparison, ...] = (
         name="precomputed_reference",
         flag="--compare-precomputed-reference",
         help="under --preference: also run lightning_2d with precompute_reference=True (variant"
-        " precomputed_reference; the reference's log-probabilities read from the batches, the frozen copy released"
-        " before the first step), alternating with lightning_2d's frozen copy, and report their step-time and"
+        " precomputed_reference; the reference's log-probabilities read from the batches, the frozen copy never"
+        " built), alternating with lightning_2d's frozen copy, and report their step-time and"
         " peak-memory ratios. The synthetic pairs come with synthetic reference values, so no reference pass runs:"
         " the one-time pass a real run makes before training is not timed",
         report_key="precomputed_reference",

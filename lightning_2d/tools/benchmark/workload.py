@@ -167,8 +167,8 @@ class SyntheticPairs(L.LightningDataModule):
     ``load_reference_log_probs``, ``save_reference_log_probs``, ``set_reference_log_probs``.
 
     ``load_reference_log_probs`` gives synthetic values for any reference, so no reference pass runs: the variant
-    under ``precompute_reference`` times its steps with the values read from batches and the frozen copy released,
-    not the one-time pass before them. A sequence's value is what a uniform model gives its completion,
+    under ``precompute_reference`` times its steps with the values read from batches and the frozen copy never built
+    (the values found before it is: ``release_cached_frozen_models``), not the one-time pass before them. A sequence's value is what a uniform model gives its completion,
     ``-(completion tokens) · ln(vocab)``, not the initial model's own: that variant's first loss is not the others'
     ``ln 2`` (1.03 for ``debug`` at 256 positions), which changes nothing of a step's work.
 
