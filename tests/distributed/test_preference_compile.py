@@ -3,8 +3,9 @@
 
 One process under ``ModelParallel2DStrategy`` (a one-rank gloo world, FSDP2 over it), 2 fp32 AdamW steps of DPO on a
 2-block ``debug`` Llama against its frozen copy, compiled (inductor) and eager. A compiled fit costs ~15-40 s on 2
-CPU cores (two graphs), so this is the one such fit; the adapters-off reference under compile (LoRA's) is checked on a
-block with ``aot_eager`` in ``tests/unit/test_lora.py``.
+CPU cores (two graphs), so this is the one such fit, and it is of the full suite (``distributed``: a process group in
+this process, and inductor's C++ builds), not of the quick tier; the adapters-off reference under compile (LoRA's) is
+checked on a block with ``aot_eager`` in ``tests/unit/test_lora.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, PreferenceDataModule
 from lightning_2d.data.preference.builtin import stdlib_preference_rows
 from lightning_2d.parallel.modules import canonical_name
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 2
 DPO = {"loss_type": "sigmoid", "beta": 0.1}
