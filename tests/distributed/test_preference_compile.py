@@ -11,6 +11,7 @@ checked on a block with ``aot_eager`` in ``tests/unit/test_lora.py``.
 from __future__ import annotations
 
 import json
+import os
 
 import lightning as L
 import pytest
@@ -45,6 +46,17 @@ class Metrics(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()
                            if k == "train_loss" or "/" in k})
+
+
+@pytest.fixture(autouse=True)
+def environment_as_found():
+    """The fits' Trainer sets the launcher's variables in this process (``MASTER_PORT`` …), and its store may keep the
+    port: a later test launching a job from this environment (``test_recipe_scripts.py``'s Lightning launcher) would
+    then rendezvous on that port and fail with EADDRINUSE. Put the environment back as it was."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def fit(pairs: dict, compile: bool):
