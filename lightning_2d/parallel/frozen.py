@@ -49,13 +49,17 @@ class FrozenModel(nn.Module):
             trained model's plan applies to it as it is.
         model: The model, on the meta device.
         weights_source: Its initial values' source (the trained model's ``init_from``), or ``None``.
+        plan_of: Its own plan for the strategy's options (a distillation teacher: its family's, from its own shape),
+            ``module_name`` naming it; ``None``: the trained model's (a reference copy).
     """
 
     def __init__(self, name: str, module_name: str, model: nn.Module,
-                 weights_source: Optional[Callable[[], Any]] = None) -> None:
+                 weights_source: Optional[Callable[[], Any]] = None,
+                 plan_of: Optional[Callable[[ParallelConfig], ParallelPlan]] = None) -> None:
         super().__init__()
         self.name = name
         self.module_name = module_name
+        self.plan_of = plan_of
         setattr(self, module_name, model)
         model.requires_grad_(False)
         self.eval()  # no dropout; the Trainer's train()/eval() never reach it (the owner does not register it)
