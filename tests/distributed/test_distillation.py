@@ -7,8 +7,9 @@ vocabulary, its seeded init), against the single-device ``Trainer`` on the same 
 - 2×2 with sequence parallelism, the whole student, generalized JSD at temperature 2 mixed half and half with the
   next-token loss (the teacher tensor-parallel by its own plan, both heads' vocabulary rows on the same ranks), saving
   a checkpoint;
-- context parallel 2 × data parallel 2 on packed documents, forward KL over every position of a document up to its
-  last trained one (``tokens="all"``: the mask marked on whole rows, then cut with them);
+- context parallel 2 × data parallel 2 on packed documents whose first 3 targets are ignored (a chat's prompt),
+  forward KL over every position of a document up to its last trained one (``tokens="all"``: the prompts too; the
+  mask marked on whole rows, then cut with them: a rank's slice may hold a document's prompt alone);
 - a LoRA student at 2×2 with two batches a step, reverse KL alone (``alpha=1``).
 
 Each compares the losses, the logged divergence and next-token loss, the gradient norms and the final weights; and
@@ -37,7 +38,7 @@ LORA = {"rank": 4, "alpha": 8.0}
 @pytest.fixture(scope="module")
 def runs(jobs) -> dict:
     jsd = {**SMALL, "teacher": TEACHER, "distillation": JSD}
-    packed = {**SMALL, "teacher": TEACHER, "distillation": FORWARD_KL_ALL, "documents": True}
+    packed = {**SMALL, "teacher": TEACHER, "distillation": FORWARD_KL_ALL, "documents": True, "prompts": 3}
     lora = {**SMALL, "teacher": TEACHER, "distillation": REVERSE_KL, "lora": LORA, "even_labels": True}
     specs = {
         "reference": jobs.reference_job(**jsd),

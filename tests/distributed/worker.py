@@ -32,15 +32,16 @@ from lightning_2d.parallel.simple_fsdp import sharded_parameters
 class SyntheticTokens(Dataset):
     """``n`` fixed random sequences; sample ``i`` ignores its first ``i % 5`` targets (uneven token
     counts) unless ``even``. ``documents``: about one token in 8 is end-of-text (id 0), and each sample
-    carries its documents' ``position_ids``, as ``TextDataModule(document_mask=True)``."""
+    carries its documents' ``position_ids``, as ``TextDataModule(document_mask=True)``; ``prompts``: the first
+    ``prompts`` targets of each document are ignored too, as a chat's prompt."""
 
     def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0, even: bool = False,
-                 documents: bool = False) -> None:
+                 documents: bool = False, prompts: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
         if documents:
             self.tokens[torch.rand(self.tokens.shape, generator=g) < 0.125] = 0
-        self.even, self.documents = even, documents
+        self.even, self.documents, self.prompts = even, documents, prompts
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -55,6 +56,7 @@ class SyntheticTokens(Dataset):
             from lightning_2d.data.loading import document_positions
 
             sample["position_ids"] = document_positions(sample["input_ids"], 0)
+            sample["labels"][sample["position_ids"] < self.prompts] = -100
         return sample
 
 
@@ -702,7 +704,8 @@ def fit(cfg: dict) -> None:
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
-                           even=cfg.get("even_labels", False), documents=cfg.get("documents", False))
+                           even=cfg.get("even_labels", False), documents=cfg.get("documents", False),
+                           prompts=cfg.get("prompts", 0))
     accumulate = cfg.get("accumulate", 1)
     datamodule = None
     if "preference_data" in cfg:  # preference tuning: PreferenceDataModule's packed pairs (its cache prepared by the test)
