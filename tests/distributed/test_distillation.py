@@ -10,7 +10,9 @@ vocabulary, its seeded init), against the single-device ``Trainer`` on the same 
 - context parallel 2 × data parallel 2 on packed documents whose first 3 targets are ignored (a chat's prompt),
   forward KL over every position of a document up to its last trained one (``tokens="all"``: the prompts too; the
   mask marked on whole rows, then cut with them: a rank's slice may hold a document's prompt alone);
-- a LoRA student at 2×2 with two batches a step, reverse KL alone (``alpha=1``).
+- a LoRA student at 2×2 with two batches a step, reverse KL alone (``alpha=1``);
+- ``HFCausalLMModule``: a Qwen3 student from a wider, deeper Llama teacher (transformers' models, each by its own
+  family's plan) at 2×2 with sequence parallelism.
 
 Each compares the losses, the logged divergence and next-token loss, the gradient norms and the final weights; and
 asserts the teacher is sharded (FSDP over the data ranks, its head over the vocabulary on the tensor ranks), never
@@ -33,6 +35,13 @@ JSD = {"loss": "jsd", "beta": 0.5, "temperature": 2.0, "alpha": 0.5, "chunk_size
 FORWARD_KL_ALL = {"loss": "forward_kl", "alpha": 0.7, "tokens": "all"}
 REVERSE_KL = {"loss": "reverse_kl", "alpha": 1.0}
 LORA = {"rank": 4, "alpha": 8.0}
+#: transformers' decoders: a Qwen3 student (2 layers of 64) and a Llama teacher (3 layers of 128), one vocabulary.
+HF_STUDENT = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "max_position_embeddings": 128, "tie_word_embeddings": False}
+HF_TEACHER = {"config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+                         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "max_position_embeddings": 128, "tie_word_embeddings": False}}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +49,7 @@ def runs(jobs) -> dict:
     jsd = {**SMALL, "teacher": TEACHER, "distillation": JSD}
     packed = {**SMALL, "teacher": TEACHER, "distillation": FORWARD_KL_ALL, "documents": True, "prompts": 3}
     lora = {**SMALL, "teacher": TEACHER, "distillation": REVERSE_KL, "lora": LORA, "even_labels": True}
+    hf = {"hf_config": HF_STUDENT, "teacher": HF_TEACHER, "distillation": {**JSD, "alpha": 0.6}}
     specs = {
         "reference": jobs.reference_job(**jsd),
         "sp_2x2": jobs.layout_job(2, 2, grad_norms=True, save_checkpoint=True, **jsd),
@@ -47,6 +57,8 @@ def runs(jobs) -> dict:
         "cp_dp": jobs.layout_job(2, 1, nprocs=4, context_parallel_size=2, grad_norms=True, **packed),
         "lora_reference": jobs.reference_job(**lora),
         "lora_2x2": jobs.layout_job(2, 2, accumulate=2, grad_norms=True, **lora),
+        "hf_reference": jobs.reference_job(**hf),
+        "hf_2x2": jobs.layout_job(2, 2, grad_norms=True, **hf),
     }
     specs = {key: (f"distillation_{key}", config, nprocs, nodes) for key, (_, config, nprocs, nodes) in specs.items()}
     jobs.share("distillation", list(specs.values()))
@@ -122,3 +134,12 @@ def test_distillation_of_a_lora_student_with_accumulation_equals_one_device(runs
     check_against(runs["lora_2x2"], runs["lora_reference"], "LoRA 2x2, accumulate 2", accumulated=True)
     out = runs["lora_2x2"].rank_output(0)
     assert out["optimized"] and all("lora" in name for name in out["optimized"])
+
+
+def test_a_hugging_face_student_distils_from_a_teacher_of_another_family_at_2x2(runs):
+    """transformers' Qwen3 from a Llama teacher: each parallelized by its own family's plan, the ``lm_head`` of both
+    computing the loss in its call (sequence parallelism enters at the first layer, the head gathers the sequence)."""
+    pytest.importorskip("transformers")
+    check_against(runs["hf_2x2"], runs["hf_reference"], "HF 2x2 SP")
+    head = runs["hf_2x2"].rank_output(0)["teacher_placements"]["lm_head.weight"]
+    assert head["shape"] == [256, 128] and head["local_shape"] == [64, 128]
