@@ -2,8 +2,9 @@
 
 A ``FrozenModel`` wraps such a model (built on the meta device by its owner, like the trained one) with where its
 values come from (``weights_source``: the trained model's ``init_from``, else the same seeded init: its initial
-weights). The strategies parallelize and materialize it as they do the trained model, with the same plan and
-meshes (``parallelize_frozen``: TP/SP, FSDP-sharded, its parameters never requiring gradients); on one device
+weights). The strategies parallelize and materialize it as they do the trained model, with the same plan (a
+distillation teacher: its own family's, ``plan_of``) and meshes (``parallelize_frozen``: TP/SP, FSDP-sharded, its
+parameters never requiring gradients); on one device
 ``materialize_frozen`` does the rest without the parallelism. The owner keeps it outside its registered modules, so
 it has no optimizer state, is in no checkpoint and adds nothing to the gradient norm.
 
