@@ -8,6 +8,7 @@ from lightning_2d.integration.callbacks import TokenThroughputMonitor
 from lightning_2d.integration.module import LlamaLightningModule
 from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
+from lightning_2d.ops.distillation import DistillationConfig
 from lightning_2d.ops.init import InitSpec
 from lightning_2d.ops.lora import LoRA
 from lightning_2d.ops.preference import PreferenceLoss
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChatDataModule",
+    "DistillationConfig",
     "InitSpec",
     "LlamaLightningModule",
     "LoRA",

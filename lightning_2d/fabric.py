@@ -9,10 +9,12 @@
 A model that is not trained beside it (a DPO reference, a distillation teacher): freeze it, then ``fabric.setup`` it
 too (the same steps on the same meshes, no gradients, no optimizer, in no checkpoint). ``preference_step`` is the
 preference loss of a ``PreferenceDataModule`` batch, the one the Trainer's modules compute
-(``recipes/fabric_dpo.py``).
+(``recipes/fabric_dpo.py``); ``distillation_step`` the loss of a student against a frozen teacher set up beside it, the
+one the modules compute under ``teacher=`` (``lightning_2d.integration.distillation``).
 """
 
 from lightning_2d.integration.fabric_strategy import FabricFSDP2Precision, ModelParallel2DStrategy
+from lightning_2d.integration.distillation import distillation_step
 from lightning_2d.integration.preference import preference_step
 
-__all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy", "preference_step"]
+__all__ = ["FabricFSDP2Precision", "ModelParallel2DStrategy", "distillation_step", "preference_step"]

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_2d._compat import trainer_of
 from lightning_2d.checkpoint.hf import SafetensorsWeights
 from lightning_2d.checkpoint.hf.weights import TransformersExpertsWeights
+from lightning_2d.integration.distillation_module import TeacherSpec, folder_tokenizer, teacher_fields
 from lightning_2d.integration.module import CausalLMModule
 from lightning_2d.models.hf_decoders import (
     hf_moe_layers,
@@ -28,9 +29,11 @@ from lightning_2d.models.hf_decoders import (
 )
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.ops.init import module_init_specs
+from lightning_2d.ops.distillation import DistillationConfig, DistillationConfigError
 from lightning_2d.ops.lora import LoRA
 from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.ops.moe import MoEArgs
+from lightning_2d.parallel.distillation import TeacherFacts
 from lightning_2d.parallel.modules import canonical_name
 
 
@@ -58,6 +61,10 @@ class HFCausalLMModule(CausalLMModule):
         lora_init_from: A peft LoRA folder to start the adapters from (see ``LlamaLightningModule``).
         preference: Preference tuning instead of next-token training (see ``LlamaLightningModule``); each token's
             log-probability from the logits.
+        teacher: Distil from this decoder (with ``distillation``): a Hugging Face model folder, or a dict of
+            ``config``, ``init_from`` and ``config_overrides`` (as this module's); any family this module trains,
+            its vocabulary (and its folder's tokenizer) the student's. See ``LlamaLightningModule``.
+        distillation: How the student learns from ``teacher`` (``lightning_2d.DistillationConfig`` or a dict).
     """
 
     def __init__(
@@ -78,6 +85,8 @@ class HFCausalLMModule(CausalLMModule):
         lora: Union[LoRA, dict, None] = None,
         lora_init_from: Optional[str] = None,
         preference: Union[PreferenceLoss, dict, None] = None,
+        teacher: Union[str, dict, None] = None,
+        distillation: Union[DistillationConfig, dict, None] = None,
     ) -> None:
         super().__init__()
         if config is None and init_from is None:
@@ -90,6 +99,7 @@ class HFCausalLMModule(CausalLMModule):
         self._set_lora(lora)
         self._set_preference(preference)
         self.model: Optional[nn.Module] = None
+        self._set_distillation(teacher, distillation)
         self._refuse_now()  # transformers' per-rank auxiliary loss, LoRA on its experts …
         # Names and shapes against the files, the LoRA targets against the model: now (on the meta device), before
         # any process starts.
@@ -111,15 +121,31 @@ class HFCausalLMModule(CausalLMModule):
     def base_weights(self, folder: Optional[str]) -> Any:
         """The model directory ``folder`` read block by block (names as in the model; every parameter but those their
         module initializes itself: LoRA's adapters), else ``None``."""
-        if not folder:
-            return None
-        assert self.model is not None
-        own = {canonical_name(n) for n in module_init_specs(self.model)}
-        expected = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()
-                    if canonical_name(n) not in own}
-        if hf_moe_layers(self.hf_config):  # transformers' fused experts, from fused or per-expert files
-            return TransformersExpertsWeights(Path(folder), expected, self.hf_config.model_type)
-        return SafetensorsWeights(Path(folder), expected)
+        assert self.model is not None or not folder
+        return folder_weights(folder, self.model, self.hf_config)
+
+    def resolve_teacher(self, teacher: Any) -> TeacherSpec:
+        """A Hugging Face teacher: a model folder, or ``{config, init_from, config_overrides}`` read as this module
+        reads its own."""
+        given = teacher_fields(teacher, ("config", "init_from", "config_overrides"))
+        config, init_from = given.get("config"), given.get("init_from")
+        if config is None and init_from is None:
+            raise DistillationConfigError(f"teacher needs a config (a dict with model_type, or a directory) or an"
+                                          f" init_from folder, got {given}")
+        hf_config = load_hf_config(config if config is not None else init_from, given.get("config_overrides"))
+        if problems := hf_config_problems(hf_config):
+            raise DistillationConfigError("HFCausalLMModule cannot distil from this teacher:\n  - "
+                                          + "\n  - ".join(problems))
+        self.hparams["teacher"] = {**given, "config": hf_config.to_dict()}  # plain data: checkpoints load weights_only
+        plan = hf_decoder_plan(hf_config, ParallelConfig(), module="model")
+        attention = self.hparams.attn_implementation
+        return TeacherSpec(
+            facts=TeacherFacts(f"folder {init_from}" if init_from else f"a {hf_config.model_type} config",
+                               int(hf_config.vocab_size), plan.tp_divides, folder_tokenizer(init_from)),
+            build=lambda: build_decoder(hf_config, attention),
+            plan_of=lambda parallel: hf_decoder_plan(hf_config, parallel, module="model"),
+            weights=lambda model: folder_weights(init_from, model, hf_config),
+        )
 
     def weights_source(self) -> Any:
         """The ``init_from`` directory read block by block (names as in the model), if given."""
@@ -128,14 +154,7 @@ class HFCausalLMModule(CausalLMModule):
 
     def build_model(self) -> nn.Module:
         """The ``*ForCausalLM`` on the meta device (no memory, no initialization)."""
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
-            )
-        check_hf_decoder(model)
-        return model
+        return build_decoder(self.hf_config, self.hparams.attn_implementation)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -144,6 +163,7 @@ class HFCausalLMModule(CausalLMModule):
         # reference) the same conversion and materialization, the whole of each tensor.
         self.model = self.build_model()
         self._declare_reference(self.build_model)
+        self._declare_teacher()
         strategy = getattr(trainer_of(self), "strategy", None)
         if not getattr(strategy, "materializes_meta_modules", False):
             self._configure_on_one_device()
@@ -178,3 +198,27 @@ class HFCausalLMModule(CausalLMModule):
             mlp = (mlp * (c.num_hidden_layers - sparse) + active * sparse) // c.num_hidden_layers
         matmul_params = c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size
         return 6 * matmul_params + 12 * c.num_hidden_layers * heads * head_dim * seq_len
+
+
+def build_decoder(hf_config: Any, attn_implementation: str) -> nn.Module:
+    """A ``*ForCausalLM`` of ``hf_config`` on the meta device (no memory, no initialization)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32)
+    check_hf_decoder(model)
+    return model
+
+
+def folder_weights(folder: Optional[str], model: Optional[nn.Module], hf_config: Any) -> Any:
+    """The model directory ``folder`` read block by block with ``model``'s names and shapes (every parameter but those
+    their module initializes itself: LoRA's adapters), else ``None``."""
+    if not folder:
+        return None
+    assert model is not None
+    own = {canonical_name(n) for n in module_init_specs(model)}
+    expected = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters() if canonical_name(n) not in own}
+    if hf_moe_layers(hf_config):  # transformers' fused experts, from fused or per-expert files
+        return TransformersExpertsWeights(Path(folder), expected, hf_config.model_type)
+    return SafetensorsWeights(Path(folder), expected)

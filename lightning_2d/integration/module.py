@@ -18,16 +18,19 @@ from lightning_2d.checkpoint.hf import HFWeights, model_args_from_hf
 from lightning_2d.checkpoint.hf.lora import BaseWithPeftAdapters, PeftAdapterWeights
 from lightning_2d.checkpoint.subset import ADAPTERS_KEY, TrainedSubset, check_adapter_record
 from lightning_2d.models import registry
-from lightning_2d.models.llama.model import ModelArgs, RopeScaling, Transformer
+from lightning_2d.models.llama.model import PRESETS, ModelArgs, RopeScaling, Transformer
 from lightning_2d.ops.init import module_init_specs
 from lightning_2d.integration.batches import document_positions_of, step_tokens_of
+from lightning_2d.integration.distillation_module import Distillation, TeacherSpec, folder_tokenizer, teacher_fields
 from lightning_2d.integration.preference_module import PreferenceTuning
+from lightning_2d.ops.distillation import DistillationConfig, DistillationConfigError
 from lightning_2d.ops.lora import LoRA
 from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.parallel.checks import run_checks
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan, raise_if_problems
 from lightning_2d.parallel.converters import ModelConverters
+from lightning_2d.parallel.distillation import TeacherFacts
 from lightning_2d.parallel.expert import LoadBalancing
 from lightning_2d.parallel.frozen import materialize_frozen
 from lightning_2d.parallel.context import context_shard
@@ -64,7 +67,7 @@ def warmup_cosine_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: fl
     return factor
 
 
-class CausalLMModule(PreferenceTuning, L.LightningModule):
+class CausalLMModule(Distillation, PreferenceTuning, L.LightningModule):
     """What every next-token LightningModule here shares: the loss normalized by the global batch's
     tokens, logging, loss/perplexity metrics, greedy prediction, AdamW with warm-up and cosine decay.
 
@@ -119,7 +122,7 @@ class CausalLMModule(PreferenceTuning, L.LightningModule):
         its model's (``experts`` …). The strategies pass them to every validation
         (``models.registry.validation_inputs_of``)."""
         return {"owner": type(self).__name__, "lora": self.lora, "preference": self.preference,
-                "supports_document_mask": self.supports_document_mask}
+                "supports_document_mask": self.supports_document_mask, **self.distillation_inputs()}
 
     def _refuse_now(self) -> None:
         """Raise the problems of the registered checks that read nothing but ``validation_inputs`` (no option, no world:
@@ -186,8 +189,9 @@ class CausalLMModule(PreferenceTuning, L.LightningModule):
             convert_and_materialize(self, self._own_plan(), device, seed, self.validation_inputs(),
                                     registry.known_init_hooks)
             self.release_cached_frozen_models()  # a copy whose values the data's cache holds is never built
-            for frozen in self.frozen_models():  # the same values as the trained model starts from
-                materialize_frozen(frozen, self._own_plan(), device, seed, registry.known_init_hooks)
+            for frozen in self.frozen_models():  # the same values as the trained model starts from (a teacher: its own)
+                plan = frozen.plan_of(ParallelConfig()) if frozen.plan_of is not None else self._own_plan()
+                materialize_frozen(frozen, plan, device, seed, registry.known_init_hooks)
         except BaseException:
             self.model = None  # not built: configure_model builds it again
             raise
@@ -279,10 +283,15 @@ class CausalLMModule(PreferenceTuning, L.LightningModule):
         return self._loss(batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        rows = batch
         batch = context_shard(batch, self.meshes)  # under context parallelism: this rank's part of each sequence
         pipeline, preference = self.pipeline, self.preference
         global_tokens = None
-        if preference is not None:  # a pair's loss (integration/preference.py; in the last stage under a pipeline)
+        if self.distillation is not None:  # the student against its teacher (integration/distillation.py), whole rows
+            loss, global_mean, global_tokens, metrics = self._distillation_step(rows, train=True)
+            for name, value in metrics.items():
+                self.log(name, value)
+        elif preference is not None:  # a pair's loss (integration/preference.py; in the last stage under a pipeline)
             loss, global_mean, _, metrics = self._preference_step(preference, batch, train=True)
             for name, value in metrics.items():  # TRL's metrics beside it
                 self.log(name, value)
@@ -435,6 +444,13 @@ class LlamaLightningModule(CausalLMModule):
             robust, SimPO, ORPO on ``PreferenceDataModule``'s pairs, KTO on its unpaired examples) instead of
             next-token training; the reference of a DPO-family loss or KTO is, under ``lora``, the base with its
             adapters off.
+        teacher: Distil from this model (with ``distillation``): a preset name, a Hugging Face Llama-family folder
+            (``init_from``'s kind), or a dict of ``model``, ``init_from`` and ``model_overrides`` (as this module's);
+            its vocabulary (and its folder's tokenizer) must be the student's. Held frozen beside the student: its
+            own plan on the same meshes, FSDP-sharded, in no checkpoint or optimizer; without ``init_from`` the
+            seeded init from the student's seed.
+        distillation: How the student learns from ``teacher`` (``lightning_2d.DistillationConfig`` or a dict of its
+            fields: the divergence, its temperature, ``alpha`` its weight against the next-token loss, the tokens).
     """
 
     supports_document_mask = True
@@ -458,6 +474,8 @@ class LlamaLightningModule(CausalLMModule):
         lora: Union[LoRA, dict, None] = None,
         lora_init_from: str | None = None,
         preference: Union[PreferenceLoss, dict, None] = None,
+        teacher: Union[str, dict, None] = None,
+        distillation: Union[DistillationConfig, dict, None] = None,
     ) -> None:
         super().__init__()
         if loss_chunk_size < 1:
@@ -479,6 +497,7 @@ class LlamaLightningModule(CausalLMModule):
         else:
             self.model_args = ModelArgs.from_name(model or "debug", **overrides)
         self.model: Transformer | None = None
+        self._set_distillation(teacher, distillation)
         self._refuse_now()
         if init_from is not None or lora_init_from is not None:  # the files against the model now, before any process
             self.weights_source()
@@ -489,6 +508,37 @@ class LlamaLightningModule(CausalLMModule):
     @property
     def vocab_size(self) -> int:
         return self.model_args.vocab_size
+
+    def resolve_teacher(self, teacher: Any) -> TeacherSpec:
+        """A Llama teacher: a preset name, a Hugging Face Llama-family folder, or ``{model, init_from,
+        model_overrides}`` read as this module reads its own."""
+        given = teacher_fields(teacher, ("model", "init_from", "model_overrides"))
+        model, init_from, overrides = given.get("model"), given.get("init_from"), given.get("model_overrides") or {}
+        if isinstance(model, ModelArgs):
+            given["model"] = model = asdict(model)
+        self.hparams["teacher"] = given  # plain data: checkpoints load weights_only
+        if model is None and init_from is None:
+            raise DistillationConfigError("teacher needs a model (a preset name, ModelArgs or their dict) or an"
+                                          f" init_from folder, got {given}")
+        if model is None:
+            args = ModelArgs(**{**asdict(model_args_from_hf(Path(init_from))), **overrides})
+        elif isinstance(model, dict):
+            args = ModelArgs(**{**model, **overrides})
+        elif model in PRESETS:
+            args = ModelArgs.from_name(model, **overrides)
+        else:
+            raise DistillationConfigError(f"teacher={model!r} is neither a model folder (no directory there) nor a"
+                                          f" preset ({', '.join(PRESETS)})")
+        name = f"folder {init_from}" if init_from else f"preset {model!r}" if isinstance(model, str) else "ModelArgs"
+        plan = llama_plan(args, ParallelConfig(), module="model")
+        chunk = self.hparams.loss_chunk_size
+        return TeacherSpec(
+            facts=TeacherFacts(name + (f" with {overrides}" if overrides else ""), args.vocab_size, plan.tp_divides,
+                               folder_tokenizer(init_from)),
+            build=lambda: Transformer(args, loss_chunk_size=chunk),
+            plan_of=lambda config: llama_plan(args, config, module="model"),
+            weights=lambda model: HFWeights(Path(init_from), args) if init_from else None,
+        )
 
     # ---- model construction -------------------------------------------------------------------
     def base_weights(self, folder: Optional[str]) -> HFWeights | None:
@@ -553,6 +603,7 @@ class LlamaLightningModule(CausalLMModule):
         with torch.device("meta"):
             self.model = Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size)
         self._declare_reference(lambda: Transformer(self.model_args, loss_chunk_size=self.hparams.loss_chunk_size))
+        self._declare_teacher()
         if not getattr(strategy, "materializes_meta_modules", False):
             self._configure_on_one_device()
 

@@ -362,15 +362,18 @@ class ModelParallel2DBase(LightningStrategyMembers):
 
     def _parallelize_frozen(self, owner: Any, plan: Any, precision: str) -> None:
         """The models ``owner`` holds beside the trained one (``frozen_models()``: a preference loss's reference
-        copy), parallelized and materialized as the trained one was: its plan, the same meshes, its initial values
-        (the same ``init_from``, or the same seed). Those whose outputs the owner finds already computed
-        (``release_cached_frozen_models``: ``precompute_reference``'s cache) are let go first, never built."""
+        copy, a distillation teacher), parallelized and materialized as the trained one was: its plan (a teacher: its
+        own, ``FrozenModel.plan_of``), the same meshes, its initial values (the same ``init_from``, or the same
+        seed). Those whose outputs the owner finds already computed (``release_cached_frozen_models``:
+        ``precompute_reference``'s cache) are let go first, never built."""
         release = getattr(owner, "release_cached_frozen_models", None)
         if callable(release):
             release()
         frozen_models = getattr(owner, "frozen_models", None)
         for frozen in (frozen_models() if callable(frozen_models) else []):
-            self._parallelize_frozen_model(frozen, plan, precision, seed_owner=owner)
+            plan_of = getattr(frozen, "plan_of", None)
+            own = plan_of(self.parallel_config.resolve_dtypes(precision)) if plan_of is not None else plan
+            self._parallelize_frozen_model(frozen, own, precision, seed_owner=owner)
 
     def _parallelize_frozen_model(self, frozen: nn.Module, plan: Any, precision: str, seed_owner: Any) -> None:
         """``parallelize_frozen`` of one frozen model (a ``FrozenModel`` the Trainer's module declares, or a model

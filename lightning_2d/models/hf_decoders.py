@@ -51,7 +51,7 @@ from lightning_2d.ops.moe import HF_MOE_TYPES, MoEArgs, is_sparse_block
 from lightning_2d.parallel.checks import check
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.modules import canonical_name
-from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput, WholeOnEachRank
+from lightning_2d.parallel.styles import HeadShardedNorm, SequenceShardInput, VocabParallelHead, WholeOnEachRank
 
 #: ``model_type`` values whose ``*ForCausalLM`` has the layout above.
 HF_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
@@ -147,7 +147,8 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
     styles: dict[str, Any] = {
         # Whole output even under SP: the model derives positions and masks from its shape (module docstring).
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(
+        # Column-wise over the vocabulary; a fused loss computed in its call (distillation) passes through as is.
+        "lm_head": VocabParallelHead(
             input_layouts=between, output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
         ),
     }

@@ -37,6 +37,26 @@ def known_plan(owner: Any, config: ParallelConfig) -> ParallelPlan | None:
     return None
 
 
+def output_head(model: nn.Module) -> nn.Module:
+    """The output projection of a model this library knows (a ``Transformer``'s ``output``, a Hugging Face decoder's
+    ``lm_head``), which a fused loss runs inside (``parallel.distillation.head_computes``)."""
+    if is_hf_model(model):
+        return model.get_output_embeddings()
+    head = getattr(model, "output", None)
+    if not isinstance(head, nn.Module) or not hasattr(head, "weight"):
+        raise TypeError(f"{type(model).__name__} has no output projection this library knows (a Transformer's"
+                        " `output`, a Hugging Face decoder's `lm_head`)")
+    return head
+
+
+def model_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
+    """What a known model's forward returns where its logits go: a ``Transformer``'s output, a Hugging Face decoder's
+    ``.logits`` (each packed document's ``position_ids`` to both)."""
+    if is_hf_model(model):
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    return model(input_ids, position_ids=position_ids)
+
+
 def known_init_hooks(model: Any) -> Any:
     """Init hooks (``param_init_specs``/``init_buffers``) for a known model class that has none
     (a Hugging Face decoder), else ``None``."""

@@ -66,6 +66,13 @@ INPUTS: dict[str, str] = {
                   " None: next-token training",
     "preference_units": "what a PreferenceDataModule's rows are: 'pairs' (chosen and rejected) or 'examples'"
                         " (unpaired, KTO's); None: unknown, or not preference data",
+    "distillation": "the distillation settings (ops.distillation.DistillationConfig) the module trains with (its"
+                    " distillation=); None: no teacher",
+    "teacher": "what is known of the module's teacher before it is built (parallel.distillation.TeacherFacts: its"
+               " vocabulary, tokenizer, head counts); None: no teacher",
+    "vocab_size": "the trained model's vocabulary size",
+    "model_tokenizer": "the trained model's tokenizer file (in its init_from folder) and a digest of its vocabulary;"
+                       " None where it has none",
 }
 #: The options an input is made of, for the options' metadata (a check reading ``tp`` reads ``tensor_parallel_size``).
 INPUT_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -78,11 +78,12 @@ def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
 def shard_sequence(
     batch: dict[str, torch.Tensor], cp: int, rank: int,
     keys: tuple[str, ...] = ("input_ids", "labels", "position_ids", "sequence_ids", "sequence_numbers",
-                            "reference_logps"),
+                            "reference_logps", "distillation_mask"),
 ) -> dict[str, torch.Tensor]:
     """This context rank's slice of a batch of ``(B, T)`` tensors, with ``position_ids`` (the global positions of
     its tokens, unless the batch carries its documents' positions); ``sequence_ids`` (which sequence of a packed
-    window each position belongs to: preference pairs) is sliced alike. Other entries are kept as they are."""
+    window each position belongs to: preference pairs) and ``distillation_mask`` (the positions a teacher distils,
+    marked on whole rows) are sliced alike. Other entries are kept as they are."""
     seq_len = batch["input_ids"].shape[1]
     index = local_indices(seq_len, cp, rank).to(batch["input_ids"].device)
     out = dict(batch)

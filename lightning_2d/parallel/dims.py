@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_2d._compat import group_timeout, set_group_timeout
+from lightning_2d.parallel import distillation as _distillation_checks  # noqa: F401 - registers distillation's checks
 from lightning_2d.parallel import frozen as _frozen_checks  # noqa: F401 - registers the frozen model's check
 from lightning_2d.parallel import lora as _lora_checks  # noqa: F401 - registers LoRA's checks (parallel/lora.py)
 from lightning_2d.parallel import preference as _preference_checks  # noqa: F401 - registers preference's checks

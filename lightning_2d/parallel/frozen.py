@@ -2,8 +2,9 @@
 
 A ``FrozenModel`` wraps such a model (built on the meta device by its owner, like the trained one) with where its
 values come from (``weights_source``: the trained model's ``init_from``, else the same seeded init: its initial
-weights). The strategies parallelize and materialize it as they do the trained model, with the same plan and
-meshes (``parallelize_frozen``: TP/SP, FSDP-sharded, its parameters never requiring gradients); on one device
+weights). The strategies parallelize and materialize it as they do the trained model, with the same plan (a
+distillation teacher: its own family's, ``plan_of``) and meshes (``parallelize_frozen``: TP/SP, FSDP-sharded, its
+parameters never requiring gradients); on one device
 ``materialize_frozen`` does the rest without the parallelism. The owner keeps it outside its registered modules, so
 it has no optimizer state, is in no checkpoint and adds nothing to the gradient norm.
 
@@ -49,13 +50,17 @@ class FrozenModel(nn.Module):
             trained model's plan applies to it as it is.
         model: The model, on the meta device.
         weights_source: Its initial values' source (the trained model's ``init_from``), or ``None``.
+        plan_of: Its own plan for the strategy's options (a distillation teacher: its family's, from its own shape),
+            ``module_name`` naming it; ``None``: the trained model's (a reference copy).
     """
 
     def __init__(self, name: str, module_name: str, model: nn.Module,
-                 weights_source: Optional[Callable[[], Any]] = None) -> None:
+                 weights_source: Optional[Callable[[], Any]] = None,
+                 plan_of: Optional[Callable[[ParallelConfig], ParallelPlan]] = None) -> None:
         super().__init__()
         self.name = name
         self.module_name = module_name
+        self.plan_of = plan_of
         setattr(self, module_name, model)
         model.requires_grad_(False)
         self.eval()  # no dropout; the Trainer's train()/eval() never reach it (the owner does not register it)

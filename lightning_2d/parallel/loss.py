@@ -11,13 +11,14 @@ averaging: the gradients are then exactly those of the global-batch mean.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from lightning_2d._compat import compute_local_shape_and_global_offset
-from lightning_2d.ops.distillation import linear_distillation
+from lightning_2d.ops.distillation import TeacherHead, linear_distillation_from
 from lightning_2d.ops.linear_cross_entropy import IGNORE_INDEX, VocabReduce, linear_cross_entropy, linear_log_probs
 from lightning_2d.parallel.meshes import as_meshes
 from lightning_2d.parallel.names import CP_DIM, DP_CP_DIM
@@ -118,18 +119,67 @@ def vocab_parallel_linear_distillation(
     hidden states replicated DTensors over the same tensor-parallel mesh; three all-reduces of at most
     ``2 × chunk_size`` numbers per chunk. Arguments as there (``mask``: a plain tensor, the same on every
     tensor-parallel rank). Returns ``(total, count)``, plain tensors equal on the tensor-parallel ranks."""
-    local_hidden, local_weight, vocab_start, reduce = _vocab_shards(student_hidden, student_weight)
-    _, teacher_start = compute_local_shape_and_global_offset(teacher_weight.shape, teacher_weight.device_mesh,
-                                                             teacher_weight.placements)
-    if teacher_weight.shape[0] != student_weight.shape[0] or teacher_start[0] != vocab_start \
-            or teacher_weight.device_mesh != student_weight.device_mesh:
-        raise ValueError(f"the teacher's head (vocabulary {teacher_weight.shape[0]}, rows from {teacher_start[0]} here)"
-                         f" must be sharded as the student's (vocabulary {student_weight.shape[0]}, rows from "
-                         f"{vocab_start} here) over the same mesh: parallelize the teacher with the student's plan")
-    return linear_distillation(
-        local_hidden, local_weight, teacher_hidden.to_local(), teacher_weight.to_local(), mask, beta=beta,
-        temperature=temperature, chunk_size=chunk_size, reduce=reduce,
+    return vocab_parallel_linear_distillation_from(
+        student_hidden, student_weight, lambda consume: consume(teacher_hidden, teacher_weight), mask, beta=beta,
+        temperature=temperature, chunk_size=chunk_size,
     )
+
+
+def vocab_parallel_linear_distillation_from(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher: TeacherHead,
+    mask: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    chunk_size: int | None = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear_distillation_from`` (the teacher's side handed over from inside its head's call) when both output
+    projections are tensor-parallel: ``teacher`` hands over DTensors (its hidden states replicated, its head's rows
+    sharded as the student's), of which this rank's parts enter the loss. As ``vocab_parallel_linear_distillation``
+    otherwise."""
+    local_hidden, local_weight, vocab_start, reduce = _vocab_shards(student_hidden, student_weight)
+
+    def local_teacher(consume: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        def local(teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor) -> None:
+            _, teacher_start = compute_local_shape_and_global_offset(
+                teacher_weight.shape, teacher_weight.device_mesh, teacher_weight.placements)
+            if teacher_weight.shape[0] != student_weight.shape[0] or teacher_start[0] != vocab_start \
+                    or teacher_weight.device_mesh != student_weight.device_mesh:
+                raise ValueError(
+                    f"the teacher's head (vocabulary {teacher_weight.shape[0]}, rows from {teacher_start[0]} here) must"
+                    f" be sharded as the student's (vocabulary {student_weight.shape[0]}, rows from {vocab_start}"
+                    " here) over the same mesh: parallelize the teacher with a plan sharding its head as the student's")
+            consume(teacher_hidden.to_local(), teacher_weight.to_local())
+
+        teacher(local)
+
+    return linear_distillation_from(local_hidden, local_weight, local_teacher, mask, beta=beta,
+                                    temperature=temperature, chunk_size=chunk_size, reduce=reduce)
+
+
+def fused_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        chunk_size: int | None = 1024) -> torch.Tensor:
+    """The summed cross-entropy of ``hidden @ weight.T`` against ``labels`` without the logits: vocabulary-parallel
+    when ``weight`` is a tensor-parallel DTensor (``vocab_parallel_linear_cross_entropy``), else
+    ``ops.linear_cross_entropy``."""
+    if hasattr(weight, "placements"):
+        return vocab_parallel_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+    return linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+
+
+def fused_distillation_from(
+    student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher: TeacherHead, mask: torch.Tensor, *,
+    beta: float, temperature: float = 1.0, chunk_size: int | None = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear_distillation_from``, vocabulary-parallel when the student's head is a tensor-parallel DTensor
+    (``vocab_parallel_linear_distillation_from``)."""
+    if hasattr(student_weight, "placements"):
+        return vocab_parallel_linear_distillation_from(student_hidden, student_weight, teacher, mask, beta=beta,
+                                                       temperature=temperature, chunk_size=chunk_size)
+    return linear_distillation_from(student_hidden, student_weight, teacher, mask, beta=beta,
+                                    temperature=temperature, chunk_size=chunk_size)
 
 
 def _vocab_shards(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, VocabReduce]:

@@ -32,15 +32,16 @@ from lightning_2d.parallel.simple_fsdp import sharded_parameters
 class SyntheticTokens(Dataset):
     """``n`` fixed random sequences; sample ``i`` ignores its first ``i % 5`` targets (uneven token
     counts) unless ``even``. ``documents``: about one token in 8 is end-of-text (id 0), and each sample
-    carries its documents' ``position_ids``, as ``TextDataModule(document_mask=True)``."""
+    carries its documents' ``position_ids``, as ``TextDataModule(document_mask=True)``; ``prompts``: the first
+    ``prompts`` targets of each document are ignored too, as a chat's prompt."""
 
     def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0, even: bool = False,
-                 documents: bool = False) -> None:
+                 documents: bool = False, prompts: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
         if documents:
             self.tokens[torch.rand(self.tokens.shape, generator=g) < 0.125] = 0
-        self.even, self.documents = even, documents
+        self.even, self.documents, self.prompts = even, documents, prompts
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -55,6 +56,7 @@ class SyntheticTokens(Dataset):
             from lightning_2d.data.loading import document_positions
 
             sample["position_ids"] = document_positions(sample["input_ids"], 0)
+            sample["labels"][sample["position_ids"] < self.prompts] = -100
         return sample
 
 
@@ -604,6 +606,47 @@ class Routing(L.Callback):
         self.aux.append(None if aux is None else float(aux))
 
 
+class TeacherRecord(L.Callback):
+    """A distillation run's teacher: each rank's own shards at train start and end (``local_state``: bits, no
+    collective), and each step's logged means (``distill/…``)."""
+
+    def __init__(self) -> None:
+        self.before: dict[str, torch.Tensor] = {}
+        self.after: dict[str, torch.Tensor] = {}
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.before = local_state(pl_module.teacher)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_2d.integration.distillation import metric_names
+
+        self.metrics.append({name: float(trainer.callback_metrics[name])
+                             for name in metric_names(pl_module.distillation)})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.after = local_state(pl_module.teacher)
+
+    def result(self, trainer, pl_module) -> dict:
+        """What the tests assert of the teacher: bit for bit unchanged on this rank, sharded (its placements), never
+        requiring or holding a gradient, in no optimizer."""
+        teacher = pl_module.teacher
+        held = {id(p) for p in teacher.parameters()}
+        optimizer = trainer.optimizers[0]
+        return {
+            "distill_metrics": self.metrics,
+            "teacher_unchanged": self.before.keys() == self.after.keys() and all(
+                torch.equal(self.before[k], self.after[k]) for k in self.before),
+            "teacher_parameters": len(self.before),
+            "teacher_placements": placements(teacher.frozen()),
+            "teacher_data_parallel_modules": data_parallel_modules(teacher.frozen()),
+            "teacher_requires_grad": sum(p.requires_grad for p in teacher.parameters()),
+            "teacher_grads": sum(p.grad is not None for p in teacher.parameters()),
+            "teacher_in_optimizer": sum(id(p) in held for group in optimizer.param_groups for p in group["params"])
+                                    + sum(id(p) in held for p in optimizer.state),
+        }
+
+
 class Bf16Rope(L.Callback):
     """Rounds the rotary table (``Transformer.rope``, fp32) to bf16 values before training, kept in fp32: FSDP2's
     ``MixedPrecisionPolicy`` casts every floating input of a unit to ``param_dtype`` (the table a block receives, too),
@@ -633,7 +676,8 @@ def fit(cfg: dict) -> None:
             cfg["hf_config"], init_from=cfg.get("init_from"), learning_rate=cfg.get("lr", 1e-3), warmup_steps=2,
             max_steps=cfg["steps"],
             init_seed=cfg.get("init_seed"), attn_implementation=cfg.get("attn_implementation", "sdpa"),
-            lora=cfg.get("lora"), preference=cfg.get("preference"),
+            lora=cfg.get("lora"), preference=cfg.get("preference"), teacher=cfg.get("teacher"),
+            distillation=cfg.get("distillation"),
         )
         vocab_size = module.vocab_size
     else:
@@ -649,6 +693,8 @@ def fit(cfg: dict) -> None:
             loss_chunk_size=cfg.get("loss_chunk_size", 1024),
             lora=cfg.get("lora"),
             preference=cfg.get("preference"),
+            teacher=cfg.get("teacher"),
+            distillation=cfg.get("distillation"),
         )
         vocab_size = module.model_args.vocab_size
     if cfg["strategy"] == "single":
@@ -658,7 +704,8 @@ def fit(cfg: dict) -> None:
         strategy = ModelParallel2DStrategy(data_parallel_size=cfg["dp"], tensor_parallel_size=cfg["tp"], **options)
         devices, dp = world // cfg.get("num_nodes", 1), cfg.get("data_replicas", cfg["dp"])
     data = SyntheticTokens(cfg["global_batch"] * cfg["steps"], cfg["seq_len"], vocab_size,
-                           even=cfg.get("even_labels", False), documents=cfg.get("documents", False))
+                           even=cfg.get("even_labels", False), documents=cfg.get("documents", False),
+                           prompts=cfg.get("prompts", 0))
     accumulate = cfg.get("accumulate", 1)
     datamodule = None
     if "preference_data" in cfg:  # preference tuning: PreferenceDataModule's packed pairs (its cache prepared by the test)
@@ -718,6 +765,9 @@ def fit(cfg: dict) -> None:
         callbacks.append(collectives)
     if cfg.get("bf16_rope"):
         callbacks.append(Bf16Rope())
+    teacher_record = TeacherRecord() if cfg.get("teacher") else None
+    if teacher_record is not None:
+        callbacks.append(teacher_record)
     if "inject_nan" in cfg:
         callbacks.append(InjectNaN(**cfg["inject_nan"]))
     if "fail" in cfg:
@@ -793,6 +843,8 @@ def fit(cfg: dict) -> None:
             result["batches_carry_reference_values"] = "reference_logps" in batch
     if collectives is not None:
         result["collectives"] = collectives.counts
+    if teacher_record is not None:
+        result.update(teacher_record.result(trainer, module))
     if val_loader is not None:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if cfg.get("transformers_first_loss"):  # transformers' own loss of the init_from files on the first batch

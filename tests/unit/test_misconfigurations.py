@@ -28,6 +28,7 @@ from lightning_2d.checkpoint.errors import CheckpointError, ExportError
 from lightning_2d.checkpoint.resolution import check_ckpt_path, resolve_checkpoint
 from lightning_2d.data import DataError
 from lightning_2d.fabric import ModelParallel2DStrategy as FabricStrategy
+from lightning_2d.ops.distillation import DistillationConfigError
 from lightning_2d.ops.lora import LoRAConfigError
 from lightning_2d.ops.preference import PreferenceConfigError
 
@@ -158,6 +159,20 @@ def export_of(tmp_path: Path) -> None:
 
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     main([str(tmp_path / "notes.txt"), str(tmp_path / "out")])
+
+
+def tokenizer_folders(tmp: Path) -> tuple[str, str]:
+    """Two Llama folders (config, weights, a ``tokenizer.json``) of one vocabulary size whose tokenizers give two
+    tokens each other's ids: a student's ``init_from`` and a teacher."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    for name, vocab in (("student", ["a", "b"]), ("teacher", ["b", "a"])):
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp / name)
+        (tmp / name / "tokenizer.json").write_text(json.dumps(
+            {"model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(vocab)}, "merges": []}}))
+    return str(tmp / "student"), str(tmp / "teacher")
 
 
 def _hf_available() -> bool:
@@ -316,6 +331,10 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
 ]
 if _hf_available():
     CASES += [
+        ("a teacher whose tokenizer maps other tokens", lambda tmp: (lambda folders: LlamaLightningModule(
+            init_from=folders[0], teacher=folders[1], distillation={}))(tokenizer_folders(tmp)),
+         DistillationConfigError, r"the teacher's tokenizer \(.*teacher/tokenizer.json\) maps other tokens to ids than"
+                                  r" the student's \(.*student/tokenizer.json\).*with the student's tokenizer"),
         ("HF decoder under pipeline parallelism, before spawn",
          lambda _: fit_before_spawn(hf(), pipeline_parallel_size=2),
          ParallelConfigError, r"pipeline_parallel_size=2 splits a model into stages by its blocks.*Hugging Face decoder"),
@@ -422,6 +441,39 @@ if _hf_available():
          PreferenceConfigError, r"preference loss_type='sigmoid' compares a chosen and a rejected completion of one"
                                 r" prompt, but the PreferenceDataModule's rows are unpaired examples.*use"
                                 r" loss_type='kto'"),
+        ("a teacher without distillation settings", lambda _: LlamaLightningModule("debug", teacher="debug"),
+         DistillationConfigError, r"LlamaLightningModule has a teacher \(preset 'debug'\) but no distillation=:.*"
+                                  r"or leave teacher out"),
+        ("distillation settings without a teacher", lambda _: LlamaLightningModule(
+            "debug", distillation={"loss": "forward_kl"}),
+         DistillationConfigError, r"LlamaLightningModule\(distillation=\.\.\.\) needs teacher=: the model distilled"
+                                  r" from"),
+        ("a teacher of another vocabulary", lambda _: LlamaLightningModule(
+            "debug", teacher={"model": "debug", "model_overrides": {"vocab_size": 320}}, distillation={}),
+         DistillationConfigError, r"the teacher \(preset 'debug' with \{'vocab_size': 320\}\) has a vocabulary of 320"
+                                  r" tokens, the student 256.*needs the same vocabulary"),
+        ("a teacher that is neither a folder nor a preset", lambda _: LlamaLightningModule(
+            "debug", teacher="llama-9b", distillation={}),
+         DistillationConfigError, r"teacher='llama-9b' is neither a model folder \(no directory there\) nor a preset"
+                                  r" \(debug, "),
+        ("distillation settings that select no divergence", lambda _: LlamaLightningModule(
+            "debug", teacher="debug", distillation={"loss": "forward_kl", "beta": 0.5}),
+         DistillationConfigError, r"distillation beta=0.5 weighs jsd's mixture, but loss='forward_kl'.*leave beta out,"
+                                  r" or use loss='jsd'"),
+        ("distillation and a preference loss in one step", lambda _: LlamaLightningModule(
+            "debug", teacher="debug", distillation={}, preference={"loss_type": "sigmoid"}),
+         DistillationConfigError, r"distillation= with preference=\{'loss_type': 'sigmoid', \.\.\.\}: one step trains"
+                                  r" one objective.*drop one of them"),
+        ("distillation under pipeline parallelism", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug", teacher="debug", distillation={}), data_parallel_size=2,
+            tensor_parallel_size=1, pipeline_parallel_size=2),
+         DistillationConfigError, r"distillation with pipeline_parallel_size=2 is not supported yet: the student's last"
+                                  r" stage would need.*Use pipeline_parallel_size=1"),
+        ("a teacher whose heads tensor parallelism does not divide", lambda _: fit_before_spawn(
+            LlamaLightningModule("debug", teacher={"model": "debug", "model_overrides": {"n_kv_heads": 2}},
+                                 distillation={}), data_parallel_size=1, tensor_parallel_size=4),
+         DistillationConfigError, r"tensor_parallel_size \(4\) must divide the teacher's n_kv_heads \(2\): the teacher is"
+                                  r" sharded by its own plan on the student's meshes; try 1, 2"),
         ("a frozen model given to fabric.setup under pipeline parallelism", lambda _: L.Fabric(
             accelerator="cpu", devices=4, strategy=FabricStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                                                   pipeline_parallel_size=2),

@@ -9,6 +9,8 @@ its special tokens have.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -82,6 +84,20 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
 def model_folder_tokenizer(folder: Path) -> Optional[Path]:
     """The tokenizer file of a model folder: ``tokenizer.json``, else ``tokenizer.model``; ``None`` if neither."""
     return next((folder / name for name in TOKENIZER_FILES if (folder / name).is_file()), None)
+
+
+def vocabulary_digest(path: Path) -> str:
+    """A digest of which token each id of the tokenizer file ``path`` stands for: of ``tokenizer.json``'s model
+    vocabulary and added tokens (not its normalizer, padding or truncation settings, which map no id), of a tiktoken
+    ``tokenizer.model``'s ranks, else of the file's bytes. Two tokenizers with equal digests give the same ids the same
+    meaning (what a distillation teacher and its student must share)."""
+    data = Path(path).read_bytes()
+    if Path(path).name == "tokenizer.json":
+        spec = json.loads(data)
+        model = spec.get("model") or {}
+        added = sorted((t.get("id"), t.get("content")) for t in spec.get("added_tokens") or [])
+        data = json.dumps({"vocab": model.get("vocab"), "added": added}, sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest()
 
 
 def bytes_to_unicode() -> dict[int, str]:
