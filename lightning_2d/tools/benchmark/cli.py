@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.ops.distillation import DIVERGENCES
 from lightning_2d.ops.preference import LOSSES
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig
 from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                         " (reference copy; none for simpo, orpo); under it --compare-lora's variant takes the base with"
                         f" its adapters off as the reference, and --compare-precomputed-reference adds precomputed"
                         f" values. One of {', '.join(LOSSES)}")
+    module.add_argument("--teacher", default=None, metavar="MODEL",
+                        help="distil every variant from this teacher (teacher=MODEL: a preset, its seeded weights; a"
+                        " Llama folder) on the synthetic tokens; --compare-without-teacher times the step without it")
+    module.add_argument("--distillation", choices=DIVERGENCES, default=None, metavar="LOSS",
+                        help="the divergence under --teacher (distillation={'loss': LOSS}; default forward_kl): one of "
+                        + ", ".join(DIVERGENCES))
     add_strategy_options(parser)
     # Internal: one rank of a job started by run_job.
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)

@@ -122,6 +122,14 @@ def _reference_to_precompute(on: bool, model: Optional[ModelArgs], options: dict
     return None
 
 
+def _teacher_to_drop(on: bool, model: Optional[ModelArgs], options: dict[str, Any],
+                     module: dict[str, Any]) -> Optional[str]:
+    if module.get("teacher") is not None:
+        return None
+    return ("--compare-without-teacher times the step without distillation's teacher, but nothing has one; add"
+            " --teacher MODEL (e.g. --teacher debug with --model-overrides, or a preset)")
+
+
 COMPARISONS: tuple[Comparison, ...] = (
     Comparison(
         name="simple_fsdp",
@@ -172,6 +180,17 @@ COMPARISONS: tuple[Comparison, ...] = (
         report_key="precomputed_reference",
         module=lambda on: {"preference": {"precompute_reference": True}},
         refuse=_reference_to_precompute,
+    ),
+    Comparison(
+        name="without_teacher",
+        flag="--compare-without-teacher",
+        help="under --teacher: also run lightning_2d without the teacher (variant without_teacher: next-token training,"
+        " the teacher never built), alternating with the distilled step, and report their step-time and peak-memory"
+        " ratios: the teacher's share of the step (its forward and the fused divergence)",
+        report_key="without_teacher",
+        module=lambda on: {"teacher": None, "distillation": None},
+        baseline_label="with the teacher",
+        refuse=_teacher_to_drop,
     ),
 )
 
