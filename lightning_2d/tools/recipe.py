@@ -326,15 +326,8 @@ def run_of(config: Any) -> RecipeRun:
         lora=module.hparams.get("lora"),
         preference=module.hparams.get("preference"),
         teacher=module.hparams.get("teacher"),
-        distillation=_plain(module.hparams.get("distillation")),
+        distillation=module.hparams.get("distillation"),
     )
-
-
-def _plain(value: Any) -> Any:
-    """A dataclass hyperparameter (``DistillationConfig``) as its dict of fields; anything else as it is."""
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
 
 
 def read_run(recipe_argv: list[str], prog: str) -> RecipeRun:
