@@ -84,11 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f" its adapters off as the reference, and --compare-precomputed-reference adds precomputed"
                         f" values. One of {', '.join(LOSSES)}")
     module.add_argument("--teacher", default=None, metavar="MODEL",
-                        help="distil every variant from this teacher (teacher=MODEL: a preset, its seeded weights; a"
-                        " Llama folder) on the synthetic tokens; --compare-without-teacher times the step without it")
+                        help="distil from this teacher (a preset or a Llama folder)")
     module.add_argument("--distillation", choices=DIVERGENCES, default=None, metavar="LOSS",
-                        help="the divergence under --teacher (distillation={'loss': LOSS}; default forward_kl): one of "
-                        + ", ".join(DIVERGENCES))
+                        help="--teacher's divergence (default forward_kl)")
     add_strategy_options(parser)
     # Internal: one rank of a job started by run_job.
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)

@@ -184,9 +184,7 @@ COMPARISONS: tuple[Comparison, ...] = (
     Comparison(
         name="without_teacher",
         flag="--compare-without-teacher",
-        help="under --teacher: also run lightning_2d without the teacher (variant without_teacher: next-token training,"
-        " the teacher never built), alternating with the distilled step, and report their step-time and peak-memory"
-        " ratios: the teacher's share of the step (its forward and the fused divergence)",
+        help="under --teacher: also time the step without it (its ratios)",
         report_key="without_teacher",
         module=lambda on: {"teacher": None, "distillation": None},
         baseline_label="with the teacher",
