@@ -565,13 +565,13 @@ def test_impossible_preference_settings_are_refused_before_any_process(argv, mes
 
 def test_a_teacher_distils_lightning_2d_and_the_compared_variant_trains_without_it():
     """``--teacher`` and ``--distillation`` reach the module as ``teacher=`` and ``distillation=``; the
-    ``without_teacher`` row drops both (next-token training at the same layout), the rest of its options unchanged."""
-    s = settings("--model", "debug", "--teacher", "debug", "--distillation", "jsd", "--compare-without-teacher")
-    assert s.variants == ["lightning_2d", "without_teacher"] and s.compared == {"without_teacher": True}
+    ``no_teacher`` row drops both (next-token training at the same layout), the rest of its options unchanged."""
+    s = settings("--model", "debug", "--teacher", "debug", "--distillation", "jsd", "--compare-no-teacher")
+    assert s.variants == ["lightning_2d", "no_teacher"] and s.compared == {"no_teacher": True}
     loss = {"fused_loss": True, "loss_chunk_size": 1024}
     assert s.module_kwargs("lightning_2d") == {**loss, "teacher": "debug", "distillation": {"loss": "jsd"}}
-    assert s.module_kwargs("without_teacher") == {**loss, "teacher": None, "distillation": None}
-    assert s.strategy_kwargs("without_teacher") == s.strategy_kwargs()
+    assert s.module_kwargs("no_teacher") == {**loss, "teacher": None, "distillation": None}
+    assert s.strategy_kwargs("no_teacher") == s.strategy_kwargs()
     assert settings("--model", "debug", "--teacher", "debug").module_kwargs()["distillation"] == {"loss": "forward_kl"}
     assert bench.BenchmarkSettings.from_json(s.to_json()) == s
 
@@ -579,8 +579,8 @@ def test_a_teacher_distils_lightning_2d_and_the_compared_variant_trains_without_
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--compare-without-teacher"],
-         r"--compare-without-teacher times the step without distillation's teacher, but nothing has one; add"
+        (["--compare-no-teacher"],
+         r"--compare-no-teacher times the step without distillation's teacher, but nothing has one; add"
          r" --teacher MODEL"),
         (["--distillation", "jsd"], r"--distillation jsd distils from a teacher: give it with --teacher MODEL"),
         (["--teacher", "debug", "--compare"],

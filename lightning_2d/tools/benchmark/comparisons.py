@@ -126,7 +126,7 @@ def _teacher_to_drop(on: bool, model: Optional[ModelArgs], options: dict[str, An
                      module: dict[str, Any]) -> Optional[str]:
     if module.get("teacher") is not None:
         return None
-    return ("--compare-without-teacher times the step without distillation's teacher, but nothing has one; add"
+    return ("--compare-no-teacher times the step without distillation's teacher, but nothing has one; add"
             " --teacher MODEL (e.g. --teacher debug with --model-overrides, or a preset)")
 
 
@@ -182,10 +182,10 @@ COMPARISONS: tuple[Comparison, ...] = (
         refuse=_reference_to_precompute,
     ),
     Comparison(
-        name="without_teacher",
-        flag="--compare-without-teacher",
+        name="no_teacher",
+        flag="--compare-no-teacher",
         help="under --teacher: also time the step without it (its ratios)",
-        report_key="without_teacher",
+        report_key="no_teacher",
         module=lambda on: {"teacher": None, "distillation": None},
         baseline_label="with the teacher",
         refuse=_teacher_to_drop,

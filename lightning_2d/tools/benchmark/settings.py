@@ -327,7 +327,7 @@ def _distillation(args: argparse.Namespace, problems: list[str]) -> dict[str, An
         return {}
     if args.compare:
         problems.append(f"--teacher {teacher} has no counterpart in the hand-written Lightning and plain torch variants"
-                        " of --compare (they train next tokens); drop --compare (--compare-without-teacher times the"
+                        " of --compare (they train next tokens); drop --compare (--compare-no-teacher times the"
                         " step without it)")
     return {"teacher": teacher, "distillation": {"loss": loss or "forward_kl"}}
 
