@@ -138,7 +138,7 @@ def format_report(report: dict[str, Any]) -> str:
     if (teacher := s.module_options.get("teacher")) is not None:
         lines.append(
             f"distillation (lightning_2d): {s.module_options['distillation']['loss']} from the teacher {teacher}"
-            " (its seeded weights); TFLOP/s counts the student's passes, not the teacher's forward"
+            " (a preset: its seeded weights); TFLOP/s counts the student's passes, not the teacher's forward"
         )
     if "lightning" in s.variants or "plain" in s.variants:
         lines.append(
