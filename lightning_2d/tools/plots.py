@@ -104,7 +104,8 @@ def memory_bars(report: PlanReport) -> list[MemoryBar]:
     bars = []
     for label, e in entries:
         parts = {
-            "parameters": e["param_bytes"] + e["buffer_bytes"] + e.get("reference_bytes", 0),
+            "parameters": e["param_bytes"] + e["buffer_bytes"] + e.get("reference_bytes", 0)
+                          + e.get("teacher_bytes", 0),
             "gradients": e["grad_bytes"],
             "optimizer state": e["optimizer_bytes"],
             "FSDP buffers": e["all_gather_bytes"] + e["reduce_scatter_bytes"] + e["accumulation_bytes"],

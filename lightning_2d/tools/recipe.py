@@ -214,6 +214,9 @@ class RecipeRun:
         lora: The module's ``lora`` settings (a dict), ``None`` for full fine-tuning.
         preference: The module's ``preference`` loss (a dict of ``PreferenceLoss``'s fields), ``None`` for
             next-token training.
+        teacher: The module's ``teacher`` as it read it (a dict of ``model``, ``init_from``, ``model_overrides``),
+            ``None`` without distillation.
+        distillation: The module's ``distillation`` settings (a dict of ``DistillationConfig``'s fields), or ``None``.
     """
 
     module_class: str
@@ -231,6 +234,8 @@ class RecipeRun:
     data: dict[str, Any] = field(default_factory=dict)
     lora: Optional[dict[str, Any]] = None
     preference: Optional[dict[str, Any]] = None
+    teacher: Optional[dict[str, Any]] = None
+    distillation: Optional[dict[str, Any]] = None
 
     @property
     def seq_len(self) -> int:
@@ -320,6 +325,8 @@ def run_of(config: Any) -> RecipeRun:
         data=data,
         lora=module.hparams.get("lora"),
         preference=module.hparams.get("preference"),
+        teacher=module.hparams.get("teacher"),
+        distillation=module.hparams.get("distillation"),
     )
 
 

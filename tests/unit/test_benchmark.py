@@ -563,6 +563,39 @@ def test_impossible_preference_settings_are_refused_before_any_process(argv, mes
         settings(*argv)
 
 
+def test_a_teacher_distils_lightning_2d_and_the_compared_variant_trains_without_it():
+    """``--teacher`` and ``--distillation`` reach the module as ``teacher=`` and ``distillation=``; the
+    ``no_teacher`` row drops both (next-token training at the same layout), the rest of its options unchanged."""
+    s = settings("--model", "debug", "--teacher", "debug", "--distillation", "jsd", "--compare-no-teacher")
+    assert s.variants == ["lightning_2d", "no_teacher"] and s.compared == {"no_teacher": True}
+    loss = {"fused_loss": True, "loss_chunk_size": 1024}
+    assert s.module_kwargs("lightning_2d") == {**loss, "teacher": "debug", "distillation": {"loss": "jsd"}}
+    assert s.module_kwargs("no_teacher") == {**loss, "teacher": None, "distillation": None}
+    assert s.strategy_kwargs("no_teacher") == s.strategy_kwargs()
+    assert settings("--model", "debug", "--teacher", "debug").module_kwargs()["distillation"] == {"loss": "forward_kl"}
+    assert bench.BenchmarkSettings.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--compare-no-teacher"],
+         r"--compare-no-teacher times the step without distillation's teacher, but nothing has one; add"
+         r" --teacher MODEL"),
+        (["--distillation", "jsd"], r"--distillation jsd distils from a teacher: give it with --teacher MODEL"),
+        (["--teacher", "debug", "--compare"],
+         r"--teacher debug has no counterpart in the hand-written Lightning and plain torch variants of --compare"),
+        (["--teacher", "debug", "--preference", "sigmoid"], r"distillation= with preference=.*one step trains one"),
+        (["--teacher", "debug", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "1"],
+         r"distillation with pipeline_parallel_size=2 is not supported yet"),
+        (["--teacher", "llama3-8b"], r"the teacher \(preset 'llama3-8b'\) has a vocabulary of 128256 tokens"),
+    ],
+)
+def test_impossible_distillation_settings_are_refused_before_any_process(argv, message):
+    with pytest.raises(bench.BenchmarkConfigError, match=message):
+        settings("--model", "debug", *argv)
+
+
 def test_a_frozen_copy_under_a_pipeline_is_checked_as_the_strategy_checks_it():
     """The whole model against its frozen copy at pipeline 2 (the copy split beside the stages): accepted, as the
     strategy's checks accept it (once refused by them, and so by the benchmark)."""

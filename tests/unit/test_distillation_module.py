@@ -233,3 +233,40 @@ def test_the_hugging_face_module_distils_from_a_teacher_of_another_family():
 def test_bad_settings_are_refused_naming_the_value(settings, pattern):
     with pytest.raises(DistillationConfigError, match=pattern):
         DistillationConfig.of(settings)
+
+
+def test_a_qlora_student_learns_from_its_teacher_on_one_device():
+    """A QLoRA student (NF4 bases, rank-4 adapters) beside a teacher: the teacher is never converted (plain weights,
+    no adapters), two steps train the adapters only (the NF4 bases and the teacher bit for bit unchanged), and the
+    logged divergence is finite and positive."""
+    import lightning as L
+
+    from lightning_2d.ops.nf4 import is_nf4
+
+    qlora = {"rank": 4, "quantize_base": "nf4", "targets": ["wq", "wo"]}  # 128 × 128: whole NF4 scaler groups
+    module = LlamaLightningModule("debug", model_overrides={"n_layers": 2}, lora=qlora,
+                                  teacher=SMALL_TEACHER, distillation={"alpha": 0.5}, init_seed=3, max_steps=2,
+                                  learning_rate=1e-2)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (4, 33), generator=g)]
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    def plain(tensor: torch.Tensor) -> torch.Tensor:  # an NF4 base compared by its dequantized values
+        return tensor.get_original_weight() if is_nf4(tensor) else tensor.detach().clone()
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen["before"] = {**{f"teacher.{k}": plain(v) for k, v in pl_module.teacher.state_dict().items()},
+                              **{k: plain(v) for k, v in pl_module.model.state_dict().items()}}
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Snapshot()])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(rows, batch_size=2))
+    teacher = module.teacher
+    assert not any(is_nf4(p) or "lora" in n for n, p in teacher.named_parameters())
+    after = {**{f"teacher.{k}": v for k, v in teacher.state_dict().items()}, **module.model.state_dict()}
+    changed = {k for k, v in seen["before"].items() if not torch.equal(v, plain(after[k]))}
+    assert changed and all("lora" in k for k in changed)  # the adapters only: no base, no norm, nothing of the teacher
+    assert any(is_nf4(p) for p in module.model.parameters())
+    divergence = float(trainer.callback_metrics["distill/forward_kl"])
+    assert divergence > 0 and torch.isfinite(torch.tensor(divergence))

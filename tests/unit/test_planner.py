@@ -1363,6 +1363,81 @@ def test_the_cli_plans_preference_tuning_from_a_flag_or_a_recipe(capsys):
     assert "reference model" not in out
 
 
+#: A teacher twice the ``debug`` student's width (dim 256, 8 heads of 32, SwiGLU 704), its vocabulary the same.
+WIDE_TEACHER = {"model": "debug", "model_overrides": {"dim": 256}}
+
+
+def test_a_teacher_is_planned_as_its_own_shards_in_param_dtype_beside_the_student():
+    """Distillation at 2×2 under bf16-mixed. The teacher is a frozen model of its own shape and plan on the student's
+    meshes: its elements on a rank are what the planner gives the same model trained at that layout, and they are
+    counted in bf16 with its rotary table (fp32, 512 positions × its 16 pairs × 2), without gradients or optimizer
+    state; the per-device total grows by exactly those bytes, its all-gathers' excess and its activation peak's."""
+    plain = plan_run("debug", **DEBUG_2X2)
+    report = plan_run("debug", **DEBUG_2X2, teacher=WIDE_TEACHER, distillation={"alpha": 0.5})
+    alone = plan_run("debug", **DEBUG_2X2, model_overrides={"dim": 256})  # the teacher's own shards, trained
+    teacher = ModelArgs.from_name("debug", dim=256)
+    assert (report.teacher, report.distillation, report.teacher_dtype) == ("debug with {'dim': 256}", "forward_kl",
+                                                                         "bfloat16")
+    assert report.teacher_params == teacher.num_params() == alone.total_params
+    assert report.teacher_params_per_device == alone.params_per_device
+    assert report.teacher_params_per_device == (teacher.num_params() - 9 * 256) // 4 + 9 * 256 // 2
+    assert report.teacher_bytes == report.teacher_params_per_device * 2 + 512 * 16 * 2 * 4
+    assert (report.params_per_device, report.grad_bytes, report.optimizer_bytes) == (
+        plain.params_per_device, plain.grad_bytes, plain.optimizer_bytes)
+    assert report.all_gather_bytes > plain.all_gather_bytes  # a teacher block is twice the student's
+    assert report.total_bytes == plain.total_bytes + report.teacher_bytes + (
+        report.all_gather_bytes - plain.all_gather_bytes) + (report.activation_bytes - plain.activation_bytes)
+    text = planner.format_report(report)
+    assert "teacher model (frozen, bfloat16, sharded)" in text and "distillation: forward_kl from the teacher" in text
+
+
+def test_the_teacher_forward_and_the_fused_divergence_are_activation_moments():
+    """The teacher's forward without a graph is its own blocks' largest working set on this layout (its own
+    ``ActivationModel``, no head: its head runs in the fused divergence) beside the student's final norm output;
+    the divergence holds three ``chunk × V'`` fp32 buffers, jsd a fourth: exactly ``4 · chunk · V'`` bytes more."""
+    report = plan_run("debug", **DEBUG_2X2, teacher=WIDE_TEACHER, distillation={"chunk_size": 64})
+    jsd = plan_run("debug", **DEBUG_2X2, teacher=WIDE_TEACHER, distillation={"loss": "jsd", "chunk_size": 64})
+    shape = dict(tp=2, sequence_parallel=True, seq_len=128, micro_batch_size=2, act_dtype=torch.bfloat16)
+    student = ActivationModel.for_layout(ModelArgs.from_name("debug"), **shape)
+    teacher = ActivationModel.for_layout(ModelArgs.from_name("debug", dim=256), **shape, has_head=False)
+    model = replace(student, teacher_dim=256, teacher_forward=teacher.reference_forward_transient(),
+                    distillation_chunk=64)
+    estimate = model.estimate()
+    assert (report.activation_bytes, report.activation_phase) == (estimate.peak, estimate.phase)
+    moments = {m: replace(model, distillation_buffers=k).distillation_transient() for m, k in (("kl", 3), ("jsd", 4))}
+    assert moments["jsd"] - moments["kl"] == 4 * 64 * 256 // 2
+    n, v = 2 * 128, 256 // 2  # tokens of the micro-batch, vocabulary rows per tensor-parallel rank
+    assert moments["kl"] == (n * 128 * 2 + n // 2 * 128 * 2) + n * 256 * 2 + n * 128 * 2 + 4 * v * 128 + (
+        3 * 4 * 64 * v + 2 * 2 * 64 * v)
+    assert jsd.activation_bytes >= report.activation_bytes
+
+
+def test_distillation_settings_that_cannot_run_are_refused_by_the_planner(capsys):
+    pipeline = {**DEBUG_2X2, "config": ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)}
+    with pytest.raises(ValueError, match="distillation with pipeline_parallel_size=2 is not supported yet"):
+        plan_run("debug", **pipeline, teacher="debug")
+    with pytest.raises(ValueError, match="has a vocabulary of 512 tokens, the student 256"):
+        plan_run("debug", **DEBUG_2X2, teacher={"model": "debug", "model_overrides": {"vocab_size": 512}})
+    with pytest.raises(ValueError, match="teacher: "):
+        plan_run("debug", **DEBUG_2X2, teacher="no-such-model")
+    with pytest.raises(SystemExit):
+        planner.main(["--model", "debug", "--devices", "4", "--distillation", "jsd"])
+    err = capsys.readouterr().err
+    assert "--distillation jsd plans distillation from a teacher: give it with --teacher MODEL" in err
+    assert "Traceback" not in err
+
+
+def test_the_cli_plans_distillation_from_a_flag():
+    """``--teacher`` and ``--distillation`` reach ``plan_run`` as its arguments."""
+    parser = planner.build_parser()
+    from lightning_2d.tools.planner.cli import _inputs
+
+    args = parser.parse_args(["--model", "debug", "--devices", "4", "--teacher", "llama3-8b", "--distillation", "jsd"])
+    inputs = _inputs(args, set(), None)
+    assert (inputs["teacher"], inputs["distillation"]) == ("llama3-8b", {"loss": "jsd"})
+    assert "teacher" not in _inputs(parser.parse_args(["--model", "debug"]), set(), None)
+
+
 # ---- the estimates against measured peaks (last: their measurement runs beside the tests above) -----------
 #: The measuring script (run in a fresh process, ``MEASURED``'s specs in argv[1], one JSON line printed per spec):
 #: one thread, the peaks of each spec's steps. ``activations``: each activation-checkpointing mode's step past the

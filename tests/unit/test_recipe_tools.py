@@ -106,6 +106,8 @@ def test_the_plan_of_every_recipe_is_the_run_fit_builds(recipe, monkeypatch):
     assert (inputs["num_nodes"], inputs["devices"]) == (trainer.num_nodes, trainer.num_devices)
     assert (inputs["precision"], inputs["accumulate_grad_batches"]) == (trainer.precision, trainer.accumulate_grad_batches)
     assert inputs["seq_len"] == data.seq_len and inputs["model_overrides"] is None
+    assert (inputs.get("teacher"), inputs.get("distillation")) == (module.hparams.get("teacher"),
+                                                                 module.hparams.get("distillation"))
     if config.pipeline_parallel_size > 1:  # data.batch_size cut into pipeline_microbatches (default: 1 sequence each)
         count = config.pipeline_microbatches or data.batch_size
         assert inputs["config"] == replace(config, pipeline_microbatches=count)
@@ -135,6 +137,7 @@ QUOTING = [p for p in RECIPES if QUOTED_PLAN.search(p.read_text())]
 def test_the_gpu_preference_recipes_quote_their_plan():
     assert {"llama31_8b_dpo_lora.yaml", "llama31_8b_dpo_full.yaml", "qwen3_8b_dpo_lora.yaml"} <= {
         p.name for p in QUOTING}
+    assert "llama31_8b_to_llama32_1b_distill.yaml" in {p.name for p in QUOTING}  # and the distillation recipe
 
 
 @pytest.mark.parametrize("recipe", QUOTING, ids=lambda p: p.name)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.ops.distillation import DIVERGENCES
 from lightning_2d.ops.preference import LOSSES
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig
 from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         " (reference copy; none for simpo, orpo); under it --compare-lora's variant takes the base with"
                         f" its adapters off as the reference, and --compare-precomputed-reference adds precomputed"
                         f" values. One of {', '.join(LOSSES)}")
+    module.add_argument("--teacher", default=None, metavar="MODEL",
+                        help="distil from this teacher (a preset or a Llama folder)")
+    module.add_argument("--distillation", choices=DIVERGENCES, default=None, metavar="LOSS",
+                        help="--teacher's divergence (default forward_kl)")
     add_strategy_options(parser)
     # Internal: one rank of a job started by run_job.
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)

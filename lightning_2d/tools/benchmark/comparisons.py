@@ -122,6 +122,14 @@ def _reference_to_precompute(on: bool, model: Optional[ModelArgs], options: dict
     return None
 
 
+def _teacher_to_drop(on: bool, model: Optional[ModelArgs], options: dict[str, Any],
+                     module: dict[str, Any]) -> Optional[str]:
+    if module.get("teacher") is not None:
+        return None
+    return ("--compare-no-teacher times the step without distillation's teacher, but nothing has one; add"
+            " --teacher MODEL (e.g. --teacher debug with --model-overrides, or a preset)")
+
+
 COMPARISONS: tuple[Comparison, ...] = (
     Comparison(
         name="simple_fsdp",
@@ -172,6 +180,15 @@ COMPARISONS: tuple[Comparison, ...] = (
         report_key="precomputed_reference",
         module=lambda on: {"preference": {"precompute_reference": True}},
         refuse=_reference_to_precompute,
+    ),
+    Comparison(
+        name="no_teacher",
+        flag="--compare-no-teacher",
+        help="under --teacher: also time the step without it (its ratios)",
+        report_key="no_teacher",
+        module=lambda on: {"teacher": None, "distillation": None},
+        baseline_label="with the teacher",
+        refuse=_teacher_to_drop,
     ),
 )
 

@@ -135,6 +135,11 @@ def format_report(report: dict[str, Any]) -> str:
             f" ({pairs_per_window(s.seq_len)} per window of {s.seq_len}), {s.reference_label()} for lightning_2d;"
             " TFLOP/s counts the trained model's passes, not the reference's forward"
         )
+    if (teacher := s.module_options.get("teacher")) is not None:
+        lines.append(
+            f"distillation (lightning_2d): {s.module_options['distillation']['loss']} from the teacher {teacher}"
+            " (a preset: its seeded weights); TFLOP/s counts the student's passes, not the teacher's forward"
+        )
     if "lightning" in s.variants or "plain" in s.variants:
         lines.append(
             "hand-written variants (lightning, plain): the reference plan (sequence parallel, gathered logits, mean"

@@ -19,6 +19,7 @@ from lightning_2d.integration.trainer_strategy import ModelParallel2DStrategy
 from lightning_2d.models.llama.model import ModelArgs
 from lightning_2d.models.llama.plan import llama_plan
 from lightning_2d.models.registry import validation_inputs_of
+from lightning_2d.ops.distillation import DistillationConfigError
 from lightning_2d.ops.lora import LoRAConfigError
 from lightning_2d.ops.preference import LOSSES, UNPAIRED_LOSSES, PreferenceConfigError, PreferenceLoss
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError
@@ -229,7 +230,7 @@ def _check_variant(
     if model_args is not None:
         try:
             inputs = validation_inputs_of(LlamaLightningModule(model=model_args, **module))
-        except (LoRAConfigError, ParallelConfigError, PreferenceConfigError) as err:
+        except (LoRAConfigError, ParallelConfigError, PreferenceConfigError, DistillationConfigError) as err:
             problems += _problems_of(err)
     try:
         config = ParallelConfig(**options)
@@ -243,7 +244,7 @@ def _check_variant(
             num_nodes=args.num_nodes,
             **inputs,
         )
-    except (LoRAConfigError, ParallelConfigError, PreferenceConfigError) as err:
+    except (LoRAConfigError, ParallelConfigError, PreferenceConfigError, DistillationConfigError) as err:
         return None, problems + _problems_of(err)
     return (None if problems else dims), problems
 
@@ -314,6 +315,23 @@ def _preference(args: argparse.Namespace, problems: list[str]) -> dict[str, Any]
     return {"preference": {"loss_type": loss}}
 
 
+def _distillation(args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
+    """``--teacher``'s and ``--distillation``'s module options (``{"teacher": ..., "distillation": {"loss": ...}}``,
+    ``{}`` without), and what the benchmark cannot run of them: a divergence without a teacher, the hand-written
+    variants (next tokens only)."""
+    teacher, loss = getattr(args, "teacher", None), getattr(args, "distillation", None)
+    if teacher is None:
+        if loss is not None:
+            problems.append(f"--distillation {loss} distils from a teacher: give it with --teacher MODEL (a preset or a"
+                            " Llama folder), or drop --distillation")
+        return {}
+    if args.compare:
+        problems.append(f"--teacher {teacher} has no counterpart in the hand-written Lightning and plain torch variants"
+                        " of --compare (they train next tokens); drop --compare (--compare-no-teacher times the"
+                        " step without it)")
+    return {"teacher": teacher, "distillation": {"loss": loss or "forward_kl"}}
+
+
 def _global_batch_size(args: argparse.Namespace, dp: int, problems: list[str]) -> int:
     """``--global-batch-size`` (or a recipe's per-replica ``data.batch_size`` times ``dp``), checked against ``dp``."""
     per_replica = getattr(args, "batch_size_per_replica", None)
@@ -342,7 +360,7 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
     problems = [*_run_problems(args, model_args), *model_problems]
     accelerator = _accelerator(args, world_size, problems)
     options, compared = strategy_options(args), comparisons.compared_from_args(args)
-    preference = _preference(args, problems)
+    preference = {**_preference(args, problems), **_distillation(args, problems)}
     dims, layout = _layout_problems(args, options, compared, model_args, preference)
     problems += layout
     dp, tp = (dims.dp, dims.tp) if dims is not None else (0, 0)

@@ -180,6 +180,11 @@ class ActivationModel:
     it adds only its own peak (``reference_forward_transient``: its largest block's working set, or its head's) while
     every block's and the head's saved tensors are alive.
 
+    Distillation (``teacher_dim``) runs the teacher inside the student's head call (``integration.distillation``):
+    its whole forward without a graph (``teacher_forward``: its own largest block's working set, from its own
+    ``ActivationModel``), then the fused divergence's chunks (``distillation_transient``), while every block's
+    saved tensors are alive.
+
     Args:
         tokens: Tokens per micro-batch (``micro_batch_size × seq_len``).
         seq_shards: Sequence shards of the residual stream: ``tp`` under sequence parallelism, else 1.
@@ -207,6 +212,11 @@ class ActivationModel:
         reference_forward: A preference loss's reference pass: each micro-batch also runs the reference model (a
             frozen copy, or the trained model with its adapters off) forward without a graph, between the trained
             model's forward and its backward.
+        teacher_dim: Distillation: the teacher's width (its final hidden states, whole, feed its head); 0 without one.
+        teacher_forward: The teacher's forward without a graph, its peak in bytes (its blocks' largest working set,
+            ``reference_forward_transient`` of its own model on this layout).
+        distillation_buffers: The fused divergence's ``chunk × vocab`` fp32 buffers held at once (3; ``jsd``: 4).
+        distillation_chunk: Tokens per chunk of the fused divergence (``DistillationConfig.chunk_size``).
     """
 
     tokens: int
@@ -231,6 +241,10 @@ class ActivationModel:
     frozen_base: bool = False
     experts: Optional[ExpertActivations] = None
     reference_forward: bool = False
+    teacher_dim: int = 0
+    teacher_forward: int = 0
+    distillation_buffers: int = 3
+    distillation_chunk: int = 512
 
     @property
     def _norm_row(self) -> int:
@@ -662,6 +676,20 @@ class ActivationModel:
         logits = 4 * chunk * v + (a * chunk * v if a < 4 else 0)
         return hidden + logits + (4 * chunk * v if several else 0) + 8 * n
 
+    # -- distillation: the teacher inside the student's head ----------------------------------------
+    def distillation_transient(self) -> int:
+        """Bytes the fused divergence (``ops.distillation.linear_distillation``) holds beside the trained forward's
+        saved tensors: the student's final norm output (whole under sequence parallelism, next to its shard), the
+        teacher's final hidden states (``a·N·D_t``), the student's hidden-state gradient (``a·N·D``) and, unless the
+        head is frozen (LoRA), its fp32 weight-gradient accumulator (``4·V'·D``), and a chunk's
+        ``distillation_buffers`` fp32 ``chunk × V'`` buffers with, in low precision, both heads' ``a``-byte products."""
+        n, a, d, v = self.tokens, self.act_bytes, self.dim, self.vocab
+        hidden = n * d * a + (self._residual if self.seq_shards > 1 else 0)
+        chunk = min(self.distillation_chunk, n)
+        buffers = self.distillation_buffers * 4 * chunk * v + (2 * a * chunk * v if a < 4 else 0)
+        gradients = n * d * a + (0 if self.frozen_base else 4 * v * d)
+        return hidden + n * self.teacher_dim * a + gradients + buffers
+
     # -- the peak ---------------------------------------------------------------------------------
     def block_modes(self, activation_checkpointing: str, selective_ac_option: Any = "op") -> list[str]:
         """Each block's mode under the configured activation checkpointing."""
@@ -706,6 +734,14 @@ class ActivationModel:
             # The reference's forward runs after the trained one's, whose saved tensors are all alive.
             moments.append(("reference forward (no graph)", blocks, sum(loss.values()),
                             self.reference_forward_transient()))
+        if self.has_head and self.teacher_dim:
+            # Inside the student's head call: the teacher's trunk without a graph (the student's norm output held),
+            # then the fused divergence's chunks.
+            hidden = self.tokens * self.dim * self.act_bytes
+            moments.append(("teacher forward (no graph, in the head)", blocks, sum(loss.values()),
+                            hidden + self.teacher_forward))
+            moments.append(("distillation loss (fused heads)", blocks, sum(loss.values()),
+                            self.distillation_transient()))
         if self.has_head:
             # The final norm's backward: the loss's buffers have become the head's gradient (FSDP's) and
             # the incoming gradient; RMSNorm's backward temporaries on top.

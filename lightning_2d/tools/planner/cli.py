@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from lightning_2d.models.hf_decoders import HF_DECODER_TYPES
 from lightning_2d.models.llama.model import PRESETS
+from lightning_2d.ops.distillation import DIVERGENCES
 from lightning_2d.ops.preference import LOSSES, REFERENCES
 from lightning_2d.parallel.config import SUPPORTED_PRECISIONS, ParallelConfig, ParallelConfigError
 from lightning_2d.tools.benchmark.options import add_strategy_options
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--preference-reference", choices=REFERENCES, default=None,
                      help="the preference loss's reference model: auto (the default: adapters_off under LoRA, else"
                      " copy), copy (a frozen copy) or adapters_off (the model with its adapters off)")
+    run.add_argument("--teacher", default=None, metavar="MODEL",
+                     help="plan distillation from this teacher (a preset or a Hugging Face folder/config.json): its"
+                     " shards under its own plan, its gathers, its forward without a graph and the fused divergence's"
+                     " chunks in the student's head; replaces a recipe's model.init_args.teacher")
+    run.add_argument("--distillation", choices=DIVERGENCES, default=None, metavar="LOSS",
+                     help="the divergence distilled with (" + ", ".join(DIVERGENCES) + "; default: a recipe's, else"
+                     " forward_kl); needs --teacher or a recipe with teacher")
     run.add_argument("--loss-chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE,
                      help="tokens per chunk of the fused loss (default: 1024, LlamaLightningModule's)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -124,8 +132,10 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
     lora = ({"rank": args.lora_rank, **({"quantize_base": "nf4"} if args.qlora else {})}
             if args.lora_rank is not None else None)
     preference = _preference(args, run)
+    teacher = _teacher(args, run)
     if run is None:
-        return {**own, "config": ParallelConfig(**flags), "model_name": None, "lora": lora, "preference": preference}
+        return {**own, "config": ParallelConfig(**flags), "model_name": None, "lora": lora, "preference": preference,
+                **teacher}
     from dataclasses import replace
 
     devices = args.devices if "devices" in given else run.devices
@@ -137,7 +147,7 @@ def _inputs(args: argparse.Namespace, given: set[str], run: Optional[RecipeRun])
         "precision": run.precision, "seq_len": run.seq_len, "micro_batch_size": run.batch_size,
         "accumulate_grad_batches": run.accumulate_grad_batches, "loss_chunk_size": run.loss_chunk_size,
         "model_overrides": None, "document_mask": bool(run.data.get("document_mask", False)),
-        "lora": lora if lora is not None else run.lora, "preference": preference,
+        "lora": lora if lora is not None else run.lora, "preference": preference, **teacher,
     }
     config = replace(run.config, **flags) if flags else run.config
     if config.pipeline_parallel_size > 1 and "micro_batch_size" not in given:
@@ -166,6 +176,19 @@ def _preference(args: argparse.Namespace, run: Optional[RecipeRun]) -> Optional[
                               " whose model has preference")
         preference = {**preference, "reference": args.preference_reference}
     return preference
+
+
+def _teacher(args: argparse.Namespace, run: Optional[RecipeRun]) -> dict[str, Any]:
+    """The teacher and distillation planned: ``--teacher`` (replacing the recipe's), else the recipe's, with
+    ``--distillation`` on top."""
+    teacher = args.teacher if args.teacher is not None else run.teacher if run is not None else None
+    distillation = run.distillation if run is not None else None
+    if args.distillation is not None:
+        if teacher is None:
+            raise RecipeError(f"--distillation {args.distillation} plans distillation from a teacher: give it with"
+                              " --teacher MODEL (a preset or a model folder), or a recipe whose model has teacher")
+        distillation = {**(distillation or {}), "loss": args.distillation}
+    return {"teacher": teacher, "distillation": distillation} if teacher is not None else {}
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -5,7 +5,8 @@ once), each planned rank is built in the simulated world (``world.plan_rank_shar
 (the FSDP backend's ``buffer_bytes``) and activations (``ActivationModel``, under a pipeline
 ``pipeline_activation_estimate``) are added up; the fullest rank decides the ``PlanReport``'s verdict, with
 ``suggestions`` when it does not fit. Preference tuning adds its reference model (``_Reference``): a frozen copy's
-parameters, and the activations of its forward without a graph.
+parameters, and the activations of its forward without a graph. Distillation adds its teacher (``_Teacher``): its
+shards under its own plan, its all-gathers, and its forward and the fused divergence inside the student's head.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import torch
 
 from lightning_2d.models.hf_decoders import hf_moe_layers
 from lightning_2d.models.llama.model import ModelArgs
+from lightning_2d.ops.distillation import DistillationConfig, DistillationConfigError
 from lightning_2d.ops.lora import LoRA, LoRAConfigError
 from lightning_2d.ops.preference import PreferenceConfigError, PreferenceLoss
 from lightning_2d.parallel.config import ParallelConfig, ParallelConfigError, raise_if_problems
 from lightning_2d.parallel.dims import ParallelDims, validate_parallel_dims
 from lightning_2d.parallel.converters import ModelConverters
 from lightning_2d.parallel.fsdp import FSDPUnit, reshard_after_forward_by_unit
+from lightning_2d.parallel.distillation import TeacherFacts
 from lightning_2d.parallel.frozen import frozen_dtype
 from lightning_2d.parallel.fsdp_backend import fsdp_backend
 from lightning_2d.tools.planner.activations import DEFAULT_LOSS_CHUNK_SIZE, ActivationEstimate, ActivationModel
@@ -92,6 +95,7 @@ def _validate(
     seq_len: Optional[int],
     lora: Optional[LoRA] = None,
     preference: Optional[PreferenceLoss] = None,
+    distillation: Optional[dict[str, Any]] = None,
 ) -> ParallelDims:
     """``validate_parallel_dims`` for the target (CUDA) world, with what the module training ``args`` says of itself
     (``validation_inputs_of``: ``lora``, ``preference`` …), merged with the planner's own problems."""
@@ -110,7 +114,7 @@ def _validate(
             num_nodes=num_nodes,
             device_type="cuda",  # the target's rules (float8, async TP), not this machine's
             device_index=None,  # no GPU to ask for its compute capability
-            **(validation_inputs_of(args, lora, preference) if args is not None else {}),
+            **{**(validation_inputs_of(args, lora, preference) if args is not None else {}), **(distillation or {})},
         )
     except ValueError as err:  # a ParallelConfigError, or the error a check declares (LoRA's)
         if not hasattr(err, "problems"):
@@ -138,6 +142,8 @@ def plan_run(
     document_mask: bool = False,
     lora: Union[LoRA, Mapping[str, Any], None] = None,
     preference: Union[PreferenceLoss, Mapping[str, Any], None] = None,
+    teacher: Union[str, Mapping[str, Any], ModelArgs, None] = None,
+    distillation: Union[DistillationConfig, Mapping[str, Any], None] = None,
 ) -> PlanReport:
     """Check a layout and estimate its per-device memory for one training step, without GPUs.
 
@@ -185,6 +191,14 @@ def plan_run(
             nothing more is held; either reference adds its forward without a graph to each micro-batch (a candidate
             activation peak, ``ActivationModel.reference_forward``). A reference-free loss (``simpo``, ``orpo``) is
             planned as next-token training.
+        teacher: Distillation's teacher as the modules' ``teacher=`` reads it: a preset, a Hugging Face folder (or its
+            ``config.json``), ``ModelArgs``, or a dict of ``model``, ``init_from``, ``model_overrides``. Counted as a
+            frozen model under its own plan on the student's meshes: its shards in the dtype FSDP computes in (no
+            gradient, optimizer state or reduce-scatter buffer), its all-gathers while it runs (with the student's
+            output unit gathered), and, inside the student's head, its forward without a graph and the fused
+            divergence's chunk buffers (candidate activation peaks).
+        distillation: How the student learns from it (``lightning_2d.DistillationConfig`` or its dict; ``None`` with
+            a teacher: the defaults).
 
     Returns:
         The report (``as_dict()`` for JSON, ``format_report`` for the table).
@@ -195,6 +209,7 @@ def plan_run(
     start = time.perf_counter()
     run = _read_run(
         model, model_overrides, lora, preference, config if config is not None else ParallelConfig(),
+        teacher=teacher, distillation=distillation,
         num_nodes=num_nodes,
         devices=devices, precision=precision, seq_len=seq_len, micro_batch_size=micro_batch_size,
         accumulate_grad_batches=accumulate_grad_batches, loss_chunk_size=loss_chunk_size,
@@ -203,13 +218,18 @@ def plan_run(
     # The model converters the module asks for (LoRA's adapters …), as parallelize_and_materialize makes them.
     converters = ModelConverters.of(plan_of(run.args, run.config), validation_inputs_of(run.args, run.lora))
     run, shards, notes = _plan_shards(run)
+    teacher_shard = _teacher_shard(run)
     activations = _activation_model(run, document_mask, converters)
-    plans = [_plan_rank(shard, k, run, activations) for k, shard in enumerate(shards)]
+    plans = [_plan_rank(shard, k, run, activations, teacher_shard) for k, shard in enumerate(shards)]
     # The verdict is the fullest device's: under a pipeline, the pipeline rank with the largest total.
     worst = max(plans, key=lambda p: p.total)
     notes += _notes(run, converters, worst)
     verdict = _Verdict.of(worst.total, device_memory_gib, reserve_gib)
     report = _report(run, _report_name(model, model_name, model_overrides, run.args), plans, worst, verdict, notes)
+    if run.teacher is not None:
+        report.teacher = run.teacher_name
+        report.distillation = run.distillation.loss if run.distillation is not None else None
+        report.teacher_params = teacher_shard.model_numel if teacher_shard is not None else 0
     if not report.fits:
         report.suggestions = suggestions_for(
             report, run.args, run.dims, run.config, activations, run.seq_len, run.micro_batch_size,
@@ -236,6 +256,9 @@ class _Run:
     micro_batch_size: int
     accumulate_grad_batches: int
     loss_chunk_size: Optional[int]
+    teacher: Optional[PlannedArgs] = None
+    teacher_name: Optional[str] = None
+    distillation: Optional[DistillationConfig] = None
 
     @property
     def microbatches(self) -> int:
@@ -265,6 +288,8 @@ def _read_run(
     loss_chunk_size: Optional[int],
     device_memory_gib: float,
     reserve_gib: float,
+    teacher: Union[str, Mapping[str, Any], ModelArgs, None] = None,
+    distillation: Union[DistillationConfig, Mapping[str, Any], None] = None,
 ) -> _Run:
     """``plan_run``'s arguments read (the model, its adapters, its preference loss) and checked with the layout, every
     problem at once.
@@ -284,18 +309,70 @@ def _read_run(
         problems.append(str(err))
         preference = None
     args = read_model(model, model_overrides, problems)
+    teacher_args, teacher_name, distillation = _read_teacher(teacher, distillation, problems)
     if seq_len is None and args is not None:
         seq_len = args.max_seq_len
     problems += _run_problems(args, seq_len, micro_batch_size, device_memory_gib, reserve_gib, loss_chunk_size,
                               accumulate_grad_batches)
+    facts = None
+    if teacher_args is not None:
+        facts = TeacherFacts(teacher_name or "teacher", teacher_args.vocab_size,
+                             plan_of(teacher_args, ParallelConfig()).tp_divides)
     dims = _validate(config, args, problems, num_nodes=num_nodes, devices=devices, precision=precision, seq_len=seq_len,
-                     lora=lora, preference=preference)
+                     lora=lora, preference=preference,
+                     distillation={"teacher": facts, "distillation": distillation,
+                                   **({"vocab_size": args.vocab_size} if args is not None else {})}
+                     if teacher is not None or distillation is not None else None)
     assert args is not None and seq_len is not None
     return _Run(
         args=args, lora=lora, preference=preference, dims=dims, config=config.resolve_dtypes(precision), num_nodes=num_nodes, devices=devices,
         precision=precision, seq_len=seq_len, micro_batch_size=micro_batch_size,
         accumulate_grad_batches=accumulate_grad_batches, loss_chunk_size=loss_chunk_size,
+        teacher=teacher_args, teacher_name=teacher_name, distillation=distillation,
     )
+
+
+def _read_teacher(
+    teacher: Union[str, Mapping[str, Any], ModelArgs, None],
+    distillation: Union[DistillationConfig, Mapping[str, Any], None],
+    problems: list[str],
+) -> tuple[Optional[PlannedArgs], Optional[str], Optional[DistillationConfig]]:
+    """The teacher as the modules read ``teacher=`` (a preset, a folder, ``ModelArgs``, or a dict of ``model``,
+    ``init_from``, ``model_overrides``), its name, and the distillation settings (the defaults with a teacher and
+    none given); what is wrong appended to ``problems`` (the teacher's prefixed ``teacher:``)."""
+    try:
+        if isinstance(distillation, Mapping):
+            distillation = DistillationConfig(**distillation)
+        elif distillation is None and teacher is not None:
+            distillation = DistillationConfig()
+    except (DistillationConfigError, TypeError) as err:
+        problems.append(f"distillation: {err}")
+        distillation = None
+    if teacher is None:
+        return None, None, distillation
+    overrides = None
+    if isinstance(teacher, Mapping):
+        given = dict(teacher)
+        overrides = given.get("model_overrides") or None
+        teacher = given.get("model") or given.get("init_from")
+        if isinstance(teacher, Mapping):  # ModelArgs' fields, as the module keeps them in its hyperparameters
+            teacher = ModelArgs(**teacher)
+    if teacher is None:
+        problems.append("teacher: needs a model (a preset or a model folder) or an init_from folder")
+        return None, None, distillation
+    found: list[str] = []
+    args = read_model(teacher, overrides, found)
+    problems.extend(p.replace("model:", "teacher:", 1) for p in found)
+    name = args.name if isinstance(args, HFDecoderArgs) else "ModelArgs" if isinstance(teacher, ModelArgs) else str(teacher)
+    return args, name + (f" with {overrides}" if overrides else ""), distillation
+
+
+def _teacher_shard(run: _Run) -> Optional[RankShards]:
+    """What the teacher holds on rank 0, built and parallelized by its own plan on the student's meshes (no
+    converters: a teacher is never adapted; distillation refuses a pipeline, so one rank stands for all)."""
+    if run.teacher is None:
+        return None
+    return plan_rank_shards(run.teacher, run.dims, run.config, run.precision, run.loss_chunk_size)
 
 
 def _plan_shards(run: _Run) -> tuple[_Run, list[RankShards], list[str]]:
@@ -322,13 +399,34 @@ def _plan_shards(run: _Run) -> tuple[_Run, list[RankShards], list[str]]:
 def _activation_model(run: _Run, document_mask: bool, converters: ModelConverters) -> ActivationModel:
     """One micro-batch of the whole model on one device (``ActivationModel.for_layout``)."""
     config = run.config
-    return ActivationModel.for_layout(
+    model = ActivationModel.for_layout(
         run.args, tp=run.dims.tp, sequence_parallel=config.sequence_parallel, seq_len=run.seq_len,
         micro_batch_size=run.micro_batch_size, act_dtype=config.param_dtype, loss_chunk_size=run.loss_chunk_size,
         cp=run.dims.cp, loss_parallel=config.loss_parallel, document_mask=document_mask,
         frozen_base=converters.freezes(), expert_parallel=config.expert_parallel_size,
         reference_forward=run.reference is not None,
     )
+    return replace(model, **_teacher_activations(run, document_mask))
+
+
+def _teacher_activations(run: _Run, document_mask: bool) -> dict[str, Any]:
+    """``ActivationModel``'s distillation fields: the teacher's width and its forward's peak without a graph (its own
+    blocks on this layout, ``reference_forward_transient`` without a head: its head runs in the fused divergence),
+    the divergence's buffers and chunk."""
+    if run.teacher is None or run.distillation is None:
+        return {}
+    config = run.config
+    teacher = ActivationModel.for_layout(
+        run.teacher, tp=run.dims.tp, sequence_parallel=config.sequence_parallel, seq_len=run.seq_len,
+        micro_batch_size=run.micro_batch_size, act_dtype=config.param_dtype, cp=run.dims.cp,
+        document_mask=document_mask, expert_parallel=config.expert_parallel_size, has_head=False,
+    )
+    return {
+        "teacher_dim": run.teacher.dim,
+        "teacher_forward": teacher.reference_forward_transient(),
+        "distillation_buffers": 4 if run.distillation.loss == "jsd" else 3,
+        "distillation_chunk": run.distillation.chunk_size,
+    }
 
 
 def _notes(run: _Run, converters: ModelConverters, worst: _RankPlan) -> list[str]:
@@ -344,6 +442,12 @@ def _notes(run: _Run, converters: ModelConverters, worst: _RankPlan) -> list[str
         notes += _hf_notes(run.args, run.seq_len, run.micro_batch_size)
     if run.preference is not None:
         notes.append(_preference_note(run))
+    if run.teacher is not None:
+        notes.append(
+            f"distillation ({run.distillation.loss if run.distillation else '?'}): the teacher ({run.teacher_name}) is"
+            " frozen beside the student, sharded by its own plan on the same meshes and stored in param_dtype (no"
+            " gradients, optimizer state or reduce-scatter buffers); its forward without a graph and the fused"
+            " divergence's chunks run inside the student's head call (the activation peak names them when largest)")
     return notes + converters.plan_notes(worst.shard.optimized_numel, worst.shard.numel)
 
 
@@ -449,6 +553,9 @@ def _report(run: _Run, name: str, plans: list[_RankPlan], worst: _RankPlan, verd
         reference_params_per_device=worst.reference_numel,
         reference_bytes=worst.reference_bytes,
         reference_dtype=_dtype_name(worst.reference_dtype) if worst.reference_dtype is not None else None,
+        teacher_params_per_device=worst.teacher_numel,
+        teacher_bytes=worst.teacher_bytes,
+        teacher_dtype=_dtype_name(worst.teacher_dtype) if worst.teacher_dtype is not None else None,
     )
 
 
@@ -468,11 +575,14 @@ class _RankPlan:
     reference_numel: int = 0  # a preference loss's frozen reference copy (``_Reference``)
     reference_bytes: int = 0
     reference_dtype: Optional[torch.dtype] = None
+    teacher_numel: int = 0  # distillation's teacher (``_Reference.of_teacher``)
+    teacher_bytes: int = 0
+    teacher_dtype: Optional[torch.dtype] = None
 
     @property
     def total(self) -> int:
         return (self.shard.param_bytes + self.grad_bytes + self.optimizer_bytes + self.shard.buffer_bytes
-                + self.reference_bytes + self.all_gather + self.reduce_scatter + self.accumulation
+                + self.reference_bytes + self.teacher_bytes + self.all_gather + self.reduce_scatter + self.accumulation
                 + self.activations.peak)
 
     def as_dict(self, microbatches: int) -> dict[str, Any]:
@@ -497,6 +607,7 @@ class _RankPlan:
             "reduce_scatter_bytes": self.reduce_scatter,
             "accumulation_bytes": self.accumulation,
             "reference_bytes": self.reference_bytes,
+            "teacher_bytes": self.teacher_bytes,
             "activation_bytes": self.activations.peak,
             "total_bytes": self.total,
         }
@@ -547,7 +658,8 @@ def _pipeline_notes(config: ParallelConfig, microbatches: int, accumulate_grad_b
     return notes + fsdp_backend(config.fsdp_backend).pipeline_notes(config, accumulate_grad_batches)
 
 
-def _plan_rank(shard: RankShards, pp_rank: int, run: _Run, activations: ActivationModel) -> _RankPlan:
+def _plan_rank(shard: RankShards, pp_rank: int, run: _Run, activations: ActivationModel,
+               teacher_shard: Optional[RankShards] = None) -> _RankPlan:
     """States, FSDP buffers and activations of one planned rank.
 
     Args:
@@ -556,6 +668,7 @@ def _plan_rank(shard: RankShards, pp_rank: int, run: _Run, activations: Activati
         run: The run: its mesh sizes, options (dtypes resolved), precision (the stored dtype), micro-batches per
             optimizer step and pipeline micro-batches per step.
         activations: One micro-batch of the whole model on one device.
+        teacher_shard: Distillation's teacher on this rank (``_teacher_shard``), else ``None``.
     """
     dims, config = run.dims, run.config
     param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
@@ -574,19 +687,23 @@ def _plan_rank(shard: RankShards, pp_rank: int, run: _Run, activations: Activati
     all_gather, accumulation = fsdp_backend(config.fsdp_backend).buffer_bytes(
         units, config, run.accumulate_grad_batches, pipeline_in_flight=estimate.in_flight if dims.pp > 1 else None)
     reference = _Reference.of(run, shard)
+    teacher = _Reference.of_teacher(run, shard, teacher_shard)
     return _RankPlan(
         pp_rank=pp_rank,
         global_rank=pp_rank * dims.dp * dims.cp * dims.tp,
         shard=shard,
         grad_bytes=shard.optimized_numel * stored.itemsize,
         optimizer_bytes=ADAMW_STATES * shard.optimized_numel * stored.itemsize,
-        all_gather=max(all_gather, reference.gathered),
+        all_gather=max(all_gather, reference.gathered, teacher.gathered),
         reduce_scatter=reduce_scatter,
         accumulation=accumulation,
         activations=estimate,
         reference_numel=reference.numel,
         reference_bytes=reference.nbytes,
         reference_dtype=reference.dtype,
+        teacher_numel=teacher.numel,
+        teacher_bytes=teacher.nbytes,
+        teacher_dtype=teacher.dtype,
     )
 
 
@@ -614,20 +731,34 @@ class _Reference:
         return cls(numel=shard.numel, nbytes=shard.numel * dtype.itemsize + shard.buffer_bytes,
                    gathered=_frozen_forward_gathers(shard.units, run.config, pipelined=run.dims.pp > 1), dtype=dtype)
 
+    @classmethod
+    def of_teacher(cls, run: _Run, shard: RankShards, teacher: Optional[RankShards]) -> _Reference:
+        """Distillation's teacher: a frozen model of its own shape and plan on the student's meshes (``teacher``: its
+        shards on this rank), stored as a reference copy is (``frozen_dtype``), its units gathered a unit and the next
+        at a time inside the student's head call, the student's output unit gathered then (``shard``'s units)."""
+        if teacher is None:
+            return cls()
+        dtype = frozen_dtype(run.config, run.precision)
+        return cls(numel=teacher.numel, nbytes=teacher.numel * dtype.itemsize + teacher.buffer_bytes,
+                   gathered=_frozen_forward_gathers(shard.units, run.config, frozen=teacher.units), dtype=dtype)
 
-def _frozen_forward_gathers(units: list[FSDPUnit], config: ParallelConfig, pipelined: bool = False) -> int:
+
+def _frozen_forward_gathers(units: list[FSDPUnit], config: ParallelConfig, pipelined: bool = False,
+                            frozen: Optional[list[FSDPUnit]] = None) -> int:
     """FSDP2's all-gather buffers while a frozen copy of the model of ``units`` runs forward right after the trained
     model's: the trained units its reshard policy keeps gathered until their backward (the output unit under
     ``"default"``), and the copy's unit with the next one prefetched (a frozen model reshards every unit after its
     forward: ``parallel.frozen.parallelize_frozen``). Under a pipeline (``pipelined``) the copy's stages run before
     the schedule, when every trained unit is resharded (``PipelineStage`` reshards them after the last backward).
-    Under SimpleFSDP 0: each weight is gathered at its use, and without a graph freed after it."""
+    Under SimpleFSDP 0: each weight is gathered at its use, and without a graph freed after it. ``frozen``: the frozen
+    model's own units where it is not a copy (a teacher), else ``units``."""
     if config.fsdp_backend != "fully_shard" or not units:
         return 0
     reshard = reshard_after_forward_by_unit(config.reshard_policy)
     kept = 0 if pipelined else sum(u.gathered_bytes for u in units if not reshard[u.kind])
-    pairs = [u.gathered_bytes + (units[i + 1].gathered_bytes if i + 1 < len(units) else 0)
-             for i, u in enumerate(units)]
+    own = units if frozen is None else frozen
+    pairs = [u.gathered_bytes + (own[i + 1].gathered_bytes if i + 1 < len(own) else 0)
+             for i, u in enumerate(own)]
     return kept + max(pairs)
 
 

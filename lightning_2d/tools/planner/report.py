@@ -67,6 +67,12 @@ class PlanReport:
         reference_params_per_device: The frozen copy's parameter elements on this device (its shards; 0 without one).
         reference_bytes: Their bytes, and its buffers' (part of ``total_bytes``).
         reference_dtype: What its parameters are stored in (``param_dtype``: a frozen model keeps no fp32 copy).
+        teacher: Distillation's teacher (its name), ``None`` without one.
+        distillation: The divergence it is distilled with (``DistillationConfig.loss``), ``None`` without a teacher.
+        teacher_params: The teacher's parameters (the whole model).
+        teacher_params_per_device: Its parameter elements on this device (its shards under its own plan).
+        teacher_bytes: Their bytes in ``teacher_dtype`` and its buffers' (part of ``total_bytes``).
+        teacher_dtype: What its parameters are stored in (``param_dtype``, as a reference's).
         pipeline: One dict per pipeline rank (empty without a pipeline): ``pipeline_rank``,
             ``global_rank`` (the rank planned), ``stages`` (indices), ``blocks`` (per stage),
             ``embedding`` / ``head`` (whether it holds them), ``params_per_device``, ``microbatches``,
@@ -115,6 +121,12 @@ class PlanReport:
     reference_params_per_device: int = 0
     reference_bytes: int = 0
     reference_dtype: Optional[str] = None
+    teacher: Optional[str] = None
+    distillation: Optional[str] = None
+    teacher_params: int = 0
+    teacher_params_per_device: int = 0
+    teacher_bytes: int = 0
+    teacher_dtype: Optional[str] = None
 
     @property
     def trained_per_device(self) -> int:
@@ -201,6 +213,9 @@ def _run_lines(report: PlanReport, worst: Optional[dict[str, Any]]) -> list[str]
     ]
     if report.preference is not None:
         out.append(f"preference: {report.preference}, reference: " + REFERENCE_LINES[report.reference])
+    if report.teacher is not None:
+        out.append(f"distillation: {report.distillation} from the teacher {report.teacher}"
+                   f" ({report.teacher_params / 1e9:.3g}B parameters, frozen, sharded by its own plan)")
     if worst is not None:
         stages = sum(len(r["stages"]) for r in report.pipeline)
         out.append(
@@ -226,6 +241,9 @@ def _memory_rows(report: PlanReport) -> list[tuple[str, str, str]]:
     if report.reference_bytes:
         rows.append((f"reference model (frozen copy, {report.reference_dtype}, sharded)",
                      f"{report.reference_params_per_device:,}", _gib(report.reference_bytes)))
+    if report.teacher_bytes:
+        rows.append((f"teacher model (frozen, {report.teacher_dtype}, sharded)",
+                     f"{report.teacher_params_per_device:,}", _gib(report.teacher_bytes)))
     rows += [
         (_all_gather_row(report, pd, pipeline and not keeps_fewer), "", _gib(report.all_gather_bytes)),
         (f"FSDP reduce-scatter buffers ({pd} + {rd})", "", _gib(report.reduce_scatter_bytes)),

@@ -74,8 +74,10 @@ class _Variants:
         self.activations, self.seq_len, self.micro_batch_size, self.pipeline = (
             activations, seq_len, micro_batch_size, pipeline)
         self.memory = report.device_memory_bytes
-        # A preference loss's frozen reference copy is sharded as the trained model: it scales as its states do.
-        self.states = report.param_bytes + report.grad_bytes + report.optimizer_bytes + report.reference_bytes
+        # A preference loss's frozen reference copy (and a teacher) is sharded as the trained model: it scales as its
+        # states do.
+        self.states = (report.param_bytes + report.grad_bytes + report.optimizer_bytes + report.reference_bytes
+                       + report.teacher_bytes)
         self.fixed = report.buffer_bytes + report.reserve_bytes
         self.nodes, self.devices = report.num_nodes, report.devices_per_node
         self.ac, self.option = config.activation_checkpointing, config.selective_ac_option
@@ -102,6 +104,12 @@ class _Variants:
             act_dtype=config.param_dtype, loss_chunk_size=activations.loss_chunk_size, cp=activations.cp,
             loss_parallel=loss_parallel, reference_forward=activations.reference_forward,
         )
+        if activations.teacher_dim:  # the teacher's forward scaled with the tokens and the tensor-parallel shards
+            model = replace(model, teacher_dim=activations.teacher_dim,
+                            distillation_buffers=activations.distillation_buffers,
+                            distillation_chunk=activations.distillation_chunk,
+                            teacher_forward=activations.teacher_forward * model.tokens * activations.tp
+                            // (activations.tokens * tp))
         mode_option = self.option if ac_mode == self.ac else "op"
         if self.pipeline is None:
             return model.estimate(ac_mode, mode_option).peak
