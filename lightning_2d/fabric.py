@@ -10,7 +10,7 @@ A model that is not trained beside it (a DPO reference, a distillation teacher):
 too (the same steps on the same meshes, no gradients, no optimizer, in no checkpoint). ``preference_step`` is the
 preference loss of a ``PreferenceDataModule`` batch, the one the Trainer's modules compute
 (``recipes/fabric_dpo.py``); ``distillation_step`` the loss of a student against a frozen teacher set up beside it, the
-one the modules compute under ``teacher=`` (``lightning_2d.integration.distillation``).
+one the modules compute under ``teacher=`` (``lightning_2d.integration.distillation``; ``recipes/fabric_distill.py``).
 """
 
 from lightning_2d.integration.fabric_strategy import FabricFSDP2Precision, ModelParallel2DStrategy

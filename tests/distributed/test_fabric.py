@@ -3,7 +3,8 @@
 Real jobs (4 CPU processes, gloo) on a small real-text corpus, 6 fp32 AdamW steps, gradients
 clipped to 0.5 (every step is clipped: the clipping uses the global norm of sharded gradients).
 The 2×2 and the single-device jobs then run recipes/fabric_dpo.py in the same processes: DPO of the whole model
-against a frozen copy set up beside it.
+against a frozen copy set up beside it; and then recipes/fabric_distill.py: a 2-block student distilled from a wider,
+deeper teacher read from a Hugging Face folder, set up frozen beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ GLOBAL_BATCH = 4
 #: own): 4 steps of 4 windows of 128 positions, several of 96 built-in pairs packed in each.
 THEN_DPO = ("fabric_single", "fabric_2x2")
 DPO_STEPS, DPO_PAIRS = 4, 96
+#: recipes/fabric_distill.py's run after the DPO one (``then_distill``): 4 steps, jsd at temperature 2 mixed half and
+#: half with the next-token loss, from a transformers Llama teacher (4 layers of 256) saved in a folder.
+DISTILL_STEPS = 4
+TEACHER = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 512,
+           "tie_word_embeddings": False, "rope_theta": 10000.0}
+
+
+def teacher_folder(root) -> str:
+    """A seeded transformers ``LlamaForCausalLM`` saved as a Hugging Face folder: the distillation's teacher."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEACHER)).save_pretrained(root / "teacher")
+    return str(root / "teacher")
 
 
 def dpo_pairs(root) -> dict:
@@ -50,19 +65,22 @@ def fabric_jobs(jobs, tmp_path_factory):
         shutil.copy(path, corpus / path.name)
     base = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": 64, "grad_clip": 0.5}
     dpo = dpo_pairs(root)
+    distill = {"corpus": str(corpus), "cache_dir": str(root / "cache"), "seq_len": 64, "steps": DISTILL_STEPS,
+               "teacher": teacher_folder(root)}
 
     def run(name, dp=1, tp=1, strategy="2d", accumulate=1, **extra):
         config = {**base, "strategy": strategy, "dp": dp, "tp": tp, "accumulate": accumulate,
                   "batch_size": GLOBAL_BATCH // dp // accumulate, **extra}
         if name in THEN_DPO:
             config["then_dpo"] = {**dpo, "batch_size": GLOBAL_BATCH // dp}
+            config["then_distill"] = {**distill, "batch_size": GLOBAL_BATCH // dp}
         return jobs.run(name, "fabric", config, nprocs=dp * tp * extra.get("pp", 1))
 
     return root, run
 
 
-def relative_errors(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == 6
+def relative_errors(a: list[float], b: list[float], steps: int = 6) -> float:
+    assert len(a) == len(b) == steps
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
@@ -291,3 +309,49 @@ def test_dpo_against_a_frozen_reference_set_up_beside_the_policy_equals_the_sing
         assert len(reference) == len(dict(initial.named_parameters()))
         for name, weight in reference.items():
             assert torch.equal(weight, initial.get_parameter(name.removeprefix("_forward_module."))), name
+
+
+def test_distillation_from_a_teacher_folder_set_up_beside_the_student_equals_the_single_device_loop(fabric_jobs):
+    """recipes/fabric_distill.py: a 2-block student and a teacher read from a Hugging Face folder (4 layers of 256),
+    frozen, both given to ``fabric.setup``. At 2×2 the teacher is sharded by its own plan (FSDP over the data ranks,
+    its head's vocabulary rows on the tensor ranks where the student's are), never requires or gets a gradient, ends
+    bit for bit as set up, and holds the folder's weights; the mixed loss, the logged divergence and next-token loss,
+    the gradient norms and the student's final weights equal the single-device loop's."""
+    from safetensors.torch import load_file
+
+    root, run = fabric_jobs
+    single = run("fabric_single", strategy="single")
+    sharded = run("fabric_2x2", dp=2, tp=2, save_every=3, checkpoint_dir=str(root / "ckpt"))
+    ref = single.rank_output(0)["distill"]
+    assert len(ref["loss"]) == DISTILL_STEPS and ref["teacher_unchanged"]
+    assert ref["metrics"][-1]["distill/jsd"] < ref["metrics"][0]["distill/jsd"]  # it learns from the teacher
+    for rank in range(4):
+        out = sharded.rank_output(rank)["distill"]
+        head, student_head = out["teacher_placements"]["output.weight"], out["student_placements"]["output.weight"]
+        assert head["mesh_dims"] == ["data_parallel", "tensor_parallel"] and head["placements"][1] == "Shard(dim=0)"
+        assert head["placements"] == student_head["placements"] and head["local_shape"] == [64, 256], head
+        assert all(p["mesh_dims"][0] == "data_parallel" for p in out["teacher_placements"].values())
+        assert not any(out["teacher_requires_grad"]) and not any(out["teacher_has_grad"])
+        assert out["teacher_unchanged"]
+        errors = {"loss": relative_errors(out["loss"], ref["loss"], DISTILL_STEPS),
+                  "gradient norm": relative_errors(out["grad_norm"], ref["grad_norm"], DISTILL_STEPS)}
+        for name in ref["metrics"][0]:
+            errors[name] = relative_errors([m[name] for m in out["metrics"]], [m[name] for m in ref["metrics"]],
+                                           DISTILL_STEPS)
+        print(f"fabric distillation rank {rank}: " + ", ".join(f"worst relative {k} error {v:.2e}"
+                                                               for k, v in errors.items()))
+        assert max(errors.values()) <= LOSS_RTOL, errors
+    final, ref_final = load_weights(sharded, "distill_final"), load_weights(single, "distill_final")
+    assert final.keys() == ref_final.keys()
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+    # The folder's weights, on both (names free of the rotary permutation: the embedding, a down projection, a norm).
+    saved = load_file(root / "teacher" / "model.safetensors")
+    for job in (sharded, single):
+        teacher = {name.removeprefix("_forward_module."): w for name, w in load_weights(job, "distill_teacher").items()}
+        assert teacher["layers.3.feed_forward.w1.weight"].shape == (512, 256)
+        for ours, theirs in [("tok_embeddings.weight", "model.embed_tokens.weight"),
+                             ("layers.2.feed_forward.w2.weight", "model.layers.2.mlp.down_proj.weight"),
+                             ("layers.1.attention_norm.weight", "model.layers.1.input_layernorm.weight"),
+                             ("output.weight", "lm_head.weight")]:
+            assert torch.equal(teacher[ours], saved[theirs]), ours

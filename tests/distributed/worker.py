@@ -1223,6 +1223,42 @@ def fabric_dpo(fabric: L.Fabric, cfg: dict, out_dir: Path) -> dict:
     return {**history, **record, "seconds": time.perf_counter() - start}  # what the DPO run adds to its job
 
 
+def fabric_distill(fabric: L.Fabric, cfg: dict, out_dir: Path) -> dict:
+    """recipes/fabric_distill.py's loop in the processes of a Fabric job already launched (``then_distill``): a
+    student and a frozen teacher read from a Hugging Face folder, set up side by side. Returns each step's loss,
+    gradient norm and logged means, the teacher's placements after the first step, whether its shards ended bit for
+    bit as they were set up, and at every step whether a teacher parameter required or had a gradient; saves the
+    final weights of both (``distill_final``, ``distill_teacher``)."""
+    recipe = load_recipe("fabric_distill")
+    args = recipe.parse_args([
+        "--data", cfg["corpus"], "--cache-dir", cfg["cache_dir"], "--seq-len", str(cfg["seq_len"]),
+        "--batch-size", str(cfg["batch_size"]), "--max-steps", str(cfg["steps"]), "--warmup-steps", "2",
+        "--lr", "1e-3", "--teacher-init-from", cfg["teacher"], "--loss", "jsd", "--temperature", "2.0",
+        "--alpha", "0.5", "--log-every", "1000",
+    ])
+    mesh = getattr(fabric.strategy, "device_mesh", None)
+    record: dict[str, Any] = {"teacher_requires_grad": [], "teacher_has_grad": []}
+    before: dict[str, torch.Tensor] = {}
+
+    def on_step(step: int, student, teacher) -> None:
+        params = list(teacher.parameters())
+        record["teacher_requires_grad"].append(any(p.requires_grad for p in params))
+        record["teacher_has_grad"].append(any(p.grad is not None for p in params))
+        if step == 1:  # the first step ran the teacher; its shards are as set up (it is never written)
+            before.update(local_state(teacher.module))
+            record["teacher_placements"] = placements(teacher.module)
+            record["student_placements"] = placements(student.module)
+        if step == args.max_steps:
+            after = local_state(teacher.module)
+            record["teacher_unchanged"] = before.keys() == after.keys() and all(
+                torch.equal(before[k], after[k]) for k in before)
+            save_state(student, mesh, fabric.global_rank, out_dir, "distill_final")
+            save_state(teacher, mesh, fabric.global_rank, out_dir, "distill_teacher")
+
+    history = recipe.train(fabric, args, on_step=on_step)
+    return {**history, **record}
+
+
 def fabric_loop(cfg: dict) -> None:
     """recipes/fabric_pretrain.py's loop, under the 2D Fabric strategy or a plain single-device Fabric; with
     ``then_dpo``, recipes/fabric_dpo.py's after it in the same processes (``fabric_dpo``)."""
@@ -1294,6 +1330,8 @@ def fabric_loop(cfg: dict) -> None:
         result["resumed"] = recipe.train(fabric, again, on_step=on_resumed_step)
     if cfg.get("then_dpo"):  # after everything the pretraining run recorded (its reduce-scatter count)
         result["dpo"] = fabric_dpo(fabric, cfg["then_dpo"], out_dir)
+    if cfg.get("then_distill"):
+        result["distill"] = fabric_distill(fabric, cfg["then_distill"], out_dir)
     if cfg.get("refuse"):
         # Checkpoints the test planted a payload in, loaded as fabric.load loads: each rank's refusal (None: loaded).
         from lightning_2d.checkpoint import CheckpointError
