@@ -1,11 +1,13 @@
-"""``compile=True`` with a preference loss: the trained model's blocks and its frozen reference copy's are compiled
-(the copy is parallelized with the trained model's options, ``compile`` included), and the run is the eager one.
+"""``compile=True`` with a frozen model beside the trained one: the trained model's blocks and the frozen model's are
+compiled (a frozen model is parallelized with the trained model's options, ``compile`` included), and the run is the
+eager one.
 
-One process under ``ModelParallel2DStrategy`` (a one-rank gloo world, FSDP2 over it), 2 fp32 AdamW steps of DPO on a
-2-block ``debug`` Llama against its frozen copy, compiled (inductor) and eager. A compiled fit costs ~15-40 s on 2
-CPU cores (two graphs), so this is the one such fit, and it is of the full suite (``distributed``: a process group in
-this process, and inductor's C++ builds), not of the quick tier; the adapters-off reference under compile (LoRA's) is
-checked on a block with ``aot_eager`` in ``tests/unit/test_lora.py``.
+One process under ``ModelParallel2DStrategy`` (a one-rank gloo world, FSDP2 over it), 2 fp32 AdamW steps of a
+2-block ``debug`` Llama, compiled (inductor) and eager: DPO against its frozen copy, and distillation from a wider
+teacher (its own blocks, its own graph; run inside the student's head without a graph). A compiled fit costs ~15-40 s
+on 2 CPU cores (two graphs), so these are the only such fits, and they are of the full suite (``distributed``: a
+process group in this process, and inductor's C++ builds), not of the quick tier; the adapters-off reference under
+compile (LoRA's) is checked on a block with ``aot_eager`` in ``tests/unit/test_lora.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, PreferenceDataModule
+from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, PreferenceDataModule, TextDataModule
+from lightning_2d.data import stdlib_sources
 from lightning_2d.data.preference.builtin import stdlib_preference_rows
 from lightning_2d.parallel.modules import canonical_name
 
@@ -26,6 +29,9 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 2
 DPO = {"loss_type": "sigmoid", "beta": 0.1}
+#: A teacher of another shape than the student's (2 blocks of dim 128): 2 blocks of dim 256.
+TEACHER = {"model": "debug", "model_overrides": {"dim": 256, "n_layers": 2}}
+JSD = {"loss": "jsd", "beta": 0.5, "temperature": 2.0, "alpha": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +42,16 @@ def pairs(tmp_path_factory) -> dict:
     args = {"paths": str(folder / "pairs.jsonl"), "tokenizer": "byte", "cache_dir": str(folder / "cache"),
             "max_length": 60, "seq_len": 128, "batch_size": 2, "val_fraction": 0}
     PreferenceDataModule(**args).prepare(num_workers=1)
+    return args
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("text")
+    for path in stdlib_sources()[:2]:
+        (folder / path.name).write_bytes(path.read_bytes()[:20_000])
+    args = {"paths": str(folder), "seq_len": 64, "batch_size": 2, "val_fraction": 0, "cache_dir": str(folder / "c")}
+    TextDataModule(**args).prepare(num_workers=1)
     return args
 
 
@@ -59,22 +75,22 @@ def environment_as_found():
     os.environ.update(saved)
 
 
-def fit(pairs: dict, compile: bool):
-    """``(module, metrics, graphs)``: the fitted module, each step's loss and TRL metrics, and the graphs dynamo
+def fit(data: L.LightningDataModule, compile: bool, **options):
+    """``(module, metrics, graphs)``: the fitted module, each step's loss and logged metrics, and the graphs dynamo
     compiled during the fit (its caches emptied first, so no earlier test's graph serves this one)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
-    module = LlamaLightningModule("debug", model_overrides={"n_layers": 2, "vocab_size": 264}, init_seed=3,
-                                  learning_rate=1e-3, warmup_steps=1, max_steps=STEPS, preference=DPO)
+    module = LlamaLightningModule("debug", model_overrides={"n_layers": 2, "vocab_size": options.pop("vocab", 264)},
+                                  init_seed=3, learning_rate=1e-3, warmup_steps=1, max_steps=STEPS, **options)
     metrics = Metrics()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ModelParallel2DStrategy(compile=compile),
                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[metrics])
     torch.manual_seed(0)
     try:
-        trainer.fit(module, PreferenceDataModule(**pairs))
+        trainer.fit(module, data)
     finally:
         dist.destroy_process_group()
     return module, metrics.steps, counters["stats"]["unique_graphs"] - graphs
@@ -83,8 +99,8 @@ def fit(pairs: dict, compile: bool):
 def test_compiled_blocks_and_their_compiled_frozen_copy_train_as_eager(pairs):
     from torch._dynamo.eval_frame import OptimizedModule
 
-    eager, eager_steps, eager_graphs = fit(pairs, compile=False)
-    compiled, steps, graphs = fit(pairs, compile=True)
+    eager, eager_steps, eager_graphs = fit(PreferenceDataModule(**pairs), compile=False, preference=DPO)
+    compiled, steps, graphs = fit(PreferenceDataModule(**pairs), compile=True, preference=DPO)
     (copy,) = compiled.frozen_models()
     for model in (compiled.model, copy.frozen()):  # the trained blocks and the copy's: torch.compile's wrappers
         assert all(isinstance(block, OptimizedModule) for block in model.layers.values()), model.layers
@@ -111,3 +127,35 @@ def test_compiled_blocks_and_their_compiled_frozen_copy_train_as_eager(pairs):
     for name, param in eager.model.named_parameters():
         torch.testing.assert_close(trained[name].full_tensor(), param.full_tensor(), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_compiled_student_and_compiled_teacher_distil_as_eager(text):
+    """Distillation under ``compile=True``: the student's blocks and the teacher's (its own plan, compiled as a frozen
+    model's: a forward without grad, run inside the student's head) are torch.compile's; two graphs, none recompiled;
+    the losses, the logged divergence and next-token loss and the student's weights equal the eager run's, and the
+    teacher ends as it started."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    options = {"teacher": TEACHER, "distillation": JSD, "vocab": 256}
+    eager, eager_steps, eager_graphs = fit(TextDataModule(**text), compile=False, **options)
+    compiled, steps, graphs = fit(TextDataModule(**text), compile=True, **options)
+    teacher = compiled.teacher.frozen()
+    for model in (compiled.model, teacher):
+        assert all(isinstance(block, OptimizedModule) for block in model.layers.values()), model.layers
+    assert teacher.layers["0"]._orig_mod.feed_forward.w1.weight.shape[1] == 256  # the teacher's own shape
+    assert eager_graphs == 0
+    # The student's blocks (forward and backward) and the teacher's (another shape, a forward without grad): two.
+    assert graphs == 2, graphs
+    assert len(steps) == len(eager_steps) == STEPS
+    for got, want in zip(steps, eager_steps):
+        assert got.keys() == want.keys() and {"distill/jsd", "distill/next_token_loss"} <= got.keys()
+        for name, value in want.items():  # inductor's fused pointwise work rounds otherwise: a few ulps (see above)
+            assert got[name] == pytest.approx(value, rel=1e-5), (name, got[name], value)
+    trained = {canonical_name(name): param for name, param in compiled.model.named_parameters()}
+    for name, param in eager.model.named_parameters():
+        torch.testing.assert_close(trained[name].full_tensor(), param.full_tensor(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # The teacher: its seeded init (the student's seed) in both runs, untouched by training.
+    frozen = {canonical_name(name): p.full_tensor() for name, p in teacher.named_parameters()}
+    for name, param in eager.teacher.frozen().named_parameters():
+        assert not param.requires_grad and torch.equal(frozen[name], param.full_tensor()), name
