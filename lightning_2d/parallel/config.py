@@ -394,18 +394,6 @@ def simple_fsdp_resharding(fsdp_backend: Any, reshard_after_forward: Any, activa
 
 
 @check
-def expert_parallel_composition(expert_parallel_size: Any, fsdp_backend: Any) -> list[str]:
-    """What expert parallelism cannot run with: SimpleFSDP (its experts would need a second data-parallel mesh)."""
-    if _is_positive_int(expert_parallel_size) and expert_parallel_size > 1 and fsdp_backend == "simple_fsdp":
-        return [
-            f"expert_parallel_size={expert_parallel_size} with fsdp_backend='simple_fsdp': SimpleFSDP shards every"
-            " parameter over one data-parallel mesh, and the experts need their own (the ranks left beside expert"
-            " parallelism); use fsdp_backend='fully_shard' or expert_parallel_size=1"
-        ]
-    return []
-
-
-@check
 def simple_fsdp_composition(fsdp_backend: Any, float8: Any, fsdp_float8_all_gather: Any) -> list[str]:
     """What SimpleFSDP cannot run with: FSDP2's float8 all-gather (a ``fully_shard`` extension point)."""
     if fsdp_backend != "simple_fsdp" or not (float8 and fsdp_float8_all_gather is True):

@@ -298,8 +298,17 @@ class SimpleFSDP:
 
     def apply(self, model: nn.Module, meshes: "ParallelMeshes", plan: "ParallelPlan", config: "ParallelConfig",
               step: Optional[Callable[..., None]] = None, experts: Sequence[nn.Module] = ()) -> None:
-        """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_simple_fsdp``, or the owner's replacement).
-        ``experts`` is empty: expert parallelism with SimpleFSDP is refused before launch (a registered check)."""
+        """Shard ``model`` over ``meshes.fsdp`` with ``step`` (``apply_simple_fsdp``, or the owner's replacement);
+        the plan's ``experts`` (expert parallelism's modules, their parameters ``Shard(0)`` DTensors over the
+        ``expert_parallel`` mesh) first, over the ranks holding the same experts (``meshes.expert_fsdp``), as
+        ``fully_shard`` shards them (``parallel.expert.shard_experts``): each parameter a DTensor over
+        ``(expert_fsdp…, expert_parallel)``, gathered over ``expert_fsdp`` where it is read and its gradient averaged
+        there (the exchange's ``1 / EP`` scale makes that the whole data × context average). The model's other
+        parameters then skip the modules wrapped already."""
+        if experts:
+            for module in experts:
+                data_parallel(module, meshes.expert_fsdp, param_dtype=config.param_dtype,
+                              reduce_dtype=config.reduce_dtype)
         (step or self.step)(model, meshes.fsdp, plan, config)
 
     def state_access(self) -> AbstractContextManager[Any]:

@@ -6,8 +6,8 @@ Layouts: expert parallel 2 × FSDP 2 (full activation checkpointing: the exchang
 parallel 2 × tensor parallel 2 (sequence parallel; whole experts on each tensor-parallel rank), tensor parallel 2 ×
 data parallel 2 without expert parallelism (the experts split by their hidden features), context parallel 2 × expert
 parallel 2, pipeline 2 × expert parallel 2 (aux-loss-free balancing: the bias moves
-every step), and expert parallel 4 with routing forced off 5 of the 8 experts (an idle expert on a busy rank, two
-idle ranks). Every job clips its gradients, and each step's gradient norm (the total and the routed experts' own) is
+every step), expert parallel 4 with routing forced off 5 of the 8 experts (an idle expert on a busy rank, two
+idle ranks), and expert parallel 2 × FSDP 2 under SimpleFSDP. Every job clips its gradients, and each step's gradient norm (the total and the routed experts' own) is
 the reference's: AdamW's update barely changes when a tensor's gradient is off by a constant factor (the experts'
 ``1 / EP`` scale, say; only its epsilon tells, on near-zero gradients), the norms show the factor itself. Besides the
 losses and norms: every routed count of every layer and step (summed over the ranks holding different tokens) is the
@@ -45,10 +45,12 @@ LAYOUTS = {
     "cp2_ep2": (dict(dp=2, tp=1, nprocs=4, context_parallel_size=2, expert_parallel_size=2), COMMON),
     "pp2_ep2": (dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2, expert_parallel_size=2), BIAS),
     "ep4_idle": (dict(dp=4, tp=1, expert_parallel_size=4), IDLE),
+    # SimpleFSDP: the experts sharded over the expert-data ranks as fully_shard shards them, gathered where read.
+    "ep2_simple_fsdp": (dict(dp=4, tp=1, expert_parallel_size=2, fsdp_backend="simple_fsdp"), COMMON),
 }
 REFERENCES = {"common": COMMON, "bias": BIAS, "idle": IDLE}
 REFERENCE_OF = {"ep2_fsdp2": "common", "ep2_tp2": "common", "tp2_dp2": "common", "cp2_ep2": "common",
-                "pp2_ep2": "bias", "ep4_idle": "idle"}
+                "pp2_ep2": "bias", "ep4_idle": "idle", "ep2_simple_fsdp": "common"}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +160,10 @@ def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
         assert placed["placements"][tp] == f"Shard(dim={dim})", (name, placed)
     shared = tensor_parallel["layers.1.feed_forward.shared_experts.w1.weight"]
     assert shared["placements"][shared["mesh_dims"].index("tensor_parallel")] == "Shard(dim=0)"
+    # SimpleFSDP lays the experts out as fully_shard does (a checkpoint of one loads into the other), and wraps them.
+    simple = runs["ep2_simple_fsdp"].rank_output(0)
+    assert simple["placements"]["layers.1.feed_forward.experts.w1"] == expert_parallel
+    assert simple["data_parallel_modules"]["simple_fsdp"] > 0 and simple["data_parallel_modules"]["fully_shard"] == 0
     # Under expert × tensor parallelism the experts are whole on each tensor-parallel rank.
     both = runs["ep2_tp2"].rank_output(0)["placements"]["layers.1.feed_forward.experts.w1"]
     assert "tensor_parallel" not in both["mesh_dims"] and both["local_shape"] == [4, 64, 128]
@@ -165,8 +171,8 @@ def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
 
 #: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text, its experts
 #: balanced by the bias (a buffer the checkpoint must carry: it routes), saves every 2 steps; its step-2 checkpoint
-#: resumed at expert parallel 4 and at tensor parallel 2 × data parallel 2 (no expert parallelism: the experts split
-#: by features) must reproduce its steps 3-6, and its step-4 checkpoint resumed at its own layout steps 5-6 exactly.
+#: resumed at expert parallel 4, at tensor parallel 2 × data parallel 2 (no expert parallelism: the experts split
+#: by features) and at its own layout under SimpleFSDP (fully_shard's checkpoint) must reproduce its steps 3-6, and its step-4 checkpoint resumed at its own layout steps 5-6 exactly.
 RESUME_SEQ_LEN, RESUME_BATCH = 64, 4
 
 
@@ -190,16 +196,18 @@ def resumes(jobs, tmp_path_factory) -> dict:
         "moe_tp2_resumes": {**base, "dp": 2, "tp": 2, "batch_size": 2, "resume": str(saved / "epoch=0-step=2.ckpt")},
         "moe_ep2_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
                             "resume": str(saved / "epoch=1-step=4.ckpt")},
+        "moe_simple_fsdp_resumes": {**base, "dp": 4, "tp": 1, "batch_size": 1, "expert_parallel_size": 2,
+                                    "fsdp_backend": "simple_fsdp", "resume": str(saved / "epoch=0-step=2.ckpt")},
     }
     jobs.share("moe_resume", [(name, config, 4, 1) for name, config in runs.items()], scenario="train")
     return {name: jobs.run(name, "train", config, nprocs=4) for name, config in runs.items()}
 
 
-@pytest.mark.parametrize("resumed", ["moe_ep4_resumes", "moe_tp2_resumes"])
+@pytest.mark.parametrize("resumed", ["moe_ep4_resumes", "moe_tp2_resumes", "moe_simple_fsdp_resumes"])
 def test_a_checkpoint_resumes_at_another_expert_parallel_size(resumes, resumed):
     saved, run = resumes["moe_ep2_saves"].rank_output(0), resumes[resumed].rank_output(0)
     assert len(saved["losses"]) == 6 and len(run["losses"]) == 4 and run["global_step"] == 6
-    if resumed == "moe_ep4_resumes":  # the same data-parallel size: rank 0 gets the same batches from step 3 on
+    if resumed != "moe_tp2_resumes":  # the same data-parallel size: rank 0 gets the same batches from step 3 on
         assert run["batches"] == saved["batches"][2:]
     error = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], saved["losses"][2:]))
     print(f"{resumed}: worst relative loss error of steps 3-6 {error:.2e}")

@@ -396,10 +396,6 @@ if _hf_available():
             data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4),
          ParallelConfigError, r"expert_parallel_size \(4\) must divide the data-shard × context ranks \(2 ="
                               r" data_parallel_size 2.*use one of 1 or 2"),
-        ("expert parallelism with SimpleFSDP", lambda _: ModelParallel2DStrategy(
-            expert_parallel_size=2, fsdp_backend="simple_fsdp"),
-         ParallelConfigError, r"expert_parallel_size=2 with fsdp_backend='simple_fsdp'.*use"
-                              r" fsdp_backend='fully_shard'"),
         ("mixture-of-experts auxiliary loss under pipeline parallelism", lambda _: fit_before_spawn(
             LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=2,
             tensor_parallel_size=1, pipeline_parallel_size=2),
