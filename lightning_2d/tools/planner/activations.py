@@ -74,6 +74,9 @@ class Architecture:
             itself (``SequenceShardInput``): checkpointed, it keeps the whole input (``a·N·D``), not the slice.
         keeps_embeddings: The forward holds the embedding's output (``a·N·D``, whole) until it returns
             (``inputs_embeds``): a forward without a graph has it beside every block's working set.
+        experts_tensor_parallel: A mixture of experts' routed and shared experts are split by their hidden features
+            over the tensor-parallel ranks (our ``MoETensorParallel``). ``False``: each sparse block runs whole on
+            every tensor-parallel rank (transformers' blocks under the built-in plan).
     """
 
     fused_loss: bool = True
@@ -82,6 +85,7 @@ class Architecture:
     rotary_per_forward: bool = False
     first_block_slices: bool = False
     keeps_embeddings: bool = False
+    experts_tensor_parallel: bool = True
 
 
 #: Our Llama ``Transformer``.
@@ -92,7 +96,7 @@ def hf_architecture(model_type: str) -> Architecture:
     """A Hugging Face Llama-family decoder's (``model_type`` in ``HF_DECODER_TYPES``) under SDPA attention."""
     return Architecture(fused_loss=False, repeat_kv=False, head_norms=model_type in ("qwen3", "qwen3_moe"),
                         rotary_per_forward=True,
-                        first_block_slices=True, keeps_embeddings=True)
+                        first_block_slices=True, keeps_embeddings=True, experts_tensor_parallel=False)
 
 
 @dataclass(frozen=True)
@@ -303,19 +307,22 @@ class ActivationModel:
         """
         moe = getattr(args, "moe", None)
         experts = None
+        architecture = getattr(args, "architecture", NATIVE)
         if moe is not None and getattr(args, "moe_layers", ()):
-            split = tp if expert_parallel == 1 else 1  # experts split by features only without expert parallelism
+            # Experts split by features only without expert parallelism, and only where the plan splits them.
+            whole = not architecture.experts_tensor_parallel
+            split = tp if expert_parallel == 1 and not whole else 1
             per_rank = min(moe.top_k, moe.num_experts // expert_parallel)
             experts = ExpertActivations(
                 num_experts=moe.num_experts, top_k=moe.top_k, hidden=math.ceil(moe.hidden_dim / split),
-                shared_hidden=math.ceil(moe.shared_dim / tp), expert_parallel=expert_parallel > 1,
+                shared_hidden=math.ceil(moe.shared_dim / (1 if whole else tp)), expert_parallel=expert_parallel > 1,
                 routed_tokens=moe.top_k if expert_parallel == 1 else expert_parallel * per_rank,
                 layers=tuple(args.is_moe_layer(i) for i in range(args.n_layers)),
             )
         return cls(
             document_mask=document_mask,
             frozen_base=frozen_base,
-            architecture=getattr(args, "architecture", NATIVE),
+            architecture=architecture,
             loss_parallel=loss_parallel and tp > 1,
             cp=cp,
             seq_len=seq_len,

@@ -626,9 +626,10 @@ def _hf_notes(args: HFDecoderArgs, seq_len: int, micro_batch_size: int) -> list[
 
     if sparse := hf_moe_layers(args.config):
         notes.append(
-            f"{len(sparse)} of {args.n_layers} blocks are mixtures of experts, run whole on every tensor-parallel rank;"
-            " their parameters are counted exactly, their activations as a dense MLP of intermediate_size (the"
-            " experts' own are not modelled on this path: plan LlamaLightningModule(init_from=...) for them)"
+            f"{len(sparse)} of {args.n_layers} blocks are mixtures of experts, run whole on every tensor-parallel rank"
+            " (the experts not split by features): their activations as transformers' loop over the experts computes"
+            " them (the router's fp32 scores; each assignment's input, gate, up, product and output), for the"
+            " k experts of every token"
         )
     window = getattr(args.config, "sliding_window", None)
     if (sliding := args.sliding_layers) and window is not None and window < seq_len:  # else the mask is skipped

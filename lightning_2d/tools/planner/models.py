@@ -25,12 +25,14 @@ from lightning_2d.models.hf_decoders import (
     check_hf_decoder,
     hf_config_problems,
     hf_decoder_plan,
+    hf_moe_layers,
     hf_validation_inputs,
     load_hf_config,
 )
 from lightning_2d.models.llama.model import PRESETS, ModelArgs, Transformer
 from lightning_2d.models.llama.plan import llama_plan, llama_validation_inputs
 from lightning_2d.ops.lora import LoRA
+from lightning_2d.ops.moe import MoEArgs
 from lightning_2d.ops.preference import PreferenceLoss
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.tools.planner.activations import Architecture, hf_architecture
@@ -94,6 +96,19 @@ class HFDecoderArgs:
     @property
     def architecture(self) -> Architecture:
         return hf_architecture(self.model_type)
+
+    @property
+    def moe(self) -> Optional[MoEArgs]:
+        """The experts of its sparse blocks (Qwen3-MoE, Mixtral: ``MoEArgs.from_hf_config``), else ``None``."""
+        return MoEArgs.from_hf_config(self.config)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The blocks whose ``mlp`` is a mixture of experts (``hf_moe_layers``)."""
+        return hf_moe_layers(self.config)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i in self.moe_layers
 
     @property
     def sliding_layers(self) -> int:
