@@ -142,6 +142,7 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             context_parallel_size: int = 1,
             fsdp_backend: Literal["fully_shard", "simple_fsdp"] = "fully_shard",
             expert_parallel_size: int = 1,
+            experts_over_tensor_parallel: bool = False,
             *,
             parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
         ) -> None: ...

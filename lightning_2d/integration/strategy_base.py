@@ -207,6 +207,7 @@ class ModelParallel2DBase(LightningStrategyMembers):
             context_parallel_size: int = 1,
             fsdp_backend: Literal["fully_shard", "simple_fsdp"] = "fully_shard",
             expert_parallel_size: int = 1,
+            experts_over_tensor_parallel: bool = False,
         ) -> None: ...
         # END generated
     else:

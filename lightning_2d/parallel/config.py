@@ -202,6 +202,14 @@ class ParallelConfig:
     experts' ranks and back by all-to-all (``lightning_2d.parallel.expert``); the experts are FSDP-sharded over the
     remaining ``data-shard × context / expert_parallel_size`` ranks. Must divide the model's number of experts.
     ``1`` (default): every rank holds every expert (FSDP-sharded, or tensor-parallel under ``tensor_parallel_size``)."""
+    experts_over_tensor_parallel: bool = option(False, position=32)
+    """Expert parallelism's groups take in the tensor-parallel ranks: ``expert_parallel_size`` is ``k ×
+    tensor_parallel_size``, ``k`` dividing the data-shard × context ranks, and under sequence parallelism each
+    tensor-parallel rank routes its own slice of the sequence to the experts (the router and shared experts on the
+    slice too), so no expert's work is repeated (torchtitan's expert parallelism borrowing the tensor-parallel
+    ranks). ``False`` (default): the expert-parallel ranks come out of the data-shard × context ranks only, and every
+    tensor-parallel rank computes its group's experts whole, on the same tokens: their FLOPs repeated
+    ``tensor_parallel_size`` times (their memory is not)."""
     pipeline_parallel_size: int = option(1, position=3)
     """Number of pipeline stages' ranks (``torch.distributed.pipelining``): the transformer blocks are split
     into stages, consecutive stages on consecutive pipeline ranks, each stage tensor-parallel and FSDP-sharded

@@ -76,6 +76,8 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    #: Expert parallelism's groups take in the tensor-parallel ranks (``experts_over_tensor_parallel``).
+    ep_over_tp: bool = False
 
     @property
     def dp(self) -> int:
@@ -112,7 +114,8 @@ class ParallelDims:
                 timeout: without this a rank stuck in a ``tensor_parallel`` or ``data_parallel``
                 collective would wait that long whatever the strategy's ``timeout`` says.
         """
-        meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)), expert_parallel=self.ep)
+        meshes = build_meshes(device_type, dict(zip(self.mesh_dims, self.mesh_shape)), expert_parallel=self.ep,
+                              over_tensor=self.ep_over_tp)
         if timeout is not None:  # every named mesh's group (an alias's is its mesh's: set once)
             groups = [*meshes.root.get_all_groups(), *(meshes.get(name).get_group() for name in meshes.names)]
             set_group_timeouts(groups, timeout)
@@ -238,7 +241,8 @@ def validate_parallel_dims(
     raise_if_problems(run_checks(options, known))
     replicas = config.data_parallel_replicate_size
     return ParallelDims(dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, pp=config.pipeline_parallel_size,
-                        cp=config.context_parallel_size, ep=config.expert_parallel_size)
+                        cp=config.context_parallel_size, ep=config.expert_parallel_size,
+                        ep_over_tp=bool(config.experts_over_tensor_parallel) and config.expert_parallel_size > 1)
 
 
 # ---- the checks that need the world, the model or the hardware (``parallel/checks.py``), in report order ----------
@@ -296,18 +300,67 @@ def _world_product_message(pp: int, cp: int, dp: int, tp: int, world_size: int, 
 
 @check
 def expert_parallel_layout(
-    expert_parallel_size: int, data_parallel_replicate_size: int, context_parallel_size: int, dp: int,
+    expert_parallel_size: int, data_parallel_replicate_size: int, context_parallel_size: int, dp: int, tp: int,
+    experts_over_tensor_parallel: bool = False,
 ) -> list[str]:
-    """Expert parallelism's ranks come out of the data-shard × context ranks."""
+    """Expert parallelism's ranks come out of the data-shard × context ranks (over the tensor-parallel ranks too:
+    ``expert_groups_over_tensor``)."""
     ep, replicas = expert_parallel_size, data_parallel_replicate_size
-    if ep == 1 or dp % replicas or (dp // replicas * context_parallel_size) % ep == 0:
-        return []
     shards = dp // replicas * context_parallel_size
+    if ep == 1 or dp % replicas or experts_over_tensor_parallel or shards % ep == 0:
+        return []
+    fits = tp > 1 and ep % tp == 0 and shards % (ep // tp) == 0
+    hint = (f", or experts_over_tensor_parallel=True (the groups then take in the tensor_parallel_size {tp} ranks,"
+            " each routing its sequence slice)") if fits else ""
     return [
-        f"expert_parallel_size ({ep}) must divide the data-shard × context ranks ({shards} = data_parallel_size"
-        f" {dp} / data_parallel_replicate_size {replicas} × context_parallel_size {context_parallel_size}): the"
-        f" experts are split over ranks that hold different tokens; use one of {_fmt_choices(_divisors(shards))}"
+        f"expert_parallel_size ({ep}) must divide the data-shard × context ranks ({shards} = data_parallel_size {dp} /"
+        f" data_parallel_replicate_size {replicas} × context_parallel_size {context_parallel_size}): the experts are"
+        f" split over ranks that hold different tokens; use one of {_fmt_choices(_divisors(shards))}{hint}"
     ]
+
+
+@check
+def expert_groups_over_tensor(
+    expert_parallel_size: int, data_parallel_replicate_size: int, context_parallel_size: int, dp: int, tp: int,
+    experts_over_tensor_parallel: bool = False,
+) -> list[str]:
+    """With ``experts_over_tensor_parallel`` each expert group is ``k`` data-shard × context ranks with all their
+    tensor-parallel ranks."""
+    ep, replicas = expert_parallel_size, data_parallel_replicate_size
+    shards = dp // replicas * context_parallel_size
+    if not experts_over_tensor_parallel or ep == 1 or tp == 1 or dp % replicas:
+        return []
+    if ep % tp == 0 and shards % (ep // tp) == 0:
+        return []
+    return [
+        f"expert_parallel_size ({ep}) with experts_over_tensor_parallel=True must be k × tensor_parallel_size ({tp})"
+        f" with k dividing the data-shard × context ranks ({shards} = data_parallel_size {dp} /"
+        f" data_parallel_replicate_size {replicas} × context_parallel_size {context_parallel_size}): each group is k"
+        f" of those ranks with all their tensor-parallel ranks; use one of"
+        f" {_fmt_choices([k * tp for k in _divisors(shards)])}"
+    ]
+
+
+@check
+def experts_over_tensor_parallel_layout(experts_over_tensor_parallel: bool, expert_parallel_size: int, tp: int,
+                                        sequence_parallel: bool) -> list[str]:
+    """Expert parallelism over the tensor-parallel ranks needs both, and sequence parallelism: each tensor-parallel
+    rank routes the tokens of its own sequence slice."""
+    if not experts_over_tensor_parallel:
+        return []
+    if expert_parallel_size == 1 or tp == 1:
+        return [
+            f"experts_over_tensor_parallel=True with expert_parallel_size={expert_parallel_size} and"
+            f" tensor_parallel_size={tp}: it makes the expert-parallel groups take in the tensor-parallel ranks, so"
+            " both must be above 1; set experts_over_tensor_parallel=False"
+        ]
+    if not sequence_parallel:
+        return [
+            "experts_over_tensor_parallel=True with sequence_parallel=False: each tensor-parallel rank routes its own"
+            " slice of the sequence, which only sequence parallelism gives it (without it every tensor-parallel"
+            " rank holds the same tokens); set sequence_parallel=True, or experts_over_tensor_parallel=False"
+        ]
+    return []
 
 
 @check

@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, auxiliary_loss_terms, local_part
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
 from lightning_2d.parallel.loss import data_context_group
+from lightning_2d.parallel.meshes import EXPERT_TOKENS, as_meshes
 from lightning_2d.parallel.modules import matching_modules
 from lightning_2d.parallel.styles import gather_sequence_around
 
@@ -150,7 +151,16 @@ class ExpertParallel(ParallelStyle):
     DTensor, dimension 0 being the expert (rank ``r`` holds experts ``r·E/EP …``; on the meta model, materialization
     then fills each rank's), the module computes on its local part (``ops.moe.local_part``), and an
     ``ExpertExchange`` around it brings each token to its expert's rank and back. The experts' gradients are scaled
-    by ``1 / EP`` (``shard_experts`` says why)."""
+    by ``1 / EP`` (``shard_experts`` says why), ``tp / EP`` when the groups take in the tensor-parallel ranks.
+
+    Args:
+        tensor_ranks: The tensor-parallel ranks inside each expert-parallel group (``experts_over_tensor_parallel``:
+            ``tp``; else 1): each routes tokens of its own, and FSDP averages over the data ranks only.
+    """
+
+    def __init__(self, tensor_ranks: int = 1) -> None:
+        super().__init__()
+        self.tensor_ranks = tensor_ranks
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -163,8 +173,13 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(0)]),
                                                          requires_grad=param.requires_grad))
         ExpertExchange(device_mesh.get_group(), int(params[0][1].shape[0]),
-                       expert_grad_scale=1.0 / device_mesh.size()).attach(module)
+                       expert_grad_scale=self.tensor_ranks / device_mesh.size()).attach(module)
         return module
+
+
+#: The attribute ``MoETensorParallel(route_slices=True)`` sets on a layer's experts module: the tensor-parallel ranks
+#: routing their own slices, whose expert-parallel groups take them in (``ExpertParallel(tensor_ranks=...)``).
+ROUTING_TENSOR_RANKS = "_routing_tensor_ranks"
 
 
 def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
@@ -182,6 +197,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: "DeviceMesh", plan: Paralle
 
     for pattern, style in plan.expert_parallel.items():
         for module in matching_modules(model, pattern):
+            # Experts whose layer routes each tensor-parallel rank's slice (``MoETensorParallel(route_slices=True)``,
+            # applied before): the groups take in those ranks, which FSDP's average does not count.
+            tensor_ranks = getattr(module, ROUTING_TENSOR_RANKS, 1)
+            if isinstance(style, ExpertParallel) and tensor_ranks != style.tensor_ranks:
+                style = ExpertParallel(tensor_ranks=tensor_ranks)
             parallelize_module(module, ep_mesh, style)
 
 
@@ -263,15 +283,29 @@ class MoETensorParallel(ParallelStyle):
       else (under expert parallelism) whole on each rank, split over the expert-parallel ranks instead.
     - Shared experts: column-wise ``w1``/``w3``, row-wise ``w2``, as a dense feed-forward.
 
+    With ``route_slices`` (``experts_over_tensor_parallel``: the expert-parallel groups take in the tensor-parallel
+    ranks) nothing is gathered: each tensor-parallel rank routes its own sequence slice and sends its tokens to their
+    experts' ranks (the exchange's group spans the tensor-parallel ranks), so no expert computes a token twice. The
+    router and the shared experts then run on the slice with their weights replicated over the tensor-parallel ranks
+    (torch's ``SequenceParallel`` on the flattened tokens: their gradients, partial sums over the slices, are summed
+    over the ranks as the norms' are).
+
     Args:
         sequence_parallel: The layer's input and output are sequence slices (``Shard(1)``).
         experts_tensor_parallel: Split the routed experts over the tensor-parallel ranks.
+        route_slices: Each tensor-parallel rank routes its own sequence slice (needs ``sequence_parallel``; the
+            routed experts are then split over the expert-parallel ranks only).
     """
 
-    def __init__(self, sequence_parallel: bool, experts_tensor_parallel: bool = True) -> None:
+    def __init__(self, sequence_parallel: bool, experts_tensor_parallel: bool = True,
+                 route_slices: bool = False) -> None:
         super().__init__()
+        if route_slices and (experts_tensor_parallel or not sequence_parallel):
+            raise ValueError("MoETensorParallel(route_slices=True) routes each rank's sequence slice: it needs"
+                             " sequence_parallel=True and experts_tensor_parallel=False")
         self.sequence_parallel = sequence_parallel
         self.experts_tensor_parallel = experts_tensor_parallel
+        self.route_slices = route_slices
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -281,6 +315,8 @@ class MoETensorParallel(ParallelStyle):
             raise TypeError(
                 f"MoETensorParallel applies to a mixture-of-experts layer (ops.moe.MoE), got {type(module).__name__}"
             )
+        if self.route_slices:
+            return _route_slices(module, device_mesh)
         if self.experts_tensor_parallel:
             experts = module.experts
             for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
@@ -293,6 +329,27 @@ class MoETensorParallel(ParallelStyle):
                                {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
         gather_sequence_around(module, device_mesh, self.sequence_parallel)
         return module
+
+
+def _route_slices(module: MoE, device_mesh: "DeviceMesh") -> MoE:
+    """``MoETensorParallel(route_slices=True)`` on ``module``: its input (this rank's sequence slice, a ``Shard(1)``
+    DTensor or its local tensor) taken as the local tensor, its output the slice's; the router and the shared experts
+    on the slice's flattened tokens (``SequenceParallel`` over dimension 0: weights replicated, their gradients
+    summed over the ranks)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    def local_input(_module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        return (x.to_local() if isinstance(x, DTensor) else x, *rest)
+
+    module.register_forward_pre_hook(local_input)
+    setattr(module.experts, ROUTING_TENSOR_RANKS, device_mesh.size())  # for ExpertParallel's gradient scale
+    slices = SequenceParallel(sequence_dim=0, use_local_output=True)
+    parallelize_module(module.router, device_mesh, slices)
+    if module.shared_experts is not None:  # each projection (torch's style replicates a module's own parameters)
+        parallelize_module(module.shared_experts, device_mesh, {"w1": slices, "w2": slices, "w3": slices})
+    return module
 
 
 def moe_auxiliary_loss(stats: list[RouterStats], num_experts: int, coef: float,
@@ -309,9 +366,22 @@ def moe_auxiliary_loss(stats: list[RouterStats], num_experts: int, coef: float,
     """
     group = data_context_group(mesh)
     size = dist.get_world_size(group) if group is not None else 1
-    reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None and size > 1 else None
+    tokens = routing_group(mesh)  # the tensor-parallel ranks too when each routes its own slice
+    reduce = (lambda t: dist.all_reduce(t, group=tokens)) if tokens is not None and dist.get_world_size(tokens) > 1 \
+        else None
     term, value = auxiliary_loss_terms(stats, num_experts, reduce)
     return term * (coef * size), value * coef
+
+
+def routing_group(mesh: Any) -> Any:
+    """The ranks whose routing differs (``meshes.EXPERT_TOKENS``): ``data_context_parallel``'s, and the
+    tensor-parallel ranks too when each routes its own sequence slice (``experts_over_tensor_parallel``); ``None``
+    without a process group. What the routing statistics are summed over."""
+    group = data_context_group(mesh)
+    meshes = as_meshes(mesh) if group is not None else None
+    if meshes is None or not meshes.experts_over_tensor:
+        return group
+    return meshes.get(EXPERT_TOKENS).get_group()
 
 
 @torch.no_grad()
@@ -323,7 +393,7 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
     if not layers:
         return 0
     counts = torch.stack([m.tokens_per_expert.float() for m in layers])
-    group = data_context_group(mesh)
+    group = routing_group(mesh)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     for layer, row in zip(layers, counts):
@@ -332,8 +402,8 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
 
 
 __all__ = ["ExpertExchange", "ExpertParallel", "LoadBalancing", "MoETensorParallel", "TensorParallelExperts",
-           "apply_expert_parallel", "expert_modules", "local_part", "moe_auxiliary_loss", "moe_layers", "shard_experts",
-           "update_expert_bias"]
+           "apply_expert_parallel", "expert_modules", "local_part", "moe_auxiliary_loss", "moe_layers", "routing_group",
+           "shard_experts", "update_expert_bias"]
 
 
 @dataclass(frozen=True)

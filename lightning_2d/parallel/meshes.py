@@ -83,6 +83,8 @@ class ParallelMeshes:
         self._sizes = dict(sizes)
         self._make = make
         self._made: dict[str, "DeviceMesh"] = {}
+        #: Whether the expert groups take in the tensor-parallel ranks (``experts_over_tensor_parallel``).
+        self.experts_over_tensor = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -137,10 +139,17 @@ EXPERT_FSDP = "expert_fsdp"
 _INTERNAL = (FSDP, EXPERT_FSDP)
 
 
-#: The expert dimensions, outermost first: the ``data_context_parallel`` ranks as (replicate, shard, expert).
+#: The expert dimensions, outermost first: the ``data_context_parallel`` ranks as (replicate, shard, expert); with
+#: ``experts_over_tensor_parallel``, the ``expert_tokens`` ranks (data × context × tensor) as (replicate, shard,
+#: expert), the tensor-parallel ranks inside each expert group.
 EXPERT_DIMS = (EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM)
+#: The ranks holding different tokens as the experts see them: ``data_context_parallel``, and the tensor-parallel
+#: ranks too when they route their own sequence slices (``experts_over_tensor_parallel``). What the routing's
+#: statistics are summed over (the auxiliary loss's counts, the balancing bias's).
+EXPERT_TOKENS = "expert_tokens"
 #: At ``expert_parallel_size`` 1, the meshes of the same ranks each expert name reads (no group of its own).
-_WITHOUT_EXPERTS = {EP_REPLICATE_DIM: DP_REPLICATE_DIM, EP_SHARD_DIM: DP_SHARD_CP_DIM, EXPERT_FSDP: FSDP}
+_WITHOUT_EXPERTS = {EP_REPLICATE_DIM: DP_REPLICATE_DIM, EP_SHARD_DIM: DP_SHARD_CP_DIM, EXPERT_FSDP: FSDP,
+                    EXPERT_TOKENS: DP_CP_DIM}
 
 #: The meshes ``build_meshes`` made, by the identity of their root, for as long as they live: a root handed back by
 #: user code (``strategy.device_mesh``, what Fabric's ``parallelize_fn`` receives) reads as the very meshes it was
@@ -148,7 +157,8 @@ _WITHOUT_EXPERTS = {EP_REPLICATE_DIM: DP_REPLICATE_DIM, EP_SHARD_DIM: DP_SHARD_C
 _BUILT: "weakref.WeakValueDictionary[int, ParallelMeshes]" = weakref.WeakValueDictionary()
 
 
-def build_meshes(device_type: str, sizes: Mapping[str, int], expert_parallel: int = 1) -> ParallelMeshes:
+def build_meshes(device_type: str, sizes: Mapping[str, int], expert_parallel: int = 1,
+                 over_tensor: bool = False) -> ParallelMeshes:
     """Build the root mesh with every dimension of ``MESH_DIMS`` (sizes from ``sizes``, 1 where missing) and every
     sub-mesh. Needs the default process group; every rank calls it (creating process groups is collective).
 
@@ -160,17 +170,20 @@ def build_meshes(device_type: str, sizes: Mapping[str, int], expert_parallel: in
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(sizes.get(name, 1)) for name in MESH_DIMS)
-    meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS), expert_parallel)
+    meshes = meshes_of_root(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS), expert_parallel,
+                            over_tensor)
     for name in (*meshes.names, FSDP, EXPERT_FSDP):
         meshes.get(name)
     _BUILT[id(meshes.root)] = meshes
     return meshes
 
 
-def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMeshes:
+def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1, over_tensor: bool = False) -> ParallelMeshes:
     """The ``ParallelMeshes`` of a root mesh with every dimension of ``MESH_DIMS`` (``build_meshes``'s), with
     expert parallelism over ``expert_parallel`` ranks (its size is not in the root's shape: ``as_meshes`` finds the
-    meshes a root was built with, or takes the size from the options).
+    meshes a root was built with, or takes the size from the options); ``over_tensor``: each expert group is
+    ``expert_parallel / tp`` data-shard × context ranks with all their tensor-parallel ranks
+    (``experts_over_tensor_parallel``).
 
     Making a flattened mesh the first time creates its process groups (collective: every rank); torch keeps each
     on the root, so a later ``ParallelMeshes`` of the same root (user code passing ``strategy.device_mesh`` back)
@@ -182,19 +195,26 @@ def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMesh
         sizes[name] = math.prod(sizes[d] for d in dims)
     context = sizes[CP_DIM] > 1
     shards = sizes[DP_SHARD_DIM] * sizes[CP_DIM]
-    if shards % expert_parallel:
-        raise ValueError(f"expert_parallel_size ({expert_parallel}) must divide data-shard × context ({shards})")
-    sizes.update({EP_REPLICATE_DIM: sizes[DP_REPLICATE_DIM], EP_SHARD_DIM: shards // expert_parallel,
-                  EP_DIM: expert_parallel})
+    over_tensor = over_tensor and expert_parallel > 1 and sizes[TP_DIM] > 1
+    tp = sizes[TP_DIM] if over_tensor else 1  # the tensor-parallel ranks in each expert group
+    if expert_parallel % tp or shards % (expert_parallel // tp):
+        raise ValueError(f"expert_parallel_size ({expert_parallel}) must divide data-shard × context ({shards})"
+                         + (f" × tensor ({tp})" if over_tensor else ""))
+    sizes.update({EP_REPLICATE_DIM: sizes[DP_REPLICATE_DIM], EP_SHARD_DIM: shards // (expert_parallel // tp),
+                  EP_DIM: expert_parallel, EXPERT_TOKENS: sizes[DP_CP_DIM] * tp})
 
     def make(name: str) -> "DeviceMesh":
         if name in _WITHOUT_EXPERTS and expert_parallel == 1:
             return meshes.get(_WITHOUT_EXPERTS[name])
+        if name == EXPERT_TOKENS:  # the data × context × tensor ranks, else an alias of data_context_parallel
+            if not over_tensor:
+                return meshes.get(DP_CP_DIM)
+            return flatten_mesh_dims(root, (DP_REPLICATE_DIM, DP_SHARD_DIM, CP_DIM, TP_DIM), EXPERT_TOKENS)
         if name in EXPERT_DIMS or name == EXPERT_FSDP:
             if name == EP_DIM and expert_parallel == 1 and (alone := _one_rank_dim(root)) is not None:
                 return root[alone]  # this rank alone: the same group as any size-1 dimension of the root
-            if "experts" not in sparse:  # the data × context ranks as (replicate, shard, expert): one root
-                sparse["experts"] = unflatten_mesh(meshes.get(DP_CP_DIM), tuple(sizes[d] for d in EXPERT_DIMS),
+            if "experts" not in sparse:  # the data × context (× tensor) ranks as (replicate, shard, expert)
+                sparse["experts"] = unflatten_mesh(meshes.get(EXPERT_TOKENS), tuple(sizes[d] for d in EXPERT_DIMS),
                                                    EXPERT_DIMS)
             experts = sparse["experts"]
             if name == EXPERT_FSDP:
@@ -214,6 +234,7 @@ def meshes_of_root(root: "DeviceMesh", expert_parallel: int = 1) -> ParallelMesh
 
     sparse: dict[str, "DeviceMesh"] = {}
     meshes = ParallelMeshes(root, sizes, make)
+    meshes.experts_over_tensor = over_tensor
     return meshes
 
 
@@ -252,7 +273,8 @@ def as_meshes(mesh: Optional[Any], config: Any = None) -> Optional[ParallelMeshe
     if mesh is None or isinstance(mesh, ParallelMeshes):
         meshes = mesh
     else:
-        meshes = _of_device_mesh(mesh, int(getattr(config, "expert_parallel_size", 1) or 1))
+        meshes = _of_device_mesh(mesh, int(getattr(config, "expert_parallel_size", 1) or 1),
+                                 bool(getattr(config, "experts_over_tensor_parallel", False)))
     if config is not None and meshes is not None and (problems := layout_problems(meshes, config)):
         raise ValueError(
             "the mesh does not have the layout the options ask for: " + "; ".join(problems) + ". Pass the meshes"
@@ -273,23 +295,29 @@ def layout_problems(meshes: ParallelMeshes, config: Any) -> list[str]:
             continue
         if asked > 1 or dim == EP_DIM:
             problems.append(f"{option}={asked} but the mesh's {dim} has {meshes.size(dim)} rank(s)")
+    over = bool(getattr(config, "experts_over_tensor_parallel", False)) and meshes.size(EP_DIM) > 1
+    if over != meshes.experts_over_tensor:
+        problems.append(f"experts_over_tensor_parallel={over} but the mesh's expert groups"
+                        f" {'take in' if meshes.experts_over_tensor else 'leave out'} the tensor-parallel ranks")
     return problems
 
 
-def _of_device_mesh(mesh: "DeviceMesh", expert_parallel: int) -> ParallelMeshes:
+def _of_device_mesh(mesh: "DeviceMesh", expert_parallel: int, over_tensor: bool = False) -> ParallelMeshes:
     names = tuple(mesh.mesh_dim_names or ())
     if set(MESH_DIMS) <= set(names):
         built = _BUILT.get(id(mesh))
         if built is not None and built.root is mesh:
             return built
         shards = math.prod(int(n) for name, n in zip(names, mesh.shape) if name in (DP_SHARD_DIM, CP_DIM))
+        tp = int(mesh.shape[names.index(TP_DIM)]) if over_tensor else 1
         # A size the root cannot hold is the options' problem to name (`layout_problems`), not a failed split.
-        return meshes_of_root(mesh, expert_parallel if shards % expert_parallel == 0 else 1)
+        fits = expert_parallel % tp == 0 and shards % (expert_parallel // tp) == 0
+        return meshes_of_root(mesh, expert_parallel if fits else 1, over_tensor and fits)
     if set(names) == {DP_DIM, TP_DIM}:
         # Each data-parallel name (and FSDP's) is Lightning's `data_parallel` dimension, and so are the experts'
         # data-parallel ones (no expert parallelism: every rank holds every expert).
         own = {DP_DIM: DP_DIM, DP_SHARD_DIM: DP_DIM, DP_CP_DIM: DP_DIM, DP_SHARD_CP_DIM: DP_DIM, EP_SHARD_DIM: DP_DIM,
-               FSDP: DP_DIM, EXPERT_FSDP: DP_DIM, TP_DIM: TP_DIM}
+               FSDP: DP_DIM, EXPERT_FSDP: DP_DIM, EXPERT_TOKENS: DP_DIM, TP_DIM: TP_DIM}
         sizes = dict(zip(names, (int(n) for n in mesh.shape)))
         return ParallelMeshes(mesh, {name: sizes[dim] for name, dim in own.items() if name not in _INTERNAL},
                               lambda name: mesh[own[name]])
@@ -300,5 +328,5 @@ def _of_device_mesh(mesh: "DeviceMesh", expert_parallel: int) -> ParallelMeshes:
     )
 
 
-__all__ = ["EXPERT_DIMS", "EXPERT_FSDP", "FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "SIZED_BY", "as_meshes",
+__all__ = ["EXPERT_DIMS", "EXPERT_FSDP", "EXPERT_TOKENS", "FLATTENED", "FSDP", "MeshLike", "ParallelMeshes", "SIZED_BY", "as_meshes",
            "build_meshes", "layout_problems", "meshes_of_root"]

@@ -45,12 +45,17 @@ LAYOUTS = {
     "cp2_ep2": (dict(dp=2, tp=1, nprocs=4, context_parallel_size=2, expert_parallel_size=2), COMMON),
     "pp2_ep2": (dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2, expert_parallel_size=2), BIAS),
     "ep4_idle": (dict(dp=4, tp=1, expert_parallel_size=4), IDLE),
+    # Expert parallelism over the tensor-parallel ranks: 2 data ranks × 2 tensor ranks in one group of 4, each
+    # routing its own sequence slice (2 experts per rank, nothing repeated).
+    "ep4_over_tp2": (dict(dp=2, tp=2, expert_parallel_size=4, experts_over_tensor_parallel=True), COMMON),
     # SimpleFSDP: the experts sharded over the expert-data ranks as fully_shard shards them, gathered where read.
     "ep2_simple_fsdp": (dict(dp=4, tp=1, expert_parallel_size=2, fsdp_backend="simple_fsdp"), COMMON),
 }
 REFERENCES = {"common": COMMON, "bias": BIAS, "idle": IDLE}
 REFERENCE_OF = {"ep2_fsdp2": "common", "ep2_tp2": "common", "tp2_dp2": "common", "cp2_ep2": "common",
-                "pp2_ep2": "bias", "ep4_idle": "idle", "ep2_simple_fsdp": "common"}
+                "pp2_ep2": "bias", "ep4_idle": "idle", "ep2_simple_fsdp": "common", "ep4_over_tp2": "common"}
+#: The layouts whose tensor-parallel ranks route their own sequence slices (every rank's tokens its own).
+OVER_TP = ("ep4_over_tp2",)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +95,7 @@ def test_mixture_of_experts_training_equals_one_device(runs, layout):
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "pp2_ep2"])
 def test_every_token_is_routed_as_on_one_device_and_none_is_dropped(runs, layout):
     """Per step and layer, the assignments per expert summed over the ranks holding different tokens (tensor-parallel
-    rank 0 of each) are the reference's: the same routing (no score flipped by another summation order) and dropless
+    rank 0 of each; every rank where each routes its own sequence slice) are the reference's: the same routing (no score flipped by another summation order) and dropless
     (tokens × top_k assignments)."""
     reference, run = runs[f"reference_{REFERENCE_OF[layout]}"], runs[layout]
     ref_counts = reference.rank_output(0)["router_counts"]
@@ -101,7 +106,7 @@ def test_every_token_is_routed_as_on_one_device_and_none_is_dropped(runs, layout
             assert sum(counts) == 4 * 32 * 2  # global batch × sequence × top_k
             summed = [0.0] * 8
             for out in outs:
-                if out["tp_rank"] == 0:
+                if out["tp_rank"] == 0 or layout in OVER_TP:
                     summed = [a + b for a, b in zip(summed, out["router_counts"][step][layer])]
             assert summed == counts, (layout, step, layer, summed, counts)
 
@@ -111,7 +116,7 @@ def test_the_auxiliary_loss_is_the_global_batchs(runs):
     (every rank the same value) and trains it (the weights above)."""
     expected = runs["reference_common"].rank_output(0)["aux_losses"]
     assert all(a > 0 for a in expected)
-    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2", "cp2_ep2"):
+    for layout in ("ep2_fsdp2", "ep2_tp2", "tp2_dp2", "cp2_ep2", "ep4_over_tp2"):
         for rank in range(4):
             assert runs[layout].rank_output(rank)["aux_losses"] == pytest.approx(expected, rel=1e-5), (layout, rank)
     assert runs["reference_bias"].rank_output(0)["aux_losses"] == [None] * 6  # balanced by the bias instead
@@ -167,6 +172,24 @@ def test_experts_are_split_over_the_expert_and_tensor_parallel_ranks(runs):
     # Under expert × tensor parallelism the experts are whole on each tensor-parallel rank.
     both = runs["ep2_tp2"].rank_output(0)["placements"]["layers.1.feed_forward.experts.w1"]
     assert "tensor_parallel" not in both["mesh_dims"] and both["local_shape"] == [4, 64, 128]
+
+
+def test_expert_parallelism_over_the_tensor_parallel_ranks_computes_each_assignment_once(runs):
+    """The expert FLOPs: the rows (token assignments) every rank's routed experts computed per step, summed over the
+    ranks. With the tensor-parallel ranks in the expert groups (each routing its own slice) that is the global
+    batch's tokens × top_k × the MoE layers, each once; with expert parallelism over the data ranks only (today's
+    EP × TP), every tensor-parallel rank computes its group's whole: twice as many. Both train as one device
+    (above)."""
+    once = 4 * 32 * 2 * 3  # global batch × sequence × top_k × MoE layers
+    over = [sum(runs["ep4_over_tp2"].rank_output(rank)["expert_rows"][step] for rank in range(4)) for step in range(6)]
+    repeated = [sum(runs["ep2_tp2"].rank_output(rank)["expert_rows"][step] for rank in range(4)) for step in range(6)]
+    print(f"expert rows per step, all ranks: over the tensor ranks {over}, today's EP x TP {repeated}")
+    assert over == [once] * 6 and repeated == [2 * once] * 6
+    placed = runs["ep4_over_tp2"].rank_output(0)["placements"]
+    experts, router = placed["layers.1.feed_forward.experts.w1"], placed["layers.1.feed_forward.router.weight"]
+    assert experts["mesh_dims"][-1] == "expert_parallel" and experts["local_shape"] == [2, 64, 128]  # 8 / 4 each
+    # The router replicated over the tensor-parallel ranks (its gradient summed over their slices), FSDP over data.
+    assert router["mesh_dims"] == ["data_parallel", "tensor_parallel"] and router["placements"][1] == "Replicate()"
 
 
 #: Checkpoints across expert-parallel sizes: a 6-step run at expert parallel 2 × FSDP 2 on real text, its experts

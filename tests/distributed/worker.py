@@ -556,6 +556,7 @@ STRATEGY_OPTIONS = (
     "pipeline_layers_per_stage",
     "fsdp_backend",
     "expert_parallel_size",
+    "experts_over_tensor_parallel",
 )
 
 
@@ -592,11 +593,26 @@ class Routing(L.Callback):
 
     def __init__(self, idle_experts: int) -> None:
         self.idle_experts, self.counts, self.aux = idle_experts, [], []
+        #: Per step, the rows (token assignments) this rank's routed experts computed, over every layer: the expert
+        #: FLOPs it spent (each row is one token through one expert's SwiGLU).
+        self.expert_rows: list[int] = []
+        self._rows = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
+        from lightning_2d._compat import in_backward
+        from lightning_2d.ops.moe import GroupedExperts
+
         if self.idle_experts:
             for layer in pl_module.model.moe_layers():
                 layer.expert_bias[-self.idle_experts:] = -10.0
+
+        def count(_module, args, _out) -> None:  # the arguments after the exchange's pre-hook: what it computes
+            if not in_backward():  # not an activation checkpoint's recompute
+                self._rows += int(args[0].shape[0])
+
+        for module in pl_module.model.modules():
+            if isinstance(module, GroupedExperts):
+                module.register_forward_hook(count)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.counts.append({canonical_name(name): layer.last_stats.counts.tolist()
@@ -604,6 +620,8 @@ class Routing(L.Callback):
                             if getattr(layer, "last_stats", None) is not None})
         aux = trainer.callback_metrics.get("train_aux_loss")
         self.aux.append(None if aux is None else float(aux))
+        self.expert_rows.append(self._rows)
+        self._rows = 0
 
 
 class TeacherRecord(L.Callback):
@@ -812,7 +830,7 @@ def fit(cfg: dict) -> None:
         if recorder.expert_grad_norms:
             result["expert_grad_norms"] = recorder.expert_grad_norms
     if routing is not None:
-        result.update(router_counts=routing.counts, aux_losses=routing.aux)
+        result.update(router_counts=routing.counts, aux_losses=routing.aux, expert_rows=routing.expert_rows)
     buffers = persistent_buffers(module.model)
     if buffers:
         result["buffers"] = buffers

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_2d.parallel.dims import ParallelDims
-from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
+from lightning_2d.parallel.meshes import EXPERT_TOKENS, ParallelMeshes, as_meshes
 from lightning_2d.parallel.names import (
     CP_DIM,
     DP_CP_DIM,
@@ -28,7 +28,7 @@ from lightning_2d.parallel.names import (
 )
 from lightning_2d.tools.planner.world import fake_world
 
-EVERY_NAME = (*MESH_DIMS, DP_DIM, DP_CP_DIM, DP_SHARD_CP_DIM, EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM)
+EVERY_NAME = (*MESH_DIMS, DP_DIM, DP_CP_DIM, DP_SHARD_CP_DIM, EP_REPLICATE_DIM, EP_SHARD_DIM, EP_DIM, EXPERT_TOKENS)
 
 
 def members(mesh) -> list[int]:
@@ -43,10 +43,12 @@ def test_every_named_mesh_exists_at_every_layout_and_optional_is_none_at_size_on
         assert meshes.root.mesh_dim_names == MESH_DIMS and tuple(meshes.root.shape) == (1, 1, 2, 1, 2)
         sizes = {name: meshes.get(name).size() for name in EVERY_NAME}
         assert sizes == {PP_DIM: 1, DP_REPLICATE_DIM: 1, DP_SHARD_DIM: 2, CP_DIM: 1, TP_DIM: 2, DP_DIM: 2,
-                         DP_CP_DIM: 2, DP_SHARD_CP_DIM: 2, EP_REPLICATE_DIM: 1, EP_SHARD_DIM: 2, EP_DIM: 1}
+                         DP_CP_DIM: 2, DP_SHARD_CP_DIM: 2, EP_REPLICATE_DIM: 1, EP_SHARD_DIM: 2, EP_DIM: 1,
+                         EXPERT_TOKENS: 2}
         assert {name: meshes.size(name) for name in EVERY_NAME} == sizes
         assert [n for n in EVERY_NAME if meshes.optional(n) is not None] == [DP_SHARD_DIM, TP_DIM, DP_DIM, DP_CP_DIM,
-                                                                             DP_SHARD_CP_DIM, EP_SHARD_DIM]
+                                                                             DP_SHARD_CP_DIM, EP_SHARD_DIM,
+                                                                             EXPERT_TOKENS]
         assert meshes.get(PP_DIM).get_local_rank() == 0 and members(meshes.get(CP_DIM)) == [3]
         # Rank 3 = (shard 1, tensor 1): its data-parallel group is the tensor rank 1 of both shards.
         assert members(meshes.get(DP_DIM)) == members(meshes.get(DP_CP_DIM)) == [1, 3]
@@ -57,6 +59,7 @@ def test_every_named_mesh_exists_at_every_layout_and_optional_is_none_at_size_on
         # Without expert parallelism the expert names are the meshes of the same ranks: no extra groups either.
         assert meshes.get(EP_SHARD_DIM) is meshes.get(DP_SHARD_CP_DIM) and meshes.expert_fsdp is meshes.fsdp
         assert meshes.get(EP_REPLICATE_DIM) is meshes.get(DP_REPLICATE_DIM) and members(meshes.get(EP_DIM)) == [3]
+        assert meshes.get(EXPERT_TOKENS) is meshes.get(DP_CP_DIM)  # the tensor ranks hold the same tokens
         with pytest.raises(KeyError, match="no mesh dimension 'sequence_parallel'; the meshes are pipeline_parallel"):
             meshes.get("sequence_parallel")
 
@@ -75,6 +78,14 @@ def test_every_named_mesh_exists_at_every_layout_and_optional_is_none_at_size_on
     # expert parallel 2 of shard 4, rank 1 = (shard 1): experts over [0, 1], each expert's FSDP over [1, 3]
     (ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=2), 1,
      {EP_DIM: [0, 1], EP_SHARD_DIM: [1, 3], DP_DIM: [0, 1, 2, 3], EP_REPLICATE_DIM: [1]}, (DP_DIM,)),
+    # experts over the tensor ranks: expert parallel 2 = shard 1 × tensor 2, rank 3 = (shard 1, tp 1): its group is
+    # its tensor pair, each expert's FSDP over the shards [1, 3], the routing over every rank
+    (ParallelDims(dp_replicate=1, dp_shard=2, tp=2, ep=2, ep_over_tp=True), 3,
+     {EP_DIM: [2, 3], EP_SHARD_DIM: [1, 3], EXPERT_TOKENS: [0, 1, 2, 3], DP_CP_DIM: [1, 3], TP_DIM: [2, 3]},
+     (DP_DIM,)),
+    # expert parallel 4 = shard 2 × tensor 2 over 4 ranks, rank 2: every rank one group, each expert on one rank
+    (ParallelDims(dp_replicate=1, dp_shard=2, tp=2, ep=4, ep_over_tp=True), 2,
+     {EP_DIM: [0, 1, 2, 3], EP_SHARD_DIM: [2], EXPERT_TOKENS: [0, 1, 2, 3]}, (DP_DIM,)),
 ])
 def test_each_named_mesh_holds_the_ranks_its_name_says(dims, rank, groups, fsdp):
     with fake_world(dims.world_size, rank):

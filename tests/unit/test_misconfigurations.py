@@ -396,6 +396,24 @@ if _hf_available():
             data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4),
          ParallelConfigError, r"expert_parallel_size \(4\) must divide the data-shard × context ranks \(2 ="
                               r" data_parallel_size 2.*use one of 1 or 2"),
+        ("expert_parallel_size that would fit over the tensor-parallel ranks", lambda _: trainer(
+            data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4),
+         ParallelConfigError, r"use one of 1 or 2, or experts_over_tensor_parallel=True \(the groups then take in"
+                              r" the tensor_parallel_size 2 ranks"),
+        ("experts over the tensor-parallel ranks not k x tp", lambda _: trainer(
+            data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=8, experts_over_tensor_parallel=True),
+         ParallelConfigError, r"expert_parallel_size \(8\) with experts_over_tensor_parallel=True must be k ×"
+                              r" tensor_parallel_size \(2\) with k dividing the data-shard × context ranks.*use one of"
+                              r" 2 or 4"),
+        ("experts over the tensor-parallel ranks without sequence parallelism", lambda _: trainer(
+            data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4, experts_over_tensor_parallel=True,
+            sequence_parallel=False),
+         ParallelConfigError, r"experts_over_tensor_parallel=True with sequence_parallel=False: each tensor-parallel"
+                              r" rank routes its own slice"),
+        ("experts over the tensor-parallel ranks without expert parallelism", lambda _: trainer(
+            data_parallel_size=2, tensor_parallel_size=2, experts_over_tensor_parallel=True),
+         ParallelConfigError, r"experts_over_tensor_parallel=True with expert_parallel_size=1 and"
+                              r" tensor_parallel_size=2: .*both must be above 1"),
         ("mixture-of-experts auxiliary loss under pipeline parallelism", lambda _: fit_before_spawn(
             LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=2,
             tensor_parallel_size=1, pipeline_parallel_size=2),

@@ -172,8 +172,8 @@ def test_arguments_reach_the_option_dataclasses_and_bad_calls_fail_as_python_wou
     assert strategy.parallel_config.compile and strategy.strategy_options.init_seed == 7
     with pytest.raises(TypeError, match=r"^ModelParallel2DBase.__init__\(\) got an unexpected keyword argument 'x'$"):
         TRAINER(x=1)
-    with pytest.raises(TypeError, match=r"takes from 1 to 33 positional arguments but 34 were given$"):
-        TRAINER(*[None] * 33)
+    with pytest.raises(TypeError, match=r"takes from 1 to 34 positional arguments but 35 were given$"):
+        TRAINER(*[None] * 34)
     with pytest.raises(TypeError, match=r"got multiple values for argument 'data_parallel_size'$"):
         TRAINER(2, data_parallel_size=2)
 
@@ -186,8 +186,8 @@ def test_a_new_field_without_a_place_in_the_order_is_refused():
 
     with pytest.raises(TypeError, match=r"without a position \['unplaced'\], positions taken twice \[29\]"):
         options_module.strategy_options((ParallelConfig, StrategyOptions, NewOptions))
-    drop = dataclass(type("Shorter", (), {"__annotations__": {"x": int}, "x": option(0, position=33)}))
-    with pytest.raises(TypeError, match=r"numbering them 0 … 32"):  # 32 taken by none: a gap
+    drop = dataclass(type("Shorter", (), {"__annotations__": {"x": int}, "x": option(0, position=34)}))
+    with pytest.raises(TypeError, match=r"numbering them 0 … 33"):  # 33 taken by none: a gap
         options_module.strategy_options((ParallelConfig, StrategyOptions, drop))
 
 

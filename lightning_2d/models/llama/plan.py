@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 def llama_tensor_parallel_plan(
     sequence_parallel: bool = True, loss_parallel: bool = False, blocks: str = "layers",
     moe_layers: tuple[int, ...] = (), n_layers: int = 0, experts_tensor_parallel: bool = True, qk_norm: bool = False,
+    route_slices: bool = False,
 ) -> dict[str, "ParallelStyle"]:
     """The tensor-parallel plan of a Meta-named Llama ``Transformer``.
 
@@ -41,6 +42,8 @@ def llama_tensor_parallel_plan(
         experts_tensor_parallel: Split the routed experts over the tensor-parallel ranks (off under expert
             parallelism: whole experts on each rank, split over the expert-parallel ranks instead).
         qk_norm: The attention normalizes each query and key head (Qwen3): ``HeadShardedNorm`` on this rank's heads.
+        route_slices: Each tensor-parallel rank routes its own sequence slice to the experts
+            (``experts_over_tensor_parallel``: ``MoETensorParallel(route_slices=True)``).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -83,7 +86,8 @@ def llama_tensor_parallel_plan(
         plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=between)
     if moe_layers:
         for i in moe_layers:
-            plan[f"{blocks}.{i}.feed_forward"] = MoETensorParallel(sequence_parallel, experts_tensor_parallel)
+            plan[f"{blocks}.{i}.feed_forward"] = MoETensorParallel(sequence_parallel, experts_tensor_parallel,
+                                                                   route_slices=route_slices)
     return plan
 
 
@@ -100,6 +104,8 @@ def llama_plan(args: ModelArgs, config: ParallelConfig, module: str = "") -> Par
         tensor_parallel=llama_tensor_parallel_plan(
             config.sequence_parallel, config.loss_parallel, moe_layers=args.moe_layers, n_layers=args.n_layers,
             experts_tensor_parallel=config.expert_parallel_size == 1, qk_norm=args.qk_norm,
+            route_slices=bool(config.experts_over_tensor_parallel) and config.expert_parallel_size > 1
+            and config.sequence_parallel and config.tensor_parallel_size != 1,
         ),
         blocks="layers",
         module=module,

@@ -109,6 +109,19 @@ def _model_with_experts(size: int, model: Optional[ModelArgs], options: dict[str
             " qwen3-30b-a3b)")
 
 
+def _experts_over_tensor(size: int, model: Optional[ModelArgs], options: dict[str, Any],
+                         module: dict[str, Any]) -> Optional[str]:
+    if model is None or not llama_validation_inputs(model)["experts"]:
+        return (f"--compare-experts-over-tensor {size} needs a model with experts (--model debug-moe, mixtral-8x7b,"
+                " qwen3-30b-a3b)")
+    tp = options.get("tensor_parallel_size")
+    if not isinstance(tp, int) or tp < 2 or int(options.get("expert_parallel_size", 1) or 1) < 2:
+        return (f"--compare-experts-over-tensor {size} compares expert parallelism over the tensor-parallel ranks with"
+                " today's over the data ranks: give both, e.g. --tensor-parallel-size 2 --expert-parallel-size 2"
+                f" (got tensor_parallel_size={tp}, expert_parallel_size={options.get('expert_parallel_size', 1)})")
+    return None
+
+
 def _reference_to_precompute(on: bool, model: Optional[ModelArgs], options: dict[str, Any],
                               module: dict[str, Any]) -> Optional[str]:
     preference = PreferenceLoss.of(module.get("preference"))
@@ -168,6 +181,21 @@ COMPARISONS: tuple[Comparison, ...] = (
         label="expert_parallel_size {value}",
         baseline_label="expert_parallel_size 1",
         refuse=_model_with_experts,
+    ),
+    Comparison(
+        name="experts_over_tensor",
+        flag="--compare-experts-over-tensor",
+        metavar="EP",
+        help="with --tensor-parallel-size and --expert-parallel-size: also run lightning_2d with"
+        " expert_parallel_size=EP over the tensor-parallel ranks (experts_over_tensor_parallel=True, variant"
+        " experts_over_tensor: each tensor rank routes its own sequence slice, no expert work repeated), alternating"
+        " with the command line's expert parallelism over the data ranks (every tensor rank computing its group's"
+        " experts whole), and report their step-time and peak-memory ratios",
+        report_key="experts_over_tensor",
+        strategy=lambda size: {"expert_parallel_size": size, "experts_over_tensor_parallel": True},
+        label="expert_parallel_size {value} over the tensor ranks",
+        baseline_label="expert parallelism over the data ranks",
+        refuse=_experts_over_tensor,
     ),
     Comparison(
         name="precomputed_reference",

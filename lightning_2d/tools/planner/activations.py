@@ -114,6 +114,9 @@ class ExpertActivations:
         expert_parallel: Whether the tokens are exchanged (the experts' input is then a regrouped copy).
         layers: Which of the model's blocks are mixtures of experts (by index); a pipeline stage's blocks (fewer
             than these) are all counted as such (the larger block: the estimate stays an upper bound).
+        slices: The sequence slices the layer's tokens come in: ``tp`` when each tensor-parallel rank routes its own
+            slice (``experts_over_tensor_parallel``: the router, the shared experts and the dispatch on ``N / tp``
+            tokens), else 1 (the whole sequence on every tensor-parallel rank).
     """
 
     num_experts: int
@@ -123,6 +126,7 @@ class ExpertActivations:
     routed_tokens: int
     expert_parallel: bool
     layers: tuple[bool, ...]
+    slices: int = 1
 
 
 @dataclass(frozen=True)
@@ -276,6 +280,7 @@ class ActivationModel:
         frozen_base: bool = False,
         expert_parallel: int = 1,
         reference_forward: bool = False,
+        experts_over_tensor: bool = False,
     ) -> ActivationModel:
         """The model for ``args`` on one rank of a ``tp``-way tensor-parallel group.
 
@@ -304,6 +309,9 @@ class ActivationModel:
                 ranks (worst-case routing, ``ExpertActivations``), its experts whole on each tensor-parallel rank.
             reference_forward: A preference loss's reference pass (one more forward without a graph per
                 micro-batch, ``reference_forward_transient``).
+            experts_over_tensor: ``experts_over_tensor_parallel``: each tensor-parallel rank routes its own sequence
+                slice to expert-parallel groups that take in the tensor-parallel ranks (``ExpertActivations.slices``;
+                the shared experts whole on the slice).
         """
         moe = getattr(args, "moe", None)
         experts = None
@@ -311,13 +319,15 @@ class ActivationModel:
         if moe is not None and getattr(args, "moe_layers", ()):
             # Experts split by features only without expert parallelism, and only where the plan splits them.
             whole = not architecture.experts_tensor_parallel
+            slices = tp if experts_over_tensor and expert_parallel > 1 and sequence_parallel and tp > 1 else 1
             split = tp if expert_parallel == 1 and not whole else 1
             per_rank = min(moe.top_k, moe.num_experts // expert_parallel)
             experts = ExpertActivations(
                 num_experts=moe.num_experts, top_k=moe.top_k, hidden=math.ceil(moe.hidden_dim / split),
-                shared_hidden=math.ceil(moe.shared_dim / (1 if whole else tp)), expert_parallel=expert_parallel > 1,
+                shared_hidden=math.ceil(moe.shared_dim / (1 if whole or slices > 1 else tp)),
+                expert_parallel=expert_parallel > 1,
                 routed_tokens=moe.top_k if expert_parallel == 1 else expert_parallel * per_rank,
-                layers=tuple(args.is_moe_layer(i) for i in range(args.n_layers)),
+                layers=tuple(args.is_moe_layer(i) for i in range(args.n_layers)), slices=slices,
             )
         return cls(
             document_mask=document_mask,
@@ -353,8 +363,9 @@ class ActivationModel:
 
     def _experts_saved(self) -> dict[str, int]:
         """A mixture-of-experts layer's saved tensors, in place of the SwiGLU's (``ops.moe.MoE``, forward order)."""
-        e, n, a, d = self.experts, self.tokens, self.act_bytes, self.dim
+        e, a, d = self.experts, self.act_bytes, self.dim
         assert e is not None
+        n = self.tokens // e.slices  # the tokens this rank routes: its sequence slice when it routes its own
         routed = n * e.routed_tokens  # the assignments this rank's experts compute
         saved = {
             # softmax's fp32 output, top-k/sort/dispatch indices (int64), the routing weights and their sum (fp32)
@@ -504,7 +515,8 @@ class ActivationModel:
             # The experts' backward: the gradients of their silu and up outputs, then of their input tokens and of
             # the dispatched tokens (all the rank's assignments) before they are summed back per token.
             e = self.experts
-            swiglu = 2 * a * n * e.routed_tokens * e.hidden + 2 * a * n * e.top_k * d
+            routed = n // e.slices  # this rank's tokens: its sequence slice when it routes its own
+            swiglu = 2 * a * routed * e.routed_tokens * e.hidden + 2 * a * routed * e.top_k * d
             norm = rows * d * NORM_BACKWARD_BYTES[a] - sum(self._experts_saved().values()) - n * d * a
         return self._residual + max(swiglu, norm)
 

@@ -404,7 +404,7 @@ def _activation_model(run: _Run, document_mask: bool, converters: ModelConverter
         micro_batch_size=run.micro_batch_size, act_dtype=config.param_dtype, loss_chunk_size=run.loss_chunk_size,
         cp=run.dims.cp, loss_parallel=config.loss_parallel, document_mask=document_mask,
         frozen_base=converters.freezes(), expert_parallel=config.expert_parallel_size,
-        reference_forward=run.reference is not None,
+        reference_forward=run.reference is not None, experts_over_tensor=config.experts_over_tensor_parallel,
     )
     return replace(model, **_teacher_activations(run, document_mask))
 
@@ -420,6 +420,7 @@ def _teacher_activations(run: _Run, document_mask: bool) -> dict[str, Any]:
         run.teacher, tp=run.dims.tp, sequence_parallel=config.sequence_parallel, seq_len=run.seq_len,
         micro_batch_size=run.micro_batch_size, act_dtype=config.param_dtype, cp=run.dims.cp,
         document_mask=document_mask, expert_parallel=config.expert_parallel_size, has_head=False,
+        experts_over_tensor=config.experts_over_tensor_parallel,
     )
     return {
         "teacher_dim": run.teacher.dim,

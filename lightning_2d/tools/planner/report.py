@@ -204,8 +204,10 @@ def _run_lines(report: PlanReport, worst: Optional[dict[str, Any]]) -> list[str]
         f" {d['data_parallel_shard']} x "
         + (f"context_parallel {d['context_parallel']} x " if "context_parallel" in d else "")
         + f"tensor_parallel {tp}{sp}"
-        + (f"; experts: expert_parallel {d['expert_parallel']} (of the data-shard x context ranks), FSDP over the"
-           " rest; activations at worst-case routing" if "expert_parallel" in d else ""),
+        + (f"; experts: expert_parallel {d['expert_parallel']} (of the data-shard x context"
+           + (" x tensor ranks: each tensor rank routes its sequence slice" if c.get("experts_over_tensor_parallel")
+              else " ranks") + "), FSDP over the rest; activations at worst-case routing"
+           if "expert_parallel" in d else ""),
         f"training: {report.precision} (params {_stored(report)}, compute {pd}, reduce {rd}),"
         f" seq_len {report.seq_len}, micro batch {report.micro_batch_size}"
         + (f" x {report.accumulate_grad_batches} accumulated" if report.accumulate_grad_batches > 1 else "")
