@@ -14,8 +14,9 @@ and initializes, gradient accumulation that synchronizes gradients only on the l
 (``fabric.no_backward_sync``), clipping to the global norm over the sharded gradients
 (``fabric.clip_gradients``), a loss normalized by the tokens of the global batch, and sharded
 checkpoints with the data position in them. A mixture of experts adds its load balancing (``LoadBalancing``, the
-object the Trainer's module uses too): the auxiliary loss over the global batch to each micro-batch's loss, or the
-aux-loss-free bias updated after each optimizer step.
+object the Trainer's module uses too): the auxiliary loss over the global batch to each micro-batch's loss (under a
+pipeline the stages add it inside ``pipeline.train_step``, per pipeline micro-batch, and ``pipelined_loss`` reads its
+value), or the aux-loss-free bias updated after each optimizer step.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
 
     # The 2D strategy's meshes: the loss's data-parallel group, the context-parallel split (None on one device).
     mesh = fabric.strategy.meshes if sharded else None
-    # A mixture of experts' load balancing (the auxiliary loss is refused under a pipeline by fabric.setup).
+    # A mixture of experts' load balancing. Under a pipeline the stages add the auxiliary loss inside the schedule
+    # (each pipeline micro-batch's, over every stage's layers); the loop only reads its value.
     balancing = LoadBalancing(model_args.moe, mesh)
     # MFU against the peak of the dtype the matmuls run in (bf16 under bf16-mixed, fp32/TF32 at 32-true).
     meter = ThroughputMeter(
@@ -163,11 +165,14 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
     )
     reset_peak_memory(fabric.device)
     history: dict[str, list] = {"loss": [], "grad_norm": []}
+    if balancing.uses_aux_loss:
+        history["aux_loss"] = []  # the auxiliary loss trained each step (coef × its micro-batches' mean)
     stream = batches(loader)  # not fabric.setup_dataloaders: its wrapper would reset the sampler's epoch
     while state["step"] < args.max_steps:
         synchronize(fabric.device)  # GPU work is asynchronous: time what ran, not what was queued
         start = time.perf_counter()
         step_loss = torch.zeros((), device=fabric.device)
+        step_aux = torch.zeros((), device=fabric.device)
         for micro in range(args.accumulate):
             full = fabric.to_device(next(stream))
             batch = context_shard(full, mesh)  # under context parallelism: this rank's part of each sequence
@@ -179,6 +184,9 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
                     # loss / accumulate, as fabric.backward below (no backward call of ours).
                     _, global_mean, _ = pipeline.train_step(batch["input_ids"], batch["labels"],
                                                             grad_scale=1.0 / args.accumulate, **positions)
+                    aux_value = balancing.pipelined_loss(pipeline)  # trained by the stages already, or None
+                    if aux_value is not None:
+                        step_aux += aux_value / args.accumulate
                 else:
                     # The summed cross-entropy from the fused head (no (batch, seq, vocab) logits), then
                     # divided by the global batch's target tokens.
@@ -187,6 +195,7 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
                     aux = balancing.loss(model)  # this rank's share of the global batch's auxiliary loss, or None
                     if aux is not None:
                         loss = loss + aux[0]
+                        step_aux += aux[1] / args.accumulate
                     fabric.backward(loss / args.accumulate)
             step_loss += global_mean / args.accumulate
         grad_norm = fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
@@ -197,6 +206,8 @@ def train(fabric: L.Fabric, args: argparse.Namespace, on_step: Any = None) -> di
         state["step"] += 1
         history["loss"].append(step_loss.item())
         history["grad_norm"].append(float(grad_norm))
+        if "aux_loss" in history:
+            history["aux_loss"].append(step_aux.item())
         if state["step"] > 1:  # the first step includes start-up
             synchronize(fabric.device)
             meter.update(full["input_ids"].numel() * replicas["num_replicas"] * args.accumulate, time.perf_counter() - start)

@@ -306,6 +306,8 @@ class CausalLMModule(Distillation, PreferenceTuning, L.LightningModule):
         router_loss = self._router_loss() if pipeline is None else None
         if router_loss is not None:  # a mixture of experts' load balancing, from this forward's routing
             loss = loss + router_loss
+        if pipeline is not None:  # the stages added it inside the schedule: its value only
+            self._log_pipelined_router_loss(pipeline)
         # Already reduced over the data-parallel group: no sync_dist needed.
         self.log("train_loss", global_mean, prog_bar=True)
         if global_tokens is not None:
@@ -315,6 +317,10 @@ class CausalLMModule(Distillation, PreferenceTuning, L.LightningModule):
     def _router_loss(self) -> torch.Tensor | None:
         """The term a mixture of experts adds to the training loss (its load-balancing loss), else ``None``."""
         return None
+
+    def _log_pipelined_router_loss(self, pipeline: Pipeline) -> None:
+        """Under a pipeline the stages add a mixture of experts' load-balancing loss inside the schedule: log its
+        value (nothing is added to the graph-free loss)."""
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.pipeline is None:
@@ -580,6 +586,11 @@ class LlamaLightningModule(CausalLMModule):
         term, value = balancing
         self.log("train_aux_loss", value)
         return term
+
+    def _log_pipelined_router_loss(self, pipeline: Pipeline) -> None:
+        value = self.load_balancing.pipelined_loss(pipeline)  # the stages trained it in the schedule
+        if value is not None:
+            self.log("train_aux_loss", value)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)

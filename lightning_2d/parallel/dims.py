@@ -464,20 +464,6 @@ def pipeline_split_problems(
 
 
 @check
-def auxiliary_loss_pipeline(pipeline_parallel_size: int, plan: ParallelPlan) -> list[str]:
-    """A mixture of experts' auxiliary loss (``plan.aux_loss_coef``) reads the routing of every block of a step at
-    once, which pipeline stages split."""
-    if pipeline_parallel_size == 1 or plan.aux_loss_coef is None:
-        return []
-    return [
-        f"the mixture of experts' auxiliary loss (moe.load_balancing='aux_loss', aux_loss_coef={plan.aux_loss_coef})"
-        f" with pipeline_parallel_size={pipeline_parallel_size}: the loss needs the routing of every block at once,"
-        " and the stages hold different blocks; use model_overrides: {moe: {load_balancing: bias}} (aux-loss-free"
-        " balancing, DeepSeek-V3's) or aux_loss_coef: 0"
-    ]
-
-
-@check
 def pipeline_batch(
     pipeline_parallel_size: int, pipeline_schedule: str, pipeline_stages_per_rank: int | None,
     pipeline_microbatches: int | None, batch_size: int, plan: ParallelPlan | None = None,

@@ -401,9 +401,192 @@ def update_expert_bias(model: nn.Module, mesh: Any = None) -> int:
     return len(layers)
 
 
-__all__ = ["ExpertExchange", "ExpertParallel", "LoadBalancing", "MoETensorParallel", "TensorParallelExperts",
-           "apply_expert_parallel", "expert_modules", "local_part", "moe_auxiliary_loss", "moe_layers", "routing_group",
-           "shard_experts", "update_expert_bias"]
+def _score_gradient(carry: torch.Tensor, num_experts: int, scale: float) -> torch.Tensor:
+    """The gradient of ``scale`` × transformers' auxiliary loss with respect to the summed scores of any layer
+    (``RouterStats.score_sums``), given the micro-batch's global ``carry`` (``[counts (E), scores (E), rows (1)]``
+    summed over every MoE layer and the data × context ranks): ``scale · E · (counts / rows) / rows``, the order in
+    which autograd differentiates ``auxiliary_loss_terms``' term."""
+    counts, rows = carry[:num_experts], carry[-1]
+    return (counts / rows) / rows * (num_experts * scale)
+
+
+class _PassRouting(torch.autograd.Function):
+    """A pipeline stage's output with its micro-batch's routing statistics carried to the next stage; in backward
+    the gradient of the auxiliary loss reaches this stage's scores. Megatron's ``MoEAuxLossAutoScaler`` (the output
+    unchanged in forward, the auxiliary loss's gradient added in backward) across stages:
+
+    - forward: ``out`` unchanged and ``carry_in + own`` (the routing of the stages so far, this rank's tokens);
+    - backward: the gradient the next stage sends for the carried statistics is the micro-batch's *global* counts
+      and rows (``_AddAuxiliaryLoss``), from which this stage's scores get ``_score_gradient``; it is passed on
+      unchanged to the previous stage's carry.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, carry_in: torch.Tensor, score_sums: torch.Tensor, own: torch.Tensor,
+                num_experts: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.num_experts, ctx.scale = num_experts, scale
+        # A copy, not a view: the zero-bubble schedules detach a stage's outputs in place after their input-gradient
+        # pass, which a view (``view_as``, or the input returned as is) refuses. One hidden-state copy per micro-batch.
+        return out.clone(), carry_in.detach() + own
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_carry: torch.Tensor) -> tuple[Any, ...]:
+        scores = _score_gradient(grad_carry, ctx.num_experts, ctx.scale) if ctx.needs_input_grad[2] else None
+        return grad_out, grad_carry, scores, None, None, None
+
+
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """The last stage's output unchanged; in backward the auxiliary loss's gradient reaches its scores, and the
+    micro-batch's global counts and rows (``totals``) go back as the gradient of the statistics it received, for the
+    earlier stages' scores (``_PassRouting``)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, carry_in: torch.Tensor, score_sums: torch.Tensor, totals: torch.Tensor,
+                num_experts: int, scale: float) -> torch.Tensor:
+        ctx.num_experts, ctx.scale = num_experts, scale
+        ctx.save_for_backward(totals)
+        return out.clone()  # not a view (``_PassRouting`` says why)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        (totals,) = ctx.saved_tensors
+        experts = ctx.num_experts
+        back = torch.cat([totals[:experts], torch.zeros_like(totals[experts:-1]), totals[-1:]])
+        scores = _score_gradient(back, experts, ctx.scale) if ctx.needs_input_grad[2] else None
+        return grad_out, back if ctx.needs_input_grad[1] else None, scores, None, None, None
+
+
+def routing_carry(stats: list[RouterStats], num_experts: int, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(carry, score_sums)`` of some layers' routing in one forward: ``carry`` the detached ``[counts (E), summed
+    scores (E), rows (1)]`` (float32) that ``auxiliary_loss_terms`` sums over the layers, ``score_sums`` the summed
+    scores with their graph (zeros without one when there are no layers)."""
+    if not stats:
+        zeros = torch.zeros(num_experts, device=device)
+        return torch.zeros(2 * num_experts + 1, device=device), zeros
+    counts = torch.stack([s.counts for s in stats]).sum(dim=0).float()
+    score_sums = torch.stack([s.score_sums for s in stats]).sum(dim=0)
+    rows = torch.tensor([float(sum(s.tokens for s in stats))], device=counts.device)
+    return torch.cat([counts.detach(), score_sums.detach().float(), rows]), score_sums
+
+
+def pass_routing(out: torch.Tensor, carry_in: torch.Tensor, stats: list[RouterStats], num_experts: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stage that is not the last: ``(out, carry_out)``, ``out`` unchanged, ``carry_out`` the routing of this and
+    the earlier stages (``_PassRouting``: in backward ``scale`` × the auxiliary loss's gradient reaches ``stats``'
+    scores). Pure autograd, no communication."""
+    own, score_sums = routing_carry(stats, num_experts, carry_in.device)
+    return _PassRouting.apply(out, carry_in, score_sums, own, num_experts, scale)
+
+
+def add_auxiliary_loss(out: torch.Tensor, carry_in: torch.Tensor, stats: list[RouterStats], num_experts: int,
+                       scale: float, all_reduce: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage: ``(out, value)``, ``out`` unchanged whose backward adds ``scale`` × the gradient of
+    transformers' auxiliary loss of the whole micro-batch (every stage's layers, every data × context rank: the
+    statistics ``carry_in`` brought plus ``stats``, summed over the ranks by ``all_reduce``, in place) to every
+    stage's scores (``_AddAuxiliaryLoss``, ``_PassRouting``); ``value`` the loss itself (detached, ``coef`` not
+    applied), the same on every rank."""
+    own, score_sums = routing_carry(stats, num_experts, carry_in.device)
+    totals = carry_in.detach() + own
+    if all_reduce is not None:
+        all_reduce(totals)
+    counts, scores, rows = totals[:num_experts], totals[num_experts:-1], totals[-1]
+    value = num_experts * torch.sum((counts / rows) * (scores / rows))
+    return _AddAuxiliaryLoss.apply(out, carry_in, score_sums, totals, num_experts, scale), value
+
+
+class PipelineAuxiliaryLoss:
+    """transformers' auxiliary load-balancing loss under pipeline parallelism: hooks on each stage module
+    (``attach``), installed by ``parallelize_pipeline`` when the plan has an ``aux_loss_coef``, that
+    ``parallel.pipeline.Pipeline`` turns on for its training steps (``start``/``stop``).
+
+    The loss is per pipeline micro-batch (what one device computes under gradient accumulation over the same
+    micro-batches, as transformers does): its counts and scores summed over every MoE layer of every stage and over
+    the data × context ranks. Under 1F1B a micro-batch's backward runs before later micro-batches' forwards, so
+    nothing of the whole batch can be waited for; and the loss sums the layers' statistics before the product, so a
+    stage's gradient needs the later stages' counts. Both travel with the activations, no collective of their own:
+
+    - forward: each stage's output carries ``[counts, scores, rows]`` of its layers plus the earlier stages' (one
+      ``2E + 1`` float32 tensor beside the hidden states); the last stage sums them over the data × context ranks
+      (one all-reduce of ``2E + 1`` numbers per micro-batch, as without a pipeline) and keeps ``coef`` × the loss;
+    - backward: the last stage sends the micro-batch's global counts back as the carried tensor's gradient, and
+      each stage's output adds, in backward, ``scale`` × the loss's gradient to its layers' scores
+      (``_PassRouting``, ``_AddAuxiliaryLoss``: Megatron's ``MoEAuxLossAutoScaler``). ``scale`` = ``coef`` × the
+      data × context size (the language-model loss's scaling for FSDP's average) × ``grad_scale`` / micro-batches.
+
+    The hooks run once per stage forward: an activation-checkpointed block recomputed in backward does not add the
+    term again. The last training step's value (``coef`` × the mean over its micro-batches) is ``Pipeline``'s
+    ``last_aux_loss`` on every pipeline rank (``LoadBalancing.pipelined_loss``).
+
+    Args:
+        num_experts: Each MoE layer's routed experts ``E``.
+        coef: The auxiliary loss's weight (``MoEArgs.aux_loss_coef``).
+        meshes: The strategy's meshes (their ``data_context_parallel`` ranks hold distinct tokens).
+    """
+
+    def __init__(self, num_experts: int, coef: float, meshes: Any = None) -> None:
+        self.num_experts, self.coef, self.meshes = num_experts, coef, meshes
+        self.active = False
+        self.scale = 0.0
+        #: ``coef`` × each micro-batch's loss of the running step, on the last stage's ranks.
+        self.values: list[torch.Tensor] = []
+        self._carried: dict[int, torch.Tensor] = {}
+
+    @property
+    def carry_size(self) -> int:
+        """The carried statistics' length: ``2E + 1``."""
+        return 2 * self.num_experts + 1
+
+    def start(self, grad_scale: float, microbatches: int) -> None:
+        """Carry the statistics and add the loss in the stages' forwards of the coming training step."""
+        group = data_context_group(self.meshes)
+        size = dist.get_world_size(group) if group is not None else 1
+        self.scale = self.coef * size * grad_scale / microbatches
+        self.values, self._carried, self.active = [], {}, True
+
+    def stop(self) -> None:
+        self.active = False
+        self._carried = {}
+
+    def attach(self, stage: nn.Module, first: bool, last: bool) -> None:
+        """Hooks on ``stage`` (a pipeline stage module: hidden states, or token ids for the first, in; hidden states,
+        or the loss for the last, out): while active, the statistics received as its second input are taken out
+        before its forward (before FSDP's hooks, which would cast them) and its output is wrapped."""
+        layers = moe_layers(stage)
+
+        def before(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            if not self.active:
+                return None
+            for layer in layers:
+                layer.last_stats = None
+            if first:
+                return None
+            self._carried[id(module)] = args[1]
+            return (args[0], *args[2:]), kwargs
+
+        def after(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            if not self.active:
+                return None
+            stats = [layer.last_stats for layer in layers if layer.last_stats is not None]
+            device = out.device if isinstance(out, torch.Tensor) else None
+            carry = self._carried.pop(id(module), None)
+            if carry is None:
+                carry = torch.zeros(self.carry_size, device=device)
+            if not last:
+                return pass_routing(out, carry, stats, self.num_experts, self.scale)
+            group = routing_group(self.meshes)  # the tensor ranks too when each routes its own slice
+            reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None and dist.get_world_size(group) > 1 else None
+            out, value = add_auxiliary_loss(out, carry, stats, self.num_experts, self.scale, reduce)
+            self.values.append(value * self.coef)
+            return out
+
+        stage.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+        stage.register_forward_hook(after, with_kwargs=True)
+
+
+__all__ = ["ExpertExchange", "ExpertParallel", "LoadBalancing", "MoETensorParallel", "PipelineAuxiliaryLoss",
+           "TensorParallelExperts", "add_auxiliary_loss", "apply_expert_parallel", "expert_modules", "local_part",
+           "moe_auxiliary_loss", "moe_layers", "pass_routing", "routing_carry", "routing_group", "shard_experts",
+           "update_expert_bias"]
 
 
 @dataclass(frozen=True)
@@ -414,7 +597,8 @@ class LoadBalancing:
     - ``loss(model)``: what each micro-batch's loss adds, ``(term, value)``: this rank's share of transformers'
       auxiliary loss over the global batch, scaled like the language-model loss (``moe_auxiliary_loss``), and the
       whole batch's value to log; ``None`` when the experts are not balanced by it (``MoEArgs.uses_aux_loss``).
-      Under pipeline parallelism the auxiliary loss is refused before launch; a pipelined step does not ask.
+      Not under pipeline parallelism: there the stages add the loss inside the schedule (``PipelineAuxiliaryLoss``,
+      installed with the pipeline), and ``pipelined_loss(pipeline)`` after ``pipeline.train_step`` is its value.
     - ``after_optimizer_step(model)``: aux-loss-free balancing's bias update (``update_expert_bias``: the tokens each
       expert got since the last step, summed over the ranks holding different tokens); layers balanced otherwise
       are left alone.
@@ -441,6 +625,15 @@ class LoadBalancing:
             return None
         stats = [layer.last_stats for layer in moe_layers(model) if layer.last_stats is not None]
         return moe_auxiliary_loss(stats, self.moe.num_experts, self.moe.aux_loss_coef, self.meshes)
+
+    def pipelined_loss(self, pipeline: Any) -> Optional[torch.Tensor]:
+        """Under pipeline parallelism, after ``pipeline.train_step``: the auxiliary loss that step trained (``coef``
+        × its mean over the pipeline's micro-batches, each over every stage's layers and the data × context ranks;
+        detached, the same on every rank), to log; ``None`` when the experts are not balanced by it. The gradient is
+        already in the parameters: the stages added it in the schedule (``PipelineAuxiliaryLoss``)."""
+        if self.moe is None or not self.moe.uses_aux_loss:
+            return None
+        return getattr(pipeline, "last_aux_loss", None)
 
     def after_optimizer_step(self, model: nn.Module) -> int:
         """The bias update of the layers balanced by their bias; returns how many were updated."""

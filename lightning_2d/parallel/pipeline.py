@@ -34,6 +34,11 @@ tokens``, counted before the step, the factor ``normalize_by_global_tokens`` app
 times the caller's ``grad_scale`` (``1 / n`` when accumulating over ``n`` batches); the schedule is built
 with ``scale_grads=False`` (its default divides the gradients by the micro-batch count once more).
 
+A mixture of experts' auxiliary loss (the plan's ``aux_loss_coef``): each pipeline micro-batch's, over every stage's
+layers. In a training step the stages pass the micro-batch's routing statistics beside the hidden states and the
+global counts come back as their gradient (``parallel.expert.PipelineAuxiliaryLoss``); ``last_aux_loss`` is the
+step's value on every pipeline rank.
+
 Other objectives (a preference loss): ``objective_step`` has the last stage return each token's log-probability
 (``per_token=True``) and the schedule's loss function call the objective with the micro-batch's slice of a
 ``target`` the caller packs (the schedule splits ``target`` per micro-batch, not ``loss_kwargs``); the objective
@@ -63,6 +68,7 @@ from lightning_2d.parallel.config import (
 )
 from lightning_2d.ops.linear_cross_entropy import replayable_backward
 from lightning_2d._compat import forward_pre_hooks
+from lightning_2d.parallel.expert import PipelineAuxiliaryLoss
 from lightning_2d.parallel.loss import count_global_tokens, count_step_tokens, normalize_by_global_tokens, token_scale
 from lightning_2d.parallel.meshes import ParallelMeshes
 from lightning_2d.parallel.names import DP_DIM, PP_DIM, TP_DIM
@@ -289,6 +295,9 @@ class Pipeline:
         dim: Width of the hidden states sent between stages.
         split: The number of blocks of every stage, in stage order.
         check_inputs: Called with ``(tokens, labels, position_ids)`` before a step (the model's own input checks).
+        aux_loss: A mixture of experts' auxiliary loss, its hooks attached to ``stages``
+            (``parallel.expert.PipelineAuxiliaryLoss``): turned on for the training steps, whose stages then pass the
+            routing statistics beside the hidden states.
     """
 
     def __init__(
@@ -300,8 +309,13 @@ class Pipeline:
         dim: int,
         split: Optional[list[int]] = None,
         check_inputs: Optional[Callable[..., None]] = None,
+        aux_loss: Optional[PipelineAuxiliaryLoss] = None,
     ) -> None:
         self.stages = stages
+        self.aux_loss = aux_loss
+        #: The last training step's auxiliary loss (``coef`` × its micro-batches' mean), on every pipeline rank;
+        #: ``None`` without ``aux_loss``.
+        self.last_aux_loss: Optional[torch.Tensor] = None
         self.split = list(split or [])
         self.check_inputs = check_inputs
         self.stage_indices = stage_indices
@@ -370,6 +384,11 @@ class Pipeline:
                              requires_grad=True)
         tokens = torch.empty((mb, seq_len), dtype=torch.long, device="meta")
         loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+        # Under the auxiliary loss a training step's stages pass each micro-batch's routing statistics beside the
+        # hidden states (PipelineAuxiliaryLoss); their gradient brings the global counts back.
+        carry = ()
+        if train and self.aux_loss is not None:
+            carry = (torch.empty((self.aux_loss.carry_size,), dtype=torch.float32, device="meta", requires_grad=True),)
         if per_token:  # the last stage gives each position's log-probability of its label (``per_token=True``)
             loss = torch.empty((mb, seq_len), dtype=torch.float32, device="meta", requires_grad=train)
         # measure: each stage adds the wall time of its passes to ``busy_s`` (a subclass, not patched methods).
@@ -382,8 +401,8 @@ class Pipeline:
                     index,
                     self.num_stages,
                     device,
-                    input_args=(tokens,) if index == 0 else (hidden,),
-                    output_args=(loss,) if index == self.num_stages - 1 else (hidden,),
+                    input_args=(tokens,) if index == 0 else (hidden, *carry),
+                    output_args=(loss,) if index == self.num_stages - 1 else (hidden, *carry),
                     group=self.pp_group,
                 )
             )
@@ -459,8 +478,6 @@ class Pipeline:
         """One schedule step over this rank's batch: the summed loss (detached), on every pipeline rank; with
         ``per_token`` and no objective, each token's log-probability on the last stage's rank (``None`` elsewhere);
         with an objective, ``None``."""
-        import torch.distributed as dist
-
         if self.check_inputs is not None:
             self.check_inputs(tokens, labels, position_ids)
         batch_size, seq_len = tokens.shape
@@ -499,14 +516,40 @@ class Pipeline:
         run = schedule.step if train else schedule.eval
         # The zero-bubble schedules run a second backward pass (the weights') over the retained graph.
         replay = replayable_backward() if SCHEDULES[self.config.pipeline_schedule].zero_bubble else nullcontext()
-        with replay:
-            output = run(*args, target=target, losses=None if outputs else losses, return_outputs=outputs, **kwargs)
+        aux = self.aux_loss if train else None
+        if aux is not None:
+            self.last_aux_loss = None
+            aux.start(grad_scale, microbatches)
+        try:
+            with replay:
+                output = run(*args, target=target, losses=None if outputs else losses, return_outputs=outputs,
+                             **kwargs)
+        finally:
+            if aux is not None:
+                aux.stop()
         if per_token:
+            if aux is not None:
+                self.last_aux_loss = self._from_last_stage([self._aux_mean(tokens.device)], tokens.device)[0]
             return output if outputs and self.has_last else None
         total = torch.stack(self._raw_losses).sum() if self.has_last else torch.zeros((), device=tokens.device)
-        total = total.to(tokens.device, torch.float32).contiguous()
-        dist.broadcast(total, src=self.last_stage_rank, group=self.pp_group)
-        return total
+        shared = [total] if aux is None else [total, self._aux_mean(tokens.device)]
+        shared = self._from_last_stage(shared, tokens.device)  # one broadcast: the loss and the auxiliary loss
+        if aux is not None:
+            self.last_aux_loss = shared[1]
+        return shared[0]
+
+    def _aux_mean(self, device: torch.device) -> torch.Tensor:
+        """The running step's auxiliary loss on the last stage's rank (``coef`` × its micro-batches' mean)."""
+        values = self.aux_loss.values if self.aux_loss is not None else []
+        return torch.stack(values).mean() if self.has_last and values else torch.zeros((), device=device)
+
+    def _from_last_stage(self, values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """``values`` (0-dim) as the last stage's rank holds them, on every pipeline rank: one broadcast."""
+        import torch.distributed as dist
+
+        shared = torch.stack([v.detach().to(device, torch.float32).reshape(()) for v in values]).contiguous()
+        dist.broadcast(shared, src=self.last_stage_rank, group=self.pp_group)
+        return shared
 
 
 class RefuseCall:
@@ -582,8 +625,13 @@ def parallelize_pipeline(
     family.prune(model, mine, first=0 in indices, last=num_stages - 1 in indices)
     for stage in stages:
         parallelize_stage(stage, stage_plan(stage, plan))
+    aux_loss = None
+    if plan.aux_loss_coef is not None and plan.num_experts:  # a mixture of experts trained with transformers' loss
+        aux_loss = PipelineAuxiliaryLoss(plan.num_experts, plan.aux_loss_coef, meshes)
+        for stage, i in zip(stages, indices):
+            aux_loss.attach(stage, first=i == 0, last=i == num_stages - 1)
     pipeline = Pipeline(stages, indices, meshes, config, dim=dim, split=[len(s) for s in split],
-                        check_inputs=getattr(model, "check_inputs", None))
+                        check_inputs=getattr(model, "check_inputs", None), aux_loss=aux_loss)
     # The stages are not submodules of the model (their modules are): the model's parameters,
     # state_dict and checkpoints keep the single-device names. The model keeps its class.
     model.register_forward_pre_hook(RefuseCall(pipeline), with_kwargs=True)

@@ -743,9 +743,11 @@ def fit(cfg: dict) -> None:
     elif cfg["strategy"] == "single":
         # Lightning gives every parallel training loader a shuffling DistributedSampler (seeded
         # with the run's seed). The reference draws the same permutation with one replica, so
-        # step i sees the union of the data-parallel ranks' step-i batches.
+        # step i sees the union of the data-parallel ranks' step-i batches. With ``accumulate`` each step's rows
+        # come in that many consecutive micro-batches: micro-batch m of step i holds row m of every data-parallel
+        # rank's step-i batch (a pipeline's micro-batch m, at one row per rank and micro-batch).
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=cfg.get("seed", 1234))
-        loader = DataLoader(data, batch_size=cfg["global_batch"], sampler=sampler)
+        loader = DataLoader(data, batch_size=cfg["global_batch"] // accumulate, sampler=sampler)
     else:
         loader = DataLoader(data, batch_size=cfg["global_batch"] // dp // accumulate)
     val_loader = None

@@ -414,11 +414,6 @@ if _hf_available():
             data_parallel_size=2, tensor_parallel_size=2, experts_over_tensor_parallel=True),
          ParallelConfigError, r"experts_over_tensor_parallel=True with expert_parallel_size=1 and"
                               r" tensor_parallel_size=2: .*both must be above 1"),
-        ("mixture-of-experts auxiliary loss under pipeline parallelism", lambda _: fit_before_spawn(
-            LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=2,
-            tensor_parallel_size=1, pipeline_parallel_size=2),
-         ParallelConfigError, r"auxiliary loss \(moe.load_balancing='aux_loss', aux_loss_coef=0.01\) with"
-                              r" pipeline_parallel_size=2.*load_balancing: bias"),
         ("Hugging Face mixture of experts asking for transformers' per-rank auxiliary loss", lambda _: hf(
             model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
          ValueError, r"output_router_logits=True\); transformers would compute it over each rank's tokens.*"

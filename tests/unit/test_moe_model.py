@@ -170,23 +170,23 @@ def test_expert_parallelism_is_refused_where_it_cannot_split_the_experts():
         ParallelConfig(expert_parallel_size=0)
 
 
-def test_the_auxiliary_loss_is_refused_under_pipeline_parallelism_before_launch():
+def test_the_auxiliary_loss_is_accepted_under_pipeline_parallelism():
+    """The stages add it inside the schedule (``parallel.expert.PipelineAuxiliaryLoss``, installed from the plan's
+    ``aux_loss_coef`` by ``parallelize_pipeline``): the module's plan and a Transformer's given to Fabric carry it."""
     from lightning_2d import LlamaLightningModule
-
-    config = ParallelConfig(pipeline_parallel_size=2)
-    with pytest.raises(ParallelConfigError, match=r"auxiliary loss .* with pipeline_parallel_size=2.*load_balancing"):
-        validate_parallel_dims(config, world_size=2, devices_per_node=2,
-                               plan=LlamaLightningModule("debug-moe").parallel_plan(config))
-    module = LlamaLightningModule("debug-moe", model_overrides={"moe": {**asdict(PRESETS["debug-moe"].moe),
-                                                                          "load_balancing": "bias"}})
-    assert module.parallel_plan(ParallelConfig(pipeline_parallel_size=2)).num_experts == 8
-    # A Transformer given to Fabric (the recipe's loop adds the loss): its family's plan carries the same fact.
     from lightning_2d.models.registry import known_plan
 
+    config = ParallelConfig(pipeline_parallel_size=2)
+    plan = LlamaLightningModule("debug-moe").parallel_plan(config)
+    validate_parallel_dims(config, world_size=2, devices_per_node=2, plan=plan)
+    assert (plan.num_experts, plan.aux_loss_coef) == (8, 0.01)
     with torch.device("meta"):
         model = Transformer(PRESETS["debug-moe"])
-    with pytest.raises(ParallelConfigError, match=r"auxiliary loss .* with pipeline_parallel_size=2.*load_balancing"):
-        validate_parallel_dims(config, world_size=2, devices_per_node=2, plan=known_plan(model, config))
+    validate_parallel_dims(config, world_size=2, devices_per_node=2, plan=known_plan(model, config))
+    assert known_plan(model, config).aux_loss_coef == 0.01
+    module = LlamaLightningModule("debug-moe", model_overrides={"moe": {**asdict(PRESETS["debug-moe"].moe),
+                                                                          "load_balancing": "bias"}})
+    assert module.parallel_plan(config).aux_loss_coef is None  # no term for the stages to add
 
 
 transformers = pytest.importorskip("transformers")
