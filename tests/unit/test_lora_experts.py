@@ -1,9 +1,11 @@
 """LoRA on the routed experts of a mixture of experts (``ops.lora.LoRAExperts``): per-expert adapters over the stacked
 weights, computed by the experts' grouped matrix products, equal to a per-expert dense reference; the default targets
-reach them. Under expert parallelism and FSDP:
+reach them; the peft and merged exports give our logits on transformers' Qwen3-MoE. Under expert parallelism and FSDP:
 tests/distributed/test_lora.py."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -190,3 +192,79 @@ def test_what_lora_on_experts_cannot_run_with_is_refused_before_launch():
     with pytest.raises(LoRAConfigError, match=r"LoRA on transformers' own mixture of experts \(HFCausalLMModule, or a"
                                               r" transformers model given to Fabric\) is not supported: its fused"):
         HFCausalLMModule(mixtral, lora={"rank": 4})
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _fit(module, tmp_path, steps: int = 3):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    tokens = torch.randint(0, module.vocab_size, (4 * steps, 17), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(batches, batch_size=4))
+    path = tmp_path / "lora.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_experts_adapters_export_for_peft_and_merged_with_our_logits(tmp_path, model_type):
+    """Fine-tuned on transformers' Qwen3-MoE (or Mixtral) miniature read by our Llama: the peft folder (LoRA on the
+    fused expert parameters, peft's target_parameters) on transformers' base, loaded by ``PeftModel.from_pretrained``,
+    and the merged folder alone give our model's logits."""
+    peft = pytest.importorskip("peft")
+    from lightning_2d.hf import export_hf
+
+    family = {"qwen3_moe": {"head_dim": 8, "num_experts": 4, "moe_intermediate_size": 16, "mlp_only_layers": []},
+              "mixtral": {"num_local_experts": 4}}[model_type]
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=64, **family)
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base_dir)
+    lora = {"rank": 4, "alpha": 8.0}
+    module = LlamaLightningModule(init_from=str(base_dir), lora=lora, learning_rate=1e-2, warmup_steps=1, max_steps=3,
+                                  fused_loss=False)
+    checkpoint = _fit(module, tmp_path)
+    module.eval()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = module(tokens)
+        experts = module.model.layers["1"].feed_forward.experts
+        assert isinstance(experts, LoRAExperts) and experts.w1_lora_b.any()
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+        base_logits = base(tokens).logits
+        assert (ours - base_logits).abs().max() > 1e-3  # the adapters trained
+
+    folder = export_hf(checkpoint, tmp_path / "peft", log=lambda line: None)
+    written = json.loads((folder / "adapter_config.json").read_text())
+    assert written["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert written["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+                                            for p in ("down_proj", "gate_up_proj")]
+    assert written["rank_pattern"] == {"gate_up_proj": 8} and written["alpha_pattern"] == {"gate_up_proj": 16.0}
+    adapted = peft.PeftModel.from_pretrained(base, folder)
+    wrapper = adapted.base_model.model.model.layers[1].mlp.experts  # peft's LoRA on both fused parameters
+    assert (wrapper.parameter_name, wrapper.base_layer.parameter_name) == ("down_proj", "gate_up_proj")
+    assert wrapper.lora_A["default"].weight.shape == (4 * 4, experts.w2.shape[2])  # (E·r, F)
+    assert wrapper.base_layer.lora_A["default"].weight.shape == (4 * 8, 32)  # (E·2r, D): w1's and w3's
+    with torch.no_grad():
+        theirs = adapted(tokens).logits
+        with adapted.disable_adapter():
+            assert torch.equal(adapted(tokens).logits, base_logits)
+        for layer in module.model.layers.values():  # what the experts' adapters alone change
+            for which in ("w1", "w2", "w3"):
+                getattr(layer.feed_forward.experts, f"{which}_lora_b").zero_()
+        assert (module(tokens) - ours).abs().max() > 1e-4
+    error = float((theirs - ours).abs().max())
+    print(f"{model_type}: peft's logits vs ours, max abs difference {error:.2e}")
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    merged = export_hf(checkpoint, tmp_path / "merged", merge_lora=True, log=lambda line: None)
+    alone = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(alone(tokens).logits, ours, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,14 @@ metadata: ``{"lora": {...}, "base": {"init_from": ..., "init_seed": ...}}``). Fr
   ``wq``/``wk``; ``B``'s rows are those output rows, so they are permuted as the base weight is (``A`` is not).
 - ``MergedWeights``: the base (read from ``init_from``, or drawn again from the recorded seed) with ``W + s·B A``
   folded in, one tensor at a time, as a checkpoint source the Hugging Face export writes like any other.
+
+The routed experts' adapters (``ops.lora.LoRAExperts``: ``experts.w1_lora_a`` ``(E, r, in)``, ``…_lora_b``
+``(E, out, r)``) go to peft as LoRA on transformers 5's fused expert parameters (peft's ``target_parameters``,
+``lora.ParamWrapper``): ``mlp.experts.gate_up_proj`` takes ``w1``'s and ``w3``'s adapters at once (``A`` stacked along
+the rank, ``B`` block-diagonal: rank ``2r`` and alpha ``2α`` in ``rank_pattern``/``alpha_pattern``, so the same
+scale), ``mlp.experts.down_proj`` ``w2``'s, in peft's flattened layout (``lora_A`` ``(E·r, in)`` expert-major,
+``lora_B`` ``(out, r·E)`` expert-minor). Both adapted: ``gate_up_proj``'s wrapper is the inner one
+(``experts.base_layer.lora_A``), as peft nests them.
 """
 
 from __future__ import annotations
@@ -21,12 +29,21 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_2d.checkpoint.hf.layout import WeightInfo, hf_name, hf_to_meta, meta_to_hf, rotary_heads
+from lightning_2d.checkpoint.errors import ExportError
+from lightning_2d.checkpoint.hf.layout import (
+    WeightInfo,
+    expert_name,
+    fused_expert_name,
+    hf_name,
+    hf_to_meta,
+    meta_to_hf,
+    rotary_heads,
+)
 from lightning_2d.checkpoint.hf.weights import HFWeights, SafetensorsWeights
 from lightning_2d.models.hf_decoders import HFDecoderInit
 from lightning_2d.models.llama.model import ModelArgs, Transformer
 from lightning_2d.ops.init import SeededInit
-from lightning_2d.ops.lora import ADAPTERS, LoRA
+from lightning_2d.ops.lora import ADAPTERS, EXPERT_ADAPTER_NAMES, LoRA
 
 #: peft's prefix of every key: ``PeftModel.base_model`` (the LoRA model) → ``.model`` (the transformers model).
 PEFT_PREFIX = "base_model.model."
@@ -35,8 +52,18 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 _ADAPTER_NAME = re.compile(r"^(?P<module>.+)\.(?P<which>lora_a|lora_b)\.weight$")
 
 
+def is_expert_adapter(name: str) -> bool:
+    """Whether ``name`` is a routed experts' adapter (``layers.1.feed_forward.experts.w1_lora_a``)."""
+    return name.rpartition(".")[2] in EXPERT_ADAPTER_NAMES
+
+
 def split_adapter_name(name: str) -> tuple[str, str]:
-    """``layers.0.attention.wq.lora_a.weight`` → ``("layers.0.attention.wq", "lora_a")``."""
+    """``layers.0.attention.wq.lora_a.weight`` → ``("layers.0.attention.wq", "lora_a")``; a routed experts' adapter
+    ``layers.1.feed_forward.experts.w1_lora_a`` → ``("layers.1.feed_forward.experts.w1", "lora_a")``."""
+    if is_expert_adapter(name):
+        module, _, param = name.rpartition(".")
+        which, _, adapter = param.partition("_")
+        return f"{module}.{which}", adapter
     match = _ADAPTER_NAME.match(name)
     if match is None:
         raise ValueError(f"{name!r} is not a LoRA adapter's weight (…lora_a.weight / …lora_b.weight)")
@@ -83,13 +110,22 @@ def target_modules(modules: Sequence[str], n_layers: int) -> list[str]:
     return sorted(modules)
 
 
-def adapter_config(record: Mapping[str, Any], modules: Sequence[str], n_layers: int) -> dict[str, Any]:
+def adapter_config(record: Mapping[str, Any], modules: Sequence[str], n_layers: int,
+                   experts: Sequence[str] = (), moe_model_type: Optional[str] = None) -> dict[str, Any]:
     """``adapter_config.json`` of peft's LoRA for ``record`` (the checkpoint's adapters record), the adapted layers
-    (Hugging Face names) and the model's number of blocks."""
+    (Hugging Face names) and the model's number of blocks; ``experts``: the adapted stacked experts of ours
+    (``layers.1.feed_forward.experts.w1``), written as peft's ``target_parameters`` on transformers' fused experts.
+
+    Raises:
+        ExportError: What peft cannot load as trained: expert adapters with dropout (peft's ``ParamWrapper`` refuses
+            ``lora_dropout``); on a mixture of experts (``moe_model_type``), adapters on a dense block's MLP (peft
+            0.21 maps every ``gate_proj``/``up_proj``/``down_proj`` target of Qwen3-MoE and Mixtral to the fused
+            experts when it loads).
+    """
     lora = LoRA.of(record["lora"])
     assert lora is not None
     base = record.get("base") or {}
-    return {
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base.get("init_from"),
@@ -104,6 +140,96 @@ def adapter_config(record: Mapping[str, Any], modules: Sequence[str], n_layers: 
         "init_lora_weights": True,
         "modules_to_save": None,
     }
+    dense_mlp = sorted({m.rsplit(".", 1)[-1] for m in modules} & {"gate_proj", "up_proj", "down_proj"})
+    if moe_model_type is not None and dense_mlp:
+        raise ExportError(
+            f"adapters on the dense blocks' MLP ({', '.join(dense_mlp)}) of a {moe_model_type} model cannot be"
+            " written for peft: peft maps every gate_proj/up_proj/down_proj target of this family to the fused"
+            " experts when it loads (transformers 5's conversion), dropping them. Export with --merge-lora, or train"
+            " lora.targets without the dense blocks' w1/w2/w3"
+        )
+    if experts:
+        if lora.dropout:
+            raise ExportError(
+                f"the routed experts' adapters were trained with lora.dropout={lora.dropout}; peft's LoRA on"
+                " parameters (target_parameters, how it adapts transformers' fused experts) refuses dropout. Export"
+                " with --merge-lora"
+            )
+        parameters = sorted({fused_expert_name(*expert_name(m)) for m in experts})  # type: ignore[misc]
+        config["target_parameters"] = parameters
+        fused = _fused_projections(experts)
+        widths = {len(p) for (_, name), p in fused.items() if name == "gate_up_proj"}
+        if len(widths) > 1:
+            raise ExportError(
+                "some blocks adapt both w1 and w3 of their routed experts, others one of them: peft's rank_pattern"
+                " gives every fused gate_up_proj one rank. Export with --merge-lora, or adapt the same projections in"
+                " every block"
+            )
+        if widths - {1}:  # w1 and w3 in one fused gate_up_proj: rank 2r, the same scale
+            n = max(widths)
+            config["rank_pattern"] = {"gate_up_proj": lora.rank * n}
+            config["alpha_pattern"] = {"gate_up_proj": lora.alpha * (n ** 0.5 if lora.rslora else n)}
+    return config
+
+
+def _fused_projections(experts: Sequence[str]) -> dict[tuple[int, str], list[str]]:
+    """``{(block, fused name): [our projections in it, in order]}`` of the adapted stacked experts ``experts``."""
+    fused: dict[tuple[int, str], list[str]] = {}
+    for module in experts:
+        layer, which = expert_name(module)  # type: ignore[misc]
+        fused.setdefault((layer, "down_proj" if which == "w2" else "gate_up_proj"), []).append(which)
+    return {key: sorted(p, key="w1w3w2".index) for key, p in fused.items()}
+
+
+class PeftTensors:
+    """``ExportPlan.convert`` of a peft folder: each dense adapter weight as it comes (``peft_tensors``); a block's
+    routed experts' adapters once all of them are read, as peft's tensors of the fused parameters they adapt
+    (module docstring).
+
+    Args:
+        names: Every adapter weight the export reads.
+        args, dtype: As ``peft_tensors``'.
+    """
+
+    def __init__(self, names: Sequence[str], args: Optional[ModelArgs], dtype: Optional[torch.dtype]) -> None:
+        self.args, self.dtype = args, dtype
+        self.expected: dict[int, set[str]] = {}
+        for name in names:
+            if is_expert_adapter(name):
+                self.expected.setdefault(expert_name(split_adapter_name(name)[0])[0], set()).add(name)  # type: ignore[index]
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not is_expert_adapter(name):
+            return peft_tensors(name, tensor, self.args, self.dtype)
+        layer = expert_name(split_adapter_name(name)[0])[0]  # type: ignore[index]
+        pending = self.pending.setdefault(layer, {})
+        pending[name] = tensor
+        if set(pending) != self.expected[layer]:
+            return {}
+        return self._layer(layer, self.pending.pop(layer))
+
+    def _layer(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = next(iter(tensors)).rpartition(".")[0]  # layers.N.feed_forward.experts
+        experts = sorted({split_adapter_name(n)[0] for n in tensors})
+        fused = _fused_projections(experts)
+        nested = len(fused) == 2  # both fused parameters adapted: gate_up_proj's wrapper inside down_proj's
+        out = {}
+        for (_, parameter), projections in fused.items():
+            a = torch.cat([tensors[f"{prefix}.{w}_lora_a"] for w in projections], dim=1)  # (E, n·r, in)
+            b = torch.stack([torch.block_diag(*parts) for parts in zip(
+                *[tensors[f"{prefix}.{w}_lora_b"].unbind(0) for w in projections])])  # (E, n·out, n·r)
+            if parameter == "gate_up_proj" and projections == ["w3"]:  # up rows only: the gate rows' B is zero
+                b = torch.cat([torch.zeros_like(b), b], dim=1)
+            elif parameter == "gate_up_proj" and projections == ["w1"]:
+                b = torch.cat([b, torch.zeros_like(b)], dim=1)
+            experts_n, rank, in_features = a.shape
+            module = fused_expert_name(layer, "w2").rpartition(".")[0]  # model.layers.N.mlp.experts
+            where = f"{PEFT_PREFIX}{module}{'.base_layer' if nested and parameter == 'gate_up_proj' else ''}"
+            dtype = self.dtype or a.dtype
+            out[f"{where}.lora_A.weight"] = a.reshape(experts_n * rank, in_features).to(dtype).contiguous()
+            out[f"{where}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts_n).to(dtype).contiguous()
+        return out
 
 
 class MergedWeights:
@@ -132,7 +258,10 @@ class MergedWeights:
             tensor = torch.empty(shapes[name], dtype=torch.float32)
             self.base.fill_block_(tensor, name, shapes[name], None)
             module = name.removesuffix(".weight")
-            if module in self.adapted:
+            if module in self.adapted and expert_name(name) is not None:  # stacked experts: W_e + s·B_e A_e
+                pair = dict(self.adapters.read([f"{module}_{which}" for which in ADAPTERS]))
+                tensor += torch.bmm(pair[f"{module}_lora_b"].float(), pair[f"{module}_lora_a"].float()) * self.scale
+            elif module in self.adapted:
                 pair = dict(self.adapters.read([f"{module}.{which}.weight" for which in ADAPTERS]))
                 tensor += (pair[f"{module}.lora_b.weight"].float() @ pair[f"{module}.lora_a.weight"].float()) * self.scale
             yield name, tensor.to(self.dtype)
@@ -201,6 +330,13 @@ class PeftAdapterWeights:
                 problems.append(f"its {key} is {config[key]!r}, this model's lora gives {ours!r}")
         stored = load_file(str(weights_file))
         self.args, self.tensors = args, {}
+        experts = sorted(n for n in expected if is_expert_adapter(n))
+        if experts:
+            raise ValueError(
+                f"lora_init_from={str(folder)!r}: reading the routed experts' adapters back from a peft folder is not"
+                f" built (this model adapts {experts[0].rpartition('.')[0]} …); train them from their own init"
+                " (no lora_init_from), or lora.targets without the routed experts"
+            )
         for name, shape in expected.items():
             module, which = split_adapter_name(name)
             key = f"{PEFT_PREFIX}{hf_module_name(module, args is None)}.{'lora_A' if which == 'lora_a' else 'lora_B'}"
