@@ -58,8 +58,9 @@ class LoRA:
             ``rslora``).
         dropout: Dropout on the adapter's input (``0``: none).
         targets: The linear layers to adapt, by their last name (``"wq"``) or a dotted suffix
-            (``"attention.wq"``); ``None``: the model's attention and MLP projections. A model accepts its own names
-            and the Hugging Face names (``q_proj``, ``gate_proj``, …) of the same layers.
+            (``"attention.wq"``); ``None``: the model's attention and MLP projections (a mixture of experts' routed
+            experts included: ``LoRAExperts``). A model accepts its own names and the Hugging Face names
+            (``q_proj``, ``gate_proj``, …) of the same layers.
         rslora: Rank-stabilized scaling, ``alpha / √rank`` (Kalajdzievski 2023; peft's ``use_rslora``).
         quantize_base: ``"nf4"``: QLoRA (Dettmers et al. 2023), the adapted layers' frozen weights stored as 4-bit
             NormalFloat (torchao's ``NF4Tensor``, ``lightning_2d.ops.nf4``) and dequantized in each forward; ``None``:
@@ -424,5 +425,6 @@ def quantize_lora_bases(model: nn.Module, device: Optional[torch.device] = None,
     return [f"{name}.weight" for name in layers]
 
 
-__all__ = ["ADAPTERS", "EXPERT_PROJECTIONS", "LoRA", "LoRAConfigError", "LoRAExperts", "LoRALinear", "adapters_disabled",
-           "add_lora", "is_adapter_parameter", "quantize_lora_bases", "quantized_bases", "targets_reach_experts"]
+__all__ = ["ADAPTERS", "EXPERT_PROJECTIONS", "LoRA", "LoRAConfigError", "LoRAExperts", "LoRALinear",
+           "adapters_disabled", "add_lora", "is_adapter_parameter", "quantize_lora_bases", "quantized_bases",
+           "targets_reach_experts"]

@@ -49,7 +49,8 @@ def _reference(experts: LoRAExperts, x: torch.Tensor, counts: torch.Tensor) -> t
     def project(rows, which, e):
         weight = getattr(experts, which)[e]
         if which in experts.projections:
-            weight = weight + experts.scale * getattr(experts, f"{which}_lora_b")[e] @ getattr(experts, f"{which}_lora_a")[e]
+            a, b = getattr(experts, f"{which}_lora_a")[e], getattr(experts, f"{which}_lora_b")[e]
+            weight = weight + experts.scale * b @ a
         return rows @ weight.t()
 
     outs = []
@@ -128,7 +129,8 @@ def test_the_default_targets_adapt_the_routed_experts_and_the_model_starts_as_it
     assert a.shape == (args.moe.num_experts, 4, args.moe.hidden_dim) and b.shape == (args.moe.num_experts, args.dim, 4)
     bound = args.moe.hidden_dim ** -0.5
     assert 0.9 * bound < a.abs().max() <= bound and not b.any()
-    assert module_init_specs(model)[f"layers.{sparse[0]}.feed_forward.experts.w1_lora_a"].bound == pytest.approx(args.dim ** -0.5)
+    spec = module_init_specs(model)[f"layers.{sparse[0]}.feed_forward.experts.w1_lora_a"]
+    assert spec.bound == pytest.approx(args.dim ** -0.5)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable == [n for n in model.state_dict() if is_adapter_parameter(n)]
     assert f"layers.{sparse[0]}.feed_forward.experts.w3_lora_b" in trainable
@@ -211,11 +213,13 @@ def _fit(module, tmp_path, steps: int = 3):
     return path
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_experts_adapters_export_for_peft_and_merged_with_our_logits(tmp_path, model_type):
+@pytest.mark.parametrize("model_type,targets", [("qwen3_moe", None), ("mixtral", None),
+                                                ("qwen3_moe", ["q_proj", "up_proj"])])
+def test_experts_adapters_export_for_peft_and_merged_with_our_logits(tmp_path, model_type, targets):
     """Fine-tuned on transformers' Qwen3-MoE (or Mixtral) miniature read by our Llama: the peft folder (LoRA on the
     fused expert parameters, peft's target_parameters) on transformers' base, loaded by ``PeftModel.from_pretrained``,
-    and the merged folder alone give our model's logits."""
+    and the merged folder alone give our model's logits. Every projection adapted (the default), or the experts' up
+    projection alone (``gate_up_proj``'s gate rows then take a zero ``B``, one wrapper, rank ``r``)."""
     peft = pytest.importorskip("peft")
     from lightning_2d.hf import export_hf
 
@@ -227,7 +231,7 @@ def test_experts_adapters_export_for_peft_and_merged_with_our_logits(tmp_path, m
     torch.manual_seed(0)
     base_dir = tmp_path / "base"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base_dir)
-    lora = {"rank": 4, "alpha": 8.0}
+    lora = {"rank": 4, "alpha": 8.0, "targets": targets}
     module = LlamaLightningModule(init_from=str(base_dir), lora=lora, learning_rate=1e-2, warmup_steps=1, max_steps=3,
                                   fused_loss=False)
     checkpoint = _fit(module, tmp_path)
@@ -236,32 +240,37 @@ def test_experts_adapters_export_for_peft_and_merged_with_our_logits(tmp_path, m
     with torch.no_grad():
         ours = module(tokens)
         experts = module.model.layers["1"].feed_forward.experts
-        assert isinstance(experts, LoRAExperts) and experts.w1_lora_b.any()
+        assert isinstance(experts, LoRAExperts) and experts.w3_lora_b.any()
         base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
         base_logits = base(tokens).logits
         assert (ours - base_logits).abs().max() > 1e-3  # the adapters trained
 
     folder = export_hf(checkpoint, tmp_path / "peft", log=lambda line: None)
     written = json.loads((folder / "adapter_config.json").read_text())
-    assert written["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    assert written["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
-                                            for p in ("down_proj", "gate_up_proj")]
-    assert written["rank_pattern"] == {"gate_up_proj": 8} and written["alpha_pattern"] == {"gate_up_proj": 16.0}
     adapted = peft.PeftModel.from_pretrained(base, folder)
-    wrapper = adapted.base_model.model.model.layers[1].mlp.experts  # peft's LoRA on both fused parameters
-    assert (wrapper.parameter_name, wrapper.base_layer.parameter_name) == ("down_proj", "gate_up_proj")
-    assert wrapper.lora_A["default"].weight.shape == (4 * 4, experts.w2.shape[2])  # (E·r, F)
-    assert wrapper.base_layer.lora_A["default"].weight.shape == (4 * 8, 32)  # (E·2r, D): w1's and w3's
+    wrapper = adapted.base_model.model.model.layers[1].mlp.experts
+    if targets is None:  # peft's LoRA on both fused parameters
+        assert written["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+        assert written["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+                                                for p in ("down_proj", "gate_up_proj")]
+        assert written["rank_pattern"] == {"gate_up_proj": 8} and written["alpha_pattern"] == {"gate_up_proj": 16.0}
+        assert (wrapper.parameter_name, wrapper.base_layer.parameter_name) == ("down_proj", "gate_up_proj")
+        assert wrapper.lora_A["default"].weight.shape == (4 * 4, experts.w2.shape[2])  # (E·r, F)
+        assert wrapper.base_layer.lora_A["default"].weight.shape == (4 * 8, 32)  # (E·2r, D): w1's and w3's
+    else:
+        assert written["target_modules"] == ["q_proj"] and "rank_pattern" not in written
+        assert written["target_parameters"] == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(2)]
+        assert wrapper.parameter_name == "gate_up_proj" and wrapper.lora_A["default"].weight.shape == (4 * 4, 32)
     with torch.no_grad():
         theirs = adapted(tokens).logits
         with adapted.disable_adapter():
             assert torch.equal(adapted(tokens).logits, base_logits)
         for layer in module.model.layers.values():  # what the experts' adapters alone change
-            for which in ("w1", "w2", "w3"):
+            for which in layer.feed_forward.experts.projections:
                 getattr(layer.feed_forward.experts, f"{which}_lora_b").zero_()
         assert (module(tokens) - ours).abs().max() > 1e-4
     error = float((theirs - ours).abs().max())
-    print(f"{model_type}: peft's logits vs ours, max abs difference {error:.2e}")
+    print(f"{model_type} (targets {targets}): peft's logits vs ours, max abs difference {error:.2e}")
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
     merged = export_hf(checkpoint, tmp_path / "merged", merge_lora=True, log=lambda line: None)

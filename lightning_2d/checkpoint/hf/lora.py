@@ -196,7 +196,8 @@ class PeftTensors:
         self.expected: dict[int, set[str]] = {}
         for name in names:
             if is_expert_adapter(name):
-                self.expected.setdefault(expert_name(split_adapter_name(name)[0])[0], set()).add(name)  # type: ignore[index]
+                layer = expert_name(split_adapter_name(name)[0])[0]  # type: ignore[index]
+                self.expected.setdefault(layer, set()).add(name)
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
 
     def __call__(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -228,7 +229,8 @@ class PeftTensors:
             where = f"{PEFT_PREFIX}{module}{'.base_layer' if nested and parameter == 'gate_up_proj' else ''}"
             dtype = self.dtype or a.dtype
             out[f"{where}.lora_A.weight"] = a.reshape(experts_n * rank, in_features).to(dtype).contiguous()
-            out[f"{where}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts_n).to(dtype).contiguous()
+            b = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts_n)  # (out, r·E): index j·E + e
+            out[f"{where}.lora_B.weight"] = b.to(dtype).contiguous()
         return out
 
 
