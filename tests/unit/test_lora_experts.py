@@ -273,6 +273,23 @@ def test_experts_adapters_export_for_peft_and_merged_with_our_logits(tmp_path, m
     print(f"{model_type} (targets {targets}): peft's logits vs ours, max abs difference {error:.2e}")
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
+    # lora_init_from: the peft folder back into a new run's experts' adapters gives the same model; a fused B that
+    # is not block-diagonal (an adapter of the whole gate_up_proj) is refused.
+    again = LlamaLightningModule(init_from=str(base_dir), lora=lora, lora_init_from=str(folder), fused_loss=False)
+    again.configure_model()
+    again.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens), ours, rtol=1e-5, atol=1e-5)
+    if targets is None:
+        from safetensors.torch import load_file, save_file
+
+        stored = load_file(folder / "adapter_model.safetensors")
+        key = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"
+        stored[key][0, -1] = 1.0  # a gate row, an up-projection rank column
+        save_file(stored, folder / "adapter_model.safetensors")
+        with pytest.raises(ValueError, match=r"experts.base_layer.lora_B.weight: not block-diagonal over w1\+w3"):
+            LlamaLightningModule(init_from=str(base_dir), lora=lora, lora_init_from=str(folder)).configure_model()
+
     merged = export_hf(checkpoint, tmp_path / "merged", merge_lora=True, log=lambda line: None)
     alone = transformers.AutoModelForCausalLM.from_pretrained(merged)
     with torch.no_grad():

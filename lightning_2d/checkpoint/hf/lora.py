@@ -13,11 +13,11 @@ metadata: ``{"lora": {...}, "base": {"init_from": ..., "init_seed": ...}}``). Fr
 
 The routed experts' adapters (``ops.lora.LoRAExperts``: ``experts.w1_lora_a`` ``(E, r, in)``, ``…_lora_b``
 ``(E, out, r)``) go to peft as LoRA on transformers 5's fused expert parameters (peft's ``target_parameters``,
-``lora.ParamWrapper``): ``mlp.experts.gate_up_proj`` takes ``w1``'s and ``w3``'s adapters at once (``A`` stacked along
-the rank, ``B`` block-diagonal: rank ``2r`` and alpha ``2α`` in ``rank_pattern``/``alpha_pattern``, so the same
-scale), ``mlp.experts.down_proj`` ``w2``'s, in peft's flattened layout (``lora_A`` ``(E·r, in)`` expert-major,
-``lora_B`` ``(out, r·E)`` expert-minor). Both adapted: ``gate_up_proj``'s wrapper is the inner one
-(``experts.base_layer.lora_A``), as peft nests them.
+``lora.ParamWrapper``), and back (``lora_init_from``): ``mlp.experts.gate_up_proj`` takes ``w1``'s and ``w3``'s
+adapters at once (``A`` stacked along the rank, ``B`` block-diagonal: rank ``2r`` and alpha ``2α`` in
+``rank_pattern``/``alpha_pattern``, so the same scale), ``mlp.experts.down_proj`` ``w2``'s, in peft's flattened
+layout (``lora_A`` ``(E·r, in)`` expert-major, ``lora_B`` ``(out, r·E)`` expert-minor). Both adapted:
+``gate_up_proj``'s wrapper is the inner one (``experts.base_layer.lora_A``), as peft nests them.
 """
 
 from __future__ import annotations
@@ -332,14 +332,12 @@ class PeftAdapterWeights:
                 problems.append(f"its {key} is {config[key]!r}, this model's lora gives {ours!r}")
         stored = load_file(str(weights_file))
         self.args, self.tensors = args, {}
-        experts = sorted(n for n in expected if is_expert_adapter(n))
+        experts = {n: tuple(shape) for n, shape in expected.items() if is_expert_adapter(n)}
         if experts:
-            raise ValueError(
-                f"lora_init_from={str(folder)!r}: reading the routed experts' adapters back from a peft folder is not"
-                f" built (this model adapts {experts[0].rpartition('.')[0]} …); train them from their own init"
-                " (no lora_init_from), or lora.targets without the routed experts"
-            )
+            self.tensors.update(_experts_from_peft(stored, config, lora, experts, problems))
         for name, shape in expected.items():
+            if name in experts:
+                continue
             module, which = split_adapter_name(name)
             key = f"{PEFT_PREFIX}{hf_module_name(module, args is None)}.{'lora_A' if which == 'lora_a' else 'lora_B'}"
             tensor = stored.get(key + ".weight", stored.get(key + ".default.weight"))
@@ -364,6 +362,66 @@ class PeftAdapterWeights:
         tensor = self.tensors[name]
         offset = tuple(offset) if offset is not None else (0,) * tensor.dim()
         out.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offset, out.shape))])
+
+
+def _pattern(config: Mapping[str, Any], key: str, parameter: str) -> Any:
+    """``config[key]``'s value for ``parameter`` (``rank_pattern``/``alpha_pattern``: ours write ``gate_up_proj``,
+    peft's own conversion ``.*\\.gate_up_proj``), else ``None``."""
+    return next((v for k, v in (config.get(key) or {}).items() if k.endswith(parameter)), None)
+
+
+def _experts_from_peft(stored: Mapping[str, torch.Tensor], config: Mapping[str, Any], lora: LoRA,
+                       expected: Mapping[str, tuple[int, ...]], problems: list[str]) -> dict[str, torch.Tensor]:
+    """The routed experts' adapters ``expected`` (our names and shapes) from peft's LoRA on transformers' fused expert
+    parameters (what ``PeftTensors`` writes): the inverse of its layout, each fused ``B`` required block-diagonal
+    (``w1``'s and ``w3``'s adapters apart; an adapter peft trained on the whole ``gate_up_proj`` is not two of ours)
+    and each fused parameter's scale ours. Problems are appended to ``problems``."""
+    import math
+
+    out: dict[str, torch.Tensor] = {}
+    by_layer: dict[int, list[str]] = {}
+    for name in expected:
+        by_layer.setdefault(expert_name(split_adapter_name(name)[0])[0], []).append(name)  # type: ignore[index]
+    for layer, names in sorted(by_layer.items()):
+        prefix = names[0].rpartition(".")[0]
+        fused = _fused_projections(sorted({split_adapter_name(n)[0] for n in names}))
+        module = f"{PEFT_PREFIX}{fused_expert_name(layer, 'w2').rpartition('.')[0]}"
+        for (_, parameter), projections in fused.items():
+            where = f"{module}{'.base_layer' if len(fused) == 2 and parameter == 'gate_up_proj' else ''}"
+            a, b = stored.get(f"{where}.lora_A.weight"), stored.get(f"{where}.lora_B.weight")
+            shapes = [expected[f"{prefix}.{w}_lora_{ab}"] for w in projections for ab in "ab"]
+            experts, rank, in_features = shapes[0]
+            n = len(projections)
+            out_features = shapes[1][1] * (2 if parameter == "gate_up_proj" else 1)
+            want_a, want_b = (experts * n * rank, in_features), (out_features, n * rank * experts)
+            if a is None or b is None:
+                problems.append(f"{where}.lora_A/lora_B.weight: missing (the model adapts {prefix}'s"
+                                f" {', '.join(projections)}, peft's {parameter})")
+                continue
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                problems.append(f"{where}.lora_A/lora_B.weight: stored {tuple(a.shape)}/{tuple(b.shape)}, the"
+                                f" model's {prefix} {'+'.join(projections)} needs {want_a}/{want_b}")
+                continue
+            r = _pattern(config, "rank_pattern", parameter) or config.get("r", lora.rank)
+            alpha = _pattern(config, "alpha_pattern", parameter) or config.get("lora_alpha", lora.alpha)
+            scale = alpha / (math.sqrt(r) if config.get("use_rslora", lora.rslora) else r)
+            if not math.isclose(scale, lora.scale, rel_tol=1e-6):
+                problems.append(f"{where}: peft scales {parameter} by {scale:g}, this model's lora by {lora.scale:g}")
+                continue
+            a = a.reshape(experts, n * rank, in_features)
+            b = b.reshape(out_features, n * rank, experts).permute(2, 0, 1)  # (E, out, n·r)
+            rest = b.clone()
+            for k, which in enumerate(projections):
+                rows = slice(None) if parameter == "down_proj" else slice(0, out_features // 2) if which == "w1" \
+                    else slice(out_features // 2, out_features)
+                cols = slice(k * rank, (k + 1) * rank)
+                out[f"{prefix}.{which}_lora_a"] = a[:, cols].contiguous()
+                out[f"{prefix}.{which}_lora_b"] = b[:, rows, cols].contiguous()
+                rest[:, rows, cols] = 0
+            if rest.any():
+                problems.append(f"{where}.lora_B.weight: not block-diagonal over {'+'.join(projections)} (an adapter"
+                                f" of the whole fused {parameter}, which per-projection adapters cannot hold)")
+    return out
 
 
 class BaseWithPeftAdapters:
