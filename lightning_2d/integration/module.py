@@ -126,7 +126,7 @@ class CausalLMModule(Distillation, PreferenceTuning, L.LightningModule):
 
     def _refuse_now(self) -> None:
         """Raise the problems of the registered checks that read nothing but ``validation_inputs`` (no option, no world:
-        LoRA on a mixture of experts …), at construction, before anything is built or launched."""
+        LoRA on transformers' experts …), at construction, before anything is built or launched."""
         raise_if_problems(run_checks({}, self.validation_inputs()))
 
     def _set_lora(self, lora: "LoRA | dict | None") -> None:

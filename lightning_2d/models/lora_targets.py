@@ -5,7 +5,9 @@ them (``ParallelPlan.adapter_targets``/``adapter_aliases``) to the adapters' con
 
 from __future__ import annotations
 
-#: Our Llama's projections (Meta's names).
+#: Our Llama's projections (Meta's names). In a mixture-of-experts block ``w1``/``w2``/``w3`` are the shared experts'
+#: Linears and the routed experts' stacked projections (``feed_forward.experts.w1`` …, ``ops.lora.LoRAExperts``:
+#: per-expert adapters): the defaults adapt both; ``experts.w1`` or ``shared_experts.w1`` names one of them.
 LLAMA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 #: Hugging Face Llama-family decoders' projections (``LlamaForCausalLM``, Qwen2/3, Mistral).
 HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

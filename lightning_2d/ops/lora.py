@@ -12,6 +12,13 @@ The adapters' initialization is peft's: ``A`` Kaiming-uniform with ``a = √5`` 
 ``LoRALinear.own_param_init_specs()`` describes it (``ops.init.module_init_specs`` collects such specs, and
 ``ops.init.WithOwnInit`` adds them to any weight source, an ``init_from`` checkpoint included).
 
+The routed experts of a mixture of experts (``ops.moe.GroupedExperts``: stacked ``w1``/``w3`` ``(E, F, D)``, ``w2``
+``(E, D, F)``) take adapters per expert (``LoRAExperts``): for a projection of shape ``(E, out, in)``, ``A``
+``(E, r, in)`` and ``B`` ``(E, out, r)``, parameters of the experts module itself (``experts.w1_lora_a``, the expert
+first, so expert parallelism shards them with their experts), computed as the experts are: one grouped matrix product
+for ``A`` and one for ``B`` per projection. A target names them as it names a linear layer (``w1``, ``gate_proj``,
+``experts.w1``): the default targets adapt the routed experts' three projections too.
+
 Pure ``torch``; the placements of ``A`` and ``B`` under tensor parallelism are ``lightning_2d.parallel.lora``'s.
 """
 
@@ -28,10 +35,13 @@ import torch
 from torch import nn
 
 from lightning_2d.ops.init import InitSpec
+from lightning_2d.ops.moe import GroupedExperts
 from lightning_2d.ops.nf4 import NF4_GROUP, QUANTIZATIONS, dequantize, is_nf4, nf4_shard_problem, to_nf4_weight
 
 #: The attribute names of a ``LoRALinear``'s adapters (part of the parameter names).
 ADAPTERS = ("lora_a", "lora_b")
+#: The stacked projections of routed experts (``ops.moe.GroupedExperts``) that take adapters.
+EXPERT_PROJECTIONS = ("w1", "w2", "w3")
 
 
 class LoRAConfigError(ValueError):
@@ -48,8 +58,9 @@ class LoRA:
             ``rslora``).
         dropout: Dropout on the adapter's input (``0``: none).
         targets: The linear layers to adapt, by their last name (``"wq"``) or a dotted suffix
-            (``"attention.wq"``); ``None``: the model's attention and MLP projections. A model accepts its own names
-            and the Hugging Face names (``q_proj``, ``gate_proj``, …) of the same layers.
+            (``"attention.wq"``); ``None``: the model's attention and MLP projections (a mixture of experts' routed
+            experts included: ``LoRAExperts``). A model accepts its own names and the Hugging Face names
+            (``q_proj``, ``gate_proj``, …) of the same layers.
         rslora: Rank-stabilized scaling, ``alpha / √rank`` (Kalajdzievski 2023; peft's ``use_rslora``).
         quantize_base: ``"nf4"``: QLoRA (Dettmers et al. 2023), the adapted layers' frozen weights stored as 4-bit
             NormalFloat (torchao's ``NF4Tensor``, ``lightning_2d.ops.nf4``) and dequantized in each forward; ``None``:
@@ -174,10 +185,132 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scale={self.scale:g}"
 
 
+def _rank_aligned(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A`` ``(E, r, in)`` and ``B`` ``(E, out, r)`` with zero rank rows/columns added up to a rank whose rows are a
+    multiple of 16 bytes: ``grouped_mm`` refuses other strides ("strides should be multiple of 16 bytes": rank 3 in
+    float32, rank 4 in bfloat16). The zeros add nothing to ``B A``."""
+    pad = -a.shape[1] % max(1, 16 // a.element_size())
+    if not pad:
+        return a, b
+    return (torch.cat([a, a.new_zeros(a.shape[0], pad, a.shape[2])], dim=1),
+            torch.cat([b, b.new_zeros(b.shape[0], b.shape[1], pad)], dim=2))
+
+
+class LoRAExperts(GroupedExperts):
+    """Routed experts (``ops.moe.GroupedExperts``) with per-expert low-rank adapters on ``projections``: expert ``e``'s
+    projection ``W_e`` (``out × in``) computes ``x W_eᵀ + s · (dropout(x) A_eᵀ) B_eᵀ``, with ``A`` ``(E, r, in)``
+    and ``B`` ``(E, out, r)`` stacked parameters of this module (``w1_lora_a``, ``w1_lora_b`` …), the expert as
+    dimension 0 like the weights'. With ``grouped_mm`` each adapter is one grouped product over the experts (``A``, then
+    ``B``), else the loop computes the same per expert; both on the local parts (``ops.moe.local_part``), so expert
+    parallelism's ``Shard(0)`` splits the adapters with their experts.
+
+    ``LoRAExperts.from_experts(experts, lora, projections)`` makes one holding ``experts``' own weights (the same
+    parameter objects), which ``add_lora`` puts in its place.
+    """
+
+    #: Set by ``adapters_disabled``: the experts compute their base alone.
+    adapters_off = False
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, lora: LoRA,
+                 projections: Sequence[str] = EXPERT_PROJECTIONS) -> None:
+        super().__init__(dim, hidden_dim, num_experts)
+        self._add_adapters(lora, projections, None, None)
+
+    def _add_adapters(self, lora: LoRA, projections: Sequence[str], device: Optional[torch.device],
+                      dtype: Optional[torch.dtype]) -> None:
+        self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
+        for which in self.projections:
+            experts, out_features, in_features = getattr(self, which).shape
+            self.register_parameter(f"{which}_lora_a", nn.Parameter(
+                torch.empty(experts, lora.rank, in_features, device=device, dtype=dtype)))
+            self.register_parameter(f"{which}_lora_b", nn.Parameter(
+                torch.empty(experts, out_features, lora.rank, device=device, dtype=dtype)))
+        self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.scale = lora.scale
+        self.quantize_base = lora.quantize_base
+        self.settings = lora  # what the checks read of a model given with its adapters (``lora_of``)
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, lora: LoRA, projections: Sequence[str]) -> "LoRAExperts":
+        """A ``LoRAExperts`` holding ``experts``' own weights, adapters on ``projections`` on their device and dtype."""
+        if type(experts) is not GroupedExperts:
+            raise LoRAConfigError(f"LoRA adapts ops.moe.GroupedExperts; this target is a {type(experts).__name__}")
+        with torch.device("meta"):  # nothing allocated: the weights are the experts'
+            adapted = cls.__new__(cls)
+            GroupedExperts.__init__(adapted, 1, 1, experts.num_experts)
+        for which in EXPERT_PROJECTIONS:
+            setattr(adapted, which, getattr(experts, which))
+        adapted._add_adapters(lora, projections, experts.w1.device, experts.w1.dtype)
+        adapted.train(experts.training)
+        return adapted
+
+    def _adapters(self, which: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if self.adapters_off or which not in self.projections:
+            return None
+        return self._local(f"{which}_lora_a"), self._local(f"{which}_lora_b")
+
+    def _project(self, x: torch.Tensor, which: str, offsets: torch.Tensor) -> torch.Tensor:
+        out = super()._project(x, which, offsets)
+        adapters = self._adapters(which)
+        if adapters is None:
+            return out
+        a, b = _rank_aligned(*adapters)
+        low = torch.nn.functional.grouped_mm(self.lora_dropout(x), a.transpose(-2, -1), offs=offsets)
+        return out + torch.nn.functional.grouped_mm(low, b.transpose(-2, -1), offs=offsets) * self.scale
+
+    def _expert_project(self, rows: torch.Tensor, which: str, expert: int) -> torch.Tensor:
+        out = super()._expert_project(rows, which, expert)
+        adapters = self._adapters(which)
+        if adapters is None:
+            return out
+        a, b = adapters
+        return out + (self.lora_dropout(rows) @ a[expert].t()) @ b[expert].t() * self.scale
+
+    def own_param_init_specs(self) -> dict[str, InitSpec]:
+        """The adapters' init (peft's: ``A`` Kaiming-uniform over its input features, ``B`` zero)."""
+        specs = {}
+        for which in self.projections:
+            bound = 1.0 / math.sqrt(getattr(self, which).shape[-1])
+            specs[f"{which}_lora_a"] = InitSpec("uniform", bound=bound)
+            specs[f"{which}_lora_b"] = InitSpec("constant", value=0.0)
+        return specs
+
+    @torch.no_grad()
+    def merged_weight(self, which: str) -> torch.Tensor:
+        """``W + s · B A`` per expert (plain tensors, ``(E, out, in)``): the stacked weight that computes what ``which``
+        does with its adapters."""
+        weight = getattr(self, which)
+        if which not in self.projections:
+            return weight
+        return weight + torch.bmm(getattr(self, f"{which}_lora_b"), getattr(self, f"{which}_lora_a")) * self.scale
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, projections={list(self.projections)},"
+                f" rank={self.settings.rank}, scale={self.scale:g}")
+
+
 def is_adapter_parameter(name: str) -> bool:
-    """Whether the parameter called ``name`` (a qualified name) belongs to an adapter."""
+    """Whether the parameter called ``name`` (a qualified name) belongs to an adapter: a ``LoRALinear``'s
+    (``….wq.lora_a.weight``) or a ``LoRAExperts``' (``….experts.w1_lora_a``)."""
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in ADAPTERS
+    return (len(parts) >= 2 and parts[-2] in ADAPTERS) or parts[-1] in EXPERT_ADAPTER_NAMES
+
+
+#: The parameter names of a ``LoRAExperts``' adapters.
+EXPERT_ADAPTER_NAMES = frozenset(f"{which}_{adapter}" for which in EXPERT_PROJECTIONS for adapter in ADAPTERS)
+
+
+def targets_reach_experts(targets: Optional[Sequence[str]], aliases: Mapping[str, str] = {}) -> bool:
+    """Whether ``targets`` (``None``: the defaults, which adapt them) name routed experts' projections: a target
+    ``w1``/``w2``/``w3`` (or its alias, ``gate_proj`` …) alone or after ``experts.`` (``experts.w1``,
+    ``layers.1.feed_forward.experts.w1``). What the checks read before any model exists."""
+    if targets is None:
+        return True
+    for target in targets:
+        parts = aliases.get(target, target).split(".")
+        if parts[-1] in EXPERT_PROJECTIONS and (len(parts) == 1 or parts[-2] == "experts"):
+            return True
+    return False
 
 
 def _matches(name: str, target: str) -> bool:
@@ -203,23 +336,36 @@ def add_lora(
         LoRAConfigError: A target matches no linear layer (the message lists the model's linear layer names), or
             the model already has adapters.
     """
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if any(isinstance(m, (LoRALinear, LoRAExperts)) for m in model.modules()):
         raise LoRAConfigError(f"{type(model).__name__} already has LoRA adapters; add them once")
     wanted = [aliases.get(t, t) for t in (lora.targets or default_targets)]
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # The routed experts' stacked projections, by the names a linear layer would have (``….experts.w1``).
+    stacked = {f"{name}.{which}": (name, which) for name, m in model.named_modules()
+               if isinstance(m, GroupedExperts) for which in EXPERT_PROJECTIONS}
     unmatched = [t for t, w in zip(lora.targets or default_targets, wanted)
-                 if not any(_matches(name, w) for name in linears)]
+                 if not any(_matches(name, w) for name in (*linears, *stacked))]
     if unmatched:
         leaves = sorted({re.sub(r"^(.*\.)?", "", n) for n in linears})
+        experts = " and the routed experts' w1, w2, w3 (experts.w1 …)" if stacked else ""
         raise LoRAConfigError(
             f"lora.targets {unmatched} match no linear layer of {type(model).__name__}; its linear layers are"
-            f" called {leaves}" + (f" (Hugging Face names accepted: {sorted(aliases)})" if aliases else "")
+            f" called {leaves}{experts}" + (f" (Hugging Face names accepted: {sorted(aliases)})" if aliases else "")
         )
     adapted = [name for name in linears if any(_matches(name, w) for w in wanted)]
     for name in adapted:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LoRALinear.from_linear(linears[name], lora))  # the same name, the same parameters
+    projections: dict[str, list[str]] = {}
+    for name, (module, which) in stacked.items():
+        if any(_matches(name, w) for w in wanted):
+            projections.setdefault(module, []).append(which)
+            adapted.append(name)
+    for module, which in projections.items():
+        parent_name, _, child = module.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRAExperts.from_experts(model.get_submodule(module), lora, which))
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_parameter(name))
     return adapted
@@ -230,7 +376,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Inside, every ``LoRALinear`` of ``model`` computes its base alone: the model before its adapters (what a
     preference loss compares with under LoRA, without a second copy). A compiled block recompiles once for it (the
     flag is in its guards)."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    layers = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
     for layer in layers:
         layer.adapters_off = True
     try:
@@ -242,7 +388,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 def lora_of(model: nn.Module) -> Optional[LoRA]:
     """The settings ``model``'s adapters were added with (``add_lora``), or ``None`` if it has none."""
-    return next((m.settings for m in model.modules() if isinstance(m, LoRALinear)), None)
+    return next((m.settings for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))), None)
 
 
 def quantized_bases(model: nn.Module) -> dict[str, "LoRALinear"]:
@@ -279,5 +425,6 @@ def quantize_lora_bases(model: nn.Module, device: Optional[torch.device] = None,
     return [f"{name}.weight" for name in layers]
 
 
-__all__ = ["ADAPTERS", "LoRA", "adapters_disabled", "LoRAConfigError", "LoRALinear", "add_lora", "is_adapter_parameter", "quantize_lora_bases",
-           "quantized_bases"]
+__all__ = ["ADAPTERS", "EXPERT_PROJECTIONS", "LoRA", "LoRAConfigError", "LoRAExperts", "LoRALinear",
+           "adapters_disabled", "add_lora", "is_adapter_parameter", "quantize_lora_bases", "quantized_bases",
+           "targets_reach_experts"]

@@ -242,11 +242,15 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
     return False
 
 
-def local_part(weight: torch.Tensor) -> torch.Tensor:
+def local_part(weight: torch.Tensor, grad_placements: Optional[Any] = None) -> torch.Tensor:
     """A distributed tensor's local part (its ``to_local()``: the gradient flows back to it), any other tensor as it
-    is. Duck-typed: this layer imports nothing of ``torch.distributed``."""
+    is. ``grad_placements``: how the local gradient is laid out, when not as the tensor (``to_local``'s argument: a
+    replicated weight whose local gradients are partial sums, ``[Partial()]``), given by the parallel style that
+    distributed it. Duck-typed: this layer imports nothing of ``torch.distributed``."""
     to_local = getattr(weight, "to_local", None)
-    return to_local() if callable(to_local) else weight
+    if not callable(to_local):
+        return weight
+    return to_local() if grad_placements is None else to_local(grad_placements=grad_placements)
 
 
 class GroupedExperts(nn.Module):
@@ -261,6 +265,10 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        #: Parameter name → its local gradient's placements (``local_part``), where a parallel style says they differ
+        #: from the parameter's (``parallel.expert.MoETensorParallel``: the adapters replicated over the ranks that
+        #: split the experts' hidden features).
+        self.local_grad_placements: dict[str, Any] = {}
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -269,23 +277,31 @@ class GroupedExperts(nn.Module):
         """``x``: the dispatched tokens (``N × D``, sorted by expert); ``counts``: tokens per expert (sum ``N``)."""
         if not uses_grouped_mm(x):
             return self._loop(x, counts)
-        w1, w2, w3 = self._weights()
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-        up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-        return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+        gate = self._project(x, "w1", offsets)
+        up = self._project(x, "w3", offsets)
+        return self._project(F.silu(gate) * up, "w2", offsets)
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return local_part(self.w1), local_part(self.w2), local_part(self.w3)
+    def _project(self, x: torch.Tensor, which: str, offsets: torch.Tensor) -> torch.Tensor:
+        """The rows of ``x`` (grouped by expert, ``offsets`` their ends) through their experts' ``which`` projection
+        (``w1``, ``w2`` or ``w3``): one grouped matrix product over this rank's experts."""
+        return F.grouped_mm(x, self._local(which).transpose(-2, -1), offs=offsets)
+
+    def _local(self, name: str) -> torch.Tensor:
+        """This rank's part of parameter ``name`` (``local_part``), the gradient laid out as the style says."""
+        return local_part(getattr(self, name), self.local_grad_placements.get(name))
+
+    def _expert_project(self, rows: torch.Tensor, which: str, expert: int) -> torch.Tensor:
+        """``_project`` of one expert's rows, as the loop computes it."""
+        return rows @ self._local(which)[expert].t()
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = self._weights()
         if x.is_meta:  # no data, no counts to split by: the shape is all there is
-            return x.new_empty(x.shape[0], w2.shape[1])
+            return x.new_empty(x.shape[0], self._local("w2").shape[1])
         outs = []
         for expert, rows in enumerate(torch.split(x, counts.tolist())):
-            hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())
-            outs.append(hidden @ w2[expert].t())
+            hidden = F.silu(self._expert_project(rows, "w1", expert)) * self._expert_project(rows, "w3", expert)
+            outs.append(self._expert_project(hidden, "w2", expert))
         return torch.cat(outs)
 
 

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_2d.ops.moe import MoE, MoEArgs, RouterStats, auxiliary_loss_terms, local_part
 from lightning_2d.parallel.config import ParallelConfig, ParallelPlan
+from lightning_2d.parallel.lora import expert_adapter_placements, with_adapter_placements
 from lightning_2d.parallel.loss import data_context_group
 from lightning_2d.parallel.meshes import EXPERT_TOKENS, as_meshes
 from lightning_2d.parallel.modules import matching_modules
@@ -280,8 +281,10 @@ class MoETensorParallel(ParallelStyle):
     - The router runs on every rank, on the same tokens (the same routing everywhere; a plain parameter,
       FSDP-sharded over the data-parallel ranks only).
     - Routed experts: split by their hidden features (``TensorParallelExperts``) when ``experts_tensor_parallel``;
-      else (under expert parallelism) whole on each rank, split over the expert-parallel ranks instead.
-    - Shared experts: column-wise ``w1``/``w3``, row-wise ``w2``, as a dense feed-forward.
+      else (under expert parallelism) whole on each rank, split over the expert-parallel ranks instead. Their LoRA
+      adapters (``ops.lora.LoRAExperts``) follow the hidden features (``parallel.lora.expert_adapter_placements``).
+    - Shared experts: column-wise ``w1``/``w3``, row-wise ``w2``, as a dense feed-forward (their adapters placed as
+      a dense layer's, ``parallel.lora.with_adapter_placements``).
 
     With ``route_slices`` (``experts_over_tensor_parallel``: the expert-parallel groups take in the tensor-parallel
     ranks) nothing is gathered: each tensor-parallel rank routes its own sequence slice and sends its tokens to their
@@ -308,7 +311,7 @@ class MoETensorParallel(ParallelStyle):
         self.route_slices = route_slices
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         if not isinstance(module, MoE):
@@ -319,14 +322,18 @@ class MoETensorParallel(ParallelStyle):
             return _route_slices(module, device_mesh)
         if self.experts_tensor_parallel:
             experts = module.experts
-            for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            for name, placement in (("w1", Shard(1)), ("w3", Shard(1)), ("w2", Shard(2)),
+                                    *expert_adapter_placements(experts)):
                 param = getattr(experts, name)
-                experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(dim)]),
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [placement]),
                                                               requires_grad=param.requires_grad))
+                if isinstance(placement, Replicate):  # each rank's gradient a partial sum: FSDP2 reduces it
+                    experts.local_grad_placements[name] = [Partial()]
             TensorParallelExperts(device_mesh.get_group()).attach(experts)  # on its local slices (ops.moe.local_part)
         if module.shared_experts is not None:
-            parallelize_module(module.shared_experts, device_mesh,
-                               {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+            # Adapted shared experts (dense LoRA) take their adapters' placements beside the base's styles.
+            parallelize_module(module.shared_experts, device_mesh, with_adapter_placements(
+                {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}))
         gather_sequence_around(module, device_mesh, self.sequence_parallel)
         return module
 

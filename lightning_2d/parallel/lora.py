@@ -20,9 +20,18 @@ adapters to the meta model (at the plan's ``adapter_targets`` unless the setting
 keeps them alone in a checkpoint; ``NF4Bases`` stores the adapted layers' frozen weights in NF4 before FSDP shards
 them.
 
+The routed experts' adapters (``ops.lora.LoRAExperts``) are parameters of the experts module with the expert as
+dimension 0: expert parallelism (``parallel.expert.ExpertParallel``, every parameter of the module ``Shard(0)``) and
+the experts' FSDP split them with their experts, and they need no placement of their own. Split by hidden features
+(the experts' tensor parallelism, ``MoETensorParallel``), they are placed as a column-wise (``w1``/``w3``) and a
+row-wise (``w2``) base's (``expert_adapter_placements``); the replicated factors' local gradients are partial sums
+(the experts compute on local parts, ``ops.moe.local_part``, whose gradient is declared ``Partial()``), which FSDP2
+all-reduces over the tensor-parallel ranks as it does a dense adapter's. The shared experts keep their dense adapters,
+placed as above inside the layer's ``MoETensorParallel``.
+
 What LoRA cannot run with is refused before any process group by the registered checks below (``parallel/checks.py``;
-``parallel/dims.py`` imports this module so they register before the layout's): float8, a mixture of experts, and the
-layouts QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``, FSDP-sharded only) cannot hold.
+``parallel/dims.py`` imports this module so they register before the layout's): float8, transformers' fused experts,
+and the layouts and weights QLoRA's NF4 bases (``LoRA(quantize_base="nf4")``, FSDP-sharded 2-D weights only) cannot hold.
 """
 
 from __future__ import annotations
@@ -39,11 +48,13 @@ from lightning_2d.ops.lora import (
     ADAPTERS,
     LoRA,
     LoRAConfigError,
+    LoRAExperts,
     LoRALinear,
     add_lora,
     is_adapter_parameter,
     lora_of,
     quantize_lora_bases,
+    targets_reach_experts,
 )
 from lightning_2d.ops.nf4 import nf4_problem
 from lightning_2d.parallel.checks import check
@@ -98,8 +109,24 @@ def with_adapter_placements(styles: dict[str, ParallelStyle]) -> dict[str, Paral
             for name, style in styles.items()}
 
 
+def expert_adapter_placements(experts: nn.Module) -> list[tuple[str, Any]]:
+    """The tensor-parallel placements of a ``LoRAExperts``' adapters beside its weights split by hidden features
+    (``w1``/``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``: ``parallel.expert.MoETensorParallel``), as a column-wise and a
+    row-wise base's: ``w1``/``w3``'s ``B`` ``(E, F, r)`` split with the hidden rows (``Shard(1)``), their ``A``
+    replicated; ``w2``'s ``A`` ``(E, r, F)`` split with the hidden columns (``Shard(2)``), its ``B`` replicated (its
+    output a partial sum, reduced with the experts'). ``[]`` for experts without adapters."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements: list[tuple[str, Any]] = []
+    for which in getattr(experts, "projections", ()):
+        row_wise = which == "w2"
+        placements += [(f"{which}_lora_a", Shard(2) if row_wise else Replicate()),
+                       (f"{which}_lora_b", Replicate() if row_wise else Shard(1))]
+    return placements
+
+
 def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    return any(isinstance(m, (LoRALinear, LoRAExperts)) for m in model.modules())
 
 
 # ---- the converters (``parallel/converters.py``) ------------------------------------------------------------------
@@ -203,14 +230,38 @@ def lora_float8(float8: Any, lora: LoRA, owner: str) -> list[str]:
 
 
 @check(error=LoRAConfigError)
-def lora_experts(lora: LoRA, experts: bool) -> list[str]:
-    """Adapters would reach the shared experts (Linears) but not the routed ones (stacked tensors), and the experts'
-    tensor-parallel style places no adapters: untested, so refused rather than trained half-right."""
-    if lora is None or not experts:
+def lora_experts(lora: LoRA, experts: bool, hf_config: Any = None, plan: Optional[ParallelPlan] = None) -> list[str]:
+    """transformers' own experts (``HFCausalLMModule``'s, or a transformers model given to Fabric: the plan runs them
+    whole, ``plan.whole_experts``) are fused parameters that take no adapter: the routed experts would stay frozen
+    while the rest trains. Our Llama's routed experts take adapters (``ops.lora.LoRAExperts``)."""
+    if lora is None or not experts or (hf_config is None and (plan is None or plan.whole_experts is None)):
         return []
     return [
-        "LoRA on a mixture of experts is not supported yet: the routed experts are stacked tensors that take no"
-        " adapter, and their parallel styles place none; fine-tune the whole model (no lora), or use a dense model"
+        "LoRA on transformers' own mixture of experts (HFCausalLMModule, or a transformers model given to Fabric) is"
+        " not supported: its fused experts (gate_up_proj, down_proj parameters) take no adapter, so the routed experts"
+        " would stay frozen while the rest trains. Train LlamaLightningModule(init_from=<the same folder>, lora=...),"
+        " which reads the same files and adapts the routed experts per expert"
+    ]
+
+
+def _expert_aliases(plan: Optional[ParallelPlan]) -> Mapping[str, str]:
+    return plan.adapter_aliases if plan is not None else {}
+
+
+@check(error=LoRAConfigError)
+def qlora_experts(lora: LoRA, experts: bool, plan: Optional[ParallelPlan] = None) -> list[str]:
+    """NF4 bases are 2-D weights quantized in blocks and sharded by their rows (``ops.nf4``); the routed experts are
+    stacked 3-D weights, split by expert under expert parallelism."""
+    if lora is None or lora.quantize_base is None or not experts:
+        return []
+    if not targets_reach_experts(lora.targets, _expert_aliases(plan)):
+        return []
+    return [
+        f"{QLORA} on the routed experts: their weights are stacked 3-D tensors (experts × out × in), split by expert"
+        " under expert parallelism, and the NF4 bases (torchao's NF4Tensor) are 2-D weights quantized in blocks and"
+        " sharded along their rows (not built for stacked experts). Use quantize_base=None, or lora.targets without"
+        " the routed experts (e.g. ['wq', 'wk', 'wv', 'wo', 'shared_experts.w1', 'shared_experts.w2',"
+        " 'shared_experts.w3'])"
     ]
 
 

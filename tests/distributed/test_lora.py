@@ -46,19 +46,31 @@ QLORA_LAYOUTS = {
     "qlora_cp2xdp2": dict(dp=2, tp=1, nprocs=4, context_parallel_size=2),
     "qlora_pp2xdp2": dict(dp=2, tp=1, nprocs=4, pipeline_parallel_size=2),
 }
+#: LoRA on a mixture of experts (``debug-moe`` cut to its dense block 0 and sparse block 1: a router, 8 routed experts,
+#: a shared expert), every projection adapted: the routed experts per expert (``ops.lora.LoRAExperts``), the shared
+#: experts' Linears as a dense layer's. Expert parallel 2 × FSDP 2 (the adapters split by expert with their experts,
+#: FSDP over the experts' own mesh; full checkpointing: the exchange recomputed in backward) and tensor parallel 2 ×
+#: data parallel 2 (the experts split by hidden features, their adapters placed with them) against one device.
+MOE = {**COMMON, "model": "debug-moe"}
+MOE_LAYOUTS = {
+    "moe_ep2_fsdp2": dict(dp=4, tp=1, expert_parallel_size=2, activation_checkpointing="full"),
+    "moe_tp2_dp2": dict(dp=2, tp=2),
+}
 #: The seven projections, by how tensor parallelism splits their base weight.
 COLUMN_WISE, ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
 
 
 def layout_job(jobs, name: str):
-    options = dict(LAYOUTS[name] if name in LAYOUTS else QLORA_LAYOUTS[name])
-    return jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **(COMMON if name in LAYOUTS else QLORA))
+    options = dict({**LAYOUTS, **QLORA_LAYOUTS, **MOE_LAYOUTS}[name])
+    common = COMMON if name in LAYOUTS else QLORA if name in QLORA_LAYOUTS else MOE
+    return jobs.layout_job(options.pop("dp"), options.pop("tp"), **options, **common)
 
 
 @pytest.fixture(scope="module")
 def runs(jobs) -> dict:
     specs = {"reference": jobs.reference_job(**COMMON), **{name: layout_job(jobs, name) for name in LAYOUTS},
-             "qlora_reference": jobs.reference_job(**QLORA), **{name: layout_job(jobs, name) for name in QLORA_LAYOUTS}}
+             "qlora_reference": jobs.reference_job(**QLORA), **{name: layout_job(jobs, name) for name in QLORA_LAYOUTS},
+             "moe_reference": jobs.reference_job(**MOE), **{name: layout_job(jobs, name) for name in MOE_LAYOUTS}}
     jobs.share("lora", list(specs.values()))
     return {key: jobs.run(name, "fit", config, nprocs=nprocs) for key, (name, config, nprocs, _) in specs.items()}
 
@@ -182,3 +194,75 @@ def test_qlora_training_equals_one_device_with_the_same_nf4_bits(runs, layout):
     for name, weight in final.items():
         if is_adapter_parameter(name):
             torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _moe_adapters(names) -> list[str]:
+    return sorted(n for n in names if is_adapter_parameter(n) and ".experts." in n)
+
+
+def test_lora_on_a_mixture_of_experts_adapts_the_routed_experts_per_expert(runs):
+    """The one-device reference: every routed projection of the sparse block carries per-expert adapters (A zero-free
+    peft init, B zero), the shared experts their dense ones; only adapters train, and the routed ones move."""
+    reference = runs["moe_reference"]
+    out = reference.rank_output(0)
+    initial, final = load_weights(reference, "initial"), load_weights(reference, "final")
+    routed = _moe_adapters(final)
+    assert routed == [f"layers.1.feed_forward.experts.{w}_lora_{ab}" for w in ("w1", "w2", "w3") for ab in "ab"]
+    assert initial["layers.1.feed_forward.experts.w2_lora_a"].shape == (8, 4, 64)  # (E, r, hidden)
+    assert initial["layers.1.feed_forward.experts.w2_lora_b"].shape == (8, 128, 4)  # (E, dim, r)
+    assert "layers.1.feed_forward.shared_experts.w2.lora_b.weight" in final
+    assert out["optimized"] == out["requires_grad"] == out["optimizer_state"] == sorted(
+        n for n in final if is_adapter_parameter(n))
+    for name in routed:
+        assert not torch.equal(initial[name], final[name]), name
+        if name.endswith("_lora_b"):
+            assert not initial[name].any(), name
+    assert min(out["expert_grad_norms"]) > 0  # the routed experts' adapters' own norm (the base holds none)
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_lora_on_a_mixture_of_experts_equals_one_device(runs, layout):
+    """Losses, gradient norms (the total and the routed experts' adapters' own), the final adapters within 1e-5; the
+    frozen base (routed experts, router, shared experts) bit for bit its seeded init; only adapters optimized."""
+    reference, run = runs["moe_reference"], runs[layout]
+    ref_out = reference.rank_output(0)
+    for rank in range(4):
+        out = run.rank_output(rank)
+        error = worst_relative_error(out["losses"], ref_out["losses"])
+        norm_error = worst_relative_error(out["grad_norms"], ref_out["grad_norms"])
+        expert_error = worst_relative_error(out["expert_grad_norms"], ref_out["expert_grad_norms"])
+        print(f"lora {layout} rank {rank}: worst relative loss error {error:.2e}, gradient norm error"
+              f" {norm_error:.2e}, routed experts' adapters' {expert_error:.2e}")
+        assert error <= LOSS_RTOL, (out["losses"], ref_out["losses"])
+        assert norm_error <= LOSS_RTOL, (out["grad_norms"], ref_out["grad_norms"])
+        assert expert_error <= LOSS_RTOL, (out["expert_grad_norms"], ref_out["expert_grad_norms"])
+        assert out["optimized"] == out["requires_grad"] == out["optimizer_state"] == ref_out["optimized"]
+    initial, ref_final, final = (load_weights(reference, "initial"), load_weights(reference, "final"),
+                                 load_weights(run, "final"))
+    assert final.keys() == ref_final.keys()
+    worst = 0.0
+    for name, weight in final.items():
+        if is_adapter_parameter(name):
+            worst = max(worst, float((weight - ref_final[name]).abs().max()))
+            torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+        else:
+            assert torch.equal(weight, initial[name]), name
+    print(f"lora {layout}: final adapters' largest difference from one device {worst:.2e}")
+
+
+def test_the_routed_experts_adapters_are_split_with_their_experts(runs):
+    """Expert parallelism: every parameter of the experts module, adapters included, Shard(0) (the expert) over the
+    expert-parallel ranks. The experts' tensor parallelism (hidden features split): w1/w3's B with the hidden rows
+    (Shard(1)), their A replicated; w2's A with the hidden columns (Shard(2)), its B replicated."""
+    placed = runs["moe_ep2_fsdp2"].rank_output(0)["placements"]
+    experts = {n: p for n, p in placed.items() if n.startswith("layers.1.feed_forward.experts.")}
+    assert len(experts) == 3 + 6
+    for name, p in experts.items():
+        assert p["placements"][p["mesh_dims"].index("expert_parallel")] == "Shard(dim=0)", (name, p)
+    placed = runs["moe_tp2_dp2"].rank_output(0)["placements"]
+    expected = {"w1": "Shard(dim=1)", "w3": "Shard(dim=1)", "w2": "Shard(dim=2)",
+                "w1_lora_a": "Replicate()", "w1_lora_b": "Shard(dim=1)", "w3_lora_a": "Replicate()",
+                "w3_lora_b": "Shard(dim=1)", "w2_lora_a": "Shard(dim=2)", "w2_lora_b": "Replicate()"}
+    for which, placement in expected.items():
+        p = placed[f"layers.1.feed_forward.experts.{which}"]
+        assert p["placements"][p["mesh_dims"].index("tensor_parallel")] == placement, (which, p)

@@ -365,9 +365,8 @@ def test_compare_lora_runs_lora_beside_full_fine_tuning_and_reports_the_ratios()
                                                          r" integer; got 0"):
         settings("--compare-lora", "0")
     # The variant's module and layout are checked as its strategy checks them, before any process starts.
-    with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-lora \(the lora variant\): LoRA on a mixture of"
-                                                         r" experts is not supported"):
-        settings("--compare-lora", "8", "--model", "debug-moe", "--tensor-parallel-size", "1")
+    # A mixture of experts takes adapters on its routed experts too (#46).
+    assert settings("--compare-lora", "8", "--model", "debug-moe", "--tensor-parallel-size", "1").compared == {"lora": 8}
     with pytest.raises(bench.BenchmarkConfigError, match=r"--compare-lora \(the lora variant\): float8=True with LoRA"
                                                          r" adapters \(LlamaLightningModule\(lora=...\)\)"):
         settings("--compare-lora", "8", "--float8", "true")

@@ -439,16 +439,18 @@ def test_a_model_given_with_its_adapters_is_checked_by_what_its_modules_show():
     assert validation_inputs_of(moe) == {"owner": "Transformer", "lora": LoRA(rank=4), "experts": True,
                                     "supports_document_mask": False}
     config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(LoRAConfigError, match=r"^LoRA on a mixture of experts is not supported yet"):
-        validate_parallel_dims(config, world_size=4, devices_per_node=4, plan=known_plan(moe, config),
-                               **validation_inputs_of(moe))
+    validate_parallel_dims(config, world_size=4, devices_per_node=4, plan=known_plan(moe, config),
+                           **validation_inputs_of(moe))  # its routed experts' adapters too (#46)
     with pytest.raises(ParallelConfigError, match=r"QLoRA\) with tensor_parallel_size=2: NF4 weights"):
         validate_parallel_dims(config, world_size=4, devices_per_node=4, plan=known_plan(dense, config),
                                **validation_inputs_of(dense))
+    with torch.device("meta"):
+        quantized_moe = Transformer(PRESETS["debug-moe"])
+    quantized_moe.lora = LoRA(rank=4, quantize_base="nf4")  # declared: NF4 bases of the routed experts, refused
     mixed = ParallelConfig(data_parallel_size=4, tensor_parallel_size=1, float8="emulate")
     with pytest.raises(ParallelConfigError) as both:  # problems of two kinds: one ParallelConfigError listing both
-        validate_parallel_dims(mixed, world_size=4, devices_per_node=4, **validation_inputs_of(moe))
-    assert [p.split(" ")[0] for p in both.value.problems] == ["float8='emulate'", "LoRA"]
+        validate_parallel_dims(mixed, world_size=4, devices_per_node=4, **validation_inputs_of(quantized_moe))
+    assert [p.split(" ")[0] for p in both.value.problems] == ["float8='emulate'", "lora.quantize_base='nf4'"]
 
 
 def test_a_weights_storage_format_says_how_it_is_filled_kept_counted_and_checked():

@@ -118,6 +118,15 @@ def hf_lora(**lora):
     return HFCausalLMModule(base, lora=lora)
 
 
+def hf_lora_experts():
+    from lightning_2d.hf import HFCausalLMModule
+
+    base = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+            "num_experts_per_tok": 2}
+    return HFCausalLMModule(base, lora={"rank": 4})
+
+
 def hf(**config):
     from lightning_2d.hf import HFCausalLMModule
 
@@ -426,9 +435,14 @@ if _hf_available():
             LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4,
             tensor_parallel_size=1, compile=True),
          ParallelConfigError, r"compile=True with mixture-of-experts blocks: .*use compile=False"),
-        ("LoRA on a mixture of experts", lambda _: LlamaLightningModule("debug-moe", lora={"rank": 4}),
-         LoRAConfigError, r"LoRA on a mixture of experts is not supported yet: the routed experts are stacked tensors"
-                          r".*fine-tune the whole model \(no lora\)"),
+        ("LoRA on transformers' own experts", lambda _: hf_lora_experts(),
+         LoRAConfigError, r"LoRA on transformers' own mixture of experts \(HFCausalLMModule, or a transformers model"
+                          r" given to Fabric\) is not supported: its fused experts .*Train"
+                          r" LlamaLightningModule\(init_from=<the same folder>, lora=...\)"),
+        ("QLoRA on the routed experts", lambda _: LlamaLightningModule(
+            "debug-moe", lora={"rank": 4, "quantize_base": "nf4"}),
+         LoRAConfigError, r"QLoRA\) on the routed experts: their weights are stacked 3-D tensors .*Use"
+                              r" quantize_base=None, or lora.targets without the routed experts"),
         ("mixture-of-experts setting misspelled", lambda _: LlamaLightningModule(
             "debug-moe", model_overrides={"moe": {"num_experts": 8, "top_k": 2, "hidden_dim": 64,
                                                   "load_balancing": "aux"}}),

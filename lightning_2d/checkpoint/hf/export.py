@@ -50,10 +50,11 @@ from lightning_2d.checkpoint.hf.lora import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     MergedWeights,
+    PeftTensors,
     adapter_config,
     base_weights_of,
     hf_module_name,
-    peft_tensors,
+    is_expert_adapter,
     split_adapter_name,
 )
 from lightning_2d.checkpoint.hf.tokenizer import (
@@ -531,8 +532,10 @@ def plan_export(
     elif kind == "peft":
         n_layers = int(native_config["num_hidden_layers"]) if native_config is not None else args.n_layers
         modules = sorted({hf_module_name(split_adapter_name(w.name)[0], native_config is not None)
-                          for w in source.weights})
-        peft = adapter_config(adapters, modules, n_layers)
+                          for w in source.weights if not is_expert_adapter(w.name)})
+        experts = sorted({split_adapter_name(w.name)[0] for w in source.weights if is_expert_adapter(w.name)})
+        moe_type = hf_model_type(args) if args is not None and args.moe is not None else None
+        peft = adapter_config(adapters, modules, n_layers, experts, moe_type)
     # The model's Hugging Face config, and the names not written (tied: one tensor in the files, as transformers saves
     # it and ties on load).
     if native_config is not None:
@@ -558,7 +561,7 @@ def plan_export(
     weights = [w for w in source.weights if w.name not in tied]
     if kind == "peft":  # one file of adapters, under peft's names
         files = [(ADAPTER_WEIGHTS_FILE, [w.name for w in weights])]
-        return ExportPlan(kind, source, files, partial(peft_tensors, args=args, dtype=dtype), config, peft)
+        return ExportPlan(kind, source, files, PeftTensors([w.name for w in weights], args, dtype), config, peft)
     shards = plan_shards(weights, dtype, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
