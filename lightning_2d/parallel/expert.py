@@ -287,11 +287,12 @@ class MoETensorParallel(ParallelStyle):
       a dense layer's, ``parallel.lora.with_adapter_placements``).
 
     With ``route_slices`` (``experts_over_tensor_parallel``: the expert-parallel groups take in the tensor-parallel
-    ranks) nothing is gathered: each tensor-parallel rank routes its own sequence slice and sends its tokens to their
-    experts' ranks (the exchange's group spans the tensor-parallel ranks), so no expert computes a token twice. The
-    router and the shared experts then run on the slice with their weights replicated over the tensor-parallel ranks
-    (torch's ``SequenceParallel`` on the flattened tokens: their gradients, partial sums over the slices, are summed
-    over the ranks as the norms' are).
+    ranks) the layer's input is not gathered: each tensor-parallel rank routes its own sequence slice and sends its
+    tokens to their experts' ranks (the exchange's group spans the tensor-parallel ranks), so no expert computes a
+    token twice. The router then runs on the slice with its weight replicated over the tensor-parallel ranks (torch's
+    ``SequenceParallel`` on the flattened tokens: its gradient, a partial sum over the slices, is summed over the ranks
+    as the norms' are); the shared experts, split by their hidden features as without it, get the tokens of every
+    slice gathered for them alone.
 
     Args:
         sequence_parallel: The layer's input and output are sequence slices (``Shard(1)``).
@@ -319,8 +320,8 @@ class MoETensorParallel(ParallelStyle):
                 f"MoETensorParallel applies to a mixture-of-experts layer (ops.moe.MoE), got {type(module).__name__}"
             )
         if self.route_slices:
-            return _route_slices(module, device_mesh)
-        if self.experts_tensor_parallel:
+            _route_slices(module, device_mesh)
+        elif self.experts_tensor_parallel:
             experts = module.experts
             for name, placement in (("w1", Shard(1)), ("w3", Shard(1)), ("w2", Shard(2)),
                                     *expert_adapter_placements(experts)):
@@ -334,15 +335,18 @@ class MoETensorParallel(ParallelStyle):
             # Adapted shared experts (dense LoRA) take their adapters' placements beside the base's styles.
             parallelize_module(module.shared_experts, device_mesh, with_adapter_placements(
                 {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}))
-        gather_sequence_around(module, device_mesh, self.sequence_parallel)
+            if self.route_slices:  # the slice's flattened tokens, gathered for the shared experts alone
+                gather_sequence_around(module.shared_experts, device_mesh, True, dim=0)
+        if not self.route_slices:
+            gather_sequence_around(module, device_mesh, self.sequence_parallel)
         return module
 
 
-def _route_slices(module: MoE, device_mesh: "DeviceMesh") -> MoE:
+def _route_slices(module: MoE, device_mesh: "DeviceMesh") -> None:
     """``MoETensorParallel(route_slices=True)`` on ``module``: its input (this rank's sequence slice, a ``Shard(1)``
-    DTensor or its local tensor) taken as the local tensor, its output the slice's; the router and the shared experts
-    on the slice's flattened tokens (``SequenceParallel`` over dimension 0: weights replicated, their gradients
-    summed over the ranks)."""
+    DTensor or its local tensor) taken as the local tensor, its output the slice's; the router on the slice's
+    flattened tokens (``SequenceParallel`` over dimension 0: its weight replicated, its gradient summed over the
+    ranks). The shared experts stay split by their hidden features, on the tokens gathered for them (the caller)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
@@ -354,9 +358,6 @@ def _route_slices(module: MoE, device_mesh: "DeviceMesh") -> MoE:
     setattr(module.experts, ROUTING_TENSOR_RANKS, device_mesh.size())  # for ExpertParallel's gradient scale
     slices = SequenceParallel(sequence_dim=0, use_local_output=True)
     parallelize_module(module.router, device_mesh, slices)
-    if module.shared_experts is not None:  # each projection (torch's style replicates a module's own parameters)
-        parallelize_module(module.shared_experts, device_mesh, {"w1": slices, "w2": slices, "w3": slices})
-    return module
 
 
 def moe_auxiliary_loss(stats: list[RouterStats], num_experts: int, coef: float,

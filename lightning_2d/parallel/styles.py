@@ -111,12 +111,14 @@ class SequenceShardInput(ParallelStyle):
         return module
 
 
-def gather_sequence_around(module: nn.Module, device_mesh: "DeviceMesh", sequence_parallel: bool) -> None:
+def gather_sequence_around(module: nn.Module, device_mesh: "DeviceMesh", sequence_parallel: bool,
+                           dim: int = 1) -> None:
     """Run ``module`` on the whole sequence on every tensor-parallel rank: its first input gathered from this rank's
     sequence slice (``Shard(1)``, a plain tensor or a DTensor) under sequence parallelism, and its output cut back to
     the slice. The gather's backward keeps this rank's slice of the gradient (no reduce-scatter) and the cut's
     gathers it: the module's gradients are whole and equal on every rank, as its computation is. Without sequence
-    parallelism the input is whole already (a DTensor's local tensor is taken)."""
+    parallelism the input is whole already (a DTensor's local tensor is taken). ``dim``: the sequence's dimension
+    (0 for tokens flattened to ``(tokens, D)``)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def gather_input(_module: nn.Module, args: tuple) -> tuple:
@@ -124,7 +126,7 @@ def gather_sequence_around(module: nn.Module, device_mesh: "DeviceMesh", sequenc
         if isinstance(x, DTensor):
             x = x.redistribute(device_mesh, [Replicate()]).to_local()
         elif sequence_parallel:
-            x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            x = DTensor.from_local(x, device_mesh, [Shard(dim)], run_check=False)
             x = x.redistribute(device_mesh, [Replicate()]).to_local()
         return (x, *rest)
 
@@ -133,7 +135,7 @@ def gather_sequence_around(module: nn.Module, device_mesh: "DeviceMesh", sequenc
         def scatter_output(_module: nn.Module, _args: tuple, out: Any) -> Any:
             tensor = out[0] if isinstance(out, tuple) else out
             full = DTensor.from_local(tensor, device_mesh, [Replicate()], run_check=False)
-            local = full.redistribute(device_mesh, [Shard(1)]).to_local()
+            local = full.redistribute(device_mesh, [Shard(dim)]).to_local()
             return (local, *out[1:]) if isinstance(out, tuple) else local
 
         module.register_forward_hook(scatter_output)

@@ -49,12 +49,15 @@ QLORA_LAYOUTS = {
 #: LoRA on a mixture of experts (``debug-moe`` cut to its dense block 0 and sparse block 1: a router, 8 routed experts,
 #: a shared expert), every projection adapted: the routed experts per expert (``ops.lora.LoRAExperts``), the shared
 #: experts' Linears as a dense layer's. Expert parallel 2 × FSDP 2 (the adapters split by expert with their experts,
-#: FSDP over the experts' own mesh; full checkpointing: the exchange recomputed in backward) and tensor parallel 2 ×
-#: data parallel 2 (the experts split by hidden features, their adapters placed with them) against one device.
+#: FSDP over the experts' own mesh; full checkpointing: the exchange recomputed in backward), tensor parallel 2 ×
+#: data parallel 2 (the experts split by hidden features, their adapters placed with them) and expert parallel 4 over
+#: data 2 × tensor 2 (``experts_over_tensor_parallel``) against one device.
 MOE = {**COMMON, "model": "debug-moe"}
 MOE_LAYOUTS = {
     "moe_ep2_fsdp2": dict(dp=4, tp=1, expert_parallel_size=2, activation_checkpointing="full"),
     "moe_tp2_dp2": dict(dp=2, tp=2),
+    # expert parallel 4 over data 2 × tensor 2: each tensor rank routes its slice, the adapters with their experts
+    "moe_ep4_over_tp2": dict(dp=2, tp=2, expert_parallel_size=4, experts_over_tensor_parallel=True),
 }
 #: The seven projections, by how tensor parallelism splits their base weight.
 COLUMN_WISE, ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")

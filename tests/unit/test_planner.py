@@ -380,7 +380,7 @@ def test_expert_parallelism_keeps_the_experts_out_of_the_fsdp_gathers_and_plans_
 def test_expert_parallelism_over_the_tensor_ranks_holds_half_the_experts_and_routes_the_slice():
     """At data 2 × tensor 2: today's expert parallel 2 holds 4 whole experts per rank (each tensor rank the same);
     with the groups over the tensor ranks (expert parallel 4) 2 per rank, and each rank routes its sequence slice
-    (the layer's router scores and dispatched tokens for half the tokens). Both plans are built by the real
+    (the layer's router scores and dispatched tokens for half the tokens; the shared expert on all of them). Both plans are built by the real
     parallelize on a simulated rank."""
     common = dict(num_nodes=1, devices=4, precision="32-true", seq_len=64, micro_batch_size=1,
                   model_overrides={"n_layers": 2})
@@ -391,11 +391,9 @@ def test_expert_parallelism_over_the_tensor_ranks_holds_half_the_experts_and_rou
                     **common)
     args = ModelArgs.from_name("debug-moe", n_layers=2)
     per_expert = 3 * args.moe.hidden_dim * args.dim
-    # 4 experts per rank whole (expert FSDP over 1 rank) against 2; the shared expert replicated over the tensor
-    # ranks instead of split by them (FSDP over the 2 data ranks either way: a quarter of it more per rank). The
-    # router was replicated over them already.
-    shared = 3 * args.moe.shared_dim * args.dim // 4
-    assert today.params_per_device - over.params_per_device == 2 * per_expert - shared
+    # 4 experts per rank whole (expert FSDP over 1 rank) against 2; the router replicated over the tensor ranks and
+    # the shared expert split by them either way.
+    assert today.params_per_device - over.params_per_device == 2 * per_expert
     slices = ActivationModel.for_layout(args, tp=2, sequence_parallel=True, seq_len=64, micro_batch_size=1,
                                         act_dtype=torch.float32, expert_parallel=4, experts_over_tensor=True)
     whole = ActivationModel.for_layout(args, tp=2, sequence_parallel=True, seq_len=64, micro_batch_size=1,

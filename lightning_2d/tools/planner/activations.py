@@ -115,8 +115,8 @@ class ExpertActivations:
         layers: Which of the model's blocks are mixtures of experts (by index); a pipeline stage's blocks (fewer
             than these) are all counted as such (the larger block: the estimate stays an upper bound).
         slices: The sequence slices the layer's tokens come in: ``tp`` when each tensor-parallel rank routes its own
-            slice (``experts_over_tensor_parallel``: the router, the shared experts and the dispatch on ``N / tp``
-            tokens), else 1 (the whole sequence on every tensor-parallel rank).
+            slice (``experts_over_tensor_parallel``: the router and the dispatch on ``N / tp`` tokens; the shared
+            experts still on the whole sequence), else 1 (the whole sequence on every tensor-parallel rank).
     """
 
     num_experts: int
@@ -310,8 +310,7 @@ class ActivationModel:
             reference_forward: A preference loss's reference pass (one more forward without a graph per
                 micro-batch, ``reference_forward_transient``).
             experts_over_tensor: ``experts_over_tensor_parallel``: each tensor-parallel rank routes its own sequence
-                slice to expert-parallel groups that take in the tensor-parallel ranks (``ExpertActivations.slices``;
-                the shared experts whole on the slice).
+                slice to expert-parallel groups that take in the tensor-parallel ranks (``ExpertActivations.slices``).
         """
         moe = getattr(args, "moe", None)
         experts = None
@@ -324,7 +323,7 @@ class ActivationModel:
             per_rank = min(moe.top_k, moe.num_experts // expert_parallel)
             experts = ExpertActivations(
                 num_experts=moe.num_experts, top_k=moe.top_k, hidden=math.ceil(moe.hidden_dim / split),
-                shared_hidden=math.ceil(moe.shared_dim / (1 if whole or slices > 1 else tp)),
+                shared_hidden=math.ceil(moe.shared_dim / (1 if whole else tp)),
                 expert_parallel=expert_parallel > 1,
                 routed_tokens=moe.top_k if expert_parallel == 1 else expert_parallel * per_rank,
                 layers=tuple(args.is_moe_layer(i) for i in range(args.n_layers)), slices=slices,
@@ -376,8 +375,8 @@ class ActivationModel:
         }
         if e.expert_parallel:  # the received tokens regrouped by local expert: the grouped products' input
             saved["exchanged tokens (worst-case routing)"] = a * routed * d
-        if e.shared_hidden:
-            saved["shared experts w1, silu, w3, product"] = 4 * n * e.shared_hidden * a
+        if e.shared_hidden:  # on every token of the sequence (gathered for them when each rank routes its slice)
+            saved["shared experts w1, silu, w3, product"] = 4 * self.tokens * e.shared_hidden * a
         return saved
 
     # -- per block -------------------------------------------------------------------------------
