@@ -112,6 +112,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "a host-side check (one sync per step)"),
     PrivateAPI("torch", "_dynamo.config.cache_size_limit",
                "room for one compiled graph per block (compile per block)", "torch.compiler's public limit option"),
+    PrivateAPI("torch", "_dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint",
+               "compiled mixture-of-experts blocks under activation checkpointing: the routing statistics the"
+               " forward writes, not written again by the recompute (as the eager recompute skips them)",
+               "routing statistics returned through the blocks' outputs instead of written"),
     PrivateAPI("torch._inductor.config", "_micro_pipeline_tp", "async tensor parallelism (inductor's pass)",
                "torch.distributed.tensor.experimental's public async-TP switch"),
     PrivateAPI("torch.distributed", "_symmetric_memory", "async tensor parallelism needs symmetric memory",
@@ -301,6 +305,15 @@ def raise_dynamo_cache_limit(at_least: int) -> None:
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, at_least)
+
+
+def skip_checkpoint_side_effects_in_recompute() -> None:
+    """Compiled checkpointed regions may write module state in their forward (a mixture of experts' routing
+    statistics); their recompute in backward does not write it again (dynamo's checkpoint would otherwise refuse the
+    region and run it eagerly)."""
+    import torch._dynamo
+
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def has_symmetric_memory() -> bool:

@@ -269,6 +269,10 @@ class GroupedExperts(nn.Module):
         #: from the parameter's (``parallel.expert.MoETensorParallel``: the adapters replicated over the ranks that
         #: split the experts' hidden features).
         self.local_grad_placements: dict[str, Any] = {}
+        #: Whether a compiled block calls this module eagerly (``MoE.forward``: one graph break): set by a parallel
+        #: style whose hooks around it take host values or run in-place collectives (expert parallelism's exchange and
+        #: its split sizes, the experts' tensor-parallel reductions).
+        self.eager_under_compile = False
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -277,6 +281,9 @@ class GroupedExperts(nn.Module):
         """``x``: the dispatched tokens (``N × D``, sorted by expert); ``counts``: tokens per expert (sum ``N``)."""
         if not uses_grouped_mm(x):
             return self._loop(x, counts)
+        return self._grouped(x, counts)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate = self._project(x, "w1", offsets)
         up = self._project(x, "w3", offsets)
@@ -303,6 +310,15 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(self._expert_project(rows, "w1", expert)) * self._expert_project(rows, "w3", expert)
             outs.append(self._expert_project(hidden, "w2", expert))
         return torch.cat(outs)
+
+
+@torch.compiler.disable
+def _eager_call(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``experts(x, counts)`` run eagerly inside a compiled block (a graph break): ``grouped_mm``'s compiled path
+    takes bfloat16 only (torch 2.13: its meta kernel refuses float32, which the eager CPU kernel runs), and a parallel
+    style's hooks around the experts may take host values (the exchange's split sizes) or run in-place collectives
+    (``GroupedExperts.eager_under_compile``)."""
+    return experts(x, counts)
 
 
 @dataclass(frozen=True)
@@ -348,12 +364,17 @@ class MoE(nn.Module):
         dispatched = tokens[order // self.args.top_k]
         # Under expert parallelism the experts' forward hooks send the tokens to their experts' ranks and the outputs
         # back (``lightning_2d.parallel.expert``): the same call, this rank's sorted tokens in and their outputs out.
-        expert_out = self.experts(dispatched, counts)
+        if torch.compiler.is_compiling() and (self.experts.eager_under_compile or dispatched.dtype != torch.bfloat16):
+            expert_out = _eager_call(self.experts, dispatched, counts)  # one graph break (see ``_eager_call``)
+        else:
+            expert_out = self.experts(dispatched, counts)
         out = combine(expert_out, order, routing.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         self.last_stats = RouterStats(counts.float(), routing.scores.sum(dim=0), tokens.shape[0])
-        if self.training and self.args.load_balancing == "bias" and not in_backward():  # not a checkpoint's recompute
+        # Not again in an activation checkpoint's recompute: eagerly it runs in a backward pass; compiled, the
+        # recompute replays no side effect (``parallel.compile``: dynamo's checkpoint skips them in backward).
+        if self.training and self.args.load_balancing == "bias" and (torch.compiler.is_compiling() or not in_backward()):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         return out.view(shape)

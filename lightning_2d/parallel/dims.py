@@ -389,22 +389,6 @@ def expert_parallel_model(expert_parallel_size: int, plan: ParallelPlan) -> list
 
 
 @check
-def expert_compile(compile: bool, plan: ParallelPlan) -> list[str]:
-    """``compile=True`` is not taken with mixture-of-experts blocks (measured on CPU, torch 2.13: a compiled MoE block
-    fails in float32, where ``grouped_mm``'s meta kernel is bfloat16 only, under activation checkpointing, where the
-    routing statistics the forward writes are side effects the checkpoint cannot replay, and under expert
-    parallelism, whose split sizes are host values)."""
-    if compile is True and plan.num_experts is not None:
-        return [
-            "compile=True with mixture-of-experts blocks: a compiled block cannot hold their routing (grouped_mm's"
-            " compiled path is bfloat16 only, the routing statistics the forward writes break activation"
-            " checkpointing's recompute, and expert parallelism's split sizes are host values); use compile=False"
-            " (the blocks run eager)"
-        ]
-    return []
-
-
-@check
 def context_parallel_attention(context_parallel_size: int, plan: ParallelPlan) -> list[str]:
     """``context_parallel_size > 1`` needs a plan naming the attention modules it replaces."""
     cp = context_parallel_size

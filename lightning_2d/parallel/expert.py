@@ -87,6 +87,7 @@ class ExpertExchange:
         local expert with the local counts; after it the outputs come back, in the order the tokens left."""
         experts.register_forward_pre_hook(self._send)
         experts.register_forward_hook(self._return)
+        experts.eager_under_compile = True  # the split sizes are host values: a compiled block calls it eagerly
         return experts
 
     def _send(self, _experts: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +270,7 @@ class TensorParallelExperts:
         experts.register_forward_pre_hook(
             lambda _module, args: (_CopyToTensorParallel.apply(args[0], self.group), *args[1:]))
         experts.register_forward_hook(lambda _module, _args, out: _ReduceFromTensorParallel.apply(out, self.group))
+        experts.eager_under_compile = True  # in-place all-reduces in autograd functions: eager in a compiled block
         return experts
 
 

@@ -431,10 +431,6 @@ if _hf_available():
             hf(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), TextDataModule(seq_len=32,
             batch_size=2), data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=2),
          ParallelConfigError, r"expert_parallel_size=2 with HFCausalLMModule.*LlamaLightningModule\(init_from="),
-        ("compile with mixture-of-experts blocks", lambda _: fit_before_spawn(
-            LlamaLightningModule("debug-moe"), TextDataModule(seq_len=32, batch_size=2), data_parallel_size=4,
-            tensor_parallel_size=1, compile=True),
-         ParallelConfigError, r"compile=True with mixture-of-experts blocks: .*use compile=False"),
         ("LoRA on transformers' own experts", lambda _: hf_lora_experts(),
          LoRAConfigError, r"LoRA on transformers' own mixture of experts \(HFCausalLMModule, or a transformers model"
                           r" given to Fabric\) is not supported: its fused experts .*Train"
