@@ -414,6 +414,28 @@ def simple_fsdp_composition(fsdp_backend: Any, float8: Any, fsdp_float8_all_gath
     ]
 
 
+#: The first torch whose compiled full activation checkpointing fails under SimpleFSDP (measured: 2.13.0 on CPU, one
+#: rank and 2 × 2; 2.11 passed on an H200, ``tests/gpu/results/2026-12-04_h200``).
+SIMPLE_FSDP_COMPILED_FULL_AC_FAILS_FROM = (2, 13)
+
+
+@check
+def simple_fsdp_compiled_checkpointing(fsdp_backend: Any, compile: Any, activation_checkpointing: Any) -> list[str]:
+    """SimpleFSDP's gathers inside a compiled, fully checkpointed block: torch 2.13's AOTAutograd saves a
+    ``DeviceMesh`` among the tensors for backward and fails every forward ("expected all tensors_saved_with_vc_check to
+    be Tensors"); selective checkpointing compiles."""
+    if fsdp_backend != "simple_fsdp" or compile is not True or activation_checkpointing != "full":
+        return []
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < SIMPLE_FSDP_COMPILED_FULL_AC_FAILS_FROM:
+        return []
+    return [
+        f"fsdp_backend='simple_fsdp' with compile=True and activation_checkpointing='full' fails in torch"
+        f" {torch.__version__} (its compiled checkpoint saves a DeviceMesh among the tensors for backward: \"expected all"
+        " tensors_saved_with_vc_check to be Tensors\"); use activation_checkpointing='selective' (compiles), or"
+        " fsdp_backend='fully_shard', or compile=False"
+    ]
+
+
 @check
 def boolean_options(
     sequence_parallel: Any, loss_parallel: Any, compile: Any, fsdp_float8_all_gather: Any,

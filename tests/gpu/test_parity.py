@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from lightning_2d import ModelParallel2DStrategy
+from lightning_2d.parallel.config import simple_fsdp_compiled_checkpointing
 from tests.gpu.conftest import worst_relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]  # jobs of launched processes
@@ -120,9 +121,12 @@ def eager(gpu_jobs, lane):
     return gpu_jobs.run("eager", runs, nprocs=n)
 
 
-#: SimpleFSDP compiled with full activation checkpointing: its collectives bucketed and, on NCCL, placed by inductor's
-#: overlap scheduler (lightning_2d.parallel.simple_fsdp.CUDA_OVERLAP_OPTIONS).
-SIMPLE_FSDP_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "activation_checkpointing": "full"}
+#: SimpleFSDP compiled with activation checkpointing: its collectives bucketed and, on NCCL, placed by inductor's
+#: overlap scheduler (lightning_2d.parallel.simple_fsdp.CUDA_OVERLAP_OPTIONS). Full checkpointing before torch 2.13
+#: (2.11 passed on an H200); from 2.13, which fails it compiled (``simple_fsdp_compiled_checkpointing`` refuses it),
+#: selective.
+SIMPLE_FSDP_COMPILED = {"compile": True, "fsdp_backend": "simple_fsdp", "activation_checkpointing": (
+    "full" if not simple_fsdp_compiled_checkpointing("simple_fsdp", True, "full") else "selective")}
 
 
 @pytest.fixture(scope="module")

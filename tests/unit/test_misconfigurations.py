@@ -431,6 +431,10 @@ if _hf_available():
             hf(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2), TextDataModule(seq_len=32,
             batch_size=2), data_parallel_size=4, tensor_parallel_size=1, expert_parallel_size=2),
          ParallelConfigError, r"expert_parallel_size=2 with HFCausalLMModule.*LlamaLightningModule\(init_from="),
+        ("SimpleFSDP with compiled full activation checkpointing in torch 2.13", lambda _: ModelParallel2DStrategy(
+            fsdp_backend="simple_fsdp", compile=True, activation_checkpointing="full"),
+         ParallelConfigError, r"fsdp_backend='simple_fsdp' with compile=True and activation_checkpointing='full' fails"
+                              r" in torch 2\.13.*use activation_checkpointing='selective'"),
         ("LoRA on transformers' own experts", lambda _: hf_lora_experts(),
          LoRAConfigError, r"LoRA on transformers' own mixture of experts \(HFCausalLMModule, or a transformers model"
                           r" given to Fabric\) is not supported: its fused experts .*Train"
