@@ -4,8 +4,9 @@ model is parallelized with the trained model's options, ``compile`` included), a
 
 - DPO of a 2-block ``debug`` Llama against its frozen copy, and distillation from a wider teacher (its own blocks,
   its own graph; run inside the student's head without a graph), 2 fp32 AdamW steps each;
-- ``debug-moe`` cut to its dense block 0 and sparse block 1: in float32 (its experts' call eager: one graph break)
-  and in bf16-mixed under full activation checkpointing with bias balancing (no break: the whole block compiled).
+- ``debug-moe`` cut to its dense block 0 and sparse block 1, in bf16-mixed under full activation checkpointing with
+  bias balancing (no break: the whole block compiled). Its float32 path (the experts' call eager: one graph break) is
+  a unit test on one block (``tests/unit/test_moe_model.py``, ``aot_eager``).
 
 A compiled fit costs ~10-40 s on 2 CPU cores, so these are the only such fits, and they are of the full suite
 (``distributed``: a process group in this process, and inductor's C++ builds), not of the quick tier; the
@@ -174,26 +175,6 @@ def moe(balancing: str) -> dict:
     return {"model": "debug-moe", "vocab": 256, "model_overrides": {"moe": {
         "num_experts": 8, "top_k": 2, "hidden_dim": 64, "num_shared_experts": 1, "aux_loss_coef": 0.01,
         "load_balancing": balancing, "bias_update_rate": 0.01}}}
-
-
-def test_a_float32_mixture_of_experts_block_compiles_around_its_eager_experts(text):
-    """float32: ``grouped_mm`` has no compiled path (its meta kernel takes bf16 only), so the experts' call runs
-    eagerly inside the compiled block (``ops.moe._eager_call``): one break point, recorded twice (in the block's frame
-    and in the MoE layer's frame dynamo resumes in), and the rest compiled around it. The losses are eager's bit for
-    bit (the compiled parts are elementwise and matmuls of the same order here); the weights within 1e-5 (AdamW turns an
-    ulp of a near-zero gradient into up to a step's difference: 1.4e-6 measured)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    eager, eager_steps, _ = fit(TextDataModule(**text), compile=False, **moe("aux_loss"))
-    compiled, steps, graphs = fit(TextDataModule(**text), compile=True, **moe("aux_loss"))
-    assert all(isinstance(block, OptimizedModule) for block in compiled.model.layers.values())
-    assert fit.graph_breaks == 2, fit.graph_breaks
-    assert graphs >= 3, graphs  # the dense block's, and the sparse block's before and after its break
-    assert [s["train_loss"] for s in steps] == [s["train_loss"] for s in eager_steps]
-    trained = {canonical_name(name): param for name, param in compiled.model.named_parameters()}
-    for name, param in eager.model.named_parameters():
-        torch.testing.assert_close(trained[name].full_tensor(), param.full_tensor(), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_a_bf16_mixture_of_experts_block_compiles_whole_under_activation_checkpointing(text):

@@ -73,5 +73,5 @@ def test_the_timeout_reaches_every_process_group_of_the_mesh(jobs):
         assert timeouts == dict.fromkeys(
             ["pipeline_parallel", "data_parallel_replicate", "data_parallel_shard", "context_parallel",
              "tensor_parallel", "data_parallel", "data_context_parallel", "data_shard_context_parallel",
-             "expert_parallel", "expert_data_replicate", "expert_data_shard"], "0:00:45"
+             "expert_parallel", "expert_data_replicate", "expert_data_shard", "expert_tokens"], "0:00:45"
         ), (rank, timeouts)

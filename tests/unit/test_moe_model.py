@@ -345,3 +345,36 @@ def test_the_hugging_face_path_refuses_what_it_would_silently_drop(tmp_path):
     assert [k for k, v in plan.tensor_parallel.items() if isinstance(v, WholeOnEachRank)] == [
         f"model.layers.{i}.mlp" for i in range(3)]
     assert not any(k.endswith("gate_proj") for k in plan.tensor_parallel)  # Mixtral has no dense MLP
+
+
+def test_a_float32_sparse_block_compiles_around_its_eager_experts():
+    """float32: ``grouped_mm`` has no compiled path (its meta kernel takes bf16 only), so a compiled sparse block calls
+    its experts eagerly (``ops.moe._eager_call``): one break point, which dynamo records twice (in the block's frame and
+    in the MoE layer's it resumes in), the rest traced around it; the block's output and every gradient equal eager's.
+    (The strategy's compiled bf16 fit, no break, is ``tests/distributed/test_compiled_fits.py``.)"""
+    from torch._dynamo.utils import counters
+
+    from lightning_2d.models.llama.model import Transformer
+
+    args = ModelArgs.from_name("debug-moe", n_layers=2)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(3)
+    block, x = model.layers["1"], torch.randn(2, 32, args.dim, requires_grad=True)
+    freqs = model.rope[:32]
+
+    def run(module):
+        out = module(x, freqs)
+        grads = torch.autograd.grad(out.square().sum(), [x, *block.parameters()])
+        return out, grads
+
+    eager_out, eager_grads = run(block)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_out, compiled_grads = run(torch.compile(block, backend="aot_eager"))
+    breaks = {reason.split("\n")[0]: n for reason, n in counters["graph_break"].items()}
+    assert breaks == {"Skip calling `torch.compiler.disable()`d function": 2}, breaks
+    assert counters["stats"]["unique_graphs"] >= 2  # traced before and after the experts' eager call
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-6, atol=1e-6)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
