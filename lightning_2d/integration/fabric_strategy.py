@@ -244,7 +244,9 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
         norm_type: Union[float, int] = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        """Clip to the global norm over DTensor gradients on any mix of meshes (the single-device norm)."""
+        """Clip to the global norm over DTensor gradients on any mix of meshes (the single-device norm), once the
+        deferred reductions completed them (``finish_gradients``)."""
+        self.finish_gradients()
         self.precision.unscale_gradients(optimizer)
         # Under non_finite="skip" a NaN/inf norm is the step guard's to handle (it drops the step).
         strict = error_if_nonfinite and self.parallel_config.non_finite != "skip"
@@ -252,6 +254,12 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
             self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite=strict,
             pipeline_group=self.pipeline.pp_group if self.pipeline is not None else None,
         )
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        """Lightning's value clipping, once the deferred reductions completed the gradients (``finish_gradients``)."""
+        self.finish_gradients()
+        return super().clip_gradients_value(module, optimizer, clip_val)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

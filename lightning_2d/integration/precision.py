@@ -28,6 +28,10 @@ def _no_pipeline() -> Optional[Pipeline]:
     return None
 
 
+def _nothing_deferred() -> None:
+    return None
+
+
 #: Lightning's stock plugins (autocast, module conversion), which give way to FSDP2's policy.
 STOCK_PLUGINS = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixedPrecision, FabricHalfPrecision)
 
@@ -47,11 +51,16 @@ class FSDP2Precision(Precision):
         precision: The precision string.
         pipeline: Asked for the pipeline when clipping (the strategy's ``pipeline``, given by the strategy that
             constructs the plugin): under pipeline parallelism the norm spans every stage's gradients.
+        gradients_ready: Called before clipping reads the gradients (the strategy's ``finish_gradients``: the
+            deferred tensor-parallel reductions, ``parallel.grad_sync``; a manual-optimization loop may clip before
+            the optimizer step runs them).
     """
 
-    def __init__(self, precision: str, pipeline: PipelineSource = _no_pipeline) -> None:
+    def __init__(self, precision: str, pipeline: PipelineSource = _no_pipeline,
+                 gradients_ready: Callable[[], None] = _nothing_deferred) -> None:
         self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
         self._pipeline_source = pipeline
+        self._gradients_ready = gradients_ready
 
     @property
     def pipeline(self) -> Optional[Pipeline]:
@@ -60,18 +69,27 @@ class FSDP2Precision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self._gradients_ready()
         pipeline = self.pipeline
         group = pipeline.pp_group if pipeline is not None else None
         clip_grad_norm_(self.main_params(optimizer), clip_val, pipeline_group=group)
 
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self._gradients_ready()
+        super().clip_grad_by_value(optimizer, clip_val)
+
 
 class FabricFSDP2Precision(FabricPrecision):
     """``FSDP2Precision`` for Fabric: FSDP2's policy casts; clipping is the strategy's (``clip_gradients_norm``).
-    ``pipeline``: as ``FSDP2Precision``'s (``fabric.backward`` is refused under a pipeline)."""
+    ``pipeline``: as ``FSDP2Precision``'s (``fabric.backward`` is refused under a pipeline); ``gradients_ready``: as
+    there (the strategy's ``clip_gradients_norm`` and ``optimizer_step`` call it themselves)."""
 
-    def __init__(self, precision: str, pipeline: PipelineSource = _no_pipeline) -> None:
+    def __init__(self, precision: str, pipeline: PipelineSource = _no_pipeline,
+                 gradients_ready: Callable[[], None] = _nothing_deferred) -> None:
         self.precision = precision  # type: ignore[assignment]  # Lightning types it as a Literal of names
         self._pipeline_source = pipeline
+        self._gradients_ready = gradients_ready
 
     @property
     def pipeline(self) -> Optional[Pipeline]:
@@ -89,9 +107,11 @@ class FabricFSDP2Precision(FabricPrecision):
         super().backward(tensor, model, *args, **kwargs)
 
 
-def fsdp2_precision(plugin: Any, fsdp2_class: type, pipeline: PipelineSource = _no_pipeline) -> Any:
+def fsdp2_precision(plugin: Any, fsdp2_class: type, pipeline: PipelineSource = _no_pipeline,
+                    gradients_ready: Callable[[], None] = _nothing_deferred) -> Any:
     """The plugin the strategy runs with: ``fsdp2_class`` (of ``plugin``'s precision, asking ``pipeline`` for the
-    pipeline) in place of one of Lightning's stock plugins; a custom plugin the user passed is kept."""
+    pipeline, calling ``gradients_ready`` before clipping) in place of one of Lightning's stock plugins; a custom
+    plugin the user passed is kept."""
     if type(plugin) in STOCK_PLUGINS:
-        return fsdp2_class(plugin.precision, pipeline=pipeline)
+        return fsdp2_class(plugin.precision, pipeline=pipeline, gradients_ready=gradients_ready)
     return plugin

@@ -89,22 +89,26 @@ class StepGuard:
         return guard_step(params, flag, step, self.policy)
 
     def guard_optimizer_step(
-        self, optimizer: Any, args: tuple, kwargs: dict[str, Any], step: int, device: torch.device
+        self, optimizer: Any, args: tuple, kwargs: dict[str, Any], step: int, device: torch.device,
+        gradients_ready: Callable[[], None] = lambda: None,
     ) -> tuple[tuple, dict[str, Any]]:
         """The arguments of the strategy's ``optimizer_step`` with the guard in place.
 
-        The Trainer passes a closure that runs forward and backward inside the step: the guard runs right
+        The Trainer passes a closure that runs forward and backward inside the step: ``gradients_ready`` (the
+        deferred reductions that complete the gradients, ``Parallelized.finish_gradients``) and the guard run right
         after it, before gradient clipping and ``on_before_optimizer_step``. Fabric calls the step after the
-        user's ``fabric.backward``: the guard runs here, at once.
+        user's ``fabric.backward``: they run here, at once.
         """
         inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
         closure: Optional[Callable[[], Any]] = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
         if closure is None:
+            gradients_ready()
             self.check(inner, step, device)
             return args, kwargs
 
         def guarded_closure() -> Any:
             result = closure()
+            gradients_ready()
             self.check(inner, step, device)
             return result
 

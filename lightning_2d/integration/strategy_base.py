@@ -277,7 +277,8 @@ class ModelParallel2DBase(LightningStrategyMembers):
         # Called by the Trainer's/Fabric's constructor, before any process is launched: fail there.
         self.validate()
         plugin = fsdp2_precision(
-            self._precision_plugin_2d(), self.fsdp2_precision_class, pipeline=self._current_pipeline
+            self._precision_plugin_2d(), self.fsdp2_precision_class, pipeline=self._current_pipeline,
+            gradients_ready=self.finish_gradients,
         )
         self._set_precision_plugin_2d(plugin)
         super()._configure_launcher()
@@ -410,6 +411,13 @@ class ModelParallel2DBase(LightningStrategyMembers):
         self.step_guard.after_backward(loss)
         return output
 
+    def finish_gradients(self) -> None:
+        """Complete the trained model's gradients after the step's last backward (the tensor-parallel reductions
+        deferred to one bucketed all-reduce, ``parallel.grad_sync``); the optimizer step and gradient clipping call
+        it, a loop that reads gradients before either may too. Idempotent within a step."""
+        if self.parallelized is not None:
+            self.parallelized.finish_gradients()
+
     def _step_number(self) -> int:
         """The optimizer step about to be taken, counted from 1 (the Trainer's ``global_step + 1``)."""
         module = getattr(self, "lightning_module", None)
@@ -423,7 +431,8 @@ class ModelParallel2DBase(LightningStrategyMembers):
         step = self._step_number()
         if self._watchdog is not None:
             self._watchdog.step, self._watchdog.started = step - 1, step
-        args, kwargs = self.step_guard.guard_optimizer_step(optimizer, args, kwargs, step, self.root_device)
+        args, kwargs = self.step_guard.guard_optimizer_step(optimizer, args, kwargs, step, self.root_device,
+                                                            gradients_ready=self.finish_gradients)
         self._optimizer_steps += 1
         output = super().optimizer_step(optimizer, *args, **kwargs)
         if self._watchdog is not None:

@@ -43,6 +43,7 @@ from lightning_2d.parallel.converters import ModelConverters, fsdp_shards
 from lightning_2d.parallel.expert import apply_expert_parallel, expert_modules
 from lightning_2d.parallel.float8 import convert_to_float8, float8_tensor_parallel_plan
 from lightning_2d.parallel.fsdp_backend import BACKENDS, fsdp_backend
+from lightning_2d.parallel.grad_sync import DeferredTensorReduction, defer_tensor_reductions
 from lightning_2d.parallel.hooks import STEP_HOOKS
 from lightning_2d.parallel.materialize import has_meta_tensors, materialize_model
 from lightning_2d.parallel.meshes import ParallelMeshes, as_meshes
@@ -74,6 +75,8 @@ class Parallelized:
         init_seed: The seed its meta tensors were initialized from (``parallelize_and_materialize``), else ``None``.
         converters: The model converters ``parallelize_and_materialize`` applied (``parallel.converters``): what
             trains, what a checkpoint keeps.
+        tensor_reductions: Its tensor-parallel gradient reductions deferred to one bucketed all-reduce per step
+            (``parallel.grad_sync``), when ``parallelize_and_materialize`` parallelized it with FSDP2; else ``None``.
     """
 
     model: nn.Module
@@ -81,6 +84,12 @@ class Parallelized:
     pipeline: Optional["Pipeline"] = None
     init_seed: Optional[int] = None
     converters: ModelConverters = field(default_factory=ModelConverters)
+    tensor_reductions: Optional[DeferredTensorReduction] = None
+
+    def finish_gradients(self) -> None:
+        """Complete the gradients after the step's last backward, before anything reads them (``grad_sync``)."""
+        if self.tensor_reductions is not None:
+            self.tensor_reductions.finish()
 
 
 def _step(hooks: Any, name: str) -> Callable[..., None]:
@@ -155,6 +164,7 @@ def parallelize_and_materialize(
             model.to(torch.bfloat16)  # store the shards in bf16 ("true" half precision)
         convert_model(model, meshes, converters, device)
         result = replace(parallelize_model(model, meshes, plan, config, hooks=owner), converters=converters)
+        result = replace(result, tensor_reductions=defer_tensor_reductions(result.model, config.fsdp_backend))
     if has_meta_tensors(owner):
         weights = _weights_source(owner)
         init_seed = seed()

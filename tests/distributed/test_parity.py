@@ -131,3 +131,17 @@ def test_indivisible_sequence_is_refused_before_any_collective(jobs):
     for key in ("bad_seq_len_error", "bad_seq_len_error_kw"):  # positional and keyword input
         message = out[key]
         assert message is not None and "Input sequence length 13 is not divisible by tensor_parallel_size (4)" in message
+
+
+@pytest.mark.parametrize(("dp", "tp"), LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
+def test_tensor_parallel_gradient_sums_run_once_per_step_in_one_bucket(jobs, dp, tp):
+    """The sequence-parallel norms' partial gradients (DTensor ``Partial()`` over the tensor ranks) are not
+    all-reduced one by one: they wait for the step's end and go in one bucketed all-reduce (``parallel.grad_sync``),
+    one per optimizer step, none left pending; the losses and weights above equal one device's with it."""
+    deferred = jobs.layout(dp, tp, **RECORD).rank_output(0)["deferred_reductions"]
+    if tp == 1:  # nothing is replicated over tensor ranks: nothing deferred, nothing reduced
+        assert deferred["deferred"] == [] and deferred["reductions"] == 0
+        return
+    norms = ["norm.weight"] + [f"layers.{i}.{n}.weight" for i in range(4) for n in ("attention_norm", "ffn_norm")]
+    assert deferred["deferred"] == sorted(norms)
+    assert deferred["reductions"] == 6 and deferred["pending"] == 0

@@ -411,6 +411,18 @@ def fsdp_layout(model: torch.nn.Module, seq_len: int) -> dict:
             "log_probs_error": float((fused - reference).abs().max())}
 
 
+def deferred_reductions(strategy) -> "dict | None":
+    """The trained model's deferred tensor-parallel reductions (``parallel.grad_sync``): the bucketed all-reduces
+    issued, the parameters hooked, and what is left pending after the run (``None``: not attached)."""
+    parallelized = getattr(strategy, "parallelized", None)
+    deferred = getattr(parallelized, "tensor_reductions", None)
+    if deferred is None:
+        return None
+    names = {id(m): canonical_name(n) for n, m in parallelized.model.named_modules()}
+    return {"reductions": deferred.reductions, "pending": deferred.pending,
+            "deferred": sorted(f"{names.get(owner, '?')}.{name}" for owner, name in deferred.order)}
+
+
 class BlockPositions(L.Callback):
     """Counts the training calls of the first block that received the attention mask (document masking: built once
     per forward, or per pipeline micro-batch, from ``position_ids`` and passed to every block as ``mask``)."""
@@ -826,6 +838,7 @@ def fit(cfg: dict) -> None:
         "blocks_given_masks": positions.calls,
         "tied_parameters": tied_parameters(module.model),
         "data_parallel_modules": data_parallel_modules(module.model),
+        "deferred_reductions": deferred_reductions(trainer.strategy),
     }
     if grad_norms:
         result.update(grad_norms=recorder.grad_norms, stepped_grad_norms=recorder.stepped_grad_norms)
