@@ -439,9 +439,9 @@ def environment(s: Sizes) -> dict[str, Any]:
     return env
 
 
-def run(out_dir: Path, total: float) -> dict[str, Any]:
+def run(out_dir: Path, total: float, work: Path) -> dict[str, Any]:
+    """The whole pass: ``perf.json`` and ``perf.md`` in ``out_dir``, the corpus and token cache in ``work``."""
     s = sizes()
-    work = out_dir / "work"
     work.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {
         "format": record.FORMAT, "kind": "perf",
@@ -510,6 +510,8 @@ def run(out_dir: Path, total: float) -> dict[str, Any]:
         def body() -> None:
             manifest[name] = {**stamp, "model": "llama3-8b shapes, random weights", **lora_run(
                 s, corpus, cache, total, name, lora, micro)}
+            for attempt in manifest[name]["attempts"]:  # "result" is one of them
+                attempt.update(stamp)
         return body
 
     phase("grouped_mm", do_grouped)
@@ -533,7 +535,10 @@ def refuse_without_cuda() -> str | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="perf.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/lightning_2d_gpu_perf"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/lightning_2d_gpu_perf"),
+                        help="where perf.json and perf.md go (the device tool returns $OUT)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lightning_2d_gpu_perf/work"),
+                        help="the text corpus and its token cache (never sent back)")
     args = parser.parse_args(argv)
     why = refuse_without_cuda()
     if why:
@@ -541,7 +546,7 @@ def main(argv: list[str]) -> int:
         return REFUSAL_EXIT
     total = deadline()
     print(f"== GPU performance pass, deadline {total:.0f} s", flush=True)
-    manifest = run(args.out, total)
+    manifest = run(args.out, total, args.work)
     from tests.gpu.summary import perf_summary
 
     print(perf_summary(manifest), flush=True)
