@@ -209,19 +209,21 @@ def _slug(text: str) -> str:
 
 
 def results_folder_name(manifest: dict[str, Any]) -> str:
-    """``<date>_<gpu>_<commit10>``, e.g. ``2026-12-20_h100_1a2b3c4d5e`` (a dry run's ends in ``_dry-run``)."""
+    """``<date>_<gpu>_<commit10>``, e.g. ``2026-12-20_h100_1a2b3c4d5e`` (a dry run's ends in ``_dry-run``, the
+    performance pass's in ``_perf``)."""
     date = (manifest.get("started_at") or _now())[:10]
     device = (manifest.get("environment") or {}).get("device_name") or manifest.get("mode") or "unknown"
     device = re.sub(r"^nvidia-", "", _slug(device))
     gpu = next((g for g in ("h100", "h200", "a100", "b200") if g in device), device[:20] or "unknown")
     name = f"{date}_{gpu}_{(manifest.get('commit') or 'unknown')[:10]}"
+    name += "_perf" if manifest.get("kind") == "perf" else ""  # the performance pass, beside the lane's run
     return name + ("_dry-run" if manifest.get("mode") == "dry-run" else "")
 
 
 def save(files_at: Path, commit: str | None = None, root: Path = REPO, results: Path = RESULTS,
          allow_dry_run: bool = False) -> Path:
     """File a run's ``lane.json`` and ``summary.md`` (from ``files_at``, what came back from the device) under
-    ``results``, against its commit.
+    ``results``, against its commit; or the performance pass's ``perf.json`` and ``perf.md`` (``tests/gpu/perf.py``).
 
     The commit is the manifest's where the device read one; else ``commit``; else ``root``'s ``HEAD``. A manifest
     whose commit differs from ``commit`` is refused (the results would be filed against the wrong source). The
@@ -232,8 +234,10 @@ def save(files_at: Path, commit: str | None = None, root: Path = REPO, results: 
         ValueError: no manifest, a dry run (unless ``allow_dry_run``), or a commit that contradicts the manifest's.
     """
     source = files_at / "lane.json"
+    if not source.is_file() and (files_at / "perf.json").is_file():
+        source = files_at / "perf.json"  # the performance pass (tests/gpu/perf.py, `run.sh perf`)
     if not source.is_file():
-        raise ValueError(f"no lane.json in {files_at}: not the output of tests/gpu/run.sh")
+        raise ValueError(f"no lane.json or perf.json in {files_at}: not the output of tests/gpu/run.sh")
     manifest = load(source)
     if manifest.get("mode") == "dry-run" and not allow_dry_run:
         raise ValueError("a dry run measured nothing on a GPU: not filed under tests/gpu/results")
@@ -251,13 +255,16 @@ def save(files_at: Path, commit: str | None = None, root: Path = REPO, results: 
                          "same_sources_as_working_tree": source_digest(root) == ran}
     folder = results / results_folder_name(manifest)
     folder.mkdir(parents=True, exist_ok=True)
-    dump(folder / "lane.json", manifest)
+    dump(folder / source.name, manifest)
     try:
-        from tests.gpu.summary import short_summary
+        from tests.gpu.summary import perf_summary, short_summary
     except ImportError:  # run as a script from anywhere: its folder is on sys.path
-        from summary import short_summary
+        from summary import perf_summary, short_summary
 
-    (folder / "summary.md").write_text(short_summary(manifest) + "\n")
+    if manifest.get("kind") == "perf":
+        (folder / "perf.md").write_text(perf_summary(manifest) + "\n")
+    else:
+        (folder / "summary.md").write_text(short_summary(manifest) + "\n")
     return folder
 
 

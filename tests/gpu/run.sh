@@ -22,6 +22,7 @@
 # only, e.g. "parity" for a rerun), LIGHTNING_2D_GPU_PYTEST_ARGS (e.g. "-k lora"), LIGHTNING_2D_GPU_DEADLINE (seconds,
 # default 470; every limit scales with it), LIGHTNING_2D_GPU_DRY_RUN=1 (no GPU: no installs, every test skips; checks
 # the orchestration), LIGHTNING_2D_GPU_LANE_ON_CPU=1 (the CPU smoke mode; give it a longer deadline).
+# `bash tests/gpu/run.sh perf` runs the performance pass instead (tests/gpu/perf.py, within 7:50; README).
 # Exit status: 0 (PASSED) only when every part passed, every test ran and none was left out; 3 (NOT RUN) when what
 # ran passed but some tests were skipped or left out (on one GPU the N x 1, ranks-agree and async-TP tests always
 # skip); 1 (FAILED) when a part failed or ran out of time.
@@ -118,6 +119,30 @@ main() {
     return "$verdict_exit"
 }
 
+# `bash tests/gpu/run.sh perf`: the performance pass (tests/gpu/perf.py), its own invocation with its own deadline
+# (LIGHTNING_2D_GPU_PERF_DEADLINE, default 470 s from this script's start, the wheel install included): perf.json,
+# perf.md and perf.log in $OUT. Exit 2 without CUDA (unless LIGHTNING_2D_GPU_LANE_ON_CPU=1: the CPU smoke mode).
+perf() {
+    if [ "$MODE" = cuda ] && compgen -G ".whl/*.whl" >/dev/null; then  # torchao, for QLoRA's NF4 bases
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || echo "installing the carried wheels failed: QLoRA will fail without torchao"
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONUNBUFFERED=1
+    export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor_cache
+    local total=${LIGHTNING_2D_GPU_PERF_DEADLINE:-470}
+    local left=$((total - SECONDS))
+    [ "$left" -gt 20 ] || { echo "perf: no time left (${SECONDS}s of ${total}s)"; return 1; }
+    # perf.py keeps its own budget within $left seconds; timeout is the backstop (SIGKILL 5 s after SIGTERM).
+    LIGHTNING_2D_GPU_PERF_DEADLINE=$left timeout -k 5 "$left" "$PY" tests/gpu/perf.py --out "$RESULTS" \
+        --work "$WORK/perf"
+}
+
 rm -rf "$WORK" && mkdir -p "$WORK" "$RESULTS"
+if [ "${1:-}" = perf ]; then
+    perf 2>&1 | tee "$RESULTS/perf.log"
+    exit "${PIPESTATUS[0]}"
+fi
 main 2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"

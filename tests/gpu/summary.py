@@ -218,6 +218,56 @@ def short_summary(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _num(value: Any, fmt: str, suffix: str = "") -> str:
+    return "n/a" if not isinstance(value, (int, float)) else f"{value:{fmt}}{suffix}"
+
+
+def _perf_row(name: str, entry: dict[str, Any]) -> str:
+    if entry.get("status") != "measured":
+        return f"| {name} | {entry.get('status')} | {_short_message(str(entry.get('error') or ''), 80)} | | | | |"
+    return (f"| {name} | measured | {_num(entry.get('tokens_per_sec'), ',.0f')} | {_num(entry.get('tflops'), '.1f')}"
+            f" | {_num(entry.get('mfu_percent'), '.1f', ' %')} | {_num(entry.get('peak_memory_gib'), '.1f')}"
+            f" | {entry.get('seconds')} / {entry.get('limit_s')} |")
+
+
+def perf_summary(manifest: dict[str, Any]) -> str:
+    """The performance pass's manifest (``perf.json``, ``tests/gpu/perf.py``) in Markdown: one row per configuration
+    (tokens/s, TFLOP/s, MFU, peak GiB, seconds against the limit), the best re-measured, LoRA / QLoRA, grouped_mm."""
+    env = manifest.get("environment") or {}
+    commit = (manifest.get("commit") or "unknown")[:10]
+    seconds = manifest.get("total_seconds")
+    sweep = manifest.get("sweep") or {}
+    configs = sweep.get("configs") or []
+    measured = sum(c.get("status") == "measured" for c in configs)
+    lines = [f"**GPU performance pass** ({manifest.get('mode')}) at `{commit}` on {env.get('device_name') or 'no GPU'}"
+             f" (torch {env.get('torch')}, CUDA {env.get('cuda')}): {_num(seconds, '.0f', ' s')} of"
+             f" {(manifest.get('budget') or {}).get('deadline_s')} s; sweep {measured} of {sweep.get('planned')}"
+             f" configurations measured, {len(configs)} tried.",
+             "", "| configuration | status | tokens/s | TFLOP/s | MFU | peak GiB | s / limit |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [_perf_row(f"{c.get('axis')}={c.get('value')} (`{c.get('name')}`)", c) for c in configs]
+    best = manifest.get("best") or {}
+    if best:
+        lines.append(_perf_row(f"**best, re-measured** (`{best.get('name')}`)", best))
+    for kind in ("lora", "qlora"):
+        for attempt in (manifest.get(kind) or {}).get("attempts") or []:
+            lines.append(_perf_row(f"8B {kind} `{attempt.get('name')}` (micro batch {attempt.get('micro_batch')}; MFU"
+                                   f" at 4N_base + 6N_adapters)", attempt))
+    target = manifest.get("target_mfu_percent")
+    if best.get("status") == "measured" and isinstance(best.get("mfu_percent"), (int, float)):
+        lines += ["", f"Best ~1B MFU {best['mfu_percent']:.1f} % against the {target:.0f} % goal"
+                      f" ({'met' if best['mfu_percent'] >= target else 'not met'})."]
+    g = manifest.get("grouped_mm") or {}
+    if g.get("status") == "measured":
+        lines += ["", f"grouped_mm ({g['layout']['num_experts']} experts, top {g['layout']['top_k']}, dim"
+                      f" {g['layout']['dim']}, hidden {g['layout']['hidden']}, {g['layout']['rows']} routed rows):"
+                      f" {g['grouped_ms']:.2f} ms forward+backward ({g['grouped_tflops']:.1f} TFLOP/s) vs the"
+                      f" per-expert loop {g['loop_ms']:.2f} ms: {g['speedup']:.2f}x."]
+    elif g:
+        lines += ["", f"grouped_mm: {g.get('status')} ({_short_message(str(g.get('error') or ''))})"]
+    return "\n".join(lines)
+
+
 def main(paths: list[str]) -> int:
     if paths[:1] == ["--verdict"]:
         rest, partial = paths[2:], []
@@ -228,7 +278,8 @@ def main(paths: list[str]) -> int:
         print("\n".join(lines))
         return code
     if paths[:1] == ["--short"]:
-        print(short_summary(json.loads(Path(paths[1]).read_text())))
+        manifest = json.loads(Path(paths[1]).read_text())
+        print(perf_summary(manifest) if manifest.get("kind") == "perf" else short_summary(manifest))
         return 0
     reports = []
     for path in map(Path, paths):
