@@ -53,7 +53,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 STARTED = time.monotonic()
 REPO = Path(__file__).resolve().parents[2]
@@ -239,14 +239,14 @@ def measured(limit: int, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def fit(s: Sizes, corpus: Path, cache: Path, name: str, model: dict[str, Any], micro_batch: int, window: int,
-        options: dict[str, Any], module: dict[str, Any]) -> dict[str, Any]:
+        options: dict[str, Any], module: dict[str, Any], precision: Optional[str] = None) -> dict[str, Any]:
     """One fit through ``worker.fit_one`` (the lane's: the strategy, the module, the synchronized window and
-    ``TokenThroughputMonitor``) in this process as a one-rank job."""
+    ``TokenThroughputMonitor``) in this process as a one-rank job; ``precision`` (default ``s.precision``)."""
     from tests.gpu.worker import fit_one
 
     os.environ.update(LAUNCH_ENV, MASTER_PORT=str(_free_port()))
     run = {"name": name, "strategy": "2d", "dp": 1, "tp": 1, "options": options, "module": module,
-           "accelerator": s.accelerator, "precision": s.precision, "model": model, "seq_len": s.seq_len,
+           "accelerator": s.accelerator, "precision": precision or s.precision, "model": model, "seq_len": s.seq_len,
            "global_batch": micro_batch, "steps": s.warmup + window, "lr": 3e-4, "warmup_steps": s.warmup,
            "seed": 0, "init_seed": 7, "corpus": str(corpus), "cache_dir": str(cache),
            "measure": {"warmup": s.warmup, "window": window}, "grad_norms": False}
@@ -352,8 +352,11 @@ def lora_run(s: Sizes, corpus: Path, cache: Path, total: float, phase: str, lora
         name = f"{phase}-{label}"
         limit = limit_now(phase, cap, total)
         print(f"[perf] {name}: rank {lora['rank']}, {micro_batch} x {s.seq_len} tokens, limit {limit} s", flush=True)
+        # bf16-true on a GPU: the frozen base stored in bf16, as LoRA fine-tuning on one GPU runs (fp32 masters of
+        # 8 B frozen weights would take 32 GB for nothing); the adapters train in bf16 too.
+        precision = "bf16-true" if s.mode == "cuda" else None
         out = measured(limit, lambda: fit(s, corpus, cache, name, s.lora_model, micro_batch, s.window, options,
-                                          {"lora": lora}))
+                                          {"lora": lora}, precision=precision))
         if out["status"] == "measured":
             adapters = out["numel"]["trained"]
             flops = lora_flops_per_token(s.lora_model, adapters, s.seq_len)
