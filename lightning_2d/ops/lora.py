@@ -167,7 +167,8 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adapters_off:
             return super().forward(x)
-        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scale
+        # The scale on the rank-wide intermediate, not the output: ``rank`` numbers per token scaled, not ``out``.
+        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scale)
 
     def own_param_init_specs(self) -> dict[str, InitSpec]:
         """The adapters' init, by names relative to this module (peft's: ``A`` Kaiming-uniform, ``B`` zero)."""
@@ -256,7 +257,7 @@ class LoRAExperts(GroupedExperts):
             return out
         a, b = _rank_aligned(*adapters)
         low = torch.nn.functional.grouped_mm(self.lora_dropout(x), a.transpose(-2, -1), offs=offsets)
-        return out + torch.nn.functional.grouped_mm(low, b.transpose(-2, -1), offs=offsets) * self.scale
+        return out + torch.nn.functional.grouped_mm(low * self.scale, b.transpose(-2, -1), offs=offsets)
 
     def _expert_project(self, rows: torch.Tensor, which: str, expert: int) -> torch.Tensor:
         out = super()._expert_project(rows, which, expert)
@@ -264,7 +265,7 @@ class LoRAExperts(GroupedExperts):
         if adapters is None:
             return out
         a, b = adapters
-        return out + (self.lora_dropout(rows) @ a[expert].t()) @ b[expert].t() * self.scale
+        return out + ((self.lora_dropout(rows) @ a[expert].t()) * self.scale) @ b[expert].t()
 
     def own_param_init_specs(self) -> dict[str, InitSpec]:
         """The adapters' init (peft's: ``A`` Kaiming-uniform over its input features, ``B`` zero)."""

@@ -269,3 +269,17 @@ def test_the_routed_experts_adapters_are_split_with_their_experts(runs):
     for which, placement in expected.items():
         p = placed[f"layers.1.feed_forward.experts.{which}"]
         assert p["placements"][p["mesh_dims"].index("tensor_parallel")] == placement, (which, p)
+
+
+def test_the_replicated_adapter_factors_gradients_are_summed_once_per_step(runs):
+    """The factor each tensor rank holds whole (column-wise: ``A``, row-wise: ``B``) gets a partial sum of its
+    gradient on each rank: deferred (``parallel.grad_sync``) and summed in one bucketed all-reduce per optimizer step,
+    not one per factor; the base weights, frozen, never; the SimpleFSDP layout's redistributes reduce them as before."""
+    out = runs["2x2_sp"].rank_output(0)
+    deferred = out["deferred_reductions"]
+    owner = {p: "attention" if p in ("wq", "wk", "wv", "wo") else "feed_forward" for p in COLUMN_WISE + ROW_WISE}
+    whole = sorted(f"layers.{i}.{owner[p]}.{p}.{'lora_a' if p in COLUMN_WISE else 'lora_b'}.weight"
+                   for i in range(BLOCKS) for p in COLUMN_WISE + ROW_WISE)
+    assert deferred["deferred"] == whole
+    assert deferred["reductions"] == len(out["losses"]) and deferred["pending"] == 0
+    assert runs["simple_fsdp_2x2"].rank_output(0)["deferred_reductions"] is None
