@@ -712,7 +712,7 @@ OURS = "/repo/lightning_2d/"
           (TORCH + "distributed/tensor/_redistribute.py", "redistribute_local_tensor")],
          "all_gather", None, "TP/SP layer (DTensor redistribute)"),
         ([(TORCH + "autograd/function.py", "apply"), (TORCH + "distributed/tensor/_redistribute.py", "backward")],
-         "reduce_scatter", None, "DTensor redistribute in backward (TP/SP gradients)"),
+         "reduce_scatter", None, "DTensor redistribute in backward"),  # the group column says which
         ([(OURS + "parallel/simple_fsdp.py", "forward"), (TORCH + "distributed/tensor/_api.py", "redistribute")],
          "all_gather", None, "SimpleFSDP all-gather"),
         ([("/x/site-packages/lightning/pytorch/strategies/model_parallel.py", "reduce_boolean_decision")],

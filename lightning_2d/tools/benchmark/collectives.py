@@ -134,7 +134,7 @@ def classify_issuer(frames: Sequence[tuple[str, str]], kind: str, unit: Optional
                 f == "parallel/tensor_parallel.py" for f, _ in ours):
             return "TP/SP layer (DTensor redistribute)"
         if any(fn == "backward" for _, fn in dtensor):
-            return "DTensor redistribute in backward (TP/SP gradients)"
+            return "DTensor redistribute in backward"
         callers = [(f, fn) for f, fn in paths if "/torch/distributed/tensor/" not in f and "/torch/" not in f]
         return "DTensor redistribute" + (f" ({_short(*callers[-1])})" if callers else "")
     for f, fn in reversed(paths):
