@@ -750,13 +750,13 @@ def test_one_step_is_counted_and_broken_down_by_issuer_the_same_way_for_every_va
         sharded = DTensor.from_local(torch.ones(3, 5), mesh["tensor_parallel"], [Shard(0)], run_check=False)
         with counted_collectives(by_issuer=True) as step:
             dist.all_reduce(torch.ones(7), group=mesh.get_group("data_parallel"))
-            sharded.full_tensor()  # DTensor's all-gather over tensor_parallel
+            sharded.full_tensor().sum()  # DTensor's all-gather over tensor_parallel (.sum(): waited on)
             assert step.counts is None  # until the step ends
         callback = CollectiveCountCallback(step=1)
         for global_step in (0, 1, 2):
             trainer = types.SimpleNamespace(global_step=global_step)
             callback.on_train_batch_start(trainer, None, None, 0)
-            funcol.all_reduce(torch.ones(2), "sum", (mesh, 0))
+            funcol.all_reduce(torch.ones(2), "sum", (mesh, 0)).sum()
             callback.on_train_batch_end(trainer, None, None, None, 0)
     assert (dist.all_reduce, funcol.all_gather_single) == originals
     assert step.counts == {"all_gather": 1, "reduce_scatter": 0, "all_reduce": 1, "other": 0}
