@@ -67,7 +67,7 @@ def count_collectives(events: Iterable[Any]) -> dict[str, int]:
     return counts
 
 
-#: ``classify_issuer``'s label of the collectives the profile saw that no wrapped entry point did: the backward of
+#: ``issuer_table``'s issuer of the collectives the profile saw that no wrapped entry point did: the backward of
 #: an autograd functional collective, a compiled graph's, or a function bound by ``from … import`` before the step.
 UNSEEN = "no Python call seen (autograd backward, compiled graph)"
 
@@ -345,3 +345,8 @@ class CollectiveCountCallback(L.Callback):
         self._stack.close()
         self.counts, self.issuers = self._result.counts, self._result.issuers
         self._stack = self._result = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._stack is not None:  # the entry points unwrapped and the profiler stopped for what runs next
+            self._stack.close()
+            self._stack = self._result = None
