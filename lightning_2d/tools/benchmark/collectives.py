@@ -83,6 +83,7 @@ _OUR_FILES = {
     "parallel/expert.py": "expert parallel dispatch (parallel/expert.py)",
     "parallel/context.py": "context parallel (parallel/context.py)",
     "parallel/pipeline.py": "pipeline (parallel/pipeline.py)",
+    "integration/step_guard.py": "first-step loss check (integration/step_guard.py)",
 }
 
 
