@@ -140,6 +140,14 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "the deprecated pipeline_of(model) finds the pipeline in the hook that refuses calling a pipelined"
                " model (0.1.0's public way; the strategy's `pipeline` replaces it)",
                "drop pipeline_of (deprecated until 0.3)"),
+    PrivateAPI("torch.distributed", "_functional_collectives",
+               "the benchmark's --collectives: DTensor's collectives are wrapped there for one step to name their"
+               " issuer (AsyncCollectiveTensor above lives there too)",
+               "profile with with_stack=True and read the stacks of the _c10d_functional events instead"),
+    PrivateAPI("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup",
+               "the benchmark's --collectives: the FSDP2 unit (its _module_fqn, read with a default) whose"
+               " all-gather or reduce-scatter is on the stack",
+               "label FSDP2's collectives without their unit"),
     # ---- Lightning ---------------------------------------------------------------------------------
     PrivateAPI("lightning.fabric.utilities.optimizer", "_optimizers_to_device",
                "optimizer state onto the device after setup (as Lightning's ModelParallelStrategy.setup does)",
@@ -418,3 +426,21 @@ def trainer_of(module: Any) -> Any:
 def set_module_mesh(module: Any, mesh: "DeviceMesh") -> None:
     """The mesh a LightningModule's ``device_mesh`` returns (for ``configure_model``)."""
     module._device_mesh = mesh
+
+
+def functional_collectives() -> ModuleType:
+    """``torch.distributed._functional_collectives``: the collectives DTensor issues (wrapped, for one step, by the
+    benchmark's ``--collectives``)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def fsdp_unit_of(obj: Any) -> Optional[str]:
+    """The FSDP2 unit (its module's qualified name, ``""`` for the root) when ``obj`` is FSDP2's parameter group
+    of one unit (the ``self`` of a frame in FSDP2's all-gather or reduce-scatter), else ``None``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if not isinstance(obj, FSDPParamGroup):
+        return None
+    return getattr(obj, "_module_fqn", None)

@@ -78,7 +78,8 @@ def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
     variants one after the other."""
     out = tmp_path / "report.json"
     job = launch("script", {"module": "lightning_2d.tools.benchmark",
-                            "args": [*TINY, "--compare-backends", "--compare-lora", "4", "--json", str(out)],
+                            "args": [*TINY, "--compare-backends", "--compare-lora", "4", "--collectives", "--json",
+                                     str(out)],
                             "cwd": str(REPO)},
                  tmp_path / "job", nprocs=4, timeout=600)
     assert job.ok, job.describe()
@@ -111,4 +112,16 @@ def test_compare_runs_in_place_under_an_external_launcher(tmp_path):
     assert simple["reduce_scatter"] >= 21 and simple["all_gather"] >= 21
     assert 0 < fsdp2["reduce_scatter"] < simple["reduce_scatter"] and fsdp2["all_gather"] > 0
     assert simple["other"] == fsdp2["other"]  # the same few (no bookkeeping op counted as a collective)
-    assert report["variants"]["plain"]["collectives_per_step"] is None  # counted for lightning_2d's variants
+    # Every variant's collectives counted, the hand-written ones too (the same plan under Lightning and in the plain
+    # loop: the same collectives), and under --collectives each one's issuer: every counted collective has one.
+    variants = report["variants"]
+    assert variants["plain"]["collectives_per_step"] == variants["lightning"]["collectives_per_step"]
+    for variant, summary in variants.items():
+        issuers = summary["collectives_by_issuer"]
+        assert sum(row["count"] for row in issuers) == sum(summary["collectives_per_step"].values()), variant
+        fsdp = "SimpleFSDP all-gather" if variant == "simple_fsdp" else "FSDP2 all-gather (unit layers.0)"
+        assert any(row["issuer"] == fsdp for row in issuers), (variant, issuers)
+        assert re.search(rf"^collectives of {variant} by issuer \(\d+ in", job.logs[0], re.MULTILINE), variant
+    assert any(row["issuer"] == "vocab-parallel loss statistics (parallel/loss.py)"
+               for row in variants["lightning_2d"]["collectives_by_issuer"])
+    print("\n".join(line for line in job.logs[0].splitlines() if "by issuer" in line or "  " in line))

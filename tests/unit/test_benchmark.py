@@ -142,6 +142,8 @@ def test_bad_flag_value_is_a_parse_error(capsys):
         (["--steps", "0"], r"--steps must be at least 1, got 0"),
         (["--warmup", "-1"], r"--warmup must be at least 0, got -1"),
         (["--rounds", "0"], r"--rounds must be at least 1, got 0"),
+        (["--collectives", "--warmup", "0"], r"--collectives breaks down the last warm-up step's collectives: it"
+         r" needs --warmup 1 or more, got 0"),
         (["--activation-checkpointing", "sometimes"],
          r"activation_checkpointing='sometimes' is not a mode; choose one of 'none', 'full', 'selective'"),
     ],
@@ -676,6 +678,124 @@ def test_collectives_are_counted_by_kind_once_each():
     events = [outer, _Event("c10d::_allgather_base_", _Event("record_param_comms", outer)),  # inside: not again
               _Event("c10d::_reduce_scatter_base_"), _Event("c10d::allreduce_"), _Event("aten::add")]
     assert count_collectives(events) == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1, "other": 0}
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/"
+OURS = "/repo/lightning_2d/"
+
+
+@pytest.mark.parametrize(
+    ("frames", "kind", "unit", "issuer"),
+    [
+        ([(OURS + "integration/module.py", "training_step"), (OURS + "models/llama/model.py", "forward"),
+          (TORCH + "distributed/fsdp/_fully_shard/_fsdp_state.py", "_pre_forward"),
+          (TORCH + "distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_all_gather")],
+         "all_gather", "layers.0", "FSDP2 all-gather (unit layers.0)"),
+        ([(TORCH + "autograd/graph.py", "_engine_run_backward"),
+          (TORCH + "distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce")],
+         "reduce_scatter", "", "FSDP2 reduce-scatter (unit root)"),
+        ([(TORCH + "distributed/fsdp/_fully_shard/_fsdp_param.py", "_get_grad_inner_tensor"),
+          (TORCH + "distributed/tensor/_api.py", "redistribute")],
+         "all_reduce", None, "DTensor Partial→Replicate grad (FSDP2 _get_grad_inner_tensor)"),
+        ([(OURS + "integration/module.py", "training_step"), (OURS + "parallel/loss.py", "normalize_by_global_tokens"),
+          (OURS + "parallel/loss.py", "_normalized")], "all_reduce", None,
+         "global token count (normalize_by_global_tokens)"),
+        ([(OURS + "parallel/loss.py", "fused_cross_entropy"), (OURS + "parallel/loss.py", "<lambda>")],
+         "all_reduce", None, "vocab-parallel loss statistics (parallel/loss.py)"),
+        ([(OURS + "integration/step_guard.py", "check"), (OURS + "parallel/guard.py", "all_finite")],
+         "all_reduce", None, "non-finite guard (parallel/guard.py)"),
+        ([(OURS + "integration/step_guard.py", "check_first_loss")], "all_reduce", None,
+         "first-step loss check (integration/step_guard.py)"),
+        ([(OURS + "parallel/grad_norm.py", "total_grad_norm"), (TORCH + "distributed/tensor/_api.py", "full_tensor")],
+         "all_reduce", None, "gradient clipping (parallel/grad_norm.py)"),
+        # The loss calls the tensor-parallel head: its redistribute is the layer's, not the loss's.
+        ([(OURS + "parallel/loss.py", "fused_cross_entropy"), (OURS + "models/llama/model.py", "forward"),
+          (TORCH + "distributed/tensor/parallel/style.py", "_prepare_input_fn"),
+          (TORCH + "distributed/tensor/_redistribute.py", "redistribute_local_tensor")],
+         "all_gather", None, "TP/SP layer (DTensor redistribute)"),
+        ([(TORCH + "autograd/function.py", "apply"), (TORCH + "distributed/tensor/_redistribute.py", "backward")],
+         "reduce_scatter", None, "DTensor redistribute in backward"),  # the group column says which
+        ([(OURS + "parallel/simple_fsdp.py", "forward"), (TORCH + "distributed/tensor/_api.py", "redistribute")],
+         "all_gather", None, "SimpleFSDP all-gather"),
+        ([("/x/site-packages/lightning/pytorch/strategies/model_parallel.py", "reduce_boolean_decision")],
+         "all_reduce", None, "lightning/pytorch/strategies/model_parallel.py:reduce_boolean_decision"),
+        ([(OURS + "parallel/dims.py", "check_world"), (TORCH + "distributed/distributed_c10d.py", "all_reduce")],
+         "all_reduce", None, "torch/distributed/distributed_c10d.py:all_reduce"),
+        ([("/elsewhere/script.py", "main")], "other", None, "unknown (script.py:main)"),
+    ],
+)
+def test_the_issuer_of_a_collective_is_classified_from_its_stack(frames, kind, unit, issuer):
+    from lightning_2d.tools.benchmark.collectives import classify_issuer
+
+    assert classify_issuer(frames, kind, unit) == issuer
+
+
+def test_one_step_is_counted_and_broken_down_by_issuer_the_same_way_for_every_variant():
+    """``counted_collectives`` (the callback's and the plain loop's) on a fake world of 4 ranks in this process: the
+    profile counts each kind once; the wrapped entry points name each call's issuer, group and size, and are
+    restored afterwards."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_2d._compat import functional_collectives
+    from lightning_2d.tools.benchmark.collectives import UNSEEN, CollectiveCountCallback, counted_collectives, \
+        issuer_table
+    from lightning_2d.tools.planner import fake_world
+
+    funcol = functional_collectives()
+    originals = (dist.all_reduce, funcol.all_gather_single)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        sharded = DTensor.from_local(torch.ones(3, 5), mesh["tensor_parallel"], [Shard(0)], run_check=False)
+        with counted_collectives(by_issuer=True) as step:
+            dist.all_reduce(torch.ones(7), group=mesh.get_group("data_parallel"))
+            sharded.full_tensor().sum()  # DTensor's all-gather over tensor_parallel (.sum(): waited on)
+            assert step.counts is None  # until the step ends
+        callback = CollectiveCountCallback(step=1)
+        for global_step in (0, 1, 2):
+            trainer = types.SimpleNamespace(global_step=global_step)
+            callback.on_train_batch_start(trainer, None, None, 0)
+            funcol.all_reduce(torch.ones(2), "sum", (mesh, 0)).sum()
+            callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert (dist.all_reduce, funcol.all_gather_single) == originals
+    assert step.counts == {"all_gather": 1, "reduce_scatter": 0, "all_reduce": 1, "other": 0}
+    assert {(r["issuer"].split(" (")[0], r["kind"], r["group"], r["count"], r["elements"], r["bytes"])
+            for r in step.issuers} == {
+        ("unknown", "all_reduce", "data_parallel×2", 1, 7, 28),
+        ("DTensor redistribute", "all_gather", "tensor_parallel×2", 1, 3 * 5, 3 * 5 * 4)}  # its input: the shard
+    # The callback counted step 1 only, and without by_issuer recorded no issuers.
+    assert callback.counts == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1, "other": 0}
+    assert callback.issuers is None
+    # What the profile saw that no entry point did (an autograd backward's collective) is one row of its own.
+    table = issuer_table(step.calls, {**step.counts, "reduce_scatter": 2})
+    assert table[-1] == {"issuer": UNSEEN, "kind": "reduce_scatter", "group": "?", "count": 2, "elements": None,
+                         "bytes": None}
+
+
+def test_collectives_flag_reports_each_variants_issuers():
+    s = settings("--compare", "--collectives", "--dim", "64", "--vocab-size", "256", "--seq-len", "32",
+                 "--warmup", "1", "--rounds", "1")
+    assert s.collectives_by_issuer and not settings("--compare").collectives_by_issuer
+    counts = {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 1, "other": 1}
+    issuers = [{"issuer": "FSDP2 all-gather (unit layers.0)", "kind": "all_gather", "group": "data_parallel×2",
+                "count": 3, "elements": 3000, "bytes": 12000},
+               {"issuer": "no Python call seen (autograd backward, compiled graph)", "kind": "all_reduce",
+                "group": "?", "count": 1, "elements": None, "bytes": None}]
+    runs = [{"variant": v, "round": 0, "ranks": [{**rank_record(r, [0.1, 0.1], 5.5), "collectives": counts,
+                                                  "collective_issuers": issuers} for r in range(4)]}
+            for v in ("lightning_2d", "lightning", "plain")]
+    report = bench.summarize(s, runs)
+    assert report["variants"]["plain"]["collectives_by_issuer"] == issuers  # in --json too
+    lines = bench.format_report(report).splitlines()
+    for variant in ("lightning_2d", "lightning", "plain"):
+        assert next(line for line in lines if line.startswith(f"{variant} ")).endswith("3/2/1 +1")
+        start = lines.index(f"collectives of {variant} by issuer (4 in the counted step of rank 0):")
+        assert lines[start + 1].split() == ["issuer", "kind", "group", "count", "input", "elements", "MB"]
+        assert lines[start + 2].split()[-4:] == ["data_parallel×2", "3", "3,000", "0.012"]
+        assert lines[start + 3].split()[-5:] == ["all_reduce", "?", "1", "-", "-"]
 
 
 # ---- the process launcher -------------------------------------------------------------------------

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating")
     run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the tokens")
     run.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before it is killed")
+    run.add_argument("--collectives", dest="collectives_by_issuer", action="store_true",
+                     help="also record which code issued each collective of the counted step (the last warm-up"
+                     " step of rank 0), in every variant, and print per variant a table of issuer × kind → count,"
+                     " elements (in --json too); costs that dropped step a slower, traced run")
     run.add_argument("--json", type=Path, default=None, help="write the settings, summaries and raw step times here")
     module = parser.add_argument_group("LlamaLightningModule (the lightning_2d variant)")
     module.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,

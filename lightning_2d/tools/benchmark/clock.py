@@ -26,6 +26,8 @@ class StepClock:
         self.losses: list[float] = []
         #: One step's collectives by kind, where the run counted them (``collectives.CollectiveCountCallback``).
         self.collectives: Optional[dict[str, int]] = None
+        #: Under ``--collectives``: that step's collectives by issuer, kind and group (``collectives.issuer_table``).
+        self.collective_issuers: Optional[list[dict[str, Any]]] = None
         self._last: Optional[float] = None
 
     @property

@@ -53,8 +53,10 @@ def variant_summary(settings: BenchmarkSettings, runs: list[dict[str, Any]]) -> 
         # counts on every replica) or the global one.
         "first_loss": statistics.fmean(rank["losses"][0] for rank in first),
         "compute_dtype": first[0].get("compute_dtype"),
-        # One step of rank 0 (the last warm-up step of the first run), by kind: lightning_2d's variants only.
+        # One step of rank 0 (the last warm-up step of the first run), by kind.
         "collectives_per_step": first[0].get("collectives"),
+        # Under --collectives: the same step's collectives by issuer, kind and group (collectives.issuer_table).
+        "collectives_by_issuer": first[0].get("collective_issuers"),
         "ranks": sorted({rank["rank"] for run in runs for rank in run["ranks"]}),
         "rounds": len(runs),
     }
@@ -97,6 +99,25 @@ def _collectives(counts: Optional[dict[str, int]]) -> str:
         return "-"
     text = "/".join(str(counts.get(kind, 0)) for kind in KINDS)
     return text + (f" +{counts['other']}" if counts.get("other") else "")
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` (the first the header) in columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            .rstrip() for row in rows]
+
+
+def format_issuers(variant: str, issuers: list[dict[str, Any]]) -> list[str]:
+    """One variant's ``--collectives`` table: per issuer, kind and group the count and the total elements and MB
+    of the calls' inputs (``collectives.payload``: an all-gather's shard, a reduce-scatter's whole input)."""
+    rows = [("issuer", "kind", "group", "count", "input elements", "MB")]
+    for row in issuers:
+        size = row["elements"] is not None
+        rows.append((row["issuer"], row["kind"], row["group"], str(row["count"]),
+                     f"{row['elements']:,}" if size else "-", f"{row['bytes'] / 1e6:,.3f}" if size else "-"))
+    total = sum(row["count"] for row in issuers)
+    return [f"collectives of {variant} by issuer ({total} in the counted step of rank 0):", *_table(rows)]
 
 
 def _fmt(value: Optional[float], digits: int) -> str:
@@ -182,5 +203,9 @@ def format_report(report: dict[str, Any]) -> str:
             " step time" + (f", {memory:.3f}x peak memory per device" if memory is not None else "")
         )
     if any(v.get("collectives_per_step") for v in report["variants"].values()):
-        lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step)")
+        lines.append("(AG/RS/AR: all-gathers, reduce-scatters and all-reduces of rank 0 in the last warm-up step;"
+                     " +N: other collectives, broadcasts and all-to-alls)")
+    for variant, v in report["variants"].items():
+        if v.get("collectives_by_issuer") is not None:
+            lines += ["", *format_issuers(variant, v["collectives_by_issuer"])]
     return "\n".join(lines)

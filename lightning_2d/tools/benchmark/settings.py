@@ -81,6 +81,8 @@ class BenchmarkSettings:
         timeout: Seconds one job may take before it is killed.
         compared: The variants of lightning_2d run beside it (rows of ``comparisons.COMPARISONS``), by name, each
             with its flag's value (``True`` for a switch).
+        collectives_by_issuer: ``--collectives``: also record which code issued each collective of the counted
+            step (``collectives.counted_collectives``), in every variant.
     """
 
     # No defaults here: the command line (build_parser) holds them.
@@ -102,6 +104,7 @@ class BenchmarkSettings:
     variants: list[str]
     timeout: float
     compared: dict[str, Any]
+    collectives_by_issuer: bool
 
     @property
     def model_args(self) -> ModelArgs:
@@ -191,6 +194,9 @@ def _run_problems(args: argparse.Namespace, model_args: Optional[ModelArgs]) -> 
         problems.append(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.loss_chunk_size < 1:
         problems.append(f"--loss-chunk-size must be a positive number of tokens, got {args.loss_chunk_size}")
+    if args.collectives_by_issuer and args.warmup < 1:
+        problems.append("--collectives breaks down the last warm-up step's collectives: it needs --warmup 1 or more,"
+                        f" got {args.warmup}")
     if model_args is not None and args.seq_len > model_args.max_seq_len:
         problems.append(
             f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model_args.max_seq_len}); use a shorter"
@@ -387,4 +393,5 @@ def settings_from_args(args: argparse.Namespace, world_size: Optional[int] = Non
         variants=[OURS, *compared, *(HAND_WRITTEN if args.compare else ())],
         timeout=args.timeout,
         compared=compared,
+        collectives_by_issuer=args.collectives_by_issuer,
     )

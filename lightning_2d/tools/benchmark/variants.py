@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -24,7 +25,7 @@ from lightning_2d.parallel.config import PRECISION_TO_DTYPES
 from lightning_2d.parallel.dims import destroy_process_group_at_exit
 from lightning_2d.tools.benchmark.clock import StepClock, StepClockCallback
 from lightning_2d.tools.benchmark.reference import build_reference_model, mean_cross_entropy
-from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback
+from lightning_2d.tools.benchmark.collectives import CollectiveCountCallback, counted_collectives
 from lightning_2d.tools.benchmark.comparisons import COMPARISONS
 from lightning_2d.tools.benchmark.settings import OURS, BenchmarkSettings
 from lightning_2d.tools.benchmark.workload import (
@@ -71,8 +72,8 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
     """Variant ``lightning_2d`` and each compared variant of it (``simple_fsdp``, ``lora``, ``expert_parallel`` …):
     Trainer + ``ModelParallel2DStrategy`` + ``LlamaLightningModule``, their arguments as the variant says
     (``BenchmarkSettings.strategy_kwargs``, ``module_kwargs``), on synthetic tokens or, under ``--preference``,
-    synthetic packed pairs (``workload.synthetic_data``). The collectives of the last warm-up step are counted
-    (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
+    synthetic packed pairs (``workload.synthetic_data``). The collectives of the last warm-up step are counted, as
+    in every variant (``collectives.CollectiveCountCallback``; its profile costs a step that is dropped)."""
     module = LlamaLightningModule(
         model=settings.model_args,
         init_seed=settings.seed,
@@ -82,13 +83,26 @@ def run_lightning_2d(settings: BenchmarkSettings, variant: str = OURS) -> tuple[
     )
     strategy = ModelParallel2DStrategy(**settings.strategy_kwargs(variant))
     callback = StepClockCallback()
-    counter = CollectiveCountCallback(settings.warmup - 1) if settings.warmup else None
+    counter = _counter(settings)
     trainer = _trainer(settings, strategy, settings.precision, callback, *([counter] if counter else []))
     trainer.fit(module, **synthetic_data(settings, process_rank()))
     dtype = strategy.parallel_config.resolve_dtypes(settings.precision).param_dtype
     assert callback.clock is not None and dtype is not None
-    callback.clock.collectives = counter.counts if counter is not None else None
+    _keep_counts(callback.clock, counter)
     return callback.clock, strategy.root_device, dtype
+
+
+def _counter(settings: BenchmarkSettings) -> Optional[CollectiveCountCallback]:
+    """The callback counting the last warm-up step's collectives (by issuer under ``--collectives``); ``None``
+    without a warm-up step."""
+    if not settings.warmup:
+        return None
+    return CollectiveCountCallback(settings.warmup - 1, by_issuer=settings.collectives_by_issuer)
+
+
+def _keep_counts(clock: StepClock, counter: Optional[CollectiveCountCallback]) -> None:
+    if counter is not None:
+        clock.collectives, clock.collective_issuers = counter.counts, counter.issuers
 
 
 class HandWritten2DModule(L.LightningModule):
@@ -133,11 +147,13 @@ def run_lightning(settings: BenchmarkSettings) -> tuple[StepClock, torch.device,
     warnings.filterwarnings("ignore", message=r"Parameter initialization incomplete.*")
     strategy = ModelParallelStrategy(data_parallel_size=settings.dp, tensor_parallel_size=settings.tp)
     callback = StepClockCallback()
+    counter = _counter(settings)
     # Precision goes through FSDP2's policy in reference_2d_plan, as in the other variants; Lightning's
     # bf16 plugins would add autocast or a module conversion on top.
-    trainer = _trainer(settings, strategy, "32-true", callback)
+    trainer = _trainer(settings, strategy, "32-true", callback, *([counter] if counter else []))
     trainer.fit(HandWritten2DModule(settings), train_dataloaders=synthetic_loader(settings, process_rank()))
     assert callback.clock is not None
+    _keep_counts(callback.clock, counter)
     return callback.clock, strategy.root_device, PRECISION_TO_DTYPES[settings.precision][0]
 
 
@@ -162,14 +178,19 @@ def run_plain(settings: BenchmarkSettings) -> tuple[StepClock, torch.device, tor
 
     clock = StepClock(device)
     clock.start()
-    for batch in loader:
-        input_ids = batch["input_ids"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        loss = mean_cross_entropy(model(input_ids), labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+    for step, batch in enumerate(loader):
+        # The same step the Trainer variants count (their CollectiveCountCallback): the last warm-up one.
+        with counted_collectives(settings.collectives_by_issuer) if step == settings.warmup - 1 else nullcontext(
+                ) as counted:
+            input_ids = batch["input_ids"].to(device, non_blocking=True)
+            labels = batch["labels"].to(device, non_blocking=True)
+            loss = mean_cross_entropy(model(input_ids), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        if counted is not None:
+            clock.collectives, clock.collective_issuers = counted.counts, counted.issuers
         clock.tick(loss.detach())
     return clock, device, PRECISION_TO_DTYPES[settings.precision][0]
 
@@ -196,5 +217,6 @@ def run_variant(variant: str, settings: BenchmarkSettings) -> dict[str, Any]:
         "peak_memory_gib": peak_memory_gib(device),
         "peak_tflops": peak_tflops(device, dtype),
         "compute_dtype": str(dtype).removeprefix("torch."),
-        "collectives": clock.collectives,  # lightning_2d's variants: one step's, by kind
+        "collectives": clock.collectives,  # one step's, by kind
+        "collective_issuers": clock.collective_issuers,  # under --collectives: by issuer, kind and group
     }
