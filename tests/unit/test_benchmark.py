@@ -704,6 +704,8 @@ OURS = "/repo/lightning_2d/"
          "all_reduce", None, "vocab-parallel loss statistics (parallel/loss.py)"),
         ([(OURS + "integration/step_guard.py", "check"), (OURS + "parallel/guard.py", "all_finite")],
          "all_reduce", None, "non-finite guard (parallel/guard.py)"),
+        ([(OURS + "integration/strategy_base.py", "finish_gradients"), (OURS + "parallel/grad_sync.py", "finish")],
+         "all_reduce", None, "deferred tensor-parallel gradient sums (parallel/grad_sync.py)"),
         ([(OURS + "integration/step_guard.py", "check_first_loss")], "all_reduce", None,
          "first-step loss check (integration/step_guard.py)"),
         ([(OURS + "parallel/grad_norm.py", "total_grad_norm"), (TORCH + "distributed/tensor/_api.py", "full_tensor")],

@@ -79,6 +79,7 @@ _TOKEN_COUNTS = ("normalize_by_global_tokens", "count_global_tokens", "count_ste
 _OUR_FILES = {
     "parallel/guard.py": "non-finite guard (parallel/guard.py)",
     "parallel/grad_norm.py": "gradient clipping (parallel/grad_norm.py)",
+    "parallel/grad_sync.py": "deferred tensor-parallel gradient sums (parallel/grad_sync.py)",
     "parallel/loss.py": "vocab-parallel loss statistics (parallel/loss.py)",
     "parallel/expert.py": "expert parallel dispatch (parallel/expert.py)",
     "parallel/context.py": "context parallel (parallel/context.py)",
