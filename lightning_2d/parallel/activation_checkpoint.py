@@ -111,7 +111,7 @@ def recomputed_blocks(units: list["FSDPUnit"], activation_checkpointing: str, se
     """The block units whose forward activation checkpointing runs again in backward (``apply_activation_checkpointing``:
     every block under ``"full"`` and per-op ``"selective"``, whose policy recomputes all but the matmul and attention
     outputs, the gathers included; every N-th under ``selective_ac_option=N``)."""
-    blocks = [u.name for u in units if u.kind == "block"]
+    blocks = [u.name for u in units if u.kind in ("block", "last_block")]
     if activation_checkpointing == "none":
         return set()
     if activation_checkpointing == "selective" and selective_ac_option != "op":

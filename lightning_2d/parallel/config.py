@@ -150,7 +150,7 @@ class ParallelConfig:
     """Dtype of FSDP2's gradient reduce-scatter (its ``MixedPrecisionPolicy``); ``None`` means fp32."""
     reshard_after_forward: Literal["default", "always", "never"] = option("default", position=15)
     """``"default"`` (free each unit's gathered parameters after its forward, except the output unit's — final
-    norm and head — which backward needs first; under a zero-bubble pipeline schedule none, as ``"never"``: its
+    norm and head — and the last block's, which backward needs first (torchtitan's); under a zero-bubble pipeline schedule none, as ``"never"``: its
     split backward needs them), ``"always"`` or ``"never"`` (ZeRO-2-like: more memory, fewer all-gathers)."""
     float8: Union[bool, Literal["emulate"]] = option(False, position=17)
     """Train the block projections in float8 (torchao's ``Float8Linear``; GPUs with CUDA compute capability

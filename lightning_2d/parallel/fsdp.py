@@ -27,14 +27,15 @@ if TYPE_CHECKING:
 def reshard_after_forward_by_unit(policy: str) -> dict[str, bool]:
     """Whether each kind of FSDP unit frees its gathered parameters after its forward.
 
-    ``"default"`` (torchtitan's choice): every unit but the output unit. Backward starts with the
-    output head, so regathering it right after forward would be wasted; each block's gather in
-    backward is prefetched while the unit after it computes.
+    ``"default"`` (torchtitan's choice): every unit but the output unit and the last block. Backward starts with the
+    output head and then the last block, so regathering them right after forward would be wasted (one all-gather
+    each per step, the hand-written plan's saving too); each other block's gather in backward is prefetched while
+    the unit after it computes.
     """
     if policy == "default":
-        return {"input": True, "block": True, "output": False, "root": True}
+        return {"input": True, "block": True, "last_block": False, "output": False, "root": True}
     reshard = policy == "always"
-    return {"input": reshard, "block": reshard, "output": reshard, "root": reshard}
+    return {"input": reshard, "block": reshard, "last_block": reshard, "output": reshard, "root": reshard}
 
 
 def apply_fully_shard(
@@ -80,8 +81,9 @@ def apply_fully_shard(
         if only_embeddings(module) and hasattr(module, "set_unshard_in_backward"):
             # An embedding's backward reads the token ids, not its weight: no all-gather in backward.
             module.set_unshard_in_backward(False)
-    for block in get_submodule_container(model, plan.blocks).children():
-        shard(block, "block")
+    blocks = list(get_submodule_container(model, plan.blocks).children())
+    for i, block in enumerate(blocks):
+        shard(block, "last_block" if i == len(blocks) - 1 else "block")
     output_unit = get_named_submodules(model, plan.output_unit, "output_unit")
     if output_unit:
         shard(output_unit, "output")
@@ -120,7 +122,8 @@ class FSDPUnit:
 
     Args:
         name: Module name(s).
-        kind: ``"input"``, ``"block"``, ``"output"`` or ``"root"`` (see ``reshard_after_forward_by_unit``).
+        kind: ``"input"``, ``"block"``, ``"last_block"``, ``"output"`` or ``"root"`` (see
+            ``reshard_after_forward_by_unit``).
         sharded_numel: Elements this rank holds (FSDP-padded local shards).
         gathered_bytes: Bytes of its unsharded parameters on this rank (in the all-gather dtype).
         unsharded_numel: Elements of its unsharded parameters on this rank.

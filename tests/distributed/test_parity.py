@@ -115,10 +115,12 @@ def test_plan_structure_at_2x2(jobs):
 @pytest.mark.parametrize(("dp", "tp"), LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
 def test_fsdp_units_and_what_stays_gathered_after_forward(jobs, dp, tp):
     """torchtitan's units: the embedding, each block, [norm, output] together, and an empty root. Under
-    the default policy only the output unit (what backward needs first) stays gathered."""
+    the default policy only the output unit and the last block (what backward needs first) stay gathered."""
     out = jobs.layout(dp, tp, **RECORD).rank_output(0)
     assert out["fsdp_units"] == ["", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output", "tok_embeddings"]
-    assert out["gathered_after_forward"] == ["norm.weight", "output.weight"]
+    last_block = sorted(name for name in out["placements"] if name.startswith("layers.3."))
+    assert len(last_block) == 9  # its 7 projections and 2 norms
+    assert out["gathered_after_forward"] == sorted([*last_block, "norm.weight", "output.weight"])
     # The fused loss runs vocabulary-parallel on the output's shards when tensor parallel.
     assert out["head_loss_fn"] == ("vocab_parallel_linear_cross_entropy" if tp > 1 else "linear_cross_entropy")
     # So do each token's log-probabilities (preference tuning's), equal to log_softmax of the gathered logits.

@@ -1349,7 +1349,7 @@ def test_a_frozen_reference_copy_is_planned_beside_the_model_in_param_dtype():
     (its 802,816 matrix elements over 4 ranks, its 9 norms of 128 over the 2 FSDP ranks: 201,280) in bf16, and its own
     rotary table (512 positions × 8 pairs × 2, fp32): no gradient or optimizer state. Its forward, run after the
     trained one's: the all-gathers of its largest pair of consecutive units (two blocks of 92,416 bf16 elements) beside
-    the trained output unit still gathered (16,512), and its SwiGLU at the peak (below)."""
+    the trained output unit and last block still gathered (16,512 + 92,416), and its SwiGLU at the peak (below)."""
     plain = plan_run("debug", **DEBUG_2X2)
     report = plan_run("debug", **DEBUG_2X2, preference={"loss_type": "sigmoid"})
     assert (report.preference, report.reference, report.reference_dtype) == ("sigmoid", "copy", "bfloat16")
@@ -1358,7 +1358,7 @@ def test_a_frozen_reference_copy_is_planned_beside_the_model_in_param_dtype():
     assert report.reference_params_per_device == 201_280
     assert report.reference_bytes == 201_280 * 2 + 512 * 8 * 2 * 4
     assert plain.all_gather_bytes == 2 * 92_416 * 2  # the trained model's own peak: a block and the next
-    assert report.all_gather_bytes == 16_512 * 2 + 2 * 92_416 * 2
+    assert report.all_gather_bytes == (16_512 + 92_416) * 2 + 2 * 92_416 * 2
     # The reference's peak at tp 2 (sequence parallel, N = 2 × 128 tokens, rows N / 2, bf16): x, h and the norm's
     # output (3 × 2·128·128), its all-gather (2·256·128), silu, w3 and their product (3 × 2·256·176).
     assert report.activation_parts["transient"] == 3 * 2 * 128 * 128 + 2 * 256 * 128 + 3 * 2 * 256 * 176 == 434_176

@@ -57,8 +57,9 @@ def fsdp_units(model: nn.Module, plan: Any, dims: ParallelDims, gather_dtype: to
     groups: list[tuple[str, str, list[nn.Module]]] = []
     for name, module in zip(plan.input_units, get_named_submodules(model, plan.input_units, "input_units")):
         groups.append((name, "input", [module]))
-    for name, block in get_submodule_container(model, plan.blocks).named_children():
-        groups.append((f"{plan.blocks}.{name}", "block", [block]))
+    blocks = list(get_submodule_container(model, plan.blocks).named_children())
+    for i, (name, block) in enumerate(blocks):
+        groups.append((f"{plan.blocks}.{name}", "last_block" if i == len(blocks) - 1 else "block", [block]))
     output = get_named_submodules(model, plan.output_unit, "output_unit")
     groups.append(("+".join(plan.output_unit), "output", output))
     groups.append(("(root)", "root", [model]))
