@@ -53,6 +53,19 @@ def test_model_flags_override_the_reference_or_a_preset():
     assert debug.model_args == ModelArgs.from_name("debug", n_layers=1)
 
 
+def test_expert_flags_reshape_the_experts_of_a_model_with_experts():
+    s = settings("--model", "debug-moe", "--n-experts", "16", "--top-k", "1", "--expert-hidden-dim", "256",
+                 "--seq-len", "32")
+    moe = s.model_args.moe
+    assert (moe.num_experts, moe.top_k, moe.hidden_dim) == (16, 1, 256)
+    assert moe.num_shared_experts == ModelArgs.from_name("debug-moe").moe.num_shared_experts  # the rest: the preset's
+    assert settings("--model", "debug-moe", "--seq-len", "32").model_args == ModelArgs.from_name("debug-moe")
+    with pytest.raises(bench.BenchmarkConfigError, match="--n-experts need a model with experts"):
+        settings("--model", "debug", "--n-experts", "16", "--seq-len", "32")
+    with pytest.raises(bench.BenchmarkConfigError, match="top_k"):
+        settings("--model", "debug-moe", "--top-k", "9", "--seq-len", "32")
+
+
 def test_loss_flags_reach_the_lightning_2d_module():
     assert settings().module_options == {"fused_loss": True, "loss_chunk_size": 1024}
     assert settings("--no-fused-loss", "--loss-chunk-size", "64").module_options == {

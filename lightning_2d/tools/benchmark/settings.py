@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -169,12 +169,26 @@ def _model_args(args: argparse.Namespace, problems: list[str]) -> Optional[Model
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
         if getattr(args, name) is not None
     }
+    experts = {
+        field: getattr(args, name, None)
+        for name, field in (("n_experts", "num_experts"), ("top_k", "top_k"), ("expert_hidden_dim", "hidden_dim"))
+        if getattr(args, name, None) is not None
+    }
     try:
         if args.model is not None:
-            return ModelArgs.from_name(args.model, **overrides)
-        if getattr(args, "recipe_model", None) is not None:  # a recipe's model (lightning_2d.tools.recipe)
-            return ModelArgs(**{**asdict(args.recipe_model), **overrides})
-        return ModelArgs(**{**asdict(REFERENCE_MODEL), **overrides})
+            model_args = ModelArgs.from_name(args.model, **overrides)
+        elif getattr(args, "recipe_model", None) is not None:  # a recipe's model (lightning_2d.tools.recipe)
+            model_args = ModelArgs(**{**asdict(args.recipe_model), **overrides})
+        else:
+            model_args = ModelArgs(**{**asdict(REFERENCE_MODEL), **overrides})
+        if not experts:
+            return model_args
+        if model_args.moe is None:
+            flags = ", ".join(option_flag(name) for name in ("n_experts", "top_k", "expert_hidden_dim")
+                              if getattr(args, name, None) is not None)
+            problems.append(f"{flags} need a model with experts (--model debug-moe, mixtral-8x7b, qwen3-30b-a3b)")
+            return None
+        return replace(model_args, moe=replace(model_args.moe, **experts))
     except ValueError as err:
         # "Invalid ModelArgs:\n  - a\n  - b" → one problem per line
         lines = [line.strip().removeprefix("- ") for line in str(err).splitlines()[1:]] or [str(err)]
