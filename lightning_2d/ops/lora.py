@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_2d.ops.init import InitSpec
-from lightning_2d.ops.moe import GroupedExperts
+from lightning_2d.ops.moe import GroupedExperts, local_part
 from lightning_2d.ops.nf4 import NF4_GROUP, QUANTIZATIONS, dequantize, is_nf4, nf4_shard_problem, to_nf4_weight
 
 #: The attribute names of a ``LoRALinear``'s adapters (part of the parameter names).
@@ -163,12 +163,26 @@ class LoRALinear(nn.Linear):
 
     #: Set by ``adapters_disabled``: the layer computes its base alone (a preference loss's reference model).
     adapters_off = False
+    #: Set by a parallel style that made the input and the adapters DTensors (``parallel.lora.WithAdapters``): the
+    #: local gradients' placements of ``x``, ``lora_a`` and ``lora_b`` (``None``: as the tensor; ``[Partial()]``: a
+    #: replicated tensor whose local gradients are partial sums). The adapters' four small products then run on local
+    #: tensors, their result joining the base's output in its layout: the same numbers without DTensor's per-op
+    #: dispatch, which at small widths costs more than the products (``benchmark --compare-lora``).
+    local_adapter_grads: Optional[Mapping[str, Any]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adapters_off:
             return super().forward(x)
+        out = super().forward(x)
+        grads = self.local_adapter_grads
+        if grads is not None and isinstance(self.lora_dropout, nn.Identity) and hasattr(out, "device_mesh"):
+            a = local_part(self.lora_a.weight, grads["lora_a"])
+            b = local_part(self.lora_b.weight, grads["lora_b"])
+            up = ((local_part(x, grads["x"]) @ a.t()) * self.scale) @ b.t()
+            return out + type(out).from_local(up, out.device_mesh, out.placements, run_check=False, shape=out.shape,
+                                              stride=out.stride())
         # The scale on the rank-wide intermediate, not the output: ``rank`` numbers per token scaled, not ``out``.
-        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scale)
+        return out + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scale)
 
     def own_param_init_specs(self) -> dict[str, InitSpec]:
         """The adapters' init, by names relative to this module (peft's: ``A`` Kaiming-uniform, ``B`` zero)."""

@@ -81,10 +81,16 @@ class WithAdapters(ParallelStyle):
             return self.style._apply(module, device_mesh)
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+        from torch.distributed.tensor import Partial
+
+        # The local gradients of the replicated tensors (the input of a column-wise base, the replicated factor) are
+        # partial sums: each flows back through this rank's shard of the other factor (``local_adapter_grads``).
         if isinstance(self.style, ColwiseParallel):
             placements = {"lora_a": Replicate(), "lora_b": Shard(0)}
+            local_grads = {"x": [Partial()], "lora_a": [Partial()], "lora_b": None}
         elif isinstance(self.style, RowwiseParallel):
             placements = {"lora_a": Shard(1), "lora_b": Replicate()}
+            local_grads = {"x": None, "lora_a": None, "lora_b": [Partial()]}
         else:  # pragma: no cover - with_adapter_placements wraps only these two
             raise TypeError(f"no adapter placements for {type(self.style).__name__}")
         # The base style distributes every parameter of the module it is given (recursively): hide the adapters
@@ -99,6 +105,8 @@ class WithAdapters(ParallelStyle):
             weight = adapter.weight
             adapter.weight = nn.Parameter(distribute_tensor(weight, device_mesh, [placements[name]]),
                                           requires_grad=weight.requires_grad)
+        if device_mesh.ndim == 1:
+            module.local_adapter_grads = local_grads
         return module
 
 

@@ -472,3 +472,41 @@ def test_a_weights_storage_format_says_how_it_is_filled_kept_counted_and_checked
     copy = to_nf4_weight(torch.zeros_like(weight))
     weight_format(copy).restore_(copy, kept)
     assert nf4_equal(copy, kept)
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_under_tensor_parallelism_the_adapters_compute_on_local_tensors(tmp_path, style):
+    """``WithAdapters`` tells an adapted layer its local gradients' placements, and its forward then computes the
+    adapters' products on local tensors (no DTensor dispatch, the ``lora_a``/``lora_b`` modules never called): the
+    same output and gradients as the DTensor expression (one gloo rank; the sums over real ranks are
+    tests/distributed/test_lora.py's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_2d.parallel.lora import WithAdapters
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        results = []
+        for local in (True, False):
+            torch.manual_seed(0)
+            layer = LoRALinear.from_linear(nn.Linear(8, 6, bias=False), LoRA(rank=2, alpha=4.0))
+            nn.init.normal_(layer.lora_b.weight)
+            base = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+            parallelize_module(layer, mesh, WithAdapters(base))
+            assert layer.local_adapter_grads is not None
+            if not local:
+                layer.local_adapter_grads = None
+            calls = []
+            layer.lora_a.register_forward_hook(lambda *args: calls.append("lora_a"))
+            x = torch.randn(3, 8, requires_grad=True)
+            layer(x).sum().backward()
+            assert calls == ([] if local else ["lora_a"])
+            grads = [layer.lora_a.weight.grad, layer.lora_b.weight.grad]
+            results.append([x.grad, *(g.to_local() if hasattr(g, "to_local") else g for g in grads)])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want)
+    finally:
+        dist.destroy_process_group()
