@@ -439,7 +439,9 @@ class LlamaLightningModule(CausalLMModule):
             its vocabulary slice). ``False``: logits, then ``F.cross_entropy`` (the strategy's
             ``loss_parallel`` option then decides whether the logits are gathered).
         loss_chunk_size: Tokens per chunk of the fused loss; the largest logits buffer is
-            ``loss_chunk_size × vocab_size / tensor_parallel_size`` fp32 numbers.
+            ``loss_chunk_size × vocab_size / tensor_parallel_size`` fp32 numbers. ``None``: sized by memory, as many
+            tokens as keep that buffer within 64 MiB but never fewer than 1024 (``auto_chunk_tokens``): a small
+            vocabulary's micro-batch in one chunk (one collective under tensor parallelism), a real one's 1024.
         lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields):
             the base (``init_from``, or the seeded init) is frozen and only the adapters are optimized. Targets by
             our names (``wq``, ``w1`` …) or Hugging Face's (``q_proj``, ``gate_proj`` …); default all seven
@@ -476,7 +478,7 @@ class LlamaLightningModule(CausalLMModule):
         init_seed: int | None = None,
         init_from: str | None = None,
         fused_loss: bool = True,
-        loss_chunk_size: int = 1024,
+        loss_chunk_size: Optional[int] = None,
         lora: Union[LoRA, dict, None] = None,
         lora_init_from: str | None = None,
         preference: Union[PreferenceLoss, dict, None] = None,
@@ -484,7 +486,7 @@ class LlamaLightningModule(CausalLMModule):
         distillation: Union[DistillationConfig, dict, None] = None,
     ) -> None:
         super().__init__()
-        if loss_chunk_size < 1:
+        if loss_chunk_size is not None and loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive number of tokens, got {loss_chunk_size}")
         self.save_hyperparameters()
         self._set_lora(lora)

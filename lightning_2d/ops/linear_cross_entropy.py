@@ -8,10 +8,16 @@ into their gradient contributions right away (as Liger-Kernel's fused linear cro
 so at most one chunk of logits exists at any moment and nothing of size ``vocab`` is kept for
 backward. Backward only scales the stored gradients by the incoming gradient (no recompute).
 
+The chunk is sized by memory (``auto_chunk_tokens``): as many tokens as keep its fp32 logits within
+``LOGITS_BUDGET`` numbers, never fewer than 1024, so a small vocabulary takes a whole micro-batch at once
+(one collective per step under vocabulary parallelism) and a real one (≥ 16,384 rows per shard) the
+1024 tokens it always had.
+
 The same code runs vocabulary-parallel (each tensor-parallel rank holds rows
 ``[vocab_start, vocab_start + local_vocab)`` of the weight): the softmax needs the maximum and the
-sum of exponentials over the whole vocabulary, which ``reduce`` (two all-reduces of ``chunk``
-numbers per chunk) supplies. This file is plain PyTorch; the collectives are passed in by
+sum of exponentials over the whole vocabulary, which ``reduce`` supplies: one all-gather per chunk of
+each shard's ``(max, Σ exp(z - max), target logit)`` per token (``VocabReduce.gather_``), combined
+on every rank. This file is plain PyTorch; the collectives are passed in by
 ``lightning_2d.parallel.loss``.
 """
 
@@ -57,6 +63,35 @@ def backward_is_replayable() -> bool:
     return _REPLAYABLE_BACKWARD.get()
 
 
+#: fp32 numbers one chunk's logits may hold when the chunk is sized by memory (2**24: 64 MiB).
+LOGITS_BUDGET = 2**24
+#: The fewest tokens of a chunk sized by memory: the fixed chunk the fused losses had before, so a real vocabulary's
+#: chunks (and their number of collectives) are what they were.
+MIN_CHUNK_TOKENS = 1024
+
+
+def auto_chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk of the fused losses when none is given: as many as keep the chunk's ``(tokens, local_vocab)``
+    fp32 logits within ``LOGITS_BUDGET`` numbers, never fewer than ``MIN_CHUNK_TOKENS``. Peak memory is then at most
+    max(1024-token chunks', 64 MiB); a small vocabulary shard (256 / tp 2: 131,072 tokens) takes a whole micro-batch
+    in one chunk, hence one collective instead of one per 1024 tokens.
+
+    Args:
+        local_vocab: Vocabulary rows of this rank's shard of the output projection.
+    """
+    return max(MIN_CHUNK_TOKENS, LOGITS_BUDGET // max(local_vocab, 1))
+
+
+def chunk_tokens(chunk_size: Optional[int], n_tokens: int, local_vocab: int) -> int:
+    """The tokens per chunk a fused loss uses: ``chunk_size``, or ``auto_chunk_tokens(local_vocab)`` when it is
+    ``None``; at most ``n_tokens`` (and at least 1)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size!r}"
+                         " (None: sized by memory, auto_chunk_tokens)")
+    chunk = auto_chunk_tokens(local_vocab) if chunk_size is None else chunk_size
+    return max(min(chunk, n_tokens), 1)
+
+
 @dataclass(frozen=True)
 class VocabReduce:
     """How the per-chunk statistics combine over vocabulary shards; identities on one device.
@@ -64,10 +99,14 @@ class VocabReduce:
     Args:
         max_: In place, the element-wise maximum over the shards.
         sum_: In place, the element-wise sum over the shards.
+        gather_: Every shard's tensor, stacked: ``(shards, *t.shape)`` (an all-gather). When given, the cross-entropy
+            and log-probabilities combine their softmax statistics with it, one collective per chunk instead of
+            ``max_`` then ``sum_``; ``None`` (one device, or a caller that only reduces) uses ``max_`` and ``sum_``.
     """
 
     max_: Callable[[torch.Tensor], None] = lambda t: None
     sum_: Callable[[torch.Tensor], None] = lambda t: None
+    gather_: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 SINGLE_DEVICE = VocabReduce()
@@ -81,16 +120,26 @@ class _Chunk:
     valid: torch.Tensor  # (c,) the label is not ignored
     here: torch.Tensor  # (c,) valid, and the target's logit lives on this shard
     target: torch.Tensor  # (c,) the target's row in this shard (0 where not ``here``)
-    exp: torch.Tensor  # (c, local_vocab) fp32 exp(z - max): the chunk's only vocabulary-sized buffer
+    exp: torch.Tensor  # (c, local_vocab) fp32 exp(z - m), m a per-row shift: the chunk's only vocabulary-sized buffer
     row_max: torch.Tensor  # (c,) max over the whole vocabulary
     sum_exp: torch.Tensor  # (c,) Σ exp(z - max) over the whole vocabulary
     target_logit: torch.Tensor  # (c,) z[target] (0 where ignored)
+    # (c,) ``exp × exp_scale / sum_exp`` is the softmax: exp(m - max) where ``exp`` is shifted by this shard's own
+    # maximum m (the gathered statistics); None where it is shifted by the whole vocabulary's (max_ then sum_).
+    exp_scale: Optional[torch.Tensor] = None
+
+    def softmax_(self) -> torch.Tensor:
+        """``exp`` turned in place into the softmax over the whole vocabulary (one pass over the buffer)."""
+        if self.exp_scale is None:
+            return self.exp.div_(self.sum_exp[:, None])
+        return self.exp.mul_((self.exp_scale / self.sum_exp)[:, None])
 
 
 def _chunk_statistics(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, vocab_start: int,
                       reduce: VocabReduce) -> _Chunk:
-    """The logits of ``h``'s rows on this shard's vocabulary and their softmax statistics over every shard (two
-    all-reduces of ``c`` numbers under vocabulary parallelism)."""
+    """The logits of ``h``'s rows on this shard's vocabulary and their softmax statistics over every shard: under
+    vocabulary parallelism one all-gather of ``3 × c`` numbers (``reduce.gather_``), or two all-reduces of ``c``
+    and ``2 × c`` numbers (``max_``, ``sum_``) where no gather is given."""
     local_vocab = weight.shape[0]
     rows = torch.arange(h.shape[0], device=h.device)
     valid = y != IGNORE_INDEX
@@ -100,13 +149,22 @@ def _chunk_statistics(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, vo
 
     logits = (h @ weight.t()).float()  # (c, local_vocab), the only vocab-sized buffer
     row_max = logits.amax(dim=-1)
-    reduce.max_(row_max)
+    if reduce.gather_ is None:
+        reduce.max_(row_max)
     target_logit = torch.where(here, logits[rows, target], 0.0)
-    exp = logits.sub_(row_max[:, None]).exp_()  # in place: exp(z - max)
-    stats = torch.stack((exp.sum(dim=-1), target_logit))
-    reduce.sum_(stats)
-    sum_exp, target_logit = stats.unbind()
-    return _Chunk(rows, valid, here, target, exp, row_max, sum_exp, target_logit)
+    exp = logits.sub_(row_max[:, None]).exp_()  # in place: exp(z - max), this shard's max when gathering
+    if reduce.gather_ is None:
+        stats = torch.stack((exp.sum(dim=-1), target_logit))
+        reduce.sum_(stats)
+        sum_exp, target_logit = stats.unbind()
+        return _Chunk(rows, valid, here, target, exp, row_max, sum_exp, target_logit)
+    # Each shard's (m_r, s_r = Σ exp(z - m_r), its target logit or 0), gathered: M = max_r m_r,
+    # S = Σ_r s_r exp(m_r - M), the target logit the one non-zero; the statistics max_ and sum_ would give.
+    maxima, sums, targets = reduce.gather_(torch.stack((row_max, exp.sum(dim=-1), target_logit))).unbind(1)
+    global_max = maxima.amax(dim=0)
+    sum_exp = (sums * (maxima - global_max).exp()).sum(dim=0)
+    exp_scale = (row_max - global_max).exp()  # this shard's exp(z - m_r) × exp(m_r - M) = exp(z - M)
+    return _Chunk(rows, valid, here, target, exp, global_max, sum_exp, targets.sum(dim=0), exp_scale)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -129,13 +187,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n_tokens, chunk_size):
             h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
             c = _chunk_statistics(h, weight, y, vocab_start, reduce)
-            rows, valid, here, target, exp, sum_exp = c.rows, c.valid, c.here, c.target, c.exp, c.sum_exp
+            rows, valid, here, target, sum_exp = c.rows, c.valid, c.here, c.target, c.sum_exp
             # -log softmax(z)[target] = log Σ exp(z - max) + max - z[target]
             total += torch.where(valid, sum_exp.log() + c.row_max - c.target_logit, 0.0).sum()
 
             if with_grads:
                 # d loss / d z = softmax(z) - onehot(target), zero on ignored tokens.
-                grad_logits = exp.div_(sum_exp[:, None])
+                grad_logits = c.softmax_()
                 grad_logits[rows[here], target[here]] -= 1.0
                 grad_logits.mul_(valid[:, None])
                 grad_logits = grad_logits.to(weight.dtype)
@@ -183,7 +241,7 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_size: Optional[int] = 1024,
+    chunk_size: Optional[int] = None,
     vocab_start: int = 0,
     reduce: VocabReduce = SINGLE_DEVICE,
 ) -> torch.Tensor:
@@ -198,18 +256,16 @@ def linear_cross_entropy(
         weight: ``(V_local, D)`` output projection (this rank's vocabulary rows).
         labels: ``(N,)`` target ids in the *global* vocabulary; ``-100`` is ignored.
         chunk_size: Tokens per chunk: the largest logits buffer is ``chunk_size × V_local`` fp32.
-            ``None``: all tokens in one chunk.
+            ``None``: sized by memory (``auto_chunk_tokens(V_local)``: within 64 MiB, at least 1024 tokens).
         vocab_start: Global id of ``weight``'s first row.
         reduce: Combines per-chunk statistics over vocabulary shards (see ``VocabReduce``).
 
     Returns:
         A 0-dim fp32 tensor: the sum over the non-ignored tokens.
     """
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
-    chunk = hidden.shape[0] if chunk_size is None else chunk_size
+    chunk = chunk_tokens(chunk_size, hidden.shape[0], weight.shape[0])
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, max(chunk, 1), vocab_start, reduce, with_grads)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, vocab_start, reduce, with_grads)
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -273,7 +329,7 @@ def linear_log_probs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_size: Optional[int] = 1024,
+    chunk_size: Optional[int] = None,
     vocab_start: int = 0,
     reduce: VocabReduce = SINGLE_DEVICE,
 ) -> torch.Tensor:
@@ -289,14 +345,12 @@ def linear_log_probs(
         hidden: ``(N, D)`` final hidden states, one row per token.
         weight: ``(V_local, D)`` output projection (this rank's vocabulary rows).
         labels: ``(N,)`` target ids in the *global* vocabulary; ``-100`` is ignored (log-probability 0).
-        chunk_size: Tokens per chunk (``None``: all at once).
+        chunk_size: Tokens per chunk (``None``: sized by memory, ``auto_chunk_tokens(V_local)``).
         vocab_start: Global id of ``weight``'s first row.
         reduce: Combines per-chunk statistics over vocabulary shards (see ``VocabReduce``).
 
     Returns:
         ``(N,)`` fp32 log-probabilities (≤ 0), equal on every vocabulary shard.
     """
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
-    chunk = hidden.shape[0] if chunk_size is None else chunk_size
-    return _LinearLogProbs.apply(hidden, weight, labels, max(chunk, 1), vocab_start, reduce)
+    chunk = chunk_tokens(chunk_size, hidden.shape[0], weight.shape[0])
+    return _LinearLogProbs.apply(hidden, weight, labels, chunk, vocab_start, reduce)

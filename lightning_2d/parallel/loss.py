@@ -66,20 +66,20 @@ def data_context_group(mesh: "ParallelMeshes | DeviceMesh | None"):  # type: ign
 
 
 def vocab_parallel_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = None
 ) -> torch.Tensor:
     """``lightning_2d.ops.linear_cross_entropy`` when the output projection is tensor-parallel.
 
     Installed on the model's ``VocabProjection`` by the tensor-parallel plan. Each rank holds a
     slice of the vocabulary (``weight``: ``Shard(0)`` DTensor over the tensor-parallel mesh) and
-    the hidden states of every token (``Replicate``); two all-reduces of ``chunk_size`` numbers per
-    chunk give the softmax statistics over the whole vocabulary. The logits are never gathered.
+    the hidden states of every token (``Replicate``); one all-gather of ``3 × chunk`` numbers per
+    chunk gives the softmax statistics over the whole vocabulary. The logits are never gathered.
 
     Args:
         hidden: ``(N, D)`` DTensor, replicated over the tensor-parallel mesh.
         weight: ``(V, D)`` DTensor sharded over the vocabulary (rows).
         labels: ``(N,)`` plain tensor of global target ids, the same on every tensor-parallel rank.
-        chunk_size: Tokens per chunk.
+        chunk_size: Tokens per chunk; ``None``: sized by memory (``ops.linear_cross_entropy.auto_chunk_tokens``).
 
     Returns:
         The summed cross-entropy, a plain 0-dim tensor equal on the tensor-parallel ranks.
@@ -91,7 +91,7 @@ def vocab_parallel_linear_cross_entropy(
 
 
 def vocab_parallel_linear_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = None
 ) -> torch.Tensor:
     """``lightning_2d.ops.linear_log_probs`` (each token's log-probability) when the output projection is
     tensor-parallel: as ``vocab_parallel_linear_cross_entropy`` (arguments alike), the ``(N,)`` log-probabilities a
@@ -160,7 +160,7 @@ def vocab_parallel_linear_distillation_from(
 
 
 def fused_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        chunk_size: int | None = 1024) -> torch.Tensor:
+                        chunk_size: int | None = None) -> torch.Tensor:
     """The summed cross-entropy of ``hidden @ weight.T`` against ``labels`` without the logits: vocabulary-parallel
     when ``weight`` is a tensor-parallel DTensor (``vocab_parallel_linear_cross_entropy``), else
     ``ops.linear_cross_entropy``."""
@@ -183,17 +183,26 @@ def fused_distillation_from(
 
 
 def _vocab_shards(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, VocabReduce]:
-    """This rank's hidden states and vocabulary rows, the first row's global id, and the all-reduces over the
-    tensor-parallel group that combine the shards' softmax statistics."""
+    """This rank's hidden states and vocabulary rows, the first row's global id, and the collectives over the
+    tensor-parallel group that combine the shards' softmax statistics (the all-gather the cross-entropy and
+    log-probabilities use, one per chunk; the all-reduces the distillation uses)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Partial
 
     mesh = weight.device_mesh
     group = mesh.get_group()
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    shards = dist.get_world_size(group)
+
+    def gather_(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty(shards * t.numel())  # flat: all_gather_into_tensor's concatenated form, on gloo too
+        dist.all_gather_into_tensor(out, t.contiguous().view(-1), group=group)
+        return out.view(shards, *t.shape)
+
     reduce = VocabReduce(
         max_=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
         sum_=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group),
+        gather_=gather_,
     )
     # Each rank's gradient of the hidden states covers its vocabulary slice only: a partial sum,
     # which DTensor reduces (a reduce-scatter back to the sequence shards under SP) in backward.

@@ -200,7 +200,7 @@ class RecipeRun:
         model: The model the module builds: ``ModelArgs`` (``LlamaLightningModule``) or a Hugging Face config's
             fields (``HFCausalLMModule``).
         model_name: A short name of it (the preset, or the config's ``model_type``).
-        loss_chunk_size: Tokens per chunk of the fused loss; ``None``: logits, then cross-entropy.
+        loss_chunk_size: Tokens per chunk of the fused loss (``None``: sized by memory); ``None`` too without it.
         fused_loss: Whether the module fuses the output projection with the loss.
         accelerator: ``trainer.accelerator``.
         devices: Devices per node; ``None`` where the recipe says ``"auto"``.
@@ -291,7 +291,7 @@ def run_of(config: Any) -> RecipeRun:
         if not isinstance(module.hparams.get("model"), str):
             name = "llama (recipe ModelArgs)" if module.hparams.get("model") is not None else "llama (init_from)"
         fused = bool(module.hparams.fused_loss)
-        chunk = int(module.hparams.loss_chunk_size) if fused else None
+        chunk = module.hparams.loss_chunk_size if fused else None  # None: sized by memory (fused) or no chunks
     elif isinstance(module, HFCausalLMModule):
         model, name = module.hf_config.to_dict(), f"{module.hf_config.model_type} (Hugging Face config)"
         fused, chunk = False, None

@@ -67,11 +67,22 @@ def test_expert_flags_reshape_the_experts_of_a_model_with_experts():
 
 
 def test_loss_flags_reach_the_lightning_2d_module():
-    assert settings().module_options == {"fused_loss": True, "loss_chunk_size": 1024}
+    assert settings().module_options == {"fused_loss": True, "loss_chunk_size": None}  # None: sized by memory (#47)
     assert settings("--no-fused-loss", "--loss-chunk-size", "64").module_options == {
         "fused_loss": False, "loss_chunk_size": 64}
     with pytest.raises(bench.BenchmarkConfigError, match="--loss-chunk-size must be a positive number of tokens, got 0"):
         settings("--loss-chunk-size", "0")
+
+
+def test_the_report_names_the_loss_chunk_the_run_uses():
+    from lightning_2d.tools.benchmark.report import loss_chunk_words
+
+    # debug: vocabulary 256 at tp 2, 4 sequences × 256 tokens per replica: the micro-batch in one chunk.
+    assert loss_chunk_words(settings("--model", "debug")) == "auto: 1024 tokens per chunk (one chunk per micro-batch)"
+    # 64000 / tp 2 = 32000 rows: 2**24 // 32000 < 1024, so 1024 tokens; 4 × 1024 tokens per replica.
+    assert loss_chunk_words(settings("--vocab-size", "64000", "--seq-len", "1024")) == \
+        "auto: 1024 tokens per chunk (4 chunks per micro-batch)"
+    assert loss_chunk_words(settings("--loss-chunk-size", "64")) == "64 tokens per chunk"
 
 
 def test_every_parallel_config_field_is_a_flag_with_its_docstring():
@@ -539,7 +550,7 @@ def test_preference_trains_every_variant_against_its_reference():
     s = settings(*PAIRS, "--compare-lora", "8", "--compare-precomputed-reference")
     assert s.variants == ["lightning_2d", "lora", "precomputed_reference"]
     assert s.preference == {"loss_type": "sigmoid"} and settings().preference is None
-    loss = {"fused_loss": True, "loss_chunk_size": 1024}
+    loss = {"fused_loss": True, "loss_chunk_size": None}
     assert s.module_kwargs("lightning_2d") == {**loss, "preference": {"loss_type": "sigmoid"}}
     assert s.module_kwargs("lora") == {**loss, "preference": {"loss_type": "sigmoid"}, "lora": {"rank": 8}}
     assert s.module_kwargs("precomputed_reference") == {
@@ -582,7 +593,7 @@ def test_a_teacher_distils_lightning_2d_and_the_compared_variant_trains_without_
     ``no_teacher`` row drops both (next-token training at the same layout), the rest of its options unchanged."""
     s = settings("--model", "debug", "--teacher", "debug", "--distillation", "jsd", "--compare-no-teacher")
     assert s.variants == ["lightning_2d", "no_teacher"] and s.compared == {"no_teacher": True}
-    loss = {"fused_loss": True, "loss_chunk_size": 1024}
+    loss = {"fused_loss": True, "loss_chunk_size": None}
     assert s.module_kwargs("lightning_2d") == {**loss, "teacher": "debug", "distillation": {"loss": "jsd"}}
     assert s.module_kwargs("no_teacher") == {**loss, "teacher": None, "distillation": None}
     assert s.strategy_kwargs("no_teacher") == s.strategy_kwargs()

@@ -226,3 +226,145 @@ def test_transformer_per_token_log_probs_equal_log_softmax_of_its_logits():
     torch.testing.assert_close(log_probs.detach(), reference.view(3, 40).detach(), rtol=1e-5, atol=1e-5)
     for name, param in model.named_parameters():
         assert relative_error(fused_grads[name], param.grad) <= 1e-5, name
+
+
+def test_auto_chunk_keeps_the_logits_within_64_mib_and_never_fewer_than_1024_tokens():
+    from lightning_2d.ops.linear_cross_entropy import LOGITS_BUDGET, auto_chunk_tokens, chunk_tokens
+
+    assert LOGITS_BUDGET == 2**24
+    assert auto_chunk_tokens(256 // 2) == 131072  # the debug recipe's vocabulary at tp 2: any micro-batch in one chunk
+    assert auto_chunk_tokens(32000) == 1024  # a real vocabulary: the 1024 tokens it always had
+    assert auto_chunk_tokens(128256 // 8) == 1046  # Llama 3's at tp 8: 1046 × 16032 ≤ 2**24
+    assert 1046 * 16032 <= LOGITS_BUDGET < 1047 * 16032
+    assert chunk_tokens(None, 2048, 128) == 2048 and chunk_tokens(None, 5000, 32000) == 1024
+    assert chunk_tokens(64, 2048, 128) == 64 and chunk_tokens(64, 10, 128) == 10
+    with pytest.raises(ValueError, match="chunk_size must be a positive number of tokens or None, got 0"):
+        chunk_tokens(0, 10, 128)
+
+
+def _shard_threads(n_shards: int, run):
+    """``run(i, reduce)`` on ``n_shards`` threads, their ``VocabReduce`` the collectives over the threads (what the
+    tensor-parallel group does), each callable counted per shard: ``(results, counts)``."""
+    import threading
+
+    barrier, slots = threading.Barrier(n_shards), [None] * n_shards
+    counts = [{"max_": 0, "sum_": 0, "gather_": 0} for _ in range(n_shards)]
+
+    def exchange(i: int, t: torch.Tensor) -> torch.Tensor:
+        slots[i] = t.clone()
+        barrier.wait()
+        stacked = torch.stack(slots)
+        barrier.wait()
+        return stacked
+
+    def reduce_for(i: int, gather: bool) -> VocabReduce:
+        def max_(t):
+            counts[i]["max_"] += 1
+            t.copy_(exchange(i, t).amax(0))
+
+        def sum_(t):
+            counts[i]["sum_"] += 1
+            t.copy_(exchange(i, t).sum(0))
+
+        def gather_(t):
+            counts[i]["gather_"] += 1
+            return exchange(i, t)
+
+        return VocabReduce(max_=max_, sum_=sum_, gather_=gather_ if gather else None)
+
+    results: list = [None] * n_shards
+    errors: list = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = run(i, reduce_for)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n_shards)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, counts
+
+
+@pytest.mark.parametrize("n_shards", [2, 4])
+def test_gathered_statistics_equal_the_two_all_reduces_and_the_dense_loss(n_shards):
+    """The vocabulary split in uneven shards, one thread a shard: the loss and gradients from one all-gather of each
+    shard's (max, Σ exp, target logit) equal those of the max and sum all-reduces and of dense ``F.cross_entropy``,
+    with ignored labels, chunks without a target, and targets on other shards; exactly one collective per chunk."""
+    hidden, weight, labels = _problem(torch.float32)
+    # Rows far apart per shard: the shards' maxima differ, so the exp(m_r - M) rescaling matters.
+    with torch.no_grad():
+        weight[: weight.shape[0] // 3] *= 4.0
+    loss_ref, (grad_h_ref, grad_w_ref) = _reference(hidden, weight, labels)
+    bounds = torch.linspace(0, weight.shape[0], n_shards + 1).long().tolist()
+    bounds[1] -= 17  # uneven
+    chunk = 32
+    n_chunks = -(-hidden.shape[0] // chunk)
+
+    def run_with(gather: bool):
+        def run(i: int, reduce_for) -> tuple:
+            h = hidden.detach().clone().requires_grad_()
+            w = weight.detach()[bounds[i]: bounds[i + 1]].clone().requires_grad_()
+            loss = linear_cross_entropy(h, w, labels, chunk_size=chunk, vocab_start=bounds[i],
+                                        reduce=reduce_for(i, gather))
+            return (loss.detach(), *torch.autograd.grad(loss * 0.5, (h, w)))
+        return _shard_threads(n_shards, run)
+
+    gathered, gathered_counts = run_with(gather=True)
+    reduced, reduced_counts = run_with(gather=False)
+    assert gathered_counts == [{"max_": 0, "sum_": 0, "gather_": n_chunks}] * n_shards
+    assert reduced_counts == [{"max_": n_chunks, "sum_": n_chunks, "gather_": 0}] * n_shards
+    for results in (gathered, reduced):
+        for loss, _, _ in results:
+            torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+        assert relative_error(sum(r[1] for r in results), grad_h_ref * 0.5) <= 1e-6
+        assert relative_error(torch.cat([r[2] for r in results]), grad_w_ref * 0.5) <= 1e-6
+    for (lg, hg, wg), (lr, hr, wr) in zip(gathered, reduced):
+        torch.testing.assert_close(lg, lr, rtol=1e-6, atol=0)
+        assert relative_error(hg, hr) <= 1e-6 and relative_error(wg, wr) <= 1e-6
+
+
+def test_gathered_log_probs_equal_log_softmax_with_one_collective_per_chunk():
+    hidden, weight, labels = _problem(torch.float32)
+    factors = torch.randn(labels.shape[0], generator=torch.Generator().manual_seed(7))
+    reference = _reference_log_probs(hidden, weight, labels)
+    want_h, want_w = torch.autograd.grad((reference * factors).sum(), (hidden, weight))
+    bounds = [0, 90, 200, weight.shape[0]]
+
+    def run(i: int, reduce_for) -> tuple:
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach()[bounds[i]: bounds[i + 1]].clone().requires_grad_()
+        log_probs = linear_log_probs(h, w, labels, chunk_size=32, vocab_start=bounds[i], reduce=reduce_for(i, True))
+        return (log_probs.detach(), *torch.autograd.grad((log_probs * factors).sum(), (h, w)))
+
+    results, counts = _shard_threads(3, run)
+    assert counts == [{"max_": 0, "sum_": 0, "gather_": 5}] * 3  # 150 tokens: 5 chunks, backward needs none
+    for log_probs, _, _ in results:
+        torch.testing.assert_close(log_probs, reference, rtol=1e-6, atol=2e-6)
+    assert relative_error(sum(r[1] for r in results), want_h) <= 1e-6
+    assert relative_error(torch.cat([r[2] for r in results]), want_w) <= 1e-6
+
+
+def test_the_default_chunk_is_sized_by_memory():
+    """No chunk given: a small vocabulary's tokens in one chunk (one collective), a large one's 1024 at a time."""
+    hidden, weight, labels = _problem(torch.float32, n=2500, dim=8, vocab=64)
+    calls = []
+
+    def gather_(t):
+        calls.append(t.shape)
+        return t.unsqueeze(0)
+
+    loss = linear_cross_entropy(hidden, weight, labels, reduce=VocabReduce(gather_=gather_))
+    loss_ref, _ = _reference(hidden, weight, labels)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+    assert calls == [(3, 2500)]
+    calls.clear()
+    wide = torch.zeros(20000, 8)  # 20000 rows: 2**24 // 20000 = 838 < 1024
+    linear_log_probs(hidden.detach(), wide, labels, reduce=VocabReduce(gather_=gather_))
+    assert calls == [(3, 1024), (3, 1024), (3, 452)]

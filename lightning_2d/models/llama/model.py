@@ -472,7 +472,7 @@ class VocabProjection(nn.Linear):
     Args:
         dim: Width of the hidden states.
         vocab_size: Number of token ids.
-        loss_chunk_size: Tokens per chunk of the fused loss (``None``: all at once).
+        loss_chunk_size: Tokens per chunk of the fused loss (``None``: sized by memory, ``auto_chunk_tokens``).
     """
 
     linear_cross_entropy = staticmethod(linear_cross_entropy)
@@ -480,7 +480,7 @@ class VocabProjection(nn.Linear):
     #: ``linear_cross_entropy`` under tensor parallelism.
     linear_log_probs = staticmethod(linear_log_probs)
 
-    def __init__(self, dim: int, vocab_size: int, loss_chunk_size: int | None = 1024) -> None:
+    def __init__(self, dim: int, vocab_size: int, loss_chunk_size: int | None = None) -> None:
         super().__init__(dim, vocab_size, bias=False)
         self.loss_chunk_size = loss_chunk_size
 
@@ -510,14 +510,15 @@ class Transformer(nn.Module):
 
     Args:
         args: The shape.
-        loss_chunk_size: Tokens per chunk of the fused output-projection + cross-entropy.
+        loss_chunk_size: Tokens per chunk of the fused output-projection + cross-entropy (``None``: sized by
+            memory, ``lightning_2d.ops.linear_cross_entropy.auto_chunk_tokens``).
     """
 
     #: ``(position_ids, dtype) -> mask`` of one batch for every layer's ``attend`` (``ops.attention.attention_mask``:
     #: a FlexAttention block mask on CUDA, the dense mask elsewhere).
     build_attention_mask = staticmethod(attention_mask)
 
-    def __init__(self, args: ModelArgs, loss_chunk_size: int | None = 1024) -> None:
+    def __init__(self, args: ModelArgs, loss_chunk_size: int | None = None) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     module.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
                         help="output projection fused with the cross-entropy, chunk by chunk (default); "
                         "--no-fused-loss: logits, then F.cross_entropy")
-    module.add_argument("--loss-chunk-size", type=int, default=1024, help="tokens per chunk of the fused loss")
+    module.add_argument("--loss-chunk-size", type=int, default=None,
+                        help="tokens per chunk of the fused loss (default: sized by memory, LlamaLightningModule's)")
     module.add_argument("--preference", choices=LOSSES, default=None, metavar="LOSS_TYPE",
                         help="train this preference loss (preference={'loss_type': LOSS_TYPE}, beta 0.1) on synthetic"
                         " packed pairs (each window whole pairs of a random prompt and two random completions) instead"

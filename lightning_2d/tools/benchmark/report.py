@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_2d.ops.linear_cross_entropy import auto_chunk_tokens
 from lightning_2d.tools.benchmark.collectives import KINDS
 from lightning_2d.tools.benchmark import comparisons  # its table read at each call: a test may add a row
 from lightning_2d.tools.benchmark.options import STRATEGY_DEFAULTS
@@ -146,7 +147,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"timing: {s.steps} steps after {s.warmup} warm-up, {s.rounds} round(s), median of the slowest rank per step",
         f"strategy options (lightning_2d): {options}",
         "loss (lightning_2d): " + (
-            f"fused projection + cross-entropy, {s.module_options['loss_chunk_size']} tokens per chunk"
+            f"fused projection + cross-entropy, {loss_chunk_words(s)}"
             if s.module_options.get("fused_loss", True) else "logits, then F.cross_entropy"
         ),
     ]
@@ -209,3 +210,19 @@ def format_report(report: dict[str, Any]) -> str:
         if v.get("collectives_by_issuer") is not None:
             lines += ["", *format_issuers(variant, v["collectives_by_issuer"])]
     return "\n".join(lines)
+
+
+def loss_chunk_words(s: BenchmarkSettings) -> str:
+    """The fused loss's chunk as the run uses it: the given tokens, or the one sized by memory (``auto_chunk_tokens``
+    of the vocabulary shard), with whether a micro-batch then fits in one chunk."""
+    chunk = s.module_options.get("loss_chunk_size")
+    if chunk is not None:
+        return f"{chunk} tokens per chunk"
+    auto = auto_chunk_tokens(-(-s.model_args.vocab_size // s.tp))  # the largest vocabulary shard
+    options = {**STRATEGY_DEFAULTS, **s.strategy_options}
+    if int(options.get("pipeline_parallel_size") or 1) > 1:  # the micro-batches are the schedule's
+        return f"auto: {auto} tokens per chunk"
+    tokens = s.local_batch_size * s.seq_len // int(options.get("context_parallel_size") or 1)
+    if tokens <= auto:
+        return f"auto: {tokens} tokens per chunk (one chunk per micro-batch)"
+    return f"auto: {auto} tokens per chunk ({-(-tokens // auto)} chunks per micro-batch)"

@@ -206,7 +206,7 @@ def _run_problems(args: argparse.Namespace, model_args: Optional[ModelArgs]) -> 
                 for name, minimum in MINIMUMS.items() if getattr(args, name) < minimum]
     if args.timeout <= 0:
         problems.append(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.loss_chunk_size < 1:
+    if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         problems.append(f"--loss-chunk-size must be a positive number of tokens, got {args.loss_chunk_size}")
     if args.collectives_by_issuer and args.warmup < 1:
         problems.append("--collectives breaks down the last warm-up step's collectives: it needs --warmup 1 or more,"

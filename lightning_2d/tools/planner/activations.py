@@ -16,8 +16,10 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from lightning_2d.ops.linear_cross_entropy import chunk_tokens
 
-DEFAULT_LOSS_CHUNK_SIZE = 1024  # LlamaLightningModule's and Transformer's default
+#: LlamaLightningModule's and Transformer's default: the chunk sized by memory (``auto_chunk_tokens``).
+DEFAULT_LOSS_CHUNK_SIZE: Optional[int] = None
 #: FlexAttention's block size (``torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE``, torch 2.13): the
 #: block mask holds its tables per 128 query rows × 128 keys.
 FLEX_BLOCK_SIZE = 128
@@ -205,7 +207,7 @@ class ActivationModel:
         ffn_hidden: SwiGLU hidden size per tensor-parallel rank.
         vocab: Vocabulary rows per tensor-parallel rank.
         act_bytes: Bytes per activation element (the ``param_dtype`` FSDP computes in).
-        loss_chunk_size: Tokens per chunk of the fused loss (``None``: all at once).
+        loss_chunk_size: Tokens per chunk of the fused loss (``None``: sized by memory, ``auto_chunk_tokens``).
         has_embedding: Whether the token embedding runs here (its token ids are kept): always without
             a pipeline, on the first stage with one.
         has_head: Whether the final norm, the output head and the fused loss run here: always without a
@@ -589,7 +591,7 @@ class ActivationModel:
             # The logits next to their log-softmax (under TP without loss_parallel, gathered whole; this rank's
             # slice is freed by then).
             return n * self._loss_vocab * a
-        chunk = n if self.loss_chunk_size is None else min(self.loss_chunk_size, n)
+        chunk = chunk_tokens(self.loss_chunk_size, n, v)  # the fused loss's own rule, None sized by memory
         several = n > chunk
         hidden = n * d * a  # the head's input: the final norm output, all-gathered under SP
         if self.seq_shards > 1:
@@ -689,7 +691,7 @@ class ActivationModel:
             loss = a * n * vocab + (4 * n * vocab if a < 4 else 0) + 4 * n * vocab
             gather = hidden + a * n * v + 2 * a * n * vocab if vocab != v else 0
             return max(loss, gather)
-        chunk = n if self.loss_chunk_size is None else min(self.loss_chunk_size, n)
+        chunk = chunk_tokens(self.loss_chunk_size, n, v)  # the fused loss's own rule, None sized by memory
         several = n > chunk
         logits = 4 * chunk * v + (a * chunk * v if a < 4 else 0)
         return hidden + logits + (4 * chunk * v if several else 0) + 8 * n

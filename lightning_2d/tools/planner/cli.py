@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the divergence distilled with (" + ", ".join(DIVERGENCES) + "; default: a recipe's, else"
                      " forward_kl); needs --teacher or a recipe with teacher")
     run.add_argument("--loss-chunk-size", type=int, default=DEFAULT_LOSS_CHUNK_SIZE,
-                     help="tokens per chunk of the fused loss (default: 1024, LlamaLightningModule's)")
+                     help="tokens per chunk of the fused loss (default: sized by memory, LlamaLightningModule's)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--plot", metavar="PNG", help="also draw the per-device memory, a stacked bar per pipeline"
                         " rank (needs the plot extra: pip install 'lightning-2d[plot]')")
