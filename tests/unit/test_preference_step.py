@@ -393,7 +393,8 @@ def test_a_parallelized_frozen_model_reshards_every_unit_after_its_forward(one_r
     """A frozen model has no backward to free what FSDP2 keeps gathered for it: ``parallelize_frozen`` reshards every
     unit after its forward (set on the units once built, so the zero-bubble schedules' refusal of the option for the
     trained model does not apply), where the trained model's ``"default"`` policy keeps the output unit (final norm and
-    head) gathered after a no-grad forward (on one CPU rank: plain tensors in place of the sharded parameters)."""
+    head) and the last block gathered after a no-grad forward (on one CPU rank: plain tensors in place of the sharded
+    parameters)."""
     from torch.distributed.tensor import DTensor
 
     from lightning_2d import ModelArgs, Transformer
@@ -417,4 +418,7 @@ def test_a_parallelized_frozen_model_reshards_every_unit_after_its_forward(one_r
         with torch.no_grad():
             model(tokens[:, :-1], labels=tokens[:, 1:], per_token=True)
         gathered[parallelize.__name__] = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
-    assert gathered == {"parallelize_frozen": [], "parallelize_and_materialize": ["norm.weight", "output.weight"]}
+    last_block = [n for n, _ in model.named_parameters() if n.startswith("layers.1.")]
+    assert len(last_block) == 9
+    assert gathered == {"parallelize_frozen": [], "parallelize_and_materialize": [*last_block, "norm.weight",
+                                                                                  "output.weight"]}

@@ -460,7 +460,7 @@ def _preference_note(run: _Run) -> str:
     held = {
         "copy": "a frozen copy beside the trained model: its parameters counted as the trained model's shards, stored"
                 " in param_dtype (no gradients, optimizer state or reduce-scatter buffers), its all-gathers a unit and"
-                " the next at a time while the trained model's output unit stays gathered",
+                " the next at a time while the trained model's output unit and last block stay gathered",
         "adapters_off": "the trained model with its adapters switched off: nothing more is held, its units gathered"
                         " again as in the trained forward",
     }[run.reference]
