@@ -128,11 +128,13 @@ class _Chunk:
     # maximum m (the gathered statistics); None where it is shifted by the whole vocabulary's (max_ then sum_).
     exp_scale: Optional[torch.Tensor] = None
 
+    def softmax_scale(self) -> torch.Tensor:
+        """``(c,)``: the softmax over the whole vocabulary is ``exp × softmax_scale()[:, None]``."""
+        return self.sum_exp.reciprocal() if self.exp_scale is None else self.exp_scale / self.sum_exp
+
     def softmax_(self) -> torch.Tensor:
         """``exp`` turned in place into the softmax over the whole vocabulary (one pass over the buffer)."""
-        if self.exp_scale is None:
-            return self.exp.div_(self.sum_exp[:, None])
-        return self.exp.mul_((self.exp_scale / self.sum_exp)[:, None])
+        return self.exp.mul_(self.softmax_scale()[:, None])
 
 
 def _chunk_statistics(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, vocab_start: int,
@@ -191,17 +193,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # -log softmax(z)[target] = log Σ exp(z - max) + max - z[target]
             total += torch.where(valid, sum_exp.log() + c.row_max - c.target_logit, 0.0).sum()
 
-            if with_grads:
-                # d loss / d z = softmax(z) - onehot(target), zero on ignored tokens.
-                grad_logits = c.softmax_()
-                grad_logits[rows[here], target[here]] -= 1.0
-                grad_logits.mul_(valid[:, None])
-                grad_logits = grad_logits.to(weight.dtype)
-                torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
-                if weight.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), h)
-                else:
-                    grad_weight += grad_logits.t() @ h
+            if not with_grads:
+                continue
+            # d loss / d z = softmax(z) - onehot(target), zero on ignored tokens.
+            if weight.dtype == torch.float32 and h.dtype == torch.float32:
+                # softmax = exp × r per row: r scales the narrow side of each product (the rows of the (c, D) result
+                # and of h), and the one-hot term is a gather and a scatter of D-wide rows: no pass over the
+                # (c, V) buffer beyond the two products.
+                r = c.softmax_scale() * valid
+                rows_here, t = rows[here], target[here]
+                gh = grad_hidden[start : start + chunk_size]
+                torch.mm(c.exp, weight, out=gh)
+                gh.mul_(r[:, None]).index_add_(0, rows_here, weight[t], alpha=-1.0)
+                grad_weight.addmm_(c.exp.t(), h * r[:, None]).index_add_(0, t, h[rows_here], alpha=-1.0)
+                continue
+            grad_logits = c.softmax_()
+            grad_logits[rows[here], target[here]] -= 1.0
+            grad_logits.mul_(valid[:, None])
+            grad_logits = grad_logits.to(weight.dtype)
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
+            grad_weight += grad_logits.t() @ h
         ctx.grads = (grad_hidden, grad_weight, weight.dtype)
         ctx.replayable = _REPLAYABLE_BACKWARD.get()
         return total

@@ -163,26 +163,37 @@ class LoRALinear(nn.Linear):
 
     #: Set by ``adapters_disabled``: the layer computes its base alone (a preference loss's reference model).
     adapters_off = False
-    #: Set by a parallel style that made the input and the adapters DTensors (``parallel.lora.WithAdapters``): the
-    #: local gradients' placements of ``x``, ``lora_a`` and ``lora_b`` (``None``: as the tensor; ``[Partial()]``: a
-    #: replicated tensor whose local gradients are partial sums). The adapters' four small products then run on local
-    #: tensors, their result joining the base's output in its layout: the same numbers without DTensor's per-op
-    #: dispatch, which at small widths costs more than the products (``benchmark --compare-lora``).
+    #: Set by a parallel style that made the input, the weights and the adapters DTensors
+    #: (``parallel.lora.WithAdapters``): the local gradients' placements of ``x``, ``lora_a`` and ``lora_b`` (``None``:
+    #: as the tensor; ``[Partial()]``: a replicated tensor whose local gradients are partial sums), and ``out``, the
+    #: placements of the output the style expects (a column-wise base's ``Shard(-1)``, a row-wise one's
+    #: ``Partial()``). The base's product and the adapters' then run on local tensors and the sum is wrapped once in
+    #: that layout: the same numbers without DTensor's per-op dispatch, which at small widths costs more than the
+    #: products (``benchmark --compare-lora``). A dropout, an NF4 base, or a bias beside a row-wise base (added once,
+    #: not per rank) keep the DTensor expression.
     local_adapter_grads: Optional[Mapping[str, Any]] = None
+
+    def _local_forward(self, x: torch.Tensor, grads: Mapping[str, Any]) -> Optional[torch.Tensor]:
+        if not (isinstance(self.lora_dropout, nn.Identity) and hasattr(x, "device_mesh") and not is_nf4(self.weight)):
+            return None
+        if self.bias is not None and grads["out"][0].is_partial():
+            return None
+        x_local = local_part(x, grads["x"])
+        a = local_part(self.lora_a.weight, grads["lora_a"])
+        b = local_part(self.lora_b.weight, grads["lora_b"])
+        bias = local_part(self.bias) if self.bias is not None else None
+        # The scale on the rank-wide intermediate, not the output: ``rank`` numbers per token scaled, not ``out``.
+        y = torch.nn.functional.linear(x_local, local_part(self.weight), bias) + ((x_local @ a.t()) * self.scale) @ b.t()
+        return type(x).from_local(y, x.device_mesh, grads["out"], run_check=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adapters_off:
             return super().forward(x)
-        out = super().forward(x)
-        grads = self.local_adapter_grads
-        if grads is not None and isinstance(self.lora_dropout, nn.Identity) and hasattr(out, "device_mesh"):
-            a = local_part(self.lora_a.weight, grads["lora_a"])
-            b = local_part(self.lora_b.weight, grads["lora_b"])
-            up = ((local_part(x, grads["x"]) @ a.t()) * self.scale) @ b.t()
-            return out + type(out).from_local(up, out.device_mesh, out.placements, run_check=False, shape=out.shape,
-                                              stride=out.stride())
-        # The scale on the rank-wide intermediate, not the output: ``rank`` numbers per token scaled, not ``out``.
-        return out + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scale)
+        if self.local_adapter_grads is not None:
+            out = self._local_forward(x, self.local_adapter_grads)
+            if out is not None:
+                return out
+        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scale)
 
     def own_param_init_specs(self) -> dict[str, InitSpec]:
         """The adapters' init, by names relative to this module (peft's: ``A`` Kaiming-uniform, ``B`` zero)."""

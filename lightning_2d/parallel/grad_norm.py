@@ -1,10 +1,14 @@
-"""Gradient norm and clipping over parameters that live on different meshes.
+"""Gradient norm and clipping over parameters that live on different meshes, in one collective.
 
 ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one DTensor, which fails
 as soon as two parameters sit on different meshes (with sequence parallelism off, the norms are
-sharded only over ``data_parallel`` while the projections are 2D). Here the norms are reduced per
-``(mesh, placements)`` group to plain full values, then combined: the result is the norm of the
-full (unsharded) gradient, equal to the single-device value.
+sharded only over ``data_parallel`` while the projections are 2D), and reducing each ``(mesh, placements)`` group's
+norm apart costs a collective per group and mesh dimension. Here every rank sums the ``p``-th powers of its local
+gradient shards, each divided by the number of ranks holding the same shard (the sizes of the mesh dimensions it is
+``Replicate()`` over, and the ranks of its pipeline stage outside its mesh), and one all-reduce over all ranks
+(a ``MAX`` for the inf-norm, where copies need no weighting) gives the norm of the full (unsharded) gradient of every
+stage, equal to the single-device value. A gradient still ``Partial()`` over a mesh dimension (its shards partial
+sums, not parts) is reduced per group first, as before.
 """
 
 from __future__ import annotations
@@ -23,14 +27,60 @@ def _group_key(t: torch.Tensor) -> tuple:
     return (None, None, None, t.dtype)
 
 
+def _copies(grad: torch.Tensor, world: int, stages: int) -> int:
+    """How many ranks hold the same values as this rank's part of ``grad``: those it is replicated over in its mesh,
+    times the ranks of its pipeline stage outside its mesh (a plain tensor: every rank of the stage)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return max(world // stages, 1)
+    mesh = grad.device_mesh
+    copies = max(world // (mesh.size() * stages), 1)
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
+
+
+def _fused_total_norm(grads: list[torch.Tensor], norm_type: float, pipeline_group: Any) -> torch.Tensor:
+    """``total_grad_norm`` in one all-reduce over every rank (module docstring)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    stages = dist.get_world_size(pipeline_group) if pipeline_group is not None else 1
+    by_copies: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if hasattr(g, "to_local") else g
+        by_copies.setdefault((_copies(g, world, stages), local.dtype), []).append(local)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.zeros((), dtype=torch.float32, device=device)
+    for (copies, _), members in by_copies.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type, foreach=True).float().to(device)
+        value = torch.maximum(value, norm) if norm_type == float("inf") else value + norm.pow(norm_type) / copies
+    value = value.reshape(1)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
+    return value.reshape(()) if norm_type == float("inf") else value.reshape(()).pow(1.0 / norm_type)
+
+
+def _one_collective(grads: list[torch.Tensor]) -> bool:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return not any(p.is_partial() for g in grads for p in getattr(g, "placements", ()))
+
+
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Any = None) -> torch.Tensor:
-    """The ``norm_type``-norm of all gradients as one plain tensor, identical on every rank.
+    """The ``norm_type``-norm of all gradients as one plain tensor, identical on every rank; in a multi-rank job every
+    rank calls it (one all-reduce over all ranks).
 
-    ``pipeline_group``: under pipeline parallelism each rank holds some stages' parameters only; the
-    per-rank norms are then combined over this group (every stage's gradients count, as on one device).
+    ``pipeline_group``: under pipeline parallelism each rank holds some stages' parameters only; every stage's
+    gradients count, as on one device.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
+    if _one_collective(grads):
+        return _fused_total_norm(grads, float(norm_type), pipeline_group)
     if not grads:
         total = torch.tensor(0.0)
         return _combine_over_stages(total, norm_type, pipeline_group) if pipeline_group is not None else total

@@ -87,10 +87,10 @@ class WithAdapters(ParallelStyle):
         # partial sums: each flows back through this rank's shard of the other factor (``local_adapter_grads``).
         if isinstance(self.style, ColwiseParallel):
             placements = {"lora_a": Replicate(), "lora_b": Shard(0)}
-            local_grads = {"x": [Partial()], "lora_a": [Partial()], "lora_b": None}
+            local_grads = {"x": [Partial()], "lora_a": [Partial()], "lora_b": None, "out": [Shard(-1)]}
         elif isinstance(self.style, RowwiseParallel):
             placements = {"lora_a": Shard(1), "lora_b": Replicate()}
-            local_grads = {"x": None, "lora_a": None, "lora_b": [Partial()]}
+            local_grads = {"x": None, "lora_a": None, "lora_b": [Partial()], "out": [Partial()]}
         else:  # pragma: no cover - with_adapter_placements wraps only these two
             raise TypeError(f"no adapter placements for {type(self.style).__name__}")
         # The base style distributes every parameter of the module it is given (recursively): hide the adapters
