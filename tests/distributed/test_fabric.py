@@ -300,8 +300,12 @@ def test_dpo_against_a_frozen_reference_set_up_beside_the_policy_equals_the_sing
                 assert got[name] == pytest.approx(value, **({"rel": 1e-5} if name.startswith("logps/") else {"abs": 5e-5}))
     final, ref_final = load_weights(sharded, "dpo_final"), load_weights(single, "dpo_final")
     assert final.keys() == ref_final.keys()
+    # AdamW divides each update by its gradient's running RMS: an element whose gradients are near zero moves by up to
+    # the learning rate on rounding alone, and DPO's losses are differences of sums of ~-400 (the rewards' 5e-5 above).
+    # Measured: one embedding element off by 4.0e-5 (summing the tensor ranks' partial norm gradients after
+    # the data-parallel reduce-scatter, parallel.grad_sync, rounds differently), every other weight within 1e-5.
     for name, weight in final.items():
-        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(weight, ref_final[name], rtol=1e-5, atol=5e-5, msg=name)
     initial = Transformer(ModelArgs.from_name("debug", vocab_size=264))
     initial.init_weights(42)  # the recipe's seeded init (--seed 42), the policy's start
     for job in (sharded, single):
