@@ -25,6 +25,7 @@ from lightning_2d.ops.lora import (
     targets_reach_experts,
 )
 from lightning_2d.ops.moe import GroupedExperts, uses_grouped_mm
+from tests.unit.test_lora import _fit
 
 DIM, HIDDEN, EXPERTS, RANK = 16, 12, 4, 3
 
@@ -199,18 +200,6 @@ def test_what_lora_on_experts_cannot_run_with_is_refused_before_launch():
 transformers = pytest.importorskip("transformers")
 
 
-def _fit(module, tmp_path, steps: int = 3):
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    tokens = torch.randint(0, module.vocab_size, (4 * steps, 17), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": t[:-1], "labels": t[1:]} for t in tokens]
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(batches, batch_size=4))
-    path = tmp_path / "lora.ckpt"
-    trainer.save_checkpoint(path)
-    return path
 
 
 @pytest.mark.parametrize("model_type,targets", [("qwen3_moe", None), ("mixtral", None),
