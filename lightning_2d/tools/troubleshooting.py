@@ -1,0 +1,2 @@
+"""placeholder"""
+REFUSALS: list = []
