@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's pictures in docs/ from real plans and runs (needs the plot extra:
+# Regenerate the pictures of the docs (docs/*.png) from real plans and runs (needs the plot extra:
 # pip install -e ".[plot]"). About 8 minutes on 2 CPU cores: the pipeline benchmark (~2 min) and two
 # 150-step fits of the main job (~2.5 and ~1.5 min). Run from anywhere: `bash docs/make_pictures.sh`.
 set -euo pipefail
@@ -9,7 +9,7 @@ L2D=${L2D:-.venv/bin/lightning-2d}
 export OMP_NUM_THREADS=1
 RUNS=$(mktemp -d)  # the fits' CSV logs and output (fresh, so each log is version_0)
 
-# Memory per device: the 405B pipeline recipe's plan (README, "Memory under a pipeline"), a bar per pipeline rank.
+# Memory per device: the 405B pipeline recipe's plan (docs/scaling/pipeline.md, "Memory under a pipeline"), a bar per pipeline rank.
 "$L2D" plan --config recipes/llama3_405b_pipeline.yaml --plot docs/plan_memory.png > "$RUNS/plan_memory.txt"
 
 # The mesh: 4 nodes x 8 GPUs as 2 pipeline ranks x 2 replicas x 2 shards x 4 tensor-parallel ranks.

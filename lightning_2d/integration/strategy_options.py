@@ -5,7 +5,7 @@ Each field holds the option's name, type, default, docstring and place among the
 (``option(position=)``). From the fields come the strategies' constructors (``takes_options`` generates each
 ``__init__``: its signature, with the fields' annotations and defaults in the positional order of 0.1.0, and its
 docstring, which is what ``inspect``, LightningCLI/jsonargparse and ``help()`` read), the split of a call's
-arguments into the two dataclasses (``split_options``), the README's "Strategy options" table and the constructors'
+arguments into the two dataclasses (``split_options``), the docs' "Strategy options" table and the constructors'
 declarations for static type checkers and IDEs (``init_stub``: the generated ``if TYPE_CHECKING:`` block in each
 strategy class), both written by ``lightning_2d.tools.options_table``.
 """
@@ -190,7 +190,7 @@ def split_options(arguments: Mapping[str, Any]) -> tuple[ParallelConfig, Strateg
 
 
 def options_table() -> str:
-    """The README's "Strategy options" table (markdown): name, default as shown, meaning."""
+    """The "Strategy options" table of docs/strategy.md (markdown): name, default as shown, meaning."""
     rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
     rows += [f"| `{o.name}` | {o.shown_default} | {markdown(o.doc)} |" for o in OPTIONS]
     return "\n".join(rows) + "\n"

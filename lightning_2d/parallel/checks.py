@@ -27,7 +27,7 @@ A problem is raised as a ``ParallelConfigError`` listing every problem, unless i
 (``@check(error=LoRAConfigError)``: a refusal that keeps the class it always had); ``Problem`` carries it.
 
 Because a check can read nothing but its parameters, the options' metadata (which checks report an option's
-problems: ``Option.checks``, the README's and the tests' view) is derived from the registry
+problems: ``Option.checks``, the docs' and the tests' view) is derived from the registry
 (``checks_reading``) and cannot drift from the code.
 """
 

@@ -109,7 +109,7 @@ class ParallelConfig:
     """Options of the 2D (FSDP2 × tensor/sequence parallel) strategy: the parallel layout.
 
     Each field's docstring is the option's documentation everywhere: the strategies' signatures and
-    docstrings, the CLI's ``--help`` and the README's table are built from these fields (with the
+    docstrings, the CLI's ``--help`` and the docs' table (docs/strategy.md) are built from these fields (with the
     strategy-only options of ``lightning_2d.integration.strategy_options.StrategyOptions``).
     """
 

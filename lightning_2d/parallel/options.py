@@ -8,11 +8,11 @@ paragraph, reST inline markup)::
     \"\"\"Shard norms and residual activations along the sequence ...\"\"\"
 
 ``option()`` records the option's ``position`` among the strategies' parameters (the positional order of
-0.1.0: fields of two dataclasses interleave there) and, where the README shows something else than the
+0.1.0: fields of two dataclasses interleave there) and, where the docs show something else than the
 default's value, what it shows (``shown``). ``options_of(cls)`` reads it all back as ``Option`` records: the
 strategies' constructors are generated from them (``lightning_2d.integration.strategy_options.takes_options``: signature,
 annotations, defaults and docstring, what LightningCLI/jsonargparse reads for ``--help`` and ``--print_config``),
-and a unit test compares the README's table with them. Which checks report an option's problems is not written
+and a unit test compares the docs' table with them. Which checks report an option's problems is not written
 here but read from the checks' registry (``Option.checks``, ``lightning_2d.parallel.checks``).
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class Option:
-    """One option: what the signature, the docstrings, the CLI and the README table are made of."""
+    """One option: what the signature, the docstrings, the CLI and the docs' table are made of."""
 
     #: The argument's name (the dataclass field's).
     name: str
@@ -43,7 +43,7 @@ class Option:
     doc: str
     #: Its place among the strategies' parameters (``None``: not a strategy parameter).
     position: Optional[int] = None
-    #: How the README shows the default when not as its value (e.g. "from the module"), else ``None``.
+    #: How the docs show the default when not as its value (e.g. "from the module"), else ``None``.
     shown: Optional[str] = None
     #: The registered checks that report its problems, as dotted names (``lightning_2d.parallel.dims.replica_groups``),
     #: filled in from the checks' registry (``lightning_2d.parallel.checks.checks_reading``) by
@@ -52,7 +52,7 @@ class Option:
 
     @property
     def shown_default(self) -> str:
-        """The default as the README shows it (markdown)."""
+        """The default as the docs show it (markdown)."""
         return markdown(self.shown) if self.shown is not None else show_value(self.default)
 
 
@@ -63,7 +63,7 @@ def option(default: Any, *, position: int, shown: Optional[str] = None) -> Any:
         default: The default value (immutable: options are plain values).
         position: Its place among the strategies' parameters, from 0 (a new option takes the next free one,
             so that positional calls written for an older version keep working).
-        shown: How the README shows the default, when not as its value (reST inline markup).
+        shown: How the docs show the default, when not as its value (reST inline markup).
     """
     return field(default=default, metadata={"position": position, "shown": shown})
 
@@ -131,7 +131,7 @@ def markdown(text: str) -> str:
 
 
 def show_value(value: Any) -> str:
-    """A default as the README shows it: ```"auto"```, ```1```, ```None```; a timedelta as ``30 min``."""
+    """A default as the docs show it: ```"auto"```, ```1```, ```None```; a timedelta as ``30 min``."""
     if isinstance(value, timedelta):
         seconds = int(value.total_seconds())
         return f"{seconds // 60} min" if seconds % 60 == 0 else f"{seconds} s"

@@ -80,7 +80,7 @@ FLIGHT_RECORDER_RENAMED_IN = "2.9"
 
 
 def nccl_failure_env(watchdog_timeout: Optional[timedelta], torch_version: Optional[str] = None) -> dict[str, str]:
-    """Turn on torch's NCCL failure handling (README, "When a rank dies") for the process groups created afterwards,
+    """Turn on torch's NCCL failure handling (docs/reliability.md, "When a rank dies") for the process groups created afterwards,
     each variable only where the environment lacks it; returns what it set (nothing without a ``watchdog_timeout``).
 
     Args:

@@ -145,8 +145,9 @@ def first_sentence(text: Optional[str]) -> str:
     return flat[:end].replace("``", "`").replace("|", "\\|")
 
 
-def render(markdown: str, generated: Optional[dict[str, str]] = None) -> str:
-    """``markdown`` with each generated part made again (``generated``: parts already made, by name)."""
+def render(markdown: str, generated: Optional[dict[str, str]] = None, markers: bool = True) -> str:
+    """``markdown`` with each generated part made again (``generated``: parts already made, by name; ``markers``:
+    keep the comments around each part, as the Markdown files do; the site's pages drop them)."""
     made = {} if generated is None else generated
 
     def replace(match: re.Match) -> str:
@@ -155,7 +156,7 @@ def render(markdown: str, generated: Optional[dict[str, str]] = None) -> str:
             raise KeyError(f"generated part {name!r} is not one of {sorted(GENERATORS)}")
         if name not in made:
             made[name] = GENERATORS[name]()
-        return f"{match.group(1)}{made[name]}{match.group(4)}"
+        return f"{match.group(1)}{made[name]}{match.group(4)}" if markers else made[name]
 
     return BLOCK.sub(replace, markdown)
 
@@ -196,7 +197,7 @@ def on_page_read_source(page: object, **_: object) -> Optional[str]:
 
 def on_page_markdown(markdown: str, **_: object) -> str:
     """MkDocs' hook (``mkdocs.yml``: ``hooks``): each page's generated parts made again at build time."""
-    return render(markdown)
+    return render(markdown, markers=False)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

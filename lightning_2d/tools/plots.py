@@ -1,6 +1,6 @@
 """Pictures of a plan, a mesh, a pipeline step and training runs, drawn with matplotlib (the ``plot`` extra).
 
-One function per picture, each writing a PNG sized for a README (900 pixels wide):
+One function per picture, each writing a PNG sized for a page of the docs (900 pixels wide):
 
 - ``plot_memory(report, path)``: the planner's per-device memory, one stacked bar per pipeline rank
   (``lightning-2d plan ... --plot PATH``);

@@ -1,4 +1,5 @@
-"""Every python snippet of the README either runs, or is an excerpt that still matches its source."""
+"""Every python snippet of the README and the guides (``docs/``) either runs, or is an excerpt that still matches its
+source."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from tests.distributed.test_recipe_scripts import assert_trained, run_ranks, ste
 
 pytestmark = pytest.mark.distributed
 
-README = (REPO / "README.md").read_text()
-SNIPPETS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+#: The Markdown a person reads: the README (the site's home page) and every guide.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+#: Each python block once (a snippet shown on two pages runs once), in page order.
+SNIPPETS = list(dict.fromkeys(s for page in PAGES for s in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)))
 EXCERPT = re.compile(r"# excerpt of (\S+)\n")
 
 
@@ -26,14 +29,14 @@ def test_excerpts_match_their_files(index):
     snippet = SNIPPETS[index]
     source = (REPO / EXCERPT.match(snippet).group(1)).read_text()
     for line in snippet.splitlines()[1:]:
-        assert line in source.splitlines() or not line.strip(), f"README line not in the source: {line!r}"
+        assert line in source.splitlines() or not line.strip(), f"snippet line not in {EXCERPT.match(snippet).group(1)}: {line!r}"
 
 
 @pytest.mark.parametrize("index", [i for i, s in enumerate(SNIPPETS) if "if __name__" in s])
 def test_complete_snippets_run(index, tmp_path):
-    """``python readme_snippet.py`` on 4 ranks forked under a cluster launcher's variables (``run_ranks``: the
+    """``python snippet_N.py`` on 4 ranks forked under a cluster launcher's variables (``run_ranks``: the
     Trainer's own launcher is the README chain's, in test_recipe_scripts)."""
-    script = tmp_path / f"readme_snippet_{index}.py"
+    script = tmp_path / f"snippet_{index}.py"
     script.write_text(SNIPPETS[index])
     # relative paths (checkpoints/) land in the test's folder
     out = run_ranks(str(script), out_dir=tmp_path / "job", cwd=tmp_path, probe=True)

@@ -1,7 +1,7 @@
 """Every strategy option is written once (a field of ``ParallelConfig`` or ``StrategyOptions`` with its docstring
 and its position) and everything else agrees with it: the Trainer and Fabric strategies' signatures (generated from
 the fields, and compared here parameter by parameter with them) and docstrings (what LightningCLI/jsonargparse
-reads), the README's "Strategy options" table, and the checks listed for it (read from the checks' registry). A
+reads), the "Strategy options" table of ``docs/strategy.md``, and the checks listed for it (read from the checks' registry). A
 failure names the option that drifted and how."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import textwrap
 import typing
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
-from pathlib import Path
 from typing import Any
 
 import docstring_parser
@@ -27,9 +26,9 @@ from lightning_2d.integration.strategy_options import OPTIONS, PARAMETER_ORDER, 
 from lightning_2d.parallel.config import ParallelConfig
 from lightning_2d.parallel.options import Option, markdown, option, options_of
 from lightning_2d.parallel.schedules import ScheduleName
-from lightning_2d.tools.options_table import PACKAGE, README_HEADING, STUB_FILES, stub_span, table_span
+from lightning_2d.tools.docs import BLOCK
+from lightning_2d.tools.options_table import PACKAGE, PAGE, STUB_FILES, stub_span
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 TRAINER = lightning_2d.ModelParallel2DStrategy
 FABRIC = lightning_2d.fabric.ModelParallel2DStrategy
 #: Constructor arguments of one strategy that are not options.
@@ -41,14 +40,19 @@ def normalized(text: str) -> str:
     return " ".join(text.split())
 
 
+def written_table() -> str:
+    """The options table as ``docs/strategy.md`` holds it (its generated part ``options``)."""
+    parts = [m.group("body") for m in BLOCK.finditer(PAGE.read_text()) if m.group("name") == "options"]
+    assert len(parts) == 1, f"{PAGE} holds {len(parts)} generated options tables, not 1"
+    return parts[0]
+
+
 def readme_rows() -> dict[str, tuple[str, str]]:
-    """``name → (default cell, meaning cell)`` of the README's options table."""
-    text = README.read_text()
-    start, end = table_span(text)
+    """``name → (default cell, meaning cell)`` of the docs' options table."""
     rows = {}
-    for line in text[start:end].splitlines()[2:]:
+    for line in written_table().splitlines()[2:]:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        assert len(cells) == 3, f"README {README_HEADING!r}: a row without 3 cells: {line!r}"
+        assert len(cells) == 3, f"{PAGE.name}: a row without 3 cells: {line!r}"
         rows[cells[0].strip("`")] = (cells[1], cells[2])
     return rows
 
@@ -113,12 +117,12 @@ def drift(name: str) -> list[str]:
         problems += signature_problems(cls, opt)
     row = readme_rows().get(name)
     if row is None:
-        problems.append(f"no row in the README's {README_HEADING!r} table")
+        problems.append(f"no row in {PAGE.name}'s options table")
     else:
         if row[0] != opt.shown_default:
-            problems.append(f"the README shows the default {row[0]!r}, the source {opt.shown_default!r}")
+            problems.append(f"the docs show the default {row[0]!r}, the source {opt.shown_default!r}")
         if row[1] != markdown(opt.doc):
-            problems.append(f"the README says {row[1]!r}, the source {markdown(opt.doc)!r}")
+            problems.append(f"the docs say {row[1]!r}, the source {markdown(opt.doc)!r}")
     return problems + check_problems(opt)
 
 
@@ -134,21 +138,19 @@ def test_the_option_agrees_with_its_one_source(name):
     problems = drift(name)
     assert not problems, (
         f"strategy option {name!r} drifted:\n  - " + "\n  - ".join(problems)
-        + "\nEdit its field (ParallelConfig or StrategyOptions), then regenerate the README's table:"
-        " python -m lightning_2d.tools.options_table --write README.md"
+        + "\nEdit its field (ParallelConfig or StrategyOptions), then regenerate the docs' table:"
+        " python -m lightning_2d.tools.docs --write"
     )
 
 
-def test_the_readme_table_is_the_generated_one():
-    text = README.read_text()
-    start, end = table_span(text)
-    written, generated = text[start:end].splitlines(), options_table().splitlines()
+def test_the_docs_table_is_the_generated_one():
+    written, generated = written_table().splitlines(), options_table().splitlines()
     for line, expected in zip(written, generated):
         assert line == expected, (
-            f"README row {line[:60]!r}… differs from the generated {expected[:60]!r}…: run"
-            " python -m lightning_2d.tools.options_table --write README.md"
+            f"{PAGE.name} row {line[:60]!r}… differs from the generated {expected[:60]!r}…: run"
+            " python -m lightning_2d.tools.docs --write"
         )
-    assert len(written) == len(generated), "run python -m lightning_2d.tools.options_table --write README.md"
+    assert len(written) == len(generated), "run python -m lightning_2d.tools.docs --write"
 
 
 def test_the_signatures_keep_the_positional_order():

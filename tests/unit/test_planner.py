@@ -481,12 +481,12 @@ def test_deferred_gradient_reduction_keeps_unsharded_gradients_between_micro_bat
     assert deferred.total_bytes == one.total_bytes + deferred.accumulation_bytes
 
 
-def test_the_readme_table_is_what_the_planner_prints():
-    """README "Scaling out" quotes the planner for 8B on 1×8, 70B on 4×8 and 405B on 64×8: the figures are
+def test_the_docs_table_is_what_the_planner_prints():
+    """docs/performance.md "Plan before you book" quotes the planner for 8B on 1×8, 70B on 4×8 and 405B on 64×8: the figures are
     this code's, not hand-copied ones that drift."""
     import re
 
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(REPO, "docs", "performance.md")).read()
     rows = re.findall(r"^\| (llama3-\w+), (\d+) × 8 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", readme, re.M)
     assert [r[:2] for r in rows] == [("llama3-8b", "1"), ("llama3-70b", "4"), ("llama3-405b", "64")]
     gib = 2**30
@@ -767,15 +767,15 @@ def test_pipeline_layers_per_stage_is_a_flag(capsys):
     assert [r["blocks"] for r in report["pipeline"]] == [[1], [3]]
 
 
-def test_the_readme_pipeline_view_is_what_the_planner_prints():
-    """README "Pipeline parallelism" quotes the planner's view of recipes/llama3_405b_pipeline.yaml whole."""
+def test_the_docs_pipeline_view_is_what_the_planner_prints():
+    """docs/scaling/pipeline.md "Memory under a pipeline" quotes the planner's view of recipes/llama3_405b_pipeline.yaml whole."""
     import re
     import shlex
 
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(REPO, "docs", "scaling", "pipeline.md")).read()
     block = re.search(r"```text\n\$ lightning-2d plan (--model llama3-405b [^\n]*--pipeline-parallel-size[^\n]*)\n(.*?)```",
                       readme, re.S)
-    assert block, "the README's pipeline planner view is missing"
+    assert block, "docs/scaling/pipeline.md's planner view is missing"
     args = planner.build_parser().parse_args(shlex.split(block.group(1)))
     given = {f.name: getattr(args, f.name) for f in fields(ParallelConfig) if getattr(args, f.name) is not None}
     report = plan_run(args.model, num_nodes=args.num_nodes, devices=args.devices, config=ParallelConfig(**given),
@@ -1012,10 +1012,10 @@ def test_the_cli_plans_a_config_json(tmp_path, capsys):
     assert "missing.json does not exist" in err and "Traceback" not in err
 
 
-def test_the_readme_hugging_face_table_is_what_the_planner_prints(tmp_path):
-    """README "A Hugging Face config": llama3.1-8b (preset) and Qwen2.5-7B (config.json) at 32k tokens on 8 devices
+def test_the_docs_hugging_face_table_is_what_the_planner_prints(tmp_path):
+    """docs/performance.md "A Hugging Face config": llama3.1-8b (preset) and Qwen2.5-7B (config.json) at 32k tokens on 8 devices
     with TP 2, with and without full activation checkpointing."""
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(REPO, "docs", "performance.md")).read()
     rows = re.findall(r"^\| (llama3\.1-8b|Qwen2\.5-7B `config\.json`) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|"
                       r" ([\d.]+) \| (fits, [\d.]+ headroom|does not fit) \|", readme, re.M)
     assert [r[:2] for r in rows] == [("llama3.1-8b", "none"), ("llama3.1-8b", "full"),

@@ -191,7 +191,7 @@ def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path, pip
 
 
 def test_the_picture_script_plans_with_flags_the_planner_accepts():
-    """``docs/make_pictures.sh`` regenerates the README's pictures: its ``plan`` commands parse (a renamed flag
+    """``docs/make_pictures.sh`` regenerates the docs' pictures: its ``plan`` commands parse (a renamed flag
     fails here, not after minutes of benchmark and fits)."""
     import shlex
 

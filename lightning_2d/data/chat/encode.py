@@ -135,7 +135,7 @@ class ChatEncoder:
                     f" chat template renders the conversation up to this turn differently from how {what} renders"
                     " it (it rewrites earlier turns when more follow, as Qwen3's drops earlier reasoning), so the"
                     " turn's tokens cannot be found by rendering prefixes. Use a template with {% generation %}"
-                    " tags around the assistant's text (chat_template=PATH; the README shows how), or"
+                    " tags around the assistant's text (chat_template=PATH; docs/fine-tuning/chat.md shows how), or"
                     " train_on='last_assistant'"
                 )
             spans.append((len(before), len(upto)))

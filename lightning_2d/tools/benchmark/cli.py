@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model", choices=list(PRESETS), default=None, help="a preset to start from")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
         model.add_argument(option_flag(name), type=int, default=None, help=f"ModelArgs.{name}")
-    # The experts' shape, on a model with experts: what decides whether expert parallelism pays (README, "Mixture
-    # of experts": EP wins where the experts' weights outweigh the tokens routed to them).
+    # The experts' shape, on a model with experts: what decides whether expert parallelism pays
+    # (docs/scaling/experts.md: EP wins where the experts' weights outweigh the tokens routed to them).
     for name, field in (("n_experts", "num_experts"), ("top_k", "top_k"), ("expert_hidden_dim", "hidden_dim")):
         model.add_argument(option_flag(name), type=int, default=None, help=f"MoEArgs.{field} (a model with experts)")
     run = parser.add_argument_group("run")
