@@ -57,6 +57,10 @@ for _ in $(seq 100); do
     sleep 0.1
 done
 
+# The API page: the strategies' reference where the site has one, else the reference's first page.
+api=/reference/
+if [[ -f $tmp/site/reference/strategies/index.html ]]; then api=/reference/strategies/; fi
+
 # Nothing beyond localhost: these flags keep Chromium from reaching for updates, sync and QUIC (slow or failing on
 # a closed network). Chromium's sandbox refuses to run as root.
 flags=(--headless --disable-gpu --disable-quic --no-first-run --disable-background-networking
@@ -67,15 +71,15 @@ if [[ $(id -u) == 0 ]]; then flags+=(--no-sandbox); fi
 # Chromium's own DevTools pipe (--remote-debugging-pipe: commands in on fd 3, replies out on fd 4, JSON messages
 # ended by NUL), driven with the standard library: each page is shot once it has loaded, its images are decoded and
 # what it waits for is there (the search's results come from a web worker, which --screenshot does not wait for).
-"$python" - "$chromium" "http://127.0.0.1:$port" "$out" "$tmp/chromium.log" "${flags[@]}" <<'PY'
+"$python" - "$chromium" "http://127.0.0.1:$port" "$out" "$tmp/chromium.log" "$api" "${flags[@]}" <<'PY'
 import base64, json, os, subprocess, sys, time
 
-chromium, base, out, log_path, *flags = sys.argv[1:]
+chromium, base, out, log_path, api, *flags = sys.argv[1:]
 IMAGE = "article img[src$='pipeline_schedules.png']"
 SHOTS = [  # (file name, page, CSS selector to wait for, CSS selector to scroll to or None)
     ("home", "/", "article h1", None),
     ("guide", "/scaling/pipeline/", IMAGE, IMAGE),
-    ("api", "/reference/", "article h1", None),
+    ("api", api, "article h1", None),
     # Material for MkDocs opens its search with the query of ?q= and lists results once the index has loaded.
     ("search", "/?q=pipeline+schedule", ".md-search-result__item", None),
 ]
