@@ -1,8 +1,10 @@
 """Misconfigurations and bad inputs, one row each: every one is refused early (at construction, or in the
 launching process before any rank starts) with a message that names the value and the way out.
 
-The table is the README's "Troubleshooting" list; add a row for every new refusal. Cases that need
-real processes (a NaN on one rank, a damaged checkpoint at 2×2) live in tests/distributed/.
+Add a case for every new refusal, and quote its message in a row of the troubleshooting table
+(``lightning_2d/tools/troubleshooting.py``, shown in docs/troubleshooting.md) that names the case:
+tests/unit/test_troubleshooting.py runs the cases a row names and checks the quotes against what they raise.
+Cases that need real processes (a NaN on one rank, a damaged checkpoint at 2×2) live in tests/distributed/.
 """
 
 from __future__ import annotations
@@ -347,6 +349,11 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      DataError, r"seq_len must be a positive integer, got 0"),
     ("validation fraction 1.5", lambda _: TextDataModule(val_fraction=1.5),
      DataError, r"val_fraction must be in \[0, 1\), got 1\.5"),
+    ("a large corpus without a token cache",
+     lambda tmp: (tmp / "corpus.txt").write_text("some text " * 200) and TextDataModule(
+         paths=[str(tmp / "corpus.txt")], cache_dir=str(tmp / "cache"), max_unprepared_mb=0.001).check_prepared(),
+     DataError, r"The corpus \(1 files, 0\.0 MB\) has no token cache in .* and is larger than max_unprepared_mb"
+                r" \(0\.001 MB\).*\n    lightning-2d prepare-data "),
     ("document masking with a tokenizer without an end-of-text token",
      lambda tmp: TextDataModule(tokenizer=tokenizer_without_eos(tmp), document_mask=True),
      DataError, r"document_mask=True needs an end-of-text token .*has none; name it with eos_token=\.\.\."),
