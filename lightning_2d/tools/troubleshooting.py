@@ -64,6 +64,31 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("a number as timeout",),
     ),
     Refusal(
+        see="`Invalid 2D parallel configuration:` then one line per problem, as `… must be a positive integer …, got "
+            "0` / `… is not a mode; choose one of …` / `… is not a policy; choose …` / "
+            "`… is not a schedule; choose one of …` / `… is invalid; use …` / `… is not a dtype; use one of …` / "
+            "`… must be True or False, got 'no' (str)` / `timeout=… must be positive` / "
+            "`fsdp_float8_all_gather=True needs float8=True`",
+        cause="a strategy option out of its range, a misspelled choice, a flag given as a string, or an option that "
+              "needs another",
+        do="a value the line lists; every problem of the options is listed at once",
+        cases=(
+            "tensor_parallel_size 0",
+            "replicate size 0",
+            "context parallel size 0",
+            "unknown AC mode",
+            "bad selective option",
+            "unknown reshard policy",
+            "unknown non_finite policy",
+            "unknown pipeline schedule",
+            "float8 typo",
+            "a dtype typo",
+            "a string for a flag",
+            "a negative timeout",
+            "float8 all-gather without float8",
+        ),
+    ),
+    Refusal(
         see="`fsdp_backend='simple_fsdp' with reshard_after_forward='always' and activation_checkpointing='none'` / "
             "`… reshard_after_forward='never' and activation_checkpointing='full'`",
         cause="SimpleFSDP frees a gathered weight only by recomputing its block",
@@ -114,15 +139,20 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("three sizes not multiplying to the world", "pipeline size not dividing the world"),
     ),
     Refusal(
-        see="`the model has 2 transformer blocks, fewer than the 4 pipeline stages` / `pipeline_layers_per_stage [3, "
-            "3] adds up to 6 blocks but the model has 4`",
-        cause="a stage without blocks, or block counts that do not add up",
+        see="`the model has 2 transformer blocks, fewer than the 4 pipeline stages` / "
+            "`pipeline_layers_per_stage [3, 3] adds up to 6 blocks but the model has 4` / "
+            "`pipeline_layers_per_stage has 1 entries but the pipeline has 2 stages`",
+        cause="a stage without blocks, block counts that do not add up, or not one count per stage",
         do="a smaller `pipeline_parallel_size` or `pipeline_stages_per_rank`, or counts adding up to `n_layers`",
-        cases=("more stages than blocks, before spawn", "block counts not adding up, before spawn"),
+        cases=(
+            "more stages than blocks, before spawn",
+            "block counts not adding up, before spawn",
+            "a block count per stage missing",
+        ),
     ),
     Refusal(
-        see="`pipeline_microbatches (4) must divide the per-rank batch size (6)` / `pipeline_schedule='1F1B' needs at "
-            "least pipeline_parallel_size (4) micro-batches`",
+        see="`pipeline_microbatches (4) must divide the per-rank batch size (6)` / "
+            "`pipeline_schedule='1F1B' needs at least pipeline_parallel_size (4) micro-batches`",
         cause="the batch cannot be cut as asked, or the schedule would deadlock",
         do='one of the listed counts; a larger batch; `"GPipe"`',
         cases=("micro-batches not dividing the batch, before spawn", "fewer micro-batches than stages for 1F1B"),
@@ -132,6 +162,16 @@ REFUSALS: tuple[Refusal, ...] = (
         cause="the schedule needs more stages per rank",
         do='2 or more stages per rank, or `"1F1B"`',
         cases=("interleaved schedule with one stage per rank",),
+    ),
+    Refusal(
+        see="`pipeline_schedule='DualPipeV' needs at least as many micro-batches as stages …` / "
+            "`pipeline_schedule='ZBVZeroBubble' splits each backward into its input and weight halves, which torch "
+            "2.13 does not support for compiled modules`",
+        cause="a V-shaped schedule runs two stages per rank and needs a micro-batch for each; the zero-bubble "
+              "schedules split a backward that a compiled block runs whole",
+        do="more `pipeline_microbatches` (or a larger batch), or `'ZBVZeroBubble'`; `compile=False`, or "
+           "`'Interleaved1F1B'`",
+        cases=("DualPipeV with fewer micro-batches than stages", "a zero-bubble schedule with compiled blocks"),
     ),
     Refusal(
         see="`pipeline_parallel_size=2 splits a model into stages by its blocks …`",
@@ -146,8 +186,8 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("a tied model under a pipeline",),
     ),
     Refusal(
-        see="`DIR does not hold the model's weights (1 problem(s)): model.layers.0.mlp.up_proj.weight: missing` / `…: "
-            "stored (32, 32), the model's is (64, 32)`",
+        see="`DIR does not hold the model's weights (1 problem(s)): model.layers.0.mlp.up_proj.weight: missing` / "
+            "`…: stored (32, 32), the model's is (64, 32)`",
         cause="`init_from` files whose tensors (names, shapes) do not match their `config.json` (checked when the "
               "module is built, both paths)",
         do="the directory the `config.json` came with; re-download it",
@@ -157,23 +197,25 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        see="`init_from … describes a Llama this model cannot represent: attention_bias is True (needs False)`",
+        see="`DIR/config.json describes a Llama this model cannot represent: attention_bias is True (needs False)`",
         cause="a Llama `config.json` with a field the native model does not compute (biases, another activation, "
               "partial rotary, another `head_dim`)",
         do="`HFCausalLMModule(init_from=...)`",
         cases=("init_from a Llama with attention biases",),
     ),
     Refusal(
-        see="`This Transformer is split into pipeline stages …: calling it cannot compute anything` / "
-            "`fabric.backward under pipeline parallelism` / `… a term was added outside the pipeline`",
+        see="`… is split into pipeline stages (pipeline_parallel_size > 1): this rank holds some of its blocks only, "
+            "so calling it cannot compute anything` / `fabric.backward under pipeline parallelism` / "
+            "`… a term was added outside the pipeline`",
         cause="the pipelined model was called, or `backward` given a loss, as without a pipeline",
         do="step `fabric.strategy.pipeline.train_step(tokens, labels, grad_scale=1 / n)` (`LlamaLightningModule` "
            "does) and return its loss unchanged",
         cases=(),
     ),
     Refusal(
-        see="`context_parallel_size (3) must divide the world size` / `sequence length (36) must be a multiple of 2 × "
-            "context_parallel_size (2) × tensor_parallel_size (2 …) = 8`",
+        see="`context_parallel_size (3) must divide the world size` / "
+            "`sequence length (36) must be a multiple of 2 × context_parallel_size (2) × tensor_parallel_size (2 …) = "
+            "8`",
         cause="the context groups do not cover the processes, or the sequence cannot be cut into `2C` equal chunks "
               "per tensor shard",
         do="one of the listed sizes; a sequence length that is a multiple of the number given",
@@ -190,8 +232,9 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("HF decoder under context parallelism, before spawn",),
     ),
     Refusal(
-        see="`expert_parallel_size (4) must divide the data-shard × context ranks (2 = …)` / `… must divide the "
-            "model's 6 experts` / `expert_parallel_size=2 but the model has no mixture-of-experts layers`",
+        see="`expert_parallel_size (4) must divide the data-shard × context ranks (2 = …)` / "
+            "`… must divide the model's 6 experts` / `expert_parallel_size=2 but the model has no mixture-of-experts "
+            "layers`",
         cause="expert ranks come out of the data-shard × context ranks, each holding the same number of experts",
         do="one of the listed sizes; a model with `moe` (`debug-moe`, `mixtral-8x7b`, `qwen3-30b-a3b`)",
         cases=(
@@ -209,6 +252,19 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("expert parallelism with a plan naming no experts to split",),
     ),
     Refusal(
+        see="`expert_parallel_size (8) with experts_over_tensor_parallel=True must be k × tensor_parallel_size (2) …` "
+            "/ `experts_over_tensor_parallel=True with sequence_parallel=False` / "
+            "`experts_over_tensor_parallel=True with expert_parallel_size=1 and tensor_parallel_size=2`",
+        cause="expert groups that take in the tensor-parallel ranks hold whole tensor-parallel groups, each rank "
+              "routing its own slice of the sequence (sequence parallelism)",
+        do="one of the listed sizes, `sequence_parallel=True`, or `experts_over_tensor_parallel=False`",
+        cases=(
+            "experts over the tensor-parallel ranks not k x tp",
+            "experts over the tensor-parallel ranks without sequence parallelism",
+            "experts over the tensor-parallel ranks without expert parallelism",
+        ),
+    ),
+    Refusal(
         see="`LoRA on transformers' own mixture of experts (HFCausalLMModule, or a transformers model given to "
             "Fabric) is not supported`",
         cause="transformers' fused experts are parameters that take no adapter: the routed experts would stay frozen",
@@ -224,8 +280,17 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("QLoRA on the routed experts",),
     ),
     Refusal(
-        see="`preference reference='adapters_off' needs adapters to switch off` / `preference reference='copy' with "
-            "lora=`",
+        see="`lora.quantize_base='nf4' (QLoRA) with tensor_parallel_size=2` / "
+            "`… with data_parallel_replicate_size=2` / `… with fsdp_backend='simple_fsdp'` / `… with compile=True`",
+        cause="torchao's NF4 bases are quantized in blocks of the whole weight and sharded by FSDP2 (`fully_shard`) "
+              "along their rows over a 1-D mesh, uncompiled",
+        do="`tensor_parallel_size=1`, `data_parallel_replicate_size=1`, `fsdp_backend='fully_shard'`, "
+           "`compile=False`; or `quantize_base: null`",
+        cases=("QLoRA under tensor parallelism", "QLoRA under HSDP", "QLoRA with SimpleFSDP", "QLoRA with compile"),
+    ),
+    Refusal(
+        see="`preference reference='adapters_off' needs adapters to switch off` / "
+            "`preference reference='copy' with lora=`",
         cause="a reference of switched-off adapters for a model without them; a second copy beside adapters",
         do="`reference: copy` (or `auto`) for the whole model; `reference: adapters_off` (or `auto`) under `lora`",
         cases=(
@@ -242,15 +307,15 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("KTO on pairs", "a pairwise preference loss on unpaired examples"),
     ),
     Refusal(
-        see="`DistillationConfigError: LlamaLightningModule has a teacher (…) but no distillation=` / `… "
-            "(distillation=...) needs teacher=`",
+        see="`DistillationConfigError: LlamaLightningModule has a teacher (…) but no distillation=` / "
+            "`… (distillation=...) needs teacher=`",
         cause="one of the pair without the other",
         do="both, or neither",
         cases=("a teacher without distillation settings", "distillation settings without a teacher"),
     ),
     Refusal(
-        see="`the teacher (…) has a vocabulary of 320 tokens, the student 256` / `the teacher's tokenizer (…) maps "
-            "other tokens to ids than the student's (…)`",
+        see="`the teacher (…) has a vocabulary of 320 tokens, the student 256` / "
+            "`the teacher's tokenizer (…) maps other tokens to ids than the student's (…)`",
         cause="distillation compares the two distributions id by id",
         do="a teacher with the student's tokenizer (and vocabulary)",
         cases=("a teacher of another vocabulary", "a teacher whose tokenizer maps other tokens"),
@@ -304,6 +369,13 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
+        see="`HFCausalLMModule cannot train this model: model_type 'gpt2' is not one of the Llama-family decoders the "
+            "built-in plan knows (…)`",
+        cause="the Hugging Face path's built-in plan knows the Llama family only",
+        do="your own `ParallelPlan` to the strategy (`plan=`), or `parallel_plan(config)` on your LightningModule",
+        cases=("HF model outside the family",),
+    ),
+    Refusal(
         see="`document_mask=True needs an end-of-text token` / `… cannot take them (its supports_document_mask is "
             "False …)`",
         cause="document masking where it cannot work: a tokenizer without an end-of-text token, a module whose "
@@ -349,8 +421,8 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=(),
     ),
     Refusal(
-        see="`rope_scaling.factor must be a number of at least 1, got 0.5` / `rope_scaling.rope_type 'yarn' is not "
-            "supported; supported: 'llama3'`",
+        see="`rope_scaling.factor must be a number of at least 1, got 0.5` / "
+            "`rope_scaling.rope_type 'yarn' is not supported; supported: 'llama3'`",
         cause="a `rope_scaling` (in `ModelArgs` or `model_overrides`) outside Llama 3.1's scaling",
         do='the values the message accepts (`{"rope_type": "llama3", "factor": 8.0, …}`), or `None` for none',
         cases=("a rotary scaling override out of range", "a rotary scaling override of another type"),
@@ -364,20 +436,37 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("init_from a Llama with another rotary scaling",),
     ),
     Refusal(
+        see="`Unknown model name 'llama9-1t'. Known names: …` / `loss_chunk_size must be a positive number of tokens, "
+            "got 0` / `Invalid ModelArgs: moe: … load_balancing must be 'aux_loss', 'bias' or 'none', got 'aux'` / "
+            "`Invalid TextDataModule arguments: seq_len must be a positive integer, got 0` / "
+            "`… val_fraction must be in [0, 1), got 1.5`",
+        cause="a misspelled preset or setting, or a module's or data module's value out of its range",
+        do="a name the message lists, or a value in the range it gives",
+        cases=(
+            "unknown preset",
+            "loss chunk 0",
+            "mixture-of-experts setting misspelled",
+            "data seq_len 0",
+            "validation fraction 1.5",
+        ),
+    ),
+    Refusal(
         see="`DataError: The model's vocab_size (…) is smaller than the tokenizer's`",
         cause="ids beyond the embedding",
         do="a larger `vocab_size`, or the model's tokenizer",
         cases=(),
     ),
     Refusal(
-        see="`DataError: … run lightning-2d prepare-data --config …`",
-        cause="a large corpus without a token cache",
-        do="run the command it prints",
-        cases=(),
+        see="`DataError: The corpus (…) has no token cache in … and is larger than max_unprepared_mb (…)`, then the "
+            "command that builds it: `lightning-2d prepare-data …`",
+        cause="a large corpus without a token cache: training tokenizes only a corpus up to `max_unprepared_mb` "
+              "itself, on one process while the others wait",
+        do="run the command it prints (the same `--config` files and `--data` options)",
+        cases=("a large corpus without a token cache",),
     ),
     Refusal(
-        see="`add_bos=True needs a beginning-of-text token, but the tokenizer 'byte' has none` / `Tokenizer folder … "
-            "has none of tokenizer.json, tokenizer.model`",
+        see="`add_bos=True needs a beginning-of-text token, but the tokenizer 'byte' has none` / "
+            "`Tokenizer folder … has none of tokenizer.json, tokenizer.model`",
         cause="a BOS asked of a tokenizer without one; a folder with no tokenizer",
         do="a tokenizer with a BOS (`tokenizer.json` of the model) or `add_bos=False`; the model's folder or its "
            "tokenizer file",
@@ -419,25 +508,26 @@ REFUSALS: tuple[Refusal, ...] = (
         cases=("checkpoint holding a pickled callable",),
     ),
     Refusal(
-        see="`CheckpointError: Checkpoint … is damaged (digests.json is unreadable (…)` / `… (digests.json is "
-            "damaged: its content does not match its own digest …`",
+        see="`CheckpointError: Checkpoint … is damaged (digests.json is unreadable (…)` / "
+            "`… (digests.json is damaged: its content does not match its own digest …`",
         cause="the manifest itself was cut short or changed: nothing can be checked against it",
         do='an earlier checkpoint, or copy this one again; `ckpt_path="last"` takes the newest intact one',
         cases=("checkpoint whose digests.json is cut short", "checkpoint whose digests.json was edited"),
     ),
     Refusal(
-        see="`LoRAConfigError: Invalid LoRA settings: rank must be a positive integer, got 0` / `Unknown LoRA "
-            "setting(s) ['r']; the settings are […]`",
+        see="`LoRAConfigError: Invalid LoRA settings: rank must be a positive integer, got 0` / "
+            "`Unknown LoRA setting(s) ['r']; the settings are […]` / "
+            "`… quantize_base must be one of ['nf4'] or None, got 'nf8'`",
         cause="a `lora=` value out of range or a misspelled key",
-        do="the fields of `lightning_2d.LoRA`: `rank`, `alpha`, `dropout`, `targets`, `rslora`",
-        cases=("LoRA rank 0", "LoRA setting misspelled"),
+        do="the fields of `lightning_2d.LoRA`: `rank`, `alpha`, `dropout`, `targets`, `rslora`, `quantize_base`",
+        cases=("LoRA rank 0", "LoRA setting misspelled", "QLoRA quantization misspelled"),
     ),
     Refusal(
-        see="`lora.targets ['q_porj'] match no linear layer of Transformer; its linear layers are called […]` / `LoRA "
-            "adapts plain nn.Linear layers; this target is a VocabProjection`",
+        see="`lora.targets ['q_porj'] match no linear layer of Transformer; its linear layers are called […]` / "
+            "`LoRA adapts plain nn.Linear layers; this target is a VocabProjection`",
         cause="a target that names no projection, or the output head",
         do="one of the names listed (ours or Hugging Face's), or omit `targets` for all seven projections",
-        cases=("LoRA target misspelled", "LoRA target misspelled, HF", "LoRA on the output head"),
+        cases=("LoRA target misspelled", "LoRA on the output head"),
     ),
     Refusal(
         see="`float8='emulate' with LoRA adapters (LlamaLightningModule(lora=...)) …`",
