@@ -1,19 +1,18 @@
 """The troubleshooting table: every refusal a user meets, one row each (what they see, the cause, what to do).
 
-``REFUSALS`` is data only: ``docs/troubleshooting.md`` shows it as a table (its generated part ``troubleshooting``,
-made by ``lightning_2d.tools.docs``), so the page cannot drift from this module. Each row's ``see`` quotes the
-refusal's message in backticks (Markdown): the literal pieces of it that a user reads, ``…`` where the message goes
-on or names a value of theirs, `` / `` between the messages of one row, placeholders ``N``, ``K``, ``DIR``, ``FILE``,
-``TENSOR`` for numbers and names that vary. A leading ``SomeError: `` is the exception's class,
-``lightning-2d COMMAND: error: `` the line the command-line tool prints it as.
+``REFUSALS`` is data only. ``docs/troubleshooting.md`` shows it as a table (its generated part ``troubleshooting``,
+made by ``lightning_2d.tools.docs``), so the page cannot drift from this module. Every code span (backticks) of a
+row's ``see`` quotes a message as the user reads it: ``…`` where the message goes on or shows a value of theirs,
+the placeholders ``N``, ``K``, ``DIR``, ``FILE``, ``TENSOR`` for numbers and names that vary, a leading
+``SomeError: `` for the exception's class, ``lightning-2d COMMAND: error: `` for the command-line tool's line, and
+`` / `` between the messages of one row. The other columns are free Markdown.
 
 ``cases`` names the cases of ``tests/unit/test_misconfigurations.py`` (``CASES``) that raise the messages quoted.
-``tests/unit/test_troubleshooting.py`` keeps the table honest: it runs those cases and checks that every quoted
-piece is in the message of one of the row's cases, in order, and that every case of a row is described by one of
-its quotes; a row that names no case (a refusal that needs running processes: the watchdog, a NaN on one rank)
-has its quotes checked against the library's string literals instead; and every case of ``CASES`` is described
-by a row, or listed in that test with the reason it is not. A changed message fails that test until its row here
-is changed with it.
+``tests/unit/test_troubleshooting.py`` keeps the table honest: it runs those cases and checks that each quote is in
+the message of one of them and that each of them is quoted; the quotes of a row that names no case (a refusal met
+while a job runs: the watchdog, a NaN on some rank) must be in the library's string literals; and every case of
+``CASES`` must have its row (or a reason there why not). A changed message fails that test until its row here is
+changed with it.
 """
 
 from __future__ import annotations
@@ -381,7 +380,10 @@ REFUSALS: tuple[Refusal, ...] = (
         cause="document masking where it cannot work: a tokenizer without an end-of-text token, a module whose "
               "`supports_document_mask` is False (your own)",
         do="`eos_token=...`; `LlamaLightningModule` or `HFCausalLMModule`; or `document_mask=False`",
-        cases=("document masking with a tokenizer without an end-of-text token",),
+        cases=(
+            "document masking with a tokenizer without an end-of-text token",
+            "document masking for a module that cannot take it, before spawn",
+        ),
     ),
     Refusal(
         see="`sequence_parallel=False, but the plan's tensor_parallel holds sequence-parallel styles`",
@@ -489,7 +491,11 @@ REFUSALS: tuple[Refusal, ...] = (
             "`… is damaged (…distcp: N bytes …)`",
         cause="not a checkpoint, or a shard cut short",
         do="an intact checkpoint; nothing is written on failure",
-        cases=("export of a folder that is not a checkpoint", "export of a file that is not a checkpoint"),
+        cases=(
+            "export of a folder that is not a checkpoint",
+            "export of a file that is not a checkpoint",
+            "export of a checkpoint whose shard was cut short",
+        ),
     ),
     Refusal(
         see="`CheckpointError: Checkpoint … is damaged: its bytes changed after it was saved at step N (FILE: TENSOR "

@@ -73,6 +73,22 @@ def edited_manifest(tmp: Path) -> str:
     return str(path)
 
 
+def export_of_a_cut_shard(tmp: Path) -> None:
+    """An export of a sharded checkpoint whose shard file lost all but its first 100 bytes."""
+    from lightning_2d.hf import export_hf
+    from tests.unit.test_checkpoint_digests import save
+
+    path = save(tmp / "cut", "epoch=0-step=8.ckpt")
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    export_hf(path, tmp / "out", model="debug")
+
+
+def without_document_mask() -> LlamaLightningModule:
+    """A module of one's own that says it cannot take per-document positions."""
+    return type("Mine", (LlamaLightningModule,), {"supports_document_mask": False})("debug")
+
+
 def export_of_a_folder(tmp_path: Path) -> None:
     from lightning_2d.hf import export_hf
 
@@ -357,6 +373,11 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("document masking with a tokenizer without an end-of-text token",
      lambda tmp: TextDataModule(tokenizer=tokenizer_without_eos(tmp), document_mask=True),
      DataError, r"document_mask=True needs an end-of-text token .*has none; name it with eos_token=\.\.\."),
+    ("document masking for a module that cannot take it, before spawn",
+     lambda _: fit_before_spawn(without_document_mask(), TextDataModule(seq_len=32, batch_size=2, document_mask=True,
+                                                                        eos_token="\n"), tensor_parallel_size=2),
+     ParallelConfigError, r"TextDataModule\(document_mask=True\) gives each packed document its own positions, but"
+                          r" Mine cannot take them \(its supports_document_mask is False\)"),
     ("a beginning-of-text token asked of a tokenizer without one", lambda _: TextDataModule(add_bos=True),
      DataError, r"add_bos=True needs a beginning-of-text token, but the tokenizer 'byte' has none .*set add_bos=False"),
     ("a tokenizer folder without a tokenizer", lambda tmp: TextDataModule(tokenizer=str(tmp)),
@@ -381,6 +402,9 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      CheckpointError, r"is damaged \(digests\.json is damaged: its content does not match its own digest"),
     ("export of a file that is not a checkpoint", export_of,
      SystemExit, r"1"),
+    ("export of a checkpoint whose shard was cut short", export_of_a_cut_shard,
+     ExportError, r"is damaged \(cut short or incomplete after saving\):\n  - __0_0\.distcp: 100 bytes, but the"
+                  r" metadata places data up to byte"),
     ("export of a folder that is not a checkpoint", export_of_a_folder,
      FileNotFoundError, r"empty is not a complete checkpoint \(a folder with \.metadata and meta\.pt, or a file\)"),
     ("SimpleFSDP asked to keep weights gathered under activation checkpointing",
