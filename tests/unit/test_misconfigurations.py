@@ -1,8 +1,10 @@
 """Misconfigurations and bad inputs, one row each: every one is refused early (at construction, or in the
 launching process before any rank starts) with a message that names the value and the way out.
 
-The table is the README's "Troubleshooting" list; add a row for every new refusal. Cases that need
-real processes (a NaN on one rank, a damaged checkpoint at 2×2) live in tests/distributed/.
+Add a case for every new refusal, and quote its message in a row of the troubleshooting table
+(``lightning_2d/tools/troubleshooting.py``, shown in docs/troubleshooting.md) that names the case:
+tests/unit/test_troubleshooting.py runs the cases a row names and checks the quotes against what they raise.
+Cases that need real processes (a NaN on one rank, a damaged checkpoint at 2×2) live in tests/distributed/.
 """
 
 from __future__ import annotations
@@ -49,6 +51,49 @@ def cut_manifest(tmp: Path) -> str:
     manifest = path / "digests.json"
     manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
     return str(path)
+
+
+def changed_bytes(tmp: Path) -> str:
+    """A sharded checkpoint one of whose tensors changed after it was saved (its digest no longer matches)."""
+    from tests.unit.test_checkpoint_digests import flip_exponent_bits, save
+
+    path = save(tmp / "changed", "epoch=0-step=8.ckpt")
+    flip_exponent_bits(path)
+    return str(path)
+
+
+def edited_manifest(tmp: Path) -> str:
+    """A sharded checkpoint whose digests.json was edited (a digest replaced): it no longer matches its own digest."""
+    from tests.unit.test_checkpoint_digests import save
+
+    path = save(tmp / "edited", "epoch=0-step=8.ckpt")
+    manifest = json.loads((path / "digests.json").read_text())
+    next(iter(manifest["files"].values()))[0][-1] = "0" * 16
+    (path / "digests.json").write_text(json.dumps(manifest))
+    return str(path)
+
+
+def export_of_a_cut_shard(tmp: Path) -> None:
+    """An export of a sharded checkpoint whose shard file lost all but its first 100 bytes."""
+    from lightning_2d.hf import export_hf
+    from tests.unit.test_checkpoint_digests import save
+
+    path = save(tmp / "cut", "epoch=0-step=8.ckpt")
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    export_hf(path, tmp / "out", model="debug")
+
+
+def without_document_mask() -> LlamaLightningModule:
+    """A module of one's own that says it cannot take per-document positions."""
+    return type("Mine", (LlamaLightningModule,), {"supports_document_mask": False})("debug")
+
+
+def export_of_a_folder(tmp_path: Path) -> None:
+    from lightning_2d.hf import export_hf
+
+    (tmp_path / "empty").mkdir()
+    export_hf(tmp_path / "empty", tmp_path / "out", model="debug")
 
 
 def trainer(**strategy) -> L.Trainer:
@@ -135,8 +180,9 @@ def hf(**config):
     return HFCausalLMModule({**base, **config})
 
 
-def mismatched_weights(folder: Path) -> str:
-    """A Llama directory whose safetensors lack a tensor its config.json implies."""
+def mismatched_weights(folder: Path, shape: tuple[int, ...] | None = None) -> str:
+    """A Llama directory whose safetensors lack a tensor its config.json implies (``shape``: hold it in that shape)."""
+    import torch
     import transformers
     from safetensors.torch import load_file, save_file
 
@@ -145,6 +191,8 @@ def mismatched_weights(folder: Path) -> str:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.0.mlp.up_proj.weight"]
+    if shape is not None:
+        tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(shape)
     save_file(tensors, folder / "model.safetensors")
     return str(folder)
 
@@ -272,6 +320,13 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("init_from a directory whose tensors do not match its config.json",
      lambda tmp: LlamaLightningModule(init_from=mismatched_weights(tmp)),
      ValueError, r"does not hold the model's weights \(1 problem\(s\)\):\n  - model\.layers\.0\.mlp\.up_proj\.weight: missing"),
+    ("init_from a directory holding a tensor of another shape",
+     lambda tmp: LlamaLightningModule(init_from=mismatched_weights(tmp, shape=(32, 32))),
+     ValueError, r"model\.layers\.0\.mlp\.up_proj\.weight: stored \(32, 32\), the model's is \(64, 32\)"),
+    ("init_from a Llama with attention biases",
+     lambda tmp: LlamaLightningModule(init_from=llama_directory(tmp, attention_bias=True)),
+     ValueError, r"config\.json describes a Llama this model cannot represent: attention_bias is True \(needs False\)"
+     r".*HFCausalLMModule"),
     ("a tied model under a pipeline",
      lambda _: fit_before_spawn(LlamaLightningModule("debug", model_overrides={"tie_word_embeddings": True}),
                                 pipeline_parallel_size=2),
@@ -298,6 +353,9 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("a rotary scaling override out of range",
      lambda _: LlamaLightningModule("debug", model_overrides={"rope_scaling": {"rope_type": "llama3", "factor": 0.5}}),
      ValueError, r"rope_scaling\.factor must be a number of at least 1, got 0\.5"),
+    ("a rotary scaling override of another type",
+     lambda _: LlamaLightningModule("debug", model_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+     ValueError, r"rope_scaling\.rope_type 'yarn' is not supported; supported: 'llama3'"),
     ("init_from a Llama with another rotary scaling",
      lambda tmp: LlamaLightningModule(init_from=llama_directory(tmp, rope_parameters={
          "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
@@ -307,9 +365,19 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
      DataError, r"seq_len must be a positive integer, got 0"),
     ("validation fraction 1.5", lambda _: TextDataModule(val_fraction=1.5),
      DataError, r"val_fraction must be in \[0, 1\), got 1\.5"),
+    ("a large corpus without a token cache",
+     lambda tmp: (tmp / "corpus.txt").write_text("some text " * 200) and TextDataModule(
+         paths=[str(tmp / "corpus.txt")], cache_dir=str(tmp / "cache"), max_unprepared_mb=0.001).check_prepared(),
+     DataError, r"The corpus \(1 files, 0\.0 MB\) has no token cache in .* and is larger than max_unprepared_mb"
+                r" \(0\.001 MB\).*\n    lightning-2d prepare-data "),
     ("document masking with a tokenizer without an end-of-text token",
      lambda tmp: TextDataModule(tokenizer=tokenizer_without_eos(tmp), document_mask=True),
      DataError, r"document_mask=True needs an end-of-text token .*has none; name it with eos_token=\.\.\."),
+    ("document masking for a module that cannot take it, before spawn",
+     lambda _: fit_before_spawn(without_document_mask(), TextDataModule(seq_len=32, batch_size=2, document_mask=True,
+                                                                        eos_token="\n"), tensor_parallel_size=2),
+     ParallelConfigError, r"TextDataModule\(document_mask=True\) gives each packed document its own positions, but"
+                          r" Mine cannot take them \(its supports_document_mask is False\)"),
     ("a beginning-of-text token asked of a tokenizer without one", lambda _: TextDataModule(add_bos=True),
      DataError, r"add_bos=True needs a beginning-of-text token, but the tokenizer 'byte' has none .*set add_bos=False"),
     ("a tokenizer folder without a tokenizer", lambda tmp: TextDataModule(tokenizer=str(tmp)),
@@ -327,8 +395,23 @@ CASES: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("checkpoint whose digests.json is cut short", lambda tmp: check_ckpt_path(cut_manifest(tmp)),
      CheckpointError, r"is damaged \(digests\.json is unreadable \(JSONDecodeError: .*\): cut short or overwritten, so it"
                       r" cannot vouch for the checkpoint's files\)\. Not resuming from another checkpoint"),
+    ("checkpoint whose bytes changed", lambda tmp: check_ckpt_path(changed_bytes(tmp)),
+     CheckpointError, r"is damaged: its bytes changed after it was saved at step 8 \(__0_0\.distcp: .* reads as .*,"
+                      r" saved as .*\)\. Not resuming from another checkpoint"),
+    ("checkpoint whose digests.json was edited", lambda tmp: check_ckpt_path(edited_manifest(tmp)),
+     CheckpointError, r"is damaged \(digests\.json is damaged: its content does not match its own digest"),
     ("export of a file that is not a checkpoint", export_of,
      SystemExit, r"1"),
+    ("export of a checkpoint whose shard was cut short", export_of_a_cut_shard,
+     ExportError, r"is damaged \(cut short or incomplete after saving\):\n  - __0_0\.distcp: 100 bytes, but the"
+                  r" metadata places data up to byte"),
+    ("export of a folder that is not a checkpoint", export_of_a_folder,
+     FileNotFoundError, r"empty is not a complete checkpoint \(a folder with \.metadata and meta\.pt, or a file\)"),
+    ("SimpleFSDP asked to keep weights gathered under activation checkpointing",
+     lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", reshard_after_forward="never",
+                                       activation_checkpointing="full"),
+     ParallelConfigError, r"fsdp_backend='simple_fsdp' with reshard_after_forward='never' and"
+                          r" activation_checkpointing='full': the recomputation of a checkpointed block gathers"),
     ("SimpleFSDP asked to reshard without activation checkpointing",
      lambda _: ModelParallel2DStrategy(fsdp_backend="simple_fsdp", reshard_after_forward="always"),
      ParallelConfigError, r"SimpleFSDP has no hook to free a gathered weight after forward .*Set"
@@ -451,6 +534,10 @@ if _hf_available():
             "debug", preference={"loss_type": "sigmoid", "reference": "adapters_off"}),
          PreferenceConfigError, r"preference reference='adapters_off' needs adapters to switch off, but"
                                 r" LlamaLightningModule trains the whole model \(no lora=\)\. Use reference='copy'"),
+        ("a preference reference copy beside adapters", lambda _: LlamaLightningModule(
+            "debug", preference={"loss_type": "sigmoid", "reference": "copy"}, lora={"rank": 4}),
+         PreferenceConfigError, r"preference reference='copy' with lora=: under LoRA the reference is the base.*Use"
+                                r" reference='adapters_off'"),
         ("KTO on pairs", lambda tmp: fit_before_spawn(
             LlamaLightningModule("debug", preference={"loss_type": "kto"}, lora={"rank": 4}),
             PreferenceDataModule(seq_len=64, batch_size=1, cache_dir=str(tmp)), data_parallel_size=2,
@@ -479,6 +566,9 @@ if _hf_available():
             "debug", teacher="llama-9b", distillation={}),
          DistillationConfigError, r"teacher='llama-9b' is neither a model folder \(no directory there\) nor a preset"
                                   r" \(debug, "),
+        ("a distillation weight out of range", lambda _: LlamaLightningModule(
+            "debug", teacher="debug", distillation={"alpha": 0}),
+         DistillationConfigError, r"distillation alpha must be in \(0, 1\] .*got 0"),
         ("distillation settings that select no divergence", lambda _: LlamaLightningModule(
             "debug", teacher="debug", distillation={"loss": "forward_kl", "beta": 0.5}),
          DistillationConfigError, r"distillation beta=0.5 weighs jsd's mixture, but loss='forward_kl'.*leave beta out,"
