@@ -66,7 +66,8 @@ SAMPLES = {
                                "encodes the built-in chat corpus (~3,000 conversations) first"),
     "---- /root/.cache/lightning_2d/stdlib-chats-v1.jsonl": ("`--preview 1`",
                                                              "renders the built-in chat corpus, built first"),
-    "---- ~/.cache/lightning_2d/stdlib-preferences-v1.jsonl": ("`lightning-2d prepare-data --config recipes/dpo_cpu.yaml --preview 1`",
+    "---- ~/.cache/lightning_2d/stdlib-preferences-v1.jsonl": (
+        "`lightning-2d prepare-data --config recipes/dpo_cpu.yaml --preview 1`",
                                                                "renders the built-in preference corpus, built first"),
 }
 
@@ -121,7 +122,8 @@ def of(lang: str) -> list[Block]:
 
 
 def test_every_block_has_a_known_language():
-    assert {b.lang for b in blocks()} <= {"bash", "text", "python", "yaml", "jinja"}, "a new kind of block: check it here"
+    kinds = {b.lang for b in blocks()}
+    assert kinds <= {"bash", "text", "python", "yaml", "jinja"}, f"a new kind of block: check it here ({kinds})"
 
 
 # ---- bash: the commands ---------------------------------------------------------------------------
@@ -154,7 +156,7 @@ def commands() -> tuple[Command, ...]:
         logical: list[str] = []
         for line in block.text.splitlines():
             if logical and logical[-1].endswith("\\"):
-                logical[-1] = logical[-1][:-1] + " " + line.strip()
+                logical[-1] = logical[-1][:-1].rstrip() + " " + line.strip()
             else:
                 logical.append(line.strip())
         for line in logical:
@@ -173,7 +175,8 @@ def commands() -> tuple[Command, ...]:
 
 
 class Ours(NamedTuple):
-    kind: str  # "cli": lightning-2d's argv; "script": a python file's; "module": python -m lightning_2d.X
+    kind: str  # "cli": lightning-2d's argv; "script": a python file's; "module": python -m lightning_2d.X;
+    # "refused": a launcher's own options do not parse (target: why)
     target: str
     args: tuple[str, ...]
 
@@ -195,7 +198,12 @@ def ours(argv: tuple[str, ...]) -> Optional[Ours]:
     if program == "torchrun":
         from torch.distributed.run import get_args_parser
 
-        run = get_args_parser().parse_args(args)  # torchrun's own options parse too
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                run = get_args_parser().parse_args(args)  # torchrun's own options parse too
+            except SystemExit:
+                return Ours("refused", f"torchrun: {err.getvalue()[-500:]}", tuple(args))
         words = ["python", *(["-m"] if run.module else []), run.training_script, *run.training_script_args]
         program, args = "python", words[1:]
     if re.fullmatch(r"python[\d.]*", program):
@@ -251,6 +259,9 @@ def parse_fit(argv: list[str], what: str) -> Any:
 
 
 def parse_argparse(parser: argparse.ArgumentParser, argv: list[str], what: str) -> argparse.Namespace:
+    """``parser`` parses ``argv``, each option spelt in full (argparse would take ``--accumulat`` for
+    ``--accumulate``: a renamed option would go unnoticed)."""
+    parser.allow_abbrev = False
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -300,6 +311,7 @@ def check_script(main: Any, argv: list[str], what: str, monkeypatch: pytest.Monk
     parse_args = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
+        self.allow_abbrev = False  # each option spelt in full, as parse_argparse
         raise _Parsed(parse_args(self, args, namespace))
 
     with monkeypatch.context() as patch:
@@ -342,6 +354,7 @@ def test_every_command_of_ours_parses(command: Command, monkeypatch: pytest.Monk
     run = ours(command.argv)
     if run is None:
         return  # another program's command (pip, mkdocs, pytest, git, python -c …): not ours to parse
+    assert run.kind != "refused", f"{what}: {run.target}"
     if run.kind == "cli":
         check_cli(run.args, what)
     elif run.kind == "script":
@@ -373,7 +386,8 @@ def test_yaml_blocks_are_excerpts_or_parse(block: Block, monkeypatch: pytest.Mon
     config = parse_fit(["fit", f"--config={FRAGMENT_BASE}", f"--config={block.text}"], block.where)
     # A dict typed "SomeDataclass | dict" is taken whole by jsonargparse: build it as the module does.
     model = config.fit.model
-    module_class = getattr(importlib.import_module(model.class_path.rpartition(".")[0]), model.class_path.rpartition(".")[2])
+    module_name, _, class_name = model.class_path.rpartition(".")
+    module_class = getattr(importlib.import_module(module_name), class_name)
     hints = typing.get_type_hints(module_class.__init__)
     for key in (fragment.get("model") or {}).get("init_args") or {}:
         value = getattr(model.init_args, key)
@@ -417,9 +431,9 @@ def library_templates() -> dict[str, str]:
         found[str(path.relative_to(REPO))] = path.read_text()
     for path, tree in library_sources():
         for node in tree.body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                if "{% for" in node.value.value:
-                    found[f"{path.relative_to(REPO)}:{node.targets[0].id}"] = node.value.value
+            value = node.value if isinstance(node, ast.Assign) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str) and "{% for" in value.value:
+                found[f"{path.relative_to(REPO)}:{node.targets[0].id}"] = value.value
     return found
 
 
@@ -427,7 +441,8 @@ def renders(source: str) -> Any:
     from lightning_2d.data.chat.template import ChatTemplate, ChatTemplateError
 
     try:
-        return ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"}).render(CONVERSATION, add_generation_prompt=True)
+        template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
+        return template.render(CONVERSATION, add_generation_prompt=True)
     except ChatTemplateError:  # a template for other conversations (tools, no system turn)
         return None
 
