@@ -360,8 +360,14 @@ def test_every_command_of_ours_parses(command: Command, monkeypatch: pytest.Monk
     elif run.kind == "script":
         assert (REPO / run.target).is_file(), f"{what}: {run.target} does not exist"
         check_script(_script(run.target).main, list(run.args), what, monkeypatch)
-    else:
-        check_script(lambda: importlib.import_module(run.target).main(list(run.args)), [], what, monkeypatch)
+    else:  # python -m lightning_2d.X: a tool as `lightning-2d NAME`, another module (docs, plots) by its main
+        from lightning_2d.tools.cli import TOOLS
+
+        tool = {module: name for name, module in TOOLS.items()}.get(run.target.removesuffix(".__main__"))
+        if tool:
+            check_cli((tool, *run.args), what)
+        else:
+            check_script(lambda: importlib.import_module(run.target).main(list(run.args)), [], what, monkeypatch)
 
 
 # ---- yaml -----------------------------------------------------------------------------------------
