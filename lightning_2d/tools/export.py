@@ -6,6 +6,7 @@ The conversion itself is ``lightning_2d.checkpoint.hf.export_hf``; this is its c
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Optional
@@ -15,18 +16,8 @@ from lightning_2d.models.llama.model import PRESETS
 from lightning_2d.parallel.config import DTYPE_NAMES
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    """``lightning-2d export CHECKPOINT OUT_DIR``: a checkpoint → Hugging Face Llama directory.
-
-    A checkpoint that cannot be exported as asked exits with status 1 and a one-line reason (no
-    traceback): the user's fix is in the message, not in the stack.
-
-    Args:
-        argv: The arguments after ``export`` (``None``: ``sys.argv[1:]``).
-    """
-    import argparse
-    import sys
-
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lightning-2d export`` parser (``main`` parses with it; the docs' commands are checked against it)."""
     parser = argparse.ArgumentParser(
         prog="lightning-2d export",
         description="Write model.safetensors + config.json (Hugging Face Llama layout) from a sharded or"
@@ -54,6 +45,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--allow-global", action="append", default=[], metavar="MODULE.NAME",
                         help="a type the checkpoint may hold besides tensors and plain data (only for a file you"
                         " trust: building it runs its code); repeatable")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``lightning-2d export CHECKPOINT OUT_DIR``: a checkpoint → Hugging Face Llama directory.
+
+    A checkpoint that cannot be exported as asked exits with status 1 and a one-line reason (no
+    traceback): the user's fix is in the message, not in the stack.
+
+    Args:
+        argv: The arguments after ``export`` (``None``: ``sys.argv[1:]``).
+    """
+    import sys
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_shard_gb <= 0:
         parser.error(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
