@@ -28,6 +28,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from lightning_2d.integration.strategy_options import options_table  # imports every module that registers a check
+from lightning_2d.parallel.checks import CHECKS, INPUT_OPTIONS
+from lightning_2d.tools.cli import main as cli_main
+from lightning_2d.tools.troubleshooting import REFUSALS
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 RECIPES = REPO / "recipes"
@@ -41,16 +46,11 @@ HELP_COLUMNS = 100
 
 def options() -> str:
     """The strategy options: argument, default as shown, meaning (both strategies take the same)."""
-    from lightning_2d.integration.strategy_options import options_table
-
     return options_table()
 
 
 def checks() -> str:
     """Every registered check: what it reads and what it refuses (its docstring's first sentence)."""
-    import lightning_2d.integration.strategy_options  # noqa: F401  (imports every module that registers a check)
-    from lightning_2d.parallel.checks import CHECKS, INPUT_OPTIONS
-
     rows = ["| check | reads | refuses |", "| --- | --- | --- |"]
     for registered in CHECKS:
         inputs = [i for i in (*registered.required, *registered.optional) if i not in INPUT_OPTIONS]
@@ -70,8 +70,6 @@ def recipes() -> str:
 
 def troubleshooting() -> str:
     """The refusals a user meets, one row each: what they see, the cause, what to do."""
-    from lightning_2d.tools.troubleshooting import REFUSALS
-
     rows = ["| you see | cause | do |", "| --- | --- | --- |"]
     rows += [f"| {r.see} | {r.cause} | {r.do} |" for r in REFUSALS]
     return "\n".join(rows) + "\n"
@@ -81,15 +79,13 @@ def tool_help(*argv: str) -> Callable[[], str]:
     """``lightning-2d ARGV --help`` as it prints, in a ``text`` block."""
 
     def render() -> str:
-        from lightning_2d.tools.cli import main
-
         out = io.StringIO()
         previous = os.environ.get("COLUMNS")
         os.environ["COLUMNS"] = str(HELP_COLUMNS)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 try:
-                    main([*argv, "--help"])
+                    cli_main([*argv, "--help"])
                 except SystemExit as exit_:
                     if exit_.code not in (0, None):
                         raise RuntimeError(f"lightning-2d {' '.join(argv)} --help exited with {exit_.code}:"
