@@ -53,8 +53,14 @@ class HFCausalLMModule(CausalLMModule):
         init_from: A Hugging Face model directory (``config.json`` + ``model.safetensors`` or shards)
             to start from instead of a random init; each rank reads only the blocks it holds.
         attn_implementation: The ``transformers`` attention kernel (``"sdpa"``, ``"eager"`` …).
-        learning_rate, weight_decay, betas, eps, fused, warmup_steps, max_steps, min_lr_ratio:
-            AdamW and its warm-up/cosine schedule (see ``LlamaLightningModule``).
+        learning_rate: Peak learning rate (AdamW, warm-up then cosine decay: see ``LlamaLightningModule``).
+        weight_decay: AdamW weight decay, applied to matrices only.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        fused: AdamW implementation: ``True`` fused kernel, ``False`` foreach, ``None`` chosen by device.
+        warmup_steps: Linear warm-up steps.
+        max_steps: Steps of the cosine decay; ``None`` uses the Trainer's estimate of the run length.
+        min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
         init_seed: Seed of the initialization; ``None``: the run's seed.
         lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields);
             see ``LlamaLightningModule``. Targets by Hugging Face names (``q_proj`` …) or ours (``wq`` …).
