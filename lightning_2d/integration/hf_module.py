@@ -71,6 +71,26 @@ class HFCausalLMModule(CausalLMModule):
             ``config``, ``init_from`` and ``config_overrides`` (as this module's); any family this module trains,
             its vocabulary (and its folder's tokenizer) the student's. See ``LlamaLightningModule``.
         distillation: How the student learns from ``teacher`` (``lightning_2d.DistillationConfig`` or a dict).
+
+    Raises:
+        ValueError: A model type this module does not train, a config it cannot build or a folder whose weights do
+            not fit it; ``lora``, ``preference`` or ``distillation`` settings out of their range.
+        ParallelConfigError: Settings that cannot go together, whatever the layout (each problem with its fix).
+        FileNotFoundError: An ``init_from`` or ``lora_init_from`` folder without its files.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_2d import ChatDataModule, ModelParallel2DStrategy
+        from lightning_2d.hf import HFCausalLMModule
+
+        module = HFCausalLMModule(init_from="Qwen3-8B/", learning_rate=1e-5, warmup_steps=100)
+        trainer = L.Trainer(devices=8, precision="bf16-mixed", strategy=ModelParallel2DStrategy(tensor_parallel_size=4))
+        trainer.fit(module, ChatDataModule("chats.jsonl", tokenizer="Qwen3-8B/", seq_len=4096, batch_size=2))
+        ```
+
+        From the command line: a recipe's ``model:`` with ``class_path: lightning_2d.hf.HFCausalLMModule``
+        (``recipes/hf_llama_cpu.yaml``).
     """
 
     def __init__(
