@@ -111,6 +111,22 @@ class ParallelConfig:
     Each field's docstring is the option's documentation everywhere: the strategies' signatures and
     docstrings, the CLI's ``--help`` and the docs' table (docs/strategy.md) are built from these fields (with the
     strategy-only options of ``lightning_2d.integration.strategy_options.StrategyOptions``).
+
+    The strategies build one from their arguments; a script without a strategy (``parallelize_model``, the planner)
+    builds its own. What needs the world or the model (sizes that divide them) is checked later, by
+    ``validate_parallel_dims``.
+
+    Raises:
+        ParallelConfigError: Options out of their range or contradicting each other (every problem in one message,
+            with its fix); a ``Lightning2DError`` and a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import ParallelConfig
+
+        config = ParallelConfig(tensor_parallel_size=8, activation_checkpointing="selective")
+        config.resolve_dtypes("bf16-mixed").param_dtype  # torch.bfloat16
+        ```
     """
 
     data_parallel_size: Size = option("auto", position=0)
