@@ -86,6 +86,20 @@ class PreferenceLoss:
             the data writes each sequence's log-probability into the data cache (keyed by the reference's weights
             and the data: a later run reads it, and never builds a frozen copy); training then reads them from its
             batches, and a frozen copy is released: no reference model in memory, no reference forward per step.
+
+    Raises:
+        PreferenceConfigError: A setting out of its range or settings that contradict each other (every problem in
+            one message); a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import LlamaLightningModule, LoRA, PreferenceLoss
+
+        dpo = PreferenceLoss(beta=0.1)                              # sigmoid: DPO against a frozen copy
+        simpo = PreferenceLoss(loss_type="simpo", beta=2.0, simpo_gamma=0.5)  # no reference model
+        module = LlamaLightningModule(init_from="Llama-3.1-8B-Instruct/", lora=LoRA(rank=16, alpha=32),
+                                      preference=dpo)  # under LoRA the reference is the base, adapters off
+        ```
     """
 
     loss_type: str = "sigmoid"
