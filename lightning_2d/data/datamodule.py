@@ -70,6 +70,22 @@ class TextDataModule(DataParallelDataModule):
             ``<s>``), as Llama 3 and Llama 2 were pre-trained; the cache is then another one. With
             ``document_mask`` the token is its document's first (position 0). Needs a tokenizer with one (not
             ``"byte"``).
+
+    Raises:
+        DataError: At construction, arguments out of range (every problem in one message), a tokenizer that cannot
+            be loaded or that lacks the end-of-text (``document_mask``) or beginning-of-text (``add_bos``) token it
+            needs; before training (``check_prepared``, which ``lightning-2d fit`` calls before launching), a corpus
+            larger than ``max_unprepared_mb`` without its token cache; at ``setup``, files that cannot be read
+            (``DataFileNotFoundError``, also a ``FileNotFoundError``) or too few tokens for one batch.
+
+    Example:
+        ```python
+        from lightning_2d import TextDataModule
+
+        data = TextDataModule(["corpus/", "extra/*.jsonl"], tokenizer="Meta-Llama-3-8B/", seq_len=8192, batch_size=1)
+        data.prepare()  # optional: tokenize with every local core now (`lightning-2d prepare-data`)
+        trainer.fit(module, data)
+        ```
     """
 
     def __init__(

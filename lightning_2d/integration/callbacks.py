@@ -319,6 +319,21 @@ class TokenThroughputMonitor(L.Callback):
         skip_first_steps: Steps of each ``fit`` left out of every measurement (start-up, compilation).
         dtype: Compute dtype for the MFU peak (``"bfloat16"``, ``torch.float32``, ...); ``None``
             derives it from the Trainer (``compute_dtype_of``).
+
+    Raises:
+        ValueError: A ``log_every_n_steps`` below 1, a negative ``skip_first_steps`` or a ``dtype`` that names no
+            dtype.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_2d import TokenThroughputMonitor
+
+        trainer = L.Trainer(callbacks=[TokenThroughputMonitor(log_every_n_steps=20, skip_first_steps=5)])
+        # logs perf/tokens_per_sec, perf/step_time_s, perf/tflops_per_device, perf/mfu_percent, ...
+        ```
+
+        ``lightning-2d fit`` adds one to every run (``--throughput.log_every_n_steps=...``).
     """
 
     def __init__(

@@ -92,6 +92,29 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
 
     Takes the options of the Trainer strategy (``lightning_2d.integration.strategy_options``), plus
     ``parallelize_fn``: see ``__init__``.
+
+    Raises:
+        ParallelConfigError: At construction, options out of their range or contradicting each other; at
+            ``fabric.setup``, a layout the world or the model's plan cannot take. Every problem is listed in one
+            message, with the values and the way out.
+        TypeError: An argument the strategy does not take, as a Python call would.
+
+    Example:
+        ```python
+        import lightning as L
+        import torch
+        from lightning_2d import ModelArgs, Transformer
+        from lightning_2d.fabric import ModelParallel2DStrategy
+
+        fabric = L.Fabric(devices=8, precision="bf16-mixed", strategy=ModelParallel2DStrategy(tensor_parallel_size=8))
+        fabric.launch()
+        with fabric.init_module(empty_init=True), torch.device("meta"):
+            model = Transformer(ModelArgs.from_name("llama3-8b"))  # nothing allocated yet
+        model = fabric.setup(model)  # TP/SP → AC → compile → FSDP2, then each rank's shards
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
+        ```
+
+        The whole loop (resuming, accumulation, checkpoints): ``recipes/fabric_pretrain.py``.
     """
 
     def _init_fabric(

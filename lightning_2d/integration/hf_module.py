@@ -53,8 +53,14 @@ class HFCausalLMModule(CausalLMModule):
         init_from: A Hugging Face model directory (``config.json`` + ``model.safetensors`` or shards)
             to start from instead of a random init; each rank reads only the blocks it holds.
         attn_implementation: The ``transformers`` attention kernel (``"sdpa"``, ``"eager"`` …).
-        learning_rate, weight_decay, betas, eps, fused, warmup_steps, max_steps, min_lr_ratio:
-            AdamW and its warm-up/cosine schedule (see ``LlamaLightningModule``).
+        learning_rate: Peak learning rate (AdamW, warm-up then cosine decay: see ``LlamaLightningModule``).
+        weight_decay: AdamW weight decay, applied to matrices only.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        fused: AdamW implementation: ``True`` fused kernel, ``False`` foreach, ``None`` chosen by device.
+        warmup_steps: Linear warm-up steps.
+        max_steps: Steps of the cosine decay; ``None`` uses the Trainer's estimate of the run length.
+        min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
         init_seed: Seed of the initialization; ``None``: the run's seed.
         lora: Train low-rank adapters instead of the whole model (``lightning_2d.LoRA`` or a dict of its fields);
             see ``LlamaLightningModule``. Targets by Hugging Face names (``q_proj`` …) or ours (``wq`` …).
@@ -65,6 +71,26 @@ class HFCausalLMModule(CausalLMModule):
             ``config``, ``init_from`` and ``config_overrides`` (as this module's); any family this module trains,
             its vocabulary (and its folder's tokenizer) the student's. See ``LlamaLightningModule``.
         distillation: How the student learns from ``teacher`` (``lightning_2d.DistillationConfig`` or a dict).
+
+    Raises:
+        ValueError: A model type this module does not train, a config it cannot build or a folder whose weights do
+            not fit it; ``lora``, ``preference`` or ``distillation`` settings out of their range.
+        ParallelConfigError: Settings that cannot go together, whatever the layout (each problem with its fix).
+        FileNotFoundError: An ``init_from`` or ``lora_init_from`` folder without its files.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_2d import ChatDataModule, ModelParallel2DStrategy
+        from lightning_2d.hf import HFCausalLMModule
+
+        module = HFCausalLMModule(init_from="Qwen3-8B/", learning_rate=1e-5, warmup_steps=100)
+        trainer = L.Trainer(devices=8, precision="bf16-mixed", strategy=ModelParallel2DStrategy(tensor_parallel_size=4))
+        trainer.fit(module, ChatDataModule("chats.jsonl", tokenizer="Qwen3-8B/", seq_len=4096, batch_size=2))
+        ```
+
+        From the command line: a recipe's ``model:`` with ``class_path: lightning_2d.hf.HFCausalLMModule``
+        (``recipes/hf_llama_cpu.yaml``).
     """
 
     def __init__(

@@ -459,6 +459,29 @@ class LlamaLightningModule(CausalLMModule):
             seeded init from the student's seed.
         distillation: How the student learns from ``teacher`` (``lightning_2d.DistillationConfig`` or a dict of its
             fields: the divergence, its temperature, ``alpha`` its weight against the next-token loss, the tokens).
+
+    Raises:
+        ModelArgsError: An unknown preset or ``ModelArgs`` field, or model args that do not hold together. This
+            and the errors below are raised at construction, before the Trainer launches any process.
+        ValueError: A ``loss_chunk_size`` below 1; ``lora``, ``preference`` or ``distillation`` settings out of
+            their range (``LoRAConfigError``, ``PreferenceConfigError``, ``DistillationConfigError``); an
+            ``init_from`` folder whose ``config.json`` or weights do not fit the model.
+        ParallelConfigError: Settings that cannot go together, whatever the layout (each problem with its fix).
+        FileNotFoundError: An ``init_from`` or ``lora_init_from`` folder without its files.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_2d import LlamaLightningModule, LoRA, ModelParallel2DStrategy, TextDataModule
+
+        # pre-training from the seeded init
+        module = LlamaLightningModule("llama3-8b", learning_rate=3e-4, warmup_steps=2000, max_steps=100_000)
+        # LoRA fine-tuning of a Hugging Face checkpoint
+        module = LlamaLightningModule(init_from="Meta-Llama-3-8B/", lora=LoRA(rank=16, alpha=32))
+
+        trainer = L.Trainer(devices=8, precision="bf16-mixed", strategy=ModelParallel2DStrategy(tensor_parallel_size=8))
+        trainer.fit(module, TextDataModule("corpus/", tokenizer="Meta-Llama-3-8B/", seq_len=8192, batch_size=1))
+        ```
     """
 
     supports_document_mask = True

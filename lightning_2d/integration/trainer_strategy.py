@@ -56,15 +56,34 @@ class ModelParallel2DStrategy(ModelParallel2DBase, ModelParallelStrategy):
     A ``configure_model`` that parallelizes the model itself (as with Lightning's strategy) is
     respected: the strategy then only materializes it.
 
-    The options are documented on ``lightning_2d.integration.strategy_base.ModelParallel2DBase``
-    (``data_parallel_size``, ``tensor_parallel_size``, ``data_parallel_replicate_size``,
-    ``sequence_parallel``, ``activation_checkpointing``, ``compile``, ``float8``, checkpoints …).
+    The options (``data_parallel_size``, ``tensor_parallel_size``, ``data_parallel_replicate_size``,
+    ``sequence_parallel``, ``activation_checkpointing``, ``compile``, ``float8``, checkpoints …) are the fields of
+    ``ParallelConfig`` and ``StrategyOptions`` (``lightning_2d.integration.strategy_options``), each the constructor's
+    argument of the same name; ``help(ModelParallel2DStrategy.__init__)`` documents every one.
 
     ``device_mesh`` has every dimension, ``pipeline_parallel``, ``data_parallel_replicate``, ``data_parallel_shard``,
     ``context_parallel`` and ``tensor_parallel`` (size 1 allowed), and the flattened ``data_parallel`` (replicate ×
     shard), so code written for Lightning's strategy (``device_mesh["data_parallel"]``, ``["tensor_parallel"]``) works
     unchanged; ``meshes`` names every sub-mesh (``ParallelMeshes``), ``pipeline`` is the model's pipeline (or
     ``None``), ``parallelized`` what ``parallelize_model`` returned.
+
+    Raises:
+        ParallelConfigError: At construction, options out of their range or contradicting each other; before the
+            other ranks are launched and again at ``setup``, a layout that the world, the model's plan or the data
+            cannot take (sizes that do not divide the world, heads or sequence length; a step the model refuses).
+            Every problem is listed in one message, with the values and the way out.
+        TypeError: An argument the strategy does not take, as a Python call would.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_2d import LlamaLightningModule, ModelParallel2DStrategy, TextDataModule
+
+        strategy = ModelParallel2DStrategy(tensor_parallel_size=4, activation_checkpointing="selective")
+        trainer = L.Trainer(accelerator="cuda", devices=8, precision="bf16-mixed", strategy=strategy)
+        # 8 devices: 2 FSDP shards x 4 tensor-parallel ranks
+        trainer.fit(LlamaLightningModule("llama3-8b"), TextDataModule("corpus/", tokenizer="Llama-3-8B/", seq_len=8192))
+        ```
     """
 
     strategy_name = STRATEGY_NAME

@@ -109,7 +109,15 @@ def _is_known_parameter(name: str, model_type: Any) -> bool:
 def check_hf_decoder(model: nn.Module) -> None:
     """Refuse a model whose parameters the built-in plan would not shard correctly: any parameter outside
     its family's layout (a per-head ``q_norm`` on a Llama, a norm with a bias on a Qwen3 …), which the plan
-    would leave unsharded and, under tensor parallelism, with a gradient differing between ranks."""
+    would leave unsharded and, under tensor parallelism, with a gradient differing between ranks.
+
+    Args:
+        model: A ``transformers`` ``*ForCausalLM`` (on any device, the meta device included).
+
+    Raises:
+        ValueError: Its config or parameters are outside the layout ``hf_decoder_plan`` shards (every problem
+            listed); pass your own ``ParallelPlan`` for such a model.
+    """
     problems = hf_config_problems(model.config)
     model_type = getattr(model.config, "model_type", None)
     unknown = [n for n, _ in model.named_parameters() if not _is_known_parameter(canonical_name(n), model_type)]
@@ -130,6 +138,25 @@ def hf_decoder_plan(hf_config: Any, config: ParallelConfig, module: str = "model
         config: The strategy's options: ``sequence_parallel`` and ``loss_parallel`` shape the plan.
         module: Attribute of the owner holding the model (``"model"`` in ``HFCausalLMModule``;
             ``""`` when the plan applies to the model itself, as with Fabric).
+
+    Returns:
+        The plan: the blocks ``model.layers``, the attention and MLP projections column- and row-wise, the head over
+        the vocabulary, and under ``sequence_parallel`` the norms and the residual stream along the sequence.
+
+    Raises:
+        ValueError: A config the plan does not apply to (a model type or attention layout it does not know).
+
+    Example:
+        ```python
+        from lightning_2d import ParallelConfig
+        from lightning_2d.hf import hf_decoder_plan, load_hf_config
+
+        hf_config = load_hf_config({"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4})
+        plan = hf_decoder_plan(hf_config, ParallelConfig(tensor_parallel_size=2))
+        plan.blocks, plan.tp_divides  # ('model.layers', {'num_attention_heads': 8, 'num_key_value_heads': 4})
+        ```
+
+        ``HFCausalLMModule.parallel_plan`` returns it; a ``LightningModule`` of your own holding a decoder may too.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -291,7 +318,17 @@ class HFDecoderInit:
 
 
 def load_hf_config(config: Union[str, Path, Mapping[str, Any], Any], overrides: Optional[Mapping[str, Any]] = None) -> Any:
-    """A ``PretrainedConfig`` from a config object, a dict with ``model_type``, or a directory / ``config.json``."""
+    """A ``PretrainedConfig`` from a config object, a dict with ``model_type``, or a directory / ``config.json``.
+
+    Args:
+        config: A ``PretrainedConfig``, a dict with ``model_type`` and the fields to set, or a model directory or its
+            ``config.json``.
+        overrides: Fields to change (``{"num_hidden_layers": 2}``).
+
+    Raises:
+        FileNotFoundError: A path that is neither a directory with a ``config.json`` nor a ``config.json`` file.
+        ValueError: Fields without a ``model_type``.
+    """
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):

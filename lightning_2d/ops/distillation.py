@@ -78,6 +78,20 @@ class DistillationConfig:
             last trained token).
         chunk_size: Tokens per chunk of the fused heads (the divergence and the next-token loss): the largest buffers
             are three (``jsd``: four) ``chunk_size × vocab / tensor_parallel_size`` fp32 numbers.
+
+    Raises:
+        DistillationConfigError: A setting out of its range (every problem in one message); a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import DistillationConfig, LlamaLightningModule
+
+        module = LlamaLightningModule(
+            init_from="Llama-3.2-1B/",
+            teacher="Llama-3.1-8B/",  # its vocabulary the student's
+            distillation=DistillationConfig(loss="forward_kl", temperature=2.0, alpha=0.5),
+        )
+        ```
     """
 
     loss: str = "forward_kl"

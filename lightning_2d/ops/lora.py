@@ -65,6 +65,20 @@ class LoRA:
         quantize_base: ``"nf4"``: QLoRA (Dettmers et al. 2023), the adapted layers' frozen weights stored as 4-bit
             NormalFloat (torchao's ``NF4Tensor``, ``lightning_2d.ops.nf4``) and dequantized in each forward; ``None``:
             the base keeps its dtype. Under the 2D strategy NF4 weights are FSDP-sharded (not tensor-parallel).
+
+    Raises:
+        LoRAConfigError: A setting out of its range (every problem in one message); a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import LlamaLightningModule, LoRA
+
+        lora = LoRA(rank=16, alpha=32, targets=["wq", "wv"])   # or Hugging Face's names: ["q_proj", "v_proj"]
+        qlora = LoRA(rank=64, alpha=16, quantize_base="nf4")   # every projection, the frozen base in 4 bits
+        module = LlamaLightningModule(init_from="Meta-Llama-3-8B/", lora=qlora)
+        ```
+
+        In a recipe: ``model: {init_from: ..., lora: {rank: 16, alpha: 32}}``.
     """
 
     rank: int = 8

@@ -60,6 +60,23 @@ class MoEArgs:
             Qwen3-MoE 0.001, Mixtral 0.02), with ``load_balancing="aux_loss"``.
         bias_update_rate: How far each step moves an expert's bias towards balance (DeepSeek-V3's ``gamma``), with
             ``load_balancing="bias"``.
+
+    Raises:
+        MoEConfigError: A setting out of its range (every problem in one message); a ``Lightning2DError`` and a
+            ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import LlamaLightningModule, ModelArgs
+        from lightning_2d.ops.moe import MoEArgs
+
+        moe = MoEArgs(num_experts=8, top_k=2, hidden_dim=1024, load_balancing="aux_loss", aux_loss_coef=0.01)
+        args = ModelArgs(dim=1024, n_layers=8, n_heads=16, vocab_size=32000, moe=moe)
+        module = LlamaLightningModule(args)  # experts split by the strategy's expert_parallel_size
+        ```
+
+        The presets ``"debug-moe"`` and ``"qwen3-30b-a3b"`` carry theirs; ``init_from`` a Qwen3-MoE or Mixtral folder
+        reads them from its ``config.json`` (``from_hf_config``).
     """
 
     num_experts: int

@@ -74,7 +74,8 @@ class PreferenceLoss:
         label_smoothing: ε ∈ [0, 0.5): the assumed fraction of flipped preference labels (``sigmoid``: cDPO,
             ``robust``, ``simpo``).
         simpo_gamma: SimPO's target reward margin γ (TRL's ``CPOConfig.simpo_gamma``).
-        desirable_weight, undesirable_weight: KTO's weights of the desirable and undesirable examples' losses.
+        desirable_weight: KTO's weight of the desirable examples' losses.
+        undesirable_weight: KTO's weight of the undesirable examples' losses.
         reference: Where the reference model's log-probabilities come from (the DPO family, KTO): ``"adapters_off"``
             (under LoRA: the trained model with its adapters switched off, no second copy), ``"copy"`` (a frozen
             copy of the initial model, parallelized beside it by the same plan: sharded, no gradients, no optimizer
@@ -85,6 +86,20 @@ class PreferenceLoss:
             the data writes each sequence's log-probability into the data cache (keyed by the reference's weights
             and the data: a later run reads it, and never builds a frozen copy); training then reads them from its
             batches, and a frozen copy is released: no reference model in memory, no reference forward per step.
+
+    Raises:
+        PreferenceConfigError: A setting out of its range or settings that contradict each other (every problem in
+            one message); a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import LlamaLightningModule, LoRA, PreferenceLoss
+
+        dpo = PreferenceLoss(beta=0.1)                              # sigmoid: DPO against a frozen copy
+        simpo = PreferenceLoss(loss_type="simpo", beta=2.0, simpo_gamma=0.5)  # no reference model
+        module = LlamaLightningModule(init_from="Llama-3.1-8B-Instruct/", lora=LoRA(rank=16, alpha=32),
+                                      preference=dpo)  # under LoRA the reference is the base, adapters off
+        ```
     """
 
     loss_type: str = "sigmoid"
@@ -177,9 +192,12 @@ class PreferenceLoss:
         """Each pair's loss and metrics from the completions' summed log-probabilities (``(P,)`` each).
 
         Args:
-            chosen_logps, rejected_logps: The trained model's summed log-probabilities of each pair's completions.
-            chosen_tokens, rejected_tokens: Their completion tokens (what IPO, SimPO and ORPO average over).
-            ref_chosen_logps, ref_rejected_logps: The reference model's (the DPO family; ignored otherwise).
+            chosen_logps: The trained model's summed log-probability of each pair's chosen completion.
+            rejected_logps: The same of each pair's rejected completion.
+            chosen_tokens: The chosen completions' token counts (what IPO, SimPO and ORPO average over).
+            rejected_tokens: The rejected completions' token counts.
+            ref_chosen_logps: The reference model's ``chosen_logps`` (the DPO family; ignored otherwise).
+            ref_rejected_logps: The reference model's ``rejected_logps`` (the DPO family; ignored otherwise).
         """
         if not self.paired:
             raise PreferenceConfigError(f"{self.loss_type} scores unpaired examples: use kto_terms")
@@ -218,7 +236,8 @@ class PreferenceLoss:
         """KTO's per-example losses and rewards (``(E,)`` each).
 
         Args:
-            logps, ref_logps: Each completion's summed log-probability under the trained and the reference model.
+            logps: Each completion's summed log-probability under the trained model.
+            ref_logps: The same under the reference model.
             desirable: ``(E,)`` bool: whether the completion is labelled desirable.
             kl: KTO's reference point: the batch's estimate of KL(trained ‖ reference), from completions paired with
                 other examples' prompts (detached, clamped at 0, averaged over the whole batch by the caller).

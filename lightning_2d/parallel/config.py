@@ -111,6 +111,22 @@ class ParallelConfig:
     Each field's docstring is the option's documentation everywhere: the strategies' signatures and
     docstrings, the CLI's ``--help`` and the docs' table (docs/strategy.md) are built from these fields (with the
     strategy-only options of ``lightning_2d.integration.strategy_options.StrategyOptions``).
+
+    The strategies build one from their arguments; a script without a strategy (``parallelize_model``, the planner)
+    builds its own. What needs the world or the model (sizes that divide them) is checked later, by
+    ``validate_parallel_dims``.
+
+    Raises:
+        ParallelConfigError: Options out of their range or contradicting each other (every problem in one message,
+            with its fix); a ``Lightning2DError`` and a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import ParallelConfig
+
+        config = ParallelConfig(tensor_parallel_size=8, activation_checkpointing="selective")
+        config.resolve_dtypes("bf16-mixed").param_dtype  # torch.bfloat16
+        ```
     """
 
     data_parallel_size: Size = option("auto", position=0)
@@ -805,6 +821,30 @@ class ParallelPlan:
             Empty: the settings must name their targets.
         adapter_aliases: Other names of those layers that the settings may use (Hugging Face's ``q_proj`` → our
             ``wq``).
+
+    A plan is data and is not checked when built: the strategy checks it against the options and the world before
+    any process starts (a ``ParallelConfigError`` naming each problem) and against the model at ``setup``.
+
+    Example:
+        A plan for a GPT-style model (``recipes/custom_model_plan.py``, with its sequence-parallel form):
+
+        ```python
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        from lightning_2d import ModelParallel2DStrategy, ParallelPlan
+
+        plan = ParallelPlan(
+            tensor_parallel={
+                "blocks.*.attn.qkv": ColwiseParallel(),
+                "blocks.*.attn.proj": RowwiseParallel(),
+                "blocks.*.mlp.fc": ColwiseParallel(),
+                "blocks.*.mlp.proj": RowwiseParallel(),
+            },
+            blocks="blocks",          # the ModuleList of repeated blocks: the AC, compile and FSDP unit
+            module="net",             # the LightningModule's attribute holding the model
+            tp_divides={"n_heads": 12},
+        )
+        strategy = ModelParallel2DStrategy(tensor_parallel_size=4, sequence_parallel=False, plan=plan)
+        ```
     """
 
     tensor_parallel: dict[str, "ParallelStyle"] = field(default_factory=dict)

@@ -105,7 +105,17 @@ DESCRIPTION = (
 
 
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Lightning2DCLI:
-    """Build (and with ``run=True`` run) the CLI; ``args=None`` reads ``sys.argv``."""
+    """Build (and with ``run=True`` run) the CLI: LightningCLI's ``fit``, ``validate``, ``test`` and ``predict``.
+
+    Args:
+        args: The arguments after ``lightning-2d`` (``["fit", "--config", "recipe.yaml"]``); ``None`` reads
+            ``sys.argv``.
+        run: Run the subcommand; ``False``: only parse (``args`` then without a subcommand) and build the model, the
+            data and the Trainer, returned on the CLI (``cli.model``, ``cli.datamodule``, ``cli.trainer``).
+
+    Returns:
+        The ``Lightning2DCLI``.
+    """
     return Lightning2DCLI(
         **MODEL_AND_DATA,
         args=args,
@@ -191,6 +201,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     Args:
         argv: The arguments after ``lightning-2d`` (``None``: ``sys.argv[1:]``, which LightningCLI then reads
             itself, as Lightning's launcher re-runs the command line in each rank).
+
+    Raises:
+        SystemExit: After ``--help`` (status 0) or no arguments (2); options that do not parse (2, argparse's); one of
+            the library's errors (``Lightning2DError``: 1, its message printed as one line), unless
+            ``LIGHTNING_2D_TRACEBACK`` is set, which raises the error itself.
+
+    Example:
+        ```python
+        from lightning_2d.tools.cli import main
+
+        main(["fit", "--config", "recipes/debug_cpu.yaml", "--trainer.max_steps=10"])  # `lightning-2d fit ...`
+        main(["plan", "--model", "llama3-8b", "--devices", "8", "--tensor-parallel-size", "8"])
+        ```
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):

@@ -56,6 +56,17 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     Args:
         argv: The arguments after ``export`` (``None``: ``sys.argv[1:]``).
+
+    Raises:
+        SystemExit: Status 1 for a checkpoint that cannot be exported as asked (``ExportError``, or no complete
+            checkpoint there), with its reason; 2 for options that do not parse.
+
+    Example:
+        ```python
+        from lightning_2d.tools.export import main
+
+        main(["checkpoints/last.ckpt", "export/", "--dtype", "bfloat16"])  # `lightning-2d export ...`
+        ```
     """
     import sys
 

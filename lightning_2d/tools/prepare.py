@@ -321,7 +321,19 @@ def main(argv: Optional[list[str]] = None) -> Union[CacheReport, ChatCacheReport
         argv: Options (default ``sys.argv[1:]``).
 
     Returns:
-        The ``CacheReport`` (also printed).
+        The ``CacheReport`` (also printed); ``None`` with ``--preview``.
+
+    Raises:
+        DataError: Files that cannot be read or rows of no known format (naming ``file:line``), or ``--preview`` of
+            a ``TextDataModule`` recipe.
+
+    Example:
+        ```python
+        from lightning_2d.tools.prepare import main
+
+        main(["--config", "recipes/sft_cpu.yaml", "--processes", "8"])  # `lightning-2d prepare-data ...`
+        main(["--config", "recipes/sft_cpu.yaml", "--preview", "3"])    # 3 rows as the model sees them
+        ```
     """
     argv = sys.argv[1:] if argv is None else argv
     data, workers = parse_args(argv)

@@ -466,6 +466,19 @@ def export_hf(
         ExportError: Model args missing, disagreeing or not fitting the weights; a checkpoint that a
             weights-only load refuses; a ``tokenizer`` that does not exist. Nothing is written then.
         FileNotFoundError: Not a complete checkpoint.
+
+    Returns:
+        ``out_dir``.
+
+    Example:
+        ```python
+        from pathlib import Path
+        import torch
+        from lightning_2d.hf import export_hf
+
+        out = export_hf(Path("checkpoints/step=1000.ckpt"), Path("export/"), dtype=torch.bfloat16)
+        # transformers.AutoModelForCausalLM.from_pretrained(out) loads it; `lightning-2d export` is its command line
+        ```
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     source = open_checkpoint(checkpoint, allow_globals=allow_globals, need_metadata=model is None)

@@ -153,7 +153,18 @@ def rotary_heads(name: str, args: ModelArgs) -> Optional[int]:
 
 
 def meta_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of each head: interleaved pairs → halves (a 1-D weight: its features, as rows)."""
+    """Rows of each head: interleaved pairs → halves (a 1-D weight: its features, as rows).
+
+    Meta's checkpoints (and our ``Transformer``) rotate interleaved pairs of each head's features, Hugging Face's
+    Llama the two halves: the query and key projections' rows are permuted on the way out (``export_hf``).
+
+    Args:
+        weight: A ``wq``/``wk`` weight, ``(n_heads × head_dim, dim)``, or a per-head norm's ``(head_dim,)``.
+        n_heads: The heads its rows hold (``n_heads`` for ``wq``, ``n_kv_heads`` for ``wk``; 1 for a per-head norm).
+
+    Returns:
+        The same weight with each head's rows in Hugging Face's order; ``hf_to_meta`` inverts it.
+    """
     if weight.dim() == 1:
         return meta_to_hf(weight.unsqueeze(-1), n_heads).squeeze(-1)
     rows, cols = weight.shape
@@ -161,7 +172,17 @@ def meta_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of each head: halves → interleaved pairs (inverse of ``meta_to_hf``)."""
+    """Rows of each head: halves → interleaved pairs (inverse of ``meta_to_hf``).
+
+    Args:
+        weight: A Hugging Face ``q_proj``/``k_proj`` weight, ``(n_heads × head_dim, dim)``, or a per-head norm's
+            ``(head_dim,)``.
+        n_heads: The heads its rows hold (``num_attention_heads`` for ``q_proj``, ``num_key_value_heads`` for
+            ``k_proj``; 1 for a per-head norm).
+
+    Returns:
+        The same weight with each head's rows in Meta's (our ``Transformer``'s) order.
+    """
     if weight.dim() == 1:
         return hf_to_meta(weight.unsqueeze(-1), n_heads).squeeze(-1)
     rows, cols = weight.shape
@@ -271,7 +292,28 @@ def _rope_scaling_from_hf(config: dict[str, Any], config_path: Path) -> tuple[fl
 def model_args_from_hf(directory: Path) -> ModelArgs:
     """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama, Qwen3, Qwen3-MoE or Mixtral (``multiple_of``
     chosen to reproduce its FFN size; a mixture of experts balanced as transformers would fine-tune it: by the
-    auxiliary loss when the config asks for the router logits, else not at all)."""
+    auxiliary loss when the config asks for the router logits, else not at all).
+
+    Args:
+        directory: A Hugging Face model directory (what ``init_from`` takes).
+
+    Returns:
+        The model args our ``Transformer`` is built from to hold that model's weights.
+
+    Raises:
+        FileNotFoundError: The directory has no ``config.json``.
+        ValueError: A ``model_type`` that is not one of these families, or fields (a rotary scaling, a feed-forward
+            size) that our model cannot reproduce.
+
+    Example:
+        ```python
+        from pathlib import Path
+        from lightning_2d.hf import model_args_from_hf
+
+        args = model_args_from_hf(Path("Meta-Llama-3-8B"))
+        args.n_layers, args.n_kv_heads  # (32, 8)
+        ```
+    """
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; init_from needs a Hugging Face Llama directory")

@@ -127,9 +127,27 @@ class HFWeights(SafetensorsWeights):
     layout, and each block's experts stacked from their per-expert tensors or cut from transformers' fused ones
     (each rank reads only its experts' rows).
 
+    The modules build one from ``init_from`` (``weights_source()``) and the strategies fill each rank's shards from
+    it as they materialize the model; on one device ``Transformer.load_blocks`` reads it.
+
     Args:
         directory: The Hugging Face directory (``config.json``, ``model.safetensors`` or shards + index).
         args: The model's args; they must match ``config.json``.
+
+    Raises:
+        ValueError: ``args`` that do not match ``config.json``, or stored tensors missing or of another shape (all
+            listed, before anything is allocated).
+        FileNotFoundError: A directory without ``config.json`` or without its safetensors.
+
+    Example:
+        ```python
+        from pathlib import Path
+        from lightning_2d.hf import HFWeights, model_args_from_hf
+
+        directory = Path("Meta-Llama-3-8B")
+        weights = HFWeights(directory, model_args_from_hf(directory))
+        weights.key("layers.0.attention.wq.weight")  # 'model.layers.0.self_attn.q_proj.weight'
+        ```
     """
 
     def __init__(self, directory: Path, args: ModelArgs) -> None:

@@ -337,6 +337,24 @@ class ChatDataModule(ChatCacheDataModule):
         template_kwargs: More template variables (``date_string`` for Llama 3.1's system header, ...).
         max_unprepared_mb: Largest data set (MB of files) encoded when training starts if it has no cache; larger
             ones are refused with the command that prepares them with every core. ``None``: no limit.
+
+    Raises:
+        DataError: At construction, arguments out of range (every problem in one message) or a tokenizer that
+            cannot be loaded; when the data are encoded (``check_prepared``, before ``lightning-2d fit`` launches, or
+            ``setup``), rows of no known format (``ChatFormatError``, naming ``file:line``), a template that cannot
+            render them (``ChatTemplateError``), conversations longer than ``seq_len`` under ``overflow="error"``,
+            or a data set larger than ``max_unprepared_mb`` without its cache.
+
+    Example:
+        ```python
+        from lightning_2d import ChatDataModule, LlamaLightningModule
+
+        data = ChatDataModule("chats.jsonl", tokenizer="Meta-Llama-3-8B-Instruct/", seq_len=4096, batch_size=2,
+                              train_on="assistant")
+        trainer.fit(LlamaLightningModule(init_from="Meta-Llama-3-8B-Instruct/"), data)
+        ```
+
+        ``lightning-2d prepare-data --config RECIPE --preview 3`` shows how rows are rendered and which tokens train.
     """
 
     def __init__(

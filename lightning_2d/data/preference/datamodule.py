@@ -298,6 +298,23 @@ class PreferenceDataModule(ChatCacheDataModule):
         template_kwargs: More template variables (``date_string``, ...).
         max_unprepared_mb: Largest data set (MB of files) encoded when training starts if it has no cache; larger
             ones are refused with the command that prepares them with every core. ``None``: no limit.
+
+    Raises:
+        DataError: At construction, arguments out of range (every problem in one message) or a tokenizer that
+            cannot be loaded; when the data are encoded (``check_prepared``, before ``lightning-2d fit`` launches, or
+            ``setup``), rows of no known format (``PreferenceFormatError``, naming ``file:line``), pairs that the
+            template cannot render as one prompt with two completions (``PreferenceEncodingError``), pairs longer
+            than ``seq_len`` under ``overflow="error"``, or a data set larger than ``max_unprepared_mb`` without its
+            cache.
+
+    Example:
+        ```python
+        from lightning_2d import LlamaLightningModule, PreferenceDataModule, PreferenceLoss
+
+        data = PreferenceDataModule("pairs.jsonl", tokenizer="Llama-3.1-8B-Instruct/", seq_len=2048, batch_size=4)
+        module = LlamaLightningModule(init_from="Llama-3.1-8B-Instruct/", preference=PreferenceLoss(beta=0.1))  # DPO
+        trainer.fit(module, data)
+        ```
     """
 
     _data_name = "preference data"

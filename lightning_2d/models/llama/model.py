@@ -155,6 +155,19 @@ class ModelArgs:
             heads; Hugging Face's ``head_dim``); ``None``: ``dim / n_heads``.
         qk_norm: Normalize each query and key head (an RMSNorm over the head's features, one weight shared by the
             heads) before the rotary embedding, as Qwen3 does (``q_norm``/``k_norm``).
+
+    Raises:
+        ModelArgsError: Fields that do not hold together (every problem in one message); ``from_name``: an unknown
+            preset or field. A ``Lightning2DError`` and a ``ValueError``.
+
+    Example:
+        ```python
+        from lightning_2d import ModelArgs
+
+        args = ModelArgs.from_name("llama3-8b", max_seq_len=16384)  # a preset, fields changed
+        small = ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=32000)
+        small.num_params()
+        ```
     """
 
     dim: int = 4096
@@ -512,6 +525,20 @@ class Transformer(nn.Module):
         args: The shape.
         loss_chunk_size: Tokens per chunk of the fused output-projection + cross-entropy (``None``: sized by
             memory, ``lightning_2d.ops.linear_cross_entropy.auto_chunk_tokens``).
+
+    Example:
+        ```python
+        import torch
+        from lightning_2d import ModelArgs, Transformer
+
+        with torch.device("meta"):
+            model = Transformer(ModelArgs.from_name("debug"))
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)  # the values every parallel layout gets from seed 0
+        tokens = torch.randint(0, model.args.vocab_size, (2, 64))
+        logits = model(tokens)                       # (2, 64, vocab_size), fp32
+        loss_sum = model(tokens[:, :-1], labels=tokens[:, 1:])  # summed cross-entropy, no logits materialized
+        ```
     """
 
     #: ``(position_ids, dtype) -> mask`` of one batch for every layer's ``attend`` (``ops.attention.attention_mask``:

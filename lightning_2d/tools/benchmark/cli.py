@@ -133,7 +133,23 @@ def apply_recipe(args: argparse.Namespace, given: set[str], run: RecipeRun) -> N
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``lightning-2d benchmark`` / ``python -m lightning_2d.tools.benchmark``."""
+    """``lightning-2d benchmark`` / ``python -m lightning_2d.tools.benchmark``: run the benchmark's processes (or,
+    started by a launcher such as ``torchrun``, run in them), then print the report and with ``--json`` write it.
+
+    Settings the benchmark refuses exit with status 2 (argparse's usage error, with the message); a run whose
+    processes fail exits with status 1 and their output.
+
+    Args:
+        argv: The arguments after ``benchmark`` (``None``: ``sys.argv[1:]``): the flags of ``build_parser`` and, with
+            ``--config RECIPE``, ``lightning-2d fit``'s dotted overrides.
+
+    Example:
+        ```python
+        from lightning_2d.tools.benchmark import main
+
+        main(["--compare", "--json", "out.json"])  # (dp, tp) = (2, 2) on 4 CPU processes, beside Lightning's and torch's
+        ```
+    """
     parser = build_parser()
     own, recipe = split_argv(sys.argv[1:] if argv is None else list(argv), own=OWN_FLAGS)
     args, given = given_options(parser, own)

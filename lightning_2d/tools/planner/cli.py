@@ -192,7 +192,23 @@ def _teacher(args: argparse.Namespace, run: Optional[RecipeRun]) -> dict[str, An
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``lightning-2d plan`` / ``python -m lightning_2d.tools.planner``."""
+    """``lightning-2d plan`` / ``python -m lightning_2d.tools.planner``: print the plan's report (``format_report``;
+    ``--json``: ``PlanReport.as_dict()``), and with ``--plot``/``--plot-mesh`` write its pictures.
+
+    A layout or recipe the library refuses exits with status 2 and its message (every problem and its fix), without
+    a traceback.
+
+    Args:
+        argv: The arguments after ``plan`` (``None``: ``sys.argv[1:]``): the flags of ``build_parser`` and, with
+            ``--config RECIPE``, ``lightning-2d fit``'s dotted overrides.
+
+    Example:
+        ```python
+        from lightning_2d.tools.planner import main
+
+        main(["--model", "llama3-8b", "--devices", "8", "--tensor-parallel-size", "8", "--seq-len", "8192"])
+        ```
+    """
     parser = build_parser()
     own, recipe = split_argv(sys.argv[1:] if argv is None else list(argv), own=OWN_FLAGS)
     args, given = given_options(parser, own)
