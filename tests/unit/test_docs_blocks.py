@@ -69,6 +69,14 @@ SAMPLES = {
     "---- ~/.cache/lightning_2d/stdlib-preferences-v1.jsonl": (
         "`lightning-2d prepare-data --config recipes/dpo_cpu.yaml --preview 1`",
                                                                "renders the built-in preference corpus, built first"),
+    # The getting-started chain, each step from the previous one's export (tests/distributed/test_recipe_scripts.py
+    # runs it with fewer steps).
+    "$ lightning-2d fit --config recipes/debug_cpu.yaml": ("`recipes/debug_cpu.yaml`", "the chain's pretraining"),
+    "$ python -c 'from transformers import pipeline": ("continues code", "samples the pretrained export"),
+    "$ lightning-2d fit --config recipes/sft_cpu.yaml": ("`recipes/sft_cpu.yaml`", "fine-tunes the pretrained export"),
+    "$ lightning-2d fit --config recipes/lora_cpu.yaml": ("`recipes/lora_cpu.yaml`", "adapts the pretrained export"),
+    "$ lightning-2d fit --config recipes/dpo_cpu.yaml": ("`recipes/dpo_cpu.yaml`", "preference-tunes the SFT export"),
+    "$ for model in hf_sft hf_lora hf_dpo": ("`pipeline()`", "asks the chain's fine-tuned exports"),
 }
 
 
