@@ -2,8 +2,8 @@
 
 Two paths start those processes, and each test's docstring says which it takes. Lightning's own launcher
 (``run_script``: ``python script.py``, which re-executes the script for ranks 1-3, 4 fresh interpreters) runs
-the getting-started chain's pretraining (its CLI ``fit``, as a user types it) and the Fabric recipe (Fabric's
-launcher). The other scripts (the chain's fine-tunes too) run as a cluster launcher would start them
+the Fabric recipe (Fabric's launcher); the Trainer's is test_watchdog's launcher tests'. The other scripts (the
+getting-started chain's fits too) run as a cluster launcher would start them
 (``run_ranks``: 4 ranks forked from the test fork server with torchrun's variables set, each running the script as
 ``__main__``; Lightning then starts no process), which saves each rank's ~6 s of interpreter start and imports on
 2 cores.
@@ -167,9 +167,10 @@ def test_getting_started_chain_from_pretraining_to_a_chat_model(tmp_path, monkey
     the SFT export, 6 steps; each exported, and the chat models asked through `pipeline()` with the chat template
     their export carries.
 
-    The main job's `fit` runs as the user types it: a fresh interpreter whose Lightning launcher starts the other 3
-    ranks (``run_script``); the fine-tunes' ranks fork from the fork server (``run_ranks``), `python -m lightning_2d`
-    under torchrun's variables."""
+    Every `fit` runs its line on 4 ranks forked from the fork server (``run_ranks``): `python -m lightning_2d` under
+    torchrun's variables, as `torchrun … -m lightning_2d fit …` runs it (Lightning's own launcher, which re-runs a
+    command line in fresh interpreters, is what test_watchdog's launcher tests start; a fresh-interpreter fit here
+    cost 17 s more)."""
     chain = guide_chain()
     marks = [("start", time.perf_counter())]
     notes = []  # printed at the end (capsys takes what is printed before a readouterr)
@@ -194,11 +195,9 @@ def test_getting_started_chain_from_pretraining_to_a_chat_model(tmp_path, monkey
 
     fit = chain["fit debug_cpu"]
     assert "--trainer.enable_checkpointing=true" in fit
-    out = run_script(
-        "-m", "lightning_2d", *fit[1:],
-        "--trainer.max_steps=12", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=12",
-        "--throughput.log_every_n_steps=4", cwd=tmp_path,
-    )
+    out = run_ranks("lightning_2d", *fit[1:], "--trainer.max_steps=12", "--trainer.log_every_n_steps=2",
+                    "--trainer.val_check_interval=12", "--throughput.log_every_n_steps=4",
+                    out_dir=tmp_path / "jobs" / "fit-debug_cpu", cwd=tmp_path, module=True)
     assert "perf/tokens_per_sec=" in out  # in the progress bar
     rows = metrics(logs, "debug_cpu")
     losses = logged(rows, "train_loss")
@@ -333,7 +332,7 @@ def test_getting_started_chain_from_pretraining_to_a_chat_model(tmp_path, monkey
 
 def test_fabric_recipe_runs_as_documented(tmp_path):
     """As the user types it: ``python recipes/fabric_pretrain.py``, Fabric's own launcher starting the other 3
-    ranks as fresh interpreters (``run_script``; the Trainer's launcher is the getting-started chain's)."""
+    ranks as fresh interpreters (``run_script``; the Trainer's launcher is test_watchdog's)."""
     # 10 steps logged one by one from step 2 (the recipe's first log; 4 steps ran inside the 10-step warm-up,
     # an untrained model's loss). Measured 6.41 (step 2, after one update at lr 3e-4) -> 3.64.
     out = run_script(str(REPO / "recipes" / "fabric_pretrain.py"), "--max-steps", "10", "--log-every", "1",

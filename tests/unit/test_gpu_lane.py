@@ -298,6 +298,7 @@ def _run_lane(tmp_path: Path, stub: Path, **env_vars: str) -> tuple[subprocess.C
     return done, json.loads((tmp_path / "out" / "lane.json").read_text())
 
 
+@pytest.mark.distributed  # run.sh end to end: it launches the lane's parts as jobs of their own
 def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
     """run.sh end to end on CPU, its environment check and the pytest parts replaced by a stub: every part passes
     and leaves a JUnit report with a skipped test (the lane printed PASSED before). What comes back from the device
@@ -323,6 +324,7 @@ def test_run_sh_reports_skipped_tests_as_not_run(junit_reports, tmp_path):
     assert f"{len(parts)} tests (`test_needs_two_gpus`" in summary
 
 
+@pytest.mark.distributed  # run.sh end to end: it launches the lane's parts as jobs of their own
 def test_run_sh_kills_a_hanging_part_at_its_limit_and_runs_the_others(junit_reports, tmp_path):
     """A 30-second lane (every limit scaled down) whose MoE part hangs: it is killed at its limit, the parts after
     it still run with their own time, the lane ends within its deadline and says FAILED, and the session's commit
