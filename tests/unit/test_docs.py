@@ -55,7 +55,8 @@ def test_the_site_builds_and_shows_the_generated_parts(site):
     strategy = (site / "strategy" / "index.html").read_text()
     assert "<code>tensor_parallel_size</code>" in strategy and "generated: options" not in strategy
     recipes = (site / "recipes" / "index.html").read_text()
-    assert "$ lightning-2d plan --help" in recipes and "recipes/debug_cpu.yaml" in recipes
+    assert "recipes/debug_cpu.yaml" in recipes and "recipes/moe_cpu.yaml" in recipes  # the generated recipe list
+    assert "$ lightning-2d plan --help" in (site / "reference" / "cli" / "index.html").read_text()
     reference = "".join(p.read_text() for p in (site / "reference").rglob("*.html"))
     assert 'id="lightning_2d.ModelParallel2DStrategy"' in reference  # mkdocstrings rendered the object
     contributing = (site / "contributing" / "index.html").read_text()  # CONTRIBUTING.md, included whole

@@ -55,11 +55,15 @@ def test_the_sweep_records_every_configuration_and_walks_from_the_best(monkeypat
 
     monkeypatch.setattr(perf, "fit", fake_fit)
     monkeypatch.setattr(perf, "limit_now", lambda phase, cap, total: 0.5)
+    # The device cleaned after each configuration; counted, not run: its gc.collect() over the whole test session's
+    # heap cost ~0.7 s per configuration (7 s of the quick tier).
+    cleaned = []
+    monkeypatch.setattr(perf, "_clean_device", lambda: cleaned.append(1))
     results = {"configs": []}
     saves = []
     perf.sweep(s, Path("corpus"), Path("cache"), 470, lambda: saves.append(1), results)
     configs = results["configs"]
-    assert len(configs) == perf.planned_points() == results["planned"] == 10 == len(saves)
+    assert len(configs) == perf.planned_points() == results["planned"] == 10 == len(saves) == len(cleaned)
     assert len({c["name"] for c in configs}) == len(configs)
     tried = {(c["axis"], c["value"]) for c in configs}
     assert tried == {(perf.AXES[0][0], perf.AXES[0][1][0])} | {(a, v) for a, values in perf.AXES for v in values[1:]}
